@@ -1,0 +1,81 @@
+"""Writing a bundle: everything goes to a temporary directory, renamed into place only when complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+from deltaship.errors import DeltashipError
+from deltaship.runtimes.bundle import MANIFEST, SCHEMA, SCHEMA_VERSION, sha256_file
+
+
+def check_destination(out: Path, force: bool) -> None:
+    """Refuse to overwrite unless asked; never write through a file."""
+    if out.exists() and not out.is_dir():
+        raise DeltashipError(f"--out {out} exists and is a file", "choose another --out directory")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise DeltashipError(f"--out {out} already exists and is not empty; nothing was written",
+                             "pass --force to replace it, or choose another --out directory")
+
+
+def staging_dir(out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+
+
+def finalize(tmp: Path, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Hash every file, write the manifest, then atomically move the directory into place."""
+    files = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            rel = p.relative_to(tmp).as_posix()
+            files[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    manifest["files"] = files
+    manifest["bundle_bytes"] = sum(f["bytes"] for f in files.values())
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; the bundle gets normal permissions
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return manifest
+
+
+def write_bundle(out: Path, force: bool, build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """Run `build(tmp_dir) -> manifest` and publish the result at `out`; clean up on any failure."""
+    out = Path(out)
+    check_destination(out, force)
+    tmp = staging_dir(out)
+    try:
+        manifest = build(tmp)
+        return finalize(tmp, out, manifest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def tool_versions(*packages: str) -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for p in ("deltaship",) + packages:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = "not installed"
+    return out
+
+
+def base_manifest(**fields: Any) -> dict[str, Any]:
+    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **fields}

@@ -1,0 +1,59 @@
+"""The ONNX target: captured program -> model.onnx for ONNX Runtime (CPU, CUDA)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from deltaship.export.onnx.builder import GraphBuilder
+from deltaship.export.onnx.lowering import LOWERINGS, Lowerer
+
+OPSET = 21
+IR_VERSION = 10  # ONNX Runtime 1.31 reads IR <= 13; onnx 1.23 would write 14 by default
+EXTERNAL_THRESHOLD = 1_800_000_000  # protobuf cannot hold a model over 2 GB
+TOOL_PACKAGES = ("onnx", "onnxruntime")
+USAGE = [
+    "Open model.onnx with ONNX Runtime (com.microsoft contrib ops: CPU and CUDA execution providers).",
+    "Each call: input_ids int64 [1, T] (T = 1 .. prefill_chunk; 1 to decode) and position int64 [1] = the number "
+    "of tokens the state already holds.",
+    "Feed every state input 'past.L.kind' the output 'present.L.kind' of the previous call; start from zeros "
+    "and zero them again to reset.",
+    "KV-cache states hold max_context positions; GroupQueryAttention writes the new positions in place, so "
+    "present.L.key/value may be bound to the same buffer as past.L.key/value (IOBinding).",
+    "logits float32 [1, vocab] are for the last token of the call.",
+]
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+
+
+def estimate_bytes(ctx) -> int:
+    """Weight bytes of the lowered model, from shapes and precision (decides external data)."""
+    total = 0
+    per = 2 if ctx.precision == "fp16" else 4
+    for name in ctx.plan.names():
+        n = int(np.prod(ctx.plan.shape(name)))
+        q = ctx.quant.get(name)
+        total += n * q["bits"] // 8 + n // q["block_size"] * per if q else n * per
+    return total
+
+
+def lower(ctx, weights, out_dir: Path, progress=None, accuracy_level: int = 4) -> dict:
+    """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
+    external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))
+    b = GraphBuilder(out_dir / DATA_FILE if external else None)
+    inputs = ["input_ids", "position"] + [s["name"] for s in ctx.states]
+    outputs = ["logits"] + [s["output"] for s in ctx.states]
+    lw = Lowerer(ctx.program, ctx.plan, weights, ctx.quant, b, accuracy_level=accuracy_level, progress=progress)
+    lw.run(inputs, outputs)
+    b.finish(out_dir / MODEL_FILE, {"": OPSET, "com.microsoft": 1}, IR_VERSION,
+             doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}")
+    ops: dict[str, int] = {}
+    for n in b.nodes:
+        ops[n.op_type] = ops.get(n.op_type, 0) + 1
+    return {"files": [MODEL_FILE] + ([DATA_FILE] if external else []), "entry": MODEL_FILE, "onnx_ops": ops,
+            "external_data": external, "opset": OPSET, "ir_version": IR_VERSION,
+            "accuracy_level": accuracy_level, "weight_bytes": b.weight_bytes}
+
+
+__all__ = ["lower", "LOWERINGS", "MODEL_FILE"]

@@ -1,0 +1,408 @@
+"""Lower a captured program (torch.export FX graph) to ONNX, one FX node at a time.
+
+Canonical ops go to ONNX Runtime's com.microsoft contrib ops (CausalConvWithState,
+LinearAttention, GroupQueryAttention, GatedRMSNorm); aten ops to standard ONNX. Weights come
+from the weight plan one at a time, quantized on the fly where the precision asks for it. An FX
+op with no lowering fails the export, naming the op and the node.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from onnx import TensorProto
+
+from deltaship.errors import DeltashipError
+from deltaship.export.onnx.builder import GraphBuilder
+from deltaship.export.onnx.quant import quantize_matmul_weight
+from deltaship.export.weight_plan import WeightPlan
+
+aten = torch.ops.aten
+DS = torch.ops.deltaship
+MS = "com.microsoft"
+TORCH_TO_ONNX = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
+                 torch.int64: TensorProto.INT64, torch.int32: TensorProto.INT32, torch.bool: TensorProto.BOOL}
+TORCH_TO_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32}
+INT64_MAX = 2**63 - 1
+
+
+@dataclass
+class Sym:
+    """A symbolic integer (e.g. the prompt length) held as an int64 scalar tensor."""
+
+    name: str
+
+
+class Lowerer:
+    def __init__(self, program: torch.export.ExportedProgram, plan: WeightPlan, weights, quant: dict,
+                 builder: GraphBuilder, accuracy_level: int = 4, progress: Callable[[str], None] | None = None):
+        self.ep, self.plan, self.weights, self.quant = program, plan, weights, quant
+        self.b = builder
+        self.accuracy_level = accuracy_level
+        self.progress = progress
+        self.env: dict[str, Any] = {}
+        sig = program.graph_signature
+        self.param_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+        self._weights: dict[tuple[str, str], Any] = {}
+        self.shape_value: str | None = None  # Shape(input_ids), built on demand
+
+    # ---- values ------------------------------------------------------------------------
+    def val(self, a):
+        if isinstance(a, torch.fx.Node):
+            return self.env[a.name]
+        if isinstance(a, (list, tuple)):
+            return [self.val(x) for x in a]
+        return a
+
+    @staticmethod
+    def meta(node: torch.fx.Node):
+        return node.meta.get("val")
+
+    def dtype_of(self, a) -> torch.dtype:
+        return self.meta(a).dtype
+
+    def as_tensor(self, a, like_dtype: torch.dtype | None = None) -> str:
+        """A tensor name for an FX arg: a node's value, a Sym, or a python scalar as a constant."""
+        if isinstance(a, torch.fx.Node):
+            if a.name in self.param_of:
+                return self.weight(a)
+            v = self.env[a.name]
+            return v.name if isinstance(v, Sym) else v
+        if isinstance(a, Sym):
+            return a.name
+        return self.b.const(np.array(a, dtype=TORCH_TO_NP.get(like_dtype, np.float32)))
+
+    def int_list(self, items) -> str:
+        """A 1-D int64 tensor from a list of python ints and symbolic sizes."""
+        vals = [self.val(x) if isinstance(x, torch.fx.Node) else x for x in items]
+        if all(isinstance(v, int) for v in vals):
+            return self.b.const(np.array(vals, dtype=np.int64))
+        parts = []
+        for v in vals:
+            if isinstance(v, Sym):
+                parts.append(self.b.one("Unsqueeze", [v.name, self.b.const(np.array([0], np.int64))]))
+            else:
+                parts.append(self.b.const(np.array([v], np.int64)))
+        return self.b.one("Concat", parts, axis=0)
+
+    # ---- weights -----------------------------------------------------------------------
+    def param_name(self, node: torch.fx.Node) -> str | None:
+        return self.param_of.get(node.name) if node.op == "placeholder" else None
+
+    def _np_dtype(self, node: torch.fx.Node):
+        return TORCH_TO_NP[self.dtype_of(node)]
+
+    def weight(self, node: torch.fx.Node, form: str = "plain") -> Any:
+        """A parameter in the form an op wants: plain, transposed (for MatMul) or quantized."""
+        fqn = self.param_name(node)
+        key = (fqn, form)
+        if key in self._weights:
+            return self._weights[key]
+        if self.progress:
+            self.progress(fqn)
+        dt = self._np_dtype(node)
+        base = fqn.replace(".", "_")
+        if form == "plain":
+            out = self.b.weight(base, self.plan.tensor(fqn, self.weights).astype(dt))
+        elif form == "matmul":
+            q = self.quant.get(fqn)
+            w = self.plan.tensor(fqn, self.weights)
+            if q:
+                packed, scales = quantize_matmul_weight(w, q["bits"], q["block_size"])
+                out = (self.b.weight(base + "_q", packed), self.b.weight(base + "_scales", scales.astype(dt)),
+                       q, w.shape)
+            else:
+                out = self.b.weight(base + "_t", np.ascontiguousarray(w.T).astype(dt))
+        elif form == "conv":
+            w = self.plan.tensor(fqn, self.weights)
+            out = self.b.weight(base, w.reshape(w.shape[0], 1, w.shape[1]).astype(dt))
+        else:
+            raise ValueError(form)
+        self._weights[key] = out
+        return out
+
+    # ---- driver ------------------------------------------------------------------------
+    def run(self, input_names: list[str], output_names: list[str]) -> None:
+        user = [n for n in self.ep.graph.nodes if n.op == "placeholder" and n.name not in self.param_of]
+        if len(user) != len(input_names):
+            raise RuntimeError(f"{len(user)} program inputs but {len(input_names)} names")
+        for node, name in zip(user, input_names):
+            val = self.meta(node)
+            shape = [d if isinstance(d, int) else "tokens" for d in val.shape]
+            self.env[node.name] = self.b.add_input(name, TORCH_TO_ONNX[val.dtype], shape)
+        for node in self.ep.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                self._outputs(node, output_names)
+                continue
+            fn = LOWERINGS.get(node.target)
+            if fn is None:
+                raise DeltashipError(
+                    f"onnx lowering: no lowering for op {node.target} (FX node {node.name!r}, from "
+                    f"{node.meta.get('stack_trace', '').strip().splitlines()[-1:] or 'unknown source'})",
+                    "this model uses an op the ONNX target does not support yet; please report it")
+            self.env[node.name] = fn(self, node, *node.args, **node.kwargs)
+
+    def _outputs(self, node: torch.fx.Node, names: list[str]) -> None:
+        flat = [x for x in torch.utils._pytree.tree_leaves(node.args[0])]
+        if len(flat) != len(names):
+            raise RuntimeError(f"{len(flat)} program outputs but {len(names)} names")
+        for src, name in zip(flat, names):
+            val = self.meta(src)
+            self.b.node("Identity", [self.as_tensor(src)], outputs=[name])
+            shape = [d if isinstance(d, int) else "tokens" for d in val.shape]
+            self.b.add_output(name, TORCH_TO_ONNX[val.dtype], shape)
+
+
+LOWERINGS: dict[Any, Callable] = {}
+
+
+def lowering(*targets):
+    def deco(fn):
+        for t in targets:
+            LOWERINGS[t] = fn
+        return fn
+    return deco
+
+
+# ---- aten ------------------------------------------------------------------------------
+@lowering(aten.sym_size.int)
+def _sym_size(L: Lowerer, node, x, dim):
+    shape = L.b.one("Shape", [L.as_tensor(x)])
+    return Sym(L.b.one("Gather", [shape, L.b.const(np.array(dim, np.int64))], axis=0))
+
+
+@lowering(aten._assert_tensor_metadata.default)
+def _skip(L, node, *args, **kwargs):
+    return None
+
+
+@lowering(aten.to.dtype, aten._to_copy.default)
+def _to(L: Lowerer, node, x, dtype=None, *args, **kwargs):
+    dtype = dtype or kwargs.get("dtype")
+    if dtype is None or dtype == L.dtype_of(x):
+        return L.as_tensor(x)
+    return L.b.one("Cast", [L.as_tensor(x)], to=TORCH_TO_ONNX[dtype])
+
+
+def _binary(op):
+    def fn(L: Lowerer, node, a, b, *args, **kwargs):
+        dt = L.meta(node).dtype
+        return L.b.one(op, [L.as_tensor(a, dt), L.as_tensor(b, dt)])
+    return fn
+
+
+lowering(aten.add.Tensor)(_binary("Add"))
+lowering(aten.sub.Tensor)(_binary("Sub"))
+lowering(aten.mul.Tensor)(_binary("Mul"))
+lowering(aten.div.Tensor)(_binary("Div"))
+
+
+def _unary(op):
+    def fn(L: Lowerer, node, x, *args, **kwargs):
+        return L.b.one(op, [L.as_tensor(x)])
+    return fn
+
+
+for _t, _op in ((aten.neg.default, "Neg"), (aten.sigmoid.default, "Sigmoid"), (aten.cos.default, "Cos"),
+                (aten.sin.default, "Sin"), (aten.exp.default, "Exp"), (aten.softplus.default, "Softplus")):
+    lowering(_t)(_unary(_op))
+
+
+@lowering(aten.rsqrt.default)
+def _rsqrt(L, node, x):
+    return L.b.one("Reciprocal", [L.b.one("Sqrt", [L.as_tensor(x)])])
+
+
+@lowering(aten.silu.default)
+def _silu(L, node, x):
+    t = L.as_tensor(x)
+    return L.b.one("Mul", [t, L.b.one("Sigmoid", [t])])
+
+
+@lowering(aten.sum.dim_IntList)
+def _sum(L, node, x, dims, keepdim=False, dtype=None):
+    return L.b.one("ReduceSum", [L.as_tensor(x), L.b.const(np.array(dims, np.int64))], keepdims=int(keepdim))
+
+
+@lowering(aten.arange.default)
+def _arange(L, node, end, **kwargs):
+    end_t = L.as_tensor(end) if isinstance(end, torch.fx.Node) else L.b.const(np.array(end, np.int64))
+    return L.b.one("Range", [L.b.const(np.array(0, np.int64)), end_t, L.b.const(np.array(1, np.int64))])
+
+
+@lowering(aten.unsqueeze.default)
+def _unsqueeze(L, node, x, dim):
+    rank = len(L.meta(node).shape)
+    return L.b.one("Unsqueeze", [L.as_tensor(x), L.b.const(np.array([dim % rank], np.int64))])
+
+
+@lowering(aten.reshape.default, aten.view.default)
+def _reshape(L, node, x, shape):
+    return L.b.one("Reshape", [L.as_tensor(x), L.int_list(shape)])
+
+
+@lowering(aten.cat.default)
+def _cat(L, node, tensors, dim=0):
+    rank = len(L.meta(node).shape)
+    return L.b.one("Concat", [L.as_tensor(t) for t in tensors], axis=dim % rank)
+
+
+@lowering(aten.slice.Tensor)
+def _slice(L, node, x, dim=0, start=None, end=None, step=1):
+    rank = len(L.meta(x).shape)
+    start = 0 if start is None else start
+    end = INT64_MAX if end is None else end
+    return L.b.one("Slice", [L.as_tensor(x), L.int_list([start]), L.int_list([end]),
+                             L.b.const(np.array([dim % rank], np.int64)), L.b.const(np.array([step], np.int64))])
+
+
+@lowering(aten.select.int)
+def _select(L, node, x, dim, index):
+    rank = len(L.meta(x).shape)
+    return L.b.one("Gather", [L.as_tensor(x), L.b.const(np.array(index, np.int64))], axis=dim % rank)
+
+
+@lowering(aten.split_with_sizes.default)
+def _split(L, node, x, sizes, dim=0):
+    rank = len(L.meta(x).shape)
+    return L.b.node("Split", [L.as_tensor(x), L.b.const(np.array(sizes, np.int64))], n_out=len(sizes),
+                    axis=dim % rank)
+
+
+@lowering(operator.getitem)
+def _getitem(L, node, seq, i):
+    return L.val(seq)[i]
+
+
+@lowering(aten.embedding.default)
+def _embedding(L: Lowerer, node, weight, ids, *args):
+    fqn = L.param_name(weight)
+    q = L.quant.get(fqn)
+    if q:
+        data, scales = L.weight_gather_quantized(weight, q)
+        return L.b.one("GatherBlockQuantized", [data, L.as_tensor(ids), scales], domain=MS, bits=q["bits"],
+                       block_size=q["block_size"], gather_axis=0, quantize_axis=1)
+    return L.b.one("Gather", [L.weight(weight), L.as_tensor(ids)], axis=0)
+
+
+def _weight_gather_quantized(L: Lowerer, node, q):
+    """Embedding rows quantized along the hidden axis, in row blocks to bound memory."""
+    fqn = L.param_name(node)
+    key = (fqn, "gather")
+    if key in L._weights:
+        return L._weights[key]
+    from deltaship.export.onnx.quant import pack, quantize_blocks
+    if L.progress:
+        L.progress(fqn)
+    rows, cols = L.plan.shape(fqn)
+    datas, scales = [], []
+    step = 8192
+    for r in range(0, rows, step):
+        codes, sc = quantize_blocks(L.plan.tensor(fqn, L.weights, slice(r, r + step)), q["bits"], q["block_size"])
+        datas.append(pack(codes, q["bits"]).reshape(codes.shape[0], -1))
+        scales.append(sc)
+    base = fqn.replace(".", "_")
+    out = (L.b.weight(base + "_gq", np.concatenate(datas)),
+           L.b.weight(base + "_gscales", np.concatenate(scales).astype(L._np_dtype(node))))
+    L._weights[key] = out
+    return out
+
+
+Lowerer.weight_gather_quantized = _weight_gather_quantized
+
+
+@lowering(aten.linear.default)
+def _linear(L: Lowerer, node, x, weight, bias=None):
+    if bias is not None:
+        raise DeltashipError(f"onnx lowering: linear with bias at {node.name} is not expected in Qwen3.5")
+    w = L.weight(weight, "matmul")
+    if isinstance(w, tuple):
+        packed, scales, q, (n, k) = w
+        return L.b.one("MatMulNBits", [L.as_tensor(x), packed, scales], domain=MS, K=k, N=n, bits=q["bits"],
+                       block_size=q["block_size"], accuracy_level=L.accuracy_level)
+    return L.b.one("MatMul", [L.as_tensor(x), w])
+
+
+# ---- canonical ops -------------------------------------------------------------------------
+@lowering(DS.rms_norm.default)
+def _rms_norm(L: Lowerer, node, x, weight, eps):
+    xdt = L.dtype_of(x)
+    y = L.b.one("SimplifiedLayerNormalization", [L.as_tensor(x), L.weight(weight)], axis=-1, epsilon=float(eps),
+                stash_type=1)
+    return y if L.dtype_of(weight) == xdt else L.b.one("Cast", [y], to=TORCH_TO_ONNX[xdt])
+
+
+@lowering(DS.gated_rms_norm.default)
+def _gated_rms_norm(L: Lowerer, node, x, gate, weight, eps):
+    w = L.weight(weight)
+    if L.dtype_of(weight) != L.dtype_of(x):
+        w = L.b.one("Cast", [w], to=TORCH_TO_ONNX[L.dtype_of(x)])
+    return L.b.one("GatedRMSNorm", [L.as_tensor(x), w, L.as_tensor(gate)], domain=MS, activation="silu",
+                   epsilon=float(eps))
+
+
+@lowering(DS.causal_conv_with_state.default)
+def _conv(L: Lowerer, node, x, state, weight):
+    w = L.weight(weight, "conv")
+    if L.dtype_of(weight) != L.dtype_of(x):
+        w = L.b.one("Cast", [w], to=TORCH_TO_ONNX[L.dtype_of(x)])
+    return L.b.node("CausalConvWithState", [L.as_tensor(x), w, "", L.as_tensor(state)], n_out=2, domain=MS,
+                    activation="silu", channels_last=1, ndim=1)
+
+
+def _packed_heads(L: Lowerer, t: str, heads: int, dim: int, repeat: int) -> str:
+    """[1, T, H, D] -> [1, T, H*repeat*D], each head repeated `repeat` times consecutively."""
+    if repeat > 1:
+        t = L.b.one("Unsqueeze", [t, L.b.const(np.array([3], np.int64))])
+        t = L.b.one("Expand", [t, L.b.const(np.array([1, 1, 1, repeat, 1], np.int64))])
+    return L.b.one("Reshape", [t, L.b.const(np.array([1, -1, heads * repeat * dim], np.int64))])
+
+
+@lowering(DS.gated_delta_rule.default)
+def _gated_delta(L: Lowerer, node, q, k, v, g, beta, state):
+    _, _, hk, dk = L.meta(q).shape
+    _, _, hv, dv = L.meta(v).shape
+    r = hv // hk
+    qp = _packed_heads(L, L.as_tensor(q), hk, dk, r)
+    kp = _packed_heads(L, L.as_tensor(k), hk, dk, r)
+    vp = _packed_heads(L, L.as_tensor(v), hv, dv, 1)
+    out, new_state = L.b.node("LinearAttention", [qp, kp, vp, L.as_tensor(state), L.as_tensor(g), L.as_tensor(beta)],
+                              n_out=2, domain=MS, q_num_heads=hv, kv_num_heads=hv, update_rule="gated_delta",
+                              scale=float(dk) ** -0.5, chunk_size=64)
+    out = L.b.one("Reshape", [out, L.b.const(np.array([1, -1, hv, dv], np.int64))])
+    return [out, new_state]
+
+
+@lowering(DS.attention_with_kv_cache.default)
+def _attention(L: Lowerer, node, q, k, v, k_cache, v_cache, pos):
+    _, _, h, d = L.meta(q).shape
+    hkv = L.meta(k).shape[2]
+    qp = L.b.one("Reshape", [L.as_tensor(q), L.b.const(np.array([1, -1, h * d], np.int64))])
+    kp = L.b.one("Reshape", [L.as_tensor(k), L.b.const(np.array([1, -1, hkv * d], np.int64))])
+    vp = L.b.one("Reshape", [L.as_tensor(v), L.b.const(np.array([1, -1, hkv * d], np.int64))])
+    seqlens_k, total = _attention_lengths(L, L.as_tensor(pos), qp)
+    out, kc, vc = L.b.node("GroupQueryAttention", [qp, kp, vp, L.as_tensor(k_cache), L.as_tensor(v_cache),
+                                                   seqlens_k, total], n_out=3, domain=MS, num_heads=h,
+                           kv_num_heads=hkv, scale=float(d) ** -0.5)
+    out = L.b.one("Reshape", [out, L.b.const(np.array([1, -1, h, d], np.int64))])
+    return [out, kc, vc]
+
+
+def _attention_lengths(L: Lowerer, pos: str, query: str) -> tuple[str, str]:
+    """GQA's seqlens_k (= pos + T - 1, int32 [1]) and total_sequence_length (= pos + T, int32 scalar)."""
+    cache = getattr(L, "_attn_lengths", None)
+    if cache is not None:
+        return cache
+    t = L.b.one("Gather", [L.b.one("Shape", [query]), L.b.const(np.array([1], np.int64))], axis=0)
+    total64 = L.b.one("Add", [pos, t])
+    seqlens = L.b.one("Cast", [L.b.one("Sub", [total64, L.b.const(np.array([1], np.int64))])], to=TensorProto.INT32)
+    total = L.b.one("Cast", [L.b.one("Squeeze", [total64, L.b.const(np.array([0], np.int64))])],
+                    to=TensorProto.INT32)
+    L._attn_lengths = (seqlens, total)
+    return seqlens, total

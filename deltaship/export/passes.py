@@ -1,0 +1,332 @@
+"""The export passes: an explicit ordered pipeline from the checkpoint's structure to a captured program.
+
+Each pass checks what it requires, does one thing, checks what it ensures and returns counts of
+what it changed; the counts go into the bundle manifest. Passes change module structure and the
+weight plan, never weight values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from deltaship.export.weight_plan import WeightPlan
+from deltaship.models import qwen3_5 as fam
+from deltaship.models.spec import ModelSpec
+from deltaship.models.weights import expected_tensors
+
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+
+
+class PassError(RuntimeError):
+    pass
+
+
+@dataclass
+class ExportContext:
+    """Everything the passes read and write."""
+
+    spec: ModelSpec
+    precision: str
+    max_context: int
+    target: str = "onnx"
+    options: dict[str, Any] = field(default_factory=dict)
+    model: fam.Qwen35Model | None = None
+    plan: WeightPlan = field(default_factory=WeightPlan)
+    quant: dict[str, dict[str, Any]] = field(default_factory=dict)  # param -> {"bits", "block_size"}
+    program: torch.export.ExportedProgram | None = None
+    states: list[dict] = field(default_factory=list)
+    report: list[dict] = field(default_factory=list)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float16 if self.precision == "fp16" else torch.float32
+
+
+def _modules(model: nn.Module, cls: type) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+class LoadStructure:
+    """Build the checkpoint's module tree on the meta device and a plan that maps every tensor 1:1."""
+
+    name = "load_structure"
+
+    def requires(self, ctx: ExportContext) -> None:
+        if ctx.model is not None:
+            raise PassError("a model is already loaded")
+
+    def run(self, ctx: ExportContext) -> dict[str, int]:
+        ctx.model = fam.build_source_model(ctx.spec)
+        expected = expected_tensors(ctx.spec)
+        for name, p in ctx.model.named_parameters():
+            src = fam.checkpoint_name(name)
+            if src not in expected:
+                raise PassError(f"parameter {name} has no checkpoint tensor {src}")
+            ctx.plan.add_source(name, src, tuple(p.shape))
+        if ctx.spec.tie_word_embeddings:
+            ctx.plan.alias("lm_head.weight", "model.embed_tokens.weight")
+        ctx.plan.add_constant("model.rotary.inv_freq", lambda: fam.rotary_inv_freq(ctx.spec),
+                              (ctx.spec.rotary_dim // 2,))
+        return {"layers": ctx.spec.num_layers, "tensors": len(expected_tensors(ctx.spec)),
+                "tied_lm_head": int(ctx.spec.tie_word_embeddings)}
+
+    def ensures(self, ctx: ExportContext) -> None:
+        params = {n for n, _ in ctx.model.named_parameters()}
+        missing = params - set(ctx.plan.names())
+        if missing:
+            raise PassError(f"parameters with no weight recipe: {sorted(missing)[:5]}")
+
+
+class FoldZeroCentredNorms:
+    """Qwen3.5's RMSNorms scale by (1 + w): fold the 1 into the weight, use the canonical rms_norm."""
+
+    name = "fold_zero_centred_norms"
+
+    def requires(self, ctx: ExportContext) -> None:
+        if not _modules(ctx.model, fam.ZeroCentredRMSNorm):
+            raise PassError("no zero-centred norms to fold (already folded?)")
+
+    def run(self, ctx: ExportContext) -> dict[str, int]:
+        found = _modules(ctx.model, fam.ZeroCentredRMSNorm)
+        for path, m in found:
+            new = fam.RMSNorm(m.weight.shape[0], m.eps)
+            new.weight = m.weight
+            _replace(ctx.model, path, new)
+            ctx.plan.add_fixup(f"{path}.weight", "fold_zero_centred_norm", fam.fold_zero_centred_norm, dtype="float32")
+        return {"norms_folded": len(found)}
+
+    def ensures(self, ctx: ExportContext) -> None:
+        if _modules(ctx.model, fam.ZeroCentredRMSNorm):
+            raise PassError("zero-centred norms left after folding")
+
+
+class RewriteDeltaNet:
+    """Each Gated DeltaNet layer -> causal_conv_with_state + gated_delta_rule with explicit state."""
+
+    name = "rewrite_deltanet"
+
+    def requires(self, ctx: ExportContext) -> None:
+        if len(_modules(ctx.model, fam.SourceGatedDeltaNet)) != len(ctx.spec.deltanet_layers):
+            raise PassError("the model does not hold one source DeltaNet module per linear_attention layer")
+
+    def run(self, ctx: ExportContext) -> dict[str, int]:
+        found = _modules(ctx.model, fam.SourceGatedDeltaNet)
+        for path, src in found:
+            _replace(ctx.model, path, fam.StatefulGatedDeltaNet(ctx.spec, src))
+            for old, new in fam.StatefulGatedDeltaNet.renames.items():
+                ctx.plan.rename(f"{path}.{old}", f"{path}.{new}")
+            ctx.plan.add_fixup(f"{path}.decay_scale", "decay_scale_from_a_log", fam.decay_scale_from_a_log,
+                               dtype="float32")
+            ctx.plan.add_fixup(f"{path}.conv_weight", "squeeze_conv_weight", fam.squeeze_conv_weight,
+                               shape=(ctx.spec.conv_dim, ctx.spec.linear_conv_kernel_dim))
+            ctx.plan.add_fixup(f"{path}.dt_bias", "keep_fp32", lambda w: w, dtype="float32")
+            ctx.plan.add_fixup(f"{path}.norm_weight", "keep_fp32", lambda w: w, dtype="float32")
+        return {"deltanet_layers_rewritten": len(found), "states_added": 2 * len(found)}
+
+    def ensures(self, ctx: ExportContext) -> None:
+        if _modules(ctx.model, fam.SourceGatedDeltaNet):
+            raise PassError("source DeltaNet modules left after the rewrite")
+
+
+class StaticKVCache:
+    """Each attention layer -> attention_with_kv_cache over a static cache of max_context positions."""
+
+    name = "static_kv_cache"
+
+    def requires(self, ctx: ExportContext) -> None:
+        if _modules(ctx.model, fam.ZeroCentredRMSNorm):
+            raise PassError("fold the zero-centred q/k norms first")
+        if ctx.max_context < 1:
+            raise PassError("max_context must be positive")
+
+    def run(self, ctx: ExportContext) -> dict[str, int]:
+        found = _modules(ctx.model, fam.SourceAttention)
+        for path, src in found:
+            _replace(ctx.model, path, fam.StaticCacheAttention(ctx.spec, src, ctx.max_context))
+            for old, new in fam.StaticCacheAttention.renames.items():
+                ctx.plan.rename(f"{path}.{old}", f"{path}.{new}")
+        return {"attention_layers_rewritten": len(found), "kv_caches": 2 * len(found),
+                "max_context": ctx.max_context}
+
+    def ensures(self, ctx: ExportContext) -> None:
+        if _modules(ctx.model, fam.SourceAttention):
+            raise PassError("source attention modules left after the rewrite")
+
+
+class FuseProjections:
+    """Linear maps of the same input become one matmul and a split (DeltaNet in_proj, QKV, gate/up)."""
+
+    name = "fuse_projections"
+
+    def requires(self, ctx: ExportContext) -> None:
+        if _modules(ctx.model, fam.SourceModule):
+            raise PassError("rewrite the token mixers before fusing their projections")
+
+    def run(self, ctx: ExportContext) -> dict[str, int]:
+        counts = {"deltanet_in_proj": 0, "attention_qkv": 0, "mlp_gate_up": 0}
+        key = {"proj": "deltanet_in_proj", "qkv": "attention_qkv", "gate_up": "mlp_gate_up"}
+        for path, group in _modules(ctx.model, fam.Projections):
+            if ctx.options.get("no_fuse"):
+                continue
+            names = [f"{path}.parts.{n}.weight" for n in group.parts]
+            group.fuse()
+            ctx.plan.fuse(names, f"{path}.fused.weight")
+            counts[key[path.rsplit(".", 1)[-1]]] += 1
+        return counts
+
+    def ensures(self, ctx: ExportContext) -> None:
+        params = {n for n, _ in ctx.model.named_parameters()}
+        missing = params - set(ctx.plan.names())
+        if missing:
+            raise PassError(f"parameters with no weight recipe after fusing: {sorted(missing)[:5]}")
+
+
+class LastTokenLogits:
+    """Compute the LM head for the last position only (an app never needs the others)."""
+
+    name = "last_token_logits"
+
+    def requires(self, ctx: ExportContext) -> None:
+        if ctx.model.last_token_only:
+            raise PassError("already last-token only")
+
+    def run(self, ctx: ExportContext) -> dict[str, int]:
+        ctx.model.last_token_only = True
+        return {"lm_head_positions": 1}
+
+    def ensures(self, ctx: ExportContext) -> None:
+        pass
+
+
+class AssignPrecision:
+    """Set parameter dtypes and choose the quantization of each matmul weight and the embedding."""
+
+    name = "assign_precision"
+
+    def requires(self, ctx: ExportContext) -> None:
+        if ctx.precision not in PRECISIONS:
+            raise PassError(f"unknown precision {ctx.precision!r}")
+
+    def run(self, ctx: ExportContext) -> dict[str, int]:
+        model, plan = ctx.model, ctx.plan
+        kept = 0
+        for name, p in model.named_parameters():
+            keep32 = plan.recipes[name].dtype == "float32"
+            kept += keep32
+            p.data = p.data.to(torch.float32 if keep32 else ctx.dtype)
+        for name, b in model.named_buffers():
+            b.data = b.data.to(torch.float32)
+        counts = {"params_kept_fp32": kept, "params_at_model_dtype": sum(1 for _ in model.parameters()) - kept}
+        if ctx.precision in ("int8", "int4"):
+            bits = 8 if ctx.precision == "int8" else 4
+            block = int(ctx.options.get("block_size", 32))
+            dn8 = bool(ctx.options.get("deltanet_int8")) and bits == 4
+            for mname, m in model.named_modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    b = 8 if dn8 and ".linear_attn." in mname else bits
+                    ctx.quant[f"{mname}.weight"] = {"bits": b, "block_size": block}
+            for b in (4, 8):
+                n = sum(1 for q in ctx.quant.values() if q["bits"] == b)
+                if n:
+                    counts[f"weights_int{b}"] = n
+        return counts
+
+    def ensures(self, ctx: ExportContext) -> None:
+        for name, p in ctx.model.named_parameters():
+            want = torch.float32 if ctx.plan.recipes[name].dtype == "float32" else ctx.dtype
+            if p.dtype != want:
+                raise PassError(f"{name} is {p.dtype}, expected {want}")
+
+
+class Capture:
+    """torch.export the canonical model on meta tensors, prompt length dynamic (1 .. max_context)."""
+
+    name = "capture"
+
+    def requires(self, ctx: ExportContext) -> None:
+        left = _modules(ctx.model, fam.SourceModule)
+        if left:
+            raise PassError(f"checkpoint-layout modules left: {[n for n, _ in left][:3]}")
+
+    def run(self, ctx: ExportContext) -> dict[str, int]:
+        ctx.states = ctx.model.state_specs(ctx.dtype)
+        ctx.program = capture(ctx.model, ctx.states, ctx.max_context)
+        counts: dict[str, int] = {}
+        for node in ctx.program.graph.nodes:
+            if node.op == "call_function" and str(node.target).startswith("deltaship."):
+                key = str(node.target).split(".")[1]
+                counts[key] = counts.get(key, 0) + 1
+        counts["graph_nodes"] = sum(1 for n in ctx.program.graph.nodes if n.op == "call_function")
+        return counts
+
+    def ensures(self, ctx: ExportContext) -> None:
+        sig = ctx.program.graph_signature
+        user_in = [s for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+        if len(user_in) != 2 + len(ctx.states):
+            raise PassError(f"captured program takes {len(user_in)} inputs, expected 2 + {len(ctx.states)} states")
+        if len(sig.output_specs) != 1 + len(ctx.states):
+            raise PassError(f"captured program returns {len(sig.output_specs)} outputs, expected 1 + "
+                            f"{len(ctx.states)} states: some state has no output")
+        n_dn = len(ctx.spec.deltanet_layers)
+        calls = [str(n.target) for n in ctx.program.graph.nodes if n.op == "call_function"]
+        for op, want in (("gated_delta_rule", n_dn), ("causal_conv_with_state", n_dn),
+                         ("attention_with_kv_cache", len(ctx.spec.attention_layers))):
+            got = sum(1 for c in calls if c == f"deltaship.{op}.default")
+            if got != want:
+                raise PassError(f"captured program has {got} {op} ops, expected {want}")
+
+
+def example_inputs(states: list[dict], length: int, device: str = "meta") -> tuple:
+    ids = torch.zeros(1, length, dtype=torch.long, device=device)
+    pos = torch.zeros(1, dtype=torch.long, device=device)
+    st = [torch.zeros(s["shape"], dtype=getattr(torch, s["dtype"]), device=device) for s in states]
+    return ids, pos, st
+
+
+def capture(model: nn.Module, states: list[dict], max_context: int) -> torch.export.ExportedProgram:
+    t = torch.export.Dim("tokens", min=1, max=max_context)
+    args = example_inputs(states, 2)
+    return torch.export.export(model, args, dynamic_shapes=({1: t}, None, [None] * len(states)), strict=False)
+
+
+PIPELINE = (LoadStructure(), FoldZeroCentredNorms(), RewriteDeltaNet(), StaticKVCache(), FuseProjections(),
+            LastTokenLogits(), AssignPrecision(), Capture())
+
+
+def run_pipeline(ctx: ExportContext, passes=PIPELINE, progress=None) -> ExportContext:
+    done: list[str] = []
+    for p in passes:
+        if progress:
+            progress(f"pass {p.name}")
+        try:
+            p.requires(ctx)
+            counts = p.run(ctx)
+            p.ensures(ctx)
+        except Exception as e:
+            before = ", ".join(done) or "none"
+            raise PassError(f"export pass {p.name!r} failed (after: {before}): {e}") from e
+        ctx.report.append({"pass": p.name, "counts": counts})
+        done.append(p.name)
+    return ctx
+
+
+def materialize(model: nn.Module, plan: WeightPlan, weights) -> nn.Module:
+    """Give a meta model real weights from the plan (for eager runs and toolchains that need them)."""
+    tied: dict[int, torch.Tensor] = {}
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+            if id(t) in tied:
+                continue
+            t.copy_(torch.from_numpy(plan.tensor(name, weights)).to(t.dtype))
+            tied[id(t)] = t
+    return model

@@ -1,0 +1,348 @@
+"""Qwen3.5 (`qwen3_5`, `qwen3_5_text`): the checkpoint's structure and its canonical stateful form.
+
+`build_source_model(spec)` returns the model as the checkpoint lays it out (parameter names are
+the Hugging Face names), on the meta device. Its token mixers cannot run: the export passes
+(export/passes.py) rewrite them into the canonical stateful modules below, which call the
+canonical ops in models/ops.py. The weight fix-ups the rewrites need are the pure functions at
+the top of this file.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deltaship.models import ops  # noqa: F401  (registers torch.ops.deltaship.*)
+from deltaship.models.spec import ModelSpec
+
+OPS = torch.ops.deltaship
+
+
+# ---- weight fix-ups: pure functions on numpy arrays ------------------------------------------
+def fold_zero_centred_norm(w: np.ndarray) -> np.ndarray:
+    """Qwen3.5 RMSNorm scales by (1 + w); the canonical rms_norm scales by its weight."""
+    return w + 1.0
+
+
+def decay_scale_from_a_log(a_log: np.ndarray) -> np.ndarray:
+    """g = -exp(A_log) * softplus(a + dt_bias): precompute the -exp(A_log) factor."""
+    return -np.exp(a_log.astype(np.float64)).astype(np.float32)
+
+
+def squeeze_conv_weight(w: np.ndarray) -> np.ndarray:
+    """Depthwise conv1d weight [C, 1, K] -> [C, K]."""
+    return w.reshape(w.shape[0], w.shape[-1])
+
+
+FIXUPS = {
+    "fold_zero_centred_norm": fold_zero_centred_norm,
+    "decay_scale_from_a_log": decay_scale_from_a_log,
+    "squeeze_conv_weight": squeeze_conv_weight,
+}
+
+
+def rotary_inv_freq(spec: ModelSpec) -> np.ndarray:
+    rot = spec.rotary_dim
+    return (1.0 / (spec.rope_theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot))).astype(np.float32)
+
+
+# ---- the checkpoint's structure (cannot run) -------------------------------------------------
+class SourceModule(nn.Module):
+    """A module as the checkpoint stores it; the export passes replace it before capture."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"{type(self).__name__} is the checkpoint's layout and cannot run; "
+                           "run the export passes (deltaship.export.passes) first")
+
+
+class ZeroCentredRMSNorm(SourceModule):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+
+class _Holder(nn.Module):
+    """Holds a bare weight under the checkpoint's name (conv1d.weight, norm.weight)."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape))
+
+
+class SourceGatedDeltaNet(SourceModule):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, hv = spec.hidden_size, spec.linear_num_value_heads
+        self.in_proj_qkv = nn.Linear(h, spec.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, spec.linear_value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, hv, bias=False)
+        self.in_proj_a = nn.Linear(h, hv, bias=False)
+        self.conv1d = _Holder(spec.conv_dim, 1, spec.linear_conv_kernel_dim)
+        self.dt_bias = nn.Parameter(torch.empty(hv))
+        self.A_log = nn.Parameter(torch.empty(hv))
+        self.norm = _Holder(spec.linear_value_head_dim)
+        self.out_proj = nn.Linear(spec.linear_value_dim, h, bias=False)
+
+
+class SourceAttention(SourceModule):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.q_proj = nn.Linear(h, 2 * spec.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, spec.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, spec.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(spec.num_attention_heads * d, h, bias=False)
+        self.q_norm = ZeroCentredRMSNorm(d, spec.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(d, spec.rms_norm_eps)
+
+
+# ---- canonical modules -------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return OPS.rms_norm(x, self.weight, self.eps)
+
+
+class Projections(nn.Module):
+    """Several linear maps of one input; `fuse()` turns them into one matmul and a split."""
+
+    def __init__(self, linears: dict[str, nn.Linear]):
+        super().__init__()
+        self.parts = nn.ModuleDict(linears)
+        self.sizes = [lin.out_features for lin in linears.values()]
+        self.fused: nn.Linear | None = None
+
+    def fuse(self) -> nn.Linear:
+        first = next(iter(self.parts.values()))
+        self.fused = nn.Linear(first.in_features, sum(self.sizes), bias=False, device=first.weight.device,
+                               dtype=first.weight.dtype)
+        self.parts = nn.ModuleDict()
+        return self.fused
+
+    def forward(self, x: Tensor) -> list[Tensor]:
+        if self.fused is not None:
+            return list(self.fused(x).split(self.sizes, dim=-1))
+        return [lin(x) for lin in self.parts.values()]
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, m = spec.hidden_size, spec.intermediate_size
+        self.gate_up = Projections({"gate_proj": nn.Linear(h, m, bias=False), "up_proj": nn.Linear(h, m, bias=False)})
+        self.down_proj = nn.Linear(m, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def l2norm(x: Tensor) -> Tensor:
+    """As transformers' l2norm (eps 1e-6 inside the rsqrt), in fp32."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+class StatefulGatedDeltaNet(nn.Module):
+    """Gated DeltaNet with explicit state: (x, conv_state, recurrent_state) -> (y, states')."""
+
+    state_kinds = ("conv", "recurrent")
+
+    def __init__(self, spec: ModelSpec, src: SourceGatedDeltaNet):
+        super().__init__()
+        self.spec = spec
+        self.proj = Projections({"in_proj_qkv": src.in_proj_qkv, "in_proj_z": src.in_proj_z,
+                                 "in_proj_b": src.in_proj_b, "in_proj_a": src.in_proj_a})
+        self.conv_weight = nn.Parameter(torch.empty(spec.conv_dim, spec.linear_conv_kernel_dim, device="meta"))
+        self.dt_bias = src.dt_bias
+        self.decay_scale = nn.Parameter(torch.empty(spec.linear_num_value_heads, device="meta"))
+        self.norm_weight = src.norm.weight
+        self.out_proj = src.out_proj
+
+    # source name -> canonical name, for the weight plan
+    renames = {"in_proj_qkv.weight": "proj.parts.in_proj_qkv.weight", "in_proj_z.weight": "proj.parts.in_proj_z.weight",
+               "in_proj_b.weight": "proj.parts.in_proj_b.weight", "in_proj_a.weight": "proj.parts.in_proj_a.weight",
+               "conv1d.weight": "conv_weight", "A_log": "decay_scale", "norm.weight": "norm_weight"}
+
+    def forward(self, x: Tensor, conv_state: Tensor, rec_state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        s = self.spec
+        hk, hv, dk, dv = s.linear_num_key_heads, s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim
+        qkv, z, b, a = self.proj(x)
+        qkv, conv_state = OPS.causal_conv_with_state(qkv, conv_state, self.conv_weight)
+        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q = l2norm(q.reshape(1, -1, hk, dk))
+        k = l2norm(k.reshape(1, -1, hk, dk))
+        v = v.reshape(1, -1, hv, dv).float()
+        beta = torch.sigmoid(b).float()
+        g = self.decay_scale * F.softplus(a.float() + self.dt_bias)
+        o, rec_state = OPS.gated_delta_rule(q, k, v, g, beta, rec_state)
+        o = OPS.gated_rms_norm(o.to(x.dtype), z.reshape(1, -1, hv, dv), self.norm_weight, s.rms_norm_eps)
+        return self.out_proj(o.reshape(1, -1, hv * dv)), conv_state, rec_state
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
+    """Rotary embedding on the first `rot` channels of each head (half-split convention)."""
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+class StaticCacheAttention(nn.Module):
+    """Gated softmax attention over a static KV cache of `max_context` positions."""
+
+    state_kinds = ("key", "value")
+
+    def __init__(self, spec: ModelSpec, src: SourceAttention, max_context: int):
+        super().__init__()
+        self.spec, self.max_context = spec, max_context
+        self.qkv = Projections({"q_proj": src.q_proj, "k_proj": src.k_proj, "v_proj": src.v_proj})
+        if not isinstance(src.q_norm, RMSNorm):
+            raise RuntimeError("the q/k norms are still zero-centred; fold them (FoldZeroCentredNorms) first")
+        self.q_norm, self.k_norm = src.q_norm, src.k_norm
+        self.o_proj = src.o_proj
+
+    renames = {"q_proj.weight": "qkv.parts.q_proj.weight", "k_proj.weight": "qkv.parts.k_proj.weight",
+               "v_proj.weight": "qkv.parts.v_proj.weight"}
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor, k_cache: Tensor,
+                v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        s = self.spec
+        h, hkv, d = s.num_attention_heads, s.num_key_value_heads, s.head_dim
+        qg, k, v = self.qkv(x)
+        qg = qg.reshape(1, -1, h, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:]
+        q = rotate(self.q_norm(q), cos, sin, s.rotary_dim)
+        k = rotate(self.k_norm(k.reshape(1, -1, hkv, d)), cos, sin, s.rotary_dim)
+        out, k_cache, v_cache = OPS.attention_with_kv_cache(q, k, v.reshape(1, -1, hkv, d), k_cache, v_cache, position)
+        out = out.reshape(1, -1, h * d) * torch.sigmoid(gate.reshape(1, -1, h * d))
+        return self.o_proj(out), k_cache, v_cache
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm: nn.Module = ZeroCentredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm: nn.Module = ZeroCentredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if kind == "linear_attention":
+            self.linear_attn: nn.Module = SourceGatedDeltaNet(spec)
+        else:
+            self.self_attn: nn.Module = SourceAttention(spec)
+        self.mlp = MLP(spec)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.kind == "linear_attention" else self.self_attn
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor, states: list[Tensor]):
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            h, *new = self.linear_attn(h, *states)
+        else:
+            h, *new = self.self_attn(h, cos, sin, position, *states)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new
+
+
+class Rotary(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.empty(spec.rotary_dim // 2))
+
+    def forward(self, position: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        pos = (position + torch.arange(length, device=position.device)).float()
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)[None, :, None, :]  # [1, T, 1, rot]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Qwen35Model(nn.Module):
+    """The whole decoder. forward(input_ids [1, T], position [1], states) -> (logits, states').
+
+    `states` is the flat list described by `state_specs()`; logits are float32 [1, vocab] for
+    the last position once the LastTokenLogits pass ran ([1, T, vocab] before).
+    """
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.model.layers = nn.ModuleList([DecoderLayer(spec, k) for k in spec.layer_types])
+        self.model.norm = ZeroCentredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.model.rotary = Rotary(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.last_token_only = False
+
+    def state_specs(self, dtype: torch.dtype) -> list[dict]:
+        """The state contract: one entry per state tensor, in forward-argument order."""
+        out = []
+        shapes = self.spec.deltanet_state_shapes()
+        for i, layer in enumerate(self.model.layers):
+            mixer = layer.mixer
+            if not hasattr(mixer, "state_kinds"):
+                raise RuntimeError(f"layer {i} ({layer.kind}) has no state contract yet; run the rewrite passes")
+            for kind in mixer.state_kinds:
+                if kind in shapes:
+                    shape, dt = shapes[kind], (torch.float32 if kind == "recurrent" else dtype)
+                else:
+                    shape, dt = self.spec.kv_cache_shape(mixer.max_context), dtype
+                out.append({"name": f"past.{i}.{kind}", "output": f"present.{i}.{kind}", "layer": i,
+                            "kind": {"conv": "deltanet_conv", "recurrent": "deltanet_recurrent",
+                                     "key": "kv_cache_key", "value": "kv_cache_value"}[kind],
+                            "shape": list(shape), "dtype": str(dt).replace("torch.", "")})
+        return out
+
+    def forward(self, input_ids: Tensor, position: Tensor, states: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(position, input_ids.shape[1], x.dtype)
+        new_states: list[Tensor] = []
+        i = 0
+        for layer in self.model.layers:
+            n = len(layer.mixer.state_kinds)
+            x, new = layer(x, cos, sin, position, states[i:i + n])
+            new_states += new
+            i += n
+        x = self.model.norm(x)
+        if self.last_token_only:
+            x = x[:, -1, :]
+        return self.lm_head(x).float(), new_states
+
+
+def checkpoint_name(param: str) -> str:
+    """The checkpoint tensor behind a parameter of the freshly built model (the MLP groups its inputs)."""
+    return param.replace(".mlp.gate_up.parts.", ".mlp.")
+
+
+def build_source_model(spec: ModelSpec) -> Qwen35Model:
+    """The checkpoint's structure on the meta device: parameter names are the HF names."""
+    with torch.device("meta"):
+        return Qwen35Model(spec)
+
+
+def hf_config(spec: ModelSpec) -> dict:
+    """A Qwen3_5TextConfig dict for this spec (to build the transformers reference)."""
+    rope = {"rope_type": "default", "rope_theta": spec.rope_theta, "partial_rotary_factor": spec.partial_rotary_factor}
+    if spec.mrope_section:
+        rope["mrope_section"] = list(spec.mrope_section)
+    return {
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers, "layer_types": list(spec.layer_types),
+        "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim, "linear_num_key_heads": spec.linear_num_key_heads,
+        "linear_num_value_heads": spec.linear_num_value_heads, "linear_key_head_dim": spec.linear_key_head_dim,
+        "linear_value_head_dim": spec.linear_value_head_dim, "linear_conv_kernel_dim": spec.linear_conv_kernel_dim,
+        "rms_norm_eps": spec.rms_norm_eps, "tie_word_embeddings": spec.tie_word_embeddings,
+        "max_position_embeddings": spec.max_position_embeddings, "rope_parameters": rope,
+    }

@@ -1,0 +1,74 @@
+"""Resolve `--model` (a preset name or a checkpoint directory) into spec + weights + tokenizer."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deltaship.errors import DeltashipError
+from deltaship.models.presets import PRESETS, get_preset, write_tiny_tokenizer
+from deltaship.models.spec import ModelSpec, read_config
+from deltaship.models.weights import CheckpointWeights, RandomWeights, WeightSource
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from: everything export needs to know about its input."""
+
+    name: str
+    kind: str  # "preset" or "checkpoint"
+    spec: ModelSpec
+    weights: WeightSource
+    tokenizer_files: list[Path] = field(default_factory=list)
+    ignored: dict[str, int] = field(default_factory=dict)
+    path: Path | None = None
+    _fingerprint: str | None = None
+
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = self.weights.fingerprint()
+        return self._fingerprint
+
+    def notes(self) -> list[str]:
+        return [f"ignored {n} tensor(s) of the {what}" for what, n in sorted(self.ignored.items())]
+
+
+def load_source(model: str | Path) -> ModelSource:
+    """A preset name (`qwen3.5-tiny`) or a local checkpoint directory; never a download."""
+    text = str(model)
+    if text in PRESETS:
+        preset = get_preset(text)
+        spec = preset.spec()
+        from deltaship.models import trained
+        ckpt = trained.checkpoint_dir(text)
+        if ckpt is not None:  # a preset that ships trained weights is a checkpoint inside the package
+            src = _load_dir(ckpt, name=text)
+            src.kind = "preset"
+            return src
+        files: list[Path] = []
+        if text == "qwen3.5-tiny":
+            tdir = Path(tempfile.mkdtemp(prefix="deltaship-tok-"))
+            files = [tdir / f for f in write_tiny_tokenizer(tdir)]
+        return ModelSource(name=text, kind="preset", spec=spec, weights=RandomWeights(spec, seed=preset.seed),
+                           tokenizer_files=files)
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise DeltashipError(f"--model {text!r} is neither a preset nor an existing directory; presets: "
+                             + ", ".join(PRESETS), "pass a local checkpoint directory or a preset name (nothing is downloaded)")
+    if not path.is_dir():
+        raise DeltashipError(f"--model {text!r} is a file, not a checkpoint directory",
+                             "pass the directory that holds config.json and the *.safetensors files")
+    return _load_dir(path, name=str(path))
+
+
+def _load_dir(path: Path, name: str) -> ModelSource:
+    cfg_path = path / "config.json"
+    spec = ModelSpec.from_config(read_config(cfg_path), where=str(cfg_path))
+    weights = CheckpointWeights(path, spec)
+    toks = [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
+    return ModelSource(name=name, kind="checkpoint", spec=spec, weights=weights, tokenizer_files=toks,
+                       ignored=dict(weights.ignored), path=path)

@@ -1,0 +1,271 @@
+"""ModelSpec: the frozen description of a Qwen3.5 text decoder, read from config.json.
+
+Both text-only (`Qwen3_5ForCausalLM`, model_type `qwen3_5_text`) and multimodal
+(`Qwen3_5ForConditionalGeneration`, model_type `qwen3_5`, decoder under `text_config`)
+configs are accepted. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deltaship.errors import DeltashipError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes and constants of one Qwen3.5 text decoder (batch size is always 1 on device)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    architecture: str = "Qwen3_5ForCausalLM"
+    hidden_act: str = "silu"
+    mrope_section: tuple[int, ...] | None = None
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str = "float32"
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def deltanet_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.architecture == "Qwen3_5ForConditionalGeneration"
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the DeltaNet causal conv: q, k and v side by side."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def deltanet_state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-layer DeltaNet state shapes (batch 1): conv is channels-last."""
+        return {
+            "conv": (1, self.linear_conv_kernel_dim - 1, self.conv_dim),
+            "recurrent": (1, self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
+        }
+
+    def kv_cache_shape(self, max_context: int) -> tuple[int, ...]:
+        return (1, self.num_key_value_heads, max_context, self.head_dim)
+
+    def state_bytes(self, max_context: int, kv_bytes_per_elem: int = 4, conv_bytes_per_elem: int = 4) -> dict[str, int]:
+        """Bytes of per-sequence state: DeltaNet (recurrent always fp32) and the KV cache."""
+        shapes = self.deltanet_state_shapes()
+        n_dn, n_at = len(self.deltanet_layers), len(self.attention_layers)
+        recurrent = n_dn * _prod(shapes["recurrent"]) * 4
+        conv = n_dn * _prod(shapes["conv"]) * conv_bytes_per_elem
+        kv = n_at * 2 * _prod(self.kv_cache_shape(max_context)) * kv_bytes_per_elem
+        return {"deltanet_recurrent": recurrent, "deltanet_conv": conv, "kv_cache": kv, "total": recurrent + conv + kv}
+
+    def parameter_count(self) -> dict[str, int]:
+        """Parameters of the text decoder, by part (embedding, lm_head, body)."""
+        h, v = self.hidden_size, self.vocab_size
+        body = 0
+        for kind in self.layer_types:
+            body += 2 * h + 3 * h * self.intermediate_size  # norms + MLP
+            if kind == "linear_attention":
+                hv = self.linear_num_value_heads
+                body += h * self.conv_dim + h * self.linear_value_dim + 2 * h * hv  # qkv, z, b, a
+                body += self.conv_dim * self.linear_conv_kernel_dim + 2 * hv  # conv, A_log, dt_bias
+                body += self.linear_value_head_dim + self.linear_value_dim * h  # norm, out_proj
+            else:
+                q = self.num_attention_heads * self.head_dim
+                kv = self.num_key_value_heads * self.head_dim
+                body += h * 2 * q + 2 * h * kv + q * h + 2 * self.head_dim
+        body += h  # final norm
+        embed = v * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return {"embedding": embed, "lm_head": head, "body": body, "total": embed + head + body}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in fields}
+        return cls(**kw)
+
+    # ---- reading config.json ---------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: dict[str, Any], where: str = "config.json") -> "ModelSpec":
+        """Build a spec from a parsed config.json; every problem names the field and the fix."""
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise DeltashipError(
+                f"{where}: model_type {model_type!r} is not supported; supported: "
+                + ", ".join(SUPPORTED_MODEL_TYPES) + " (Qwen3.5 text and multimodal checkpoints)",
+                "point --model at a Qwen3.5 checkpoint directory or use a preset such as qwen3.5-tiny",
+            )
+        archs = config.get("architectures") or []
+        if model_type == "qwen3_5":
+            text = config.get("text_config")
+            if not isinstance(text, dict):
+                raise DeltashipError(f"{where}: a multimodal qwen3_5 config needs a 'text_config' object",
+                                     "the checkpoint's config.json is incomplete; re-save it with transformers")
+            architecture = "Qwen3_5ForConditionalGeneration"
+            # The composite model ties its head according to its own top-level flag.
+            tie = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+            src = dict(text)
+            for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+                if src.get(key) is None and config.get(key) is not None:
+                    src[key] = config[key]
+        else:
+            architecture = archs[0] if archs else "Qwen3_5ForCausalLM"
+            src = config
+            tie = bool(config.get("tie_word_embeddings", False))
+
+        def need(key: str, typ: type = int) -> Any:
+            if key not in src or src[key] is None:
+                raise DeltashipError(f"{where}: required field {key!r} is missing",
+                                     "the checkpoint's config.json is incomplete; re-save it with transformers")
+            val = src[key]
+            if typ is int and (not isinstance(val, int) or isinstance(val, bool) or val <= 0):
+                raise DeltashipError(f"{where}: field {key!r} must be a positive integer, got {val!r}",
+                                     "fix the value in config.json")
+            if typ is float and not isinstance(val, (int, float)):
+                raise DeltashipError(f"{where}: field {key!r} must be a number, got {val!r}", "fix the value in config.json")
+            return val
+
+        n_layers = need("num_hidden_layers")
+        layer_types = src.get("layer_types")
+        if layer_types is None:
+            interval = src.get("full_attention_interval", 4)
+            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+        if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+            raise DeltashipError(
+                f"{where}: layer_types has {len(layer_types) if isinstance(layer_types, list) else 'no'} entries "
+                f"but num_hidden_layers is {n_layers}", "make layer_types list one kind per layer")
+        bad = sorted({t for t in layer_types if t not in LAYER_KINDS})
+        if bad:
+            raise DeltashipError(f"{where}: unknown layer kind(s) {bad} in layer_types; supported: {list(LAYER_KINDS)}",
+                                 "this checkpoint is not a Qwen3.5 text model")
+
+        rope = src.get("rope_parameters") or src.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise DeltashipError(f"{where}: rope_type {rope_type!r} is not supported (only default rope)",
+                                 "export a checkpoint without rope scaling")
+        theta = rope.get("rope_theta", src.get("rope_theta"))
+        if theta is None:
+            raise DeltashipError(f"{where}: rope_theta is missing (neither rope_parameters.rope_theta nor rope_theta)",
+                                 "add rope_parameters to config.json")
+        prf = rope.get("partial_rotary_factor", src.get("partial_rotary_factor", 0.25))
+        mrope = rope.get("mrope_section")
+        eos = src.get("eos_token_id")
+        eos_t = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        act = src.get("hidden_act", "silu")
+        if act != "silu":
+            raise DeltashipError(f"{where}: hidden_act {act!r} is not supported (Qwen3.5 uses silu)",
+                                 "this checkpoint is not a Qwen3.5 text model")
+
+        spec = cls(
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            layer_types=tuple(layer_types),
+            num_attention_heads=need("num_attention_heads"),
+            num_key_value_heads=need("num_key_value_heads"),
+            head_dim=need("head_dim"),
+            linear_num_key_heads=need("linear_num_key_heads"),
+            linear_num_value_heads=need("linear_num_value_heads"),
+            linear_key_head_dim=need("linear_key_head_dim"),
+            linear_value_head_dim=need("linear_value_head_dim"),
+            linear_conv_kernel_dim=need("linear_conv_kernel_dim"),
+            rms_norm_eps=float(need("rms_norm_eps", float)),
+            rope_theta=float(theta),
+            partial_rotary_factor=float(prf),
+            tie_word_embeddings=tie,
+            max_position_embeddings=int(src.get("max_position_embeddings", 262144)),
+            architecture=architecture,
+            hidden_act=act,
+            mrope_section=tuple(mrope) if mrope else None,
+            eos_token_id=eos_t,
+            bos_token_id=src.get("bos_token_id"),
+            pad_token_id=src.get("pad_token_id"),
+            torch_dtype=str(src.get("dtype", src.get("torch_dtype", config.get("dtype", "float32"))) or "float32"),
+        )
+        spec.validate(where)
+        return spec
+
+    def validate(self, where: str = "config.json") -> None:
+        """Check the head arithmetic every lowering relies on."""
+        if self.attention_layers and self.num_attention_heads % self.num_key_value_heads:
+            raise DeltashipError(
+                f"qwen3_5: layer {self.attention_layers[0]} (full_attention) has {self.num_key_value_heads} KV heads "
+                f"but {self.num_attention_heads} query heads are not a multiple; this checkpoint is not a Qwen3.5 text model")
+        if self.deltanet_layers and self.linear_num_value_heads % self.linear_num_key_heads:
+            raise DeltashipError(
+                f"qwen3_5: layer {self.deltanet_layers[0]} (linear_attention) has {self.linear_num_value_heads} value "
+                f"heads, not a multiple of its {self.linear_num_key_heads} key heads; this checkpoint is not a Qwen3.5 text model")
+        if self.rotary_dim % 2 or self.rotary_dim <= 0 or self.rotary_dim > self.head_dim:
+            raise DeltashipError(
+                f"{where}: partial_rotary_factor {self.partial_rotary_factor} gives a rotary dim of {self.rotary_dim} "
+                f"for head_dim {self.head_dim}; it must be even and in (0, head_dim]", "fix partial_rotary_factor")
+        if self.linear_conv_kernel_dim < 2:
+            raise DeltashipError(f"{where}: linear_conv_kernel_dim must be at least 2", "fix linear_conv_kernel_dim")
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """Parse config.json with errors that name the file."""
+    if not path.is_file():
+        raise DeltashipError(f"{path.parent}: no config.json in this directory",
+                             "point --model at a Hugging Face checkpoint directory (config.json + *.safetensors) or a preset")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DeltashipError(f"{path}: not valid JSON ({e})", "restore config.json from the original checkpoint") from None
+    if not isinstance(cfg, dict):
+        raise DeltashipError(f"{path}: expected a JSON object at the top level", "restore config.json from the original checkpoint")
+    return cfg

@@ -1,0 +1,13 @@
+"""Trained weights that ship inside the package (see bench/train_tiny.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+
+
+def checkpoint_dir(preset: str) -> Path | None:
+    """The packaged checkpoint directory of a preset, or None when it has random weights."""
+    d = DATA / preset
+    return d if (d / "config.json").is_file() and any(d.glob("*.safetensors")) else None

@@ -1,0 +1,37 @@
+"""Open a bundle as a session: `open_bundle(path).generate(ids, 32)`.
+
+Each target's session imports only its own runtime (onnxruntime for ONNX bundles: no torch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from deltaship.errors import DeltashipError
+from deltaship.runtimes.base import Generation, Session
+from deltaship.runtimes.bundle import read_manifest, require_intact
+
+TARGETS = ("onnx", "executorch", "coreml")
+
+
+def open_bundle(bundle: str | Path, *, threads: int | None = None, check_hashes: bool = True,
+                prefill_chunk: int | None = None, **options: Any) -> Session:
+    """Open a bundle for generation. Files are checked against the manifest's sizes (and sha256)."""
+    manifest = read_manifest(bundle)
+    require_intact(bundle, manifest, hashes=check_hashes)
+    target = manifest["target"]
+    if target == "onnx":
+        from deltaship.runtimes.onnx import OnnxSession
+        return OnnxSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)
+    if target == "executorch":
+        from deltaship.runtimes.executorch import ExecuTorchSession
+        return ExecuTorchSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)
+    if target == "coreml":
+        from deltaship.runtimes.coreml import open_coreml_session
+        return open_coreml_session(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)
+    raise DeltashipError(f"{bundle}: unknown target {target!r} in the manifest; known: {', '.join(TARGETS)}",
+                         "export the bundle again with this version of deltaship")
+
+
+__all__ = ["open_bundle", "Session", "Generation", "read_manifest"]

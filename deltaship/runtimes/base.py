@@ -1,0 +1,139 @@
+"""The session API every runtime implements: prefill, decode, generate, reset.
+
+A session owns one sequence's state (DeltaNet conv/recurrent states and the KV cache) and the
+position of the next token. Subclasses implement `_forward(ids)` for a chunk of at most
+`prefill_chunk` tokens; everything else (chunking, bounds checks, sampling) lives here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from deltaship.errors import DeltashipError
+
+
+@dataclass
+class Generation:
+    input_ids: list[int]
+    output_ids: list[int]
+    logits: list[np.ndarray] = field(default_factory=list)  # row i: logits that chose output_ids[i]
+    stopped: str = "length"  # "length", "eos" or "context"
+
+
+class Session(ABC):
+    """One sequence on one bundle."""
+
+    def __init__(self, bundle: Path, manifest: dict[str, Any], prefill_chunk: int | None = None):
+        self.bundle = Path(bundle)
+        self.manifest = manifest
+        self.max_context = int(manifest["max_context"])
+        self.vocab_size = int(manifest["model"]["vocab_size"])
+        self.prefill_chunk = int(prefill_chunk or manifest["prefill_chunk"])
+        self.position = 0
+        eos = manifest.get("tokens", {}).get("eos") or []
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+
+    # ---- to implement -------------------------------------------------------------------
+    @abstractmethod
+    def _forward(self, ids: np.ndarray) -> np.ndarray:
+        """Run ids [T] (int64) at self.position; return float32 logits [vocab] of the last one."""
+
+    @abstractmethod
+    def _reset_states(self) -> None:
+        """Zero every state tensor."""
+
+    def runtime_name(self) -> str:
+        return self.manifest["target"]
+
+    # ---- public API --------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the sequence: zero all states, next token is position 0."""
+        self._reset_states()
+        self.position = 0
+
+    def _check(self, ids: Sequence[int]) -> np.ndarray:
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.size == 0:
+            raise DeltashipError("the prompt is empty", "pass at least one token")
+        bad = arr[(arr < 0) | (arr >= self.vocab_size)]
+        if bad.size:
+            raise DeltashipError(f"token id(s) {sorted(set(bad.tolist()))[:8]} are outside the vocabulary "
+                                 f"(0 .. {self.vocab_size - 1})", "pass ids produced by this model's tokenizer")
+        if self.position + arr.size > self.max_context:
+            raise DeltashipError(
+                f"{arr.size} token(s) at position {self.position} exceed the bundle's max context of "
+                f"{self.max_context}", "shorten the prompt, reset the session, or export with a larger --max-context")
+        return arr
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """Feed a prompt (in chunks of prefill_chunk tokens); return logits after its last token."""
+        arr = self._check(ids)
+        logits = None
+        for start in range(0, arr.size, self.prefill_chunk):
+            chunk = arr[start:start + self.prefill_chunk]
+            logits = self._forward(chunk)
+            self.position += chunk.size
+        return logits
+
+    def decode(self, token: int) -> np.ndarray:
+        """Feed one token; return the logits for the next one."""
+        arr = self._check([token])
+        logits = self._forward(arr)
+        self.position += 1
+        return logits
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True, keep_logits: bool = False,
+                 on_token: Callable[[int], None] | None = None) -> Generation:
+        """Prefill `ids` then produce up to max_new_tokens (greedy unless temperature > 0)."""
+        if max_new_tokens < 0:
+            raise DeltashipError("max_new_tokens must be >= 0", "pass --max-new-tokens 0 or more")
+        rng = np.random.default_rng(seed)
+        ids = list(int(i) for i in ids)
+        gen = Generation(input_ids=ids, output_ids=[])
+        if max_new_tokens == 0:
+            self.prefill(ids)
+            return gen
+        logits = self.prefill(ids)
+        while True:
+            tok = sample(logits, temperature, top_k, top_p, rng)
+            gen.output_ids.append(tok)
+            if keep_logits:
+                gen.logits.append(logits.copy())
+            if on_token:
+                on_token(tok)
+            if stop_at_eos and tok in self.eos_ids:
+                gen.stopped = "eos"
+                break
+            if len(gen.output_ids) >= max_new_tokens:
+                break
+            if self.position >= self.max_context:
+                gen.stopped = "context"
+                break
+            logits = self.decode(tok)
+        return gen
+
+
+def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
+    """Greedy when temperature == 0; else temperature / top-k / top-p sampling."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    if top_k > 0 and top_k < z.size:
+        cut = np.partition(z, -top_k)[-top_k]
+        z = np.where(z < cut, -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p)
+        keep = np.cumsum(p[order]) - p[order] < top_p
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return int(rng.choice(p.size, p=p))

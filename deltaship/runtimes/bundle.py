@@ -1,0 +1,65 @@
+"""Reading a bundle: manifest.json, file hashes. No toolchain imports here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from deltaship.errors import DeltashipError
+
+MANIFEST = "manifest.json"
+SCHEMA = "deltaship.bundle"
+SCHEMA_VERSION = 1
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(bundle: str | Path) -> dict[str, Any]:
+    d = Path(bundle)
+    if not d.is_dir():
+        raise DeltashipError(f"{d}: not a bundle directory (it does not exist or is a file)",
+                             "pass the directory written by `deltaship export --out DIR`")
+    path = d / MANIFEST
+    if not path.is_file():
+        raise DeltashipError(f"{d}: no {MANIFEST}; this is not a deltaship bundle (or an export did not finish)",
+                             "export again with `deltaship export ... --out DIR`")
+    try:
+        m = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DeltashipError(f"{path}: corrupt manifest ({e})", "export the bundle again") from None
+    if m.get("schema") != SCHEMA:
+        raise DeltashipError(f"{path}: not a deltaship manifest (schema {m.get('schema')!r})", "export the bundle again")
+    if m.get("schema_version") != SCHEMA_VERSION:
+        raise DeltashipError(f"{path}: manifest schema version {m.get('schema_version')} is not supported by this "
+                             f"deltaship (reads version {SCHEMA_VERSION})", "export the bundle again with this version")
+    return m
+
+
+def check_files(bundle: str | Path, manifest: dict[str, Any], hashes: bool = True) -> list[str]:
+    """Problems with the bundle's files (missing, wrong size, wrong sha256); empty when intact."""
+    d = Path(bundle)
+    problems = []
+    for name, info in manifest.get("files", {}).items():
+        p = d / name
+        if not p.is_file():
+            problems.append(f"{name}: missing")
+        elif p.stat().st_size != info["bytes"]:
+            problems.append(f"{name}: {p.stat().st_size} bytes, manifest says {info['bytes']}")
+        elif hashes and sha256_file(p) != info["sha256"]:
+            problems.append(f"{name}: sha256 mismatch (the file was modified after export)")
+    return problems
+
+
+def require_intact(bundle: str | Path, manifest: dict[str, Any], hashes: bool = True) -> None:
+    problems = check_files(bundle, manifest, hashes)
+    if problems:
+        raise DeltashipError(f"{bundle}: the bundle has been tampered with or damaged: " + "; ".join(problems),
+                             "export the bundle again (or restore it from where it was shipped)")

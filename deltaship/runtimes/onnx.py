@@ -1,0 +1,94 @@
+"""ONNX Runtime session for deltaship ONNX bundles (no torch import).
+
+States live in preallocated buffers bound with IOBinding. The KV cache is updated in place (GQA
+writes the new positions into the same buffer it reads: past and present share memory); the
+DeltaNet states alternate between two buffers per state, so nothing is copied per token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deltaship.errors import DeltashipError
+from deltaship.runtimes.base import Session
+
+_NP = {"float32": np.float32, "float16": np.float16}
+
+
+class OnnxSession(Session):
+    def __init__(self, bundle: Path, manifest: dict[str, Any], threads: int | None = None,
+                 providers: list[str] | None = None, prefill_chunk: int | None = None, inplace_kv: bool = True):
+        super().__init__(bundle, manifest, prefill_chunk)
+        import onnxruntime as ort
+
+        self._ort = ort
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = int(threads)
+            opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.threads = threads
+        self.providers = providers or ["CPUExecutionProvider"]
+        model_path = self.bundle / manifest["entry"]
+        try:
+            self.sess = ort.InferenceSession(str(model_path), sess_options=opts, providers=self.providers)
+        except Exception as e:  # ORT raises its own exception types
+            raise DeltashipError(f"{model_path}: ONNX Runtime {ort.__version__} could not load the model: {e}",
+                                 "export the bundle again with this version of deltaship") from None
+        self.device = "cuda" if self.providers[0].startswith("CUDA") else "cpu"
+        self.inplace_kv = inplace_kv
+        self.states = manifest["states"]
+        self._bufs: dict[str, list[np.ndarray]] = {}
+        self._vals: dict[str, list] = {}
+        self._cur: dict[str, int] = {}
+        for s in self.states:
+            n = 1 if (inplace_kv and s["kind"].startswith("kv_cache")) else 2
+            arrs = [np.zeros(s["shape"], dtype=_NP[s["dtype"]]) for _ in range(n)]
+            self._bufs[s["name"]] = arrs
+            self._vals[s["name"]] = [self._ortvalue(a) for a in arrs]
+            self._cur[s["name"]] = 0
+        self._logits = np.zeros((1, self.vocab_size), dtype=np.float32)
+        self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits)
+        self._pos = np.zeros(1, dtype=np.int64)
+
+    def runtime_name(self) -> str:
+        return f"onnxruntime {self._ort.__version__} ({self.providers[0]})"
+
+    def _ortvalue(self, arr: np.ndarray):
+        if self.device == "cuda":
+            return self._ort.OrtValue.ortvalue_from_numpy(arr, "cuda", 0)
+        return self._ort.OrtValue.ortvalue_from_numpy(arr)
+
+    def _reset_states(self) -> None:
+        for name, arrs in self._bufs.items():
+            for a, v in zip(arrs, self._vals[name]):
+                if self.device == "cuda":
+                    v.update_inplace(np.zeros_like(a))
+                else:
+                    a[...] = 0
+            self._cur[name] = 0
+
+    def _forward(self, ids: np.ndarray) -> np.ndarray:
+        io = self.sess.io_binding()
+        io.bind_cpu_input("input_ids", ids.reshape(1, -1))
+        self._pos[0] = self.position
+        io.bind_cpu_input("position", self._pos)
+        for s in self.states:
+            vals, cur = self._vals[s["name"]], self._cur[s["name"]]
+            io.bind_ortvalue_input(s["name"], vals[cur])
+            io.bind_ortvalue_output(s["output"], vals[(cur + 1) % len(vals)])
+        io.bind_ortvalue_output("logits", self._logits_val)
+        self.sess.run_with_iobinding(io)
+        for s in self.states:
+            self._cur[s["name"]] = (self._cur[s["name"]] + 1) % len(self._vals[s["name"]])
+        return self._logits_val.numpy()[0].copy() if self.device == "cuda" else self._logits[0].copy()
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Current value of every state (copies), by input name."""
+        out = {}
+        for name, vals in self._vals.items():
+            out[name] = vals[self._cur[name]].numpy().copy()
+        return out

@@ -1,0 +1,28 @@
+"""The bundle's tokenizer, through the `tokenizers` library (Rust; no torch, no transformers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from deltaship.errors import DeltashipError
+
+
+class BundleTokenizer:
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def load_tokenizer(bundle: Path, manifest: dict) -> BundleTokenizer:
+    files = manifest.get("tokenizer", {}).get("files", [])
+    if "tokenizer.json" not in files:
+        raise DeltashipError(f"{bundle}: this bundle has no tokenizer (the checkpoint had no tokenizer.json)",
+                             "pass token ids with --input-ids 1,2,3 instead of --prompt")
+    return BundleTokenizer(Path(bundle) / "tokenizer.json")

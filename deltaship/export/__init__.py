@@ -47,7 +47,7 @@ class Progress:
 
 
 def check_options(target: str, precision: str, max_context: int | None, block_size: int, deltanet_int8: bool,
-                  prefill_chunk: int | None) -> None:
+                  prefill_chunk: int | None, accuracy_level: int = 4) -> None:
     """Every option combination is checked once, here, before any work starts."""
     if target not in TARGETS:
         raise DeltashipError(f"unknown --target {target!r}; targets: {', '.join(TARGETS)}", "pick one of the targets")
@@ -61,6 +61,11 @@ def check_options(target: str, precision: str, max_context: int | None, block_si
     if deltanet_int8 and precision != "int4":
         raise DeltashipError("--deltanet-int8 keeps DeltaNet projections at int8 when the rest is int4; it needs "
                              f"--precision int4 (got {precision})", "drop --deltanet-int8 or use --precision int4")
+    if accuracy_level not in (0, 1, 2, 3, 4):
+        raise DeltashipError(f"--accuracy-level must be 0..4, got {accuracy_level}", "use 4 (int8 activations) or 0 (float)")
+    if accuracy_level != 4 and (target != "onnx" or precision not in ("int8", "int4")):
+        raise DeltashipError("--accuracy-level applies to ONNX int8/int4 bundles (MatMulNBits) only",
+                             "drop --accuracy-level")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise DeltashipError(f"--prefill-chunk must be at least 1, got {prefill_chunk}", "pass a positive chunk size")
 
@@ -99,7 +104,8 @@ def special_tokens(source, tokenizer_dir_files: list[Path]) -> dict[str, Any]:
 def export(model: str, out: str | Path, target: str = "onnx", precision: str = "fp32",
            max_context: int | None = None, force: bool = False, verify: bool = True,
            prefill_chunk: int | None = None, block_size: int = 32, deltanet_int8: bool = False,
-           threads: int | None = None, progress: bool | Callable = True, **target_options: Any) -> dict[str, Any]:
+           accuracy_level: int = 4, threads: int | None = None, progress: bool | Callable = True,
+           **target_options: Any) -> dict[str, Any]:
     """Compile `model` (a checkpoint directory or a preset) for `target` at `precision` into bundle `out`.
 
     Returns the manifest. Nothing is left at `out` unless the export (and, for fp32, its
@@ -110,7 +116,7 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
     from deltaship.models.presets import PRESETS
     from deltaship.models.source import load_source
 
-    check_options(target, precision, max_context, block_size, deltanet_int8, prefill_chunk)
+    check_options(target, precision, max_context, block_size, deltanet_int8, prefill_chunk, accuracy_level)
     out = Path(out)
     check_destination(out, force)
     say = progress if callable(progress) else Progress(bool(progress))
@@ -126,7 +132,8 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
                              f"({spec.max_position_embeddings})", f"pass --max-context {spec.max_position_embeddings} or less")
     chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, max_context)
     tmod = _target_module(target)
-    options = {"block_size": block_size, "deltanet_int8": deltanet_int8, "prefill_chunk": chunk, **target_options}
+    options = {"block_size": block_size, "deltanet_int8": deltanet_int8, "prefill_chunk": chunk,
+               "accuracy_level": accuracy_level, **target_options}
     ctx = ExportContext(spec=spec, precision=precision, max_context=max_context, target=target, options=options)
     run_pipeline(ctx, getattr(tmod, "PIPELINE", PIPELINE), progress=say)
 
@@ -161,13 +168,13 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
             from deltaship.export.verify import verify_bundle
             # The runtime reads the manifest: write a provisional one in the staging directory.
             provisional = finalize_in_place(tmp, manifest)
-            rec = verify_bundle(tmp, provisional, source, threads=threads, progress=say)
+            rec = verify_bundle(tmp, provisional, source, ctx, threads=threads, progress=say)
             manifest["verification"] = rec
             _report_verification(say, rec)
             if rec["status"] == "failed" and rec["tolerance"]["fails_export"]:
                 raise DeltashipError(
                     f"verification failed: the {target} {precision} bundle disagrees with transformers "
-                    f"(max logit difference {rec['max_abs_logit_diff']:.3g}, tie-aware greedy agreement "
+                    f"(max relative logit difference {rec['max_rel_logit_diff']:.3g}, tie-aware greedy agreement "
                     f"{rec['tie_aware_agreement']:.3f}; tolerance {rec['tolerance']}); nothing was written",
                     "this is a deltaship bug: please report it with the model's config.json")
         else:
@@ -193,8 +200,10 @@ def _report_verification(say, rec: dict) -> None:
     if rec["status"] == "skipped":
         say(f"verification skipped: {rec['reason']}")
     else:
-        say(f"verification {rec['status']}: max |logit diff| {rec['max_abs_logit_diff']:.3g}, greedy agreement "
-            f"{rec['greedy_agreement']:.3f} (tie-aware {rec['tie_aware_agreement']:.3f})")
+        say(f"verification {rec['status']}: max |logit diff| {rec['max_abs_logit_diff']:.3g} "
+            f"({rec['max_rel_logit_diff']:.3g} of the logit std), greedy agreement {rec['greedy_agreement']:.3f} "
+            f"(tie-aware {rec['tie_aware_agreement']:.3f}); vs unrounded fp32: KL {rec['kl_divergence']:.3g}, "
+            f"top-1 {rec['top1_agreement']:.3f}")
 
 
 def _default_inputs() -> list[dict]:
@@ -212,11 +221,12 @@ def _nbytes(s: dict) -> int:
 
 
 def _quant_summary(ctx) -> dict[str, Any]:
-    if not ctx.quant:
+    if not ctx.quant["linear"]:
         return {"scheme": "none", "weights": ctx.precision}
     bits: dict[str, int] = {}
-    for q in ctx.quant.values():
+    for q in ctx.quant["linear"].values():
         bits[f"int{q['bits']}"] = bits.get(f"int{q['bits']}", 0) + 1
     return {"scheme": "blockwise symmetric", "block_size": ctx.options["block_size"], "tensors": bits,
-            "deltanet_int8": bool(ctx.options.get("deltanet_int8")), "embedding": "quantized",
+            "deltanet_int8": bool(ctx.options.get("deltanet_int8")),
+            "embedding": ctx.quant["embedding"].get("model.embed_tokens.weight", "not quantized"),
             "activations": "float32"}

@@ -36,7 +36,8 @@ class ExportContext:
     options: dict[str, Any] = field(default_factory=dict)
     model: fam.Qwen35Model | None = None
     plan: WeightPlan = field(default_factory=WeightPlan)
-    quant: dict[str, dict[str, Any]] = field(default_factory=dict)  # param -> {"bits", "block_size"}
+    # use ("linear" or "embedding") -> param (every alias of a tied tensor) -> {"bits", "block_size"}
+    quant: dict[str, dict[str, dict[str, Any]]] = field(default_factory=lambda: {"linear": {}, "embedding": {}})
     program: torch.export.ExportedProgram | None = None
     states: list[dict] = field(default_factory=list)
     report: list[dict] = field(default_factory=list)
@@ -231,11 +232,18 @@ class AssignPrecision:
             block = int(ctx.options.get("block_size", 32))
             dn8 = bool(ctx.options.get("deltanet_int8")) and bits == 4
             for mname, m in model.named_modules():
-                if isinstance(m, (nn.Linear, nn.Embedding)):
+                if isinstance(m, nn.Linear):
                     b = 8 if dn8 and ".linear_attn." in mname else bits
-                    ctx.quant[f"{mname}.weight"] = {"bits": b, "block_size": block}
+                    for alias in plan.aliases(f"{mname}.weight"):
+                        ctx.quant["linear"][alias] = {"bits": b, "block_size": block}
+            # Gathered embedding rows cannot be padded: the block must divide the hidden size.
+            emb_block = next((b for b in (block, block // 2, block // 4) if b >= 16 and ctx.spec.hidden_size % b == 0), 0)
+            if emb_block:
+                for alias in plan.aliases("model.embed_tokens.weight"):
+                    ctx.quant["embedding"][alias] = {"bits": bits, "block_size": emb_block}
+            counts["embedding_quantized"] = int(bool(emb_block))
             for b in (4, 8):
-                n = sum(1 for q in ctx.quant.values() if q["bits"] == b)
+                n = sum(1 for q in ctx.quant["linear"].values() if q["bits"] == b)
                 if n:
                     counts[f"weights_int{b}"] = n
         return counts

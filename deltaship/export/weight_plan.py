@@ -74,6 +74,11 @@ class WeightPlan:
         """`name` is the very same tensor as `target` (tied embeddings)."""
         self.recipes[name] = self._get(target)
 
+    def aliases(self, name: str) -> list[str]:
+        """Every name under which the same tensor is known (tied weights), `name` included."""
+        r = self._get(name)
+        return [n for n, other in self.recipes.items() if other is r]
+
     def _get(self, name: str) -> Recipe:
         if name not in self.recipes:
             raise PlanError(f"no tensor {name!r} in the weight plan")

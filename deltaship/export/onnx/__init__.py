@@ -24,6 +24,8 @@ USAGE = [
     "logits float32 [1, vocab] are for the last token of the call.",
 ]
 MODEL_FILE = "model.onnx"
+# MatMulNBits: 4 = quantize activations to int8 blocks (fast integer dot products); 0 = float activations.
+DEFAULT_ACCURACY_LEVEL = 4
 DATA_FILE = "model.onnx.data"
 
 
@@ -33,13 +35,14 @@ def estimate_bytes(ctx) -> int:
     per = 2 if ctx.precision == "fp16" else 4
     for name in ctx.plan.names():
         n = int(np.prod(ctx.plan.shape(name)))
-        q = ctx.quant.get(name)
+        q = ctx.quant["linear"].get(name) or ctx.quant["embedding"].get(name)
         total += n * q["bits"] // 8 + n // q["block_size"] * per if q else n * per
     return total
 
 
-def lower(ctx, weights, out_dir: Path, progress=None, accuracy_level: int = 4) -> dict:
+def lower(ctx, weights, out_dir: Path, progress=None) -> dict:
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
+    accuracy_level = int(ctx.options.get("accuracy_level", DEFAULT_ACCURACY_LEVEL))
     external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))
     b = GraphBuilder(out_dir / DATA_FILE if external else None)
     inputs = ["input_ids", "position"] + [s["name"] for s in ctx.states]

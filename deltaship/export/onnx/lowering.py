@@ -20,6 +20,7 @@ from deltaship.errors import DeltashipError
 from deltaship.export.onnx.builder import GraphBuilder
 from deltaship.export.onnx.quant import quantize_matmul_weight
 from deltaship.export.weight_plan import WeightPlan
+from deltaship.models import ops as _canonical  # noqa: F401  (registers torch.ops.deltaship.*)
 
 aten = torch.ops.aten
 DS = torch.ops.deltaship
@@ -109,7 +110,7 @@ class Lowerer:
         if form == "plain":
             out = self.b.weight(base, self.plan.tensor(fqn, self.weights).astype(dt))
         elif form == "matmul":
-            q = self.quant.get(fqn)
+            q = self.quant["linear"].get(fqn)
             w = self.plan.tensor(fqn, self.weights)
             if q:
                 packed, scales = quantize_matmul_weight(w, q["bits"], q["block_size"])
@@ -282,8 +283,7 @@ def _getitem(L, node, seq, i):
 
 @lowering(aten.embedding.default)
 def _embedding(L: Lowerer, node, weight, ids, *args):
-    fqn = L.param_name(weight)
-    q = L.quant.get(fqn)
+    q = L.quant["embedding"].get(L.param_name(weight))
     if q:
         data, scales = L.weight_gather_quantized(weight, q)
         return L.b.one("GatherBlockQuantized", [data, L.as_tensor(ids), scales], domain=MS, bits=q["bits"],

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from helpers import ALL_CONFIGS, write_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Every tiny config of the table, written once per session with transformers."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: write_checkpoint(name, root / name, seed=i) for i, name in enumerate(ALL_CONFIGS)}
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, checkpoints):
+    """Exported bundles, built on first use and shared: bundles(config, target, precision)."""
+    from deltaship.export import export
+
+    root = tmp_path_factory.mktemp("bundles")
+    cache: dict[tuple, Path] = {}
+
+    def get(config: str, target: str = "onnx", precision: str = "fp32", **opts) -> Path:
+        key = (config, target, precision, tuple(sorted(opts.items())))
+        if key not in cache:
+            out = root / "-".join([config, target, precision] + [f"{k}{v}" for k, v in sorted(opts.items())])
+            opts.setdefault("max_context", 128)
+            opts.setdefault("prefill_chunk", 8)
+            export(str(checkpoints[config]), out, target=target, precision=precision, progress=False, **opts)
+            cache[key] = out
+        return cache[key]
+
+    return get

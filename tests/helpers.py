@@ -1,0 +1,119 @@
+"""Shared test helpers: the table of tiny configs, checkpoint writing, the parity runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+L, F = "linear_attention", "full_attention"
+
+# One table of tiny random configs, run through one shared parity runner.
+TINY_CONFIGS: dict[str, dict] = {
+    # the 3:1 pattern, tied embeddings, equal key/value heads
+    "base": dict(hidden_size=64, intermediate_size=96, layer_types=[L, L, L, F], num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                 linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True),
+    # value heads > key heads (as in 4B/9B, ratio 3 here), untied LM head
+    "grouped_values": dict(hidden_size=64, intermediate_size=128, layer_types=[L, F, L, L, F],
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=8,
+                           tie_word_embeddings=False),
+    # odd head counts, d_k != d_v, attention first
+    "odd_heads": dict(hidden_size=48, intermediate_size=80, layer_types=[F, L, L, L], num_attention_heads=3,
+                      num_key_value_heads=1, head_dim=24, linear_num_key_heads=3, linear_num_value_heads=3,
+                      linear_key_head_dim=8, linear_value_head_dim=12, tie_word_embeddings=True),
+    # no attention layer at all: no KV cache, only DeltaNet state
+    "deltanet_only": dict(hidden_size=32, intermediate_size=64, layer_types=[L, L], num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
+                          linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True),
+}
+MULTIMODAL = "multimodal"  # "base" wrapped in Qwen3_5ForConditionalGeneration, with vision and MTP tensors
+ALL_CONFIGS = list(TINY_CONFIGS) + [MULTIMODAL]
+VOCAB = 160
+
+
+def text_config(name: str) -> dict:
+    base = TINY_CONFIGS["base" if name == MULTIMODAL else name]
+    return dict(base, vocab_size=VOCAB, num_hidden_layers=len(base["layer_types"]), rms_norm_eps=1e-6,
+                linear_conv_kernel_dim=4, max_position_embeddings=4096, eos_token_id=VOCAB - 1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
+def randomize(model, seed: int) -> None:
+    """Weights with structure enough that greedy decoding has clear winners (std 0.15, random norms)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.0, 2.5, generator=g))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.empty(p.shape).uniform_(-1, 1, generator=g))
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.ndim == 1:  # zero-centred norms
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+
+
+def write_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
+    """A transformers-saved checkpoint of a tiny config (multimodal: with vision and MTP tensors)."""
+    import torch
+    from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+                              Qwen3_5TextConfig)
+
+    torch.manual_seed(seed)
+    tcfg = text_config(name)
+    if name == MULTIMODAL:
+        cfg = Qwen3_5Config(text_config=tcfg, tie_word_embeddings=True,
+                            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                               out_hidden_size=tcfg["hidden_size"]))
+        model = Qwen3_5ForConditionalGeneration(cfg)
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**tcfg))
+    randomize(model, seed)
+    model.save_pretrained(directory)
+    if name == MULTIMODAL:
+        _add_mtp_tensors(directory)
+    return directory
+
+
+def _add_mtp_tensors(directory: Path) -> None:
+    from deltaship.models.safetensors_io import SafetensorsFile, write_safetensors
+    path = directory / "model.safetensors"
+    sf = SafetensorsFile(path)
+    tensors = [(n, sf.read(n)) for n in sf.entries]
+    tensors += [("mtp.fc.weight", np.ones((8, 8), np.float32)), ("mtp.norm.weight", np.ones(8, np.float32))]
+    del sf
+    write_safetensors(path, tensors, metadata={"format": "pt"})
+
+
+def reference(ckpt: Path):
+    """transformers' model for a test checkpoint, fp32, eval."""
+    from deltaship.export.reference import reference_model
+    from deltaship.models.source import load_source
+    return reference_model(load_source(str(ckpt)))
+
+
+def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    """transformers' own cached greedy decoding, and its fp32 logits rows [steps, vocab]."""
+    from deltaship.export.verify import reference_continuation
+    return reference_continuation(model, prompt, steps)
+
+
+def set_json(path: Path, key: str, value) -> None:
+    cfg = json.loads(path.read_text())
+    cfg[key] = value
+    path.write_text(json.dumps(cfg))
+
+
+def export_context(ckpt: Path, precision: str, max_context: int = 128, **options):
+    """The export passes up to (not including) capture: the weight plan and quantization choices."""
+    from deltaship.export.passes import PIPELINE, ExportContext, run_pipeline
+    from deltaship.models.source import load_source
+    opts = {"block_size": 32, "deltanet_int8": False, **options}
+    ctx = ExportContext(spec=load_source(str(ckpt)).spec, precision=precision, max_context=max_context, options=opts)
+    return run_pipeline(ctx, PIPELINE[:-1])

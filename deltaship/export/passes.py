@@ -311,7 +311,7 @@ PIPELINE = (LoadStructure(), FoldZeroCentredNorms(), RewriteDeltaNet(), StaticKV
 
 
 def run_pipeline(ctx: ExportContext, passes=PIPELINE, progress=None) -> ExportContext:
-    done: list[str] = []
+    done = [r["pass"] for r in ctx.report]  # passes already run on this context, in order
     for p in passes:
         if progress:
             progress(f"pass {p.name}")

@@ -1,0 +1,103 @@
+"""The command line as a user runs it: real subprocesses, exit codes, messages, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deltaship.runtimes import open_bundle
+
+ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deltaship.cli", *args], capture_output=True, text=True, env=ENV,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    r = run("export", "--model", "qwen3.5-tiny", "--target", "onnx", "--precision", "fp32", "--max-context", "96",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "verification passed" in r.stderr and "pass rewrite_deltanet" in r.stderr
+    return out
+
+
+def test_generate_json_and_dump_logits(tiny_bundle, tmp_path):
+    dump = tmp_path / "logits.npy"
+    r = run("generate", str(tiny_bundle), "--input-ids", "1,2,3", "--max-new-tokens", "6", "--json",
+            "--dump-logits", str(dump), "--no-stop-at-eos")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["input_ids"] == [1, 2, 3] and len(res["output_ids"]) == 6
+    logits = np.load(dump)
+    assert logits.shape == (6, 272) and logits.dtype == np.float32
+    assert logits.argmax(-1).tolist() == res["output_ids"]  # row i is what chose token i
+    # the same logits as the Python API, step by step
+    s = open_bundle(tiny_bundle)
+    np.testing.assert_allclose(s.prefill([1, 2, 3]), logits[0], atol=1e-6)
+    np.testing.assert_allclose(s.decode(res["output_ids"][0]), logits[1], atol=1e-6)
+    r = run("generate", str(tiny_bundle), "--input-ids", "1", "--dump-logits", str(dump))
+    assert r.returncode == 2 and "already exists" in r.stderr
+
+
+def test_generate_prompt_text(tiny_bundle):
+    r = run("generate", str(tiny_bundle), "--prompt", "def ", "--max-new-tokens", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["input_ids"] == [100, 101, 102, 32]  # the byte-level tokenizer: 'd' 'e' 'f' ' '
+    assert isinstance(res["text"], str)
+
+
+def test_inspect_human_and_tamper(tiny_bundle, tmp_path):
+    r = run("inspect", str(tiny_bundle))
+    assert r.returncode == 0, r.stderr
+    for text in ("onnx / fp32", "past.0.recurrent", "deltanet_recurrent", "rewrite_deltanet", "all file hashes match",
+                 "verified    passed"):
+        assert text in r.stdout
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_bundle, copy)
+    (copy / "tokenizer.json").write_text("{}")
+    r = run("inspect", str(copy))
+    assert r.returncode == 1 and "FAILED" in r.stdout and "tokenizer.json" in r.stdout
+    r = run("generate", str(copy), "--input-ids", "1")
+    assert r.returncode == 2 and "tampered" in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--input-ids", ",".join(["5"] * 97)], "exceed the bundle's max context of 96"),
+    (["--input-ids", "1,999"], "outside the vocabulary"),
+    (["--input-ids", "1,x"], "not a comma-separated list"),
+])
+def test_generate_bad_input(tiny_bundle, args, message):
+    r = run("generate", str(tiny_bundle), *args)
+    assert r.returncode == 2 and message in r.stderr and "fix:" in r.stderr
+
+
+def test_export_bad_input(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    r = run("export", "--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "model_type 'llama' is not supported" in r.stderr and "qwen3_5" in r.stderr
+    assert not (tmp_path / "o").exists()
+    r = run("inspect", str(tmp_path / "nothing"))
+    assert r.returncode == 2 and "not a bundle directory" in r.stderr
+
+
+def test_onnx_runtime_does_not_import_torch(tiny_bundle):
+    code = ("import sys; from deltaship.runtimes.commands import generate; "
+            f"r = generate({str(tiny_bundle)!r}, input_ids=[1, 2], max_new_tokens=3, threads=1); "
+            "assert len(r['output_ids']) >= 1; "
+            "bad = [m for m in ('torch', 'transformers', 'executorch', 'coremltools') if m in sys.modules]; "
+            "assert not bad, bad; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr

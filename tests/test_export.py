@@ -1,0 +1,197 @@
+"""Export passes, weight fix-ups, lowering coverage, the bundle contract and its safety rules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers import export_context
+
+from deltaship.errors import DeltashipError
+from deltaship.export import export
+from deltaship.export.passes import PIPELINE, ExportContext, PassError, run_pipeline
+from deltaship.export.weight_plan import PlanError, WeightPlan
+from deltaship.models import qwen3_5 as fam
+from deltaship.models.ops import CANONICAL_OPS
+from deltaship.models.presets import PRESETS
+from deltaship.models.weights import RandomWeights
+from deltaship.runtimes import open_bundle
+from deltaship.runtimes.bundle import read_manifest
+
+
+# ---- fix-ups and the plan ------------------------------------------------------------------------
+def test_fixups_are_pure_and_correct():
+    w = np.array([0.5, -0.25], np.float32)
+    assert np.array_equal(fam.fold_zero_centred_norm(w), [1.5, 0.75]) and np.array_equal(w, [0.5, -0.25])
+    np.testing.assert_allclose(fam.decay_scale_from_a_log(np.log(np.array([2.0, 4.0]))), [-2.0, -4.0])
+    assert fam.squeeze_conv_weight(np.zeros((6, 1, 4))).shape == (6, 4)
+
+
+def test_applying_a_fixup_twice_is_caught():
+    plan = WeightPlan()
+    plan.add_source("n.weight", "n.weight", (4,))
+    plan.add_fixup("n.weight", "fold_zero_centred_norm", fam.fold_zero_centred_norm)
+    with pytest.raises(PlanError, match="already applied"):
+        plan.add_fixup("n.weight", "fold_zero_centred_norm", fam.fold_zero_centred_norm)
+
+
+def test_running_the_fold_pass_twice_fails_naming_the_passes():
+    ctx = export_context_only(PIPELINE[:2])
+    with pytest.raises(PassError, match="fold_zero_centred_norms.*after: load_structure, fold_zero_centred_norms"):
+        run_pipeline(ctx, PIPELINE[1:2])
+
+
+def export_context_only(passes):
+    ctx = ExportContext(spec=PRESETS["qwen3.5-tiny"].spec(), precision="fp32", max_context=64,
+                        options={"block_size": 32})
+    return run_pipeline(ctx, passes)
+
+
+# ---- structure after the passes ---------------------------------------------------------------
+def test_structure_after_passes():
+    ctx = export_context_only(PIPELINE)
+    spec = ctx.spec
+    kinds = {type(m) for m in ctx.model.modules()}
+    assert not kinds & {fam.SourceGatedDeltaNet, fam.SourceAttention, fam.ZeroCentredRMSNorm}
+    counts = {r["pass"]: r["counts"] for r in ctx.report}
+    assert counts["rewrite_deltanet"]["deltanet_layers_rewritten"] == len(spec.deltanet_layers)
+    assert counts["static_kv_cache"]["attention_layers_rewritten"] == len(spec.attention_layers)
+    assert counts["fold_zero_centred_norms"]["norms_folded"] == 2 * spec.num_layers + 1 + 2 * len(spec.attention_layers)
+    assert counts["capture"]["gated_delta_rule"] == len(spec.deltanet_layers)
+    # every state has an input and an output, in the program and in the contract
+    sig = ctx.program.graph_signature
+    n_user_in = sum(1 for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT)
+    assert n_user_in == 2 + len(ctx.states) and len(sig.output_specs) == 1 + len(ctx.states)
+    assert {s["name"].replace("past.", "") for s in ctx.states} == {s["output"].replace("present.", "") for s in ctx.states}
+    # no token loop: one gated_delta_rule call per DeltaNet layer, whatever the prompt length
+    calls = [n for n in ctx.program.graph.nodes if n.target == torch.ops.deltaship.gated_delta_rule.default]
+    assert len(calls) == len(spec.deltanet_layers)
+
+
+def test_every_canonical_op_has_a_lowering_for_every_target():
+    from deltaship.export.onnx.lowering import LOWERINGS as ONNX
+    targets = {"onnx": ONNX}
+    for target, table in targets.items():
+        missing = [name for name, op in CANONICAL_OPS.items() if op not in table]
+        assert not missing, f"{target} has no lowering for {missing}"
+    # and every op the captured program uses has an ONNX lowering
+    ctx = export_context_only(PIPELINE)
+    used = {n.target for n in ctx.program.graph.nodes if n.op == "call_function"}
+    assert not [u for u in used if u not in ONNX]
+
+
+def test_unknown_op_fails_naming_it(tmp_path):
+    from deltaship.export.onnx import lower
+    from deltaship.export.onnx.lowering import LOWERINGS
+    ctx = export_context_only(PIPELINE)
+    saved = LOWERINGS.pop(torch.ops.aten.softplus.default)
+    try:
+        with pytest.raises(DeltashipError, match="no lowering for op aten.softplus"):
+            lower(ctx, RandomWeights(ctx.spec), tmp_path)
+    finally:
+        LOWERINGS[torch.ops.aten.softplus.default] = saved
+
+
+def test_eager_canonical_model_matches_transformers(checkpoints):
+    """The rewritten model itself (before any lowering) against the oracle."""
+    from deltaship.export.passes import materialize
+    from deltaship.models.source import load_source
+    from helpers import reference
+    ckpt = checkpoints["grouped_values"]
+    ctx = export_context(ckpt, "fp32")
+    model = materialize(ctx.model, ctx.plan, load_source(str(ckpt)).weights).eval()
+    ids = np.random.default_rng(0).integers(0, 150, 40).tolist()
+    ref = reference(ckpt)(torch.tensor([ids]), use_cache=False).logits[0].detach()
+    states = [torch.zeros(s["shape"], dtype=getattr(torch, s["dtype"])) for s in model.state_specs(torch.float32)]
+    with torch.no_grad():
+        logits, states = model(torch.tensor([ids[:30]]), torch.tensor([0]), states)
+        torch.testing.assert_close(logits[0], ref[29], atol=1e-4, rtol=1e-4)
+        for t in range(30, 40):
+            logits, states = model(torch.tensor([[ids[t]]]), torch.tensor([t]), states)
+            torch.testing.assert_close(logits[0], ref[t], atol=1e-4, rtol=1e-4)
+
+
+# ---- the bundle --------------------------------------------------------------------------------
+def test_manifest_contract(bundles, checkpoints):
+    path = bundles("grouped_values")
+    m = read_manifest(path)
+    assert m["schema"] == "deltaship.bundle" and m["schema_version"] == 1
+    assert m["target"] == "onnx" and m["precision"] == "fp32" and m["max_context"] == 128
+    assert m["source"]["kind"] == "checkpoint" and len(m["source"]["sha256"]) == 64
+    kinds = [s["kind"] for s in m["states"]]
+    assert kinds.count("deltanet_recurrent") == 3 and kinds.count("kv_cache_key") == 2
+    for s in m["states"]:
+        assert {"name", "output", "shape", "dtype", "layer", "kind", "init", "reset"} <= set(s)
+        if s["kind"] == "deltanet_recurrent":
+            assert s["shape"] == [1, 6, 8, 8] and s["dtype"] == "float32"
+        if s["kind"] == "kv_cache_key":
+            assert s["shape"] == [1, 1, 128, 16]
+    assert m["tokens"]["eos"] == [159]
+    assert set(m["files"]) >= {"model.onnx", "config.json"} - {"config.json"}
+    assert all(len(f["sha256"]) == 64 for f in m["files"].values())
+    assert [p["pass"] for p in m["passes"]][:3] == ["load_structure", "fold_zero_centred_norms", "rewrite_deltanet"]
+    v = m["verification"]
+    assert v["status"] == "passed" and v["max_rel_logit_diff"] < 1e-3 and "onnxruntime" in v["runtime"]
+    assert {"torch", "onnx", "onnxruntime", "transformers"} <= set(m["tools"])
+    # the ONNX graph's inputs/outputs are exactly the manifest's
+    import onnx
+    g = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
+    assert [i.name for i in g.input] == ["input_ids", "position"] + [s["name"] for s in m["states"]]
+    assert [o.name for o in g.output] == ["logits"] + [s["output"] for s in m["states"]]
+    ops = {n.op_type for n in g.node}
+    assert {"LinearAttention", "CausalConvWithState", "GroupQueryAttention", "GatedRMSNorm"} <= ops
+
+
+def test_existing_output_is_not_overwritten_without_force(bundles, tmp_path, checkpoints):
+    out = tmp_path / "b"
+    shutil.copytree(bundles("base"), out)
+    before = (out / "manifest.json").read_text()
+    with pytest.raises(DeltashipError, match="already exists.*nothing was written"):
+        export(str(checkpoints["base"]), out, max_context=64, progress=False, verify=False)
+    assert (out / "manifest.json").read_text() == before
+    export(str(checkpoints["base"]), out, max_context=64, progress=False, verify=False, force=True)
+    assert read_manifest(out)["max_context"] == 64
+
+
+def test_failed_export_leaves_nothing(tmp_path, checkpoints, monkeypatch):
+    """A wrong fix-up makes the fp32 bundle disagree with transformers: export fails, nothing is left."""
+    monkeypatch.setattr(fam, "fold_zero_centred_norm", lambda w: w + 1.01)
+    out = tmp_path / "bad"
+    with pytest.raises(DeltashipError, match="verification failed"):
+        export(str(checkpoints["base"]), out, max_context=64, progress=False)
+    assert not out.exists()
+    assert not list(tmp_path.iterdir()), "the staging directory must be removed"
+
+
+def test_tampered_bundle_is_detected(bundles, tmp_path):
+    out = tmp_path / "t"
+    shutil.copytree(bundles("base"), out)
+    data = bytearray((out / "model.onnx").read_bytes())
+    data[-10] ^= 0xFF
+    (out / "model.onnx").write_bytes(bytes(data))
+    with pytest.raises(DeltashipError, match="tampered.*model.onnx: sha256 mismatch"):
+        open_bundle(out)
+    from deltaship.runtimes.commands import inspect
+    info = inspect(out)
+    assert not info["intact"] and "model.onnx" in info["problems"][0]
+
+
+def test_option_combinations_are_checked_before_work(tmp_path):
+    cases = [({"target": "tflite"}, "unknown --target"), ({"precision": "int3"}, "unknown --precision"),
+             ({"deltanet_int8": True}, "needs --precision int4"), ({"block_size": 48}, "power of two"),
+             ({"max_context": 10**7}, "exceeds the model's max_position_embeddings"),
+             ({"accuracy_level": 0}, "applies to ONNX int8/int4")]
+    for kwargs, msg in cases:
+        with pytest.raises(DeltashipError, match=msg):
+            export("qwen3.5-tiny", tmp_path / "x", progress=False, **kwargs)
+        assert not (tmp_path / "x").exists()
+
+
+def test_export_preset_without_checkpoint(tmp_path):
+    m = export("qwen3.5-tiny", tmp_path / "tiny", max_context=64, progress=False)
+    assert m["source"]["kind"] == "preset" and m["verification"]["status"] == "passed"
+    assert "tokenizer.json" in m["files"]
+    assert json.loads((tmp_path / "tiny" / "manifest.json").read_text())["files"] == m["files"]

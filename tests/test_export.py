@@ -195,3 +195,14 @@ def test_export_preset_without_checkpoint(tmp_path):
     assert m["source"]["kind"] == "preset" and m["verification"]["status"] == "passed"
     assert "tokenizer.json" in m["files"]
     assert json.loads((tmp_path / "tiny" / "manifest.json").read_text())["files"] == m["files"]
+
+
+def test_external_data_bundle_runs_and_verifies(tmp_path, checkpoints):
+    """Models over 2 GB keep their weights in model.onnx.data; forced here on a tiny one."""
+    m = export(str(checkpoints["grouped_values"]), tmp_path / "ext", max_context=64, progress=False,
+               external_data=True)
+    assert m["lowering"]["external_data"] and "model.onnx.data" in m["files"]
+    assert m["files"]["model.onnx"]["bytes"] < 200_000 < m["files"]["model.onnx.data"]["bytes"]
+    assert m["verification"]["status"] == "passed"
+    s = open_bundle(tmp_path / "ext")
+    assert len(s.generate([1, 2, 3], 4, stop_at_eos=False).output_ids) == 4

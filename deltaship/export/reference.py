@@ -9,6 +9,8 @@ Two references:
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -17,8 +19,15 @@ from deltaship.models import qwen3_5 as fam
 from deltaship.models.source import ModelSource
 
 
+def quiet_third_party() -> None:
+    """transformers pulls in torchao, whose import logs about CUDA kernels; keep the CLI readable."""
+    for name in ("torchao", "torch.utils._pytree", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def reference_model(source: ModelSource, dtype: torch.dtype = torch.float32):
     """transformers' Qwen3_5ForCausalLM with the source's weights (text decoder only)."""
+    quiet_third_party()
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(**fam.hf_config(source.spec))

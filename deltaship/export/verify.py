@@ -96,8 +96,9 @@ def verify_bundle(bundle: Path, manifest: dict[str, Any], source: ModelSource, c
                   prompts: list[list[int]] | None = None, threads: int | None = None,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the bundle in its runtime against the transformers references; return the manifest record."""
-    from deltaship.export.reference import matched_reference_model, reference_model
+    from deltaship.export.reference import matched_reference_model, quiet_third_party, reference_model
     from deltaship.runtimes import open_bundle
+    quiet_third_party()
     import transformers
 
     tol = tolerance(manifest["target"], manifest["precision"])

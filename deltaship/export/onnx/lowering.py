@@ -49,6 +49,8 @@ class Lowerer:
         sig = program.graph_signature
         self.param_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
         self._weights: dict[tuple[str, str], Any] = {}
+        # Parameters an embedding gathers from: a tied LM head reuses them instead of a transposed copy.
+        self.gathered = {n.args[0].name for n in program.graph.nodes if n.target == aten.embedding.default}
         self.shape_value: str | None = None  # Shape(input_ids), built on demand
 
     # ---- values ------------------------------------------------------------------------
@@ -321,6 +323,9 @@ Lowerer.weight_gather_quantized = _weight_gather_quantized
 def _linear(L: Lowerer, node, x, weight, bias=None):
     if bias is not None:
         raise DeltashipError(f"onnx lowering: linear with bias at {node.name} is not expected in Qwen3.5")
+    if (weight.name in L.gathered and not L.quant["linear"].get(L.param_name(weight))
+            and len(L.meta(x).shape) == 2):
+        return L.b.one("Gemm", [L.as_tensor(x), L.weight(weight)], transB=1)  # tied head: share the table
     w = L.weight(weight, "matmul")
     if isinstance(w, tuple):
         packed, scales, q, (n, k) = w

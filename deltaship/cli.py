@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from deltaship.errors import DeltashipError
 
@@ -36,6 +37,78 @@ def _inspect(a: argparse.Namespace) -> int:
     info = inspect(a.bundle)
     print(json.dumps(info, indent=2) if a.json else describe(info))
     return 0 if info["intact"] else 1
+
+
+def _eval(a: argparse.Namespace) -> int:
+    from deltaship.export.evaluate import evaluate
+    res = evaluate(a.bundle, model=a.model, tokens=a.tokens, threads=a.threads)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(f"{res['target']} / {res['precision']} on {res['tokens']} tokens of {res['text']}")
+        print(f"  perplexity            {res['perplexity']:.4f}")
+        print(f"  reference perplexity  {res['reference_perplexity']:.4f}  (transformers fp32)")
+        print(f"  KL(reference||bundle) {res['kl_divergence']:.4g} nats/token")
+        print(f"  top-1 agreement       {res['top1_agreement']:.4f}")
+        if "note" in res:
+            print(f"  note: {res['note']}")
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DeltashipError(f"{text!r} is not a comma-separated list of integers", "e.g. 128,512") from None
+
+
+def _devices(a: argparse.Namespace) -> int:
+    from deltaship.devices.discovery import discover, fingerprint
+    found = [fingerprint(d, a.ssh_option) for d in a.device] if a.device else discover(local_only=a.local)
+    if a.json:
+        print(json.dumps(found))
+        return 0
+    for d in found:
+        ram = f"{d['ram_bytes'] / 2**30:.1f} GiB" if d.get("ram_bytes") else "?"
+        print(f"{d['device']:<28} {d.get('model', '?')}  cores {d.get('cores') or '?'}  RAM {ram}  {d.get('os', '')}")
+        for g in d.get("gpus") or []:
+            print(f"{'':<28} GPU {g['index']}: {g['name']} {g['memory_bytes'] / 2**30:.1f} GiB")
+        if d.get("runtimes"):
+            print(f"{'':<28} " + ", ".join(f"{k} {v}" for k, v in d["runtimes"].items()))
+    return 0
+
+
+def _plan(a: argparse.Namespace) -> int:
+    from deltaship.devices.plan import format_table, plan
+    rows = plan(a.model, tier=a.tier, tiers_file=a.tiers, context=a.context,
+                targets=[t for t in a.targets.split(",")] if a.targets else None)
+    print(json.dumps(rows, indent=1) if a.json else format_table(rows))
+    return 0
+
+
+def _profile(a: argparse.Namespace) -> int:
+    from deltaship.profiling.profile import compare, profile
+    from deltaship.profiling.report import format_compare, format_results
+    if a.compare:
+        if a.bundle is not None:
+            raise DeltashipError("--compare takes two JSON files instead of a bundle", "drop the bundle argument")
+        print(format_compare(compare(*a.compare), *a.compare))
+        return 0
+    if a.bundle is None:
+        raise DeltashipError("profile needs a BUNDLE (or --compare A.json B.json)", "pass the bundle directory")
+    say = (lambda m: print(m, file=sys.stderr)) if not a.quiet else None
+    doc = profile(a.bundle, device=a.device, prompt_lengths=_ints(a.prompt_lengths) if a.prompt_lengths else None,
+                  gen=a.gen, contexts=_ints(a.contexts) if a.contexts is not None else None, threads=a.threads,
+                  warmups=a.warmups, reps=a.reps, min_seconds=a.min_seconds, tier=a.tier, tiers_file=a.tiers,
+                  breakdown=not a.no_breakdown, json_out=a.json, report=a.report, ssh_options=a.ssh_option,
+                  remote_deltaship=a.remote_deltaship, runner=a.runner, runner_args=a.runner_args, progress=say)
+    if a.plots:
+        from deltaship.profiling.report import write_plots
+        write_plots(doc, Path(a.plots))
+    if a.json != "-":
+        print(format_results(doc))
+    died = any(r.get("status") == "died" for r in doc["results"])
+    return 3 if died else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +152,53 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("bundle")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_inspect)
+    d = sub.add_parser("devices", help="list the host and attached or reachable devices, with fingerprints")
+    d.add_argument("--device", action="append", default=[], help="probe this device (host, ssh://..., adb:SERIAL)")
+    d.add_argument("--ssh-option", action="append", default=None, help="extra ssh option, e.g. -i KEY (repeatable)")
+    d.add_argument("--local", action="store_true", help="only this machine (what a remote profile asks for)")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_devices)
+
+    pl = sub.add_parser("plan", help="memory per tier, target and precision; does the model fit, and how")
+    pl.add_argument("--model", required=True)
+    pl.add_argument("--tier", default=None)
+    pl.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
+    pl.add_argument("--context", type=int, default=None, help="context in tokens (default: each tier's typical)")
+    pl.add_argument("--targets", default=None, help="comma-separated targets (default: each tier's)")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_plan)
+
+    pr = sub.add_parser("profile", help="latency and memory of a bundle on a device")
+    pr.add_argument("bundle", nargs="?")
+    pr.add_argument("--device", default="host", help="host, ssh://user@host[:port] or adb:SERIAL")
+    pr.add_argument("--prompt-lengths", default=None, help="default 128,512")
+    pr.add_argument("--gen", type=int, default=None, help="tokens generated per decode run (default 64)")
+    pr.add_argument("--contexts", default=None, help="context depths of the decode sweep (default 128,1024,4096)")
+    pr.add_argument("--threads", type=int, default=None)
+    pr.add_argument("--warmups", type=int, default=None)
+    pr.add_argument("--reps", type=int, default=None, help="at least this many repetitions (default 5)")
+    pr.add_argument("--min-seconds", type=float, default=None, help="and at least this long per phase (default 2)")
+    pr.add_argument("--tier", default=None, help="run under this tier's limits (threads, memory cap)")
+    pr.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
+    pr.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown (ONNX)")
+    pr.add_argument("--json", default=None, help="write the JSON records here ('-' for stdout)")
+    pr.add_argument("--report", default=None, help="write a self-contained HTML report here")
+    pr.add_argument("--plots", default=None, help="write the PNG plots into this directory")
+    pr.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="ratios B/A with confidence intervals")
+    pr.add_argument("--ssh-option", action="append", default=None)
+    pr.add_argument("--remote-deltaship", default="deltaship", help="the deltaship command on an ssh host")
+    pr.add_argument("--runner", default=None, help="Android: the runner binary to push and run")
+    pr.add_argument("--runner-args", default=None, help="Android: runner arguments ({model}, {prompt_length}, ...)")
+    pr.add_argument("--quiet", action="store_true")
+    pr.set_defaults(func=_profile)
+
+    v = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of a bundle against the fp32 reference")
+    v.add_argument("bundle")
+    v.add_argument("--model", default=None, help="the source checkpoint (default: the one in the manifest)")
+    v.add_argument("--tokens", type=int, default=512)
+    v.add_argument("--threads", type=int, default=None)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=_eval)
     return p
 
 

@@ -14,6 +14,7 @@ from deltaship.errors import DeltashipError
 TARGETS = ("onnx", "executorch", "coreml")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 DEFAULT_PREFILL_CHUNK = 512
+EVAL_TOKENS = 256  # held-out tokens evaluated at export (deltaship eval defaults to 512)
 
 
 class Progress:
@@ -177,6 +178,13 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
                     f"(max relative logit difference {rec['max_rel_logit_diff']:.3g}, tie-aware greedy agreement "
                     f"{rec['tie_aware_agreement']:.3f}; tolerance {rec['tolerance']}); nothing was written",
                     "this is a deltaship bug: please report it with the model's config.json")
+            if rec["status"] != "skipped":
+                from deltaship.export.evaluate import evaluate
+                manifest["fidelity"] = evaluate(tmp, tokens=min(EVAL_TOKENS, max_context), threads=threads,
+                                                progress=say, source=source)
+                f = manifest["fidelity"]
+                say(f"fidelity on {f['tokens']} tokens: perplexity {f['perplexity']:.3f} (reference "
+                    f"{f['reference_perplexity']:.3f}), KL {f['kl_divergence']:.3g}, top-1 {f['top1_agreement']:.3f}")
         else:
             manifest["verification"] = {"status": "skipped", "reason": "--no-verify"}
         return manifest

@@ -70,6 +70,17 @@ class Session(ABC):
                 f"{self.max_context}", "shorten the prompt, reset the session, or export with a larger --max-context")
         return arr
 
+    def seek(self, position: int) -> None:
+        """Profiling only: move to `position` without computing (the state is left as it is).
+
+        Decode cost depends on how deep the context is, not on the state's values, so this reaches a
+        context depth without paying for its prefill. Generated tokens after a seek are meaningless.
+        """
+        if not 0 <= position < self.max_context:
+            raise DeltashipError(f"position {position} is outside 0 .. {self.max_context - 1}",
+                                 "pick a context below the bundle's max context")
+        self.position = position
+
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Feed a prompt (in chunks of prefill_chunk tokens); return logits after its last token."""
         arr = self._check(ids)

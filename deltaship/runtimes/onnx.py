@@ -7,6 +7,7 @@ DeltaNet states alternate between two buffers per state, so nothing is copied pe
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ _NP = {"float32": np.float32, "float16": np.float16}
 
 class OnnxSession(Session):
     def __init__(self, bundle: Path, manifest: dict[str, Any], threads: int | None = None,
-                 providers: list[str] | None = None, prefill_chunk: int | None = None, inplace_kv: bool = True):
+                 providers: list[str] | None = None, prefill_chunk: int | None = None, inplace_kv: bool = True,
+                 profiling: bool = False):
         super().__init__(bundle, manifest, prefill_chunk)
         import onnxruntime as ort
 
@@ -30,6 +32,10 @@ class OnnxSession(Session):
             opts.intra_op_num_threads = int(threads)
             opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if profiling:
+            import tempfile
+            opts.enable_profiling = True
+            opts.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="deltaship-ortprof-")) / "ort")
         self.threads = threads
         self.providers = providers or ["CPUExecutionProvider"]
         model_path = self.bundle / manifest["entry"]
@@ -91,4 +97,30 @@ class OnnxSession(Session):
         out = {}
         for name, vals in self._vals.items():
             out[name] = vals[self._cur[name]].numpy().copy()
+        return out
+
+    # Op kinds of the per-op breakdown: DeltaNet's own ops, attention, and the matmuls around them.
+    OP_KINDS = {"LinearAttention": "deltanet", "CausalConvWithState": "deltanet", "GatedRMSNorm": "deltanet",
+                "GroupQueryAttention": "attention", "MatMul": "matmul", "MatMulNBits": "matmul", "Gemm": "matmul"}
+
+    def profile_ops(self, context: int, steps: int = 5) -> dict[str, list[float]]:
+        """Seconds per decode step spent in each op kind at a context depth (ONNX Runtime's profiler)."""
+        prof = OnnxSession(self.bundle, self.manifest, threads=self.threads, providers=self.providers,
+                           profiling=True)
+        for _ in range(steps + 1):
+            prof.reset()
+            prof.seek(context)
+            prof.decode(1)
+        trace = json.loads(Path(prof.sess.end_profiling()).read_text())
+        runs = [e for e in trace if e.get("name") == "model_run"][1:]  # the first run is a warmup
+        out: dict[str, list[float]] = {}
+        for run in runs:
+            lo, hi = run["ts"], run["ts"] + run["dur"]
+            per: dict[str, float] = {}
+            for e in trace:
+                if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and lo <= e["ts"] <= hi:
+                    kind = self.OP_KINDS.get(e.get("args", {}).get("op_name", ""), "other")
+                    per[kind] = per.get(kind, 0.0) + e["dur"] / 1e6
+            for kind, secs in per.items():
+                out.setdefault(kind, []).append(secs)
         return out

@@ -1,0 +1,256 @@
+"""What hardware is attached or reachable: the host, ssh hosts, Android phones (adb), Apple devices.
+
+Every device gets a fingerprint (PROFILING.md's device record): model/SoC, cores, RAM, OS,
+runtimes and versions, and CPU frequency / thermal state where readable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from deltaship.errors import DeltashipError
+
+RUNTIME_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "executorch", "coremltools", "torch")
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def cpu_model() -> str:
+    info = _read("/proc/cpuinfo") or ""
+    m = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    if m:
+        return m.group(1).strip()
+    if platform.system() == "Darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine()
+
+
+def total_ram() -> int:
+    info = _read("/proc/meminfo")
+    if info:
+        m = re.search(r"^MemTotal:\s*(\d+) kB", info, re.M)
+        if m:
+            return int(m.group(1)) * 1024
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def cpu_frequency_mhz() -> float | None:
+    cur = _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq")
+    if cur:
+        return int(cur) / 1000
+    info = _read("/proc/cpuinfo") or ""
+    m = re.search(r"^cpu MHz\s*:\s*([\d.]+)", info, re.M)
+    return float(m.group(1)) if m else None
+
+
+def thermal_c() -> float | None:
+    temps = []
+    for zone in Path("/sys/class/thermal").glob("thermal_zone*/temp"):
+        t = _read(str(zone))
+        if t and t.strip().lstrip("-").isdigit():
+            temps.append(int(t) / 1000)
+    return max(temps) if temps else None
+
+
+def nvidia_gpus() -> list[dict[str, Any]]:
+    """NVIDIA GPUs through NVML (pynvml) when installed, else nvidia-smi; empty when none."""
+    try:
+        import pynvml  # type: ignore
+        pynvml.nvmlInit()
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+                        "memory_bytes": int(mem.total), "driver": pynvml.nvmlSystemGetDriverVersion()})
+        return out
+    except Exception:  # no pynvml, no driver, no GPU: all the same to us
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            r = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
+                                "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+            gpus = []
+            for line in r.stdout.strip().splitlines():
+                idx, name, mem, drv = [x.strip() for x in line.split(",")]
+                gpus.append({"index": int(idx), "name": name, "memory_bytes": int(float(mem)) << 20, "driver": drv})
+            return gpus
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return []
+    return []
+
+
+def runtimes() -> dict[str, str]:
+    out = {}
+    for p in RUNTIME_PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        import onnxruntime as ort
+        out["onnxruntime_providers"] = ",".join(ort.get_available_providers())
+    except ImportError:
+        pass
+    out["coreml_runtime"] = "yes" if platform.system() == "Darwin" else "no (macOS only)"
+    return out
+
+
+def host_fingerprint() -> dict[str, Any]:
+    return {
+        "device": "host",
+        "kind": "host",
+        "model": cpu_model(),
+        "cores": os.cpu_count() or 0,
+        "ram_bytes": total_ram(),
+        "os": f"{platform.system()} {platform.release()}",
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "runtimes": runtimes(),
+        "gpus": nvidia_gpus(),
+        "cpu_mhz": cpu_frequency_mhz(),
+        "thermal_c": thermal_c(),
+    }
+
+
+# ---- ssh ------------------------------------------------------------------------------------
+def parse_ssh(spec: str) -> dict[str, Any]:
+    m = re.fullmatch(r"ssh://(?:([^@/:]+)@)?([^@/:]+)(?::(\d+))?(/.*)?", spec)
+    if not m:
+        raise DeltashipError(f"--device {spec!r} is not an ssh address", "use ssh://user@host[:port]")
+    return {"user": m.group(1), "host": m.group(2), "port": int(m.group(3) or 22), "python": None}
+
+
+def ssh_base(target: dict[str, Any], options: list[str] | None = None) -> list[str]:
+    dest = f"{target['user']}@{target['host']}" if target["user"] else target["host"]
+    return ["ssh", "-p", str(target["port"]), "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
+            *(options or []), dest]
+
+
+def ssh_run(target: dict[str, Any], command: str, options: list[str] | None = None, timeout: float = 600,
+            what: str = "command") -> str:
+    if not shutil.which("ssh"):
+        raise DeltashipError("ssh is not installed on this machine", "install OpenSSH's client (ssh, scp)")
+    r = subprocess.run(ssh_base(target, options) + [command], capture_output=True, text=True, timeout=timeout)
+    if r.returncode == 255:
+        raise DeltashipError(f"ssh://{target['host']}:{target['port']} is unreachable: {r.stderr.strip()[-300:]}",
+                             "check the address, that sshd runs there, and that key-based login works (BatchMode)")
+    if r.returncode != 0:
+        raise DeltashipError(f"the remote {what} failed on {target['host']} (exit {r.returncode}): "
+                             f"{(r.stderr or r.stdout).strip()[-500:]}",
+                             "install deltaship on the remote machine (pip install deltaship) and check it runs there")
+    return r.stdout
+
+
+def ssh_fingerprint(spec: str, options: list[str] | None = None, remote_cmd: str = "deltaship") -> dict[str, Any]:
+    target = parse_ssh(spec)
+    out = ssh_run(target, f"{remote_cmd} devices --json --local", options, timeout=120, what="`deltaship devices`")
+    try:
+        info = json.loads(out)[0]
+    except (json.JSONDecodeError, IndexError, KeyError):
+        raise DeltashipError(f"{spec}: unexpected answer from the remote deltaship: {out[:200]!r}",
+                             "install the same deltaship version on the remote machine") from None
+    info.update(device=spec, kind="ssh")
+    return info
+
+
+# ---- Android (adb) -------------------------------------------------------------------------
+def adb_devices() -> list[str]:
+    """Serials of attached Android devices in the 'device' state; empty when adb is absent."""
+    if not shutil.which("adb"):
+        return []
+    r = subprocess.run(["adb", "devices"], capture_output=True, text=True, timeout=30)
+    serials = []
+    for line in r.stdout.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 2 and parts[1] == "device":
+            serials.append(parts[0])
+    return serials
+
+
+def parse_getprop(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^\[([^\]]+)\]: \[([^\]]*)\]$", text, re.M))
+
+
+def adb_fingerprint(serial: str) -> dict[str, Any]:
+    if not shutil.which("adb"):
+        raise DeltashipError("adb is not installed", "install Android platform-tools (adb)")
+    if serial not in adb_devices():
+        raise DeltashipError(f"Android device {serial!r} is not attached (adb devices lists: "
+                             f"{', '.join(adb_devices()) or 'none'})", "connect the phone, enable USB debugging, "
+                             "accept the host key, and check `adb devices`")
+    props = parse_getprop(subprocess.run(["adb", "-s", serial, "shell", "getprop"], capture_output=True, text=True,
+                                         timeout=30).stdout)
+    meminfo = subprocess.run(["adb", "-s", serial, "shell", "cat", "/proc/meminfo"], capture_output=True, text=True,
+                             timeout=30).stdout
+    m = re.search(r"MemTotal:\s*(\d+) kB", meminfo)
+    return {"device": f"adb:{serial}", "kind": "android", "model": props.get("ro.product.model", "?"),
+            "soc": props.get("ro.soc.model") or props.get("ro.board.platform", "?"),
+            "abi": props.get("ro.product.cpu.abi", "?"), "os": f"Android {props.get('ro.build.version.release', '?')}",
+            "ram_bytes": int(m.group(1)) * 1024 if m else 0,
+            "cores": None, "runtimes": {}}
+
+
+# ---- Apple (xcrun devicectl, macOS only) ----------------------------------------------------
+def apple_devices() -> list[dict[str, Any]]:
+    if platform.system() != "Darwin" or not shutil.which("xcrun"):
+        return []
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        r = subprocess.run(["xcrun", "devicectl", "list", "devices", "--json-output", f.name], capture_output=True,
+                           text=True, timeout=60)
+        if r.returncode != 0:
+            return []
+        data = json.loads(Path(f.name).read_text())
+    out = []
+    for d in data.get("result", {}).get("devices", []):
+        hw, props = d.get("hardwareProperties", {}), d.get("deviceProperties", {})
+        out.append({"device": f"apple:{d.get('identifier')}", "kind": "apple", "model": hw.get("marketingName", "?"),
+                    "soc": hw.get("cpuType", {}).get("name", "?"), "os": f"{hw.get('platform', '?')} "
+                    f"{props.get('osVersionNumber', '?')}", "ram_bytes": None, "cores": None, "runtimes": {}})
+    return out
+
+
+def discover(local_only: bool = False) -> list[dict[str, Any]]:
+    """The host, then attached Android and Apple devices."""
+    found = [host_fingerprint()]
+    if not local_only:
+        for serial in adb_devices():
+            try:
+                found.append(adb_fingerprint(serial))
+            except DeltashipError:
+                continue
+        found += apple_devices()
+    return found
+
+
+def fingerprint(device: str, ssh_options: list[str] | None = None) -> dict[str, Any]:
+    """The fingerprint of one device spec: host, ssh://..., adb:SERIAL."""
+    if device == "host":
+        return host_fingerprint()
+    if device.startswith("ssh://"):
+        return ssh_fingerprint(device, ssh_options)
+    if device.startswith("adb:"):
+        return adb_fingerprint(device[4:])
+    raise DeltashipError(f"unknown device {device!r}", "use host, ssh://user@host[:port] or adb:SERIAL")

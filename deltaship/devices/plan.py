@@ -1,0 +1,137 @@
+"""`deltaship plan`: will a model fit a tier, and at which (target, precision, context)?
+
+Memory = weights (as each target stores them) + state at the context (KV cache + DeltaNet
+states) + runtime overhead (the runtime itself and the activations of one prefill chunk).
+Computed from the ModelSpec alone, so it works for models too big for this machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from deltaship.devices.catalog import GIB, PRECISIONS, TARGETS, Tier, load_catalog
+from deltaship.errors import DeltashipError
+from deltaship.models.spec import ModelSpec
+
+# Bytes per weight and per quantization block, as each target's lowering stores them.
+#   bits: weight bits; scale: bytes per block scale; block: block size; head_copy: a tied LM head
+#   stored a second time (quantized gather table + matmul weight)
+FORMATS = {
+    ("onnx", "fp32"): dict(bits=32, scale=0, block=1, head_copy=False, act=4),
+    ("onnx", "fp16"): dict(bits=16, scale=0, block=1, head_copy=False, act=2),
+    ("onnx", "int8"): dict(bits=8, scale=4, block=32, head_copy=True, act=4),
+    ("onnx", "int4"): dict(bits=4, scale=4, block=32, head_copy=True, act=4),
+    ("executorch", "fp32"): dict(bits=32, scale=0, block=1, head_copy=False, act=4),
+    ("executorch", "fp16"): dict(bits=16, scale=0, block=1, head_copy=False, act=2),
+    ("executorch", "int8"): dict(bits=8, scale=4, block=4096, head_copy=True, act=4),
+    ("executorch", "int4"): dict(bits=4, scale=4, block=32, head_copy=True, act=4),
+    ("coreml", "fp32"): dict(bits=32, scale=0, block=1, head_copy=False, act=2),
+    ("coreml", "fp16"): dict(bits=16, scale=0, block=1, head_copy=False, act=2),
+    ("coreml", "int8"): dict(bits=8, scale=2, block=4096, head_copy=True, act=2),
+    ("coreml", "int4"): dict(bits=4, scale=2, block=32, head_copy=True, act=2),
+}
+RUNTIME_BASE = {"onnx": 96 << 20, "executorch": 48 << 20, "coreml": 128 << 20}
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class PlanRow:
+    tier: str
+    target: str
+    precision: str
+    context: int
+    weights_bytes: int
+    state_bytes: int
+    overhead_bytes: int
+    total_bytes: int
+    budget_bytes: int
+    fits: bool
+    recommended: bool = False
+
+
+def weight_bytes(spec: ModelSpec, target: str, precision: str) -> int:
+    f = FORMATS[(target, precision)]
+    p = spec.parameter_count()
+    per = f["bits"] / 8 + (f["scale"] / f["block"] if f["block"] > 1 else 0)
+    matrices = p["embedding"] + p["lm_head"] + p["body"]
+    if spec.tie_word_embeddings and f["head_copy"]:
+        matrices += p["embedding"]
+    return int(matrices * per)
+
+
+def state_bytes(spec: ModelSpec, target: str, precision: str, context: int) -> int:
+    act = FORMATS[(target, precision)]["act"]
+    return spec.state_bytes(context, kv_bytes_per_elem=act, conv_bytes_per_elem=act)["total"]
+
+
+def overhead_bytes(spec: ModelSpec, target: str, precision: str, context: int) -> int:
+    """The runtime, plus one prefill chunk's activations (MLP, projections, attention scores, logits)."""
+    act = FORMATS[(target, precision)]["act"]
+    t = min(PREFILL_CHUNK, context)
+    per_token = 2 * spec.intermediate_size + 2 * spec.conv_dim + 6 * spec.hidden_size
+    scores = spec.num_attention_heads * t * context
+    return RUNTIME_BASE[target] + act * (t * per_token + scores) + 4 * spec.vocab_size
+
+
+def estimate(spec: ModelSpec, tier: Tier, target: str, precision: str, context: int) -> PlanRow:
+    w = weight_bytes(spec, target, precision)
+    s = state_bytes(spec, target, precision, context)
+    o = overhead_bytes(spec, target, precision, context)
+    total = w + s + o
+    return PlanRow(tier.name, target, precision, context, w, s, o, total, tier.budget_bytes, total <= tier.budget_bytes)
+
+
+def plan(model: str, tier: str | None = None, tiers_file: str | None = None, context: int | None = None,
+         targets: list[str] | None = None) -> list[dict]:
+    """One row per (tier, target, precision): memory parts, total, budget, fits; the pick per tier is marked."""
+    from deltaship.models.source import load_source
+
+    spec = load_source(model).spec
+    catalog, _ = load_catalog(tiers_file)
+    if tier is not None and tier not in catalog:
+        raise DeltashipError(f"unknown tier {tier!r}; tiers: {', '.join(catalog)}",
+                             "pick a tier from the catalog or add your own with --tiers FILE")
+    if context is not None and context < 1:
+        raise DeltashipError(f"--context must be positive, got {context}", "pass a context length in tokens")
+    rows: list[PlanRow] = []
+    for t in ([catalog[tier]] if tier else catalog.values()):
+        ctx = min(context or t.context, spec.max_position_embeddings)
+        tier_rows = [estimate(spec, t, tg, pr, ctx) for tg in (targets or t.targets) for pr in PRECISIONS]
+        pick = recommend(spec, t, ctx, targets)
+        for r in tier_rows:
+            r.recommended = pick is not None and (r.target, r.precision, r.context) == (pick.target, pick.precision,
+                                                                                         pick.context)
+        if pick is not None and not any(r.recommended for r in tier_rows):
+            pick.recommended = True
+            tier_rows.append(pick)  # the pick needed a shorter context
+        rows += tier_rows
+    return [asdict(r) for r in rows]
+
+
+def recommend(spec: ModelSpec, tier: Tier, context: int, targets: list[str] | None = None) -> PlanRow | None:
+    """The tier's most preferred target at the best of its precisions that fits; the context is
+    halved (down to 512) when nothing fits at the tier's typical context."""
+    ctx = context
+    while ctx >= min(512, context):
+        for tg in targets or tier.targets:
+            for pr in tier.precisions:
+                row = estimate(spec, tier, tg, pr, ctx)
+                if row.fits:
+                    return row
+        ctx //= 2
+    return None
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'tier':<12} {'target':<11} {'prec':<5} {'context':>7} {'weights':>9} {'state':>9} {'overhead':>9} " \
+           f"{'total':>9} {'budget':>9}  fit"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        g = lambda b: f"{b / GIB:8.2f}G"  # noqa: E731
+        mark = ("yes" if r["fits"] else "no") + ("  <- recommended" if r["recommended"] else "")
+        lines.append(f"{r['tier']:<12} {r['target']:<11} {r['precision']:<5} {r['context']:>7} {g(r['weights_bytes'])} "
+                     f"{g(r['state_bytes'])} {g(r['overhead_bytes'])} {g(r['total_bytes'])} {g(r['budget_bytes'])}  {mark}")
+    return "\n".join(lines)
+
+
+__all__ = ["plan", "format_table", "weight_bytes", "state_bytes", "TARGETS"]

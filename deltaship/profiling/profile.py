@@ -1,0 +1,245 @@
+"""`deltaship profile`: run a bundle's workload on a device and collect versioned records.
+
+host      a fresh worker process (its peak RSS is the bundle's alone), optionally under a tier's
+          limits: thread count, and a memory cap through a cgroup when this host lets us make one.
+ssh://    the bundle is streamed to the remote machine, profiled there by its own deltaship, the
+          JSON pulled back.
+adb:SERIAL  the bundle is pushed to /data/local/tmp and run by a user-supplied runner binary
+          (see devices/android.py); PSS from dumpsys meminfo.
+A run that dies (OOM kill, signal, disconnect) is recorded as such, never as a number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from deltaship.errors import DeltashipError
+from deltaship.profiling.worker import SCHEMA_VERSION
+
+DEFAULTS = dict(prompt_lengths=[128, 512], gen=64, contexts=[128, 1024, 4096], warmups=2, reps=5, min_seconds=2.0)
+HOST_RUNTIMES = {"onnx": "onnxruntime", "executorch": "executorch"}
+
+
+def bundle_summary(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
+    return {"name": path.name, "target": manifest["target"], "precision": manifest["precision"],
+            "source": manifest["source"]["model"], "max_context": manifest["max_context"],
+            "prefill_chunk": manifest["prefill_chunk"], "bundle_bytes": manifest.get("bundle_bytes"),
+            "state_bytes": manifest.get("state_bytes"), "layers": manifest["model"]["num_layers"],
+            "layer_types": manifest["model"]["layer_types"]}
+
+
+def check_workload(manifest: dict[str, Any], prompt_lengths: list[int], gen: int, contexts: list[int]) -> None:
+    mc = manifest["max_context"]
+    over = [c for c in contexts if c >= mc] + [p for p in prompt_lengths if p + gen > mc]
+    if over:
+        raise DeltashipError(f"context(s) {over} do not fit this bundle's max context of {mc} (prompt + "
+                             f"--gen {gen} must too)", f"use contexts below {mc}, or export with a larger --max-context")
+    if any(p < 1 for p in prompt_lengths) or gen < 2 or any(c < 1 for c in contexts):
+        raise DeltashipError("prompt lengths and contexts must be positive and --gen at least 2",
+                             "e.g. --prompt-lengths 128,512 --gen 64 --contexts 128,1024")
+
+
+# ---- memory caps ------------------------------------------------------------------------------
+class MemoryCap:
+    """A cgroup with a memory limit that the worker joins; `mechanism` says what was possible."""
+
+    def __init__(self, limit: int):
+        self.limit, self.path, self.mechanism, self.procs = limit, None, "none", None
+        name = f"deltaship-{os.getpid()}-{int(time.time())}"
+        candidates = []
+        if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            candidates.append((Path("/sys/fs/cgroup"), "memory.max", "cgroup v2 memory.max"))
+        if Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
+            candidates.append((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "cgroup v1 memory.limit_in_bytes"))
+        for root, limit_file, mech in candidates:
+            d = root / name
+            try:
+                d.mkdir()
+                (d / limit_file).write_text(str(limit))
+                swap = d / "memory.memsw.limit_in_bytes"  # v1: count swap too, where the kernel allows
+                if swap.exists():
+                    try:
+                        swap.write_text(str(limit))
+                    except OSError:
+                        pass
+                self.path, self.mechanism, self.procs = d, mech, d / "cgroup.procs"
+                return
+            except OSError:
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+
+    def join(self) -> None:  # runs in the child before exec
+        if self.procs is not None:
+            self.procs.write_text(str(os.getpid()))
+
+    def close(self) -> None:
+        if self.path is not None:
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
+
+
+def _died(rc: int, stderr: str) -> dict[str, Any]:
+    if rc < 0:
+        sig = signal.Signals(-rc).name
+        why = "killed by the kernel (out of memory)" if sig == "SIGKILL" else f"killed by {sig}"
+    elif rc == 137:
+        sig, why = "SIGKILL", "killed (exit 137: out of memory)"
+    else:
+        sig = None
+        oom = any(s in stderr for s in ("MemoryError", "bad_alloc", "Failed to allocate", "out of memory"))
+        why = "out of memory" if oom else f"exited with status {rc}"
+    return {"metric": "run", "status": "died", "reason": why, "signal": sig, "exit_status": rc,
+            "stderr_tail": stderr.strip()[-2000:], "samples": [], "flags": ["died"]}
+
+
+def run_worker(cfg: dict[str, Any], cap: MemoryCap | None = None, timeout: float = 3600) -> tuple[dict | None, dict | None]:
+    """(worker output, None) or (None, a 'died' record)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.get("threads") or ""), TOKENIZERS_PARALLELISM="false")
+    if not cfg.get("threads"):
+        env.pop("OMP_NUM_THREADS")
+    try:
+        r = subprocess.run([sys.executable, "-m", "deltaship.profiling.worker", json.dumps(cfg)], capture_output=True,
+                           text=True, env=env, timeout=timeout, preexec_fn=cap.join if cap and cap.procs else None)
+    except subprocess.TimeoutExpired:
+        return None, {"metric": "run", "status": "died", "reason": f"timed out after {timeout:.0f}s", "samples": [],
+                      "flags": ["died", "timeout"]}
+    if r.returncode != 0:
+        return None, _died(r.returncode, r.stderr)
+    try:
+        return json.loads(r.stdout), None
+    except json.JSONDecodeError:
+        return None, _died(1, "worker printed no JSON: " + r.stdout[-500:] + r.stderr[-500:])
+
+
+def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] | None = None, gen: int | None = None,
+            contexts: list[int] | None = None, threads: int | None = None, warmups: int | None = None,
+            reps: int | None = None, min_seconds: float | None = None, tier: str | None = None,
+            tiers_file: str | None = None, breakdown: bool = True, json_out: str | Path | None = None,
+            report: str | Path | None = None, ssh_options: list[str] | None = None,
+            remote_deltaship: str = "deltaship", runner: str | None = None, runner_args: str | None = None,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Profile a bundle on a device; return (and optionally write) the versioned JSON document."""
+    from deltaship.devices.catalog import get_tier
+    from deltaship.devices.discovery import fingerprint
+    from deltaship.runtimes.bundle import read_manifest, require_intact
+
+    say = progress or (lambda m: None)
+    path = Path(bundle)
+    manifest = read_manifest(path)
+    require_intact(path, manifest, hashes=True)
+    cfg = {k: v for k, v in dict(prompt_lengths=prompt_lengths, gen=gen, contexts=contexts, warmups=warmups,
+                                 reps=reps, min_seconds=min_seconds).items() if v is not None}
+    cfg = {**DEFAULTS, **cfg}
+    check_workload(manifest, cfg["prompt_lengths"], cfg["gen"], cfg["contexts"])
+    t = get_tier(tier, tiers_file) if tier else None
+    doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "bundle": bundle_summary(manifest, path), "config": cfg, "emulation": None}
+    if device.startswith("ssh://"):
+        from deltaship.profiling.remote import profile_ssh
+        doc = profile_ssh(path, device, cfg, threads, tier, ssh_options, remote_deltaship, say)
+    elif device.startswith("adb:"):
+        from deltaship.devices.android import profile_adb
+        doc.update(profile_adb(path, manifest, device[4:], cfg, runner, runner_args, say))
+    elif device == "host":
+        target = manifest["target"]
+        if target not in HOST_RUNTIMES:
+            raise DeltashipError(f"this host has no runtime for {target} bundles (Core ML runs only on Apple devices)",
+                                 "profile a Core ML bundle on a Mac, or export for onnx/executorch")
+        doc["device"] = fingerprint("host")
+        cap = None
+        if t is not None:
+            threads = min(t.threads, os.cpu_count() or t.threads)
+            cap = MemoryCap(t.budget_bytes)
+            doc["emulation"] = {"tier": t.name, "threads": threads, "memory_cap_bytes": t.budget_bytes,
+                                "memory_cap": cap.mechanism if cap.procs else
+                                "not enforceable on this host (no writable cgroup); peak RSS compared after the run",
+                                "emulated": True}
+        try:
+            say(f"profiling {path.name} on the host ({threads or 'default'} threads)")
+            out, died = run_worker({**cfg, "bundle": str(path), "threads": threads, "breakdown": False}, cap)
+            if died:
+                doc["results"] = [died]
+            else:
+                doc["results"], doc["rss_trace"], doc["runtime"] = out["results"], out["rss_trace"], out["runtime"]
+                doc["imported_toolchains"] = out["imported_toolchains"]
+                if breakdown and target == "onnx" and cfg["contexts"]:
+                    say("per-op breakdown at each context (separate process: the profiler's own session "
+                        "would inflate the peak RSS)")
+                    bcfg = {**cfg, "bundle": str(path), "threads": threads, "breakdown": True, "prompt_lengths": [],
+                            "gen": 0}
+                    bout, bdied = run_worker(bcfg, None)
+                    doc["results"] += [r for r in bout["results"] if r["metric"] == "decode_op_s"] if bout else [bdied]
+        finally:
+            if cap:
+                cap.close()
+        doc["threads"] = threads
+    else:
+        raise DeltashipError(f"unknown device {device!r}", "use host, ssh://user@host[:port] or adb:SERIAL")
+    if t is not None:
+        peak = next((r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes"), None)
+        doc["fit"] = {"tier": t.name, "budget_bytes": t.budget_bytes, "peak_rss_bytes": peak,
+                      "fits": peak is not None and peak <= t.budget_bytes}
+    if json_out is not None:
+        text = json.dumps(doc, indent=1)
+        if str(json_out) == "-":
+            sys.stdout.write(text + "\n")
+        else:
+            _write(Path(json_out), text)
+    if report is not None:
+        from deltaship.profiling.report import write_html
+        write_html(doc, Path(report))
+    return doc
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def load_records(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DeltashipError(f"{p}: not a profile JSON ({e})", "pass files written by `deltaship profile --json`") from None
+    if doc.get("schema_version") != SCHEMA_VERSION or "results" not in doc:
+        raise DeltashipError(f"{p}: not a deltaship profile (schema_version {doc.get('schema_version')})",
+                             "pass files written by `deltaship profile --json`")
+    return doc
+
+
+def compare(a: str | Path, b: str | Path) -> list[dict[str, Any]]:
+    """B relative to A for every metric both have: ratio of medians with a bootstrap 95% interval."""
+    from deltaship.profiling.stats import ratio_ci
+    da, db = load_records(a), load_records(b)
+    key = lambda r: (r["metric"], r.get("prompt_length"), r.get("context"), r.get("op_kind"))  # noqa: E731
+    ia = {key(r): r for r in da["results"] if r.get("samples")}
+    rows = []
+    for r in db["results"]:
+        k = key(r)
+        if k in ia and r.get("samples"):
+            rc = ratio_ci(r["samples"], ia[k]["samples"])
+            rows.append({"metric": k[0], "prompt_length": k[1], "context": k[2], "op_kind": k[3], "unit": r["unit"],
+                         "a": ia[k]["median"], "b": r["median"], **rc})
+    return rows
+
+
+def shell_join(args: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in args)

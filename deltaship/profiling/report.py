@@ -1,0 +1,178 @@
+"""Reports of a profile: a terminal table, PNG plots and a self-contained HTML page."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+UNITS = {"s": 1e3, "tok/s": 1.0, "bytes": 1 / 2**20}
+SHOWN = {"s": "ms", "tok/s": "tok/s", "bytes": "MiB"}
+
+
+def _fmt(value: float, unit: str) -> str:
+    return f"{value * UNITS.get(unit, 1):.2f}"
+
+
+def _where(r: dict) -> str:
+    parts = []
+    for k, label in (("prompt_length", "P"), ("context", "ctx"), ("op_kind", "op")):
+        if r.get(k) is not None:
+            parts.append(f"{label}={r[k]}")
+    return " ".join(parts)
+
+
+def format_results(doc: dict[str, Any]) -> str:
+    dev, b = doc.get("device", {}), doc["bundle"]
+    lines = [f"{b['name']}: {b['target']} / {b['precision']} on {dev.get('device', '?')} ({dev.get('model', '?')}, "
+             f"{dev.get('cores', '?')} cores), {doc.get('runtime', '')}, threads {doc.get('threads')}"]
+    if doc.get("emulation"):
+        e = doc["emulation"]
+        lines.append(f"emulating tier {e['tier']}: {e['threads']} threads, memory cap {e['memory_cap_bytes'] / 2**30:.2f} "
+                     f"GiB ({e['memory_cap']})")
+    head = f"{'metric':<18} {'where':<16} {'unit':>6} {'median':>10} {'p90':>10} {'ci95':>23} {'cv':>6} {'n':>4}  flags"
+    lines += [head, "-" * len(head)]
+    for r in doc["results"]:
+        if r.get("status") == "died":
+            lines.append(f"{'run':<18} {_where(r):<16} DIED: {r['reason']}")
+            continue
+        if not r.get("samples"):
+            lines.append(f"{r['metric']:<18} {_where(r):<16} {'':>6} {'-':>10}  {' '.join(r.get('flags', []))}")
+            continue
+        u = r["unit"]
+        ci = f"[{_fmt(r['ci95'][0], u)}, {_fmt(r['ci95'][1], u)}]"
+        lines.append(f"{r['metric']:<18} {_where(r):<16} {SHOWN.get(u, u):>6} {_fmt(r['median'], u):>10} "
+                     f"{_fmt(r['p90'], u):>10} {ci:>23} {r['cv']:>6.3f} {r['n']:>4}  {' '.join(r['flags'])}")
+    if doc.get("fit"):
+        f = doc["fit"]
+        lines.append(f"fit on {f['tier']}: peak RSS {(f['peak_rss_bytes'] or 0) / 2**30:.2f} GiB vs budget "
+                     f"{f['budget_bytes'] / 2**30:.2f} GiB -> {'fits' if f['fits'] else 'DOES NOT FIT'}")
+    return "\n".join(lines)
+
+
+def format_compare(rows: list[dict[str, Any]], a: str, b: str) -> str:
+    lines = [f"B = {b}\nA = {a}", f"{'metric':<18} {'where':<16} {'A':>10} {'B':>10} {'B/A':>7} {'ci95':>16}  significant"]
+    for r in rows:
+        u = r["unit"]
+        lines.append(f"{r['metric']:<18} {_where(r):<16} {_fmt(r['a'], u):>10} {_fmt(r['b'], u):>10} {r['ratio']:>7.3f} "
+                     f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]  {'yes' if r['significant'] else 'no'}")
+    return "\n".join(lines)
+
+
+# ---- plots --------------------------------------------------------------------------------------
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def plots(doc: dict[str, Any]) -> dict[str, bytes]:
+    """PNG plots: decode latency vs context (whole model and per op kind), memory, RSS trace, prefill."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: dict[str, bytes] = {}
+    res = [r for r in doc["results"] if r.get("samples")]
+    ctx = sorted((r for r in res if r["metric"] == "decode_latency_s"), key=lambda r: r["context"])
+    if ctx:
+        kinds = sorted({r["op_kind"] for r in res if r["metric"] == "decode_op_s"})
+        fig, axes = plt.subplots(1, 2 if kinds else 1, figsize=(11 if kinds else 6, 4), squeeze=False)
+        ax = axes[0][0]
+        xs = [r["context"] for r in ctx]
+        ax.errorbar(xs, [r["median"] * 1e3 for r in ctx], yerr=[[(r["median"] - r["ci95"][0]) * 1e3 for r in ctx],
+                    [(r["ci95"][1] - r["median"]) * 1e3 for r in ctx]], marker="o", capsize=3)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context depth (tokens)")
+        ax.set_ylabel("decode step latency (ms), median and 95% CI")
+        ax.set_title("Whole model: one decode step vs context depth")
+        if kinds:
+            ax2 = axes[0][1]
+            for k in kinds:
+                rows = sorted((r for r in res if r["metric"] == "decode_op_s" and r["op_kind"] == k),
+                              key=lambda r: r["context"])
+                ax2.plot([r["context"] for r in rows], [r["median"] * 1e3 for r in rows], marker="o", label=k)
+            ax2.set_xscale("log", base=2)
+            ax2.set_xlabel("context depth (tokens)")
+            ax2.set_ylabel("ms per decode step")
+            ax2.set_title("Per op kind (ONNX Runtime profiler, adds overhead)")
+            ax2.legend(fontsize=8)
+        out["latency_vs_context.png"] = _png(fig)
+    peak = next((r["median"] for r in res if r["metric"] in ("peak_rss_bytes", "peak_pss_bytes")), None)
+    b = doc["bundle"]
+    if peak:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        parts = {"bundle files": b.get("bundle_bytes") or 0, "state (manifest)": b.get("state_bytes") or 0}
+        parts["runtime + activations"] = max(0, peak - sum(parts.values()))
+        left = 0.0
+        for name, v in parts.items():
+            ax.barh(["measured peak"], [v / 2**20], left=left, label=name)
+            left += v / 2**20
+        if doc.get("fit"):
+            ax.axvline(doc["fit"]["budget_bytes"] / 2**20, color="red", linestyle=":", label="tier budget")
+        ax.set_xlabel("MiB")
+        ax.set_title("Memory breakdown")
+        ax.legend(fontsize=8, loc="lower right")
+        out["memory.png"] = _png(fig)
+    trace = doc.get("rss_trace") or []
+    if trace:
+        fig, ax = plt.subplots(figsize=(7, 3))
+        ax.plot([t[0] for t in trace], [t[1] / 2**20 for t in trace], linewidth=1)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("RSS (MiB)")
+        ax.set_title("RSS trace")
+        out["rss_trace.png"] = _png(fig)
+    pre = sorted((r for r in res if r["metric"] == "prefill_tok_s"), key=lambda r: r["prompt_length"])
+    if pre:
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.bar([str(r["prompt_length"]) for r in pre], [r["median"] for r in pre],
+               yerr=[[r["median"] - r["ci95"][0] for r in pre], [r["ci95"][1] - r["median"] for r in pre]], capsize=3)
+        ax.set_xlabel("prompt length")
+        ax.set_ylabel("prefill tokens/s")
+        ax.set_title("Prefill throughput")
+        out["prefill.png"] = _png(fig)
+    return out
+
+
+def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, data in plots(doc).items():
+        (directory / name).write_bytes(data)
+        paths.append(directory / name)
+    return paths
+
+
+def write_html(doc: dict[str, Any], path: Path) -> Path:
+    """One self-contained HTML file (plots inlined as data URIs). A small script reports, in
+    #check, how many plots the browser decoded, so a headless browser test can read it."""
+    imgs = plots(doc)
+    e = html.escape
+    body = [f"<h1>deltaship profile: {e(doc['bundle']['name'])}</h1>",
+            f"<p>{e(doc['bundle']['target'])} / {e(doc['bundle']['precision'])}, created {e(doc.get('created', ''))}</p>",
+            "<h2>Device</h2><pre>" + e(json.dumps(doc.get("device", {}), indent=1)) + "</pre>"]
+    if doc.get("emulation"):
+        body.append("<h2>Tier emulation</h2><pre>" + e(json.dumps(doc["emulation"], indent=1)) + "</pre>")
+    if doc.get("fit"):
+        body.append(f"<p id='fit'>fits {e(doc['fit']['tier'])}: {'yes' if doc['fit']['fits'] else 'no'}</p>")
+    body.append("<h2>Results</h2><pre id='table'>" + e(format_results(doc)) + "</pre>")
+    body.append("<h2>Plots</h2>")
+    for name, data in imgs.items():
+        b64 = base64.b64encode(data).decode()
+        body.append(f"<figure><img class='plot' alt='{e(name)}' src='data:image/png;base64,{b64}'>"
+                    f"<figcaption>{e(name)}</figcaption></figure>")
+    body.append(f"<p>plots decoded: <span id='check' data-expected='{len(imgs)}'>not run</span></p>")
+    script = ("<script>window.addEventListener('load',()=>{const imgs=[...document.querySelectorAll('img.plot')];"
+              "document.getElementById('check').textContent=imgs.filter(i=>i.complete&&i.naturalWidth>0).length+"
+              "'/'+imgs.length;});</script>")
+    page = ("<!doctype html><html><head><meta charset='utf-8'><title>deltaship profile</title><style>"
+            "body{font-family:sans-serif;max-width:1000px;margin:auto}pre{font-size:12px;overflow-x:auto}"
+            "img{max-width:100%}</style></head><body>" + "\n".join(body) + script + "</body></html>")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page)
+    return path

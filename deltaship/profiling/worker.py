@@ -1,0 +1,194 @@
+"""The measuring process: opens one bundle, runs the workload, prints one JSON document.
+
+Run as a fresh process (`python -m deltaship.profiling.worker CONFIG_JSON`) so that its peak RSS is
+the bundle's alone: it imports only numpy and the bundle's runtime. Phases follow PROFILING.md:
+load_cold_s, load_warm_s, prefill_tok_s (per prompt length), ttft_s, tpot_s / decode_tok_s, and
+decode latency at several context depths. Every phase: warmups, then at least `reps` repetitions
+AND at least `min_seconds`; raw samples kept; monotonic nanosecond clocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from deltaship.profiling.stats import summarize
+
+SCHEMA_VERSION = 1
+
+
+def now() -> float:
+    return time.monotonic_ns() / 1e9
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+class RssTrace:
+    """Samples RSS every `interval` seconds in a thread, labelled with the current phase."""
+
+    def __init__(self, interval: float = 0.05):
+        self.samples: list[list] = []
+        self.phase = "start"
+        self.t0 = now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.interval = interval
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append([round(now() - self.t0, 4), rss_bytes(), self.phase])
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "RssTrace":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def repeat(fn: Callable[[], float], warmups: int, reps: int, min_seconds: float) -> list[float]:
+    """Warm up, then keep sampling until both `reps` samples and `min_seconds` are reached."""
+    for _ in range(warmups):
+        fn()
+    samples: list[float] = []
+    start = now()
+    while len(samples) < reps or now() - start < min_seconds:
+        samples.append(fn())
+        if len(samples) >= 50 * max(reps, 1):
+            break
+    return samples
+
+
+def record(metric: str, unit: str, samples: list[float], **where: Any) -> dict[str, Any]:
+    return {"metric": metric, "unit": unit, **where, "samples": samples, **summarize(samples)}
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.bundle import read_manifest
+
+    bundle, threads = cfg["bundle"], cfg.get("threads")
+    warmups, reps, min_s = cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 1.0)
+    results: list[dict[str, Any]] = []
+    manifest = read_manifest(bundle)
+    rng = np.random.default_rng(0)
+    vocab = manifest["model"]["vocab_size"]
+    with RssTrace() as trace:
+        trace.phase = "load"
+        t = now()
+        session = open_bundle(bundle, threads=threads, check_hashes=False)
+        results.append(record("load_cold_s", "s", [now() - t]))
+
+        def reopen() -> float:
+            t0 = now()
+            open_bundle(bundle, threads=threads, check_hashes=False)
+            return now() - t0
+        results.append(record("load_warm_s", "s", repeat(reopen, 0, max(2, reps // 2), 0)))
+
+        for p in cfg.get("prompt_lengths", [128]):
+            if p + cfg.get("gen", 0) > session.max_context:
+                results.append({"metric": "prefill_tok_s", "unit": "tok/s", "prompt_length": p, "samples": [],
+                                "flags": ["skipped_over_max_context"]})
+                continue
+            trace.phase = f"prefill_{p}"
+            ids = rng.integers(0, vocab, p).tolist()
+            times, ttfts = [], []
+
+            def prefill() -> float:
+                session.reset()
+                t0 = now()
+                logits = session.prefill(ids)
+                t1 = now()
+                int(np.argmax(logits))
+                ttfts.append(now() - t0)
+                times.append(t1 - t0)
+                return t1 - t0
+            repeat(prefill, warmups, reps, min_s)
+            times, ttfts = times[warmups:], ttfts[warmups:]
+            results.append(record("prefill_tok_s", "tok/s", [p / x for x in times], prompt_length=p))
+            results.append(record("ttft_s", "s", ttfts, prompt_length=p))
+
+        gen = cfg.get("gen", 64)
+        if gen >= 2:
+            trace.phase = "decode"
+            prompt = rng.integers(0, vocab, min(128, session.max_context - gen)).tolist()
+            per_token: list[float] = []
+
+            def decode() -> float:
+                session.reset()
+                logits = session.prefill(prompt)
+                stamps = []
+                for _ in range(gen):
+                    tok = int(np.argmax(logits))
+                    stamps.append(now())
+                    logits = session.decode(tok)
+                stamps.append(now())
+                lat = np.diff(stamps).tolist()
+                per_token.extend(lat)
+                return (stamps[-1] - stamps[1]) / (gen - 1)  # tpot = (t_last - t_first) / (N - 1)
+            tpots = repeat(decode, 1, max(3, reps // 2), min_s)[0:]
+            results.append(record("decode_tok_s", "tok/s", [1 / x for x in tpots], prompt_length=len(prompt),
+                                  gen=gen))
+            results.append(record("tpot_s", "s", per_token[gen:], prompt_length=len(prompt), gen=gen,
+                                  note="every per-token latency after the warmup run; p50 = median"))
+
+        for c in cfg.get("contexts", []):
+            if c >= session.max_context:
+                results.append({"metric": "decode_latency_s", "unit": "s", "context": c, "samples": [],
+                                "flags": ["skipped_over_max_context"]})
+                continue
+            trace.phase = f"context_{c}"
+
+            def step_at() -> float:
+                session.reset()
+                session.seek(c)  # decode cost depends on the depth, not on the state's values
+                t0 = now()
+                session.decode(1)
+                return now() - t0
+            results.append(record("decode_latency_s", "s", repeat(step_at, warmups, reps, min_s / 2), context=c,
+                                  note="one decode step at this context depth (reached by seek)"))
+        if cfg.get("breakdown") and hasattr(session, "profile_ops"):
+            trace.phase = "breakdown"
+            for c in cfg.get("contexts", []):
+                if c < session.max_context:
+                    for kind, secs in session.profile_ops(c, steps=max(3, reps)).items():
+                        results.append(record("decode_op_s", "s", secs, context=c, op_kind=kind))
+        trace.phase = "end"
+    peak = record("peak_rss_bytes", "bytes", [peak_rss_bytes()],
+                  note="getrusage maxrss of this process, which only opened and ran the bundle")
+    peak["flags"] = []  # one number by definition, not a few samples
+    results.append(peak)
+    heavy = [m for m in ("torch", "transformers", "coremltools") if m in sys.modules]
+    return {"results": results, "rss_trace": trace.samples, "runtime": session.runtime_name(),
+            "threads": threads, "imported_toolchains": heavy}
+
+
+def main() -> int:
+    cfg = json.loads(sys.argv[1])
+    out = run(cfg)
+    sys.stdout.write(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

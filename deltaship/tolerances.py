@@ -33,6 +33,17 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     # weights, is what these bounds cover (with --accuracy-level 0 the fp32 row applies).
     ("onnx", "int8"): Tolerance(2.0, 0.75, 0.1, False),
     ("onnx", "int4"): Tolerance(2.0, 0.75, 0.1, False),
+    # ExecuTorch (XNNPACK): int8/int4 are torchao 8da8w / 8da4w, i.e. int8 dynamic activations.
+    ("executorch", "fp32"): Tolerance(1e-3, 1.0, 1e-3, True),
+    ("executorch", "fp16"): Tolerance(0.15, 0.95, 0.05, False),
+    ("executorch", "int8"): Tolerance(2.0, 0.75, 0.1, False),
+    ("executorch", "int4"): Tolerance(2.0, 0.75, 0.1, False),
+    # Core ML (evaluated on Linux by interpreting the saved ML program): fp32 builds keep every state
+    # as fp32 inputs/outputs and must be exact; fp16 compute covers the rest.
+    ("coreml", "fp32"): Tolerance(1e-3, 1.0, 1e-3, True),
+    ("coreml", "fp16"): Tolerance(0.3, 0.9, 0.1, False),
+    ("coreml", "int8"): Tolerance(0.3, 0.9, 0.1, False),
+    ("coreml", "int4"): Tolerance(0.3, 0.9, 0.1, False),
 }
 
 

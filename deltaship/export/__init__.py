@@ -131,16 +131,19 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
     if max_context > spec.max_position_embeddings:
         raise DeltashipError(f"--max-context {max_context} exceeds the model's max_position_embeddings "
                              f"({spec.max_position_embeddings})", f"pass --max-context {spec.max_position_embeddings} or less")
-    chunk = min(prefill_chunk or DEFAULT_PREFILL_CHUNK, max_context)
     tmod = _target_module(target)
-    options = {"block_size": block_size, "deltanet_int8": deltanet_int8, "prefill_chunk": chunk,
+    chunk = min(prefill_chunk or getattr(tmod, "DEFAULT_CHUNK", DEFAULT_PREFILL_CHUNK), max_context)
+    options = {**getattr(tmod, "OPTIONS", {}), "block_size": block_size, "deltanet_int8": deltanet_int8, "prefill_chunk": chunk,
                "accuracy_level": accuracy_level, **target_options}
     ctx = ExportContext(spec=spec, precision=precision, max_context=max_context, target=target, options=options)
     run_pipeline(ctx, getattr(tmod, "PIPELINE", PIPELINE), progress=say)
 
+    tokens = special_tokens(source, source.tokenizer_files)
+
     def build(tmp: Path) -> dict[str, Any]:
         say(f"lowering to {target}")
-        lowered = tmod.lower(ctx, source.weights, tmp, progress=lambda m: say(f"  {m}", inline=True))
+        lowered = tmod.lower(ctx, source.weights, tmp, progress=lambda m: say(f"  {m}", inline=True),
+                             tokens=tokens)
         say.done() if isinstance(say, Progress) else None
         tok_files = []
         for f in source.tokenizer_files:
@@ -151,7 +154,7 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
                     "sha256": source.fingerprint(), "notes": source.notes()},
             model=spec.to_dict() | {"num_layers": spec.num_layers, "parameters": spec.parameter_count()},
             target=target, precision=precision,
-            quantization=_quant_summary(ctx),
+            quantization=lowered.get("quantization") or _quant_summary(ctx),
             max_context=max_context, prefill_chunk=chunk, entry=lowered["entry"],
             inputs=tmod.io_inputs(ctx) if hasattr(tmod, "io_inputs") else _default_inputs(),
             outputs=[{"name": "logits", "shape": [1, spec.vocab_size], "dtype": "float32", "kind": "logits",
@@ -159,10 +162,10 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
             states=[dict(s, init="zeros", reset="zeros") for s in ctx.states],
             state_bytes=sum(_nbytes(s) for s in ctx.states),
             usage=tmod.USAGE,
-            tokens=special_tokens(source, source.tokenizer_files),
+            tokens=tokens,
             tokenizer={"files": tok_files},
             passes=ctx.report,
-            lowering={k: v for k, v in lowered.items() if k not in ("files", "entry")},
+            lowering={k: v for k, v in lowered.items() if k not in ("files", "entry", "quantization")},
             tools=tool_versions("torch", "transformers", *tmod.TOOL_PACKAGES),
         )
         if verify:

@@ -41,10 +41,16 @@ class ExportContext:
     program: torch.export.ExportedProgram | None = None
     states: list[dict] = field(default_factory=list)
     report: list[dict] = field(default_factory=list)
+    rounded: dict[str, Any] | None = None  # weights as a toolchain quantized them (for the matched reference)
+    programs: dict[str, Any] = field(default_factory=dict)  # fixed-shape programs, by function name
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.float16 if self.precision == "fp16" else torch.float32
+        """Activation dtype: fp16 for fp16 builds, and for every Core ML build but fp32 (Core ML
+        computes in fp16); quantized ONNX/ExecuTorch builds keep fp32 activations."""
+        if self.precision == "fp16" or (self.target == "coreml" and self.precision != "fp32"):
+            return torch.float16
+        return torch.float32
 
 
 def _modules(model: nn.Module, cls: type) -> list[tuple[str, nn.Module]]:
@@ -209,9 +215,15 @@ class LastTokenLogits:
 
 
 class AssignPrecision:
-    """Set parameter dtypes and choose the quantization of each matmul weight and the embedding."""
+    """Set parameter dtypes and choose the quantization of each matmul weight and the embedding.
+
+    quantize=False: dtypes only, for targets whose toolchain quantizes (ExecuTorch with torchao).
+    """
 
     name = "assign_precision"
+
+    def __init__(self, quantize: bool = True):
+        self.quantize = quantize
 
     def requires(self, ctx: ExportContext) -> None:
         if ctx.precision not in PRECISIONS:
@@ -227,20 +239,29 @@ class AssignPrecision:
         for name, b in model.named_buffers():
             b.data = b.data.to(torch.float32)
         counts = {"params_kept_fp32": kept, "params_at_model_dtype": sum(1 for _ in model.parameters()) - kept}
-        if ctx.precision in ("int8", "int4"):
+        if ctx.precision in ("int8", "int4") and self.quantize:
             bits = 8 if ctx.precision == "int8" else 4
             block = int(ctx.options.get("block_size", 32))
             dn8 = bool(ctx.options.get("deltanet_int8")) and bits == 4
+            per_channel8 = ctx.options.get("int8_block") == "channel"
+            divide = bool(ctx.options.get("block_must_divide"))
+            scale_dt = ctx.options.get("scale_dtype", "float32")
             for mname, m in model.named_modules():
                 if isinstance(m, nn.Linear):
                     b = 8 if dn8 and ".linear_attn." in mname else bits
+                    blk = m.in_features if (b == 8 and per_channel8) else block
+                    if divide and m.in_features % blk:
+                        blk = next((x for x in (blk // 2, blk // 4, blk // 8) if x >= 4 and m.in_features % x == 0),
+                                   m.in_features)
                     for alias in plan.aliases(f"{mname}.weight"):
-                        ctx.quant["linear"][alias] = {"bits": b, "block_size": block}
+                        ctx.quant["linear"][alias] = {"bits": b, "block_size": blk, "scale_dtype": scale_dt}
             # Gathered embedding rows cannot be padded: the block must divide the hidden size.
             emb_block = next((b for b in (block, block // 2, block // 4) if b >= 16 and ctx.spec.hidden_size % b == 0), 0)
             if emb_block:
+                if bits == 8 and per_channel8:
+                    emb_block = ctx.spec.hidden_size
                 for alias in plan.aliases("model.embed_tokens.weight"):
-                    ctx.quant["embedding"][alias] = {"bits": bits, "block_size": emb_block}
+                    ctx.quant["embedding"][alias] = {"bits": bits, "block_size": emb_block, "scale_dtype": scale_dt}
             counts["embedding_quantized"] = int(bool(emb_block))
             for b in (4, 8):
                 n = sum(1 for q in ctx.quant["linear"].values() if q["bits"] == b)
@@ -300,7 +321,10 @@ def example_inputs(states: list[dict], length: int, device: str = "meta") -> tup
     return ids, pos, st
 
 
-def capture(model: nn.Module, states: list[dict], max_context: int) -> torch.export.ExportedProgram:
+def capture(model: nn.Module, states: list[dict], max_context: int, static: int | None = None) -> torch.export.ExportedProgram:
+    """The program for any prompt length 1 .. max_context, or for exactly `static` tokens."""
+    if static is not None:
+        return torch.export.export(model, example_inputs(states, static), strict=False)
     t = torch.export.Dim("tokens", min=1, max=max_context)
     args = example_inputs(states, 2)
     return torch.export.export(model, args, dynamic_shapes=({1: t}, None, [None] * len(states)), strict=False)

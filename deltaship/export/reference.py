@@ -52,15 +52,39 @@ def reference_model(source: ModelSource, dtype: torch.dtype = torch.float32):
 def _roundtrip(w: torch.Tensor, q: dict) -> torch.Tensor:
     arr = w.detach().float().numpy()
     codes, scales = quantize_blocks(arr, q["bits"], q["block_size"])
+    if q.get("scale_dtype") == "float16":
+        scales = scales.astype(np.float16).astype(np.float32)
     return torch.from_numpy(dequantize(pack(codes, q["bits"]), scales, q["bits"], arr.shape[1]))
 
 
+def _set_from_rounded(model, source: ModelSource, plan, rounded: dict) -> None:
+    """Load toolchain-rounded canonical tensors into the HF model (fused tensors split by rows)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if source.spec.tie_word_embeddings:  # the two uses may round differently: untie
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        params["lm_head.weight"] = model.lm_head.weight
+    for name, arr in rounded.items():
+        sources = ("lm_head.weight",) if name == "lm_head.weight" else plan.recipes[name].sources
+        row = 0
+        for s in sources:
+            n = source.weights.shape(s)[0] if s in source.weights.names() else arr.shape[0]
+            params[s].data = torch.from_numpy(np.ascontiguousarray(arr[row:row + n])).float()
+            row += n
+
+
 @torch.no_grad()
-def matched_reference_model(source: ModelSource, plan, quant: dict, precision: str):
-    """The fp32 reference with every weight rounded exactly as the bundle stores it."""
+def matched_reference_model(source: ModelSource, plan, quant: dict, precision: str, rounded: dict | None = None):
+    """The fp32 reference with every weight rounded exactly as the bundle stores it.
+
+    `rounded` (canonical name -> array) gives the values directly when a toolchain did the
+    rounding (torchao for ExecuTorch); otherwise they are recomputed from `quant`.
+    """
     model = reference_model(source)
     if precision == "fp32":
         return model
+    if rounded is not None:
+        _set_from_rounded(model, source, plan, rounded)
+        return model.eval()
     # Checkpoint tensor -> rounding, through the weight plan (fused tensors round row by row,
     # so rounding each source tensor alone gives the same values).
     linear_q = {s: q for n, q in quant["linear"].items() for s in plan.recipes[n].sources}

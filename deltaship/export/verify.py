@@ -115,7 +115,7 @@ def verify_bundle(bundle: Path, manifest: dict[str, Any], source: ModelSource, c
     prompts = prompts or default_prompts(source.spec.vocab_size, session.prefill_chunk, session.max_context, steps)
     if progress:
         progress("verify: parity against the matched transformers reference")
-    ref = matched_reference_model(source, ctx.plan, ctx.quant, ctx.precision)
+    ref = matched_reference_model(source, ctx.plan, ctx.quant, ctx.precision, rounded=ctx.rounded)
     rows = []
     for prompt in prompts:
         toks, ref_rows = reference_continuation(ref, prompt, steps)

@@ -55,6 +55,37 @@ def _(x, gate, weight, eps):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("deltaship::l2norm", mutates_args=())
+def l2norm(x: Tensor) -> Tensor:
+    """L2-normalise the last axis in fp32, as transformers does for DeltaNet q/k.
+
+    x [..., D] -> fp32 [..., D]; y = x * rsqrt(sum(x^2) + 1e-6).
+    """
+    xf = x.float()
+    return xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)
+
+
+@l2norm.register_fake
+def _(x):
+    return torch.empty_like(x, dtype=torch.float32)
+
+
+@torch.library.custom_op("deltaship::delta_gates", mutates_args=())
+def delta_gates(a: Tensor, b: Tensor, dt_bias: Tensor, decay_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """The DeltaNet gates, in fp32: g = decay_scale * softplus(a + dt_bias), beta = sigmoid(b).
+
+    a, b [B, T, Hv] (projections), dt_bias [Hv], decay_scale [Hv] = -exp(A_log).
+    Returns (g [B, T, Hv] log-space decay <= 0, beta [B, T, Hv]).
+    """
+    g = decay_scale.float() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+@delta_gates.register_fake
+def _(a, b, dt_bias, decay_scale):
+    return torch.empty_like(a, dtype=torch.float32), torch.empty_like(b, dtype=torch.float32)
+
+
 @torch.library.custom_op("deltaship::causal_conv_with_state", mutates_args=())
 def causal_conv_with_state(x: Tensor, state: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     """Depthwise causal conv1d + SiLU, continuing from a carried state.
@@ -189,9 +220,25 @@ def _(q, k, v, k_cache, v_cache, pos):
 
 CANONICAL_OPS = {
     "rms_norm": torch.ops.deltaship.rms_norm.default,
+    "l2norm": torch.ops.deltaship.l2norm.default,
+    "delta_gates": torch.ops.deltaship.delta_gates.default,
     "gated_rms_norm": torch.ops.deltaship.gated_rms_norm.default,
     "causal_conv_with_state": torch.ops.deltaship.causal_conv_with_state.default,
     "gated_delta_rule": torch.ops.deltaship.gated_delta_rule.default,
     "attention_with_kv_cache": torch.ops.deltaship.attention_with_kv_cache.default,
 }
 STATEFUL_OPS = ("causal_conv_with_state", "gated_delta_rule", "attention_with_kv_cache")
+
+
+class Kernels:
+    """The implementations a canonical module calls. By default the canonical ops themselves (which
+    ONNX and Core ML lower from the captured graph); a target that lowers at module level
+    (ExecuTorch) substitutes its own object with the same methods."""
+
+    name = "canonical"
+
+    def __getattr__(self, op: str):
+        return getattr(torch.ops.deltaship, op)
+
+
+CANONICAL = Kernels()

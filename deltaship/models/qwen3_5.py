@@ -14,10 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deltaship.models import ops  # noqa: F401  (registers torch.ops.deltaship.*)
+from deltaship.models.ops import CANONICAL
 from deltaship.models.spec import ModelSpec
-
-OPS = torch.ops.deltaship
 
 
 # ---- weight fix-ups: pure functions on numpy arrays ------------------------------------------
@@ -105,9 +103,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.kernels = CANONICAL
 
     def forward(self, x: Tensor) -> Tensor:
-        return OPS.rms_norm(x, self.weight, self.eps)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class Projections(nn.Module):
@@ -144,12 +143,6 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def l2norm(x: Tensor) -> Tensor:
-    """As transformers' l2norm (eps 1e-6 inside the rsqrt), in fp32."""
-    x = x.float()
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-
 class StatefulGatedDeltaNet(nn.Module):
     """Gated DeltaNet with explicit state: (x, conv_state, recurrent_state) -> (y, states')."""
 
@@ -165,6 +158,7 @@ class StatefulGatedDeltaNet(nn.Module):
         self.decay_scale = nn.Parameter(torch.empty(spec.linear_num_value_heads, device="meta"))
         self.norm_weight = src.norm.weight
         self.out_proj = src.out_proj
+        self.kernels = CANONICAL
 
     # source name -> canonical name, for the weight plan
     renames = {"in_proj_qkv.weight": "proj.parts.in_proj_qkv.weight", "in_proj_z.weight": "proj.parts.in_proj_z.weight",
@@ -174,16 +168,16 @@ class StatefulGatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, conv_state: Tensor, rec_state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         s = self.spec
         hk, hv, dk, dv = s.linear_num_key_heads, s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim
+        kern = self.kernels
         qkv, z, b, a = self.proj(x)
-        qkv, conv_state = OPS.causal_conv_with_state(qkv, conv_state, self.conv_weight)
+        qkv, conv_state = kern.causal_conv_with_state(qkv, conv_state, self.conv_weight)
         q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        q = l2norm(q.reshape(1, -1, hk, dk))
-        k = l2norm(k.reshape(1, -1, hk, dk))
+        q = kern.l2norm(q.reshape(1, -1, hk, dk))
+        k = kern.l2norm(k.reshape(1, -1, hk, dk))
         v = v.reshape(1, -1, hv, dv).float()
-        beta = torch.sigmoid(b).float()
-        g = self.decay_scale * F.softplus(a.float() + self.dt_bias)
-        o, rec_state = OPS.gated_delta_rule(q, k, v, g, beta, rec_state)
-        o = OPS.gated_rms_norm(o.to(x.dtype), z.reshape(1, -1, hv, dv), self.norm_weight, s.rms_norm_eps)
+        g, beta = kern.delta_gates(a, b, self.dt_bias, self.decay_scale)
+        o, rec_state = kern.gated_delta_rule(q, k, v, g, beta, rec_state)
+        o = kern.gated_rms_norm(o.to(x.dtype), z.reshape(1, -1, hv, dv), self.norm_weight, s.rms_norm_eps)
         return self.out_proj(o.reshape(1, -1, hv * dv)), conv_state, rec_state
 
 
@@ -208,6 +202,7 @@ class StaticCacheAttention(nn.Module):
             raise RuntimeError("the q/k norms are still zero-centred; fold them (FoldZeroCentredNorms) first")
         self.q_norm, self.k_norm = src.q_norm, src.k_norm
         self.o_proj = src.o_proj
+        self.kernels = CANONICAL
 
     renames = {"q_proj.weight": "qkv.parts.q_proj.weight", "k_proj.weight": "qkv.parts.k_proj.weight",
                "v_proj.weight": "qkv.parts.v_proj.weight"}
@@ -221,7 +216,8 @@ class StaticCacheAttention(nn.Module):
         q, gate = qg[..., :d], qg[..., d:]
         q = rotate(self.q_norm(q), cos, sin, s.rotary_dim)
         k = rotate(self.k_norm(k.reshape(1, -1, hkv, d)), cos, sin, s.rotary_dim)
-        out, k_cache, v_cache = OPS.attention_with_kv_cache(q, k, v.reshape(1, -1, hkv, d), k_cache, v_cache, position)
+        out, k_cache, v_cache = self.kernels.attention_with_kv_cache(q, k, v.reshape(1, -1, hkv, d), k_cache, v_cache,
+                                                                     position)
         out = out.reshape(1, -1, h * d) * torch.sigmoid(gate.reshape(1, -1, h * d))
         return self.o_proj(out), k_cache, v_cache
 

@@ -81,14 +81,19 @@ class Session(ABC):
                                  "pick a context below the bundle's max context")
         self.position = position
 
+    def _chunks(self, n: int) -> list[int]:
+        """How a prompt of n tokens is split into calls: chunks of prefill_chunk, then the rest."""
+        return [min(self.prefill_chunk, n - i) for i in range(0, n, self.prefill_chunk)]
+
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Feed a prompt (in chunks of prefill_chunk tokens); return logits after its last token."""
         arr = self._check(ids)
         logits = None
-        for start in range(0, arr.size, self.prefill_chunk):
-            chunk = arr[start:start + self.prefill_chunk]
-            logits = self._forward(chunk)
-            self.position += chunk.size
+        start = 0
+        for size in self._chunks(arr.size):
+            logits = self._forward(arr[start:start + size])
+            self.position += size
+            start += size
         return logits
 
     def decode(self, token: int) -> np.ndarray:

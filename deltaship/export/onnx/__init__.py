@@ -40,7 +40,7 @@ def estimate_bytes(ctx) -> int:
     return total
 
 
-def lower(ctx, weights, out_dir: Path, progress=None) -> dict:
+def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict:
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
     accuracy_level = int(ctx.options.get("accuracy_level", DEFAULT_ACCURACY_LEVEL))
     external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))

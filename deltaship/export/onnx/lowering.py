@@ -411,3 +411,22 @@ def _attention_lengths(L: Lowerer, pos: str, query: str) -> tuple[str, str]:
                     to=TensorProto.INT32)
     L._attn_lengths = (seqlens, total)
     return seqlens, total
+
+
+def _as_float32(L: Lowerer, a) -> str:
+    t = L.as_tensor(a)
+    return t if L.dtype_of(a) == torch.float32 else L.b.one("Cast", [t], to=TensorProto.FLOAT)
+
+
+@lowering(DS.l2norm.default)
+def _l2norm(L: Lowerer, node, x):
+    t = _as_float32(L, x)
+    ss = L.b.one("ReduceSum", [L.b.one("Mul", [t, t]), L.b.const(np.array([-1], np.int64))], keepdims=1)
+    inv = L.b.one("Reciprocal", [L.b.one("Sqrt", [L.b.one("Add", [ss, L.b.const(np.array(1e-6, np.float32))])])])
+    return L.b.one("Mul", [t, inv])
+
+
+@lowering(DS.delta_gates.default)
+def _delta_gates(L: Lowerer, node, a, b, dt_bias, decay_scale):
+    return L.b.node("LinearAttentionGate", [_as_float32(L, a), _as_float32(L, dt_bias), _as_float32(L, decay_scale),
+                                            _as_float32(L, b)], n_out=2, domain=MS)

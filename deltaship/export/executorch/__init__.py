@@ -1,0 +1,228 @@
+"""The ExecuTorch target: a stateful .pte for phones, XNNPACK-delegated, quantized with torchao.
+
+States (DeltaNet conv and recurrent states, the KV cache) are mutable buffers: program state the
+app never carries. The canonical ops are lowered at module level (export/executorch/lowering.py);
+then torch.export -> to_edge_transform_and_lower(XNNPACK) -> to_executorch. A node XNNPACK does
+not take fails the export, named, unless allow_portable_fallback is set; the delegate partition
+count goes into the manifest. The .pte also carries the metadata methods ExecuTorch's LLM runner
+reads (get_max_seq_len, get_bos_id, get_eos_ids, use_kv_cache, ...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from deltaship.errors import DeltashipError
+from deltaship.export.passes import PIPELINE as _CANONICAL, AssignPrecision, materialize
+
+PTE_FILE = "model.pte"
+TOOL_PACKAGES = ("executorch", "torchao")
+USAGE = [
+    "Load model.pte with the ExecuTorch runtime (XNNPACK backend; register the llama custom ops and the "
+    "quantized kernels: executorch.extension.llm.custom_ops and executorch.kernels.quantized in Python, "
+    "or link custom_ops and quantized_kernels in C++).",
+    "Method 'forward': tokens int64 [1, T] (T = 1 .. prefill_chunk) and input_pos int64 [1] = tokens already "
+    "consumed; returns float32 logits [1, vocab] of the last token.",
+    "All state lives in the program (mutable buffers). Calling forward with input_pos 0 starts a new sequence: "
+    "the DeltaNet state is discarded in the graph, so rewinding the position is a complete reset.",
+    "Metadata methods: get_max_seq_len, get_max_context_len, get_vocab_size, get_bos_id, get_eos_ids, "
+    "get_n_layers, use_kv_cache, use_sdpa_with_kv_cache, enable_dynamic_shape.",
+]
+# Nodes that legitimately run outside XNNPACK (names as get_delegation_info reports them): the
+# canonical stateful kernels (llama::*, the KV-cache write), the (quantized) embedding gather,
+# symbolic-size arithmetic and asserts, and the few scalar/mask ops around positions.
+PORTABLE_OK_PREFIXES = ("llama_", "auto_functionalized", "aten_embedding", "quantized_decomposed_embedding",
+                        "aten_arange", "aten_eq_scalar", "aten_ne_scalar", "aten_add_tensor", "aten_cat_default",
+                        "aten__to_copy", "aten_sym_size", "aten__local_scalar_dense", "aten__assert",
+                        # data movement at partition boundaries (views are free after memory planning)
+                        "aten_view_copy", "aten_slice_copy", "aten_split_with_sizes_copy", "aten_unsqueeze_copy",
+                        "aten_expand_copy", "aten_select_copy", "aten_squeeze_copy", "aten_permute_copy")
+PORTABLE_OK_SYMBOLIC = ("add", "sub", "mul", "ge", "le", "lt", "gt", "eq", "floordiv", "getitem", "sym_size",
+                        "_assert_scalar", "_local_scalar_dense")
+
+
+def expected_portable(op: str) -> bool:
+    return op in PORTABLE_OK_SYMBOLIC or op.startswith(PORTABLE_OK_PREFIXES)
+
+
+PIPELINE = _CANONICAL[:-2] + (AssignPrecision(quantize=False),)
+
+
+class ProgramState(nn.Module):
+    """Holds every state tensor as a buffer and threads them through the canonical model."""
+
+    def __init__(self, model: nn.Module, states: list[dict], kernels):
+        super().__init__()
+        self.model, self.kernels = model, kernels
+        self.names = []
+        for s in states:
+            name = s["name"].replace(".", "_")
+            self.register_buffer(name, torch.zeros(s["shape"], dtype=getattr(torch, s["dtype"])))
+            self.names.append(name)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        self.kernels.position = input_pos
+        bufs = [getattr(self, n) for n in self.names]
+        logits, new = self.model(tokens, input_pos, bufs)
+        with torch.no_grad():
+            for buf, value in zip(bufs, new):
+                if value is not buf:  # the KV cache is written in place by llama::update_cache
+                    buf.copy_(value)
+        return logits
+
+
+def program_states(states: list[dict]) -> list[dict]:
+    """The canonical state contract in ExecuTorch's layouts: KV cache [1, S, Hkv, D], always fp32."""
+    out = []
+    for s in states:
+        s = dict(s, buffer=s["name"].replace(".", "_"))
+        if s["kind"].startswith("kv_cache"):
+            b, h, t, d = s["shape"]
+            s.update(shape=[b, t, h, d], dtype="float32")
+        out.append(s)
+    return out
+
+
+def use_kernels(model: nn.Module, kernels) -> int:
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "kernels"):
+            m.kernels = kernels
+            n += 1
+    return n
+
+
+def static_conv_weights(model: nn.Module) -> None:
+    """[C, K] -> a [C, 1, K] parameter: XNNPACK delegates a depthwise conv only with a static weight."""
+    for m in model.modules():
+        if hasattr(m, "conv_weight") and m.conv_weight.dim() == 2:
+            m.conv_weight = nn.Parameter(m.conv_weight.detach().unsqueeze(1), requires_grad=False)
+
+
+def quantize(model: nn.Module, precision: str, group_size: int) -> dict[str, Any]:
+    """int4: 8da4w (int8 dynamic activations, int4 weights per group) on every Linear, LM head included;
+    int8: 8da8w per channel. The embedding: 4-bit (group 32) or 8-bit rows, ExecuTorch's quantized
+    embedding kernels. Returns what was done, for the manifest."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
+    from executorch.examples.models.llama.source_transformation.quantize import get_quant_embedding_transform
+
+    if precision == "int4":
+        cfg = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size),
+                                                    intx_choose_qparams_algorithm="hqq_scale_only")
+        emb = "4,32"
+    else:
+        cfg = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+        emb = "8,0"
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    bad = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and precision == "int4"
+           and m.in_features % group_size]
+    if bad:
+        raise DeltashipError(f"--block-size {group_size} does not divide the input features of {bad[:3]}",
+                             "pick a group size that divides the hidden and intermediate sizes (e.g. 32)")
+    if model.model.embed_tokens.weight is getattr(model, "lm_head").weight:  # untie: quantized separately
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+    quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+    get_quant_embedding_transform(emb)(model)
+    return {"scheme": "torchao 8da4w (hqq scales)" if precision == "int4" else "torchao 8da8w per channel",
+            "activations": "int8 dynamic", "group_size": group_size if precision == "int4" else "per channel",
+            "linears": len(linears), "embedding": f"ExecuTorch quantized embedding {emb}"}
+
+
+@torch.no_grad()
+def rounded_weights(model: nn.Module) -> dict[str, np.ndarray]:
+    """The weight values the program holds, dequantized: canonical parameter name -> float32 array."""
+    out: dict[str, np.ndarray] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            w = m.weight
+            out[f"{name}.weight"] = (w.dequantize() if hasattr(w, "dequantize") else w).float().numpy()
+    emb = model.model.embed_tokens
+    ids = torch.arange(model.spec.vocab_size).reshape(1, -1)
+    out["model.embed_tokens.weight"] = emb(ids)[0].float().numpy()
+    return out
+
+
+def metadata(ctx, tokens: dict[str, Any]) -> dict[str, Any]:
+    eos = tokens.get("eos") or []
+    return {"get_max_seq_len": ctx.max_context, "get_max_context_len": ctx.max_context,
+            "get_vocab_size": ctx.spec.vocab_size, "get_n_layers": ctx.spec.num_layers,
+            "get_bos_id": tokens.get("bos") if tokens.get("bos") is not None else (eos[0] if eos else 0),
+            "get_eos_ids": list(eos), "use_kv_cache": True, "use_sdpa_with_kv_cache": True,
+            "enable_dynamic_shape": True}
+
+
+def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (XnnpackDynamicallyQuantizedPartitioner,
+                                                                          XnnpackPartitioner)
+    from executorch.devtools.backend_debug import get_delegation_info
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
+
+    from deltaship.export.executorch.lowering import ExecuTorchKernels
+
+    say = progress or (lambda m: None)
+    say("materialising weights")
+    model = materialize(ctx.model, ctx.plan, weights).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    kernels = ExecuTorchKernels()
+    swapped = use_kernels(model, kernels)
+    static_conv_weights(model)
+    ctx.states = program_states(ctx.model.state_specs(ctx.dtype))
+    quant = {"scheme": "none", "weights": ctx.precision}
+    if ctx.precision in ("int8", "int4"):
+        say(f"quantizing ({ctx.precision})")
+        quant = quantize(model, ctx.precision, int(ctx.options.get("block_size", 32)))
+    ctx.rounded = rounded_weights(model) if ctx.precision in ("int8", "int4") else None
+    wrapper = ProgramState(model, ctx.states, kernels).eval()
+    chunk = int(ctx.options["prefill_chunk"])
+    say("torch.export (dynamic prompt length)")
+    t = torch.export.Dim("tokens", min=1, max=chunk)
+    example = (torch.zeros(1, min(2, chunk), dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    with torch.no_grad():
+        ep = torch.export.export(wrapper, example, dynamic_shapes=({1: t} if chunk > 1 else None, None), strict=False)
+    say("lowering to XNNPACK")
+    edge = to_edge_transform_and_lower(
+        ep, partitioner=[XnnpackDynamicallyQuantizedPartitioner(), XnnpackPartitioner()],
+        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+        constant_methods=metadata(ctx, tokens or {}))
+    info = get_delegation_info(edge.exported_program().graph_module)
+    if ctx.options.get("debug_portable"):
+        for n in edge.exported_program().graph.nodes:
+            if n.op == "call_function" and "executorch_call_delegate" not in str(n.target) and "getitem" not in str(n.target):
+                val = n.meta.get("val")
+                print("PORTABLE", n.target, getattr(val, "shape", val), n.meta.get("stack_trace", "").strip().splitlines()[-1:])
+    portable = {op: int(v.non_delegated) for op, v in info.delegation_by_operator.items() if v.non_delegated}
+    unexpected = {op: n for op, n in portable.items() if not expected_portable(op)}
+    if unexpected and not ctx.options.get("allow_portable_fallback"):
+        raise DeltashipError(
+            "executorch lowering: XNNPACK does not take these nodes, which would run as slow portable kernels: "
+            + ", ".join(f"{op} x{n}" for op, n in sorted(unexpected.items())),
+            "report this; or pass --allow-portable-fallback to accept the portable kernels")
+    say("to_executorch")
+    prog = edge.to_executorch(ExecutorchBackendConfig(
+        extract_delegate_segments=True, do_quant_fusion_and_const_prop=True,
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(), emit_mutable_buffer_names=True))
+    (out_dir / PTE_FILE).write_bytes(prog.buffer)
+    n_layers = ctx.spec.num_layers
+    return {"files": [PTE_FILE], "entry": PTE_FILE, "delegate_partitions": int(info.num_delegated_subgraphs),
+            "delegate_partitions_per_layer": round(info.num_delegated_subgraphs / n_layers, 2),
+            "portable_nodes": portable, "kernels_swapped": swapped,
+            "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op, chunked kernel for T > 1)",
+            "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]",
+            "quantization": quant, "prefill": f"1 .. {chunk} tokens per call (dynamic shape)"}
+
+
+def io_inputs(ctx) -> list[dict]:
+    return [{"name": "tokens", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens",
+             "doc": "1 to prefill_chunk token ids"},
+            {"name": "input_pos", "shape": [1], "dtype": "int64", "kind": "position",
+             "doc": "tokens already consumed; 0 starts a new sequence (resets the state in the graph)"}]

@@ -1,0 +1,99 @@
+"""ExecuTorch lowerings of the canonical ops, applied at module level before capture.
+
+The stateful ops run on mutable buffers (program state): the KV cache is written in place by
+`llama::update_cache` and read by `llama::custom_sdpa`; the gated delta rule is ExecuTorch's
+chunked `llama::gated_delta_rule` kernel (T > 1 in one call). Everything else is written in the
+ops XNNPACK delegates (4-D means for the norms, a static-weight depthwise conv1d), so a layer
+stays in few delegate partitions.
+
+A new sequence is detected in the graph (position 0): the first token's decay and the conv state
+are multiplied by 0, which discards the old DeltaNet state without touching the whole tensor, so
+ExecuTorch's own runner, whose reset() only rewinds the position, works with these programs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+KV_LAYOUT = "[1, max_context, kv_heads, head_dim]"  # llama::update_cache / custom_sdpa layout
+
+
+def _mean_last(x: Tensor) -> Tensor:
+    """mean(x, -1, keepdim) in the 4-D (dims 2, 3) form XNNPACK delegates."""
+    d = x.shape[-1]
+    y = x.reshape(1, -1, 1, d).mean(dim=(2, 3), keepdim=True)
+    return y.reshape(*x.shape[:-1], 1)
+
+
+class ExecuTorchKernels:
+    """Same methods as the canonical ops; the state arguments are the program's mutable buffers."""
+
+    name = "executorch"
+
+    def __init__(self) -> None:
+        from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers torch.ops.llama)
+        self.position: Tensor | None = None  # set by the wrapper for the in-graph reset
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(_mean_last(xf * xf) + eps)
+        return (y * weight.float()).to(x.dtype)
+
+    def gated_rms_norm(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+        xf = x.float()
+        y = (xf * torch.rsqrt(_mean_last(xf * xf) + eps)).to(x.dtype).float()
+        return (weight.float() * y * F.silu(gate.float())).to(x.dtype)
+
+    def l2norm(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return xf * torch.rsqrt(_mean_last(xf * xf) * xf.shape[-1] + 1e-6)
+
+    def delta_gates(self, a: Tensor, b: Tensor, dt_bias: Tensor, decay_scale: Tensor) -> tuple[Tensor, Tensor]:
+        z = a.float() + dt_bias.float()
+        softplus = torch.relu(z) + torch.log(1 + torch.exp(-torch.abs(z)))  # XNNPACK has these; not softplus
+        return decay_scale.float() * softplus, torch.sigmoid(b.float())
+
+    def _keep(self) -> Tensor:
+        """1.0 inside a sequence, 0.0 on its first call (position 0)."""
+        return (self.position.reshape(1) != 0).float()
+
+    def causal_conv_with_state(self, x: Tensor, state: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        # weight is the [C, 1, K] parameter (a static weight keeps the conv delegated)
+        k = weight.shape[-1]
+        state = state * self._keep().to(state.dtype)
+        full = torch.cat([state.to(x.dtype), x], dim=1)
+        y = F.conv1d(full.transpose(1, 2), weight.to(x.dtype), groups=weight.shape[0]).transpose(1, 2)
+        return F.silu(y), full[:, full.shape[1] - (k - 1):].to(state.dtype)
+
+    def gated_delta_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                         state: Tensor) -> tuple[Tensor, Tensor]:
+        hv, hk, dk = v.shape[2], k.shape[2], k.shape[3]
+        if hv != hk:  # ExecuTorch's kernel groups the other way (query heads over state heads)
+            q = q.repeat_interleave(hv // hk, dim=2)
+            k = k.repeat_interleave(hv // hk, dim=2)
+        decay = g.exp()
+        first = (torch.arange(decay.shape[1], device=decay.device) == 0).float()  # 1 for the call's first token
+        decay = decay * (1 - first * (1 - self._keep())).reshape(1, -1, 1)  # position 0: the old state is dropped
+        tr = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731  [B, T, H, D] -> [B, H, T, D]
+        o, new_state = torch.ops.llama.gated_delta_rule(tr(q.float() * dk ** -0.5), tr(k.float()), tr(v.float()),
+                                                        tr(decay), tr(beta.float()), state)
+        return o.transpose(1, 2).to(v.dtype), new_state
+
+    def attention_with_kv_cache(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # caches are mutable buffers in the [1, S, Hkv, D] layout; written in place
+        t, s = q.shape[1], k_cache.shape[1]
+        sp = pos[0].item()
+        torch._check(sp >= 0)
+        torch._check(sp + t <= s)
+        torch.ops.llama.update_cache(k.to(k_cache.dtype), k_cache, sp)
+        torch.ops.llama.update_cache(v.to(v_cache.dtype), v_cache, sp)
+        out = torch.ops.llama.custom_sdpa(q.float(), k_cache.float(), v_cache.float(), sp, None, 0.0, True)
+        return out.to(q.dtype), k_cache, v_cache
+
+
+LOWERINGS = {op: getattr(ExecuTorchKernels, op) for op in (
+    "rms_norm", "gated_rms_norm", "l2norm", "delta_gates", "causal_conv_with_state", "gated_delta_rule",
+    "attention_with_kv_cache")}

@@ -14,7 +14,9 @@ def _export(a: argparse.Namespace) -> int:
     from deltaship.export import export
     export(model=a.model, out=a.out, target=a.target, precision=a.precision, max_context=a.max_context,
            force=a.force, verify=not a.no_verify, prefill_chunk=a.prefill_chunk, block_size=a.block_size,
-           deltanet_int8=a.deltanet_int8, accuracy_level=a.accuracy_level, threads=a.threads, progress=not a.quiet)
+           deltanet_int8=a.deltanet_int8, accuracy_level=a.accuracy_level, threads=a.threads, progress=not a.quiet,
+           **({"allow_portable_fallback": True} if a.allow_portable_fallback else {}),
+           **({"coreml_states": a.coreml_states} if a.coreml_states else {}))
     return 0
 
 
@@ -128,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--deltanet-int8", action="store_true", help="with int4: keep DeltaNet projections at int8")
     e.add_argument("--accuracy-level", type=int, default=4,
                    help="ONNX int8/int4: 4 = int8 activation blocks (fast, default), 0 = float activations")
+    e.add_argument("--allow-portable-fallback", action="store_true",
+                   help="executorch: accept nodes XNNPACK does not take (run as portable kernels)")
+    e.add_argument("--coreml-states", choices=("io", "state"), default=None,
+                   help="coreml: DeltaNet states as fp32 inputs/outputs (io, default) or fp16 Core ML states")
     e.add_argument("--threads", type=int, default=None, help="threads for verification")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(func=_export)

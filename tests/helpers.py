@@ -59,14 +59,14 @@ def randomize(model, seed: int) -> None:
                 p.copy_(0.15 * torch.randn(p.shape, generator=g))
 
 
-def write_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
+def write_checkpoint(name: str, directory: Path, seed: int = 0, **overrides) -> Path:
     """A transformers-saved checkpoint of a tiny config (multimodal: with vision and MTP tensors)."""
     import torch
     from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
                               Qwen3_5TextConfig)
 
     torch.manual_seed(seed)
-    tcfg = text_config(name)
+    tcfg = dict(text_config(name), **overrides)
     if name == MULTIMODAL:
         cfg = Qwen3_5Config(text_config=tcfg, tie_word_embeddings=True,
                             vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
@@ -110,10 +110,13 @@ def set_json(path: Path, key: str, value) -> None:
     path.write_text(json.dumps(cfg))
 
 
-def export_context(ckpt: Path, precision: str, max_context: int = 128, **options):
-    """The export passes up to (not including) capture: the weight plan and quantization choices."""
-    from deltaship.export.passes import PIPELINE, ExportContext, run_pipeline
+def export_context(ckpt: Path, precision: str, max_context: int = 128, target: str = "onnx", **options):
+    """The target's export passes up to (not including) capture: the weight plan and quantization choices."""
+    from deltaship.export import _target_module
     from deltaship.models.source import load_source
-    opts = {"block_size": 32, "deltanet_int8": False, **options}
-    ctx = ExportContext(spec=load_source(str(ckpt)).spec, precision=precision, max_context=max_context, options=opts)
-    return run_pipeline(ctx, PIPELINE[:-1])
+    from deltaship.export.passes import ExportContext, run_pipeline
+    tmod = _target_module(target)
+    opts = {**getattr(tmod, "OPTIONS", {}), "block_size": 32, "deltanet_int8": False, "prefill_chunk": 8, **options}
+    ctx = ExportContext(spec=load_source(str(ckpt)).spec, precision=precision, max_context=max_context, target=target,
+                        options=opts)
+    return run_pipeline(ctx, tmod.PIPELINE[:-1])

@@ -87,12 +87,12 @@ def test_unknown_op_fails_naming_it(tmp_path):
     from deltaship.export.onnx import lower
     from deltaship.export.onnx.lowering import LOWERINGS
     ctx = export_context_only(PIPELINE)
-    saved = LOWERINGS.pop(torch.ops.aten.softplus.default)
+    saved = LOWERINGS.pop(torch.ops.aten.sigmoid.default)
     try:
-        with pytest.raises(DeltashipError, match="no lowering for op aten.softplus"):
+        with pytest.raises(DeltashipError, match="no lowering for op aten.sigmoid"):
             lower(ctx, RandomWeights(ctx.spec), tmp_path)
     finally:
-        LOWERINGS[torch.ops.aten.softplus.default] = saved
+        LOWERINGS[torch.ops.aten.sigmoid.default] = saved
 
 
 def test_eager_canonical_model_matches_transformers(checkpoints):
@@ -116,7 +116,7 @@ def test_eager_canonical_model_matches_transformers(checkpoints):
 
 # ---- the bundle --------------------------------------------------------------------------------
 def test_manifest_contract(bundles, checkpoints):
-    path = bundles("grouped_values")
+    path = bundles("grouped_values", verify=True)
     m = read_manifest(path)
     assert m["schema"] == "deltaship.bundle" and m["schema_version"] == 1
     assert m["target"] == "onnx" and m["precision"] == "fp32" and m["max_context"] == 128

@@ -17,8 +17,12 @@ from deltaship.models.source import load_source
 from deltaship.runtimes import open_bundle
 from deltaship.tolerances import tolerance
 
-TARGETS = ["onnx"]
+TARGETS = ["onnx", "executorch", "coreml"]
 CHUNK = 8  # the bundles fixture exports with prefill_chunk=8
+# Lower precisions: ONNX over the whole table; the slower toolchains over two configs that between
+# them cover tied and untied heads and value heads > key heads.
+LOW_PRECISION_CASES = [(c, "onnx") for c in ALL_CONFIGS] + [(c, t) for c in ("base", "grouped_values")
+                                                                 for t in ("executorch", "coreml")]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,7 @@ def test_chunked_prefill_equals_token_by_token(config, target, bundles, refs):
         a = chunked.prefill(prompt)
         for tok in prompt:
             b = stepwise.decode(tok)
-        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
         assert chunked.position == stepwise.position == n
         ref_last = refs(config)(torch.tensor([prompt]), use_cache=False).logits[0, -1].detach().numpy()
         rel = np.abs(a - ref_last).max() / ref_last.std()
@@ -70,7 +74,7 @@ def test_chunked_prefill_equals_token_by_token(config, target, bundles, refs):
             for name in sa:
                 if "key" in name or "value" in name:  # only the first n positions of a KV cache are defined
                     sa[name], sb[name] = sa[name][:, :, :n], sb[name][:, :, :n]
-                np.testing.assert_allclose(sa[name], sb[name], atol=2e-5, rtol=0, err_msg=name)
+                np.testing.assert_allclose(sa[name], sb[name], atol=1e-4, rtol=1e-4, err_msg=name)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -106,10 +110,16 @@ def test_two_sessions_do_not_share_state(target, bundles):
     assert solo_a != solo_b
 
 
-def _matched_parity(bundle, ckpt, precision, tol, **opts) -> dict:
-    """Teacher-forced parity of a bundle against transformers with the bundle's own weight rounding."""
-    ctx = export_context(ckpt, precision, **opts)
-    ref = matched_reference_model(load_source(str(ckpt)), ctx.plan, ctx.quant, precision)
+def _matched_parity(bundle, ckpt, precision, tol, target="onnx", **opts) -> dict:
+    """Teacher-forced parity of a bundle against transformers with the bundle's own weight rounding
+    (recomputed from the export's quantization choices, or read back from what the toolchain did)."""
+    import json
+    ctx = export_context(ckpt, precision, target=target, **opts)
+    source = load_source(str(ckpt))
+    if target == "executorch" and precision in ("int8", "int4"):  # torchao's rounding, redone (deterministic)
+        from deltaship.export.executorch import prepare
+        prepare(ctx, source.weights)
+    ref = matched_reference_model(source, ctx.plan, ctx.quant, precision, rounded=ctx.rounded)
     s = open_bundle(bundle)
     worst, agree = 0.0, 1.0
     for n, seed in ((3, 7), (CHUNK + 5, 8)):
@@ -120,12 +130,11 @@ def _matched_parity(bundle, ckpt, precision, tol, **opts) -> dict:
     return {"rel": worst, "agree": agree}
 
 
-@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
-@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("config,target", LOW_PRECISION_CASES)
 def test_lower_precision_matches_its_rounded_weights(config, precision, target, bundles, checkpoints):
     tol = tolerance(target, precision)
-    got = _matched_parity(bundles(config, target, precision), checkpoints[config], precision, tol)
+    got = _matched_parity(bundles(config, target, precision), checkpoints[config], precision, tol, target=target)
     assert got["rel"] <= tol.max_rel_logit_diff and got["agree"] >= tol.min_greedy_agreement, got
 
 

@@ -117,6 +117,8 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
     from deltaship.models.presets import PRESETS
     from deltaship.models.source import load_source
 
+    from deltaship.logs import quiet_third_party
+    quiet_third_party()
     check_options(target, precision, max_context, block_size, deltanet_int8, prefill_chunk, accuracy_level)
     out = Path(out)
     check_destination(out, force)
@@ -135,6 +137,8 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
     chunk = min(prefill_chunk or getattr(tmod, "DEFAULT_CHUNK", DEFAULT_PREFILL_CHUNK), max_context)
     options = {**getattr(tmod, "OPTIONS", {}), "block_size": block_size, "deltanet_int8": deltanet_int8, "prefill_chunk": chunk,
                "accuracy_level": accuracy_level, **target_options}
+    if hasattr(tmod, "check_options"):
+        tmod.check_options(precision, max_context, chunk, options)
     ctx = ExportContext(spec=spec, precision=precision, max_context=max_context, target=target, options=options)
     run_pipeline(ctx, getattr(tmod, "PIPELINE", PIPELINE), progress=say)
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltaship.errors import DeltashipError
 from deltaship.export.weight_plan import WeightPlan
 from deltaship.models import qwen3_5 as fam
 from deltaship.models.spec import ModelSpec
@@ -42,7 +43,8 @@ class ExportContext:
     states: list[dict] = field(default_factory=list)
     report: list[dict] = field(default_factory=list)
     rounded: dict[str, Any] | None = None  # weights as a toolchain quantized them (for the matched reference)
-    programs: dict[str, Any] = field(default_factory=dict)  # fixed-shape programs, by function name
+    programs: dict[Any, Any] = field(default_factory=dict)  # fixed-shape programs (Core ML: by part and function)
+    parts: list[tuple[int, int]] = field(default_factory=list)  # layer ranges of a target split into packages
 
     @property
     def dtype(self) -> torch.dtype:
@@ -343,6 +345,8 @@ def run_pipeline(ctx: ExportContext, passes=PIPELINE, progress=None) -> ExportCo
             p.requires(ctx)
             counts = p.run(ctx)
             p.ensures(ctx)
+        except DeltashipError as e:  # the user's input or options: keep the message and its fix
+            raise DeltashipError(f"{e.message} (in export pass {p.name!r})", e.fix) from e
         except Exception as e:
             before = ", ".join(done) or "none"
             raise PassError(f"export pass {p.name!r} failed (after: {before}): {e}") from e

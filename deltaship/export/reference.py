@@ -9,20 +9,13 @@ Two references:
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from deltaship.export.onnx.quant import dequantize, pack, quantize_blocks
+from deltaship.logs import quiet_third_party
 from deltaship.models import qwen3_5 as fam
 from deltaship.models.source import ModelSource
-
-
-def quiet_third_party() -> None:
-    """transformers pulls in torchao, whose import logs about CUDA kernels; keep the CLI readable."""
-    for name in ("torchao", "torch.utils._pytree", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def reference_model(source: ModelSource, dtype: torch.dtype = torch.float32):

@@ -300,20 +300,31 @@ class Qwen35Model(nn.Module):
                             "shape": list(shape), "dtype": str(dt).replace("torch.", "")})
         return out
 
-    def forward(self, input_ids: Tensor, position: Tensor, states: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary(position, input_ids.shape[1], x.dtype)
+    def layer_state_counts(self) -> list[int]:
+        return [len(layer.mixer.state_kinds) for layer in self.model.layers]
+
+    def run_layers(self, x: Tensor, position: Tensor, states: list[Tensor], start: int = 0,
+                   stop: int | None = None) -> tuple[Tensor, list[Tensor]]:
+        """Layers start .. stop-1 on hidden states x; `states` are those layers' states, in order."""
+        cos, sin = self.model.rotary(position, x.shape[1], x.dtype)
         new_states: list[Tensor] = []
         i = 0
-        for layer in self.model.layers:
+        for layer in self.model.layers[start:stop]:
             n = len(layer.mixer.state_kinds)
             x, new = layer(x, cos, sin, position, states[i:i + n])
             new_states += new
             i += n
+        return x, new_states
+
+    def head(self, x: Tensor) -> Tensor:
         x = self.model.norm(x)
         if self.last_token_only:
             x = x[:, -1, :]
-        return self.lm_head(x).float(), new_states
+        return self.lm_head(x).float()
+
+    def forward(self, input_ids: Tensor, position: Tensor, states: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        x, new_states = self.run_layers(self.model.embed_tokens(input_ids), position, states)
+        return self.head(x), new_states
 
 
 def checkpoint_name(param: str) -> str:

@@ -28,22 +28,36 @@ class _CoreMLBase(Session):
                                  f"{manifest['prefill_chunk']} tokens", "do not override prefill_chunk")
         self.io_states = [s for s in manifest["states"] if s["mode"] == "io"]
         self.ml_states = [s for s in manifest["states"] if s["mode"] == "state"]
+        by_name = {s["name"]: s for s in manifest["states"]}
+        # packages run in order; each takes token ids or the previous part's hidden states
+        self.parts = [dict(p, state_specs=[by_name[n] for n in p["states"]]) for p in manifest["lowering"]["parts"]]
 
     def _chunks(self, n: int) -> list[int]:
         """Full prefill chunks, then single tokens (every function has a fixed shape)."""
         full = n // self.prefill_chunk
         return [self.prefill_chunk] * full + [1] * (n - full * self.prefill_chunk)
 
-    def _feeds(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        feeds = {"input_ids": ids.reshape(1, -1).astype(np.int32), "position": np.array([self.position], np.int32)}
-        for s in self.io_states:
-            feeds[s["coreml_input"]] = self._io[s["name"]]
+    def _feeds(self, part: dict, x: np.ndarray) -> dict[str, np.ndarray]:
+        x = x.reshape(1, -1).astype(np.int32) if part["input"] == "input_ids" else x
+        feeds = {part["input"]: x, "position": np.array([self.position], np.int32)}
+        for s in part["state_specs"]:
+            if s["mode"] == "io":
+                feeds[s["coreml_input"]] = self._io[s["name"]]
         return feeds
 
-    def _take_outputs(self, out: dict[str, np.ndarray]) -> np.ndarray:
-        for s in self.io_states:
-            self._io[s["name"]] = np.asarray(out[s["coreml_output"]], dtype=np.float32)
-        return np.asarray(out["logits"], dtype=np.float32).reshape(-1)
+    def _take_outputs(self, part: dict, out: dict[str, np.ndarray]) -> np.ndarray:
+        for s in part["state_specs"]:
+            if s["mode"] == "io":
+                self._io[s["name"]] = np.asarray(out[s["coreml_output"]], dtype=np.float32)
+        y = out[part["output"]]
+        return np.asarray(y, dtype=np.float32).reshape(-1) if part["output"] == "logits" else y
+
+    def _forward(self, ids: np.ndarray) -> np.ndarray:
+        fname = "decode" if ids.size == 1 else "prefill"
+        x = ids
+        for i, part in enumerate(self.parts):
+            x = self._take_outputs(part, self._run(i, fname, self._feeds(part, x)))
+        return x
 
     def _reset_io(self) -> None:
         self._io = {s["name"]: np.zeros(s["shape"], np.float32) for s in self.io_states}
@@ -56,7 +70,7 @@ class CoreMLEvalSession(_CoreMLBase):
                  prefill_chunk: int | None = None):
         super().__init__(bundle, manifest, prefill_chunk)
         from deltaship.runtimes.mil_eval import Interpreter, load_program
-        self.interp = Interpreter(load_program(self.bundle / manifest["entry"]))
+        self.interps = [Interpreter(load_program(self.bundle / p["package"])) for p in self.parts]
         self._states = {s["coreml_input"]: np.zeros(s["shape"], np.float16) for s in self.ml_states}
         self._reset_io()
 
@@ -64,9 +78,8 @@ class CoreMLEvalSession(_CoreMLBase):
         import coremltools as ct
         return f"coremltools {ct.__version__} MIL program evaluated with numpy on Linux (not Core ML)"
 
-    def _forward(self, ids: np.ndarray) -> np.ndarray:
-        fname = "decode" if ids.size == 1 else "prefill"
-        return self._take_outputs(self.interp.run(fname, self._feeds(ids), self._states))
+    def _run(self, i: int, fname: str, feeds: dict) -> dict:
+        return self.interps[i].run(fname, feeds, self._states)
 
     def _reset_states(self) -> None:
         for a in self._states.values():
@@ -87,21 +100,20 @@ class CoreMLDeviceSession(_CoreMLBase):
                  prefill_chunk: int | None = None, compute_units: str = "ALL"):
         super().__init__(bundle, manifest, prefill_chunk)
         import coremltools as ct
-        path = str(self.bundle / manifest["entry"])
         cu = getattr(ct.ComputeUnit, compute_units)
-        self.models = {f: ct.models.MLModel(path, function_name=f, compute_units=cu) for f in ("prefill", "decode")}
+        self.models = [{f: ct.models.MLModel(str(self.bundle / p["package"]), function_name=f, compute_units=cu)
+                        for f in ("prefill", "decode")} for p in self.parts]
         self._reset_states()
 
     def runtime_name(self) -> str:
         import coremltools as ct
         return f"Core ML via coremltools {ct.__version__} on macOS {platform.mac_ver()[0]}"
 
-    def _forward(self, ids: np.ndarray) -> np.ndarray:
-        fname = "decode" if ids.size == 1 else "prefill"
-        return self._take_outputs(self.models[fname].predict(self._feeds(ids), state=self.state))
+    def _run(self, i: int, fname: str, feeds: dict) -> dict:
+        return self.models[i][fname].predict(feeds, state=self.state[i])
 
     def _reset_states(self) -> None:
-        self.state = self.models["decode"].make_state()  # a new state is a reset
+        self.state = [m["decode"].make_state() for m in self.models]  # a new state is a reset
         self._reset_io()
 
 

@@ -23,6 +23,7 @@ PACKAGE = "model.mlpackage"
 TOOL_PACKAGES = ("coremltools",)
 FUNCTIONS = ("prefill", "decode")
 DEFAULT_CHUNK = 64
+PART_GB = 1.4  # weights per .mlpackage: large models are split into consecutive layer ranges
 # Option defaults of this target: int8 per output channel, fp16 scales, blocks that divide each row.
 OPTIONS = {"int8_block": "channel", "scale_dtype": "float16", "block_must_divide": True}
 USAGE = [
@@ -39,28 +40,120 @@ USAGE = [
 ]
 
 
+MAX_STATE_POSITIONS = 16384  # a KV-cache state longer than this has a dimension the Neural Engine rejects
+
+
+def check_options(precision: str, max_context: int, chunk: int, options: dict) -> None:
+    if chunk > 64 and chunk % 64 or chunk <= 64 and chunk & (chunk - 1):
+        raise DeltashipError(f"--prefill-chunk {chunk}: the Core ML prefill chunk must be a power of two up to 64 "
+                             "or a multiple of 64 (its DeltaNet recurrence is unrolled in chunks of 64)",
+                             "pass --prefill-chunk 64 (or 16, 32, 128, 256 ...)")
+    if max_context > MAX_STATE_POSITIONS:
+        raise DeltashipError(f"--max-context {max_context}: a Core ML KV-cache state of more than "
+                             f"{MAX_STATE_POSITIONS} positions has a dimension over the Neural Engine's limit "
+                             f"({MAX_STATE_POSITIONS})", f"pass --max-context {MAX_STATE_POSITIONS} or less")
+    if options.get("coreml_states", "io") not in ("io", "state"):
+        raise DeltashipError(f"--coreml-states must be io or state, got {options.get('coreml_states')!r}",
+                             "use io (fp32 DeltaNet state inputs/outputs) or state (fp16 Core ML states)")
+
+
+class Part(torch.nn.Module):
+    """Layers start .. stop-1 of the model; the first part embeds token ids, the last applies the head."""
+
+    def __init__(self, model, start: int, stop: int):
+        super().__init__()
+        self.m, self.start, self.stop = model, start, stop
+        self.first, self.last = start == 0, stop == len(model.model.layers)
+
+    def forward(self, inp, position, states):
+        x = self.m.model.embed_tokens(inp) if self.first else inp
+        x, new = self.m.run_layers(x, position, states, self.start, self.stop)
+        return (self.m.head(x) if self.last else x), new
+
+
+def _param_bytes(ctx, name: str) -> int:
+    n = int(np.prod(ctx.plan.shape(name)))
+    q = ctx.quant["linear"].get(name) or ctx.quant["embedding"].get(name)
+    if q:
+        return n * q["bits"] // 8 + n // q["block_size"] * 2
+    return n * (4 if ctx.precision == "fp32" else 2)
+
+
+def plan_parts(ctx, budget: int) -> list[tuple[int, int]]:
+    """Consecutive layer ranges whose weights (embedding with the first, head with the last) fit the budget."""
+    layers = len(ctx.spec.layer_types)
+    sizes = [0] * layers
+    head = 0
+    embed = 0
+    seen: set[int] = set()
+    for name, p in ctx.model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        b = _param_bytes(ctx, name)
+        if name.startswith("model.layers."):
+            sizes[int(name.split(".")[2])] += b
+        elif "embed_tokens" in name:
+            embed += b
+        else:
+            head += b
+    if ctx.spec.tie_word_embeddings and ctx.quant["linear"]:
+        head += embed  # a quantized tied head is stored a second time for the matmul
+    for what, b in (("the embedding", embed), ("the LM head", head)):
+        if b > budget:
+            raise DeltashipError(
+                f"coreml: {what} alone is {b / 1e9:.2f} GB at {ctx.precision}, over the {budget / 1e9:.2f} GB package "
+                "budget", "export at int8 or int4, or raise the budget with --coreml-part-gb")
+    parts, start, cur = [], 0, embed
+    for i, b in enumerate(sizes):
+        extra = head if i == layers - 1 else 0
+        if cur + b + extra > budget and i > start:
+            parts.append((start, i))
+            start, cur = i, 0
+        cur += b + extra
+        if cur > budget:
+            raise DeltashipError(f"coreml: layer {i} needs {cur / 1e9:.2f} GB, over the {budget / 1e9:.2f} GB package "
+                                 "budget", "export at int8 or int4, or raise the budget with --coreml-part-gb")
+    parts.append((start, layers))
+    return parts
+
+
+def _part_states(ctx, start: int, stop: int) -> list[dict]:
+    return [s for s in ctx.states if start <= s["layer"] < stop]
+
+
+def _capture_part(part: Part, states: list[dict], tokens: int, hidden: int, dtype) -> torch.export.ExportedProgram:
+    from deltaship.export.passes import example_inputs
+    ids, pos, st = example_inputs(states, tokens)
+    inp = ids if part.first else torch.zeros(1, tokens, hidden, dtype=dtype, device="meta")
+    return torch.export.export(part, (inp, pos, st), strict=False)
+
+
 class StaticCapture:
-    """torch.export at fixed shapes: the prefill chunk and a single token."""
+    """torch.export at fixed shapes (the prefill chunk and a single token), one pair per package part."""
 
     name = "static_capture"
 
     def requires(self, ctx) -> None:
-        chunk = int(ctx.options["prefill_chunk"])
-        if chunk > 64 and chunk % 64 or chunk <= 64 and chunk & (chunk - 1):
-            raise PassError(f"the Core ML prefill chunk must be a power of two up to 64 or a multiple of 64, "
-                            f"got {chunk}")
+        check_options(ctx.precision, ctx.max_context, int(ctx.options["prefill_chunk"]), ctx.options)
 
     def run(self, ctx) -> dict[str, int]:
         ctx.states = ctx.model.state_specs(ctx.dtype)
         chunk = int(ctx.options["prefill_chunk"])
-        ctx.programs = {"prefill": capture(ctx.model, ctx.states, ctx.max_context, static=chunk),
-                        "decode": capture(ctx.model, ctx.states, ctx.max_context, static=1)}
-        return {"functions": 2, "prefill_tokens": chunk, "decode_tokens": 1}
+        budget = int(float(ctx.options.get("coreml_part_gb", PART_GB)) * 1e9)
+        ctx.parts = plan_parts(ctx, budget)
+        ctx.programs = {}
+        for i, (a, b) in enumerate(ctx.parts):
+            part, st = Part(ctx.model, a, b), _part_states(ctx, a, b)
+            ctx.programs[i] = {f: _capture_part(part, st, chunk if f == "prefill" else 1, ctx.spec.hidden_size,
+                                                ctx.dtype) for f in FUNCTIONS}
+        return {"functions": 2, "prefill_tokens": chunk, "decode_tokens": 1, "packages": len(ctx.parts)}
 
     def ensures(self, ctx) -> None:
-        for name, ep in ctx.programs.items():
-            if len(ep.graph_signature.output_specs) != 1 + len(ctx.states):
-                raise PassError(f"{name}: some state has no output")
+        for i, (a, b) in enumerate(ctx.parts):
+            for name, ep in ctx.programs[i].items():
+                if len(ep.graph_signature.output_specs) != 1 + len(_part_states(ctx, a, b)):
+                    raise PassError(f"part {i} {name}: some state has no output")
 
 
 PIPELINE = _CANONICAL[:-1] + (StaticCapture(),)
@@ -86,23 +179,33 @@ def mil_name(name: str) -> str:
     return name.replace(".", "_")
 
 
-def build_program(ctx, weights, progress=None):
-    """Both functions in one MIL Program, weights deduplicated across them."""
+def part_io(ctx, index: int) -> tuple[str, str]:
+    """A part's input (token ids, or the previous part's hidden states) and output (logits or hidden states)."""
+    a, b = ctx.parts[index]
+    return ("input_ids" if a == 0 else "hidden_in"), ("logits" if b == ctx.spec.num_layers else "hidden_out")
+
+
+def build_program(ctx, weights, index: int = 0, wcache=None, progress=None):
+    """One package part: both functions in one MIL Program, weights deduplicated across them."""
     from coremltools.converters.mil.mil import Program
     from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
 
     from deltaship.export.coreml.lowering import MILLowerer, WeightCache
 
     modes = state_modes(ctx)
-    wcache = WeightCache(ctx.plan, weights, ctx.quant, progress)
-    inputs = ["input_ids", "position"]
-    state_in = [mil_name(s["name"]) for s in ctx.states]
-    outs = ["logits"] + [mil_name(s["output"]) for s in ctx.states]
+    wcache = wcache or WeightCache(ctx.plan, weights, ctx.quant, progress)
+    a, b = ctx.parts[index]
+    states = _part_states(ctx, a, b)
+    inp, out = part_io(ctx, index)
+    inputs = [inp, "position"]
+    state_in = [mil_name(s["name"]) for s in states]
+    outs = [out] + [mil_name(s["output"]) for s in states]
     mil_modes = {mil_name(k): v for k, v in modes.items()}
     prog = Program()
     emitted = {}
     for fname in FUNCTIONS:
-        func, emitted[fname] = MILLowerer(ctx.programs[fname], wcache, mil_modes, fname).build(inputs, state_in, outs)
+        func, emitted[fname] = MILLowerer(ctx.programs[index][fname], wcache, mil_modes, fname,
+                                          param_prefix="m.").build(inputs, state_in, outs)
         prog.add_function(fname, func)
     PASS_REGISTRY["common::const_deduplication"]._deduplicate_const_across_functions(prog)
     prog.default_function_name = "decode"
@@ -141,7 +244,7 @@ def ane_report(prog) -> dict[str, Any]:
             "note": "heuristic: Core ML decides placement on device; MLComputePlan on a Mac gives the real one"}
 
 
-def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[str]]) -> dict[str, Any]:
+def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[str]], index: int = 0) -> dict[str, Any]:
     """The saved package against the manifest: deployment target, functions, inputs, states, outputs."""
     import coremltools as ct
     spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
@@ -151,11 +254,12 @@ def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[s
     funcs = {f.name: f for f in spec.description.functions}
     if set(funcs) != set(FUNCTIONS):
         problems.append(f"functions {sorted(funcs)} != {list(FUNCTIONS)}")
-    want_states = {mil_name(s["name"]): s for s in ctx.states if modes[s["name"]] == "state"}
-    want_io = [mil_name(s["name"]) for s in ctx.states if modes[s["name"]] == "io"]
+    part_states = _part_states(ctx, *ctx.parts[index])
+    want_states = {mil_name(s["name"]): s for s in part_states if modes[s["name"]] == "state"}
+    want_io = [mil_name(s["name"]) for s in part_states if modes[s["name"]] == "io"]
     for fname, f in funcs.items():
         ins = [i.name for i in f.input]
-        if ins != ["input_ids", "position"] + want_io:
+        if ins != [part_io(ctx, index)[0], "position"] + want_io:
             problems.append(f"{fname}: inputs {ins}")
         states = {st.name: list(st.type.stateType.arrayType.shape) for st in f.state}
         if set(states) != set(want_states) or any(states[n] != want_states[n]["shape"] for n in states):
@@ -174,26 +278,44 @@ def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[s
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
     import coremltools as ct
 
+    from deltaship.export.coreml.lowering import WeightCache
+
     say = progress or (lambda m: None)
-    prog, modes, emitted = build_program(ctx, weights, say)
-    report = ane_report(prog)
-    say("converting (coremltools)")
-    model = ct.convert(prog, minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT32,
-                       skip_model_load=True)
-    say("saving the package")
-    path = out_dir / PACKAGE
-    model.save(str(path))
-    checked = check_spec(path, ctx, modes, emitted)
+    n = len(ctx.parts)
+    parts, reports, emitted_all, checks = [], [], {}, []
+    for i, (a, b) in enumerate(ctx.parts):
+        wcache = WeightCache(ctx.plan, weights, ctx.quant, say)  # per part: only its weights are held
+        prog, modes, emitted = build_program(ctx, weights, i, wcache)
+        reports.append(ane_report(prog))
+        say(f"converting part {i + 1}/{n} (coremltools)")
+        model = ct.convert(prog, minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT32,
+                           skip_model_load=True)
+        name = PACKAGE if n == 1 else f"model_part{i}.mlpackage"
+        model.save(str(out_dir / name))
+        del model, prog, wcache
+        checks.append(check_spec(out_dir / name, ctx, modes, emitted, i))
+        inp, out = part_io(ctx, i)
+        parts.append({"package": name, "layers": [a, b], "input": inp, "output": out,
+                      "states": [s["name"] for s in _part_states(ctx, a, b)], "functions": emitted})
     for s in ctx.states:
         s["mode"] = modes[s["name"]]
         s["coreml_input"] = mil_name(s["name"])
         s["coreml_output"] = mil_name(s["output"]) if modes[s["name"]] == "io" else None
         if modes[s["name"]] == "state":
             s["dtype"] = "float16"
-    files = sorted(p.relative_to(out_dir).as_posix() for p in path.rglob("*") if p.is_file())
-    return {"files": files, "entry": PACKAGE, "functions": {f: {"tokens": ctx.options["prefill_chunk"] if f == "prefill"
-                                                                 else 1, "outputs": emitted[f]} for f in FUNCTIONS},
-            "state_modes": modes, "spec_check": checked, "ane_report": report,
+    files = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file()
+                   and p.relative_to(out_dir).parts[0].endswith(".mlpackage"))
+    report = {"ops": sum(r["ops"] for r in reports), "likely_off_ane": sum(r["likely_off_ane"] for r in reports),
+              "by_op": {}, "note": reports[0]["note"]}
+    for r in reports:
+        for op, v in r["by_op"].items():
+            cur = report["by_op"].setdefault(op, {"count": 0, "reason": v["reason"]})
+            cur["count"] += v["count"]
+    return {"files": files, "entry": parts[0]["package"], "parts": parts,
+            "functions": {f: {"tokens": ctx.options["prefill_chunk"] if f == "prefill" else 1} for f in FUNCTIONS},
+            "hidden_states": {"shape": [1, "T", ctx.spec.hidden_size], "dtype": str(ctx.dtype).replace("torch.", ""),
+                              "doc": "part i's output hidden_out is part i+1's input hidden_in"},
+            "state_modes": modes, "spec_check": {**checks[0], "parts_checked": len(checks)}, "ane_report": report,
             "compute": "fp32" if ctx.precision == "fp32" else "fp16 (DeltaNet recurrence in fp32)"}
 
 

@@ -80,10 +80,11 @@ class WeightCache:
 
 class MILLowerer:
     def __init__(self, program: torch.export.ExportedProgram, weights: WeightCache, state_modes: dict[str, str],
-                 name: str):
+                 name: str, param_prefix: str = ""):
         self.ep, self.w, self.state_modes, self.fname = program, weights, state_modes, name
         sig = program.graph_signature
-        self.param_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+        self.param_of = {k: v.removeprefix(param_prefix)
+                         for k, v in {**sig.inputs_to_parameters, **sig.inputs_to_buffers}.items()}
         self.env: dict[str, Any] = {}
         self.mb, self.types = _mil()
         self._n = 0

@@ -112,26 +112,32 @@ def quantize(model: nn.Module, precision: str, group_size: int) -> dict[str, Any
     from torchao.quantization.granularity import PerAxis, PerGroup
     from executorch.examples.models.llama.source_transformation.quantize import get_quant_embedding_transform
 
-    if precision == "int4":
-        cfg = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size),
-                                                    intx_choose_qparams_algorithm="hqq_scale_only")
-        emb = "4,32"
-    else:
-        cfg = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
-        emb = "8,0"
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    bad = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and precision == "int4"
-           and m.in_features % group_size]
-    if bad:
-        raise DeltashipError(f"--block-size {group_size} does not divide the input features of {bad[:3]}",
-                             "pick a group size that divides the hidden and intermediate sizes (e.g. 32)")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     if model.model.embed_tokens.weight is getattr(model, "lm_head").weight:  # untie: quantized separately
         model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
-    quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+    groups: dict[tuple[int, int], list[str]] = {}  # (bits, group size; 0 = per output channel) -> linears
+    for name, m in linears.items():
+        if precision == "int4":  # XNNPACK takes int4 groups that are multiples of 32 dividing the row
+            g = next((x for x in (group_size, group_size // 2, group_size // 4) if x >= 32 and x % 32 == 0
+                      and m.in_features % x == 0), 0)
+            key = (4, g) if g else (8, 0)  # no such group: this layer gets 8-bit per-channel weights
+        else:
+            key = (8, 0)
+        groups.setdefault(key, []).append(name)
+    for (bits, g), names in groups.items():
+        cfg = Int8DynamicActivationIntxWeightConfig(
+            weight_dtype=torch.int4 if bits == 4 else torch.int8, weight_granularity=PerGroup(g) if g else PerAxis(0),
+            **({"intx_choose_qparams_algorithm": "hqq_scale_only"} if bits == 4 else {}))
+        chosen = set(names)
+        quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in chosen)
+    hidden = model.spec.hidden_size
+    emb_group = next((x for x in (32, 16) if hidden % x == 0), 0)  # a portable kernel: any group works
+    emb = f"4,{emb_group}" if precision == "int4" else "8,0"
     get_quant_embedding_transform(emb)(model)
     return {"scheme": "torchao 8da4w (hqq scales)" if precision == "int4" else "torchao 8da8w per channel",
-            "activations": "int8 dynamic", "group_size": group_size if precision == "int4" else "per channel",
-            "linears": len(linears), "embedding": f"ExecuTorch quantized embedding {emb}"}
+            "activations": "int8 dynamic",
+            "linears": {f"int{b} " + (f"group {g}" if g else "per channel"): len(n) for (b, g), n in sorted(groups.items())},
+            "embedding": f"ExecuTorch quantized embedding {emb}"}
 
 
 @torch.no_grad()
@@ -157,17 +163,11 @@ def metadata(ctx, tokens: dict[str, Any]) -> dict[str, Any]:
             "enable_dynamic_shape": True}
 
 
-def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (XnnpackDynamicallyQuantizedPartitioner,
-                                                                          XnnpackPartitioner)
-    from executorch.devtools.backend_debug import get_delegation_info
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes import MemoryPlanningPass
-    from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
-
+def prepare(ctx, weights, say=lambda m: None):
+    """The eager model as the program will hold it: real weights, ExecuTorch kernels, quantized.
+    Sets ctx.states (ExecuTorch layouts) and ctx.rounded (the quantized weights, dequantized)."""
     from deltaship.export.executorch.lowering import ExecuTorchKernels
 
-    say = progress or (lambda m: None)
     say("materialising weights")
     model = materialize(ctx.model, ctx.plan, weights).eval()
     for p in model.parameters():
@@ -181,6 +181,19 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         say(f"quantizing ({ctx.precision})")
         quant = quantize(model, ctx.precision, int(ctx.options.get("block_size", 32)))
     ctx.rounded = rounded_weights(model) if ctx.precision in ("int8", "int4") else None
+    return model, kernels, quant, swapped
+
+
+def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (XnnpackDynamicallyQuantizedPartitioner,
+                                                                          XnnpackPartitioner)
+    from executorch.devtools.backend_debug import get_delegation_info
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
+
+    say = progress or (lambda m: None)
+    model, kernels, quant, swapped = prepare(ctx, weights, say)
     wrapper = ProgramState(model, ctx.states, kernels).eval()
     chunk = int(ctx.options["prefill_chunk"])
     say("torch.export (dynamic prompt length)")
@@ -194,11 +207,6 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
         constant_methods=metadata(ctx, tokens or {}))
     info = get_delegation_info(edge.exported_program().graph_module)
-    if ctx.options.get("debug_portable"):
-        for n in edge.exported_program().graph.nodes:
-            if n.op == "call_function" and "executorch_call_delegate" not in str(n.target) and "getitem" not in str(n.target):
-                val = n.meta.get("val")
-                print("PORTABLE", n.target, getattr(val, "shape", val), n.meta.get("stack_trace", "").strip().splitlines()[-1:])
     portable = {op: int(v.non_delegated) for op, v in info.delegation_by_operator.items() if v.non_delegated}
     unexpected = {op: n for op, n in portable.items() if not expected_portable(op)}
     if unexpected and not ctx.options.get("allow_portable_fallback"):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from deltaship.export.passes import PIPELINE  # noqa: F401  (the canonical passes, as they are)
 from deltaship.export.onnx.builder import GraphBuilder
 from deltaship.export.onnx.lowering import LOWERINGS, Lowerer
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -101,22 +101,31 @@ class SafetensorsFile:
 
 def write_safetensors(path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None,
                       dtype: str = "F32") -> None:
-    """Write float tensors as F32, F16 or BF16 (rounded to nearest even). Two passes keep memory flat."""
-    items = list(tensors)
+    """Write float tensors as F32, F16 or BF16 (rounded to nearest even)."""
+    items = [(name, tuple(arr.shape), (lambda a=arr: a)) for name, arr in tensors]
+    write_safetensors_lazy(path, items, metadata, dtype)
+
+
+def write_safetensors_lazy(path: Path, items: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]],
+                           metadata: dict[str, str] | None = None, dtype: str = "F32") -> None:
+    """Like write_safetensors, but each tensor is produced only when written: one in memory at a time."""
     itemsize = {"F32": 4, "F16": 2, "BF16": 2}[dtype]
     header: dict = {"__metadata__": metadata} if metadata else {}
     off = 0
-    for name, arr in items:
-        nbytes = int(np.prod(arr.shape, dtype=np.int64)) * itemsize
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [off, off + nbytes]}
+    for name, shape, _ in items:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
         off += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * ((8 - len(blob) % 8) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for _, arr in items:
-            f.write(_encode(np.ascontiguousarray(arr, dtype=np.float32), dtype).tobytes())
+        for name, shape, produce in items:
+            arr = np.ascontiguousarray(produce(), dtype=np.float32)
+            if tuple(arr.shape) != tuple(shape):
+                raise ValueError(f"{name}: produced {arr.shape}, declared {shape}")
+            f.write(_encode(arr, dtype).tobytes())
 
 
 def _encode(a: np.ndarray, dtype: str) -> np.ndarray:

@@ -1,0 +1,94 @@
+"""ExecuTorch target: program contract, ExecuTorch's own LLM runner, delegation rules, version errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from deltaship.errors import DeltashipError
+from deltaship.export import export
+from deltaship.export.executorch import expected_portable
+from deltaship.runtimes import open_bundle
+
+
+@pytest.fixture(scope="module")
+def pte(tmp_path_factory):
+    out = tmp_path_factory.mktemp("et") / "tiny"
+    manifest = export("qwen3.5-tiny", out, target="executorch", precision="fp32", max_context=96, prefill_chunk=16,
+                      progress=False, verify=False)
+    return out, manifest
+
+
+def test_program_contract_and_metadata(pte):
+    path, m = pte
+    from executorch.runtime import Runtime
+    prog = Runtime.get().load_program(str(path / "model.pte"))
+    meta = {name: prog.load_method(name).execute([])[0] for name in
+            ("get_max_seq_len", "get_vocab_size", "get_n_layers", "use_kv_cache", "enable_dynamic_shape",
+             "get_eos_ids", "get_bos_id")}
+    assert meta["get_max_seq_len"] == 96 and meta["get_vocab_size"] == 272 and meta["get_n_layers"] == 8
+    assert meta["use_kv_cache"] and meta["enable_dynamic_shape"] and meta["get_eos_ids"] == 256
+    lw = m["lowering"]
+    assert "llama::gated_delta_rule" in lw["gated_delta_rule"] and lw["delegate_partitions"] > 0
+    assert all(expected_portable(op) for op in lw["portable_nodes"])
+    assert {s["kind"] for s in m["states"]} == {"deltanet_conv", "deltanet_recurrent", "kv_cache_key",
+                                                 "kv_cache_value"}
+    kv = next(s for s in m["states"] if s["kind"] == "kv_cache_key")
+    assert kv["shape"] == [1, 96, 2, 64]  # ExecuTorch's [1, S, Hkv, D] layout
+
+
+def test_executorch_llm_runner_drives_the_program(pte):
+    """ExecuTorch's own runner (C++ TextLLMRunner) with the bundle's tokenizer: the same greedy text as
+    our session, and again after its reset(), which only rewinds the position (the state is reset in
+    the graph at position 0)."""
+    from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+    path, _ = pte
+    runner = TextLLMRunner(str(path / "model.pte"), str(path / "tokenizer.json"))
+    texts = []
+    for _ in range(2):
+        pieces: list[str] = []
+        runner.generate("def ", GenerationConfig(echo=False, max_new_tokens=20, temperature=0.0),
+                        token_callback=pieces.append)
+        texts.append("".join(pieces))
+        runner.reset()
+    from deltaship.runtimes.commands import generate
+    ours = generate(path, prompt="def ", max_new_tokens=20)["text"]
+    assert texts[0] == texts[1] == ours and len(ours) >= 10
+
+
+def test_node_xnnpack_cannot_take_fails_unless_allowed(tmp_path, monkeypatch):
+    """softplus lowers to ops XNNPACK does not take: the export names them, or accepts them when asked."""
+    import torch
+    import torch.nn.functional as F
+    from deltaship.export.executorch import lowering
+
+    def softplus_gates(self, a, b, dt_bias, decay_scale):
+        return decay_scale.float() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b.float())
+    monkeypatch.setattr(lowering.ExecuTorchKernels, "delta_gates", softplus_gates)
+    with pytest.raises(DeltashipError, match="XNNPACK does not take these nodes.*aten_"):
+        export("qwen3.5-tiny", tmp_path / "a", target="executorch", max_context=32, progress=False, verify=False)
+    assert not (tmp_path / "a").exists()
+    m = export("qwen3.5-tiny", tmp_path / "b", target="executorch", max_context=32, progress=False, verify=False,
+               allow_portable_fallback=True)
+    assert not all(expected_portable(op) for op in m["lowering"]["portable_nodes"])
+
+
+def test_program_from_another_executorch_version_is_a_clear_error(pte, tmp_path):
+    path, _ = pte
+    bad = tmp_path / "old"
+    shutil.copytree(path, bad)
+    data = bytearray((bad / "model.pte").read_bytes())
+    i = data.find(b"ET12")
+    data[i:i + 4] = b"ET09"  # the program identifier of an older schema
+    (bad / "model.pte").write_bytes(bytes(data))
+    m = json.loads((bad / "manifest.json").read_text())
+    m["tools"]["executorch"] = "0.9.0"
+    m["files"]["model.pte"].update(sha256=hashlib.sha256(bytes(data)).hexdigest(), bytes=len(data))
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DeltashipError) as e:
+        open_bundle(bad)
+    assert "built with executorch 0.9.0" in str(e.value) and "could not load this program" in str(e.value)

@@ -26,7 +26,7 @@ import numpy as np
 from deltaship.profiling.stats import ratio_ci, summarize
 
 HERE = Path(__file__).parent
-ET = Path(__import__("executorch").__file__).parent
+ET = Path(list(__import__("importlib.util").util.find_spec("executorch").submodule_search_locations)[0])
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None) -> None:

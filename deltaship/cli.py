@@ -16,7 +16,8 @@ def _export(a: argparse.Namespace) -> int:
            force=a.force, verify=not a.no_verify, prefill_chunk=a.prefill_chunk, block_size=a.block_size,
            deltanet_int8=a.deltanet_int8, accuracy_level=a.accuracy_level, threads=a.threads, progress=not a.quiet,
            **({"allow_portable_fallback": True} if a.allow_portable_fallback else {}),
-           **({"coreml_states": a.coreml_states} if a.coreml_states else {}))
+           **({"coreml_states": a.coreml_states} if a.coreml_states else {}),
+           **({"coreml_palettize": a.coreml_palettize} if a.coreml_palettize else {}))
     return 0
 
 
@@ -134,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="executorch: accept nodes XNNPACK does not take (run as portable kernels)")
     e.add_argument("--coreml-states", choices=("io", "state"), default=None,
                    help="coreml: DeltaNet states as fp32 inputs/outputs (io, default) or fp16 Core ML states")
+    e.add_argument("--coreml-palettize", type=int, default=None, metavar="BITS",
+                   help="coreml with --precision fp16: palettize weights to BITS-bit look-up tables")
     e.add_argument("--threads", type=int, default=None, help="threads for verification")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.set_defaults(func=_export)

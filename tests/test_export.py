@@ -206,3 +206,18 @@ def test_external_data_bundle_runs_and_verifies(tmp_path, checkpoints):
     assert m["verification"]["status"] == "passed"
     s = open_bundle(tmp_path / "ext")
     assert len(s.generate([1, 2, 3], 4, stop_at_eos=False).output_ids) == 4
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_large_tables_are_streamed_in_row_blocks(tmp_path, checkpoints, monkeypatch, precision):
+    """Tables over ROW_BLOCK rows (embedding, LM head) are converted and written a block of rows at a
+    time; forced here with small blocks (the untied head and the embedding of `grouped_values`)."""
+    from deltaship.export.onnx import lowering
+    monkeypatch.setattr(lowering, "ROW_BLOCK", 48)
+    calls = []
+    real = lowering.Lowerer._rows
+    monkeypatch.setattr(lowering.Lowerer, "_rows", lambda self, fqn, rows: calls.append(rows) or real(self, fqn, rows))
+    m = export(str(checkpoints["grouped_values"]), tmp_path / "s", precision=precision, max_context=64,
+               progress=False, external_data=True)
+    assert m["verification"]["status"] == "passed"
+    assert len(calls) >= 2 * 4 and all(r.stop - r.start == 48 for r in calls)  # 160 rows -> 4 blocks, 2 tables

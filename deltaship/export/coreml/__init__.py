@@ -52,6 +52,10 @@ def check_options(precision: str, max_context: int, chunk: int, options: dict) -
         raise DeltashipError(f"--max-context {max_context}: a Core ML KV-cache state of more than "
                              f"{MAX_STATE_POSITIONS} positions has a dimension over the Neural Engine's limit "
                              f"({MAX_STATE_POSITIONS})", f"pass --max-context {MAX_STATE_POSITIONS} or less")
+    bits = options.get("coreml_palettize")
+    if bits is not None and (precision != "fp16" or int(bits) not in (2, 3, 4, 6, 8)):
+        raise DeltashipError(f"--coreml-palettize {bits} needs --precision fp16 and 2, 3, 4, 6 or 8 bits "
+                             f"(got precision {precision})", "e.g. --precision fp16 --coreml-palettize 4")
     if options.get("coreml_states", "io") not in ("io", "state"):
         raise DeltashipError(f"--coreml-states must be io or state, got {options.get('coreml_states')!r}",
                              "use io (fp32 DeltaNet state inputs/outputs) or state (fp16 Core ML states)")
@@ -213,6 +217,44 @@ def build_program(ctx, weights, index: int = 0, wcache=None, progress=None):
     return prog, modes, emitted
 
 
+def palettize(prog, bits: int) -> dict[str, Any]:
+    """Replace the linear and embedding weights by n-bit look-up tables (coremltools.optimize), per
+    group of 16 output channels, uniform levels (fast and deterministic on 248320-row heads)."""
+    import coremltools.optimize as cto
+    from coremltools.converters.mil.mil.passes.graph_pass import PassOption
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
+    op_cfg = cto.coreml.OpPalettizerConfig(nbits=int(bits), mode="uniform", granularity="per_grouped_channel",
+                                           group_size=16, weight_threshold=2048)
+    cfg = cto.coreml.OptimizationConfig(op_type_configs={"linear": op_cfg, "gather": op_cfg})
+    p = PASS_REGISTRY["compression::palettize_weights"]
+    p.set_options([PassOption("config", cfg)])
+    p.apply(prog)
+    return {"scheme": f"{bits}-bit palettization (coremltools, uniform LUT per 16 output channels)",
+            "ops": ["linear", "gather"]}
+
+
+def rounded_from_package(paths: list[Path], names: dict[str, tuple[str, str, int]],
+                         tied: bool = False) -> dict[str, np.ndarray]:
+    """The weight values the saved packages really hold (decompressed), by canonical parameter name."""
+    from deltaship.runtimes.mil_eval import Interpreter, load_program
+    pieces: dict[str, list] = {}
+    for path in paths:
+        prog = load_program(path)
+        values = Interpreter(prog)._materialise("decode", prog.functions["decode"])
+        for vname, arr in values.items():
+            name = vname.removesuffix("_palettized")  # what coremltools' compression passes call the result
+            if name in names:
+                fqn, form, piece = names[name]
+                key = "model.embed_tokens.weight" if form == "embedding" else fqn
+                pieces.setdefault(key, []).append((piece, np.asarray(arr, np.float32)))
+    out = {k: np.concatenate([a for _, a in sorted(v, key=lambda t: t[0])], axis=0) for k, v in pieces.items()}
+    if tied and "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        # identical tables are deduplicated into one const that both the gather and the head read
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
 def ane_report(prog) -> dict[str, Any]:
     """Ops likely to leave the Neural Engine (a heuristic from what the ANE is known not to take:
     fp32 compute, dimensions over 16384, and a few op types)."""
@@ -282,10 +324,15 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
 
     say = progress or (lambda m: None)
     n = len(ctx.parts)
-    parts, reports, emitted_all, checks = [], [], {}, []
+    parts, reports, checks = [], [], []
+    const_names: dict[str, tuple[str, str, int]] = {}
     for i, (a, b) in enumerate(ctx.parts):
         wcache = WeightCache(ctx.plan, weights, ctx.quant, say)  # per part: only its weights are held
         prog, modes, emitted = build_program(ctx, weights, i, wcache)
+        const_names.update(wcache.const_names)
+        if ctx.options.get("coreml_palettize"):
+            say(f"palettizing part {i + 1}/{n}")
+            pal = palettize(prog, int(ctx.options["coreml_palettize"]))
         reports.append(ane_report(prog))
         say(f"converting part {i + 1}/{n} (coremltools)")
         model = ct.convert(prog, minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT32,
@@ -297,6 +344,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         inp, out = part_io(ctx, i)
         parts.append({"package": name, "layers": [a, b], "input": inp, "output": out,
                       "states": [s["name"] for s in _part_states(ctx, a, b)], "functions": emitted})
+    if ctx.options.get("coreml_palettize"):  # the matched reference reads the values back from the package
+        ctx.rounded = rounded_from_package([out_dir / p["package"] for p in parts], const_names,
+                                           tied=ctx.spec.tie_word_embeddings)
     for s in ctx.states:
         s["mode"] = modes[s["name"]]
         s["coreml_input"] = mil_name(s["name"])
@@ -312,6 +362,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
             cur = report["by_op"].setdefault(op, {"count": 0, "reason": v["reason"]})
             cur["count"] += v["count"]
     return {"files": files, "entry": parts[0]["package"], "parts": parts,
+            **({"quantization": pal} if ctx.options.get("coreml_palettize") else {}),
             "functions": {f: {"tokens": ctx.options["prefill_chunk"] if f == "prefill" else 1} for f in FUNCTIONS},
             "hidden_states": {"shape": [1, "T", ctx.spec.hidden_size], "dtype": str(ctx.dtype).replace("torch.", ""),
                               "doc": "part i's output hidden_out is part i+1's input hidden_in"},

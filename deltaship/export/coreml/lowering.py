@@ -54,12 +54,22 @@ NP = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int3
 MILDT = {torch.float32: "fp32", torch.float16: "fp16", torch.int64: "int32", torch.int32: "int32", torch.bool: "bool"}
 
 
+def weight_const_name(fqn: str, form: str, piece: int | None = None) -> str:
+    return f"w_{form}_{fqn.replace('.', '_')}" + (f"_piece{piece}" if piece is not None else "")
+
+
 class WeightCache:
     """One numpy array per (parameter, form), shared by every function that uses it."""
 
     def __init__(self, plan, weights, quant: dict, progress: Callable[[str], None] | None):
         self.plan, self.weights, self.quant, self.progress = plan, weights, quant, progress
         self._arrays: dict[tuple, Any] = {}
+        self.const_names: dict[str, tuple[str, str, int]] = {}  # MIL const name -> (parameter, form, piece)
+
+    def named(self, fqn: str, form: str, piece: int | None = None) -> str:
+        name = weight_const_name(fqn, form, piece)
+        self.const_names[name] = (fqn, form, piece or 0)
+        return name
 
     def get(self, fqn: str, form: str, dtype) -> Any:
         key = (fqn, form, np.dtype(dtype).str)
@@ -128,8 +138,8 @@ class MILLowerer:
         fqn = self.param_of[node.name]
         dt = NP[self.dtype_of(node)]
         kind, data, scales, bits = self.w.get(fqn, form, dt)
-        if kind == "dense":
-            return data
+        if kind == "dense":  # named after the parameter, so compressed values can be mapped back
+            return self.mb.const(val=data, name=self.w.named(fqn, form))
         mb, types = self.mb, self.types
         qdata = data.astype(types.np_int4_dtype) if bits == 4 else data.astype(np.int8)
         w = mb.constexpr_blockwise_shift_scale(data=qdata, scale=scales, name=self.uname(fqn.replace(".", "_")))
@@ -332,7 +342,7 @@ def _linear(L, node, x, weight, bias=None):
     for i in range(pieces):
         rows = slice(i * size, min(n, (i + 1) * size))
         if kind == "dense":
-            w = data[rows]
+            w = L.mb.const(val=data[rows], name=L.w.named(fqn, "linear", i))
         else:
             mb, types = L.mb, L.types
             qd = data[rows].astype(types.np_int4_dtype) if bits == 4 else data[rows].astype(np.int8)

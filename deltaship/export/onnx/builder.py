@@ -85,6 +85,32 @@ class GraphBuilder:
         self.initializers.append(t)
         return name
 
+    def weight_rows(self, name: str, shape: tuple[int, ...], dtype, blocks) -> str:
+        """A large weight produced in row blocks (an iterable of arrays), written as it comes: with
+        external data only one block is ever in memory."""
+        dtype = np.dtype(dtype)
+        if self._ext_file is None:
+            return self.weight(name, np.concatenate([np.asarray(b, dtype) for b in blocks], axis=0).reshape(shape))
+        f = self._ext_file
+        f.write(b"\0" * ((-f.tell()) % ALIGN))
+        offset, rows = f.tell(), 0
+        for b in blocks:
+            b = np.ascontiguousarray(b, dtype)
+            f.write(b.tobytes())
+            rows += b.shape[0]
+        length = f.tell() - offset
+        if rows != shape[0] or length != int(np.prod(shape)) * dtype.itemsize:
+            raise RuntimeError(f"{name}: streamed {rows} rows / {length} bytes for shape {shape}")
+        self._names.add(name)
+        self.weight_bytes += length
+        t = onnx.TensorProto(name=name, data_type=NP_TO_ONNX[dtype], dims=list(shape))
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.external.name), ("offset", str(offset)), ("length", str(length))):
+            entry = t.external_data.add()
+            entry.key, entry.value = k, v
+        self.initializers.append(t)
+        return name
+
     def add_input(self, name: str, elem: int, shape: list) -> str:
         self._names.add(name)
         self.inputs.append(helper.make_tensor_value_info(name, elem, shape))

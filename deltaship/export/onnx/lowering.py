@@ -29,6 +29,7 @@ TORCH_TO_ONNX = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FL
                  torch.int64: TensorProto.INT64, torch.int32: TensorProto.INT32, torch.bool: TensorProto.BOOL}
 TORCH_TO_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32}
 INT64_MAX = 2**63 - 1
+ROW_BLOCK = 16384  # tensors with more rows (embedding, LM head) are converted and written in blocks of rows
 
 
 @dataclass
@@ -109,8 +110,24 @@ class Lowerer:
             self.progress(fqn)
         dt = self._np_dtype(node)
         base = fqn.replace(".", "_")
-        if form == "plain":
+        shape = self.plan.shape(fqn)
+        if form == "plain" and len(shape) == 2 and shape[0] > ROW_BLOCK:
+            out = self.b.weight_rows(base, shape, dt, (self._rows(fqn, r).astype(dt) for r in self._row_slices(fqn)))
+        elif form == "plain":
             out = self.b.weight(base, self.plan.tensor(fqn, self.weights).astype(dt))
+        elif form == "matmul" and self.quant["linear"].get(fqn) and shape[0] > ROW_BLOCK:
+            q = self.quant["linear"][fqn]
+            scales: list[np.ndarray] = []
+
+            def blocks():
+                for r in self._row_slices(fqn):
+                    packed, sc = quantize_matmul_weight(self._rows(fqn, r), q["bits"], q["block_size"])
+                    scales.append(sc)
+                    yield packed
+            nb = -(-shape[1] // q["block_size"])
+            packed_name = self.b.weight_rows(base + "_q", (shape[0], nb, q["block_size"] * q["bits"] // 8), np.uint8,
+                                             blocks())
+            out = (packed_name, self.b.weight(base + "_scales", np.concatenate(scales).astype(dt)), q, shape)
         elif form == "matmul":
             q = self.quant["linear"].get(fqn)
             w = self.plan.tensor(fqn, self.weights)
@@ -127,6 +144,12 @@ class Lowerer:
             raise ValueError(form)
         self._weights[key] = out
         return out
+
+    def _row_slices(self, fqn: str) -> list[slice]:
+        return [slice(r, r + ROW_BLOCK) for r in range(0, self.plan.shape(fqn)[0], ROW_BLOCK)]
+
+    def _rows(self, fqn: str, rows: slice) -> np.ndarray:
+        return self.plan.tensor(fqn, self.weights, rows)
 
     # ---- driver ------------------------------------------------------------------------
     def run(self, input_names: list[str], output_names: list[str]) -> None:
@@ -303,15 +326,16 @@ def _weight_gather_quantized(L: Lowerer, node, q):
     if L.progress:
         L.progress(fqn)
     rows, cols = L.plan.shape(fqn)
-    datas, scales = [], []
-    step = 8192
-    for r in range(0, rows, step):
-        codes, sc = quantize_blocks(L.plan.tensor(fqn, L.weights, slice(r, r + step)), q["bits"], q["block_size"])
-        datas.append(pack(codes, q["bits"]).reshape(codes.shape[0], -1))
-        scales.append(sc)
+    scales: list[np.ndarray] = []
+
+    def blocks():
+        for r in L._row_slices(fqn):
+            codes, sc = quantize_blocks(L._rows(fqn, r), q["bits"], q["block_size"])
+            scales.append(sc)
+            yield pack(codes, q["bits"]).reshape(codes.shape[0], -1)
     base = fqn.replace(".", "_")
-    out = (L.b.weight(base + "_gq", np.concatenate(datas)),
-           L.b.weight(base + "_gscales", np.concatenate(scales).astype(L._np_dtype(node))))
+    data = L.b.weight_rows(base + "_gq", (rows, cols * q["bits"] // 8), np.uint8, blocks())
+    out = (data, L.b.weight(base + "_gscales", np.concatenate(scales).astype(L._np_dtype(node))))
     L._weights[key] = out
     return out
 
@@ -323,9 +347,9 @@ Lowerer.weight_gather_quantized = _weight_gather_quantized
 def _linear(L: Lowerer, node, x, weight, bias=None):
     if bias is not None:
         raise DeltashipError(f"onnx lowering: linear with bias at {node.name} is not expected in Qwen3.5")
-    if (weight.name in L.gathered and not L.quant["linear"].get(L.param_name(weight))
-            and len(L.meta(x).shape) == 2):
-        return L.b.one("Gemm", [L.as_tensor(x), L.weight(weight)], transB=1)  # tied head: share the table
+    if not L.quant["linear"].get(L.param_name(weight)) and len(L.meta(x).shape) == 2:
+        # the LM head: Gemm on the [N, K] table as stored (shared with a tied embedding, never transposed)
+        return L.b.one("Gemm", [L.as_tensor(x), L.weight(weight)], transB=1)
     w = L.weight(weight, "matmul")
     if isinstance(w, tuple):
         packed, scales, q, (n, k) = w

@@ -66,7 +66,7 @@ def build(work: Path, threads: int) -> dict[str, dict]:
     if not meta.is_file():
         run([sys.executable, "-m", "executorch.examples.models.qwen3_5.convert_weights", str(ckpt), str(meta)], log)
     yaml = ET / "examples/models/qwen3_5/config/qwen3_5_xnnpack_fp32.yaml"
-    quant = ["+quantization.qmode=8da4w", "+quantization.group_size=128", "+quantization.embedding_quantize=4,32"]
+    quant = ["+quantization.qmode=8da4w", "+quantization.group_size=128", "+quantization.embedding_quantize='4,32'"]
     for name, extra, dynamic in (("et-example-fp32-static", [], False), ("et-example-8da4w-static", quant, False),
                                  ("et-example-fp32-dynamic", [], True), ("et-example-8da4w-dynamic", quant, True)):
         out = work / f"{name}.pte"

@@ -135,7 +135,7 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
                              f"({spec.max_position_embeddings})", f"pass --max-context {spec.max_position_embeddings} or less")
     tmod = _target_module(target)
     chunk = min(prefill_chunk or getattr(tmod, "DEFAULT_CHUNK", DEFAULT_PREFILL_CHUNK), max_context)
-    options = {**getattr(tmod, "OPTIONS", {}), "block_size": block_size, "deltanet_int8": deltanet_int8, "prefill_chunk": chunk,
+    options = {**getattr(tmod, "OPTIONS", {}), "verify": verify, "block_size": block_size, "deltanet_int8": deltanet_int8, "prefill_chunk": chunk,
                "accuracy_level": accuracy_level, **target_options}
     if hasattr(tmod, "check_options"):
         tmod.check_options(precision, max_context, chunk, options)

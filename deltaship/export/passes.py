@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -355,14 +356,20 @@ def run_pipeline(ctx: ExportContext, passes=PIPELINE, progress=None) -> ExportCo
     return ctx
 
 
-def materialize(model: nn.Module, plan: WeightPlan, weights) -> nn.Module:
-    """Give a meta model real weights from the plan (for eager runs and toolchains that need them)."""
+def materialize(model: nn.Module, plan: WeightPlan, weights, prefix: str | None = None,
+                allocate: bool = True) -> nn.Module:
+    """Give a meta model real weights from the plan (for eager runs and toolchains that need them).
+
+    allocate=False with a prefix fills only that part of an already allocated model, so a caller can
+    fill and compress one layer at a time (untouched allocations cost no resident memory).
+    """
     tied: dict[int, torch.Tensor] = {}
-    model.to_empty(device="cpu")
+    if allocate:
+        model.to_empty(device="cpu")
     with torch.no_grad():
         for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
-            if id(t) in tied:
+            if id(t) in tied or (prefix is not None and not name.startswith(prefix)):
                 continue
-            t.copy_(torch.from_numpy(plan.tensor(name, weights)).to(t.dtype))
+            t.copy_(torch.from_numpy(np.array(plan.tensor(name, weights))).to(t.dtype))
             tied[id(t)] = t
     return model

@@ -34,6 +34,15 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def reference_need(spec) -> int:
+    """Bytes the fp32 transformers reference needs (weights plus working memory)."""
+    return int(spec.parameter_count()["total"] * 4 * 1.3)
+
+
+def reference_fits(spec) -> bool:
+    return reference_need(spec) <= MEMORY_FRACTION * available_memory()
+
+
 def default_prompts(vocab: int, chunk: int, max_context: int, steps: int, seed: int = 1234) -> list[list[int]]:
     """Prompts of awkward lengths (1, 7, chunk+3), as random token ids, bounded by the context."""
     rng = np.random.default_rng(seed)
@@ -105,8 +114,8 @@ def verify_bundle(bundle: Path, manifest: dict[str, Any], source: ModelSource, c
     record: dict[str, Any] = {"reference": f"transformers {transformers.__version__} Qwen3_5ForCausalLM, fp32 "
                                            f"compute, weights as stored in the bundle",
                               "tolerance": tol.__dict__, "steps": steps}
-    need = source.spec.parameter_count()["total"] * 4 * 1.3
-    if need > MEMORY_FRACTION * available_memory():
+    need = reference_need(source.spec)
+    if not reference_fits(source.spec):
         record.update(status="skipped", reason=f"the fp32 reference needs about {need / 2**30:.1f} GiB; "
                       f"{available_memory() / 2**30:.1f} GiB are available")
         return record

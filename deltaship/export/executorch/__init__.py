@@ -104,17 +104,13 @@ def static_conv_weights(model: nn.Module) -> None:
             m.conv_weight = nn.Parameter(m.conv_weight.detach().unsqueeze(1), requires_grad=False)
 
 
-def quantize(model: nn.Module, precision: str, group_size: int) -> dict[str, Any]:
+def quantize(model: nn.Module, precision: str, group_size: int, prefix: str = "") -> dict[str, Any]:
     """int4: 8da4w (int8 dynamic activations, int4 weights per group) on every Linear, LM head included;
-    int8: 8da8w per channel. The embedding: 4-bit (group 32) or 8-bit rows, ExecuTorch's quantized
-    embedding kernels. Returns what was done, for the manifest."""
+    int8: 8da8w per channel. Only the Linears under `prefix`. Returns what was done, for the manifest."""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
-    from executorch.examples.models.llama.source_transformation.quantize import get_quant_embedding_transform
 
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    if model.model.embed_tokens.weight is getattr(model, "lm_head").weight:  # untie: quantized separately
-        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefix)}
     groups: dict[tuple[int, int], list[str]] = {}  # (bits, group size; 0 = per output channel) -> linears
     for name, m in linears.items():
         if precision == "int4":  # XNNPACK takes int4 groups that are multiples of 32 dividing the row
@@ -130,14 +126,19 @@ def quantize(model: nn.Module, precision: str, group_size: int) -> dict[str, Any
             **({"intx_choose_qparams_algorithm": "hqq_scale_only"} if bits == 4 else {}))
         chosen = set(names)
         quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in chosen)
-    hidden = model.spec.hidden_size
-    emb_group = next((x for x in (32, 16) if hidden % x == 0), 0)  # a portable kernel: any group works
-    emb = f"4,{emb_group}" if precision == "int4" else "8,0"
-    get_quant_embedding_transform(emb)(model)
     return {"scheme": "torchao 8da4w (hqq scales)" if precision == "int4" else "torchao 8da8w per channel",
-            "activations": "int8 dynamic",
-            "linears": {f"int{b} " + (f"group {g}" if g else "per channel"): len(n) for (b, g), n in sorted(groups.items())},
-            "embedding": f"ExecuTorch quantized embedding {emb}"}
+            "activations": "int8 dynamic", "group_size": group_size if precision == "int4" else "per channel",
+            "linears": "every Linear, LM head included (8-bit per channel where no group of 32k divides a row)"}
+
+
+def quant_embedding(model: nn.Module, precision: str) -> str:
+    """ExecuTorch's quantized embedding kernels: 4-bit rows in groups (int4) or 8-bit rows (int8)."""
+    from executorch.examples.models.llama.source_transformation.quantize import get_quant_embedding_transform
+    hidden = model.spec.hidden_size
+    group = next((x for x in (32, 16) if hidden % x == 0), 0)  # a portable kernel: any group works
+    emb = f"4,{group}" if precision == "int4" else "8,0"
+    get_quant_embedding_transform(emb)(model)
+    return emb
 
 
 @torch.no_grad()
@@ -168,19 +169,31 @@ def prepare(ctx, weights, say=lambda m: None):
     Sets ctx.states (ExecuTorch layouts) and ctx.rounded (the quantized weights, dequantized)."""
     from deltaship.export.executorch.lowering import ExecuTorchKernels
 
-    say("materialising weights")
-    model = materialize(ctx.model, ctx.plan, weights).eval()
+    model = ctx.model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    model.to_empty(device="cpu")
+    quant = {"scheme": "none", "weights": ctx.precision}
+    quantized = ctx.precision in ("int8", "int4")
+    if quantized and model.model.embed_tokens.weight is model.lm_head.weight:  # untie: quantized separately
+        model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight), requires_grad=False)
+    # Fill and quantize one part at a time: only one layer is ever held in full precision.
+    units = ["model.embed_tokens."] + [f"model.layers.{i}." for i in range(ctx.spec.num_layers)] + \
+            ["model.norm.", "model.rotary.", "lm_head."]
+    for i, unit in enumerate(units):
+        say(f"materialising {unit.rstrip('.')} ({i + 1}/{len(units)})")
+        materialize(model, ctx.plan, weights, prefix=unit, allocate=False)
+        if quantized and unit.startswith(("model.layers.", "lm_head.")):
+            quant = quantize(model, ctx.precision, int(ctx.options.get("block_size", 32)), prefix=unit)
+    if quantized:
+        quant_embedding(model, ctx.precision)
     kernels = ExecuTorchKernels()
     swapped = use_kernels(model, kernels)
     static_conv_weights(model)
     ctx.states = program_states(ctx.model.state_specs(ctx.dtype))
-    quant = {"scheme": "none", "weights": ctx.precision}
-    if ctx.precision in ("int8", "int4"):
-        say(f"quantizing ({ctx.precision})")
-        quant = quantize(model, ctx.precision, int(ctx.options.get("block_size", 32)))
-    ctx.rounded = rounded_weights(model) if ctx.precision in ("int8", "int4") else None
+    from deltaship.export.verify import reference_fits
+    if quantized and ctx.options.get("verify", True) and reference_fits(ctx.spec):
+        ctx.rounded = rounded_weights(model)  # only verification needs the dequantized copy
     return model, kernels, quant, swapped
 
 

@@ -203,7 +203,8 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
 
 def finalize_in_place(tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Write a manifest with file hashes into the staging directory (it is rewritten at the end)."""
-    from deltaship.runtimes.bundle import MANIFEST, sha256_file
+    from deltaship.files import sha256_file
+    from deltaship.runtimes.bundle import MANIFEST
     m = dict(manifest)
     m["files"] = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                   for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != MANIFEST}

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from deltaship.errors import DeltashipError
-from deltaship.runtimes.bundle import MANIFEST, SCHEMA, SCHEMA_VERSION, sha256_file
+from deltaship.files import sha256_file
+from deltaship.runtimes.bundle import MANIFEST, SCHEMA, SCHEMA_VERSION
 
 
 def check_destination(out: Path, force: bool) -> None:

@@ -8,12 +8,12 @@ configs are accepted. Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from deltaship.errors import DeltashipError
+from deltaship.files import read_json_object
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 LAYER_KINDS = ("linear_attention", "full_attention")
@@ -262,10 +262,4 @@ def read_config(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise DeltashipError(f"{path.parent}: no config.json in this directory",
                              "point --model at a Hugging Face checkpoint directory (config.json + *.safetensors) or a preset")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DeltashipError(f"{path}: not valid JSON ({e})", "restore config.json from the original checkpoint") from None
-    if not isinstance(cfg, dict):
-        raise DeltashipError(f"{path}: expected a JSON object at the top level", "restore config.json from the original checkpoint")
-    return cfg
+    return read_json_object(path, "config.json", "restore config.json from the original checkpoint")

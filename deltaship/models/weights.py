@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from deltaship.errors import DeltashipError
+from deltaship.files import sha256_file
 from deltaship.models.safetensors_io import FLOAT_DTYPES, SafetensorsFile
 from deltaship.models.spec import ModelSpec
 
@@ -178,14 +179,6 @@ class CheckpointWeights:
 def _names(items: list[str], limit: int = 12) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
-
-
-def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 class RandomWeights:

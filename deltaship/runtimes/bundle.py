@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 from deltaship.errors import DeltashipError
+from deltaship.files import read_json_object, sha256_file
 
 MANIFEST = "manifest.json"
 SCHEMA = "deltaship.bundle"
 SCHEMA_VERSION = 1
-
-
-def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_manifest(bundle: str | Path) -> dict[str, Any]:
@@ -31,10 +22,7 @@ def read_manifest(bundle: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise DeltashipError(f"{d}: no {MANIFEST}; this is not a deltaship bundle (or an export did not finish)",
                              "export again with `deltaship export ... --out DIR`")
-    try:
-        m = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DeltashipError(f"{path}: corrupt manifest ({e})", "export the bundle again") from None
+    m = read_json_object(path, "bundle manifest", "export the bundle again")
     if m.get("schema") != SCHEMA:
         raise DeltashipError(f"{path}: not a deltaship manifest (schema {m.get('schema')!r})", "export the bundle again")
     if m.get("schema_version") != SCHEMA_VERSION:

@@ -155,6 +155,28 @@ def rounded_weights(model: nn.Module) -> dict[str, np.ndarray]:
     return out
 
 
+def infer_reshape_dims(ep: torch.export.ExportedProgram) -> int:
+    """Reshapes whose target shape has exactly one symbolic size get -1 there instead.
+
+    torch.export spells a dynamic reshape with the symbolic prompt length; XNNPACK's static_reshape
+    rejects symbolic sizes but takes one inferred (-1) dimension, so without this every reshape on
+    the prompt axis splits the delegate. Returns how many were rewritten."""
+    aten = torch.ops.aten
+    n = 0
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default,
+                                                           aten.reshape.default):
+            shape = list(node.args[1])
+            symbolic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
+            if len(symbolic) == 1 and -1 not in shape:
+                shape[symbolic[0]] = -1
+                node.args = (node.args[0], shape)
+                n += 1
+    ep.graph_module.graph.eliminate_dead_code()
+    ep.graph_module.recompile()
+    return n
+
+
 def metadata(ctx, tokens: dict[str, Any]) -> dict[str, Any]:
     eos = tokens.get("eos") or []
     return {"get_max_seq_len": ctx.max_context, "get_max_context_len": ctx.max_context,
@@ -214,6 +236,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     example = (torch.zeros(1, min(2, chunk), dtype=torch.long), torch.zeros(1, dtype=torch.long))
     with torch.no_grad():
         ep = torch.export.export(wrapper, example, dynamic_shapes=({1: t} if chunk > 1 else None, None), strict=False)
+        ep = ep.run_decompositions({})
+    reshapes = infer_reshape_dims(ep)
     say("lowering to XNNPACK")
     edge = to_edge_transform_and_lower(
         ep, partitioner=[XnnpackDynamicallyQuantizedPartitioner(), XnnpackPartitioner()],
@@ -236,7 +260,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     n_layers = ctx.spec.num_layers
     return {"files": [PTE_FILE], "entry": PTE_FILE, "delegate_partitions": int(info.num_delegated_subgraphs),
             "delegate_partitions_per_layer": round(info.num_delegated_subgraphs / n_layers, 2),
-            "portable_nodes": portable, "kernels_swapped": swapped,
+            "portable_nodes": portable, "kernels_swapped": swapped, "reshapes_inferred": reshapes,
             "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op, chunked kernel for T > 1)",
             "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]",
             "quantization": quant, "prefill": f"1 .. {chunk} tokens per call (dynamic shape)"}

@@ -110,7 +110,8 @@ def quantize(model: nn.Module, precision: str, group_size: int, prefix: str = ""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
 
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefix)}
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and (n.startswith(prefix) or n == prefix.rstrip("."))}
     groups: dict[tuple[int, int], list[str]] = {}  # (bits, group size; 0 = per output channel) -> linears
     for name, m in linears.items():
         if precision == "int4":  # XNNPACK takes int4 groups that are multiples of 32 dividing the row
@@ -209,6 +210,9 @@ def prepare(ctx, weights, say=lambda m: None):
             quant = quantize(model, ctx.precision, int(ctx.options.get("block_size", 32)), prefix=unit)
     if quantized:
         quant_embedding(model, ctx.precision)
+        plain = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and type(m.weight) is nn.Parameter]
+        if plain:
+            raise RuntimeError(f"executorch: linears left unquantized at {ctx.precision}: {plain[:5]}")
     kernels = ExecuTorchKernels()
     swapped = use_kernels(model, kernels)
     static_conv_weights(model)

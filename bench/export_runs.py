@@ -1,0 +1,94 @@
+"""Export the published-shape presets and record what each export costs: peak RSS, wall time, bundle size.
+
+    python bench/export_runs.py memory   # issue 6: 9B int4/fp16 ONNX, 4B int4 for every target
+    python bench/export_runs.py coreml   # issue 4: every preset to Core ML, sizes per precision
+
+Each export runs as its own process under `/usr/bin/time -v` (peak RSS of the export process is
+getrusage's maxrss), random weights at the published shapes (speed and memory do not depend on the
+values). Results go to bench/EXPORT_<SET>.md; bundles are written under bench/out/exports and
+deleted after measuring unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SETS = {
+    "memory": [("qwen3.5-9b", "onnx", "int4", []), ("qwen3.5-9b", "onnx", "fp16", []),
+               ("qwen3.5-4b", "onnx", "int4", []), ("qwen3.5-4b", "executorch", "int4", []),
+               ("qwen3.5-4b", "coreml", "int4", [])],
+    "coreml": [("qwen3.5-0.8b", "coreml", "fp16", []), ("qwen3.5-0.8b", "coreml", "int8", []),
+               ("qwen3.5-0.8b", "coreml", "int4", []), ("qwen3.5-2b", "coreml", "int4", []),
+               ("qwen3.5-4b", "coreml", "int4", []), ("qwen3.5-9b", "coreml", "int4", [])],
+}
+GIB = 1 << 30
+
+
+def run_one(preset: str, target: str, precision: str, extra: list[str], work: Path, verify: bool) -> dict:
+    out = work / f"{preset}-{target}-{precision}"
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "deltaship.cli", "export", "--model", preset, "--target",
+           target, "--precision", precision, "--out", str(out), "--force", "--quiet"] + extra
+    if not verify:
+        cmd.append("--no-verify")
+    print("$", " ".join(cmd[2:]), flush=True)
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr)
+    row = {"preset": preset, "target": target, "precision": precision, "args": " ".join(extra), "ok": r.returncode == 0,
+           "wall_s": round(wall, 1), "peak_rss_bytes": int(rss.group(1)) * 1024 if rss else None}
+    if r.returncode == 0:
+        m = json.loads((out / "manifest.json").read_text())
+        row.update(bundle_bytes=m["bundle_bytes"], verification=m["verification"]["status"],
+                   parts=len(m["lowering"].get("parts", [])) or 1,
+                   weights_fp16_bytes=m["model"]["parameters"]["total"] * 2,
+                   rel=m["verification"].get("max_rel_logit_diff"), kl=m["verification"].get("kl_divergence"))
+    else:
+        row["error"] = r.stderr.strip().splitlines()[-25:]
+    print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("set", choices=sorted(SETS))
+    ap.add_argument("--work", type=Path, default=HERE / "out" / "exports")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--verify", action="store_true", help="verify too (where the fp32 reference fits)")
+    a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for preset, target, precision, extra in SETS[a.set]:
+        rows.append(run_one(preset, target, precision, extra, a.work, a.verify))
+        if not a.keep:
+            shutil.rmtree(a.work / f"{preset}-{target}-{precision}", ignore_errors=True)
+    lines = [f"# Export runs: {a.set}", "",
+             f"`python bench/export_runs.py {a.set}{' --verify' if a.verify else ''}`: each export its own process "
+             "under /usr/bin/time -v, on this machine (2 cores, 24 GiB); random weights at the published shapes.", "",
+             "| preset | target | precision | peak RSS GiB | wall s | bundle GiB | packages | fp16 weights GiB | verification |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r["ok"]:
+            lines.append(f"| {r['preset']} | {r['target']} | {r['precision']} | "
+                         f"{(r['peak_rss_bytes'] or 0) / GIB:.2f} | {r['wall_s']} | FAILED | | | |")
+            continue
+        lines.append(f"| {r['preset']} | {r['target']} | {r['precision']} | {r['peak_rss_bytes'] / GIB:.2f} | "
+                     f"{r['wall_s']:.0f} | {r['bundle_bytes'] / GIB:.2f} | {r['parts']} | "
+                     f"{r['weights_fp16_bytes'] / GIB:.2f} | {r['verification']} |")
+    text = "\n".join(lines) + "\n"
+    (HERE / f"EXPORT_{a.set.upper()}.md").write_text(text)
+    (HERE / f"EXPORT_{a.set.upper()}.json").write_text(json.dumps(rows, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

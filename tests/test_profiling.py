@@ -88,7 +88,9 @@ def test_plan_weights_match_a_real_bundle(bundle):
 # ---- profiling on the host ---------------------------------------------------------------------
 def test_profile_host_records_and_contract(bundle, tmp_path):
     from deltaship.profiling.profile import profile
+    ballast = np.ones(1 << 27)  # 1 GiB resident in this process: the worker's peak must not include it
     doc = profile(bundle, **FAST, json_out=tmp_path / "p.json", threads=1)
+    del ballast
     saved = json.loads((tmp_path / "p.json").read_text())
     assert saved["schema_version"] == 1 and saved["device"]["device"] == "host"
     assert {"device", "bundle", "results"} <= set(saved)
@@ -104,7 +106,7 @@ def test_profile_host_records_and_contract(bundle, tmp_path):
     kinds = {r["op_kind"] for r in doc["results"] if r["metric"] == "decode_op_s"}
     assert {"deltanet", "attention", "matmul"} <= kinds
     peak = next(r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes")
-    assert 20 << 20 < peak < 2 << 30
+    assert 20 << 20 < peak < 1 << 30
     assert doc["imported_toolchains"] == []  # the measured process held only the ONNX runtime
 
 

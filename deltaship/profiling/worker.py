@@ -37,6 +37,18 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
+    """Peak RSS of this process's own address space.
+
+    On Linux this is VmHWM from /proc/self/status: getrusage's ru_maxrss survives execve, so a worker
+    started from a large parent (a test runner, a notebook) would report the parent's peak instead.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
@@ -175,7 +187,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                         results.append(record("decode_op_s", "s", secs, context=c, op_kind=kind))
         trace.phase = "end"
     peak = record("peak_rss_bytes", "bytes", [peak_rss_bytes()],
-                  note="getrusage maxrss of this process, which only opened and ran the bundle")
+                  note="VmHWM (Linux) or getrusage maxrss of this process, which only opened and ran the bundle")
     peak["flags"] = []  # one number by definition, not a few samples
     results.append(peak)
     heavy = [m for m in ("torch", "transformers", "coremltools") if m in sys.modules]

@@ -1,0 +1,193 @@
+"""deltaship against the tools a user would otherwise pick: one machine, one run, alternating.
+
+    python bench/peers.py [--rounds 3] [--threads 2] [--skip llamacpp,...]   # regenerates bench/RESULTS.md
+
+0.8B preset (random weights, published shape) written once as a bf16 checkpoint, text-only and in the
+multimodal layout onnxruntime-genai's builder needs. Peers: transformers eager (fp32, bf16),
+onnxruntime-genai's model builder (fp32, int4; its own venv, bench/out/peers/genai-venv, so that its
+onnxruntime does not replace ours), ExecuTorch's own Qwen3.5 export (fp32, 8da4w; shipped static
+config and dynamic shape; built by bench/et_vs_example.py), llama.cpp through llama-cpp-python
+(BF16, Q4_0; its own venv, built from source, only where it builds). deltaship: ONNX fp32/int4 and
+ExecuTorch fp32/int4 from the same checkpoint. Every measurement is a fresh process
+(bench/peer_worker.py); rounds alternate between the tools; medians with bootstrap 95% CIs.
+Also measures this machine's memory bandwidth and the decode roofline of each artifact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from deltaship.profiling.stats import ratio_ci, summarize
+
+HERE = Path(__file__).parent
+WORK = HERE / "out" / "peers"
+ET = HERE / "out" / "et"
+
+
+def sh(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> None:
+    print("$", " ".join(map(str, cmd)), flush=True)
+    t0 = time.monotonic()
+    with open(log, "a") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    if r.returncode:
+        raise RuntimeError(f"{cmd[:3]} failed ({r.returncode}) after {time.monotonic() - t0:.0f}s; see {log}")
+    print(f"  done in {time.monotonic() - t0:.0f}s", flush=True)
+
+
+def venv(path: Path, packages: list[str], log: Path) -> Path:
+    py = path / "bin" / "python"
+    if not py.exists():
+        sh([sys.executable, "-m", "venv", str(path)], log)
+        sh([str(py), "-m", "pip", "install", "-q", "--upgrade", "pip"], log)
+        sh([str(py), "-m", "pip", "install", "-q", *packages], log)
+    return py
+
+
+def build(skip: set[str]) -> dict[str, dict]:
+    WORK.mkdir(parents=True, exist_ok=True)
+    log = WORK / "build.log"
+    text, mm = ET / "q08-ckpt", WORK / "q08-mm"
+    if not (text / "model.safetensors").exists():
+        sh([sys.executable, str(HERE / "make_checkpoint.py"), "qwen3.5-0.8b", str(text)], log)
+    tools: dict[str, dict] = {}
+    # deltaship
+    for prec in ("fp32", "int4"):
+        out = WORK / f"deltaship-onnx-{prec}"
+        if not (out / "manifest.json").exists():
+            sh([sys.executable, "-m", "deltaship.cli", "export", "--model", str(text), "--target", "onnx",
+                "--precision", prec, "--max-context", "1024", "--out", str(out), "--force", "--no-verify", "--quiet"], log)
+        tools[f"deltaship onnx {prec}"] = {"tool": "deltaship", "path": out, "py": sys.executable, "precision": prec}
+    for prec in ("fp32", "int4"):
+        if (ET / f"deltaship-{prec}" / "manifest.json").exists():
+            tools[f"deltaship executorch {prec}"] = {"tool": "deltaship", "path": ET / f"deltaship-{prec}",
+                                                     "py": sys.executable, "precision": prec}
+    # transformers
+    if "transformers" not in skip:
+        for d in ("fp32", "bf16"):
+            tools[f"transformers eager {d}"] = {"tool": f"transformers-{d}", "path": text, "py": sys.executable,
+                                                "precision": d}
+    # ExecuTorch's own export (bench/et_vs_example.py builds them)
+    if "et" not in skip:
+        for name, prec in (("et-example-fp32-static", "fp32"), ("et-example-8da4w-static", "int4"),
+                           ("et-example-fp32-dynamic", "fp32"), ("et-example-8da4w-dynamic", "int4")):
+            pte = ET / f"{name}.pte"
+            if pte.exists():
+                per_call = ":1" if "static" in name else ":512"
+                tools[name.replace("et-example", "executorch example")] = {"tool": "et-example", "path": pte,
+                                                                           "suffix": per_call, "py": sys.executable,
+                                                                           "precision": prec}
+    # onnxruntime-genai
+    if "genai" not in skip:
+        py = venv(WORK / "genai-venv", ["torch==2.13.0", "onnxruntime-genai", "onnx_ir", "transformers>=5.23,<6",
+                                        "numpy"], log)
+        if not (mm / "model.safetensors").exists():
+            sh([sys.executable, str(HERE / "make_checkpoint.py"), "qwen3.5-0.8b", str(mm), "--multimodal"], log)
+        for prec in ("fp32", "int4"):
+            out = WORK / f"genai-{prec}"
+            if not (out / "genai_config.json").exists():
+                sh([str(py), "-m", "onnxruntime_genai.models.builder", "-i", str(mm), "-o", str(out), "-p", prec,
+                    "-e", "cpu", "-c", str(WORK / "genai-cache")], log)
+                cfg = json.loads((out / "genai_config.json").read_text())
+                opts = cfg["model"]["decoder"].setdefault("session_options", {})
+                opts["intra_op_num_threads"] = 2
+                (out / "genai_config.json").write_text(json.dumps(cfg, indent=1))
+            tools[f"onnxruntime-genai {prec}"] = {"tool": "genai", "path": out, "py": str(py), "precision": prec}
+    return tools
+
+
+def artifact_bytes(path: Path) -> int:
+    p = Path(path)
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def bandwidth(threads: int) -> float:
+    """Read bandwidth: a multi-threaded sum over a 1 GiB array, best of 5 (GB/s)."""
+    import torch
+    torch.set_num_threads(threads)
+    a = torch.ones(1 << 28, dtype=torch.float32)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.monotonic()
+        float(a.sum())
+        best = max(best, a.numel() * 4 / (time.monotonic() - t0) / 1e9)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip", default="", help="comma-separated: transformers, genai, et")
+    a = ap.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+    tools = build(skip)
+    bw = [bandwidth(a.threads)]
+    samples: dict[str, list[dict]] = {k: [] for k in tools}
+    for r in range(a.rounds):
+        for name, t in tools.items():
+            cmd = [t["py"], str(HERE / "peer_worker.py"), t["tool"], str(t["path"]) + t.get("suffix", ""), str(a.threads)]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TQDM_DISABLE="1"))
+            if out.returncode:
+                print(f"round {r} {name}: died ({out.returncode}): {out.stderr[-300:]}", flush=True)
+                continue
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            samples[name].append(res)
+            print(f"round {r} {name}: " + json.dumps({k: round(v, 2) for k, v in res.items() if k != "tool"}), flush=True)
+        bw.append(bandwidth(a.threads))
+    (WORK / "samples.json").write_text(json.dumps({"samples": samples, "bandwidth_gbs": bw}, indent=1))
+    text = report(tools, samples, bw, a)
+    (HERE / "RESULTS.md").write_text(text)
+    print(text)
+    return 0
+
+
+def report(tools: dict, samples: dict, bw: list[float], a) -> str:
+    med_bw = float(np.median(bw))
+    lines = ["# deltaship against its peers (0.8B, random weights at the published shape)", "",
+             f"`python bench/peers.py --rounds {a.rounds} --threads {a.threads}` on this machine (2 cores, AMD EPYC; "
+             f"{a.threads} threads for every tool); every measurement a fresh process, tools alternated each round; "
+             "median and bootstrap 95% CI over the rounds. Memory read bandwidth (multi-threaded sum of 1 GiB, "
+             f"best of 5, measured between rounds): median {med_bw:.1f} GB/s (range {min(bw):.1f}-{max(bw):.1f}).", "",
+             "| tool | precision | prefill 128 tok/s | prefill 512 tok/s | TTFT 512 s | decode tok/s | peak RSS GiB | "
+             "artifact GiB | decode roofline tok/s | % of roofline |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ci = lambda xs: (lambda s: f"{s['median']:.1f} [{s['ci95'][0]:.1f}, {s['ci95'][1]:.1f}]")(summarize(xs))  # noqa: E731
+    for name, t in tools.items():
+        s = samples[name]
+        if not s:
+            lines.append(f"| {name} | {t['precision']} | died | | | | | | | |")
+            continue
+        get = lambda k: [x[k] for x in s]  # noqa: E731
+        size = artifact_bytes(t["path"])
+        roof = med_bw * 1e9 / size
+        dec = float(np.median(get("decode_tok_s")))
+        lines.append(f"| {name} | {t['precision']} | {ci(get('prefill_128_tok_s'))} | {ci(get('prefill_512_tok_s'))} | "
+                     f"{np.median(get('ttft_512_s')):.2f} | {ci(get('decode_tok_s'))} | "
+                     f"{np.median(get('peak_rss_bytes')) / 2**30:.2f} | {size / 2**30:.2f} | {roof:.0f} | "
+                     f"{100 * dec / roof:.0f}% |")
+    lines += ["", "Roofline: bandwidth / artifact bytes, i.e. every stored weight read once per token (an upper "
+              "bound on bytes read, so the roofline is conservative for artifacts that store an embedding "
+              "table apart from the LM head).", "", "## Ratios, best deltaship bundle vs best peer, same precision", ""]
+    for prec in ("fp32", "int4"):
+        ours = [n for n, t in tools.items() if n.startswith("deltaship") and t["precision"] == prec and samples[n]]
+        theirs = [n for n, t in tools.items() if not n.startswith("deltaship") and t["precision"] == prec and samples[n]]
+        for metric in ("prefill_128_tok_s", "prefill_512_tok_s", "decode_tok_s"):
+            if not ours or not theirs:
+                continue
+            best_o = max(ours, key=lambda n: np.median([x[metric] for x in samples[n]]))
+            best_t = max(theirs, key=lambda n: np.median([x[metric] for x in samples[n]]))
+            r = ratio_ci([x[metric] for x in samples[best_o]], [x[metric] for x in samples[best_t]])
+            lines.append(f"- {prec} {metric}: {best_o} / {best_t} = x{r['ratio']:.2f} [{r['ci95'][0]:.2f}, "
+                         f"{r['ci95'][1]:.2f}]")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

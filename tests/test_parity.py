@@ -64,11 +64,14 @@ def test_chunked_prefill_equals_token_by_token(config, target, bundles, refs):
         a = chunked.prefill(prompt)
         for tok in prompt:
             b = stepwise.decode(tok)
-        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+        # Same runtime, different kernels (a GEMM over T rows vs T GEMVs accumulate in different orders):
+        # equal within the fp32 row of the tolerance table, in units of the logit row's spread.
+        tol = tolerance(target, "fp32").max_rel_logit_diff
+        assert np.abs(a - b).max() / b.std() <= tol, (n, np.abs(a - b).max() / b.std())
         assert chunked.position == stepwise.position == n
         ref_last = refs(config)(torch.tensor([prompt]), use_cache=False).logits[0, -1].detach().numpy()
         rel = np.abs(a - ref_last).max() / ref_last.std()
-        assert rel <= tolerance(target, "fp32").max_rel_logit_diff, (n, rel)
+        assert rel <= tol, (n, rel)
         if hasattr(chunked, "state_arrays"):
             sa, sb = chunked.state_arrays(), stepwise.state_arrays()
             for name in sa:

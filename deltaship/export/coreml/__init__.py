@@ -192,9 +192,8 @@ def part_io(ctx, index: int) -> tuple[str, str]:
 def build_program(ctx, weights, index: int = 0, wcache=None, progress=None):
     """One package part: both functions in one MIL Program, weights deduplicated across them."""
     from coremltools.converters.mil.mil import Program
-    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
 
-    from deltaship.export.coreml.lowering import MILLowerer, WeightCache
+    from deltaship.export.coreml.lowering import MILLowerer, WeightCache, share_across_functions
 
     modes = state_modes(ctx)
     wcache = wcache or WeightCache(ctx.plan, weights, ctx.quant, progress)
@@ -211,7 +210,7 @@ def build_program(ctx, weights, index: int = 0, wcache=None, progress=None):
         func, emitted[fname] = MILLowerer(ctx.programs[index][fname], wcache, mil_modes, fname,
                                           param_prefix="m.").build(inputs, state_in, outs)
         prog.add_function(fname, func)
-    PASS_REGISTRY["common::const_deduplication"]._deduplicate_const_across_functions(prog)
+    share_across_functions(prog)
     prog.default_function_name = "decode"
     prog.export_as_multifunction = True
     return prog, modes, emitted

@@ -59,7 +59,13 @@ def weight_const_name(fqn: str, form: str, piece: int | None = None) -> str:
 
 
 class WeightCache:
-    """One numpy array per (parameter, form), shared by every function that uses it."""
+    """One array per (parameter, form), in its final dtype, shared by every function that uses it.
+
+    Quantized weights are produced in blocks of rows straight into their final int4/int8 array, so
+    a 248320-row table never exists in fp32 at once; the MIL consts reference these arrays (no
+    copies), and `share_across_functions` lets both functions point at the same blob."""
+
+    ROW_BLOCK = 16384
 
     def __init__(self, plan, weights, quant: dict, progress: Callable[[str], None] | None):
         self.plan, self.weights, self.quant, self.progress = plan, weights, quant, progress
@@ -71,21 +77,78 @@ class WeightCache:
         self.const_names[name] = (fqn, form, piece or 0)
         return name
 
+    def _row_blocks(self, fqn: str):
+        rows = self.plan.shape(fqn)[0]
+        if rows <= self.ROW_BLOCK:
+            yield slice(0, rows), self.plan.tensor(fqn, self.weights)
+            return
+        for r in range(0, rows, self.ROW_BLOCK):
+            sl = slice(r, min(rows, r + self.ROW_BLOCK))
+            yield sl, self.plan.tensor(fqn, self.weights, sl)
+
     def get(self, fqn: str, form: str, dtype) -> Any:
+        """("dense", array, None, None) or ("quantized", int4/int8 codes [N, K], fp16 scales [N, K/block], bits)."""
         key = (fqn, form, np.dtype(dtype).str)
         if key not in self._arrays:
             if self.progress:
                 self.progress(fqn)
-            w = self.plan.tensor(fqn, self.weights)
             q = self.quant[form].get(fqn) if form in ("linear", "embedding") else None
+            shape = self.plan.shape(fqn)
             if q is not None:
-                codes, scales = quantize_blocks(w, q["bits"], q["block_size"])
-                half = 1 << (q["bits"] - 1)
-                data = (codes.astype(np.int16) - half).astype(np.int8).reshape(w.shape[0], -1)[:, :w.shape[1]]
-                self._arrays[key] = ("quantized", data, scales.astype(np.float16), q["bits"])
+                from coremltools.converters.mil.mil import types
+                bits, block = q["bits"], q["block_size"]
+                half = 1 << (bits - 1)
+                data = np.empty(shape, dtype=types.np_int4_dtype if bits == 4 else np.int8)
+                scales = np.empty((shape[0], -(-shape[1] // block)), np.float16)
+                for sl, w in self._row_blocks(fqn):
+                    codes, sc = quantize_blocks(w, bits, block)
+                    data[sl] = (codes.reshape(w.shape[0], -1)[:, :shape[1]].astype(np.int16) - half).astype(np.int8)
+                    scales[sl] = sc
+                self._arrays[key] = ("quantized", data, scales, bits)
             else:
-                self._arrays[key] = ("dense", w.astype(dtype), None, None)
+                data = np.empty(shape, dtype=dtype)
+                for sl, w in self._row_blocks(fqn):
+                    data[sl] = w
+                self._arrays[key] = ("dense", data, None, None)
         return self._arrays[key]
+
+    def piece(self, fqn: str, form: str, dtype, rows: slice) -> Any:
+        """A block of rows of a (possibly quantized) weight: views, cached so every function gets the same."""
+        key = (fqn, form, np.dtype(dtype).str, rows.start, rows.stop)
+        if key not in self._arrays:
+            kind, data, scales, bits = self.get(fqn, form, dtype)
+            self._arrays[key] = (kind, data[rows], None if scales is None else scales[rows], bits)
+        return self._arrays[key]
+
+
+def share_across_functions(prog) -> dict[str, int]:
+    """Give identical consts of different functions one weight_id, so they share one blob in the package.
+
+    coremltools' own pass compares candidates with np.allclose, which upcasts both to float64: for a
+    quantized 248320-row table that is gigabytes. Here consts are matched by identity (WeightCache hands
+    every function the same array) and otherwise by dtype, shape and a hash of their bytes."""
+    import hashlib
+    from coremltools.converters.mil.mil import ListVar
+
+    groups: dict[tuple, list] = {}
+    digests: dict[int, str] = {}
+    for func in prog.functions.values():
+        for op in func.operations:
+            if op.op_type != "const" or isinstance(op.outputs[0], ListVar):
+                continue
+            val = op.outputs[0].val
+            if not isinstance(val, np.ndarray) or val.size < 2:
+                continue
+            if id(val) not in digests:
+                digests[id(val)] = hashlib.sha1(np.ascontiguousarray(val).view(np.uint8).reshape(-1)).hexdigest()
+            key = (str(op.outputs[0].dtype), val.shape, digests[id(val)])
+            groups.setdefault(key, []).append(op)
+    shared = 0
+    for i, ops in enumerate(g for g in groups.values() if len(g) > 1):
+        for op in ops:
+            op.weight_id = str(i)
+        shared += 1
+    return {"shared_consts": shared}
 
 
 class MILLowerer:
@@ -140,9 +203,7 @@ class MILLowerer:
         kind, data, scales, bits = self.w.get(fqn, form, dt)
         if kind == "dense":  # named after the parameter, so compressed values can be mapped back
             return self.mb.const(val=data, name=self.w.named(fqn, form))
-        mb, types = self.mb, self.types
-        qdata = data.astype(types.np_int4_dtype) if bits == 4 else data.astype(np.int8)
-        w = mb.constexpr_blockwise_shift_scale(data=qdata, scale=scales, name=self.uname(fqn.replace(".", "_")))
+        w = self.mb.constexpr_blockwise_shift_scale(data=data, scale=scales, name=self.uname(fqn.replace(".", "_")))
         return w if dt == np.float16 else mb.cast(x=w, dtype="fp32")
 
     # ---- driver ------------------------------------------------------------------------------
@@ -335,18 +396,17 @@ def _linear(L, node, x, weight, bias=None):
     # Split a wide projection (the 248320-wide LM head) so no dimension exceeds the Neural Engine's.
     fqn = L.param_of[weight.name]
     dt = NP[L.dtype_of(weight)]
-    kind, data, scales, bits = L.w.get(fqn, "linear", dt)
     pieces = math.ceil(n / ANE_MAX_DIM)
     size = math.ceil(n / pieces)
     outs = []
     for i in range(pieces):
         rows = slice(i * size, min(n, (i + 1) * size))
+        kind, data, scales, bits = L.w.piece(fqn, "linear", dt, rows)
         if kind == "dense":
-            w = L.mb.const(val=data[rows], name=L.w.named(fqn, "linear", i))
+            w = L.mb.const(val=data, name=L.w.named(fqn, "linear", i))
         else:
-            mb, types = L.mb, L.types
-            qd = data[rows].astype(types.np_int4_dtype) if bits == 4 else data[rows].astype(np.int8)
-            w = mb.constexpr_blockwise_shift_scale(data=qd, scale=scales[rows], name=L.uname(f"{fqn}_{i}".replace(".", "_")))
+            mb = L.mb
+            w = mb.constexpr_blockwise_shift_scale(data=data, scale=scales, name=L.uname(f"{fqn}_{i}".replace(".", "_")))
             if dt != np.float16:
                 w = mb.cast(x=w, dtype="fp32")
         outs.append(L.mb.linear(x=xv, weight=w))

@@ -100,7 +100,52 @@ def build(skip: set[str]) -> dict[str, dict]:
                 opts["intra_op_num_threads"] = 2
                 (out / "genai_config.json").write_text(json.dumps(cfg, indent=1))
             tools[f"onnxruntime-genai {prec}"] = {"tool": "genai", "path": out, "py": str(py), "precision": prec}
+    if "llamacpp" not in skip:
+        tools.update(build_llamacpp(text, log))
     return tools
+
+
+LLAMA_CPP = "llama-cpp-python==0.3.36"  # its sdist vendors a llama.cpp with the qwen35 architecture
+
+
+def build_llamacpp(text: Path, log: Path) -> dict[str, dict]:
+    """llama-cpp-python (built from source, own venv), the checkpoint converted with the vendored
+    convert_hf_to_gguf.py (a byte-level tokenizer stands in: the weights carry no tokenizer; the
+    pre-tokenizer name is forced to qwen35), F32 and Q4_0 GGUFs (quantized with llama_model_quantize)."""
+    py = venv(WORK / "llamacpp-venv", ["numpy", LLAMA_CPP], log)
+    src = WORK / "llamacpp-src"
+    if not (src / "convert_hf_to_gguf.py").exists():
+        dl = WORK / "llamacpp-sdist"
+        sh([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(dl),
+            LLAMA_CPP], log)
+        import tarfile
+        with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tf:
+            tf.extractall(dl)
+        next(dl.glob("llama_cpp_python-*/vendor/llama.cpp")).rename(src)
+    ckpt = WORK / "q08-gguf-src"  # the checkpoint plus a stand-in tokenizer
+    if not (ckpt / "tokenizer.json").exists():
+        ckpt.mkdir(parents=True, exist_ok=True)
+        for f in text.iterdir():
+            (ckpt / f.name).unlink(missing_ok=True)
+            (ckpt / f.name).symlink_to(f.resolve())
+        from deltaship.models.presets import write_tiny_tokenizer
+        write_tiny_tokenizer(ckpt)
+    f32 = WORK / "q08-f32.gguf"
+    if not f32.exists():
+        conv = ("import sys, runpy; sys.argv = sys.argv[1:]; d = sys.argv[0].rsplit('/', 1)[0]; "
+                "sys.path[:0] = [d, d + '/gguf-py']; import conversion.base as b; "
+                "b.TextModel.get_vocab_base_pre = lambda self, tok: 'qwen35'; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+        sh([sys.executable, "-c", conv, str(src / "convert_hf_to_gguf.py"), str(ckpt), "--outtype", "f32",
+            "--outfile", str(f32), "--no-mtp"], log)
+    q4 = WORK / "q08-q4_0.gguf"
+    if not q4.exists():
+        quant = ("import sys, llama_cpp as l; p = l.llama_model_quantize_default_params(); "
+                 "p.ftype = l.LLAMA_FTYPE_MOSTLY_Q4_0; p.nthread = 2; "
+                 "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
+        sh([str(py), "-c", quant, str(f32), str(q4)], log)
+    return {"llama.cpp f32": {"tool": "llamacpp", "path": f32, "py": str(py), "precision": "fp32"},
+            "llama.cpp Q4_0": {"tool": "llamacpp", "path": q4, "py": str(py), "precision": "int4"}}
 
 
 def artifact_bytes(path: Path) -> int:
@@ -125,10 +170,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip", default="", help="comma-separated: transformers, genai, et")
+    ap.add_argument("--skip", default="", help="comma-separated: transformers, genai, et, llamacpp")
+    ap.add_argument("--only-build", action="store_true", help="build every artifact, measure nothing")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     tools = build(skip)
+    if a.only_build:
+        return 0
     bw = [bandwidth(a.threads)]
     samples: dict[str, list[dict]] = {k: [] for k in tools}
     for r in range(a.rounds):

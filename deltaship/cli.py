@@ -17,7 +17,8 @@ def _export(a: argparse.Namespace) -> int:
            deltanet_int8=a.deltanet_int8, accuracy_level=a.accuracy_level, threads=a.threads, progress=not a.quiet,
            **({"allow_portable_fallback": True} if a.allow_portable_fallback else {}),
            **({"coreml_states": a.coreml_states} if a.coreml_states else {}),
-           **({"coreml_palettize": a.coreml_palettize} if a.coreml_palettize else {}))
+           **({"coreml_palettize": a.coreml_palettize} if a.coreml_palettize else {}),
+           **({"onnx_deltanet_ops": a.onnx_deltanet_ops} if a.onnx_deltanet_ops else {}))
     return 0
 
 
@@ -131,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--deltanet-int8", action="store_true", help="with int4: keep DeltaNet projections at int8")
     e.add_argument("--accuracy-level", type=int, default=4,
                    help="ONNX int8/int4: 4 = int8 activation blocks (fast, default), 0 = float activations")
+    e.add_argument("--onnx-deltanet-ops", choices=("standard", "contrib"), default=None,
+                   help="onnx: DeltaNet conv and output norm in standard ops (default, faster) or ONNX Runtime's "
+                        "CausalConvWithState/GatedRMSNorm contrib ops")
     e.add_argument("--allow-portable-fallback", action="store_true",
                    help="executorch: accept nodes XNNPACK does not take (run as portable kernels)")
     e.add_argument("--coreml-states", choices=("io", "state"), default=None,

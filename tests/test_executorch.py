@@ -32,7 +32,9 @@ def test_program_contract_and_metadata(pte):
     assert meta["get_max_seq_len"] == 96 and meta["get_vocab_size"] == 272 and meta["get_n_layers"] == 8
     assert meta["use_kv_cache"] and meta["enable_dynamic_shape"] and meta["get_eos_ids"] == 256
     lw = m["lowering"]
-    assert "llama::gated_delta_rule" in lw["gated_delta_rule"] and lw["delegate_partitions"] > 0
+    assert "llama::gated_delta_rule" in lw["gated_delta_rule"]
+    # XNNPACK is cut only at the stateful kernels (one per layer) and at the last-token select before the head
+    assert 0 < lw["delegate_partitions"] <= m["model"]["num_layers"] + 2, lw["delegate_partitions"]
     assert all(expected_portable(op) for op in lw["portable_nodes"])
     assert {s["kind"] for s in m["states"]} == {"deltanet_conv", "deltanet_recurrent", "kv_cache_key",
                                                  "kv_cache_value"}
@@ -60,7 +62,7 @@ def test_executorch_llm_runner_drives_the_program(pte):
     assert texts[0] == texts[1] == ours and len(ours) >= 10
 
 
-def test_node_xnnpack_cannot_take_fails_unless_allowed(tmp_path, monkeypatch):
+def test_node_xnnpack_cannot_take_fails_unless_allowed(tmp_path, monkeypatch, checkpoints):
     """softplus lowers to ops XNNPACK does not take: the export names them, or accepts them when asked."""
     import torch
     import torch.nn.functional as F
@@ -69,10 +71,11 @@ def test_node_xnnpack_cannot_take_fails_unless_allowed(tmp_path, monkeypatch):
     def softplus_gates(self, a, b, dt_bias, decay_scale):
         return decay_scale.float() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b.float())
     monkeypatch.setattr(lowering.ExecuTorchKernels, "delta_gates", softplus_gates)
+    model = str(checkpoints["deltanet_only"])
     with pytest.raises(DeltashipError, match="XNNPACK does not take these nodes.*aten_"):
-        export("qwen3.5-tiny", tmp_path / "a", target="executorch", max_context=32, progress=False, verify=False)
+        export(model, tmp_path / "a", target="executorch", max_context=32, progress=False, verify=False)
     assert not (tmp_path / "a").exists()
-    m = export("qwen3.5-tiny", tmp_path / "b", target="executorch", max_context=32, progress=False, verify=False,
+    m = export(model, tmp_path / "b", target="executorch", max_context=32, progress=False, verify=False,
                allow_portable_fallback=True)
     assert not all(expected_portable(op) for op in m["lowering"]["portable_nodes"])
 
@@ -92,3 +95,32 @@ def test_program_from_another_executorch_version_is_a_clear_error(pte, tmp_path)
     with pytest.raises(DeltashipError) as e:
         open_bundle(bad)
     assert "built with executorch 0.9.0" in str(e.value) and "could not load this program" in str(e.value)
+
+
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+def test_vocabulary_tables_quantized_by_row_blocks_equal_whole_table_quantization(precision, monkeypatch):
+    """The embedding and LM head are quantized a block of rows at a time (no full fp32 copy): the numbers
+    must be those of quantizing the whole table at once, and the embedding those of ExecuTorch's own
+    transform."""
+    import numpy as np
+    import torch
+    from executorch.examples.models.llama.source_transformation.quantize import get_quant_embedding_transform
+    from deltaship.export.executorch import quant
+
+    w = (np.random.default_rng(0).standard_normal((300, 64)) * 0.05).astype(np.float32)
+    monkeypatch.setattr(quant, "ROW_BLOCK", 1000)
+    whole_head = quant.quantized_table_linear(lambda r: w[r], w.shape, precision, 32)
+    whole_emb, scheme = quant.quantized_embedding(lambda r: w[r], w.shape, precision)
+    monkeypatch.setattr(quant, "ROW_BLOCK", 64)  # 5 blocks, the last one partial
+    head = quant.quantized_table_linear(lambda r: w[r], w.shape, precision, 32)
+    emb, _ = quant.quantized_embedding(lambda r: w[r], w.shape, precision)
+    assert torch.equal(head.qdata, whole_head.qdata) and torch.equal(head.scale, whole_head.scale)
+    assert torch.equal(emb.weight, whole_emb.weight) and torch.equal(emb.scales, whole_emb.scales)
+    ref = torch.nn.Module()
+    ref.emb = torch.nn.Embedding(*w.shape)
+    ref.emb.weight.data = torch.from_numpy(w.copy())
+    get_quant_embedding_transform(scheme)(ref)
+    ids = torch.arange(w.shape[0]).reshape(1, -1)
+    assert torch.equal(ref.emb(ids), emb(ids))
+    err = (head.dequantize().numpy() - w).std() / w.std()
+    assert 0 < err < (0.15 if precision == "int4" else 0.01)  # really quantized, and not garbage

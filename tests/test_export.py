@@ -142,7 +142,9 @@ def test_manifest_contract(bundles, checkpoints):
     assert [i.name for i in g.input] == ["input_ids", "position"] + [s["name"] for s in m["states"]]
     assert [o.name for o in g.output] == ["logits"] + [s["output"] for s in m["states"]]
     ops = {n.op_type for n in g.node}
-    assert {"LinearAttention", "CausalConvWithState", "GroupQueryAttention", "GatedRMSNorm"} <= ops
+    assert {"LinearAttention", "LinearAttentionGate", "GroupQueryAttention"} <= ops
+    # default lowering: conv and output norm in standard ops (ORT's contrib kernels for them are slower)
+    assert not ops & {"CausalConvWithState", "GatedRMSNorm"} and m["lowering"]["deltanet_ops"]["mode"] == "standard"
 
 
 def test_existing_output_is_not_overwritten_without_force(bundles, tmp_path, checkpoints):
@@ -183,7 +185,10 @@ def test_option_combinations_are_checked_before_work(tmp_path):
     cases = [({"target": "tflite"}, "unknown --target"), ({"precision": "int3"}, "unknown --precision"),
              ({"deltanet_int8": True}, "needs --precision int4"), ({"block_size": 48}, "power of two"),
              ({"max_context": 10**7}, "exceeds the model's max_position_embeddings"),
-             ({"accuracy_level": 0}, "applies to ONNX int8/int4")]
+             ({"accuracy_level": 0}, "applies to ONNX int8/int4"),
+             ({"target": "coreml", "onnx_deltanet_ops": "contrib"}, "applies to --target onnx, not coreml"),
+             ({"onnx_deltanet_ops": "fused"}, "must be standard or contrib"),
+             ({"coreml_statez": "io"}, "unknown export option 'coreml_statez'")]
     for kwargs, msg in cases:
         with pytest.raises(DeltashipError, match=msg):
             export("qwen3.5-tiny", tmp_path / "x", progress=False, **kwargs)

@@ -20,9 +20,13 @@ from deltaship.tolerances import tolerance
 TARGETS = ["onnx", "executorch", "coreml"]
 CHUNK = 8  # the bundles fixture exports with prefill_chunk=8
 # Lower precisions: ONNX over the whole table; the slower toolchains over two configs that between
-# them cover tied and untied heads and value heads > key heads.
-LOW_PRECISION_CASES = [(c, "onnx") for c in ALL_CONFIGS] + [(c, t) for c in ("base", "grouped_values")
-                                                                 for t in ("executorch", "coreml")]
+# them cover tied and untied heads and value heads > key heads (ExecuTorch, whose exports cost most:
+# every precision once, int4 on both).
+LOW_PRECISION_CASES = (
+    [(c, "onnx", p) for c in ALL_CONFIGS for p in ("fp16", "int8", "int4")]
+    + [(c, "coreml", p) for c in ("base", "grouped_values") for p in ("fp16", "int8", "int4")]
+    + [("grouped_values", "executorch", "fp16"), ("base", "executorch", "int8"), ("base", "executorch", "int4"),
+       ("grouped_values", "executorch", "int4")])
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +137,8 @@ def _matched_parity(bundle, ckpt, precision, tol, target="onnx", **opts) -> dict
     return {"rel": worst, "agree": agree}
 
 
-@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
-@pytest.mark.parametrize("config,target", LOW_PRECISION_CASES)
-def test_lower_precision_matches_its_rounded_weights(config, precision, target, bundles, checkpoints):
+@pytest.mark.parametrize("config,target,precision", LOW_PRECISION_CASES)
+def test_lower_precision_matches_its_rounded_weights(config, target, precision, bundles, checkpoints):
     tol = tolerance(target, precision)
     got = _matched_parity(bundles(config, target, precision), checkpoints[config], precision, tol, target=target)
     assert got["rel"] <= tol.max_rel_logit_diff and got["agree"] >= tol.min_greedy_agreement, got
@@ -156,3 +159,27 @@ def test_int4_with_int8_deltanet_is_exact(bundles, checkpoints):
     got = _matched_parity(bundles("grouped_values", "onnx", "int4", accuracy_level=0, deltanet_int8=True),
                           checkpoints["grouped_values"], "int4", tol, deltanet_int8=True)
     assert got["rel"] <= tol.max_rel_logit_diff and got["agree"] == 1.0, got
+
+
+@pytest.mark.parametrize("config", ["grouped_values", "odd_heads"])
+def test_onnx_contrib_deltanet_ops_are_as_exact(config, bundles, refs):
+    """The alternative ONNX lowering onto ORT's CausalConvWithState and GatedRMSNorm contrib ops: greedy
+    tokens identical to transformers, chunked prefill equal to token-by-token feeding."""
+    import onnx
+    path = bundles(config, "onnx", "fp32", onnx_deltanet_ops="contrib")
+    ops = {n.op_type for n in onnx.load(str(path / "model.onnx"), load_external_data=False).graph.node}
+    assert {"CausalConvWithState", "GatedRMSNorm", "LinearAttention"} <= ops
+    prompt = _prompt(3 * CHUNK + 2, seed=9)
+    ref_tokens, ref_rows = reference_greedy(refs(config), prompt, 32)
+    s = open_bundle(path)
+    gen = s.generate(prompt, 32, stop_at_eos=False, keep_logits=True)
+    assert gen.output_ids == ref_tokens
+    tol = tolerance("onnx", "fp32")
+    assert compare(np.stack(gen.logits), ref_rows, ref_tokens, tol.tie_margin)["max_rel_logit_diff"] <= \
+        tol.max_rel_logit_diff
+    stepwise = open_bundle(path)
+    for tok in prompt:
+        last = stepwise.decode(tok)
+    s.reset()
+    chunked = s.prefill(prompt)
+    assert np.abs(chunked - last).max() / last.std() <= tol.max_rel_logit_diff

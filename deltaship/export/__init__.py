@@ -47,11 +47,28 @@ class Progress:
             self._inline = False
 
 
+# Target-specific options (keyword arguments of export()) and the target each belongs to.
+TARGET_OPTIONS = {"onnx_deltanet_ops": "onnx", "external_data": "onnx", "allow_portable_fallback": "executorch",
+                  "coreml_states": "coreml", "coreml_palettize": "coreml", "coreml_part_gb": "coreml"}
+
+
 def check_options(target: str, precision: str, max_context: int | None, block_size: int, deltanet_int8: bool,
-                  prefill_chunk: int | None, accuracy_level: int = 4) -> None:
+                  prefill_chunk: int | None, accuracy_level: int = 4, target_options: dict | None = None) -> None:
     """Every option combination is checked once, here, before any work starts."""
     if target not in TARGETS:
         raise DeltashipError(f"unknown --target {target!r}; targets: {', '.join(TARGETS)}", "pick one of the targets")
+    for key in target_options or {}:
+        owner = TARGET_OPTIONS.get(key)
+        flag = "--" + key.replace("_", "-")
+        if owner is None:
+            raise DeltashipError(f"unknown export option {key!r}; options: {', '.join(TARGET_OPTIONS)}",
+                                 "check the option's spelling")
+        if owner != target:
+            raise DeltashipError(f"{flag} applies to --target {owner}, not {target}", f"drop {flag}")
+    ops = (target_options or {}).get("onnx_deltanet_ops", "standard")
+    if ops not in ("standard", "contrib"):
+        raise DeltashipError(f"--onnx-deltanet-ops must be standard or contrib, got {ops!r}",
+                             "use standard (default) or contrib")
     if precision not in PRECISIONS:
         raise DeltashipError(f"unknown --precision {precision!r}; precisions: {', '.join(PRECISIONS)}",
                              "pick one of the precisions")
@@ -119,7 +136,8 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
 
     from deltaship.logs import quiet_third_party
     quiet_third_party()
-    check_options(target, precision, max_context, block_size, deltanet_int8, prefill_chunk, accuracy_level)
+    check_options(target, precision, max_context, block_size, deltanet_int8, prefill_chunk, accuracy_level,
+                  target_options)
     out = Path(out)
     check_destination(out, force)
     say = progress if callable(progress) else Progress(bool(progress))

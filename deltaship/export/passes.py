@@ -185,8 +185,6 @@ class FuseProjections:
         counts = {"deltanet_in_proj": 0, "attention_qkv": 0, "mlp_gate_up": 0}
         key = {"proj": "deltanet_in_proj", "qkv": "attention_qkv", "gate_up": "mlp_gate_up"}
         for path, group in _modules(ctx.model, fam.Projections):
-            if ctx.options.get("no_fuse"):
-                continue
             names = [f"{path}.parts.{n}.weight" for n in group.parts]
             group.fuse()
             ctx.plan.fuse(names, f"{path}.fused.weight")
@@ -239,8 +237,9 @@ class AssignPrecision:
             keep32 = plan.recipes[name].dtype == "float32"
             kept += keep32
             p.data = p.data.to(torch.float32 if keep32 else ctx.dtype)
-        for name, b in model.named_buffers():
-            b.data = b.data.to(torch.float32)
+        for name, b in model.named_buffers():  # constants: fp32 unless their recipe follows the model
+            model_dtype = name in plan.recipes and plan.recipes[name].dtype == "model"
+            b.data = b.data.to(ctx.dtype if model_dtype else torch.float32)
         counts = {"params_kept_fp32": kept, "params_at_model_dtype": sum(1 for _ in model.parameters()) - kept}
         if ctx.precision in ("int8", "int4") and self.quantize:
             bits = 8 if ctx.precision == "int8" else 4

@@ -57,7 +57,12 @@ def _set_from_rounded(model, source: ModelSource, plan, rounded: dict) -> None:
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
         params["lm_head.weight"] = model.lm_head.weight
     for name, arr in rounded.items():
-        sources = ("lm_head.weight",) if name == "lm_head.weight" else plan.recipes[name].sources
+        recipe = None if name == "lm_head.weight" else plan.recipes[name]
+        if recipe is not None and recipe.rows is not None:  # a row selection of one source: scatter it back
+            (src,) = recipe.sources
+            params[src].data[torch.from_numpy(recipe.rows)] = torch.from_numpy(np.ascontiguousarray(arr)).float()
+            continue
+        sources = ("lm_head.weight",) if recipe is None else recipe.sources
         row = 0
         for s in sources:
             n = source.weights.shape(s)[0] if s in source.weights.names() else arr.shape[0]

@@ -28,11 +28,12 @@ class Recipe:
     fixups: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] = field(default_factory=list)
     compute: Callable[[], np.ndarray] | None = None  # for constants made from the spec alone
     dtype: str = "model"  # "model": the export's float dtype; "float32": always fp32
+    rows: np.ndarray | None = None  # a selection of rows of the (fixed-up) sources, in this order
 
     @property
     def row_local(self) -> bool:
         """Whether a range of rows can be produced from the same rows of one source."""
-        return self.compute is None and len(self.sources) == 1 and not self.fixups
+        return self.compute is None and len(self.sources) == 1 and not self.fixups and self.rows is None
 
 
 class WeightPlan:
@@ -42,8 +43,9 @@ class WeightPlan:
     def add_source(self, name: str, source: str, shape: tuple[int, ...], dtype: str = "model") -> None:
         self.recipes[name] = Recipe((source,), tuple(shape), dtype=dtype)
 
-    def add_constant(self, name: str, fn: Callable[[], np.ndarray], shape: tuple[int, ...]) -> None:
-        self.recipes[name] = Recipe((), tuple(shape), compute=fn, dtype="float32")
+    def add_constant(self, name: str, fn: Callable[[], np.ndarray], shape: tuple[int, ...],
+                     dtype: str = "float32") -> None:
+        self.recipes[name] = Recipe((), tuple(shape), compute=fn, dtype=dtype)
 
     def add_fixup(self, name: str, fixup: str, fn: Callable[[np.ndarray], np.ndarray],
                   shape: tuple[int, ...] | None = None, dtype: str | None = None) -> None:
@@ -69,6 +71,16 @@ class WeightPlan:
                                    dtype=parts[0].dtype)
         for n in names:
             del self.recipes[n]
+
+    def select_rows(self, name: str, parts: dict[str, np.ndarray]) -> None:
+        """Replace `name` by several tensors, each a selection of its rows (e.g. q and gate rows of q_proj)."""
+        r = self._get(name)
+        if r.compute is not None or r.rows is not None:
+            raise PlanError(f"cannot select rows of {name}: only source tensors can be split by rows")
+        for new, idx in parts.items():
+            idx = np.asarray(idx, dtype=np.int64)
+            self.recipes[new] = Recipe(r.sources, (len(idx), *r.shape[1:]), list(r.fixups), dtype=r.dtype, rows=idx)
+        del self.recipes[name]
 
     def alias(self, name: str, target: str) -> None:
         """`name` is the very same tensor as `target` (tied embeddings)."""
@@ -102,5 +114,7 @@ class WeightPlan:
             [weights.read(s) for s in r.sources], axis=0)
         for _, fn in r.fixups:
             arr = fn(arr)
+        if r.rows is not None:
+            arr = arr[r.rows]
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         return arr[rows] if rows is not None else arr

@@ -10,14 +10,15 @@ reads (get_max_seq_len, get_bos_id, get_eos_ids, use_kv_cache, ...).
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from deltaship.errors import DeltashipError
+from deltaship.export.executorch.modules import XnnpackLayout
 from deltaship.export.passes import PIPELINE as _CANONICAL, AssignPrecision, materialize
 
 PTE_FILE = "model.pte"
@@ -50,7 +51,10 @@ def expected_portable(op: str) -> bool:
     return op in PORTABLE_OK_SYMBOLIC or op.startswith(PORTABLE_OK_PREFIXES)
 
 
-PIPELINE = _CANONICAL[:-2] + (AssignPrecision(quantize=False),)
+# The canonical passes without projection fusion (XNNPACK cannot split a dynamic-length result) and
+# without capture (done here, on the eager model with real weights), plus the XNNPACK layout.
+PIPELINE = tuple(p for p in _CANONICAL[:-2] if p.name != "fuse_projections") + (XnnpackLayout(),
+                                                                               AssignPrecision(quantize=False))
 
 
 class ProgramState(nn.Module):
@@ -104,58 +108,6 @@ def static_conv_weights(model: nn.Module) -> None:
             m.conv_weight = nn.Parameter(m.conv_weight.detach().unsqueeze(1), requires_grad=False)
 
 
-def quantize(model: nn.Module, precision: str, group_size: int, prefix: str = "") -> dict[str, Any]:
-    """int4: 8da4w (int8 dynamic activations, int4 weights per group) on every Linear, LM head included;
-    int8: 8da8w per channel. Only the Linears under `prefix`. Returns what was done, for the manifest."""
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerAxis, PerGroup
-
-    linears = {n: m for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and (n.startswith(prefix) or n == prefix.rstrip("."))}
-    groups: dict[tuple[int, int], list[str]] = {}  # (bits, group size; 0 = per output channel) -> linears
-    for name, m in linears.items():
-        if precision == "int4":  # XNNPACK takes int4 groups that are multiples of 32 dividing the row
-            g = next((x for x in (group_size, group_size // 2, group_size // 4) if x >= 32 and x % 32 == 0
-                      and m.in_features % x == 0), 0)
-            key = (4, g) if g else (8, 0)  # no such group: this layer gets 8-bit per-channel weights
-        else:
-            key = (8, 0)
-        groups.setdefault(key, []).append(name)
-    for (bits, g), names in groups.items():
-        cfg = Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=torch.int4 if bits == 4 else torch.int8, weight_granularity=PerGroup(g) if g else PerAxis(0),
-            **({"intx_choose_qparams_algorithm": "hqq_scale_only"} if bits == 4 else {}))
-        chosen = set(names)
-        quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in chosen)
-    return {"scheme": "torchao 8da4w (hqq scales)" if precision == "int4" else "torchao 8da8w per channel",
-            "activations": "int8 dynamic", "group_size": group_size if precision == "int4" else "per channel",
-            "linears": "every Linear, LM head included (8-bit per channel where no group of 32k divides a row)"}
-
-
-def quant_embedding(model: nn.Module, precision: str) -> str:
-    """ExecuTorch's quantized embedding kernels: 4-bit rows in groups (int4) or 8-bit rows (int8)."""
-    from executorch.examples.models.llama.source_transformation.quantize import get_quant_embedding_transform
-    hidden = model.spec.hidden_size
-    group = next((x for x in (32, 16) if hidden % x == 0), 0)  # a portable kernel: any group works
-    emb = f"4,{group}" if precision == "int4" else "8,0"
-    get_quant_embedding_transform(emb)(model)
-    return emb
-
-
-@torch.no_grad()
-def rounded_weights(model: nn.Module) -> dict[str, np.ndarray]:
-    """The weight values the program holds, dequantized: canonical parameter name -> float32 array."""
-    out: dict[str, np.ndarray] = {}
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear):
-            w = m.weight
-            out[f"{name}.weight"] = (w.dequantize() if hasattr(w, "dequantize") else w).float().numpy()
-    emb = model.model.embed_tokens
-    ids = torch.arange(model.spec.vocab_size).reshape(1, -1)
-    out["model.embed_tokens.weight"] = emb(ids)[0].float().numpy()
-    return out
-
-
 def infer_reshape_dims(ep: torch.export.ExportedProgram) -> int:
     """Reshapes whose target shape has exactly one symbolic size get -1 there instead.
 
@@ -190,26 +142,35 @@ def metadata(ctx, tokens: dict[str, Any]) -> dict[str, Any]:
 def prepare(ctx, weights, say=lambda m: None):
     """The eager model as the program will hold it: real weights, ExecuTorch kernels, quantized.
     Sets ctx.states (ExecuTorch layouts) and ctx.rounded (the quantized weights, dequantized)."""
+    from deltaship.export.executorch import quant as q
     from deltaship.export.executorch.lowering import ExecuTorchKernels
 
     model = ctx.model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    model.to_empty(device="cpu")
-    quant = {"scheme": "none", "weights": ctx.precision}
+    model.to_empty(device="cpu")  # untouched allocations cost no resident memory
     quantized = ctx.precision in ("int8", "int4")
-    if quantized and model.model.embed_tokens.weight is model.lm_head.weight:  # untie: quantized separately
-        model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight), requires_grad=False)
-    # Fill and quantize one part at a time: only one layer is ever held in full precision.
+    group = int(ctx.options.get("block_size", 32))
+    quant: dict[str, Any] = q.describe(ctx.precision, group) if quantized else {"scheme": "none", "weights": ctx.precision}
+    # Fill (and quantize) one part at a time: only one layer is ever held in full precision; the
+    # vocabulary tables of a quantized build are quantized from the plan a block of rows at a time.
     units = ["model.embed_tokens."] + [f"model.layers.{i}." for i in range(ctx.spec.num_layers)] + \
             ["model.norm.", "model.rotary.", "lm_head."]
     for i, unit in enumerate(units):
         say(f"materialising {unit.rstrip('.')} ({i + 1}/{len(units)})")
-        materialize(model, ctx.plan, weights, prefix=unit, allocate=False)
-        if quantized and unit.startswith(("model.layers.", "lm_head.")):
-            quant = quantize(model, ctx.precision, int(ctx.options.get("block_size", 32)), prefix=unit)
+        table = unit.rstrip(".") + ".weight"
+        if quantized and unit == "model.embed_tokens.":
+            model.model.embed_tokens, quant["embedding"] = q.quantized_embedding(
+                lambda rows: ctx.plan.tensor(table, weights, rows), ctx.plan.shape(table), ctx.precision)
+        elif quantized and unit == "lm_head.":  # also unties a tied head: the two uses are quantized apart
+            model.lm_head.weight = nn.Parameter(q.quantized_table_linear(
+                lambda rows: ctx.plan.tensor(table, weights, rows), ctx.plan.shape(table), ctx.precision, group),
+                requires_grad=False)
+        else:
+            materialize(model, ctx.plan, weights, prefix=unit, allocate=False)
+            if quantized and unit.startswith("model.layers."):
+                q.quantize_linears(model, ctx.precision, group, prefix=unit)
     if quantized:
-        quant_embedding(model, ctx.precision)
         plain = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and type(m.weight) is nn.Parameter]
         if plain:
             raise RuntimeError(f"executorch: linears left unquantized at {ctx.precision}: {plain[:5]}")
@@ -219,13 +180,12 @@ def prepare(ctx, weights, say=lambda m: None):
     ctx.states = program_states(ctx.model.state_specs(ctx.dtype))
     from deltaship.export.verify import reference_fits
     if quantized and ctx.options.get("verify", True) and reference_fits(ctx.spec):
-        ctx.rounded = rounded_weights(model)  # only verification needs the dequantized copy
+        ctx.rounded = q.rounded_weights(model)  # only verification needs the dequantized copy
     return model, kernels, quant, swapped
 
 
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (XnnpackDynamicallyQuantizedPartitioner,
-                                                                          XnnpackPartitioner)
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.devtools.backend_debug import get_delegation_info
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
@@ -244,9 +204,15 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     reshapes = infer_reshape_dims(ep)
     say("lowering to XNNPACK")
     edge = to_edge_transform_and_lower(
-        ep, partitioner=[XnnpackDynamicallyQuantizedPartitioner(), XnnpackPartitioner()],
+        # One partitioner for every precision: ExecuTorch's dynamically-quantized partitioner works op by op,
+        # which puts each linear in a delegate call of its own (about 7 per layer).
+        ep, partitioner=[XnnpackPartitioner()],
         compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
         constant_methods=metadata(ctx, tokens or {}))
+    # The weights now live in the delegates' blobs: drop the eager model and the captured program.
+    del model, wrapper, ep
+    ctx.model = None
+    gc.collect()
     info = get_delegation_info(edge.exported_program().graph_module)
     portable = {op: int(v.non_delegated) for op, v in info.delegation_by_operator.items() if v.non_delegated}
     unexpected = {op: n for op, n in portable.items() if not expected_portable(op)}
@@ -260,7 +226,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         extract_delegate_segments=True, do_quant_fusion_and_const_prop=True,
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(), emit_mutable_buffer_names=True))
-    (out_dir / PTE_FILE).write_bytes(prog.buffer)
+    with open(out_dir / PTE_FILE, "wb") as f:  # segment by segment: no second copy of the program in memory
+        prog.write_to_file(f)
     n_layers = ctx.spec.num_layers
     return {"files": [PTE_FILE], "entry": PTE_FILE, "delegate_partitions": int(info.num_delegated_subgraphs),
             "delegate_partitions_per_layer": round(info.num_delegated_subgraphs / n_layers, 2),

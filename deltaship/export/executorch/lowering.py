@@ -67,19 +67,30 @@ class ExecuTorchKernels:
         y = F.conv1d(full.transpose(1, 2), weight.to(x.dtype), groups=weight.shape[0]).transpose(1, 2)
         return F.silu(y), full[:, full.shape[1] - (k - 1):].to(state.dtype)
 
-    def gated_delta_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                         state: Tensor) -> tuple[Tensor, Tensor]:
-        hv, hk, dk = v.shape[2], k.shape[2], k.shape[3]
+    mean_last = staticmethod(_mean_last)
+
+    def gated_delta_rule_heads_first(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                     state: Tensor) -> tuple[Tensor, Tensor]:
+        """The kernel on heads-first inputs: q (already scaled by 1/sqrt(d_k)), k [1, Hk, T, d_k], v [1, Hv, T, d_v],
+        g, beta [1, T, Hv]. Returns (o [1, T, Hv, d_v], new state)."""
+        hv, hk = v.shape[1], k.shape[1]
         if hv != hk:  # ExecuTorch's kernel groups the other way (query heads over state heads)
-            q = q.repeat_interleave(hv // hk, dim=2)
-            k = k.repeat_interleave(hv // hk, dim=2)
+            q = q.repeat_interleave(hv // hk, dim=1)
+            k = k.repeat_interleave(hv // hk, dim=1)
         decay = g.exp()
         first = (torch.arange(decay.shape[1], device=decay.device) == 0).float()  # 1 for the call's first token
         decay = decay * (1 - first * (1 - self._keep())).reshape(1, -1, 1)  # position 0: the old state is dropped
-        tr = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731  [B, T, H, D] -> [B, H, T, D]
-        o, new_state = torch.ops.llama.gated_delta_rule(tr(q.float() * dk ** -0.5), tr(k.float()), tr(v.float()),
-                                                        tr(decay), tr(beta.float()), state)
-        return o.transpose(1, 2).to(v.dtype), new_state
+        o, new_state = torch.ops.llama.gated_delta_rule(q, k, v, decay.transpose(1, 2).contiguous(),
+                                                        beta.transpose(1, 2).contiguous(), state)
+        return o.transpose(1, 2), new_state
+
+    def gated_delta_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                         state: Tensor) -> tuple[Tensor, Tensor]:
+        """The canonical signature (q, k [B, T, Hk, d_k], v [B, T, Hv, d_v]) over the heads-first kernel."""
+        tr = lambda t: t.float().transpose(1, 2).contiguous()  # noqa: E731  [B, T, H, D] -> [B, H, T, D]
+        o, new_state = self.gated_delta_rule_heads_first(tr(q * q.shape[-1] ** -0.5), tr(k), tr(v), g.float(),
+                                                         beta.float(), state)
+        return o.to(v.dtype), new_state
 
     def attention_with_kv_cache(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                                 pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:

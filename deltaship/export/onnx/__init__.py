@@ -28,6 +28,21 @@ MODEL_FILE = "model.onnx"
 # MatMulNBits: 4 = quantize activations to int8 blocks (fast integer dot products); 0 = float activations.
 DEFAULT_ACCURACY_LEVEL = 4
 DATA_FILE = "model.onnx.data"
+# How the DeltaNet ops are written. The recurrence is always ONNX Runtime's LinearAttention. Its CPU
+# CausalConvWithState and GatedRMSNorm kernels (ORT 1.31) measured 3x and 14x slower than the same math
+# in standard ops on a 512-token prefill at 0.8B sizes (and slower at one token too; bench/onnx_ops.py),
+# so "standard" is the default; "contrib" keeps the fused contrib ops, e.g. for an execution provider
+# that implements them better.
+DEFAULT_DELTANET_OPS = "standard"
+DELTANET_OPS = {
+    "standard": {"recurrence": "com.microsoft::LinearAttention (gated_delta)",
+                 "conv": "K shifted Mul/Add over Concat(state, x); new state = last K-1 rows (Slice)",
+                 "output_norm": "SimplifiedLayerNormalization * SiLU(gate)",
+                 "l2norm": "SimplifiedLayerNormalization (eps/d, scale d^-1/2)"},
+    "contrib": {"recurrence": "com.microsoft::LinearAttention (gated_delta)",
+                "conv": "com.microsoft::CausalConvWithState (fused SiLU)",
+                "output_norm": "com.microsoft::GatedRMSNorm", "l2norm": "SimplifiedLayerNormalization (eps/d, scale d^-1/2)"},
+}
 
 
 def estimate_bytes(ctx) -> int:
@@ -48,7 +63,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     b = GraphBuilder(out_dir / DATA_FILE if external else None)
     inputs = ["input_ids", "position"] + [s["name"] for s in ctx.states]
     outputs = ["logits"] + [s["output"] for s in ctx.states]
-    lw = Lowerer(ctx.program, ctx.plan, weights, ctx.quant, b, accuracy_level=accuracy_level, progress=progress)
+    deltanet_ops = ctx.options.get("onnx_deltanet_ops", DEFAULT_DELTANET_OPS)
+    lw = Lowerer(ctx.program, ctx.plan, weights, ctx.quant, b, accuracy_level=accuracy_level, progress=progress,
+                 deltanet_ops=deltanet_ops)
     lw.run(inputs, outputs)
     b.finish(out_dir / MODEL_FILE, {"": OPSET, "com.microsoft": 1}, IR_VERSION,
              doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}")
@@ -57,7 +74,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
     return {"files": [MODEL_FILE] + ([DATA_FILE] if external else []), "entry": MODEL_FILE, "onnx_ops": ops,
             "external_data": external, "opset": OPSET, "ir_version": IR_VERSION,
-            "accuracy_level": accuracy_level, "weight_bytes": b.weight_bytes}
+            "accuracy_level": accuracy_level, "weight_bytes": b.weight_bytes,
+            "deltanet_ops": {"mode": deltanet_ops, **DELTANET_OPS[deltanet_ops]}}
 
 
 __all__ = ["lower", "LOWERINGS", "MODEL_FILE"]

@@ -41,10 +41,12 @@ class Sym:
 
 class Lowerer:
     def __init__(self, program: torch.export.ExportedProgram, plan: WeightPlan, weights, quant: dict,
-                 builder: GraphBuilder, accuracy_level: int = 4, progress: Callable[[str], None] | None = None):
+                 builder: GraphBuilder, accuracy_level: int = 4, progress: Callable[[str], None] | None = None,
+                 deltanet_ops: str = "standard"):
         self.ep, self.plan, self.weights, self.quant = program, plan, weights, quant
         self.b = builder
         self.accuracy_level = accuracy_level
+        self.deltanet_ops = deltanet_ops  # "standard" or "contrib" (see DELTANET_OPS in export/onnx)
         self.progress = progress
         self.env: dict[str, Any] = {}
         sig = program.graph_signature
@@ -140,6 +142,9 @@ class Lowerer:
         elif form == "conv":
             w = self.plan.tensor(fqn, self.weights)
             out = self.b.weight(base, w.reshape(w.shape[0], 1, w.shape[1]).astype(dt))
+        elif form == "taps":  # [C, K] -> K vectors [C], one per kernel tap, in the activation dtype
+            w = self.plan.tensor(fqn, self.weights)
+            out = [self.b.weight(f"{base}_tap{j}", np.ascontiguousarray(w[:, j]).astype(dt)) for j in range(w.shape[1])]
         else:
             raise ValueError(form)
         self._weights[key] = out
@@ -367,22 +372,50 @@ def _rms_norm(L: Lowerer, node, x, weight, eps):
     return y if L.dtype_of(weight) == xdt else L.b.one("Cast", [y], to=TORCH_TO_ONNX[xdt])
 
 
+def _silu_of(L: Lowerer, t: str) -> str:
+    return L.b.one("Mul", [t, L.b.one("Sigmoid", [t])])  # ONNX Runtime fuses this pair (QuickGelu)
+
+
 @lowering(DS.gated_rms_norm.default)
 def _gated_rms_norm(L: Lowerer, node, x, gate, weight, eps):
     w = L.weight(weight)
     if L.dtype_of(weight) != L.dtype_of(x):
         w = L.b.one("Cast", [w], to=TORCH_TO_ONNX[L.dtype_of(x)])
-    return L.b.one("GatedRMSNorm", [L.as_tensor(x), w, L.as_tensor(gate)], domain=MS, activation="silu",
-                   epsilon=float(eps))
+    if L.deltanet_ops == "contrib":
+        return L.b.one("GatedRMSNorm", [L.as_tensor(x), w, L.as_tensor(gate)], domain=MS, activation="silu",
+                       epsilon=float(eps))
+    normed = L.b.one("SimplifiedLayerNormalization", [L.as_tensor(x), w], axis=-1, epsilon=float(eps), stash_type=1)
+    return L.b.one("Mul", [normed, _silu_of(L, L.as_tensor(gate))])
 
 
 @lowering(DS.causal_conv_with_state.default)
 def _conv(L: Lowerer, node, x, state, weight):
-    w = L.weight(weight, "conv")
-    if L.dtype_of(weight) != L.dtype_of(x):
-        w = L.b.one("Cast", [w], to=TORCH_TO_ONNX[L.dtype_of(x)])
-    return L.b.node("CausalConvWithState", [L.as_tensor(x), w, "", L.as_tensor(state)], n_out=2, domain=MS,
-                    activation="silu", channels_last=1, ndim=1)
+    xdt = L.dtype_of(x)
+    if L.deltanet_ops == "contrib":
+        w = L.weight(weight, "conv")
+        if L.dtype_of(weight) != xdt:
+            w = L.b.one("Cast", [w], to=TORCH_TO_ONNX[xdt])
+        return L.b.node("CausalConvWithState", [L.as_tensor(x), w, "", L.as_tensor(state)], n_out=2, domain=MS,
+                        activation="silu", channels_last=1, ndim=1)
+    # K shifted multiply-adds over concat(state, x) along time (channels last): tap j is rows j .. j+T-1
+    taps = L.weight(weight, "taps")
+    k = len(taps)
+    st = L.as_tensor(state)
+    if L.dtype_of(state) != xdt:
+        st = L.b.one("Cast", [st], to=TORCH_TO_ONNX[xdt])
+    full = L.b.one("Concat", [st, L.as_tensor(x)], axis=1)
+    one = L.b.const(np.array([1], np.int64))
+    acc = None
+    for j, w in enumerate(taps):
+        end = np.array([j - (k - 1) if j < k - 1 else INT64_MAX], np.int64)
+        tap = L.b.one("Slice", [full, L.b.const(np.array([j], np.int64)), L.b.const(end), one])
+        term = L.b.one("Mul", [tap, w])
+        acc = term if acc is None else L.b.one("Add", [acc, term])
+    new_state = L.b.one("Slice", [full, L.b.const(np.array([-(k - 1)], np.int64)),
+                                  L.b.const(np.array([INT64_MAX], np.int64)), one])
+    if L.dtype_of(state) != xdt:
+        new_state = L.b.one("Cast", [new_state], to=TORCH_TO_ONNX[L.dtype_of(state)])
+    return [_silu_of(L, acc), new_state]
 
 
 def _packed_heads(L: Lowerer, t: str, heads: int, dim: int, repeat: int) -> str:
@@ -444,10 +477,10 @@ def _as_float32(L: Lowerer, a) -> str:
 
 @lowering(DS.l2norm.default)
 def _l2norm(L: Lowerer, node, x):
-    t = _as_float32(L, x)
-    ss = L.b.one("ReduceSum", [L.b.one("Mul", [t, t]), L.b.const(np.array([-1], np.int64))], keepdims=1)
-    inv = L.b.one("Reciprocal", [L.b.one("Sqrt", [L.b.one("Add", [ss, L.b.const(np.array(1e-6, np.float32))])])])
-    return L.b.one("Mul", [t, inv])
+    # x / sqrt(sum(x^2) + 1e-6) == RMSNorm with eps 1e-6/d, scaled by d^-1/2: one fused normalization node
+    d = int(L.meta(x).shape[-1])
+    scale = L.b.const(np.full(d, d ** -0.5, np.float32))
+    return L.b.one("SimplifiedLayerNormalization", [_as_float32(L, x), scale], axis=-1, epsilon=1e-6 / d, stash_type=1)
 
 
 @lowering(DS.delta_gates.default)

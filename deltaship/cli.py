@@ -26,7 +26,7 @@ def _generate(a: argparse.Namespace) -> int:
     from deltaship.runtimes.commands import generate
     res = generate(a.bundle, prompt=a.prompt, input_ids=a.input_ids, max_new_tokens=a.max_new_tokens,
                    threads=a.threads, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-                   stop_at_eos=not a.no_stop_at_eos, dump_logits=a.dump_logits)
+                   stop_at_eos=not a.no_stop_at_eos, dump_logits=a.dump_logits, provider=a.provider)
     if a.json:
         print(json.dumps(res))
     elif "text" in res:
@@ -105,7 +105,8 @@ def _profile(a: argparse.Namespace) -> int:
                   gen=a.gen, contexts=_ints(a.contexts) if a.contexts is not None else None, threads=a.threads,
                   warmups=a.warmups, reps=a.reps, min_seconds=a.min_seconds, tier=a.tier, tiers_file=a.tiers,
                   breakdown=not a.no_breakdown, json_out=a.json, report=a.report, ssh_options=a.ssh_option,
-                  remote_deltaship=a.remote_deltaship, runner=a.runner, runner_args=a.runner_args, progress=say)
+                  remote_deltaship=a.remote_deltaship, runner=a.runner, runner_args=a.runner_args, progress=say,
+                  provider=a.provider)
     if a.plots:
         from deltaship.profiling.report import write_plots
         write_plots(doc, Path(a.plots))
@@ -154,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (input_ids, output_ids, ...)")
     g.add_argument("--dump-logits", default=None, help="save the logits of each new token as float32 [N, vocab] .npy")
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
+                   help="ONNX bundles: run on ONNX Runtime's CUDA execution provider (needs onnxruntime-gpu)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -188,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--gen", type=int, default=None, help="tokens generated per decode run (default 64)")
     pr.add_argument("--contexts", default=None, help="context depths of the decode sweep (default 128,1024,4096)")
     pr.add_argument("--threads", type=int, default=None)
+    pr.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
+                    help="ONNX bundles on the host: cpu, or cuda (ONNX Runtime's CUDA execution provider; GPU "
+                         "memory is recorded)")
     pr.add_argument("--warmups", type=int, default=None)
     pr.add_argument("--reps", type=int, default=None, help="at least this many repetitions (default 5)")
     pr.add_argument("--min-seconds", type=float, default=None, help="and at least this long per phase (default 2)")

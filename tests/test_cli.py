@@ -101,3 +101,18 @@ def test_onnx_runtime_does_not_import_torch(tiny_bundle):
             "assert not bad, bad; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_cuda_provider_without_a_gpu_is_a_clear_error(tiny_bundle):
+    """The GPU tier runs ONNX bundles on ONNX Runtime's CUDA provider; where this onnxruntime has none (the CPU
+    package, as here), generate and profile say so and what to install, instead of quietly using the CPU."""
+    import onnxruntime as ort
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has a CUDA provider: the error path cannot be shown here")
+    for args in (("generate", str(tiny_bundle), "--input-ids", "1,2", "--provider", "cuda"),
+                 ("profile", str(tiny_bundle), "--provider", "cuda", "--prompt-lengths", "8", "--gen", "4",
+                  "--contexts", "16")):
+        r = run(*args)
+        assert r.returncode == 2 and "no CUDA execution provider" in r.stderr and "onnxruntime-gpu" in r.stderr, r.stderr
+    r = run("profile", str(tiny_bundle), "--provider", "cuda", "--device", "ssh://nobody@127.0.0.1:1")
+    assert r.returncode == 2 and "is for --device host" in r.stderr

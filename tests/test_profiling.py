@@ -62,9 +62,11 @@ def test_catalog_and_user_tiers(tmp_path):
 
 def test_plan_arithmetic_and_fit():
     spec = PRESETS["qwen3.5-0.8b"].spec()
-    # int4 ONNX: 4 bits + a 4-byte scale per 32 weights, the tied head stored twice
+    # int4 ONNX: 4 bits + a 4-byte scale per 32 weights, the tied table stored once for gather and head
     p = spec.parameter_count()
-    assert weight_bytes(spec, "onnx", "int4") == int((p["total"] + p["embedding"]) * (0.5 + 4 / 32))
+    assert weight_bytes(spec, "onnx", "int4") == int(p["total"] * (0.5 + 4 / 32))
+    # ExecuTorch stores a tied head twice (4-bit embedding kernel + 8da4w linear)
+    assert weight_bytes(spec, "executorch", "int4") == int((p["total"] + p["embedding"]) * (0.5 + 4 / 32))
     assert weight_bytes(spec, "onnx", "fp32") == p["total"] * 4
     rows = plan("qwen3.5-9b", tier="phone-4gb")
     assert rows and not any(r["fits"] for r in rows) and not any(r["recommended"] for r in rows)
@@ -78,11 +80,15 @@ def test_plan_arithmetic_and_fit():
         plan("qwen3.5-0.8b", tier="phone-2gb")
 
 
-def test_plan_weights_match_a_real_bundle(bundle):
-    """The planner's weight bytes for ONNX fp32 equal the bundle's model file to within its graph."""
+def test_plan_weights_match_a_real_bundle(bundle, tmp_path):
+    """The planner's weight bytes for ONNX fp32 and int4 equal the bundle's model file to within its graph."""
+    from deltaship.export import export
     m = json.loads((bundle / "manifest.json").read_text())
     planned = weight_bytes(PRESETS["qwen3.5-tiny"].spec(), "onnx", "fp32")
     assert abs(m["files"]["model.onnx"]["bytes"] - planned) / planned < 0.05
+    m4 = export("qwen3.5-tiny", tmp_path / "int4", precision="int4", max_context=64, progress=False, verify=False)
+    planned = weight_bytes(PRESETS["qwen3.5-tiny"].spec(), "onnx", "int4")
+    assert abs(m4["files"]["model.onnx"]["bytes"] - planned) / planned < 0.05, (m4["files"]["model.onnx"], planned)
 
 
 # ---- profiling on the host ---------------------------------------------------------------------

@@ -19,8 +19,8 @@ from deltaship.models.spec import ModelSpec
 FORMATS = {
     ("onnx", "fp32"): dict(bits=32, scale=0, block=1, head_copy=False, act=4),
     ("onnx", "fp16"): dict(bits=16, scale=0, block=1, head_copy=False, act=2),
-    ("onnx", "int8"): dict(bits=8, scale=4, block=32, head_copy=True, act=4),
-    ("onnx", "int4"): dict(bits=4, scale=4, block=32, head_copy=True, act=4),
+    ("onnx", "int8"): dict(bits=8, scale=4, block=32, head_copy=False, act=4),  # gather + MatMulNBits share it
+    ("onnx", "int4"): dict(bits=4, scale=4, block=32, head_copy=False, act=4),
     ("executorch", "fp32"): dict(bits=32, scale=0, block=1, head_copy=False, act=4),
     ("executorch", "fp16"): dict(bits=16, scale=0, block=1, head_copy=False, act=2),
     ("executorch", "int8"): dict(bits=8, scale=4, block=4096, head_copy=True, act=4),

@@ -130,12 +130,17 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
             tiers_file: str | None = None, breakdown: bool = True, json_out: str | Path | None = None,
             report: str | Path | None = None, ssh_options: list[str] | None = None,
             remote_deltaship: str = "deltaship", runner: str | None = None, runner_args: str | None = None,
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+            progress: Callable[[str], None] | None = None, provider: str = "cpu") -> dict[str, Any]:
     """Profile a bundle on a device; return (and optionally write) the versioned JSON document."""
     from deltaship.devices.catalog import get_tier
     from deltaship.devices.discovery import fingerprint
     from deltaship.runtimes.bundle import read_manifest, require_intact
 
+    from deltaship.runtimes import PROVIDERS
+    if provider not in PROVIDERS:
+        raise DeltashipError(f"unknown provider {provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
+    if provider != "cpu" and device != "host":
+        raise DeltashipError(f"--provider {provider} is for --device host", "drop --provider, or profile on the host")
     say = progress or (lambda m: None)
     path = Path(bundle)
     manifest = read_manifest(path)
@@ -158,6 +163,10 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
         if target not in HOST_RUNTIMES:
             raise DeltashipError(f"this host has no runtime for {target} bundles (Core ML runs only on Apple devices)",
                                  "profile a Core ML bundle on a Mac, or export for onnx/executorch")
+        if provider != "cpu":
+            from deltaship.runtimes import open_bundle
+            open_bundle(path, provider=provider, check_hashes=False)  # fails here, clearly, if it cannot run
+            cfg["provider"] = provider
         doc["device"] = fingerprint("host")
         cap = None
         if t is not None:

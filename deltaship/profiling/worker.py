@@ -78,6 +78,39 @@ class RssTrace:
         self._thread.join()
 
 
+class GpuMemory:
+    """Peak GPU memory of this process, sampled through NVML (pynvml) in a thread; source None without NVML."""
+
+    def __init__(self, interval: float = 0.05):
+        self.peak, self.source, self._stop = 0, None, threading.Event()
+        try:
+            import pynvml  # type: ignore
+            pynvml.nvmlInit()
+            self._nv = pynvml
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self.source = "NVML per-process used memory"
+        except Exception:  # no pynvml or no driver: recorded as unmeasured, never as 0
+            return
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        pid = os.getpid()
+        while not self._stop.is_set():
+            used = 0
+            for h in self._handles:
+                for p in self._nv.nvmlDeviceGetComputeRunningProcesses(h):
+                    if p.pid == pid and p.usedGpuMemory:
+                        used += int(p.usedGpuMemory)
+            self.peak = max(self.peak, used)
+            self._stop.wait(interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.source:
+            self._thread.join()
+
+
 def repeat(fn: Callable[[], float], warmups: int, reps: int, min_seconds: float) -> list[float]:
     """Warm up, then keep sampling until both `reps` samples and `min_seconds` are reached."""
     for _ in range(warmups):
@@ -108,12 +141,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     with RssTrace() as trace:
         trace.phase = "load"
         t = now()
-        session = open_bundle(bundle, threads=threads, check_hashes=False)
+        provider = cfg.get("provider", "cpu")
+        session = open_bundle(bundle, threads=threads, check_hashes=False, provider=provider)
         results.append(record("load_cold_s", "s", [now() - t]))
+        gpu = GpuMemory() if provider == "cuda" else None
 
         def reopen() -> float:
             t0 = now()
-            open_bundle(bundle, threads=threads, check_hashes=False)
+            open_bundle(bundle, threads=threads, check_hashes=False, provider=provider)
             return now() - t0
         results.append(record("load_warm_s", "s", repeat(reopen, 0, max(2, reps // 2), 0)))
 
@@ -190,6 +225,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                   note="VmHWM (Linux) or getrusage maxrss of this process, which only opened and ran the bundle")
     peak["flags"] = []  # one number by definition, not a few samples
     results.append(peak)
+    if gpu is not None:
+        gpu.stop()
+        note = "GPU memory of this process, sampled every 50 ms through NVML"
+        results.append(dict(record("gpu_peak_bytes", "bytes", [gpu.peak]), flags=[], note=note) if gpu.source else
+                       {"metric": "gpu_peak_bytes", "unit": "bytes", "samples": [], "flags": ["unmeasured"],
+                        "note": "pynvml is not installed or no NVIDIA driver answered: GPU memory was not measured"})
     heavy = [m for m in ("torch", "transformers", "coremltools") if m in sys.modules]
     return {"results": results, "rss_trace": trace.samples, "runtime": session.runtime_name(),
             "threads": threads, "imported_toolchains": heavy}

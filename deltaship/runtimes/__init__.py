@@ -15,15 +15,26 @@ from deltaship.runtimes.bundle import read_manifest, require_intact
 TARGETS = ("onnx", "executorch", "coreml")
 
 
+PROVIDERS = ("cpu", "cuda")
+
+
 def open_bundle(bundle: str | Path, *, threads: int | None = None, check_hashes: bool = True,
-                prefill_chunk: int | None = None, **options: Any) -> Session:
-    """Open a bundle for generation. Files are checked against the manifest's sizes (and sha256)."""
+                prefill_chunk: int | None = None, provider: str = "cpu", **options: Any) -> Session:
+    """Open a bundle for generation. Files are checked against the manifest's sizes (and sha256).
+
+    provider: "cpu", or "cuda" (ONNX bundles on ONNX Runtime's CUDA execution provider)."""
+    if provider not in PROVIDERS:
+        raise DeltashipError(f"unknown provider {provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
     manifest = read_manifest(bundle)
     require_intact(bundle, manifest, hashes=check_hashes)
     target = manifest["target"]
+    if provider != "cpu" and target != "onnx":
+        raise DeltashipError(f"--provider {provider} runs ONNX bundles only; this is a {target} bundle",
+                             "export the model with --target onnx for the GPU tier, or drop --provider")
     if target == "onnx":
         from deltaship.runtimes.onnx import OnnxSession
-        return OnnxSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)
+        return OnnxSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, provider=provider,
+                           **options)
     if target == "executorch":
         from deltaship.runtimes.executorch import ExecuTorchSession
         return ExecuTorchSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)
@@ -34,4 +45,4 @@ def open_bundle(bundle: str | Path, *, threads: int | None = None, check_hashes:
                          "export the bundle again with this version of deltaship")
 
 
-__all__ = ["open_bundle", "Session", "Generation", "read_manifest"]
+__all__ = ["open_bundle", "Session", "Generation", "read_manifest", "PROVIDERS"]

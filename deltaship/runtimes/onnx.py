@@ -19,28 +19,55 @@ from deltaship.runtimes.base import Session
 _NP = {"float32": np.float32, "float16": np.float16}
 
 
+def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool = False):
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = int(threads)
+        opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if profile_prefix:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = profile_prefix
+    if strict:
+        opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    return opts
+
+
 class OnnxSession(Session):
     def __init__(self, bundle: Path, manifest: dict[str, Any], threads: int | None = None,
                  providers: list[str] | None = None, prefill_chunk: int | None = None, inplace_kv: bool = True,
-                 profiling: bool = False):
+                 profiling: bool = False, provider: str = "cpu"):
         super().__init__(bundle, manifest, prefill_chunk)
         import onnxruntime as ort
 
+        if providers is None and provider == "cuda":
+            have = ort.get_available_providers()
+            if "CUDAExecutionProvider" not in have:
+                raise DeltashipError(
+                    f"this onnxruntime {ort.__version__} has no CUDA execution provider (it has {', '.join(have)})",
+                    "on a machine with an NVIDIA GPU: pip uninstall onnxruntime && pip install onnxruntime-gpu==1.31.*")
+            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
         self._ort = ort
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = int(threads)
-            opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        prefix = None
         if profiling:
             import tempfile
-            opts.enable_profiling = True
-            opts.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="deltaship-ortprof-")) / "ort")
+            prefix = str(Path(tempfile.mkdtemp(prefix="deltaship-ortprof-")) / "ort")
         self.threads = threads
         self.providers = providers or ["CPUExecutionProvider"]
         model_path = self.bundle / manifest["entry"]
+        self.cpu_fallback = False
         try:
-            self.sess = ort.InferenceSession(str(model_path), sess_options=opts, providers=self.providers)
+            if self.providers[0] != "CPUExecutionProvider":
+                # Every node on the accelerator, or say that some are not: ORT would otherwise run them on the
+                # CPU without a word.
+                try:
+                    self.sess = ort.InferenceSession(str(model_path), providers=self.providers,
+                                                     sess_options=_options(ort, threads, prefix, strict=True))
+                except Exception:
+                    self.cpu_fallback = True
+            if not hasattr(self, "sess"):
+                self.sess = ort.InferenceSession(str(model_path), sess_options=_options(ort, threads, prefix),
+                                                 providers=self.providers)
         except Exception as e:  # ORT raises its own exception types
             raise DeltashipError(f"{model_path}: ONNX Runtime {ort.__version__} could not load the model: {e}",
                                  "export the bundle again with this version of deltaship") from None
@@ -61,7 +88,8 @@ class OnnxSession(Session):
         self._pos = np.zeros(1, dtype=np.int64)
 
     def runtime_name(self) -> str:
-        return f"onnxruntime {self._ort.__version__} ({self.providers[0]})"
+        fallback = ", some nodes on the CPU" if self.cpu_fallback else ""
+        return f"onnxruntime {self._ort.__version__} ({self.providers[0]}{fallback})"
 
     def _ortvalue(self, arr: np.ndarray):
         if self.device == "cuda":

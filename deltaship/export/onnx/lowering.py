@@ -121,22 +121,23 @@ class Lowerer:
             q = self.quant["linear"][fqn]
             scales: list[np.ndarray] = []
 
+            nb = -(-shape[1] // q["block_size"])
+
             def blocks():
                 for r in self._row_slices(fqn):
                     packed, sc = quantize_matmul_weight(self._rows(fqn, r), q["bits"], q["block_size"])
-                    scales.append(sc)
+                    scales.append(sc.reshape(-1, nb))
                     yield packed
-            nb = -(-shape[1] // q["block_size"])
             packed_name = self.b.weight_rows(base + "_q", (shape[0], nb, q["block_size"] * q["bits"] // 8), np.uint8,
                                              blocks())
             out = (packed_name, self.b.weight(base + "_scales", np.concatenate(scales).astype(dt)), q, shape)
         elif form == "matmul":
             q = self.quant["linear"].get(fqn)
             w = self.plan.tensor(fqn, self.weights)
-            if q:
+            if q:  # scales [N, blocks]: a tied embedding's GatherBlockQuantized can read them as they are
                 packed, scales = quantize_matmul_weight(w, q["bits"], q["block_size"])
-                out = (self.b.weight(base + "_q", packed), self.b.weight(base + "_scales", scales.astype(dt)),
-                       q, w.shape)
+                out = (self.b.weight(base + "_q", packed),
+                       self.b.weight(base + "_scales", scales.reshape(packed.shape[0], -1).astype(dt)), q, w.shape)
             else:
                 out = self.b.weight(base + "_t", np.ascontiguousarray(w.T).astype(dt))
         elif form == "conv":
@@ -313,7 +314,17 @@ def _getitem(L, node, seq, i):
 
 @lowering(aten.embedding.default)
 def _embedding(L: Lowerer, node, weight, ids, *args):
-    q = L.quant["embedding"].get(L.param_name(weight))
+    name = L.param_name(weight)
+    q = L.quant["embedding"].get(name)
+    head = L.quant["linear"].get(name)  # set when the table is also the (tied, quantized) LM head
+    rows, cols = L.plan.shape(name)
+    if q and head and (head["bits"], head["block_size"]) == (q["bits"], q["block_size"]) and cols % q["block_size"] == 0:
+        # One quantized table for both uses: the gather reads the LM head's MatMulNBits blocks as rows
+        # (same codes, same scales, [N, K/block, block*bits/8] viewed as [N, K*bits/8]), as genai's builder does.
+        packed, scales, _, _ = L.weight(weight, "matmul")
+        data = L.b.one("Reshape", [packed, L.b.const(np.array([rows, cols * q["bits"] // 8], np.int64))])
+        return L.b.one("GatherBlockQuantized", [data, L.as_tensor(ids), scales], domain=MS, bits=q["bits"],
+                       block_size=q["block_size"], gather_axis=0, quantize_axis=1)
     if q:
         data, scales = L.weight_gather_quantized(weight, q)
         return L.b.one("GatherBlockQuantized", [data, L.as_tensor(ids), scales], domain=MS, bits=q["bits"],

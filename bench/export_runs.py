@@ -2,6 +2,7 @@
 
     python bench/export_runs.py memory   # issue 6: 9B int4/fp16 ONNX, 4B int4 for every target
     python bench/export_runs.py coreml   # issue 4: every preset to Core ML, sizes per precision
+    python bench/export_runs.py q08 --verify   # issue 2: the 0.8B as a user exports it (verification included)
 
 Each export runs as its own process under `/usr/bin/time -v` (peak RSS of the export process is
 getrusage's maxrss), random weights at the published shapes (speed and memory do not depend on the
@@ -25,6 +26,8 @@ SETS = {
     "memory": [("qwen3.5-9b", "onnx", "int4", []), ("qwen3.5-9b", "onnx", "fp16", []),
                ("qwen3.5-4b", "onnx", "int4", []), ("qwen3.5-4b", "executorch", "int4", []),
                ("qwen3.5-4b", "coreml", "int4", [])],
+    "q08": [("qwen3.5-0.8b", "onnx", "fp32", []), ("qwen3.5-0.8b", "onnx", "int4", []),
+            ("qwen3.5-0.8b", "executorch", "fp32", []), ("qwen3.5-0.8b", "executorch", "int4", [])],
     "coreml": [("qwen3.5-0.8b", "coreml", "fp16", []), ("qwen3.5-0.8b", "coreml", "int8", []),
                ("qwen3.5-0.8b", "coreml", "int4", []), ("qwen3.5-2b", "coreml", "int4", []),
                ("qwen3.5-4b", "coreml", "int4", []), ("qwen3.5-9b", "coreml", "int4", [])],
@@ -80,9 +83,11 @@ def main() -> int:
             lines.append(f"| {r['preset']} | {r['target']} | {r['precision']} | "
                          f"{(r['peak_rss_bytes'] or 0) / GIB:.2f} | {r['wall_s']} | FAILED | | | |")
             continue
+        ver = r["verification"] + (f" (max rel logit diff {r['rel']:.2g}, KL {r['kl']:.2g})"
+                                   if r.get("rel") is not None else "")
         lines.append(f"| {r['preset']} | {r['target']} | {r['precision']} | {r['peak_rss_bytes'] / GIB:.2f} | "
                      f"{r['wall_s']:.0f} | {r['bundle_bytes'] / GIB:.2f} | {r['parts']} | "
-                     f"{r['weights_fp16_bytes'] / GIB:.2f} | {r['verification']} |")
+                     f"{r['weights_fp16_bytes'] / GIB:.2f} | {ver} |")
     text = "\n".join(lines) + "\n"
     (HERE / f"EXPORT_{a.set.upper()}.md").write_text(text)
     (HERE / f"EXPORT_{a.set.upper()}.json").write_text(json.dumps(rows, indent=1))

@@ -60,6 +60,33 @@ def run_one(preset: str, target: str, precision: str, extra: list[str], work: Pa
     return row
 
 
+def package_tree() -> str | None:
+    """The git tree of the committed deltaship/ package, or None when it has uncommitted changes."""
+    root = HERE.parent
+    dirty = subprocess.run(["git", "status", "--porcelain", "deltaship"], cwd=root, capture_output=True, text=True)
+    if dirty.returncode or dirty.stdout.strip():
+        return None
+    tree = subprocess.run(["git", "rev-parse", "HEAD:deltaship"], cwd=root, capture_output=True, text=True)
+    return tree.stdout.strip() or None
+
+
+def reusable(preset: str, target: str, precision: str, extra: list[str], verify: bool, code: str | None) -> dict | None:
+    """The same export already measured by another set with the same committed package code (the 4B Core ML
+    int4 export is in both `memory` and `coreml`); exports take minutes, so it is not run twice."""
+    if code is None:
+        return None
+    for other in SETS:
+        f = HERE / f"EXPORT_{other.upper()}.json"
+        if not f.is_file():
+            continue
+        for r in json.loads(f.read_text()):
+            if (r.get("code") == code and r.get("ok") and r.get("verify") == verify
+                    and (r["preset"], r["target"], r["precision"], r["args"]) == (preset, target, precision,
+                                                                                 " ".join(extra))):
+                return r
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("set", choices=sorted(SETS))
@@ -69,8 +96,15 @@ def main() -> int:
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     rows = []
+    code = package_tree()
     for preset, target, precision, extra in SETS[a.set]:
-        rows.append(run_one(preset, target, precision, extra, a.work, a.verify))
+        again = reusable(preset, target, precision, extra, a.verify, code)
+        if again:
+            print(f"reusing {preset} {target} {precision} from {again['set']} (same package code)", flush=True)
+            rows.append(again)
+            continue
+        rows.append(dict(run_one(preset, target, precision, extra, a.work, a.verify), set=a.set, code=code,
+                         verify=a.verify))
         if not a.keep:
             shutil.rmtree(a.work / f"{preset}-{target}-{precision}", ignore_errors=True)
     lines = [f"# Export runs: {a.set}", "",
@@ -85,6 +119,8 @@ def main() -> int:
             continue
         ver = r["verification"] + (f" (max rel logit diff {r['rel']:.2g}, KL {r['kl']:.2g})"
                                    if r.get("rel") is not None else "")
+        if r["set"] != a.set:
+            ver += f" (row from `export_runs.py {r['set']}`, same package code)"
         lines.append(f"| {r['preset']} | {r['target']} | {r['precision']} | {r['peak_rss_bytes'] / GIB:.2f} | "
                      f"{r['wall_s']:.0f} | {r['bundle_bytes'] / GIB:.2f} | {r['parts']} | "
                      f"{r['weights_fp16_bytes'] / GIB:.2f} | {ver} |")

@@ -232,7 +232,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     return {"files": [PTE_FILE], "entry": PTE_FILE, "delegate_partitions": int(info.num_delegated_subgraphs),
             "delegate_partitions_per_layer": round(info.num_delegated_subgraphs / n_layers, 2),
             "portable_nodes": portable, "kernels_swapped": swapped, "reshapes_inferred": reshapes,
-            "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op, chunked kernel for T > 1)",
+            "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op; all T tokens in one call, a token loop inside the kernel)",
             "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]",
             "quantization": quant, "prefill": f"1 .. {chunk} tokens per call (dynamic shape)"}
 

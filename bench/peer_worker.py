@@ -116,18 +116,27 @@ class ExecuTorchExample:
 
 class LlamaCpp:
     def __init__(self, path: str, threads: int):
-        from llama_cpp import Llama
-        self.m = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                       logits_all=False, verbose=False)
+        import llama_cpp
+        # The stand-in byte tokenizer has no BPE merges, which llama.cpp's vocabulary loader requires unless
+        # the pre-tokenizer is one that needs none; token ids are fed directly, so the tokenizer is never used.
+        self.m = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                                 logits_all=False, verbose=False, kv_overrides={"tokenizer.ggml.pre": "kimi-k2"})
+        self.lib = llama_cpp
+
+    def last_logits(self):
+        # llama-cpp-python 0.3.36 leaves `scores` at zero without logits_all, and logits_all would run the
+        # 248320-wide head on every prompt token; read the last token's row from the context instead.
+        row = self.lib.llama_get_logits_ith(self.m._ctx.ctx, -1)
+        return np.ctypeslib.as_array(row, shape=(self.m.n_vocab(),)).copy()
 
     def prefill(self, ids):
         self.m.reset()
         self.m.eval(list(ids))
-        return np.asarray(self.m.scores[self.m.n_tokens - 1])
+        return self.last_logits()
 
     def decode(self, tok):
         self.m.eval([tok])
-        return np.asarray(self.m.scores[self.m.n_tokens - 1])
+        return self.last_logits()
 
 
 def make(tool: str, path: str, threads: int):

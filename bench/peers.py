@@ -182,9 +182,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip", default="", help="comma-separated: transformers, genai, et, llamacpp")
     ap.add_argument("--only-build", action="store_true", help="build every artifact, measure nothing")
+    ap.add_argument("--only", default="", help="comma-separated name prefixes to measure (e.g. deltaship,llama.cpp)")
+    ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     tools = build(skip)
+    if a.only:
+        keep = tuple(filter(None, a.only.split(",")))
+        tools = {k: v for k, v in tools.items() if k.startswith(keep)}
     if a.only_build:
         return 0
     bw = [bandwidth(a.threads)]
@@ -200,9 +205,9 @@ def main() -> int:
             samples[name].append(res)
             print(f"round {r} {name}: " + json.dumps({k: round(v, 2) for k, v in res.items() if k != "tool"}), flush=True)
         bw.append(bandwidth(a.threads))
-    (WORK / "samples.json").write_text(json.dumps({"samples": samples, "bandwidth_gbs": bw}, indent=1))
+    (WORK / f"samples-{a.out.stem}.json").write_text(json.dumps({"samples": samples, "bandwidth_gbs": bw}, indent=1))
     text = report(tools, samples, bw, a)
-    (HERE / "RESULTS.md").write_text(text)
+    a.out.write_text(text)
     print(text)
     return 0
 
@@ -210,7 +215,8 @@ def main() -> int:
 def report(tools: dict, samples: dict, bw: list[float], a) -> str:
     med_bw = float(np.median(bw))
     lines = ["# deltaship against its peers (0.8B, random weights at the published shape)", "",
-             f"`python bench/peers.py --rounds {a.rounds} --threads {a.threads}` on this machine (2 cores, AMD EPYC; "
+             f"`python bench/peers.py --rounds {a.rounds} --threads {a.threads}"
+             f"{' --only ' + a.only if a.only else ''}` on this machine (2 cores, AMD EPYC; "
              f"{a.threads} threads for every tool); every measurement a fresh process, tools alternated each round; "
              "median and bootstrap 95% CI over the rounds. Memory read bandwidth (multi-threaded sum of 1 GiB, "
              f"best of 5, measured between rounds): median {med_bw:.1f} GB/s (range {min(bw):.1f}-{max(bw):.1f}).", "",

@@ -24,8 +24,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 SETS = {
     "memory": [("qwen3.5-9b", "onnx", "int4", []), ("qwen3.5-9b", "onnx", "fp16", []),
-               ("qwen3.5-4b", "onnx", "int4", []), ("qwen3.5-4b", "executorch", "int4", []),
-               ("qwen3.5-4b", "coreml", "int4", [])],
+               ("qwen3.5-4b", "onnx", "int4", []), ("qwen3.5-4b", "coreml", "int4", []),
+               ("qwen3.5-4b", "executorch", "int4", [])],
     "q08": [("qwen3.5-0.8b", "onnx", "fp32", []), ("qwen3.5-0.8b", "onnx", "int4", []),
             ("qwen3.5-0.8b", "executorch", "fp32", []), ("qwen3.5-0.8b", "executorch", "int4", [])],
     "coreml": [("qwen3.5-0.8b", "coreml", "fp16", []), ("qwen3.5-0.8b", "coreml", "int8", []),
@@ -93,6 +93,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=HERE / "out" / "exports")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--verify", action="store_true", help="verify too (where the fp32 reference fits)")
+    ap.add_argument("--note", default="", help="how the run was made, when not on an idle machine (goes in the header)")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -110,6 +111,7 @@ def main() -> int:
     lines = [f"# Export runs: {a.set}", "",
              f"`python bench/export_runs.py {a.set}{' --verify' if a.verify else ''}`: each export its own process "
              "under /usr/bin/time -v, on this machine (2 cores, 24 GiB); random weights at the published shapes.", "",
+             *([f"Run conditions: {a.note}", ""] if a.note else []),
              "| preset | target | precision | peak RSS GiB | wall s | bundle GiB | packages | fp16 weights GiB | verification |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

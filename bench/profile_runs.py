@@ -48,12 +48,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=HERE / "out" / "profiles")
+    ap.add_argument("--note", default="", help="how the run was made, when not on an idle machine (goes in the header)")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     lines = ["# Profiles on this host, and the memory plan", "",
              f"`python bench/profile_runs.py --threads {a.threads}`: Linux x86-64, 2 cores, 24 GiB; each profile "
              "is `deltaship profile BUNDLE --prompt-lengths 128,512 --gen 64 --contexts 128,1024,4096` "
-             "(tiny: 4000, its limit is 4096; medians, bootstrap 95% CI). Reports: bench/out/profiles/*.html.", ""]
+             "(tiny: 4000, its limit is 4096; medians, bootstrap 95% CI). Reports: bench/out/profiles/*.html.",
+             *(["", f"Run conditions: {a.note}"] if a.note else []), ""]
     summary = ["| bundle | prefill 128 tok/s | prefill 512 tok/s | TTFT 512 ms | decode tok/s | decode ms at contexts "
                "128 / 1024 / 4096 | peak RSS MiB | planned MiB | report |", "|---|---|---|---|---|---|---|---|---|"]
     tables = []

@@ -152,6 +152,31 @@ def test_a_run_that_dies_is_recorded_not_a_number(bundle, tmp_path):
     assert doc["fit"]["fits"] is False
 
 
+def test_worker_holds_one_session_at_a_time(bundle, monkeypatch):
+    """Peak RSS is that of an app with one session: warm loads must not overlap the cold-loaded one."""
+    import gc
+    import weakref
+
+    import deltaship.runtimes as runtimes
+    from deltaship.profiling import worker
+    real, alive, most = runtimes.open_bundle, set(), [0]
+
+    def counting(*args, **kwargs):
+        gc.collect()
+        session = real(*args, **kwargs)
+        key = id(session)
+        alive.add(key)
+        weakref.finalize(session, alive.discard, key)
+        most[0] = max(most[0], len(alive))
+        return session
+    monkeypatch.setattr(runtimes, "open_bundle", counting)
+    doc = worker.run(dict(bundle=str(bundle), threads=1, **dict(FAST, contexts=[8])))
+    assert most[0] == 1
+    warm = next(r for r in doc["results"] if r["metric"] == "load_warm_s")
+    assert len(warm["samples"]) >= 2
+    assert any(r["metric"] == "decode_tok_s" and r["median"] > 0 for r in doc["results"])
+
+
 def test_profile_bad_input(bundle):
     from deltaship.profiling.profile import profile
     with pytest.raises(DeltashipError, match="do not fit this bundle's max context of 64"):

@@ -124,3 +124,39 @@ def test_vocabulary_tables_quantized_by_row_blocks_equal_whole_table_quantizatio
     assert torch.equal(ref.emb(ids), emb(ids))
     err = (head.dequantize().numpy() - w).std() / w.std()
     assert 0 < err < (0.15 if precision == "int4" else 0.01)  # really quantized, and not garbage
+
+
+def test_lowered_weights_released_and_program_unchanged(tmp_path):
+    """After lowering, each delegate's copy of the pre-lowering weights is swapped for one-element
+    placeholders; serialisation still works and the program computes the same numbers."""
+    import torch
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+    from executorch.runtime import Runtime
+
+    from deltaship.export.executorch import release_lowered_weights
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 32)).eval()
+    x = torch.randn(3, 64)
+
+    def build(release: bool):
+        edge = to_edge_transform_and_lower(torch.export.export(model, (x,)), partitioner=[XnnpackPartitioner()])
+        released = release_lowered_weights(edge) if release else 0
+        originals = [m.original_module for m in edge.exported_program().graph_module.modules()
+                     if isinstance(m, LoweredBackendModule)]
+        path = tmp_path / f"m{int(release)}.pte"
+        path.write_bytes(edge.to_executorch().buffer)
+        out = Runtime.get().load_program(str(path)).load_method("forward").execute([x])[0]
+        return released, originals, out
+
+    released, originals, out = build(release=True)
+    _, kept, out_kept = build(release=False)
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert released == weight_bytes, (released, weight_bytes)
+    held = lambda eps: sum(t.untyped_storage().nbytes() for ep in eps for t in ep.state_dict.values())  # noqa: E731
+    assert held(kept) >= weight_bytes and held(originals) < 64
+    assert all(t.shape == p.shape for ep in originals for t, p in zip(ep.state_dict.values(), model.state_dict().values()))
+    torch.testing.assert_close(out, out_kept, rtol=0, atol=0)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)

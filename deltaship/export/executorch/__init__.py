@@ -130,6 +130,54 @@ def infer_reshape_dims(ep: torch.export.ExportedProgram) -> int:
     return n
 
 
+def release_lowered_weights(edge) -> int:
+    """Swap the weights each XNNPACK delegate keeps of the program it was lowered from for placeholders.
+
+    A LoweredBackendModule holds its original ExportedProgram, state dict included, so after lowering
+    the quantized weights stay alive beside the delegates' packed copies through to_executorch and the
+    write of the .pte. Serialisation only traces that program with fake tensors (it needs each weight's
+    shape, dtype and device, not its values), so every weight becomes a zero-stride view of one element.
+    Returns the bytes released."""
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    released, seen = 0, set()
+    for node in edge.exported_program().graph_module.modules():
+        if not isinstance(node, LoweredBackendModule):
+            continue
+        original = node.original_module
+        for table in (original._state_dict, original._constants):
+            for name, t in list(table.items()):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                for st in _storages(t):
+                    if st.data_ptr() not in seen:
+                        seen.add(st.data_ptr())
+                        released += st.nbytes()
+                table[name] = _placeholder(t)
+    return released
+
+
+def _storages(t: torch.Tensor) -> list:
+    """The storages behind a tensor, looking through tensor subclasses (torchao's quantized weights)."""
+    if _is_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [s for n in names for s in _storages(getattr(t, n))]
+    return [t.untyped_storage()]
+
+
+def _is_subclass(t: torch.Tensor) -> bool:
+    return hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter)
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    """Same type, shape, dtype and device as t, backed by one element."""
+    if _is_subclass(t):
+        names, meta = t.__tensor_flatten__()
+        return type(t).__tensor_unflatten__({n: _placeholder(getattr(t, n)) for n in names}, meta, t.shape, t.stride())
+    cheap = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+    return nn.Parameter(cheap, requires_grad=False) if isinstance(t, nn.Parameter) else cheap
+
+
 def metadata(ctx, tokens: dict[str, Any]) -> dict[str, Any]:
     eos = tokens.get("eos") or []
     return {"get_max_seq_len": ctx.max_context, "get_max_context_len": ctx.max_context,
@@ -209,10 +257,13 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         ep, partitioner=[XnnpackPartitioner()],
         compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
         constant_methods=metadata(ctx, tokens or {}))
-    # The weights now live in the delegates' blobs: drop the eager model and the captured program.
+    # The weights now live in the delegates' blobs: drop the eager model, the captured program and the
+    # copies of the weights each delegate keeps for debugging.
     del model, wrapper, ep
     ctx.model = None
+    released = release_lowered_weights(edge)
     gc.collect()
+    say(f"released {released / 2**30:.2f} GiB of pre-lowering weights")
     info = get_delegation_info(edge.exported_program().graph_module)
     portable = {op: int(v.non_delegated) for op, v in info.delegation_by_operator.items() if v.non_delegated}
     unexpected = {op: n for op, n in portable.items() if not expected_portable(op)}

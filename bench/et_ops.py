@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 DEFAULTS = [HERE / "out" / "et" / n for n in ("deltaship-int4", "deltaship-fp32", "et-example-8da4w-dynamic.pte")]
-MARKERS = {"Method::execute", "DELEGATE_CALL", "OPERATOR_CALL", "Program::load_method", "Method::init"}
+MARKERS = {"DELEGATE_CALL", "OPERATOR_CALL", "Program::load_method", "Method::init"}
 
 
 def pte_of(path: Path) -> Path:
@@ -45,9 +45,9 @@ def op_name(event_name: str) -> str:
 
 
 def profile(path: Path, prompt: int, runs: int) -> dict[str, dict[str, float]]:
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers the llama:: kernels)
+    import executorch.kernels.quantized  # noqa: F401  (registers the quantized kernels)
     import torch
-    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (llama:: kernels)
-    import executorch.kernels.quantized  # noqa: F401
     from executorch.devtools import Inspector
     from executorch.extension.pybindings.portable_lib import _load_for_executorch
 
@@ -76,9 +76,12 @@ def profile(path: Path, prompt: int, runs: int) -> dict[str, dict[str, float]]:
                     for ev in block.events:
                         if ev.perf_data is None:
                             continue
-                        name = "whole run" if ev.name == "Method::execute" else op_name(ev.name)
-                        if ev.name in MARKERS and name != "whole run":
+                        if ev.name == "Method::execute":
+                            name = "whole run"
+                        elif ev.name in MARKERS:
                             continue
+                        else:
+                            name = op_name(ev.name)
                         per[name] += sum(ev.perf_data.raw)
                 phases[phase].append(per)
     return {phase: {op: statistics.median(r.get(op, 0.0) for r in rows) for op in set().union(*rows)}

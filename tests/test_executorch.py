@@ -155,7 +155,9 @@ def test_lowered_weights_released_and_program_unchanged(tmp_path):
     _, kept, out_kept = build(release=False)
     weight_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert released == weight_bytes, (released, weight_bytes)
-    held = lambda eps: sum(t.untyped_storage().nbytes() for ep in eps for t in ep.state_dict.values())  # noqa: E731
+
+    def held(eps) -> int:
+        return sum(t.untyped_storage().nbytes() for ep in eps for t in ep.state_dict.values())
     assert held(kept) >= weight_bytes and held(originals) < 64
     assert all(t.shape == p.shape for ep in originals for t, p in zip(ep.state_dict.values(), model.state_dict().values()))
     torch.testing.assert_close(out, out_kept, rtol=0, atol=0)

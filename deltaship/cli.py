@@ -18,7 +18,8 @@ def _export(a: argparse.Namespace) -> int:
            **({"allow_portable_fallback": True} if a.allow_portable_fallback else {}),
            **({"coreml_states": a.coreml_states} if a.coreml_states else {}),
            **({"coreml_palettize": a.coreml_palettize} if a.coreml_palettize else {}),
-           **({"onnx_deltanet_ops": a.onnx_deltanet_ops} if a.onnx_deltanet_ops else {}))
+           **({"onnx_deltanet_ops": a.onnx_deltanet_ops} if a.onnx_deltanet_ops else {}),
+           **({"onnx_activations": a.onnx_activations} if a.onnx_activations else {}))
     return 0
 
 
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--onnx-deltanet-ops", choices=("standard", "contrib"), default=None,
                    help="onnx: DeltaNet conv and output norm in standard ops (default, faster) or ONNX Runtime's "
                         "CausalConvWithState/GatedRMSNorm contrib ops")
+    e.add_argument("--onnx-activations", choices=("fp32", "fp16"), default=None,
+                   help="onnx int8/int4: activation dtype (fp32 default; fp16 for ONNX Runtime's CUDA provider, whose "
+                        "GroupQueryAttention takes fp16 only)")
     e.add_argument("--allow-portable-fallback", action="store_true",
                    help="executorch: accept nodes XNNPACK does not take (run as portable kernels)")
     e.add_argument("--coreml-states", choices=("io", "state"), default=None,

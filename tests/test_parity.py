@@ -161,6 +161,30 @@ def test_int4_with_int8_deltanet_is_exact(bundles, checkpoints):
     assert got["rel"] <= tol.max_rel_logit_diff and got["agree"] == 1.0, got
 
 
+def test_onnx_int4_with_fp16_activations(bundles, checkpoints):
+    """--onnx-activations fp16 (what ONNX Runtime's CUDA GroupQueryAttention needs): the quantized ops read
+    fp16 activations with fp16 scales, the KV cache is fp16, the recurrent state stays fp32, logits are
+    fp32; with float activation blocks the bundle is within the fp16 row against the matched reference."""
+    import json
+
+    import onnx
+    from onnx import TensorProto
+    path = bundles("grouped_values", "onnx", "int4", accuracy_level=0, onnx_activations="fp16")
+    g = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
+    inits = {t.name: t.data_type for t in g.initializer}
+    nbits = [n for n in g.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")]
+    assert nbits and all(inits[n.input[2]] == TensorProto.FLOAT16 for n in nbits)
+    manifest = json.loads((path / "manifest.json").read_text())
+    dtypes = {s["kind"]: s["dtype"] for s in manifest["states"]}
+    assert dtypes["deltanet_recurrent"] == "float32" and dtypes["deltanet_conv"] == "float16"
+    assert dtypes["kv_cache_key"] == dtypes["kv_cache_value"] == "float16"
+    assert manifest["quantization"]["activations"] == "float16"
+    tol = tolerance("onnx", "fp16")
+    got = _matched_parity(path, checkpoints["grouped_values"], "int4", tol, onnx_activations="fp16")
+    assert got["rel"] <= tol.max_rel_logit_diff and got["agree"] >= tol.min_greedy_agreement, got
+    assert got["rel"] > tolerance("onnx", "fp32").max_rel_logit_diff  # fp16 arithmetic really ran
+
+
 @pytest.mark.parametrize("config", ["grouped_values", "odd_heads"])
 def test_onnx_contrib_deltanet_ops_are_as_exact(config, bundles, refs):
     """The alternative ONNX lowering onto ORT's CausalConvWithState and GatedRMSNorm contrib ops: greedy

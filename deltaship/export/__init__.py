@@ -48,7 +48,7 @@ class Progress:
 
 
 # Target-specific options (keyword arguments of export()) and the target each belongs to.
-TARGET_OPTIONS = {"onnx_deltanet_ops": "onnx", "external_data": "onnx", "allow_portable_fallback": "executorch",
+TARGET_OPTIONS = {"onnx_deltanet_ops": "onnx", "onnx_activations": "onnx", "external_data": "onnx", "allow_portable_fallback": "executorch",
                   "coreml_states": "coreml", "coreml_palettize": "coreml", "coreml_part_gb": "coreml"}
 
 
@@ -69,6 +69,12 @@ def check_options(target: str, precision: str, max_context: int | None, block_si
     if ops not in ("standard", "contrib"):
         raise DeltashipError(f"--onnx-deltanet-ops must be standard or contrib, got {ops!r}",
                              "use standard (default) or contrib")
+    acts = (target_options or {}).get("onnx_activations", "fp32")
+    if acts not in ("fp32", "fp16"):
+        raise DeltashipError(f"--onnx-activations must be fp32 or fp16, got {acts!r}", "use fp32 (default) or fp16")
+    if acts == "fp16" and precision not in ("int8", "int4"):
+        raise DeltashipError(f"--onnx-activations fp16 applies to int8/int4 weights (--precision {precision} already "
+                             f"sets the activations)", "drop --onnx-activations, or use --precision int8 or int4")
     if precision not in PRECISIONS:
         raise DeltashipError(f"unknown --precision {precision!r}; precisions: {', '.join(PRECISIONS)}",
                              "pick one of the precisions")
@@ -263,4 +269,4 @@ def _quant_summary(ctx) -> dict[str, Any]:
     return {"scheme": "blockwise symmetric", "block_size": ctx.options["block_size"], "tensors": bits,
             "deltanet_int8": bool(ctx.options.get("deltanet_int8")),
             "embedding": ctx.quant["embedding"].get("model.embed_tokens.weight", "not quantized"),
-            "activations": "float32"}
+            "activations": str(ctx.dtype).removeprefix("torch.")}

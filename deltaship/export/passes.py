@@ -49,9 +49,11 @@ class ExportContext:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Activation dtype: fp16 for fp16 builds, and for every Core ML build but fp32 (Core ML
-        computes in fp16); quantized ONNX/ExecuTorch builds keep fp32 activations."""
-        if self.precision == "fp16" or (self.target == "coreml" and self.precision != "fp32"):
+        """Activation dtype: fp16 for fp16 builds, for every Core ML build but fp32 (Core ML computes
+        in fp16) and for quantized ONNX builds asked for fp16 activations (GPUs); other quantized
+        ONNX/ExecuTorch builds keep fp32 activations."""
+        if self.precision == "fp16" or (self.target == "coreml" and self.precision != "fp32") or \
+                self.options.get("onnx_activations") == "fp16":
             return torch.float16
         return torch.float32
 
@@ -247,7 +249,8 @@ class AssignPrecision:
             dn8 = bool(ctx.options.get("deltanet_int8")) and bits == 4
             per_channel8 = ctx.options.get("int8_block") == "channel"
             divide = bool(ctx.options.get("block_must_divide"))
-            scale_dt = ctx.options.get("scale_dtype", "float32")
+            # MatMulNBits and GatherBlockQuantized take their scales in the activations' type
+            scale_dt = ctx.options.get("scale_dtype", "float16" if ctx.dtype == torch.float16 else "float32")
             for mname, m in model.named_modules():
                 if isinstance(m, nn.Linear):
                     b = 8 if dn8 and ".linear_attn." in mname else bits

@@ -177,6 +177,17 @@ def test_worker_holds_one_session_at_a_time(bundle, monkeypatch):
     assert any(r["metric"] == "decode_tok_s" and r["median"] > 0 for r in doc["results"])
 
 
+def test_default_contexts_clip_to_the_bundle(bundle):
+    """Without --contexts the default depths are clipped to what the bundle's KV cache holds, rather
+    than refused (a 4096-context bundle is profiled at 4095, not failed for 4096)."""
+    from deltaship.profiling.profile import profile
+    fast = {k: v for k, v in FAST.items() if k != "contexts"}
+    doc = profile(bundle, **fast, breakdown=False)
+    assert doc["config"]["contexts"] == [63]
+    depths = [r["context"] for r in doc["results"] if r["metric"] == "decode_latency_s"]
+    assert depths == [63]
+
+
 def test_profile_bad_input(bundle):
     from deltaship.profiling.profile import profile
     with pytest.raises(DeltashipError, match="do not fit this bundle's max context of 64"):
@@ -314,3 +325,35 @@ def test_cli_devices_plan_profile(bundle, tmp_path):
     assert r.returncode == 0 and "prefill_tok_s" in r.stdout
     r = run("profile", "--compare", str(tmp_path / "c.json"), str(tmp_path / "c.json"))
     assert r.returncode == 0 and "B/A" in r.stdout and "1.000" in r.stdout
+
+
+def _fake_nvml(monkeypatch, per_process: int, device_used: list[int]):
+    """A pynvml stand-in: one GPU whose used memory follows `device_used`, listing this process with
+    `per_process` bytes (0: no per-process entry, as on some virtual machines)."""
+    import types
+    used = iter(device_used + [device_used[-1]] * 10_000)
+    proc = types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=per_process)
+    nv = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=next(used)),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [proc] if per_process else [])
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+
+
+@pytest.mark.parametrize("per_process,expect,source", [(3 << 30, 3 << 30, "per-process"),
+                                                       (0, 2 << 30, "device used memory above")])
+def test_gpu_memory_per_process_or_device_delta(monkeypatch, per_process, expect, source):
+    from deltaship.profiling.worker import GpuMemory
+    _fake_nvml(monkeypatch, per_process, [5 << 30, 6 << 30, 7 << 30, 6 << 30])
+    g = GpuMemory(interval=0.001)
+    time.sleep(0.05)
+    g.stop()
+    assert g.peak == expect and source in g.source
+
+
+def test_gpu_memory_without_nvml_is_unmeasured(monkeypatch):
+    from deltaship.profiling.worker import GpuMemory
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    g = GpuMemory()
+    g.stop()
+    assert g.source is None and g.peak == 0

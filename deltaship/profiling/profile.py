@@ -148,6 +148,9 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
     cfg = {k: v for k, v in dict(prompt_lengths=prompt_lengths, gen=gen, contexts=contexts, warmups=warmups,
                                  reps=reps, min_seconds=min_seconds).items() if v is not None}
     cfg = {**DEFAULTS, **cfg}
+    if contexts is None:  # the default depths, the deepest clipped to what the bundle's KV cache holds
+        mc = int(manifest["max_context"])
+        cfg["contexts"] = sorted({min(c, mc - 1) for c in cfg["contexts"]})
     check_workload(manifest, cfg["prompt_lengths"], cfg["gen"], cfg["contexts"])
     t = get_tier(tier, tiers_file) if tier else None
     doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

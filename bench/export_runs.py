@@ -94,11 +94,21 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--verify", action="store_true", help="verify too (where the fp32 reference fits)")
     ap.add_argument("--note", default="", help="how the run was made, when not on an idle machine (goes in the header)")
+    ap.add_argument("--only", action="append", default=None, metavar="PRESET:TARGET:PRECISION",
+                    help="re-run only these rows; the others are kept from the set's last run, marked as such")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     rows = []
     code = package_tree()
+    last_file = HERE / f"EXPORT_{a.set.upper()}.json"
+    last = {(r["preset"], r["target"], r["precision"], r["args"]): r
+            for r in (json.loads(last_file.read_text()) if last_file.is_file() else [])}
     for preset, target, precision, extra in SETS[a.set]:
+        if a.only and f"{preset}:{target}:{precision}" not in a.only:
+            kept = last.get((preset, target, precision, " ".join(extra)))
+            if kept:
+                rows.append(dict(kept, earlier=kept.get("earlier") or kept.get("code") or "unknown"))
+            continue
         again = reusable(preset, target, precision, extra, a.verify, code)
         if again:
             print(f"reusing {preset} {target} {precision} from {again['set']} (same package code)", flush=True)
@@ -121,7 +131,9 @@ def main() -> int:
             continue
         ver = r["verification"] + (f" (max rel logit diff {r['rel']:.2g}, KL {r['kl']:.2g})"
                                    if r.get("rel") is not None else "")
-        if r["set"] != a.set:
+        if r.get("earlier"):
+            ver += f" (earlier run, package tree {str(r['earlier'])[:10]})"
+        elif r["set"] != a.set:
             ver += f" (row from `export_runs.py {r['set']}`, same package code)"
         lines.append(f"| {r['preset']} | {r['target']} | {r['precision']} | {r['peak_rss_bytes'] / GIB:.2f} | "
                      f"{r['wall_s']:.0f} | {r['bundle_bytes'] / GIB:.2f} | {r['parts']} | "

@@ -162,3 +162,41 @@ def test_lowered_weights_released_and_program_unchanged(tmp_path):
     assert all(t.shape == p.shape for ep in originals for t, p in zip(ep.state_dict.values(), model.state_dict().values()))
     torch.testing.assert_close(out, out_kept, rtol=0, atol=0)
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_xnnpack_preprocess_shares_and_leaves_weights_untouched(checkpoints, tmp_path, monkeypatch):
+    """The program each XNNPACK preprocess gets shares its weight storage with the partition it was cut from
+    (no model-sized deep copy at the export's peak), and preprocess leaves the partition's own tensors as
+    they were: same values, shapes and objects (what makes sharing safe)."""
+    import torch
+    import executorch.exir.backend.backend_api as ba
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    partition_ptrs: set[int] = set()
+    given_ptrs: set[int] = set()
+    changed: list[str] = []
+    lower_all, preprocess = ba.lower_all_submodules_to_backend, XnnpackBackend.preprocess
+
+    def lower_all_spy(backend_id, method_to_nodes, programs):
+        mine = []
+        for nodes in method_to_nodes.values():
+            for node in nodes:
+                sd = node.meta["submodule_program"].state_dict
+                mine.append((sd, {k: (t, t.clone()) for k, t in sd.items()}))
+                partition_ptrs.update(t.untyped_storage().data_ptr() for t in sd.values())
+        out = lower_all(backend_id, method_to_nodes, programs)
+        changed.extend(k for sd, before in mine for k, (obj, val) in before.items()
+                       if sd[k] is not obj or sd[k].shape != val.shape or not torch.equal(sd[k], val))
+        return out
+
+    def preprocess_spy(ep, specs):
+        given_ptrs.update(t.untyped_storage().data_ptr() for t in ep.state_dict.values())
+        return preprocess(ep, specs)
+
+    monkeypatch.setattr(ba, "lower_all_submodules_to_backend", lower_all_spy)
+    monkeypatch.setattr(XnnpackBackend, "preprocess", staticmethod(preprocess_spy))
+    export(str(checkpoints["grouped_values"]), tmp_path / "b", target="executorch", precision="int4",
+           max_context=64, prefill_chunk=8, verify=False, progress=False)
+    assert given_ptrs and given_ptrs <= partition_ptrs
+    assert not changed, changed
+    assert "copy_exported_program_for_preprocess" not in vars(XnnpackBackend)  # restored after the export

@@ -10,6 +10,8 @@ reads (get_max_seq_len, get_bos_id, get_eos_ids, use_kv_cache, ...).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 from pathlib import Path
 from typing import Any
@@ -128,6 +130,44 @@ def infer_reshape_dims(ep: torch.export.ExportedProgram) -> int:
     ep.graph_module.graph.eliminate_dead_code()
     ep.graph_module.recompile()
     return n
+
+
+@contextlib.contextmanager
+def preprocess_shares_weights():
+    """Within this block, the copy of each partition that ExecuTorch hands to XNNPACK's preprocess shares
+    its weight storage with the partition instead of deep-copying it.
+
+    `lower_all_submodules_to_backend` deep-copies every partition's program, weights included, before the
+    first preprocess and keeps all the copies until the last one is done: one more copy of the quantized
+    model at the peak (4B int4: +4.4 GiB). XNNPACK's preprocess reads the weights to pack its own blobs and
+    writes into none of them (tested: test_xnnpack_preprocess_shares_and_leaves_weights_untouched), so the
+    copy keeps its own graph and tables but not its own storage, as ExecuTorch's CUDA backend does in its
+    low-memory mode (whose copies share the tensor objects themselves; here each copy gets its own tensor
+    objects on the shared storage)."""
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    name = "copy_exported_program_for_preprocess"
+    own = vars(XnnpackBackend).get(name)
+
+    def share(cls, edge_program, compile_specs):
+        # New tensor objects on the same storage: preprocess may rebind a tensor (`.data = ...`, as the conv
+        # weights' layout change does), which must not reach the partition's own tensor objects.
+        memo = {id(t): _same_storage(t) for table in (edge_program.state_dict, edge_program.constants)
+                for t in table.values() if isinstance(t, torch.Tensor)}
+        return copy.deepcopy(edge_program, memo)
+
+    setattr(XnnpackBackend, name, classmethod(share))
+    try:
+        yield
+    finally:
+        if own is None:
+            delattr(XnnpackBackend, name)
+        else:
+            setattr(XnnpackBackend, name, own)
+
+
+def _same_storage(t: torch.Tensor) -> torch.Tensor:
+    return nn.Parameter(t.detach(), requires_grad=False) if isinstance(t, nn.Parameter) else t.detach()
 
 
 def release_lowered_weights(edge) -> int:
@@ -251,12 +291,13 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         ep = ep.run_decompositions({})
     reshapes = infer_reshape_dims(ep)
     say("lowering to XNNPACK")
-    edge = to_edge_transform_and_lower(
-        # One partitioner for every precision: ExecuTorch's dynamically-quantized partitioner works op by op,
-        # which puts each linear in a delegate call of its own (about 7 per layer).
-        ep, partitioner=[XnnpackPartitioner()],
-        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
-        constant_methods=metadata(ctx, tokens or {}))
+    with preprocess_shares_weights():
+        edge = to_edge_transform_and_lower(
+            # One partitioner for every precision: ExecuTorch's dynamically-quantized partitioner works op by
+            # op, which puts each linear in a delegate call of its own (about 7 per layer).
+            ep, partitioner=[XnnpackPartitioner()],
+            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+            constant_methods=metadata(ctx, tokens or {}))
     # The weights now live in the delegates' blobs: drop the eager model, the captured program and the
     # copies of the weights each delegate keeps for debugging.
     del model, wrapper, ep

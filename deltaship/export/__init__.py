@@ -48,7 +48,8 @@ class Progress:
 
 
 # Target-specific options (keyword arguments of export()) and the target each belongs to.
-TARGET_OPTIONS = {"onnx_deltanet_ops": "onnx", "onnx_activations": "onnx", "external_data": "onnx", "allow_portable_fallback": "executorch",
+TARGET_OPTIONS = {"onnx_deltanet_ops": "onnx", "onnx_activations": "onnx", "external_data": "onnx",
+                  "allow_portable_fallback": "executorch",
                   "coreml_states": "coreml", "coreml_palettize": "coreml", "coreml_part_gb": "coreml"}
 
 

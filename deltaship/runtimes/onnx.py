@@ -60,9 +60,9 @@ class OnnxSession(Session):
             if self.providers[0] != "CPUExecutionProvider":
                 # Every node on the accelerator, or say that some are not: ORT would otherwise run them on the
                 # CPU without a word.
+                accel = [p for p in self.providers if p != "CPUExecutionProvider"]
                 try:  # ORT refuses a CPU provider in the list when CPU fallback is disabled
-                    self.sess = ort.InferenceSession(str(model_path),
-                                                     providers=[p for p in self.providers if p != "CPUExecutionProvider"],
+                    self.sess = ort.InferenceSession(str(model_path), providers=accel,
                                                      sess_options=_options(ort, threads, prefix, strict=True))
                 except Exception:
                     self.cpu_fallback = True

@@ -97,6 +97,9 @@ def main() -> int:
     ap.add_argument("--only", action="append", default=None, metavar="PRESET:TARGET:PRECISION",
                     help="re-run only these rows; the others are kept from the set's last run, marked as such")
     a = ap.parse_args()
+    known = {f"{p}:{t}:{q}" for p, t, q, _ in SETS[a.set]}
+    if a.only and not set(a.only) <= known:
+        ap.error(f"--only {sorted(set(a.only) - known)} not in set {a.set}: {sorted(known)}")
     a.work.mkdir(parents=True, exist_ok=True)
     rows = []
     code = package_tree()
@@ -108,6 +111,8 @@ def main() -> int:
             kept = last.get((preset, target, precision, " ".join(extra)))
             if kept:
                 rows.append(dict(kept, earlier=kept.get("earlier") or kept.get("code") or "unknown"))
+            else:
+                print(f"warning: no earlier row for {preset} {target} {precision}: left out of the table", flush=True)
             continue
         again = reusable(preset, target, precision, extra, a.verify, code)
         if again:
@@ -139,7 +144,10 @@ def main() -> int:
                      f"{r['wall_s']:.0f} | {r['bundle_bytes'] / GIB:.2f} | {r['parts']} | "
                      f"{r['weights_fp16_bytes'] / GIB:.2f} | {ver} |")
     text = "\n".join(lines) + "\n"
-    (HERE / f"EXPORT_{a.set.upper()}.md").write_text(text)
+    md = HERE / f"EXPORT_{a.set.upper()}.md"
+    if md.is_file() and "\n## " in md.read_text():  # keep the hand-written sections below the table
+        text += "\n## " + md.read_text().split("\n## ", 1)[1]
+    md.write_text(text)
     (HERE / f"EXPORT_{a.set.upper()}.json").write_text(json.dumps(rows, indent=1))
     print(text)
     return 0

@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", default="host", help="host, ssh://user@host[:port] or adb:SERIAL")
     pr.add_argument("--prompt-lengths", default=None, help="default 128,512")
     pr.add_argument("--gen", type=int, default=None, help="tokens generated per decode run (default 64)")
-    pr.add_argument("--contexts", default=None, help="context depths of the decode sweep (default 128,1024,4096)")
+    pr.add_argument("--contexts", default=None, help="context depths of the decode sweep (default 128,1024,4096, "
+                    "each clipped to the bundle's max context - 1)")
     pr.add_argument("--threads", type=int, default=None)
     pr.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
                     help="ONNX bundles on the host: cpu, or cuda (ONNX Runtime's CUDA execution provider; GPU "

@@ -195,8 +195,15 @@ def test_xnnpack_preprocess_shares_and_leaves_weights_untouched(checkpoints, tmp
 
     monkeypatch.setattr(ba, "lower_all_submodules_to_backend", lower_all_spy)
     monkeypatch.setattr(XnnpackBackend, "preprocess", staticmethod(preprocess_spy))
+    hook = "copy_exported_program_for_preprocess"
+    before = vars(XnnpackBackend).get(hook)
     export(str(checkpoints["grouped_values"]), tmp_path / "b", target="executorch", precision="int4",
            max_context=64, prefill_chunk=8, verify=False, progress=False)
     assert given_ptrs and given_ptrs <= partition_ptrs
     assert not changed, changed
-    assert "copy_exported_program_for_preprocess" not in vars(XnnpackBackend)  # restored after the export
+    assert vars(XnnpackBackend).get(hook) is before  # restored after the export
+    from deltaship.export.executorch import preprocess_shares_weights
+    with pytest.raises(KeyError), preprocess_shares_weights():
+        assert vars(XnnpackBackend).get(hook) is not before
+        raise KeyError("lowering failed")
+    assert vars(XnnpackBackend).get(hook) is before  # and after a failure

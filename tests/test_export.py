@@ -189,6 +189,7 @@ def test_option_combinations_are_checked_before_work(tmp_path):
              ({"target": "coreml", "onnx_deltanet_ops": "contrib"}, "applies to --target onnx, not coreml"),
              ({"onnx_deltanet_ops": "fused"}, "must be standard or contrib"),
              ({"onnx_activations": "fp16"}, "applies to int8/int4 weights"),
+             ({"onnx_activations": "fp32", "precision": "fp16"}, "applies to int8/int4 weights"),
              ({"onnx_activations": "bf16", "precision": "int4"}, "must be fp32 or fp16"),
              ({"target": "executorch", "precision": "int4", "onnx_activations": "fp16"}, "applies to --target onnx"),
              ({"coreml_statez": "io"}, "unknown export option 'coreml_statez'")]

@@ -327,21 +327,28 @@ def test_cli_devices_plan_profile(bundle, tmp_path):
     assert r.returncode == 0 and "B/A" in r.stdout and "1.000" in r.stdout
 
 
-def _fake_nvml(monkeypatch, per_process: int, device_used: list[int]):
+def _fake_nvml(monkeypatch, per_process: int | None, device_used: list[int]):
     """A pynvml stand-in: one GPU whose used memory follows `device_used`, listing this process with
-    `per_process` bytes (0: no per-process entry, as on some virtual machines)."""
+    `per_process` bytes (0: no per-process entry, as on some virtual machines; None: the query raises,
+    as NotSupported does on some vGPU setups)."""
     import types
     used = iter(device_used + [device_used[-1]] * 10_000)
     proc = types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=per_process)
+
+    def processes(h):
+        if per_process is None:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return [proc] if per_process else []
     nv = types.SimpleNamespace(
         nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1, nvmlDeviceGetHandleByIndex=lambda i: i,
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=next(used)),
-        nvmlDeviceGetComputeRunningProcesses=lambda h: [proc] if per_process else [])
+        nvmlDeviceGetComputeRunningProcesses=processes)
     monkeypatch.setitem(sys.modules, "pynvml", nv)
 
 
 @pytest.mark.parametrize("per_process,expect,source", [(3 << 30, 3 << 30, "per-process"),
-                                                       (0, 2 << 30, "device used memory above")])
+                                                       (0, 2 << 30, "device used memory above"),
+                                                       (None, 2 << 30, "device used memory above")])
 def test_gpu_memory_per_process_or_device_delta(monkeypatch, per_process, expect, source):
     from deltaship.profiling.worker import GpuMemory
     _fake_nvml(monkeypatch, per_process, [5 << 30, 6 << 30, 7 << 30, 6 << 30])
@@ -357,3 +364,8 @@ def test_gpu_memory_without_nvml_is_unmeasured(monkeypatch):
     g = GpuMemory()
     g.stop()
     assert g.source is None and g.peak == 0
+    _fake_nvml(monkeypatch, None, [5 << 30])  # NVML answers but never sees any memory in use
+    g = GpuMemory(interval=0.001)
+    time.sleep(0.02)
+    g.stop()
+    assert g.source is None

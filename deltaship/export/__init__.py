@@ -70,11 +70,11 @@ def check_options(target: str, precision: str, max_context: int | None, block_si
     if ops not in ("standard", "contrib"):
         raise DeltashipError(f"--onnx-deltanet-ops must be standard or contrib, got {ops!r}",
                              "use standard (default) or contrib")
-    acts = (target_options or {}).get("onnx_activations", "fp32")
-    if acts not in ("fp32", "fp16"):
+    acts = (target_options or {}).get("onnx_activations")
+    if acts not in (None, "fp32", "fp16"):
         raise DeltashipError(f"--onnx-activations must be fp32 or fp16, got {acts!r}", "use fp32 (default) or fp16")
-    if acts == "fp16" and precision not in ("int8", "int4"):
-        raise DeltashipError(f"--onnx-activations fp16 applies to int8/int4 weights (--precision {precision} already "
+    if acts is not None and precision not in ("int8", "int4"):
+        raise DeltashipError(f"--onnx-activations applies to int8/int4 weights (--precision {precision} already "
                              f"sets the activations)", "drop --onnx-activations, or use --precision int8 or int4")
     if precision not in PRECISIONS:
         raise DeltashipError(f"unknown --precision {precision!r}; precisions: {', '.join(PRECISIONS)}",

@@ -108,7 +108,11 @@ class GpuMemory:
         while not self._stop.is_set():
             used = 0
             for h in self._handles:
-                for p in self._nv.nvmlDeviceGetComputeRunningProcesses(h):
+                try:  # NotSupported on some vGPU/MIG setups: the device figure below still counts
+                    procs = self._nv.nvmlDeviceGetComputeRunningProcesses(h)
+                except Exception:
+                    procs = []
+                for p in procs:
                     if p.pid == pid and p.usedGpuMemory:
                         used += int(p.usedGpuMemory)
             self.peak = max(self.peak, used)
@@ -121,7 +125,10 @@ class GpuMemory:
             self._thread.join()
             if self.peak == 0 and self.device_peak > 0:
                 self.peak = self.device_peak
-                self.source = "NVML device used memory above its level before the session (no per-process entry)"
+                self.source = ("NVML device used memory above its level before the session (no per-process entry; "
+                               "includes any other process's allocations meanwhile)")
+            elif self.peak == 0:
+                self.source = None  # nothing seen at all: unmeasured, never 0
 
 
 def repeat(fn: Callable[[], float], warmups: int, reps: int, min_seconds: float) -> list[float]:
@@ -251,7 +258,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         note = f"peak GPU memory, sampled every 50 ms: {gpu.source}"
         results.append(dict(record("gpu_peak_bytes", "bytes", [gpu.peak]), flags=[], note=note) if gpu.source else
                        {"metric": "gpu_peak_bytes", "unit": "bytes", "samples": [], "flags": ["unmeasured"],
-                        "note": "pynvml is not installed or no NVIDIA driver answered: GPU memory was not measured"})
+                        "note": "pynvml is not installed, no NVIDIA driver answered, or NVML saw no memory in use: "
+                                "GPU memory was not measured"})
     heavy = [m for m in ("torch", "transformers", "coremltools") if m in sys.modules]
     return {"results": results, "rss_trace": trace.samples, "runtime": session.runtime_name(),
             "threads": threads, "imported_toolchains": heavy}

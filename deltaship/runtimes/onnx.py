@@ -64,7 +64,11 @@ class OnnxSession(Session):
                 try:  # ORT refuses a CPU provider in the list when CPU fallback is disabled
                     self.sess = ort.InferenceSession(str(model_path), providers=accel,
                                                      sess_options=_options(ort, threads, prefix, strict=True))
-                except Exception:
+                except Exception as e:
+                    if "fallback to CPU EP has been explicitly disabled" not in str(e):
+                        raise  # not a placement question (no device, out of memory, ...): say so below
+                    # ORT keeps a few int64 position nodes on the CPU in every deltaship graph (GQA's sequence
+                    # lengths); with fp32 activations attention itself runs there (see runtime_name).
                     self.cpu_fallback = True
             if not hasattr(self, "sess"):
                 self.sess = ort.InferenceSession(str(model_path), sess_options=_options(ort, threads, prefix),
@@ -72,7 +76,11 @@ class OnnxSession(Session):
         except Exception as e:  # ORT raises its own exception types
             raise DeltashipError(f"{model_path}: ONNX Runtime {ort.__version__} could not load the model: {e}",
                                  "export the bundle again with this version of deltaship") from None
-        self.device = "cuda" if self.providers[0].startswith("CUDA") else "cpu"
+        got = self.sess.get_providers()[0]
+        if got != self.providers[0]:  # ORT fell back to another provider without failing
+            raise DeltashipError(f"{model_path}: ONNX Runtime opened the session on {got}, not {self.providers[0]}",
+                                 "check the GPU driver and CUDA libraries (onnxruntime-gpu 1.31 needs CUDA 13)")
+        self.device = "cuda" if got.startswith("CUDA") else "cpu"
         self.inplace_kv = inplace_kv
         self.states = manifest["states"]
         self._bufs: dict[str, list[np.ndarray]] = {}
@@ -90,6 +98,10 @@ class OnnxSession(Session):
 
     def runtime_name(self) -> str:
         fallback = ", some nodes on the CPU" if self.cpu_fallback else ""
+        if self.device == "cuda" and self.manifest.get("quantization", {}).get("activations", "float32") != "float16" \
+                and self.manifest["precision"] != "fp16":
+            fallback += (", fp32 activations: attention runs on the CPU (export with --onnx-activations fp16 "
+                         "or --precision fp16 for the GPU)")
         return f"onnxruntime {self._ort.__version__} ({self.providers[0]}{fallback})"
 
     def _ortvalue(self, arr: np.ndarray):

@@ -143,15 +143,20 @@ def preprocess_shares_weights():
     writes into none of them (tested: test_xnnpack_preprocess_shares_and_leaves_weights_untouched), so the
     copy keeps its own graph and tables but not its own storage, as ExecuTorch's CUDA backend does in its
     low-memory mode (whose copies share the tensor objects themselves; here each copy gets its own tensor
-    objects on the shared storage)."""
+    objects on the shared storage). It swaps a class attribute of ExecuTorch's XnnpackBackend for the
+    duration: not for concurrent lowerings in threads of one process."""
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+    from executorch.exir.backend.backend_details import BackendDetails
 
     name = "copy_exported_program_for_preprocess"
+    if not hasattr(BackendDetails, name):  # the hook of executorch 1.5; without it the copies would be back
+        raise RuntimeError(f"executorch {_executorch_version()} has no BackendDetails.{name}: "
+                           "deltaship's ExecuTorch lowering is written for executorch 1.5.1")
     own = vars(XnnpackBackend).get(name)
 
     def share(cls, edge_program, compile_specs):
-        # New tensor objects on the same storage: preprocess may rebind a tensor (`.data = ...`, as the conv
-        # weights' layout change does), which must not reach the partition's own tensor objects.
+        # New tensor objects on the same storage: preprocess replaces some entries of its copy (the conv
+        # weights' unsqueeze pass puts a view in the copy's state dict), which must stay in the copy.
         memo = {id(t): _same_storage(t) for table in (edge_program.state_dict, edge_program.constants)
                 for t in table.values() if isinstance(t, torch.Tensor)}
         return copy.deepcopy(edge_program, memo)
@@ -164,6 +169,11 @@ def preprocess_shares_weights():
             delattr(XnnpackBackend, name)
         else:
             setattr(XnnpackBackend, name, own)
+
+
+def _executorch_version() -> str:
+    from importlib.metadata import version
+    return version("executorch")
 
 
 def _same_storage(t: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from deltaship.export.passes import PIPELINE  # noqa: F401  (the canonical passes, as they are)
 from deltaship.export.onnx.builder import GraphBuilder
@@ -48,7 +49,7 @@ DELTANET_OPS = {
 def estimate_bytes(ctx) -> int:
     """Weight bytes of the lowered model, from shapes and precision (decides external data)."""
     total = 0
-    per = 2 if ctx.precision == "fp16" else 4
+    per = 2 if ctx.dtype == torch.float16 else 4  # float weights and scales are stored in the activation dtype
     for name in ctx.plan.names():
         n = int(np.prod(ctx.plan.shape(name)))
         q = ctx.quant["linear"].get(name) or ctx.quant["embedding"].get(name)

@@ -145,8 +145,9 @@ def main() -> int:
                      f"{r['weights_fp16_bytes'] / GIB:.2f} | {ver} |")
     text = "\n".join(lines) + "\n"
     md = HERE / f"EXPORT_{a.set.upper()}.md"
-    if md.is_file() and "\n## " in md.read_text():  # keep the hand-written sections below the table
-        text += "\n## " + md.read_text().split("\n## ", 1)[1]
+    kept_md = md.read_text() if md.is_file() else ""
+    if "\n## " in kept_md:  # keep the hand-written sections below the table
+        text += "\n## " + kept_md.split("\n## ", 1)[1]
     md.write_text(text)
     (HERE / f"EXPORT_{a.set.upper()}.json").write_text(json.dumps(rows, indent=1))
     print(text)

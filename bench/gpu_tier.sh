@@ -33,9 +33,9 @@ start)
   nproc; free -g | head -2; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import sys, torch, onnx, numpy; print(sys.version.split()[0], "torch", torch.__version__, "onnx", onnx.__version__, "numpy", numpy.__version__)'
   export -f timed
-  setsid nohup bash -c "cd $PWD; for m in 9b; do timed python3 -m deltaship.cli export --model qwen3.5-\$m \
-      --target onnx --precision int4 --onnx-activations fp16 --no-verify --quiet --out $W/q\$m-int4-fp16act \
-      > $W/export-\$m.log 2>&1; done; touch $W/exports.done" > /dev/null 2>&1 < /dev/null &
+  setsid nohup bash -c "cd $PWD; timed python3 -m deltaship.cli export --model qwen3.5-9b \
+      --target onnx --precision int4 --onnx-activations fp16 --no-verify --quiet --out $W/q9b-int4-fp16act \
+      > $W/export-9b.log 2>&1; touch $W/exports.done" > /dev/null 2>&1 < /dev/null &
   sleep 20; tail -3 "$W"/export-*.log ;;
 status)
   tail -4 "$W"/export-*.log; ls "$W"; du -sh "$W"/q* 2>/dev/null ;;

@@ -33,6 +33,7 @@ def main() -> int:
     a = p.parse_args()
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+    from deltaship.export.reference import recompute_rotary
     from deltaship.models import qwen3_5 as fam
     from deltaship.models.presets import get_preset
 
@@ -45,10 +46,7 @@ def main() -> int:
     with torch.no_grad():
         for prm in model.parameters():
             prm.normal_(0.0, 0.02)
-        rot = model.model.rotary_emb
-        inv, _ = rot.compute_default_rope_parameters(cfg)
-        rot.inv_freq = inv.to("cuda")
-        rot.original_inv_freq = inv.clone().to("cuda")
+        recompute_rotary(model, cfg, "cuda")
     model = model.to(dtype).eval()
     fla_kernels = importlib.util.find_spec("fla") is not None
     g = torch.Generator().manual_seed(0)

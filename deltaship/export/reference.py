@@ -34,12 +34,16 @@ def reference_model(source: ModelSource, dtype: torch.dtype = torch.float32):
         raise RuntimeError(f"reference model weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if source.spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # Rotary inverse frequencies are buffers, not checkpoint tensors: recompute them on the CPU.
+    recompute_rotary(model, cfg)
+    return model.to(dtype).eval()
+
+
+def recompute_rotary(model, cfg, device: str = "cpu") -> None:
+    """Rotary inverse frequencies are buffers, not checkpoint tensors: recompute them (float32) on `device`."""
     rot = model.model.rotary_emb
     inv, _ = rot.compute_default_rope_parameters(cfg)
-    rot.inv_freq = inv.to(torch.float32)
-    rot.original_inv_freq = inv.clone()
-    return model.to(dtype).eval()
+    rot.inv_freq = inv.to(device, torch.float32)
+    rot.original_inv_freq = inv.clone().to(device)
 
 
 def _roundtrip(w: torch.Tensor, q: dict) -> torch.Tensor:

@@ -150,7 +150,8 @@ def preprocess_shares_weights():
 
     name = "copy_exported_program_for_preprocess"
     if not hasattr(BackendDetails, name):  # the hook of executorch 1.5; without it the copies would be back
-        raise RuntimeError(f"executorch {_executorch_version()} has no BackendDetails.{name}: "
+        from deltaship.export.bundle import tool_versions
+        raise RuntimeError(f"executorch {tool_versions('executorch')['executorch']} has no BackendDetails.{name}: "
                            "deltaship's ExecuTorch lowering is written for executorch 1.5.1")
     own = vars(XnnpackBackend).get(name)
 
@@ -169,11 +170,6 @@ def preprocess_shares_weights():
             delattr(XnnpackBackend, name)
         else:
             setattr(XnnpackBackend, name, own)
-
-
-def _executorch_version() -> str:
-    from importlib.metadata import version
-    return version("executorch")
 
 
 def _same_storage(t: torch.Tensor) -> torch.Tensor:

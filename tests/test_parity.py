@@ -117,6 +117,34 @@ def test_two_sessions_do_not_share_state(target, bundles):
     assert solo_a != solo_b
 
 
+def test_onnx_states_shared_in_place_are_exact(bundles):
+    """The manifest lets the KV cache and, on the CPU, the DeltaNet recurrent state share one buffer between
+    past and present; a session that does so gives bit-identical logits and states to one that double-buffers."""
+    from deltaship.runtimes.bundle import read_manifest
+    from deltaship.runtimes.onnx import OnnxSession
+
+    path = bundles("grouped_values", "onnx")
+    manifest = read_manifest(path)
+    kinds = {s["kind"]: s.get("in_place") for s in manifest["states"]}
+    assert kinds["deltanet_recurrent"] == ["CPUExecutionProvider"]
+    assert "CPUExecutionProvider" in kinds["kv_cache_key"] and "CPUExecutionProvider" in kinds["kv_cache_value"]
+    assert kinds["deltanet_conv"] is None  # written by a Slice of a Concat that reads it: two buffers
+    shared = OnnxSession(path, manifest, prefill_chunk=80)
+    double = OnnxSession(path, manifest, prefill_chunk=80, in_place=False)
+    assert {n for n, v in shared._vals.items() if len(v) == 1} == \
+        {s["name"] for s in manifest["states"] if s["kind"] != "deltanet_conv"}
+    assert all(len(v) == 2 for v in double._vals.values())
+    prompt = _prompt(70, seed=11)  # one call, longer than LinearAttention's chunk of 64
+    a, b = shared.prefill(prompt), double.prefill(prompt)
+    for _ in range(6):
+        assert np.array_equal(a, b)
+        tok = int(a.argmax())
+        a, b = shared.decode(tok), double.decode(tok)
+    sa, sb = shared.state_arrays(), double.state_arrays()
+    assert all(np.array_equal(sa[n], sb[n]) for n in sa)
+    assert any(sa[n].any() for n in sa if "recurrent" in n)
+
+
 def _matched_parity(bundle, ckpt, precision, tol, target="onnx", **opts) -> dict:
     """Teacher-forced parity of a bundle against transformers with the bundle's own weight rounding
     (recomputed from the export's quantization choices, or read back from what the toolchain did)."""

@@ -178,6 +178,7 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
         for f in source.tokenizer_files:
             shutil.copy(f, tmp / f.name)
             tok_files.append(f.name)
+        in_place = lowered.get("state_in_place", {})  # states whose past and present may share a buffer
         manifest = base_manifest(
             source={"model": source.name, "kind": source.kind, "architecture": spec.architecture,
                     "sha256": source.fingerprint(), "notes": source.notes()},
@@ -188,13 +189,14 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
             inputs=tmod.io_inputs(ctx) if hasattr(tmod, "io_inputs") else _default_inputs(),
             outputs=[{"name": "logits", "shape": [1, spec.vocab_size], "dtype": "float32", "kind": "logits",
                       "doc": "logits after the last token of the call"}],
-            states=[dict(s, init="zeros", reset="zeros") for s in ctx.states],
+            states=[dict(s, init="zeros", reset="zeros", **({"in_place": in_place[s["name"]]} if s["name"] in in_place
+                                                            else {})) for s in ctx.states],
             state_bytes=sum(_nbytes(s) for s in ctx.states),
             usage=tmod.USAGE,
             tokens=tokens,
             tokenizer={"files": tok_files},
             passes=ctx.report,
-            lowering={k: v for k, v in lowered.items() if k not in ("files", "entry", "quantization")},
+            lowering={k: v for k, v in lowered.items() if k not in ("files", "entry", "quantization", "state_in_place")},
             tools=tool_versions("torch", "transformers", *tmod.TOOL_PACKAGES),
         )
         if verify:

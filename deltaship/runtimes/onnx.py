@@ -1,8 +1,10 @@
 """ONNX Runtime session for deltaship ONNX bundles (no torch import).
 
-States live in preallocated buffers bound with IOBinding. The KV cache is updated in place (GQA
-writes the new positions into the same buffer it reads: past and present share memory); the
-DeltaNet states alternate between two buffers per state, so nothing is copied per token.
+States live in preallocated buffers bound with IOBinding. A state whose manifest entry lists the
+session's execution provider under "in_place" has one buffer that is both past and present: the KV
+cache (GroupQueryAttention writes the new positions into the buffer it reads) and, on the CPU, the
+DeltaNet recurrent state (LinearAttention copies past into present, then updates present). The other
+states alternate between two buffers, so nothing is copied per token.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool 
 
 class OnnxSession(Session):
     def __init__(self, bundle: Path, manifest: dict[str, Any], threads: int | None = None,
-                 providers: list[str] | None = None, prefill_chunk: int | None = None, inplace_kv: bool = True,
+                 providers: list[str] | None = None, prefill_chunk: int | None = None, in_place: bool = True,
                  profiling: bool = False, provider: str = "cpu"):
         super().__init__(bundle, manifest, prefill_chunk)
         import onnxruntime as ort
@@ -81,13 +83,13 @@ class OnnxSession(Session):
             raise DeltashipError(f"{model_path}: ONNX Runtime opened the session on {got}, not {self.providers[0]}",
                                  "check the GPU driver and CUDA libraries (onnxruntime-gpu 1.31 needs CUDA 13)")
         self.device = "cuda" if got.startswith("CUDA") else "cpu"
-        self.inplace_kv = inplace_kv
+        self.in_place = in_place
         self.states = manifest["states"]
         self._bufs: dict[str, list[np.ndarray]] = {}
         self._vals: dict[str, list] = {}
         self._cur: dict[str, int] = {}
         for s in self.states:
-            n = 1 if (inplace_kv and s["kind"].startswith("kv_cache")) else 2
+            n = 1 if self._shares_buffer(s) else 2
             arrs = [np.zeros(s["shape"], dtype=_NP[s["dtype"]]) for _ in range(n)]
             self._bufs[s["name"]] = arrs
             self._vals[s["name"]] = [self._ortvalue(a) for a in arrs]
@@ -95,6 +97,14 @@ class OnnxSession(Session):
         self._logits = np.zeros((1, self.vocab_size), dtype=np.float32)
         self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits)
         self._pos = np.zeros(1, dtype=np.int64)
+
+    def _shares_buffer(self, state: dict[str, Any]) -> bool:
+        """Past and present in one buffer: where the manifest says the kernel allows it on this provider."""
+        if not self.in_place:
+            return False
+        if "in_place" not in state:  # bundles from before deltaship recorded it: the KV cache only
+            return state["kind"].startswith("kv_cache")
+        return self.providers[0] in state["in_place"]
 
     def runtime_name(self) -> str:
         fallback = ", some nodes on the CPU" if self.cpu_fallback else ""

@@ -23,6 +23,8 @@ USAGE = [
     "and zero them again to reset.",
     "KV-cache states hold max_context positions; GroupQueryAttention writes the new positions in place, so "
     "present.L.key/value may be bound to the same buffer as past.L.key/value (IOBinding).",
+    "A state whose entry lists 'in_place' execution providers may share one buffer between past and present on "
+    "them (IOBinding); elsewhere give present its own buffer and swap the two after each call.",
     "logits float32 [1, vocab] are for the last token of the call.",
 ]
 MODEL_FILE = "model.onnx"
@@ -44,6 +46,34 @@ DELTANET_OPS = {
                 "conv": "com.microsoft::CausalConvWithState (fused SiLU)",
                 "output_norm": "com.microsoft::GatedRMSNorm", "l2norm": "SimplifiedLayerNormalization (eps/d, scale d^-1/2)"},
 }
+
+
+# Kernels that read a state input completely before they write the state output, so past and present
+# may share one buffer (no copy of the state per call), by execution provider. GroupQueryAttention is
+# built for a shared KV buffer. LinearAttention's CPU kernel (ORT 1.31) copies the past state into the
+# present one and updates it there; its CUDA kernel was not checked, so it is not listed.
+IN_PLACE_KERNELS = {"GroupQueryAttention": ["CPUExecutionProvider", "CUDAExecutionProvider"],
+                    "LinearAttention": ["CPUExecutionProvider"]}
+
+
+def in_place_states(nodes, states: list[dict]) -> dict[str, list[str]]:
+    """{past name: providers} for the states whose past is read by exactly one node, the node that writes
+    their present (through Identity renames), and that node's kernel is in IN_PLACE_KERNELS."""
+    readers: dict[str, set[int]] = {}
+    writer: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for name in n.input:
+            readers.setdefault(name, set()).add(i)
+        for name in n.output:
+            writer[name] = i
+    out = {}
+    for s in states:
+        w = writer.get(s["output"])
+        while w is not None and nodes[w].op_type == "Identity":
+            w = writer.get(nodes[w].input[0])
+        if w is not None and readers.get(s["name"]) == {w} and nodes[w].op_type in IN_PLACE_KERNELS:
+            out[s["name"]] = IN_PLACE_KERNELS[nodes[w].op_type]
+    return out
 
 
 def estimate_bytes(ctx) -> int:
@@ -76,6 +106,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     return {"files": [MODEL_FILE] + ([DATA_FILE] if external else []), "entry": MODEL_FILE, "onnx_ops": ops,
             "external_data": external, "opset": OPSET, "ir_version": IR_VERSION,
             "accuracy_level": accuracy_level, "weight_bytes": b.weight_bytes,
+            "state_in_place": in_place_states(b.nodes, ctx.states),
             "deltanet_ops": {"mode": deltanet_ops, **DELTANET_OPS[deltanet_ops]}}
 
 

@@ -28,7 +28,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from deltaship.runtimes.bundle import read_manifest
-from deltaship.runtimes.onnx import OnnxSession
+from deltaship.runtimes.onnx import OnnxSession, _options
 
 
 def median_ms(fn, steps: int, warmup: int = 3) -> float:
@@ -43,8 +43,7 @@ def median_ms(fn, steps: int, warmup: int = 3) -> float:
 
 
 def session(model: onnx.ModelProto | bytes, threads: int, optimize: bool = True) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+    so = _options(ort, threads, None)  # the options deltaship's own sessions use
     if not optimize:  # keep every node of a chain (ORT would fold repeated Reshapes into one)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     data = model if isinstance(model, bytes) else model.SerializeToString()

@@ -10,7 +10,13 @@ nodes themselves cost (bench/ONNX_OPS.md's decode table is profiled). This measu
 2. the same MatMulNBits / MatMul nodes alone, with the bundle's weights, in one graph of independent
    nodes (the weight-streaming floor of the step);
 3. the bundle's LinearAttention nodes alone at one token (their state traffic), both buffer modes;
-4. the cost per node of a trivial op (200 chained Reshapes, then Muls on the hidden size).
+4. the cost per node of a trivial op (200 chained Reshapes, then Muls on the hidden size);
+5. the step with every weight matmul replaced by a zero tensor of its output shape (what the rest of the
+   graph costs in place);
+6. the step at several context depths (what the KV cache adds);
+7. the int4 kernel on its own: a bank of 24 synthetic MatMulNBits [1024 -> 7168] at block 32 and 128,
+   1 and 2 threads, against this machine's read bandwidth at 1 and 2 threads (whether the kernel is
+   held back by memory or by compute).
 Prints one JSON object: medians in ms.
 """
 
@@ -19,13 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
+from peers import bandwidth  # bench/, this script's directory
 
 from deltaship.runtimes.bundle import read_manifest
 from deltaship.runtimes.onnx import OnnxSession, _options
@@ -50,12 +58,65 @@ def session(model: onnx.ModelProto | bytes, threads: int, optimize: bool = True)
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
-def decode_step(bundle: Path, threads: int, steps: int, in_place: bool) -> float:
-    s = OnnxSession(bundle, read_manifest(bundle), threads=threads, in_place=in_place)
+def decode_step(bundle: Path, threads: int, steps: int, in_place: bool = True, context: int = 128,
+                manifest: dict | None = None) -> float:
+    s = OnnxSession(bundle, manifest or read_manifest(bundle), threads=threads, in_place=in_place)
     s.reset()
-    s.prefill(list(range(1, 129)))
+    s.seek(context)  # decode cost depends on the depth, not on the state's values
     ids = np.array([5], dtype=np.int64)
     return median_ms(lambda: s._forward(ids), steps)
+
+
+def step_without_matmuls(bundle: Path, manifest: dict, model: onnx.ModelProto, threads: int, steps: int) -> float:
+    """The decode step with each weight matmul replaced by zeros of its output shape (3 trivial nodes)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    init = {i.name for i in g.initializer}
+    nodes = []
+    for n in g.node:
+        if n.op_type not in ("MatMulNBits", "MatMul") or n.input[1] not in init:
+            nodes.append(n)
+            continue
+        width = next((a.i for a in n.attribute if a.name == "N"), None)
+        if width is None:
+            width = next(i.dims[1] for i in g.initializer if i.name == n.input[1])
+        y = n.output[0]
+        g.initializer.append(helper.make_tensor(f"{y}_n", TensorProto.INT64, [1], [width]))
+        nodes += [helper.make_node("Shape", [n.input[0]], [f"{y}_lead"], end=-1),
+                  helper.make_node("Concat", [f"{y}_lead", f"{y}_n"], [f"{y}_shape"], axis=0),
+                  helper.make_node("ConstantOfShape", [f"{y}_shape"], [y],
+                                   value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))]
+    used = {i for n in nodes for i in n.input}
+    kept = [i for i in g.initializer if i.name in used]
+    del g.node[:], g.initializer[:]
+    g.node.extend(nodes)
+    g.initializer.extend(kept)
+    with tempfile.TemporaryDirectory(prefix="deltaship-split-") as d:
+        onnx.save(m, str(Path(d) / manifest["entry"]))
+        return decode_step(Path(d), threads, steps, manifest=manifest)
+
+
+def int4_kernel(threads: int, block: int, steps: int, k: int = 1024, n: int = 7168, layers: int = 24) -> dict:
+    """A bank of independent MatMulNBits at one token, random weights: ms and GB/s of stored bytes."""
+    rng = np.random.default_rng(0)
+    nodes, inputs, outputs, inits = [], [], [], []
+    for i in range(layers):
+        blocks = k // block
+        inits += [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block // 2), dtype=np.uint8), f"w{i}"),
+                  numpy_helper.from_array(rng.random(n * blocks, dtype=np.float32) * 0.01, f"s{i}")]
+        inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, 1, k]))
+        nodes.append(helper.make_node("MatMulNBits", [f"x{i}", f"w{i}", f"s{i}"], [f"y{i}"], domain="com.microsoft",
+                                      K=k, N=n, bits=4, block_size=block, accuracy_level=4))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
+    m = helper.make_model(helper.make_graph(nodes, "bank", inputs, outputs, inits),
+                          opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    s = session(m, threads)
+    feeds = {i.name: rng.standard_normal(i.shape, dtype=np.float32) for i in s.get_inputs()}
+    ms = median_ms(lambda: s.run(None, feeds), steps)
+    stored = sum(len(t.raw_data) for t in inits)
+    return {"threads": threads, "block_size": block, "ms": ms, "stored_mb": stored / 1e6, "gb_s": stored / ms / 1e6}
 
 
 def matmuls_alone(model: onnx.ModelProto, threads: int, steps: int) -> tuple[float, int]:
@@ -142,7 +203,7 @@ def main() -> int:
                  "graph_nodes": len(model.graph.node)}
     for mode in (True, False, True, False):  # alternated: the machine drifts
         out.setdefault(f"decode_step_ms_{'shared' if mode else 'double'}_state", []).append(
-            decode_step(a.bundle, a.threads, a.steps, mode))
+            decode_step(a.bundle, a.threads, a.steps, in_place=mode))
     out["matmuls_alone_ms"], out["matmul_nodes"] = matmuls_alone(model, a.threads, a.steps)
     for mode in (True, False):
         out[f"linear_attention_alone_ms_{'shared' if mode else 'double'}_state"], out["linear_attention_nodes"] = \
@@ -150,6 +211,11 @@ def main() -> int:
     hidden = manifest["model"]["hidden_size"]
     out["reshape_us_per_node"] = per_node_us("Reshape", hidden, a.threads, a.steps)
     out["mul_us_per_node"] = per_node_us("Mul", hidden, a.threads, a.steps)
+    out["step_ms_without_matmuls"] = step_without_matmuls(a.bundle, manifest, model, a.threads, a.steps)
+    out["decode_step_ms_by_context"] = {c: decode_step(a.bundle, a.threads, a.steps, context=c)
+                                        for c in (16, 128, 512, min(960, manifest["max_context"] - 2))}
+    out["int4_kernel"] = [int4_kernel(t, b, a.steps) for t in (1, 2) for b in (32, 128)]
+    out["read_bandwidth_gb_s"] = {t: bandwidth(t) for t in (1, 2)}
     json.dump(out, sys.stdout, indent=1)
     print()
     return 0

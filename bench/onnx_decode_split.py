@@ -58,13 +58,38 @@ def session(model: onnx.ModelProto | bytes, threads: int, optimize: bool = True)
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
-def decode_step(bundle: Path, threads: int, steps: int, in_place: bool = True, context: int = 128,
-                manifest: dict | None = None) -> float:
+def standalone(graph: onnx.GraphProto, contrib: bool = True) -> onnx.ModelProto:
+    """A model of one graph at the opsets deltaship's ONNX bundles use."""
+    opsets = [helper.make_opsetid("", 21)] + ([helper.make_opsetid("com.microsoft", 1)] if contrib else [])
+    m = helper.make_model(graph, opset_imports=opsets)
+    m.ir_version = 10
+    return m
+
+
+def weight_matmuls(graph: onnx.GraphProto) -> list[tuple[onnx.NodeProto, int, int]]:
+    """(node, K, N) of every MatMulNBits / MatMul whose weight is an initializer."""
+    init = {i.name: i for i in graph.initializer}
+    out = []
+    for n in graph.node:
+        if n.op_type not in ("MatMulNBits", "MatMul") or n.input[1] not in init:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        k, width = (attrs["K"], attrs["N"]) if n.op_type == "MatMulNBits" else init[n.input[1]].dims
+        out.append((n, k, width))
+    return out
+
+
+def decode_steps(bundle: Path, threads: int, steps: int, contexts: tuple[int, ...] = (128,), in_place: bool = True,
+                 manifest: dict | None = None) -> list[float]:
+    """Median ms of one decode step at each context depth, one session."""
     s = OnnxSession(bundle, manifest or read_manifest(bundle), threads=threads, in_place=in_place)
-    s.reset()
-    s.seek(context)  # decode cost depends on the depth, not on the state's values
     ids = np.array([5], dtype=np.int64)
-    return median_ms(lambda: s._forward(ids), steps)
+    out = []
+    for context in contexts:
+        s.reset()
+        s.seek(context)  # decode cost depends on the depth, not on the state's values
+        out.append(median_ms(lambda: s._forward(ids), steps))
+    return out
 
 
 def step_without_matmuls(bundle: Path, manifest: dict, model: onnx.ModelProto, threads: int, steps: int) -> float:
@@ -72,16 +97,14 @@ def step_without_matmuls(bundle: Path, manifest: dict, model: onnx.ModelProto, t
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
-    init = {i.name for i in g.initializer}
+    widths = {n.output[0]: width for n, _, width in weight_matmuls(g)}  # by output name: protobuf wrappers come and go
     nodes = []
     for n in g.node:
-        if n.op_type not in ("MatMulNBits", "MatMul") or n.input[1] not in init:
+        y = n.output[0]
+        if y not in widths:
             nodes.append(n)
             continue
-        width = next((a.i for a in n.attribute if a.name == "N"), None)
-        if width is None:
-            width = next(i.dims[1] for i in g.initializer if i.name == n.input[1])
-        y = n.output[0]
+        width = widths[y]
         g.initializer.append(helper.make_tensor(f"{y}_n", TensorProto.INT64, [1], [width]))
         nodes += [helper.make_node("Shape", [n.input[0]], [f"{y}_lead"], end=-1),
                   helper.make_node("Concat", [f"{y}_lead", f"{y}_n"], [f"{y}_shape"], axis=0),
@@ -94,7 +117,7 @@ def step_without_matmuls(bundle: Path, manifest: dict, model: onnx.ModelProto, t
     g.initializer.extend(kept)
     with tempfile.TemporaryDirectory(prefix="deltaship-split-") as d:
         onnx.save(m, str(Path(d) / manifest["entry"]))
-        return decode_step(Path(d), threads, steps, manifest=manifest)
+        return decode_steps(Path(d), threads, steps, manifest=manifest)[0]
 
 
 def int4_kernel(threads: int, block: int, steps: int, k: int = 1024, n: int = 7168, layers: int = 24) -> dict:
@@ -109,10 +132,7 @@ def int4_kernel(threads: int, block: int, steps: int, k: int = 1024, n: int = 71
         nodes.append(helper.make_node("MatMulNBits", [f"x{i}", f"w{i}", f"s{i}"], [f"y{i}"], domain="com.microsoft",
                                       K=k, N=n, bits=4, block_size=block, accuracy_level=4))
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
-    m = helper.make_model(helper.make_graph(nodes, "bank", inputs, outputs, inits),
-                          opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    m.ir_version = 10
-    s = session(m, threads)
+    s = session(standalone(helper.make_graph(nodes, "bank", inputs, outputs, inits)), threads)
     feeds = {i.name: rng.standard_normal(i.shape, dtype=np.float32) for i in s.get_inputs()}
     ms = median_ms(lambda: s.run(None, feeds), steps)
     stored = sum(len(t.raw_data) for t in inits)
@@ -121,12 +141,10 @@ def int4_kernel(threads: int, block: int, steps: int, k: int = 1024, n: int = 71
 
 def matmuls_alone(model: onnx.ModelProto, threads: int, steps: int) -> tuple[float, int]:
     """Every weight matmul of the graph as an independent node fed a [1, 1, K] input."""
-    g = model.graph
-    init = {i.name: i for i in g.initializer}
+    init = {i.name: i for i in model.graph.initializer}
     nodes, inputs, outputs, used = [], [], [], set()
-    for i, n in enumerate(x for x in g.node if x.op_type in ("MatMulNBits", "MatMul") and x.input[1] in init):
+    for i, (n, k, _) in enumerate(weight_matmuls(model.graph)):
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-        k = attrs["K"] if n.op_type == "MatMulNBits" else init[n.input[1]].dims[0]
         inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, 1, k]))
         nodes.append(helper.make_node(n.op_type, [f"x{i}", *n.input[1:]], [f"y{i}"], domain=n.domain or None, **attrs))
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
@@ -152,9 +170,7 @@ def linear_attention_alone(model: onnx.ModelProto, manifest: dict, threads: int,
     graph = helper.make_graph([node], "la", [helper.make_tensor_value_info(k, TensorProto.FLOAT, v)
                                              for k, v in shapes.items()],
                               [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("o", "ns")])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    m.ir_version = 10
-    s = session(m, threads)
+    s = session(standalone(graph), threads)
     rng = np.random.default_rng(0)
     feeds = {k: rng.standard_normal(v, dtype=np.float32) * 0.1 for k, v in shapes.items() if k != "s"}
     feeds["g"] = -np.abs(feeds["g"])
@@ -184,9 +200,7 @@ def per_node_us(op: str, width: int, threads: int, steps: int, n: int = 200) -> 
     nodes = [helper.make_node(op, ["x" if i == 0 else f"y{i - 1}", "c"], [f"y{i}"]) for i in range(n)]
     graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, width])],
                               [helper.make_tensor_value_info(f"y{n - 1}", TensorProto.FLOAT, None)], [const])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    m.ir_version = 10
-    s = session(m, threads, optimize=False)
+    s = session(standalone(graph, contrib=False), threads, optimize=False)
     x = np.ones((1, 1, width), np.float32)
     return median_ms(lambda: s.run(None, {"x": x}), steps) * 1e3 / n
 
@@ -203,7 +217,7 @@ def main() -> int:
                  "graph_nodes": len(model.graph.node)}
     for mode in (True, False, True, False):  # alternated: the machine drifts
         out.setdefault(f"decode_step_ms_{'shared' if mode else 'double'}_state", []).append(
-            decode_step(a.bundle, a.threads, a.steps, in_place=mode))
+            decode_steps(a.bundle, a.threads, a.steps, in_place=mode)[0])
     out["matmuls_alone_ms"], out["matmul_nodes"] = matmuls_alone(model, a.threads, a.steps)
     for mode in (True, False):
         out[f"linear_attention_alone_ms_{'shared' if mode else 'double'}_state"], out["linear_attention_nodes"] = \
@@ -212,8 +226,8 @@ def main() -> int:
     out["reshape_us_per_node"] = per_node_us("Reshape", hidden, a.threads, a.steps)
     out["mul_us_per_node"] = per_node_us("Mul", hidden, a.threads, a.steps)
     out["step_ms_without_matmuls"] = step_without_matmuls(a.bundle, manifest, model, a.threads, a.steps)
-    out["decode_step_ms_by_context"] = {c: decode_step(a.bundle, a.threads, a.steps, context=c)
-                                        for c in (16, 128, 512, min(960, manifest["max_context"] - 2))}
+    contexts = (16, 128, 512, min(960, manifest["max_context"] - 2))
+    out["decode_step_ms_by_context"] = dict(zip(contexts, decode_steps(a.bundle, a.threads, a.steps, contexts)))
     out["int4_kernel"] = [int4_kernel(t, b, a.steps) for t in (1, 2) for b in (32, 128)]
     out["read_bandwidth_gb_s"] = {t: bandwidth(t) for t in (1, 2)}
     json.dump(out, sys.stdout, indent=1)

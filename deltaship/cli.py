@@ -12,19 +12,40 @@ from deltaship.errors import DeltashipError
 
 def _export(a: argparse.Namespace) -> int:
     from deltaship.export import export
+    from deltaship.targets import all_targets
+    given = {f.name: getattr(a, f.name) for t in all_targets() for f in t.Options.fields()
+             if getattr(a, f.name) not in (None, False)}  # only the target options the user set
     export(model=a.model, out=a.out, target=a.target, precision=a.precision, max_context=a.max_context,
            force=a.force, verify=not a.no_verify, prefill_chunk=a.prefill_chunk, block_size=a.block_size,
-           deltanet_int8=a.deltanet_int8, accuracy_level=a.accuracy_level, threads=a.threads, progress=not a.quiet,
-           **({"allow_portable_fallback": True} if a.allow_portable_fallback else {}),
-           **({"coreml_states": a.coreml_states} if a.coreml_states else {}),
-           **({"coreml_palettize": a.coreml_palettize} if a.coreml_palettize else {}),
-           **({"onnx_deltanet_ops": a.onnx_deltanet_ops} if a.onnx_deltanet_ops else {}),
-           **({"onnx_activations": a.onnx_activations} if a.onnx_activations else {}))
+           deltanet_int8=a.deltanet_int8, threads=a.threads, progress=not a.quiet, **given)
     return 0
 
 
+def _add_target_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of each target's options dataclass (deltaship/targets), with its help and default."""
+    from deltaship.targets import all_targets, flag
+    for t in all_targets():
+        group = parser.add_argument_group(f"{t.name} options", t.description)
+        for f in t.Options.fields():
+            meta = f.metadata
+            default = "" if f.default in (None, False) else f" (default {f.default})"
+            kwargs: dict = {"help": f"{meta.get('help', '')}{default}", "default": None}
+            if f.type in (bool, "bool"):
+                kwargs.update(action="store_true", default=False)
+            else:
+                choices = meta.get("choices")
+                kinds = {type(c) for c in choices or ()}
+                kwargs["type"] = kinds.pop() if len(kinds) == 1 else (float if "float" in str(f.type) else
+                                                                     int if "int" in str(f.type) else str)
+                if choices:
+                    kwargs["choices"] = choices
+                if meta.get("metavar"):
+                    kwargs["metavar"] = meta["metavar"]
+            group.add_argument(flag(f.name), **kwargs)
+
+
 def _generate(a: argparse.Namespace) -> int:
-    from deltaship.runtimes.commands import generate
+    from deltaship.commands import generate
     res = generate(a.bundle, prompt=a.prompt, input_ids=a.input_ids, max_new_tokens=a.max_new_tokens,
                    threads=a.threads, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                    stop_at_eos=not a.no_stop_at_eos, dump_logits=a.dump_logits, provider=a.provider)
@@ -38,14 +59,14 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _inspect(a: argparse.Namespace) -> int:
-    from deltaship.runtimes.commands import describe, inspect
+    from deltaship.bundle.inspect import describe, inspect
     info = inspect(a.bundle)
     print(json.dumps(info, indent=2) if a.json else describe(info))
     return 0 if info["intact"] else 1
 
 
 def _eval(a: argparse.Namespace) -> int:
-    from deltaship.export.evaluate import evaluate
+    from deltaship.bundle.evaluate import evaluate
     res = evaluate(a.bundle, model=a.model, tokens=a.tokens, threads=a.threads)
     if a.json:
         print(json.dumps(res))
@@ -121,33 +142,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
     sub = p.add_subparsers(dest="command", required=True)
 
+    from deltaship.models.presets import PRESETS
+    from deltaship.targets import DEFAULT_PREFILL_CHUNK, PRECISIONS, all_targets, target_names
     e = sub.add_parser("export", help="compile a checkpoint or preset into a verified bundle")
-    e.add_argument("--model", required=True, help="checkpoint directory or preset (qwen3.5-tiny, qwen3.5-0.8b, ...)")
-    e.add_argument("--target", default="onnx", help="onnx, executorch or coreml (default onnx)")
-    e.add_argument("--precision", default="fp32", help="fp32, fp16, int8 or int4 (default fp32)")
-    e.add_argument("--max-context", type=int, default=None, help="KV-cache length in tokens")
+    e.add_argument("--model", required=True, help=f"checkpoint directory or preset ({', '.join(PRESETS)})")
+    e.add_argument("--target", default="onnx", choices=target_names(), help="what to compile for (default onnx)")
+    e.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weight precision (default fp32)")
+    e.add_argument("--max-context", type=int, default=None,
+                   help="KV-cache length in tokens (default: the preset's, else min(4096, the model's))")
     e.add_argument("--out", required=True, help="bundle directory to write")
     e.add_argument("--force", action="store_true", help="replace an existing --out")
     e.add_argument("--no-verify", action="store_true", help="skip the parity check against transformers")
-    e.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default 512)")
-    e.add_argument("--block-size", type=int, default=32, help="quantization block size (int8/int4)")
+    chunks = ", ".join(f"{t.name} {t.default_prefill_chunk}" for t in all_targets()
+                       if t.default_prefill_chunk != DEFAULT_PREFILL_CHUNK)
+    e.add_argument("--prefill-chunk", type=int, default=None,
+                   help=f"tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}; {chunks})")
+    e.add_argument("--block-size", type=int, default=32, help="quantization block size (int8/int4; default 32)")
     e.add_argument("--deltanet-int8", action="store_true", help="with int4: keep DeltaNet projections at int8")
-    e.add_argument("--accuracy-level", type=int, default=4,
-                   help="ONNX int8/int4: 4 = int8 activation blocks (fast, default), 0 = float activations")
-    e.add_argument("--onnx-deltanet-ops", choices=("standard", "contrib"), default=None,
-                   help="onnx: DeltaNet conv and output norm in standard ops (default, faster) or ONNX Runtime's "
-                        "CausalConvWithState/GatedRMSNorm contrib ops")
-    e.add_argument("--onnx-activations", choices=("fp32", "fp16"), default=None,
-                   help="onnx int8/int4: activation dtype (fp32 default; fp16 for ONNX Runtime's CUDA provider, whose "
-                        "GroupQueryAttention takes fp16 only)")
-    e.add_argument("--allow-portable-fallback", action="store_true",
-                   help="executorch: accept nodes XNNPACK does not take (run as portable kernels)")
-    e.add_argument("--coreml-states", choices=("io", "state"), default=None,
-                   help="coreml: DeltaNet states as fp32 inputs/outputs (io, default) or fp16 Core ML states")
-    e.add_argument("--coreml-palettize", type=int, default=None, metavar="BITS",
-                   help="coreml with --precision fp16: palettize weights to BITS-bit look-up tables")
     e.add_argument("--threads", type=int, default=None, help="threads for verification")
     e.add_argument("--quiet", action="store_true", help="no progress display")
+    _add_target_options(e)
     e.set_defaults(func=_export)
 
     g = sub.add_parser("generate", help="generate tokens with a bundle")

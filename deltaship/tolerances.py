@@ -1,4 +1,4 @@
-"""The one table of parity tolerances, keyed by (target, precision).
+"""The parity tolerances: one table keyed by (target, precision), whose rows each target declares.
 
 Used by export-time verification and by the parity tests. The reference is transformers' Qwen3.5
 in fp32 with the weights exactly as the bundle stores them (fp16-rounded or quantized), so these
@@ -26,26 +26,13 @@ class Tolerance:
     fails_export: bool
 
 
-TOLERANCES: dict[tuple[str, str], Tolerance] = {
-    ("onnx", "fp32"): Tolerance(1e-3, 1.0, 1e-3, True),
-    ("onnx", "fp16"): Tolerance(0.15, 0.95, 0.05, False),
-    # MatMulNBits at accuracy_level 4 quantizes activations to int8 blocks: that noise, not the
-    # weights, is what these bounds cover (with --accuracy-level 0 the fp32 row applies).
-    ("onnx", "int8"): Tolerance(2.0, 0.75, 0.1, False),
-    ("onnx", "int4"): Tolerance(2.0, 0.75, 0.1, False),
-    # ExecuTorch (XNNPACK): int8/int4 are torchao 8da8w / 8da4w, i.e. int8 dynamic activations.
-    ("executorch", "fp32"): Tolerance(1e-3, 1.0, 1e-3, True),
-    ("executorch", "fp16"): Tolerance(0.15, 0.95, 0.05, False),
-    ("executorch", "int8"): Tolerance(2.0, 0.75, 0.1, False),
-    ("executorch", "int4"): Tolerance(2.0, 0.75, 0.1, False),
-    # Core ML (evaluated on Linux by interpreting the saved ML program): fp32 builds keep every state
-    # as fp32 inputs/outputs and must be exact; fp16 compute covers the rest.
-    ("coreml", "fp32"): Tolerance(1e-3, 1.0, 1e-3, True),
-    ("coreml", "fp16"): Tolerance(0.3, 0.9, 0.1, False),
-    ("coreml", "int8"): Tolerance(0.3, 0.9, 0.1, False),
-    ("coreml", "int4"): Tolerance(0.3, 0.9, 0.1, False),
-}
+def table() -> dict[tuple[str, str], Tolerance]:
+    """The one table, (target, precision) -> Tolerance, assembled from each target's rows
+    (deltaship/targets/<target>.py `tolerances`, where the reasons for each row are written)."""
+    from deltaship.targets import all_targets
+    return {(t.name, precision): tol for t in all_targets() for precision, tol in t.tolerances.items()}
 
 
 def tolerance(target: str, precision: str) -> Tolerance:
-    return TOLERANCES[(target, precision)]
+    from deltaship.targets import get_target
+    return get_target(target).tolerances[precision]

@@ -22,6 +22,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def bundles(tmp_path_factory, checkpoints):
     """Exported bundles, built on first use and shared: bundles(config, target, precision)."""
+    from deltaship.bundle import read_manifest, schema_problems
     from deltaship.export import export
 
     root = tmp_path_factory.mktemp("bundles")
@@ -35,7 +36,23 @@ def bundles(tmp_path_factory, checkpoints):
             opts.setdefault("prefill_chunk", 8)
             opts.setdefault("verify", False)  # the tests make their own comparisons
             export(str(checkpoints[config]), out, target=target, precision=precision, progress=False, **opts)
+            problems = schema_problems(read_manifest(out))  # every test bundle against the bundle's JSON Schema
+            assert not problems, problems
             cache[key] = out
         return cache[key]
 
     return get
+
+
+# The fast tier (`python -m pytest -m "not slow"`) leaves out what exports through the slow toolchains
+# (ExecuTorch's XNNPACK lowering, Core ML conversion and its op-by-op evaluation), trains, or profiles in
+# subprocesses: these modules, and any test parametrized with one of these targets.
+SLOW_MODULES = {"test_executorch", "test_coreml", "test_trained", "test_profiling"}
+SLOW_TARGETS = {"executorch", "coreml"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module.__name__ in SLOW_MODULES or params.get("target") in SLOW_TARGETS:
+            item.add_marker(pytest.mark.slow)

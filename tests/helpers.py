@@ -112,11 +112,14 @@ def set_json(path: Path, key: str, value) -> None:
 
 def export_context(ckpt: Path, precision: str, max_context: int = 128, target: str = "onnx", **options):
     """The target's export passes up to (not including) capture: the weight plan and quantization choices."""
-    from deltaship.export import _target_module
-    from deltaship.models.source import load_source
+    from deltaship.export import check_options, pass_options
     from deltaship.export.passes import ExportContext, run_pipeline
-    tmod = _target_module(target)
-    opts = {**getattr(tmod, "OPTIONS", {}), "block_size": 32, "deltanet_int8": False, "prefill_chunk": 8, **options}
+    from deltaship.models.source import load_source
+    from deltaship.targets import get_target
+    tgt = get_target(target)
+    common = {k: options.pop(k) for k in ("block_size", "deltanet_int8") if k in options}
+    typed = check_options(target, precision, max_context, common.get("block_size", 32),
+                          common.get("deltanet_int8", False), 8, options)
     ctx = ExportContext(spec=load_source(str(ckpt)).spec, precision=precision, max_context=max_context, target=target,
-                        options=opts)
-    return run_pipeline(ctx, tmod.PIPELINE[:-1])
+                        options=pass_options(tgt, typed, prefill_chunk=8, **common))
+    return run_pipeline(ctx, tgt.pipeline()[:-1])

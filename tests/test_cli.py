@@ -94,7 +94,7 @@ def test_export_bad_input(tmp_path):
 
 
 def test_onnx_runtime_does_not_import_torch(tiny_bundle):
-    code = ("import sys; from deltaship.runtimes.commands import generate; "
+    code = ("import sys; from deltaship.commands import generate; "
             f"r = generate({str(tiny_bundle)!r}, input_ids=[1, 2], max_new_tokens=3, threads=1); "
             "assert len(r['output_ids']) >= 1; "
             "bad = [m for m in ('torch', 'transformers', 'executorch', 'coremltools') if m in sys.modules]; "

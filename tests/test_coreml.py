@@ -12,7 +12,8 @@ from helpers import reference, reference_greedy, write_checkpoint
 
 from deltaship.errors import DeltashipError
 from deltaship.export.onnx.quant import quantize_blocks
-from deltaship.runtimes import mil_eval, open_bundle
+from deltaship.export.coreml import mil_eval
+from deltaship.runtimes import open_bundle
 
 
 # ---- the evaluator's own implementations, against torch -------------------------------------------

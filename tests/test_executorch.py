@@ -57,7 +57,7 @@ def test_executorch_llm_runner_drives_the_program(pte):
                         token_callback=pieces.append)
         texts.append("".join(pieces))
         runner.reset()
-    from deltaship.runtimes.commands import generate
+    from deltaship.commands import generate
     ours = generate(path, prompt="def ", max_new_tokens=20)["text"]
     assert texts[0] == texts[1] == ours and len(ours) >= 10
 

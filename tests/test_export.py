@@ -11,15 +11,18 @@ import torch
 from helpers import export_context
 
 from deltaship.errors import DeltashipError
-from deltaship.export import export
-from deltaship.export.passes import PIPELINE, ExportContext, PassError, run_pipeline
+from deltaship.export import export, pass_options
+from deltaship.export.passes import ExportContext, PassError, run_pipeline
 from deltaship.export.weight_plan import PlanError, WeightPlan
 from deltaship.models import qwen3_5 as fam
 from deltaship.models.ops import CANONICAL_OPS
 from deltaship.models.presets import PRESETS
 from deltaship.models.weights import RandomWeights
+from deltaship.bundle import SCHEMA_VERSION, read_manifest, schema_problems
 from deltaship.runtimes import open_bundle
-from deltaship.runtimes.bundle import read_manifest
+from deltaship.targets import all_targets, get_target
+
+PIPELINE = get_target("onnx").pipeline()
 
 
 # ---- fix-ups and the plan ------------------------------------------------------------------------
@@ -45,8 +48,9 @@ def test_running_the_fold_pass_twice_fails_naming_the_passes():
 
 
 def export_context_only(passes):
+    onnx = get_target("onnx")
     ctx = ExportContext(spec=PRESETS["qwen3.5-tiny"].spec(), precision="fp32", max_context=64,
-                        options={"block_size": 32})
+                        options=pass_options(onnx, onnx.Options(), prefill_chunk=64))
     return run_pipeline(ctx, passes)
 
 
@@ -72,15 +76,18 @@ def test_structure_after_passes():
 
 
 def test_every_canonical_op_has_a_lowering_for_every_target():
+    from deltaship.export.coreml.lowering import MIL_LOWERINGS
+    from deltaship.export.executorch.lowering import LOWERINGS as ET
     from deltaship.export.onnx.lowering import LOWERINGS as ONNX
-    targets = {"onnx": ONNX}
-    for target, table in targets.items():
-        missing = [name for name, op in CANONICAL_OPS.items() if op not in table]
+    tables = {t.target: t for t in (ONNX, ET, MIL_LOWERINGS)}
+    assert set(tables) == {t.name for t in all_targets()}
+    for target, table in tables.items():
+        missing = table.missing(CANONICAL_OPS.values())
         assert not missing, f"{target} has no lowering for {missing}"
     # and every op the captured program uses has an ONNX lowering
     ctx = export_context_only(PIPELINE)
     used = {n.target for n in ctx.program.graph.nodes if n.op == "call_function"}
-    assert not [u for u in used if u not in ONNX]
+    assert not ONNX.missing(used)
 
 
 def test_unknown_op_fails_naming_it(tmp_path):
@@ -92,7 +99,7 @@ def test_unknown_op_fails_naming_it(tmp_path):
         with pytest.raises(DeltashipError, match="no lowering for op aten.sigmoid"):
             lower(ctx, RandomWeights(ctx.spec), tmp_path)
     finally:
-        LOWERINGS[torch.ops.aten.sigmoid.default] = saved
+        LOWERINGS.add(torch.ops.aten.sigmoid.default, saved)
 
 
 def test_eager_canonical_model_matches_transformers(checkpoints):
@@ -118,7 +125,10 @@ def test_eager_canonical_model_matches_transformers(checkpoints):
 def test_manifest_contract(bundles, checkpoints):
     path = bundles("grouped_values", verify=True)
     m = read_manifest(path)
-    assert m["schema"] == "deltaship.bundle" and m["schema_version"] == 1
+    assert m["schema"] == "deltaship.bundle" and m["schema_version"] == SCHEMA_VERSION
+    assert not schema_problems(m)
+    assert m["model_card"] == {"source_repo": None, "revision": None, "license": None, "base_model": None,
+                               "weights": "checkpoint"}
     assert m["target"] == "onnx" and m["precision"] == "fp32" and m["max_context"] == 128
     assert m["source"]["kind"] == "checkpoint" and len(m["source"]["sha256"]) == 64
     kinds = [s["kind"] for s in m["states"]]
@@ -176,7 +186,7 @@ def test_tampered_bundle_is_detected(bundles, tmp_path):
     (out / "model.onnx").write_bytes(bytes(data))
     with pytest.raises(DeltashipError, match="tampered.*model.onnx: sha256 mismatch"):
         open_bundle(out)
-    from deltaship.runtimes.commands import inspect
+    from deltaship.commands import inspect
     info = inspect(out)
     assert not info["intact"] and "model.onnx" in info["problems"][0]
 

@@ -15,9 +15,10 @@ from deltaship.export.reference import matched_reference_model
 from deltaship.export.verify import compare, teacher_forced
 from deltaship.models.source import load_source
 from deltaship.runtimes import open_bundle
+from deltaship.targets import target_names
 from deltaship.tolerances import tolerance
 
-TARGETS = ["onnx", "executorch", "coreml"]
+TARGETS = list(target_names())
 CHUNK = 8  # the bundles fixture exports with prefill_chunk=8
 # Lower precisions: ONNX over the whole table; the slower toolchains over two configs that between
 # them cover tied and untied heads and value heads > key heads (ExecuTorch, whose exports cost most:
@@ -120,7 +121,7 @@ def test_two_sessions_do_not_share_state(target, bundles):
 def test_onnx_states_shared_in_place_are_exact(bundles):
     """The manifest lets the KV cache and, on the CPU, the DeltaNet recurrent state share one buffer between
     past and present; a session that does so gives bit-identical logits and states to one that double-buffers."""
-    from deltaship.runtimes.bundle import read_manifest
+    from deltaship.bundle.reader import read_manifest
     from deltaship.runtimes.onnx import OnnxSession
 
     path = bundles("grouped_values", "onnx")

@@ -6,13 +6,16 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from train_tiny import corpus_files, is_heldout  # noqa: E402  (the training script, outside the package)
+
 from deltaship.export import export
-from deltaship.export.evaluate import HELDOUT, evaluate
+from deltaship.bundle.evaluate import HELDOUT, evaluate
 from deltaship.models.source import load_source
-from deltaship.models.training import corpus_files, is_heldout
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,6 @@ from deltaship.errors import DeltashipError
 from deltaship.profiling.stats import summarize
 
 REMOTE_ROOT = "/data/local/tmp/deltaship"
-DEFAULT_ARGS = {
-    "executorch": "--model_path {model} --seq_len {total} --prompt_tokens {prompt_length} --cpu_threads {threads}",
-    "onnx": "-e cpu -x {threads} -r {reps} {model}",
-}
 
 
 def parse_runner_output(text: str) -> dict[str, float]:
@@ -68,8 +64,10 @@ def profile_adb(path: Path, manifest: dict[str, Any], serial: str, cfg: dict[str
         raise DeltashipError("profiling on Android needs --runner: a runner binary built for the phone's ABI "
                              f"({fp.get('abi')}), e.g. ExecuTorch's llama_main or onnxruntime_perf_test",
                              "build the runner for Android and pass --runner PATH (and --runner-args if needed)")
+    from deltaship.targets import get_target
     target = manifest["target"]
-    if target not in DEFAULT_ARGS:
+    default_args = get_target(target).android_runner_args
+    if default_args is None:
         raise DeltashipError(f"{target} bundles do not run on Android", "export for executorch or onnx")
     remote = f"{REMOTE_ROOT}/{path.name}"
     say(f"adb:{serial}: pushing {path.name}")
@@ -84,7 +82,7 @@ def profile_adb(path: Path, manifest: dict[str, Any], serial: str, cfg: dict[str
     for p in cfg["prompt_lengths"]:
         fields = {"model": model, "prompt_length": p, "gen": cfg["gen"], "total": p + cfg["gen"],
                   "threads": cfg.get("threads") or 4, "reps": cfg["reps"], "bundle_dir": remote}
-        argline = (runner_args or DEFAULT_ARGS[target]).format(**fields)
+        argline = (runner_args or default_args).format(**fields)
         phases: dict[str, list[float]] = {}
         pss: list[int] = []
         for _ in range(cfg["reps"]):

@@ -10,8 +10,6 @@ from deltaship.errors import DeltashipError
 
 CATALOG = Path(__file__).parent / "tiers.toml"
 GIB = 1 << 30
-TARGETS = ("onnx", "executorch", "coreml")
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -38,10 +36,11 @@ def _parse(data: dict, where: str) -> tuple[dict[str, Tier], dict[str, list[str]
         except (KeyError, TypeError, ValueError) as e:
             raise DeltashipError(f"{where}: tier {name!r} is missing or has a bad field ({e})",
                                  "each tier needs kind, ram_gib, budget_gib, targets, precisions, context") from None
-        bad = [x for x in tier.targets if x not in TARGETS] + [p for p in tier.precisions if p not in PRECISIONS]
+        from deltaship.targets import PRECISIONS, target_names
+        bad = [x for x in tier.targets if x not in target_names()] + [p for p in tier.precisions if p not in PRECISIONS]
         if bad or tier.budget_bytes > tier.ram_bytes or tier.context < 1:
             raise DeltashipError(f"{where}: tier {name!r} is inconsistent (unknown {bad}, or budget over RAM, "
-                                 "or context < 1)", f"targets are {TARGETS}, precisions {PRECISIONS}")
+                                 "or context < 1)", f"targets are {target_names()}, precisions {PRECISIONS}")
         tiers[name] = tier
     return tiers, dict(data.get("models") or {})
 

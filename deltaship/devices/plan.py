@@ -9,30 +9,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from deltaship.devices.catalog import GIB, PRECISIONS, TARGETS, Tier, load_catalog
+from deltaship.devices.catalog import GIB, Tier, load_catalog
 from deltaship.errors import DeltashipError
 from deltaship.models.spec import ModelSpec
-
-# Bytes per weight and per quantization block, as each target's lowering stores them.
-#   bits: weight bits; scale: bytes per block scale; block: block size; head_copy: a tied LM head
-#   stored a second time (quantized gather table + matmul weight)
-FORMATS = {
-    ("onnx", "fp32"): dict(bits=32, scale=0, block=1, head_copy=False, act=4),
-    ("onnx", "fp16"): dict(bits=16, scale=0, block=1, head_copy=False, act=2),
-    ("onnx", "int8"): dict(bits=8, scale=4, block=32, head_copy=False, act=4),  # gather + MatMulNBits share it
-    ("onnx", "int4"): dict(bits=4, scale=4, block=32, head_copy=False, act=4),
-    ("executorch", "fp32"): dict(bits=32, scale=0, block=1, head_copy=False, act=4),
-    ("executorch", "fp16"): dict(bits=16, scale=0, block=1, head_copy=False, act=2),
-    ("executorch", "int8"): dict(bits=8, scale=4, block=4096, head_copy=True, act=4),
-    ("executorch", "int4"): dict(bits=4, scale=4, block=32, head_copy=True, act=4),
-    ("coreml", "fp32"): dict(bits=32, scale=0, block=1, head_copy=False, act=2),
-    ("coreml", "fp16"): dict(bits=16, scale=0, block=1, head_copy=False, act=2),
-    ("coreml", "int8"): dict(bits=8, scale=2, block=4096, head_copy=True, act=2),
-    ("coreml", "int4"): dict(bits=4, scale=2, block=32, head_copy=True, act=2),
-}
-RUNTIME_BASE = {"onnx": 96 << 20, "executorch": 48 << 20, "coreml": 128 << 20}
-PREFILL_CHUNK = 512
-
+from deltaship.targets import PRECISIONS, get_target
 
 @dataclass
 class PlanRow:
@@ -50,27 +30,28 @@ class PlanRow:
 
 
 def weight_bytes(spec: ModelSpec, target: str, precision: str) -> int:
-    f = FORMATS[(target, precision)]
+    f = get_target(target).storage_format(precision)
     p = spec.parameter_count()
-    per = f["bits"] / 8 + (f["scale"] / f["block"] if f["block"] > 1 else 0)
+    per = f.bits / 8 + (f.scale / f.block if f.block > 1 else 0)
     matrices = p["embedding"] + p["lm_head"] + p["body"]
-    if spec.tie_word_embeddings and f["head_copy"]:
+    if spec.tie_word_embeddings and f.head_copy:
         matrices += p["embedding"]
     return int(matrices * per)
 
 
 def state_bytes(spec: ModelSpec, target: str, precision: str, context: int) -> int:
-    act = FORMATS[(target, precision)]["act"]
+    act = get_target(target).storage_format(precision).act
     return spec.state_bytes(context, kv_bytes_per_elem=act, conv_bytes_per_elem=act)["total"]
 
 
 def overhead_bytes(spec: ModelSpec, target: str, precision: str, context: int) -> int:
     """The runtime, plus one prefill chunk's activations (MLP, projections, attention scores, logits)."""
-    act = FORMATS[(target, precision)]["act"]
-    t = min(PREFILL_CHUNK, context)
+    tgt = get_target(target)
+    act = tgt.storage_format(precision).act
+    t = min(tgt.default_prefill_chunk, context)
     per_token = 2 * spec.intermediate_size + 2 * spec.conv_dim + 6 * spec.hidden_size
     scores = spec.num_attention_heads * t * context
-    return RUNTIME_BASE[target] + act * (t * per_token + scores) + 4 * spec.vocab_size
+    return tgt.runtime_base_bytes + act * (t * per_token + scores) + 4 * spec.vocab_size
 
 
 def estimate(spec: ModelSpec, tier: Tier, target: str, precision: str, context: int) -> PlanRow:
@@ -134,4 +115,4 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["plan", "format_table", "weight_bytes", "state_bytes", "TARGETS"]
+__all__ = ["plan", "format_table", "weight_bytes", "state_bytes"]

@@ -16,11 +16,10 @@ from torch import nn
 
 from deltaship.errors import DeltashipError
 from deltaship.export.weight_plan import WeightPlan
-from deltaship.models import qwen3_5 as fam
+from deltaship.models.families import family_of_architecture
 from deltaship.models.spec import ModelSpec
+from deltaship.targets import PRECISIONS, get_target
 from deltaship.models.weights import expected_tensors
-
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 
 class PassError(RuntimeError):
@@ -36,7 +35,7 @@ class ExportContext:
     max_context: int
     target: str = "onnx"
     options: dict[str, Any] = field(default_factory=dict)
-    model: fam.Qwen35Model | None = None
+    model: nn.Module | None = None  # the checkpoint module tree, rewritten pass by pass
     plan: WeightPlan = field(default_factory=WeightPlan)
     # use ("linear" or "embedding") -> param (every alias of a tied tensor) -> {"bits", "block_size"}
     quant: dict[str, dict[str, dict[str, Any]]] = field(default_factory=lambda: {"linear": {}, "embedding": {}})
@@ -48,14 +47,14 @@ class ExportContext:
     parts: list[tuple[int, int]] = field(default_factory=list)  # layer ranges of a target split into packages
 
     @property
+    def family(self):
+        """The model family's module (deltaship/models/families.py): what the passes ask for classes."""
+        return family_of_architecture(self.spec.architecture)
+
+    @property
     def dtype(self) -> torch.dtype:
-        """Activation dtype: fp16 for fp16 builds, for every Core ML build but fp32 (Core ML computes
-        in fp16) and for quantized ONNX builds asked for fp16 activations (GPUs); other quantized
-        ONNX/ExecuTorch builds keep fp32 activations."""
-        if self.precision == "fp16" or (self.target == "coreml" and self.precision != "fp32") or \
-                self.options.get("onnx_activations") == "fp16":
-            return torch.float16
-        return torch.float32
+        """Activation dtype, as the target computes at this precision (Target.activation_dtype)."""
+        return getattr(torch, get_target(self.target).activation_dtype(self.precision, self.options))
 
 
 def _modules(model: nn.Module, cls: type) -> list[tuple[str, nn.Module]]:
@@ -77,16 +76,16 @@ class LoadStructure:
             raise PassError("a model is already loaded")
 
     def run(self, ctx: ExportContext) -> dict[str, int]:
-        ctx.model = fam.build_source_model(ctx.spec)
+        ctx.model = ctx.family.build_source_model(ctx.spec)
         expected = expected_tensors(ctx.spec)
         for name, p in ctx.model.named_parameters():
-            src = fam.checkpoint_name(name)
+            src = ctx.family.checkpoint_name(name)
             if src not in expected:
                 raise PassError(f"parameter {name} has no checkpoint tensor {src}")
             ctx.plan.add_source(name, src, tuple(p.shape))
         if ctx.spec.tie_word_embeddings:
             ctx.plan.alias("lm_head.weight", "model.embed_tokens.weight")
-        ctx.plan.add_constant("model.rotary.inv_freq", lambda: fam.rotary_inv_freq(ctx.spec),
+        ctx.plan.add_constant("model.rotary.inv_freq", lambda: ctx.family.rotary_inv_freq(ctx.spec),
                               (ctx.spec.rotary_dim // 2,))
         return {"layers": ctx.spec.num_layers, "tensors": len(expected_tensors(ctx.spec)),
                 "tied_lm_head": int(ctx.spec.tie_word_embeddings)}
@@ -104,20 +103,20 @@ class FoldZeroCentredNorms:
     name = "fold_zero_centred_norms"
 
     def requires(self, ctx: ExportContext) -> None:
-        if not _modules(ctx.model, fam.ZeroCentredRMSNorm):
+        if not _modules(ctx.model, ctx.family.ZeroCentredRMSNorm):
             raise PassError("no zero-centred norms to fold (already folded?)")
 
     def run(self, ctx: ExportContext) -> dict[str, int]:
-        found = _modules(ctx.model, fam.ZeroCentredRMSNorm)
+        found = _modules(ctx.model, ctx.family.ZeroCentredRMSNorm)
         for path, m in found:
-            new = fam.RMSNorm(m.weight.shape[0], m.eps)
+            new = ctx.family.RMSNorm(m.weight.shape[0], m.eps)
             new.weight = m.weight
             _replace(ctx.model, path, new)
-            ctx.plan.add_fixup(f"{path}.weight", "fold_zero_centred_norm", fam.fold_zero_centred_norm, dtype="float32")
+            ctx.plan.add_fixup(f"{path}.weight", "fold_zero_centred_norm", ctx.family.fold_zero_centred_norm, dtype="float32")
         return {"norms_folded": len(found)}
 
     def ensures(self, ctx: ExportContext) -> None:
-        if _modules(ctx.model, fam.ZeroCentredRMSNorm):
+        if _modules(ctx.model, ctx.family.ZeroCentredRMSNorm):
             raise PassError("zero-centred norms left after folding")
 
 
@@ -127,25 +126,25 @@ class RewriteDeltaNet:
     name = "rewrite_deltanet"
 
     def requires(self, ctx: ExportContext) -> None:
-        if len(_modules(ctx.model, fam.SourceGatedDeltaNet)) != len(ctx.spec.deltanet_layers):
+        if len(_modules(ctx.model, ctx.family.SourceGatedDeltaNet)) != len(ctx.spec.deltanet_layers):
             raise PassError("the model does not hold one source DeltaNet module per linear_attention layer")
 
     def run(self, ctx: ExportContext) -> dict[str, int]:
-        found = _modules(ctx.model, fam.SourceGatedDeltaNet)
+        found = _modules(ctx.model, ctx.family.SourceGatedDeltaNet)
         for path, src in found:
-            _replace(ctx.model, path, fam.StatefulGatedDeltaNet(ctx.spec, src))
-            for old, new in fam.StatefulGatedDeltaNet.renames.items():
+            _replace(ctx.model, path, ctx.family.StatefulGatedDeltaNet(ctx.spec, src))
+            for old, new in ctx.family.StatefulGatedDeltaNet.renames.items():
                 ctx.plan.rename(f"{path}.{old}", f"{path}.{new}")
-            ctx.plan.add_fixup(f"{path}.decay_scale", "decay_scale_from_a_log", fam.decay_scale_from_a_log,
+            ctx.plan.add_fixup(f"{path}.decay_scale", "decay_scale_from_a_log", ctx.family.decay_scale_from_a_log,
                                dtype="float32")
-            ctx.plan.add_fixup(f"{path}.conv_weight", "squeeze_conv_weight", fam.squeeze_conv_weight,
+            ctx.plan.add_fixup(f"{path}.conv_weight", "squeeze_conv_weight", ctx.family.squeeze_conv_weight,
                                shape=(ctx.spec.conv_dim, ctx.spec.linear_conv_kernel_dim))
             ctx.plan.add_fixup(f"{path}.dt_bias", "keep_fp32", lambda w: w, dtype="float32")
             ctx.plan.add_fixup(f"{path}.norm_weight", "keep_fp32", lambda w: w, dtype="float32")
         return {"deltanet_layers_rewritten": len(found), "states_added": 2 * len(found)}
 
     def ensures(self, ctx: ExportContext) -> None:
-        if _modules(ctx.model, fam.SourceGatedDeltaNet):
+        if _modules(ctx.model, ctx.family.SourceGatedDeltaNet):
             raise PassError("source DeltaNet modules left after the rewrite")
 
 
@@ -155,22 +154,22 @@ class StaticKVCache:
     name = "static_kv_cache"
 
     def requires(self, ctx: ExportContext) -> None:
-        if _modules(ctx.model, fam.ZeroCentredRMSNorm):
+        if _modules(ctx.model, ctx.family.ZeroCentredRMSNorm):
             raise PassError("fold the zero-centred q/k norms first")
         if ctx.max_context < 1:
             raise PassError("max_context must be positive")
 
     def run(self, ctx: ExportContext) -> dict[str, int]:
-        found = _modules(ctx.model, fam.SourceAttention)
+        found = _modules(ctx.model, ctx.family.SourceAttention)
         for path, src in found:
-            _replace(ctx.model, path, fam.StaticCacheAttention(ctx.spec, src, ctx.max_context))
-            for old, new in fam.StaticCacheAttention.renames.items():
+            _replace(ctx.model, path, ctx.family.StaticCacheAttention(ctx.spec, src, ctx.max_context))
+            for old, new in ctx.family.StaticCacheAttention.renames.items():
                 ctx.plan.rename(f"{path}.{old}", f"{path}.{new}")
         return {"attention_layers_rewritten": len(found), "kv_caches": 2 * len(found),
                 "max_context": ctx.max_context}
 
     def ensures(self, ctx: ExportContext) -> None:
-        if _modules(ctx.model, fam.SourceAttention):
+        if _modules(ctx.model, ctx.family.SourceAttention):
             raise PassError("source attention modules left after the rewrite")
 
 
@@ -180,13 +179,13 @@ class FuseProjections:
     name = "fuse_projections"
 
     def requires(self, ctx: ExportContext) -> None:
-        if _modules(ctx.model, fam.SourceModule):
+        if _modules(ctx.model, ctx.family.SourceModule):
             raise PassError("rewrite the token mixers before fusing their projections")
 
     def run(self, ctx: ExportContext) -> dict[str, int]:
         counts = {"deltanet_in_proj": 0, "attention_qkv": 0, "mlp_gate_up": 0}
         key = {"proj": "deltanet_in_proj", "qkv": "attention_qkv", "gate_up": "mlp_gate_up"}
-        for path, group in _modules(ctx.model, fam.Projections):
+        for path, group in _modules(ctx.model, ctx.family.Projections):
             names = [f"{path}.parts.{n}.weight" for n in group.parts]
             group.fuse()
             ctx.plan.fuse(names, f"{path}.fused.weight")
@@ -287,7 +286,7 @@ class Capture:
     name = "capture"
 
     def requires(self, ctx: ExportContext) -> None:
-        left = _modules(ctx.model, fam.SourceModule)
+        left = _modules(ctx.model, ctx.family.SourceModule)
         if left:
             raise PassError(f"checkpoint-layout modules left: {[n for n, _ in left][:3]}")
 
@@ -335,11 +334,8 @@ def capture(model: nn.Module, states: list[dict], max_context: int, static: int 
     return torch.export.export(model, args, dynamic_shapes=({1: t}, None, [None] * len(states)), strict=False)
 
 
-PIPELINE = (LoadStructure(), FoldZeroCentredNorms(), RewriteDeltaNet(), StaticKVCache(), FuseProjections(),
-            LastTokenLogits(), AssignPrecision(), Capture())
-
-
-def run_pipeline(ctx: ExportContext, passes=PIPELINE, progress=None) -> ExportContext:
+def run_pipeline(ctx: ExportContext, passes: tuple, progress=None) -> ExportContext:
+    """Run `passes` (a target's pipeline, in order) on ctx; each pass's counts go into ctx.report."""
     done = [r["pass"] for r in ctx.report]  # passes already run on this context, in order
     for p in passes:
         if progress:

@@ -14,7 +14,7 @@ import torch
 
 from deltaship.export.onnx.quant import dequantize, pack, quantize_blocks
 from deltaship.logs import quiet_third_party
-from deltaship.models import qwen3_5 as fam
+from deltaship.models.families import family_of_architecture
 from deltaship.models.source import ModelSource
 
 
@@ -23,7 +23,7 @@ def reference_model(source: ModelSource, dtype: torch.dtype = torch.float32):
     quiet_third_party()
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    cfg = Qwen3_5TextConfig(**fam.hf_config(source.spec))
+    cfg = Qwen3_5TextConfig(**family_of_architecture(source.spec.architecture).hf_config(source.spec))
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(cfg)
     model.to_empty(device="cpu")

@@ -63,6 +63,8 @@ class Preset:
     default_max_context: int
     description: str
     seed: int = 0
+    weights: str = "random (seeded)"  # where the weights come from, for the bundle's model card
+    base_model: str | None = None  # the published checkpoint whose shape the preset copies
 
     def spec(self) -> ModelSpec:
         return ModelSpec.from_config(self.config, where=f"preset {self.name}")
@@ -71,11 +73,16 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("qwen3.5-tiny", _TINY, 1024, "8 layers (6 DeltaNet + 2 attention), hidden 256, byte-level vocab"),
-        Preset("qwen3.5-0.8b", _published(1024, 3584, 24, 8, 2, 16, True), 4096, "published 0.8B shape, random weights"),
-        Preset("qwen3.5-2b", _published(2048, 6144, 24, 8, 2, 16, True), 4096, "published 2B shape, random weights"),
-        Preset("qwen3.5-4b", _published(2560, 9216, 32, 16, 4, 32, True), 4096, "published 4B shape, random weights"),
-        Preset("qwen3.5-9b", _published(4096, 12288, 32, 16, 4, 32, False), 4096, "published 9B shape, random weights"),
+        Preset("qwen3.5-tiny", _TINY, 1024, "8 layers (6 DeltaNet + 2 attention), hidden 256, byte-level vocab",
+               weights="trained by deltaship on the Python standard library's source (tools/train_tiny.py)"),
+        Preset("qwen3.5-0.8b", _published(1024, 3584, 24, 8, 2, 16, True), 4096, "published 0.8B shape, random weights",
+               base_model="Qwen/Qwen3.5-0.8B"),
+        Preset("qwen3.5-2b", _published(2048, 6144, 24, 8, 2, 16, True), 4096, "published 2B shape, random weights",
+               base_model="Qwen/Qwen3.5-2B"),
+        Preset("qwen3.5-4b", _published(2560, 9216, 32, 16, 4, 32, True), 4096, "published 4B shape, random weights",
+               base_model="Qwen/Qwen3.5-4B"),
+        Preset("qwen3.5-9b", _published(4096, 12288, 32, 16, 4, 32, False), 4096, "published 9B shape, random weights",
+               base_model="Qwen/Qwen3.5-9B"),
     )
 }
 DEFAULT_PRESET = "qwen3.5-tiny"

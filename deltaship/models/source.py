@@ -33,8 +33,37 @@ class ModelSource:
             self._fingerprint = self.weights.fingerprint()
         return self._fingerprint
 
+    def model_card(self) -> dict[str, str | None]:
+        """The bundle's model card: where the weights come from and under which terms (None where unknown)."""
+        if self.kind == "preset":
+            preset = get_preset(self.name)
+            # Preset weights are deltaship's own (seeded random or trained here): the project's license.
+            return {"source_repo": None, "revision": None, "license": "apache-2.0",
+                    "base_model": preset.base_model, "weights": preset.weights}
+        card: dict[str, str | None] = {"source_repo": None, "revision": None, "license": None, "base_model": None,
+                                       "weights": "checkpoint"}
+        if self.path is not None:
+            card.update(hub_cache_origin(self.path))
+            readme = self.path / "README.md"
+            if readme.is_file():  # a Hugging Face model card: its YAML header says license and base model
+                from huggingface_hub.repocard import metadata_load
+                meta = metadata_load(readme) or {}
+                for key in ("license", "base_model"):
+                    value = meta.get(key)
+                    card[key] = ", ".join(map(str, value)) if isinstance(value, list) else value
+        return card
+
     def notes(self) -> list[str]:
         return [f"ignored {n} tensor(s) of the {what}" for what, n in sorted(self.ignored.items())]
+
+
+def hub_cache_origin(path: Path) -> dict[str, str]:
+    """Repo id and revision of a directory inside a Hugging Face cache (`models--org--name/snapshots/REV`)."""
+    parts = path.resolve().parts
+    for i, part in enumerate(parts[:-2]):
+        if part.startswith("models--") and parts[i + 1] == "snapshots":
+            return {"source_repo": part.removeprefix("models--").replace("--", "/"), "revision": parts[i + 2]}
+    return {}
 
 
 def load_source(model: str | Path) -> ModelSource:

@@ -14,8 +14,9 @@ from typing import Any
 
 from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object
+from deltaship.models.families import model_types
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = model_types()  # the family registry (deltaship/models/families.py)
 LAYER_KINDS = ("linear_attention", "full_attention")
 
 

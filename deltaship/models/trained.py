@@ -1,4 +1,4 @@
-"""Trained weights that ship inside the package (see bench/train_tiny.py)."""
+"""Trained weights that ship inside the package (trained by tools/train_tiny.py)."""
 
 from __future__ import annotations
 

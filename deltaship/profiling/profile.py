@@ -26,7 +26,6 @@ from deltaship.errors import DeltashipError
 from deltaship.profiling.worker import SCHEMA_VERSION
 
 DEFAULTS = dict(prompt_lengths=[128, 512], gen=64, contexts=[128, 1024, 4096], warmups=2, reps=5, min_seconds=2.0)
-HOST_RUNTIMES = {"onnx": "onnxruntime", "executorch": "executorch"}
 
 
 def bundle_summary(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -134,7 +133,7 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
     """Profile a bundle on a device; return (and optionally write) the versioned JSON document."""
     from deltaship.devices.catalog import get_tier
     from deltaship.devices.discovery import fingerprint
-    from deltaship.runtimes.bundle import read_manifest, require_intact
+    from deltaship.bundle.reader import read_manifest, require_intact
 
     from deltaship.runtimes import PROVIDERS
     if provider not in PROVIDERS:
@@ -162,8 +161,9 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
         from deltaship.devices.android import profile_adb
         doc.update(profile_adb(path, manifest, device[4:], cfg, runner, runner_args, say))
     elif device == "host":
+        from deltaship.targets import get_target
         target = manifest["target"]
-        if target not in HOST_RUNTIMES:
+        if get_target(target).host_runtime is None:
             raise DeltashipError(f"this host has no runtime for {target} bundles (Core ML runs only on Apple devices)",
                                  "profile a Core ML bundle on a Mac, or export for onnx/executorch")
         if provider != "cpu":
@@ -187,7 +187,7 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
             else:
                 doc["results"], doc["rss_trace"], doc["runtime"] = out["results"], out["rss_trace"], out["runtime"]
                 doc["imported_toolchains"] = out["imported_toolchains"]
-                if breakdown and target == "onnx" and cfg["contexts"]:
+                if breakdown and get_target(target).op_breakdown and cfg["contexts"]:
                     say("per-op breakdown at each context (separate process: the profiler's own session "
                         "would inflate the peak RSS)")
                     bcfg = {**cfg, "bundle": str(path), "threads": threads, "breakdown": True, "prompt_lengths": [],

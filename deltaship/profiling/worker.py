@@ -150,7 +150,7 @@ def record(metric: str, unit: str, samples: list[float], **where: Any) -> dict[s
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     from deltaship.runtimes import open_bundle
-    from deltaship.runtimes.bundle import read_manifest
+    from deltaship.bundle.reader import read_manifest
 
     bundle, threads = cfg["bundle"], cfg.get("threads")
     warmups, reps, min_s = cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 1.0)

@@ -10,10 +10,7 @@ from typing import Any
 
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Generation, Session
-from deltaship.runtimes.bundle import read_manifest, require_intact
-
-TARGETS = ("onnx", "executorch", "coreml")
-
+from deltaship.bundle.reader import read_manifest, require_intact
 
 PROVIDERS = ("cpu", "cuda")
 
@@ -23,26 +20,21 @@ def open_bundle(bundle: str | Path, *, threads: int | None = None, check_hashes:
     """Open a bundle for generation. Files are checked against the manifest's sizes (and sha256).
 
     provider: "cpu", or "cuda" (ONNX bundles on ONNX Runtime's CUDA execution provider)."""
+    from deltaship.targets import get_target, target_names
     if provider not in PROVIDERS:
         raise DeltashipError(f"unknown provider {provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
     manifest = read_manifest(bundle)
     require_intact(bundle, manifest, hashes=check_hashes)
-    target = manifest["target"]
-    if provider != "cpu" and target != "onnx":
-        raise DeltashipError(f"--provider {provider} runs ONNX bundles only; this is a {target} bundle",
+    name = manifest["target"]
+    if name not in target_names():
+        raise DeltashipError(f"{bundle}: unknown target {name!r} in the manifest; known: {', '.join(target_names())}",
+                             "export the bundle again with this version of deltaship")
+    target = get_target(name)
+    if provider not in target.providers:
+        raise DeltashipError(f"--provider {provider} runs ONNX bundles only; this is a {name} bundle",
                              "export the model with --target onnx for the GPU tier, or drop --provider")
-    if target == "onnx":
-        from deltaship.runtimes.onnx import OnnxSession
-        return OnnxSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, provider=provider,
-                           **options)
-    if target == "executorch":
-        from deltaship.runtimes.executorch import ExecuTorchSession
-        return ExecuTorchSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)
-    if target == "coreml":
-        from deltaship.runtimes.coreml import open_coreml_session
-        return open_coreml_session(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)
-    raise DeltashipError(f"{bundle}: unknown target {target!r} in the manifest; known: {', '.join(TARGETS)}",
-                         "export the bundle again with this version of deltaship")
+    return target.open_session(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk,
+                               provider=provider, **options)
 
 
 __all__ = ["open_bundle", "Session", "Generation", "read_manifest", "PROVIDERS"]

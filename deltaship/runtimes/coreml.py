@@ -69,7 +69,7 @@ class CoreMLEvalSession(_CoreMLBase):
     def __init__(self, bundle: Path, manifest: dict[str, Any], threads: int | None = None,
                  prefill_chunk: int | None = None):
         super().__init__(bundle, manifest, prefill_chunk)
-        from deltaship.runtimes.mil_eval import Interpreter, load_program
+        from deltaship.export.coreml.mil_eval import Interpreter, load_program
         self.interps = [Interpreter(load_program(self.bundle / p["package"])) for p in self.parts]
         self._states = {s["coreml_input"]: np.zeros(s["shape"], np.float16) for s in self.ml_states}
         self._reset_io()

@@ -17,28 +17,10 @@ import numpy as np
 import torch
 
 from deltaship.errors import DeltashipError
-from deltaship.export.passes import PIPELINE as _CANONICAL, PassError, capture
+from deltaship.export.passes import PassError, capture
 
 PACKAGE = "model.mlpackage"
-TOOL_PACKAGES = ("coremltools",)
 FUNCTIONS = ("prefill", "decode")
-DEFAULT_CHUNK = 64
-PART_GB = 1.4  # weights per .mlpackage: large models are split into consecutive layer ranges
-# Option defaults of this target: int8 per output channel, fp16 scales, blocks that divide each row.
-OPTIONS = {"int8_block": "channel", "scale_dtype": "float16", "block_must_divide": True}
-USAGE = [
-    "Load model.mlpackage with Core ML (iOS 18 / macOS 15): MLModel(configuration:) with functionName "
-    "'prefill' or 'decode'; both share the weights and the states.",
-    "prefill takes exactly prefill_chunk tokens, decode exactly one: feed full chunks to prefill and the rest "
-    "of a prompt token by token to decode.",
-    "Inputs: input_ids int32 [1, T], position int32 [1] = tokens already consumed.",
-    "KV cache: Core ML states (make the state once with model.makeState() and pass it to every prediction of "
-    "both functions); reset = a new state.",
-    "DeltaNet states listed as kind 'deltanet_*' with mode 'io' are fp32 inputs 'past_L_kind' whose values come "
-    "from the previous call's outputs 'present_L_kind' (zeros at the start and on reset).",
-    "logits float32 [1, vocab] for the last token of the call.",
-]
-
 
 MAX_STATE_POSITIONS = 16384  # a KV-cache state longer than this has a dimension the Neural Engine rejects
 
@@ -56,9 +38,6 @@ def check_options(precision: str, max_context: int, chunk: int, options: dict) -
     if bits is not None and (precision != "fp16" or int(bits) not in (2, 3, 4, 6, 8)):
         raise DeltashipError(f"--coreml-palettize {bits} needs --precision fp16 and 2, 3, 4, 6 or 8 bits "
                              f"(got precision {precision})", "e.g. --precision fp16 --coreml-palettize 4")
-    if options.get("coreml_states", "io") not in ("io", "state"):
-        raise DeltashipError(f"--coreml-states must be io or state, got {options.get('coreml_states')!r}",
-                             "use io (fp32 DeltaNet state inputs/outputs) or state (fp16 Core ML states)")
 
 
 class Part(torch.nn.Module):
@@ -144,7 +123,7 @@ class StaticCapture:
     def run(self, ctx) -> dict[str, int]:
         ctx.states = ctx.model.state_specs(ctx.dtype)
         chunk = int(ctx.options["prefill_chunk"])
-        budget = int(float(ctx.options.get("coreml_part_gb", PART_GB)) * 1e9)
+        budget = int(float(ctx.options["coreml_part_gb"]) * 1e9)  # weights per package
         ctx.parts = plan_parts(ctx, budget)
         ctx.programs = {}
         for i, (a, b) in enumerate(ctx.parts):
@@ -160,12 +139,10 @@ class StaticCapture:
                     raise PassError(f"part {i} {name}: some state has no output")
 
 
-PIPELINE = _CANONICAL[:-1] + (StaticCapture(),)
-
 
 def state_modes(ctx) -> dict[str, str]:
     """name -> "state" (Core ML state, fp16) or "io" (fp32 input/output pair)."""
-    deltanet = ctx.options.get("coreml_states", "io")
+    deltanet = ctx.options["coreml_states"]
     if deltanet not in ("io", "state"):
         raise DeltashipError(f"coreml_states must be 'io' or 'state', got {deltanet!r}", "use io or state")
     modes = {}
@@ -236,7 +213,7 @@ def palettize(prog, bits: int) -> dict[str, Any]:
 def rounded_from_package(paths: list[Path], names: dict[str, tuple[str, str, int]],
                          tied: bool = False) -> dict[str, np.ndarray]:
     """The weight values the saved packages really hold (decompressed), by canonical parameter name."""
-    from deltaship.runtimes.mil_eval import Interpreter, load_program
+    from deltaship.export.coreml.mil_eval import Interpreter, load_program
     pieces: dict[str, list] = {}
     for path in paths:
         prog = load_program(path)
@@ -368,9 +345,3 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
             "state_modes": modes, "spec_check": {**checks[0], "parts_checked": len(checks)}, "ane_report": report,
             "compute": "fp32" if ctx.precision == "fp32" else "fp16 (DeltaNet recurrence in fp32)"}
 
-
-def io_inputs(ctx) -> list[dict]:
-    return [{"name": "input_ids", "shape": [1, "T"], "dtype": "int32", "kind": "tokens",
-             "doc": "prefill: exactly prefill_chunk tokens; decode: exactly 1"},
-            {"name": "position", "shape": [1], "dtype": "int32", "kind": "position",
-             "doc": "tokens already consumed by the state"}]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from deltaship.errors import DeltashipError
+from deltaship.export.lowerings import OpLowerings
 from deltaship.export.onnx.quant import quantize_blocks
 from deltaship.models import ops as _canonical  # noqa: F401  (registers torch.ops.deltaship.*)
 
@@ -256,15 +257,8 @@ class MILLowerer:
         return func, emitted
 
 
-MIL_LOWERINGS: dict[Any, Callable] = {}
-
-
-def lowering(*targets):
-    def deco(fn):
-        for t in targets:
-            MIL_LOWERINGS[t] = fn
-        return fn
-    return deco
+MIL_LOWERINGS = OpLowerings("coreml")
+lowering = MIL_LOWERINGS.register
 
 
 # ---- aten ------------------------------------------------------------------------------------

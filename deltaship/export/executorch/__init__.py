@@ -20,22 +20,9 @@ import torch
 from torch import nn
 
 from deltaship.errors import DeltashipError
-from deltaship.export.executorch.modules import XnnpackLayout
-from deltaship.export.passes import PIPELINE as _CANONICAL, AssignPrecision, materialize
+from deltaship.export.passes import materialize
 
 PTE_FILE = "model.pte"
-TOOL_PACKAGES = ("executorch", "torchao")
-USAGE = [
-    "Load model.pte with the ExecuTorch runtime (XNNPACK backend; register the llama custom ops and the "
-    "quantized kernels: executorch.extension.llm.custom_ops and executorch.kernels.quantized in Python, "
-    "or link custom_ops and quantized_kernels in C++).",
-    "Method 'forward': tokens int64 [1, T] (T = 1 .. prefill_chunk) and input_pos int64 [1] = tokens already "
-    "consumed; returns float32 logits [1, vocab] of the last token.",
-    "All state lives in the program (mutable buffers). Calling forward with input_pos 0 starts a new sequence: "
-    "the DeltaNet state is discarded in the graph, so rewinding the position is a complete reset.",
-    "Metadata methods: get_max_seq_len, get_max_context_len, get_vocab_size, get_bos_id, get_eos_ids, "
-    "get_n_layers, use_kv_cache, use_sdpa_with_kv_cache, enable_dynamic_shape.",
-]
 # Nodes that legitimately run outside XNNPACK (names as get_delegation_info reports them): the
 # canonical stateful kernels (llama::*, the KV-cache write), the (quantized) embedding gather,
 # symbolic-size arithmetic and asserts, and the few scalar/mask ops around positions.
@@ -51,12 +38,6 @@ PORTABLE_OK_SYMBOLIC = ("add", "sub", "mul", "ge", "le", "lt", "gt", "eq", "floo
 
 def expected_portable(op: str) -> bool:
     return op in PORTABLE_OK_SYMBOLIC or op.startswith(PORTABLE_OK_PREFIXES)
-
-
-# The canonical passes without projection fusion (XNNPACK cannot split a dynamic-length result) and
-# without capture (done here, on the eager model with real weights), plus the XNNPACK layout.
-PIPELINE = tuple(p for p in _CANONICAL[:-2] if p.name != "fuse_projections") + (XnnpackLayout(),
-                                                                               AssignPrecision(quantize=False))
 
 
 class ProgramState(nn.Module):
@@ -150,7 +131,7 @@ def preprocess_shares_weights():
 
     name = "copy_exported_program_for_preprocess"
     if not hasattr(BackendDetails, name):  # the hook of executorch 1.5; without it the copies would be back
-        from deltaship.export.bundle import tool_versions
+        from deltaship.bundle.writer import tool_versions
         raise RuntimeError(f"executorch {tool_versions('executorch')['executorch']} has no BackendDetails.{name}: "
                            "deltaship's ExecuTorch lowering is written for executorch 1.5.1")
     own = vars(XnnpackBackend).get(name)
@@ -334,9 +315,3 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
             "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]",
             "quantization": quant, "prefill": f"1 .. {chunk} tokens per call (dynamic shape)"}
 
-
-def io_inputs(ctx) -> list[dict]:
-    return [{"name": "tokens", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens",
-             "doc": "1 to prefill_chunk token ids"},
-            {"name": "input_pos", "shape": [1], "dtype": "int64", "kind": "position",
-             "doc": "tokens already consumed; 0 starts a new sequence (resets the state in the graph)"}]

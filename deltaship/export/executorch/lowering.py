@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from deltaship.export.lowerings import OpLowerings
+from deltaship.models.ops import CANONICAL_OPS
+
 KV_LAYOUT = "[1, max_context, kv_heads, head_dim]"  # llama::update_cache / custom_sdpa layout
 
 
@@ -107,6 +110,9 @@ class ExecuTorchKernels:
         return out.to(q.dtype), k_cache, v_cache
 
 
-LOWERINGS = {op: getattr(ExecuTorchKernels, op) for op in (
-    "rms_norm", "gated_rms_norm", "l2norm", "delta_gates", "causal_conv_with_state", "gated_delta_rule",
-    "attention_with_kv_cache")}
+# ExecuTorch lowers the canonical ops at module level: the canonical modules call these kernel methods
+# instead of the ops (export/executorch swaps them in), so each op's lowering is the method of its name.
+LOWERINGS = OpLowerings("executorch")
+for _name, _op in CANONICAL_OPS.items():
+    if hasattr(ExecuTorchKernels, _name):
+        LOWERINGS.add(_op, getattr(ExecuTorchKernels, _name))

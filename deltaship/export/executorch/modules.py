@@ -167,9 +167,9 @@ class XnnpackLayout:
     name = "xnnpack_layout"
 
     def requires(self, ctx) -> None:
-        if any(isinstance(m, fam.SourceModule) for m in ctx.model.modules()):
+        if any(isinstance(m, ctx.family.SourceModule) for m in ctx.model.modules()):
             raise RuntimeError("rewrite the token mixers (DeltaNet, attention) first")
-        if any(isinstance(m, fam.Projections) and m.fused is not None for m in ctx.model.modules()):
+        if any(isinstance(m, ctx.family.Projections) and m.fused is not None for m in ctx.model.modules()):
             raise RuntimeError("projections are fused: XNNPACK would need a dynamic split after each (skip fusing)")
 
     def run(self, ctx) -> dict[str, int]:
@@ -177,7 +177,7 @@ class XnnpackLayout:
         counts = {"attention_q_gate_split": 0, "deltanet_heads_first": 0}
         for i, layer in enumerate(model.model.layers):
             path = f"model.layers.{i}"
-            if isinstance(layer.mixer, fam.StaticCacheAttention):
+            if isinstance(layer.mixer, ctx.family.StaticCacheAttention):
                 layer.self_attn = XnnpackAttention(layer.self_attn)
                 rows = XnnpackAttention.q_gate_rows(spec)
                 plan.select_rows(f"{path}.self_attn.qkv.parts.q_proj.weight",
@@ -185,7 +185,7 @@ class XnnpackLayout:
                 rot = rotate_half_matrix(spec.head_dim, spec.rotary_dim)
                 plan.add_constant(f"{path}.self_attn.rotate", lambda r=rot: r, rot.shape, dtype="model")
                 counts["attention_q_gate_split"] += 1
-            elif isinstance(layer.mixer, fam.StatefulGatedDeltaNet):
+            elif isinstance(layer.mixer, ctx.family.StatefulGatedDeltaNet):
                 layer.linear_attn = XnnpackGatedDeltaNet(layer.linear_attn)
                 mult, const = qkv_head_scales(spec)
                 plan.add_constant(f"{path}.linear_attn.head_mult", lambda m=mult: m, mult.shape)

@@ -7,36 +7,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deltaship.export.passes import PIPELINE  # noqa: F401  (the canonical passes, as they are)
 from deltaship.export.onnx.builder import GraphBuilder
 from deltaship.export.onnx.lowering import LOWERINGS, Lowerer
 
 OPSET = 21
 IR_VERSION = 10  # ONNX Runtime 1.31 reads IR <= 13; onnx 1.23 would write 14 by default
 EXTERNAL_THRESHOLD = 1_800_000_000  # protobuf cannot hold a model over 2 GB
-TOOL_PACKAGES = ("onnx", "onnxruntime")
-USAGE = [
-    "Open model.onnx with ONNX Runtime (com.microsoft contrib ops: CPU and CUDA execution providers).",
-    "Each call: input_ids int64 [1, T] (T = 1 .. prefill_chunk; 1 to decode) and position int64 [1] = the number "
-    "of tokens the state already holds.",
-    "Feed every state input 'past.L.kind' the output 'present.L.kind' of the previous call; start from zeros "
-    "and zero them again to reset.",
-    "KV-cache states hold max_context positions; GroupQueryAttention writes the new positions in place, so "
-    "present.L.key/value may be bound to the same buffer as past.L.key/value (IOBinding).",
-    "A state whose entry lists 'in_place' execution providers may share one buffer between past and present on "
-    "them (IOBinding); elsewhere give present its own buffer and swap the two after each call.",
-    "logits float32 [1, vocab] are for the last token of the call.",
-]
 MODEL_FILE = "model.onnx"
-# MatMulNBits: 4 = quantize activations to int8 blocks (fast integer dot products); 0 = float activations.
-DEFAULT_ACCURACY_LEVEL = 4
 DATA_FILE = "model.onnx.data"
 # How the DeltaNet ops are written. The recurrence is always ONNX Runtime's LinearAttention. Its CPU
 # CausalConvWithState and GatedRMSNorm kernels (ORT 1.31) measured 3x and 14x slower than the same math
 # in standard ops on a 512-token prefill at 0.8B sizes (and slower at one token too; bench/onnx_ops.py),
-# so "standard" is the default; "contrib" keeps the fused contrib ops, e.g. for an execution provider
-# that implements them better.
-DEFAULT_DELTANET_OPS = "standard"
+# so "standard" is the default (the onnx_deltanet_ops option, deltaship/targets/onnx.py); "contrib" keeps the
+# fused contrib ops, e.g. for an execution provider that implements them better.
 DELTANET_OPS = {
     "standard": {"recurrence": "com.microsoft::LinearAttention (gated_delta)",
                  "conv": "K shifted Mul/Add over Concat(state, x); new state = last K-1 rows (Slice)",
@@ -89,12 +72,12 @@ def estimate_bytes(ctx) -> int:
 
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict:
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
-    accuracy_level = int(ctx.options.get("accuracy_level", DEFAULT_ACCURACY_LEVEL))
+    accuracy_level = int(ctx.options["accuracy_level"])  # MatMulNBits: 4 = int8 activation blocks, 0 = float
     external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))
     b = GraphBuilder(out_dir / DATA_FILE if external else None)
     inputs = ["input_ids", "position"] + [s["name"] for s in ctx.states]
     outputs = ["logits"] + [s["output"] for s in ctx.states]
-    deltanet_ops = ctx.options.get("onnx_deltanet_ops", DEFAULT_DELTANET_OPS)
+    deltanet_ops = ctx.options["onnx_deltanet_ops"]
     lw = Lowerer(ctx.program, ctx.plan, weights, ctx.quant, b, accuracy_level=accuracy_level, progress=progress,
                  deltanet_ops=deltanet_ops)
     lw.run(inputs, outputs)

@@ -18,6 +18,7 @@ from onnx import TensorProto
 
 from deltaship.errors import DeltashipError
 from deltaship.export.onnx.builder import GraphBuilder
+from deltaship.export.lowerings import OpLowerings
 from deltaship.export.onnx.quant import quantize_matmul_weight
 from deltaship.export.weight_plan import WeightPlan
 from deltaship.models import ops as _canonical  # noqa: F401  (registers torch.ops.deltaship.*)
@@ -191,15 +192,8 @@ class Lowerer:
             self.b.add_output(name, TORCH_TO_ONNX[val.dtype], shape)
 
 
-LOWERINGS: dict[Any, Callable] = {}
-
-
-def lowering(*targets):
-    def deco(fn):
-        for t in targets:
-            LOWERINGS[t] = fn
-        return fn
-    return deco
+LOWERINGS = OpLowerings("onnx")
+lowering = LOWERINGS.register
 
 
 # ---- aten ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Train the built-in `qwen3.5-tiny` on the Python standard library's own source, on CPU.
 
-    python -m deltaship.models.training --out deltaship/models/data/qwen3.5-tiny
+    python tools/train_tiny.py --out deltaship/models/data/qwen3.5-tiny
 
 The corpus is every .py file of the running Python's standard library (available offline on any
 machine with Python), split by a hash of each file's path: 2% held out. Bytes are the tokens

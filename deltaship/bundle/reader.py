@@ -1,4 +1,4 @@
-"""Reading a bundle: manifest.json, file hashes. No toolchain imports here."""
+"""Reading a bundle: manifest.json and the integrity check of its files. No toolchain imports here."""
 
 from __future__ import annotations
 
@@ -6,11 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.errors import DeltashipError
+from deltaship.bundle.format import MANIFEST, SCHEMA, SCHEMA_VERSION
 from deltaship.files import read_json_object, sha256_file
-
-MANIFEST = "manifest.json"
-SCHEMA = "deltaship.bundle"
-SCHEMA_VERSION = 1
 
 
 def read_manifest(bundle: str | Path) -> dict[str, Any]:
@@ -25,9 +22,15 @@ def read_manifest(bundle: str | Path) -> dict[str, Any]:
     m = read_json_object(path, "bundle manifest", "export the bundle again")
     if m.get("schema") != SCHEMA:
         raise DeltashipError(f"{path}: not a deltaship manifest (schema {m.get('schema')!r})", "export the bundle again")
-    if m.get("schema_version") != SCHEMA_VERSION:
-        raise DeltashipError(f"{path}: manifest schema version {m.get('schema_version')} is not supported by this "
-                             f"deltaship (reads version {SCHEMA_VERSION})", "export the bundle again with this version")
+    version = m.get("schema_version")
+    if version != SCHEMA_VERSION:
+        age = "an older" if isinstance(version, int) and version < SCHEMA_VERSION else "a newer"
+        source = (m.get("source") or {}).get("model", "MODEL")
+        raise DeltashipError(f"{path}: this bundle was written by {age} deltaship (manifest schema version {version}); "
+                             f"this deltaship reads version {SCHEMA_VERSION}",
+                             f"export it again with this version: deltaship export --model {source} "
+                             f"--target {m.get('target', 'TARGET')} --precision {m.get('precision', 'PRECISION')} "
+                             "--out NEW_DIR" if age == "an older" else "upgrade deltaship (pip install -U deltaship)")
     return m
 
 

@@ -47,7 +47,7 @@ def evaluate(bundle: str | Path, model: str | None = None, tokens: int = 512, th
     from deltaship.export.verify import log_softmax
     from deltaship.models.source import load_source
     from deltaship.runtimes import open_bundle
-    from deltaship.runtimes.bundle import read_manifest
+    from deltaship.bundle.reader import read_manifest
 
     bundle = Path(bundle)
     manifest = read_manifest(bundle)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from deltaship.errors import DeltashipError
 from deltaship.files import sha256_file
-from deltaship.runtimes.bundle import MANIFEST, SCHEMA, SCHEMA_VERSION
+from deltaship.bundle.format import MANIFEST, SCHEMA, SCHEMA_VERSION
 
 
 def check_destination(out: Path, force: bool) -> None:
@@ -31,16 +31,23 @@ def staging_dir(out: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
 
 
-def finalize(tmp: Path, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Hash every file, write the manifest, then atomically move the directory into place."""
+def write_manifest(tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Hash every file in `tmp` into manifest["files"] and write manifest.json there.
+
+    Called once before verification (the runtimes read the manifest) and again when the bundle is complete."""
     files = {}
     for p in sorted(tmp.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
-            rel = p.relative_to(tmp).as_posix()
-            files[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            files[p.relative_to(tmp).as_posix()] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     manifest["files"] = files
     manifest["bundle_bytes"] = sum(f["bytes"] for f in files.values())
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    return manifest
+
+
+def finalize(tmp: Path, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Hash every file, write the manifest, then atomically move the directory into place."""
+    write_manifest(tmp, manifest)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; the bundle gets normal permissions
@@ -77,6 +84,29 @@ def tool_versions(*packages: str) -> dict[str, str]:
     return out
 
 
-def base_manifest(**fields: Any) -> dict[str, Any]:
+def state_bytes(states: list[dict[str, Any]]) -> int:
+    """Bytes of one sequence's state (every state tensor at its dtype)."""
+    size = {"float32": 4, "float16": 2}
+    total = 0
+    for s in states:
+        n = 1
+        for d in s["shape"]:
+            n *= d
+        total += n * size[s["dtype"]]
+    return total
+
+
+def new_manifest(*, source: dict[str, Any], model_card: dict[str, Any], model: dict[str, Any], target: str,
+                 precision: str, quantization: dict[str, Any], max_context: int, prefill_chunk: int, entry: str,
+                 inputs: list[dict[str, Any]], outputs: list[dict[str, Any]], states: list[dict[str, Any]],
+                 usage: list[str], tokens: dict[str, Any], tokenizer: dict[str, Any], passes: list[dict[str, Any]],
+                 lowering: dict[str, Any], tools: dict[str, str]) -> dict[str, Any]:
+    """A manifest with every field of schema.json but `verification`, `files` and `bundle_bytes`
+    (added when verification has run and the files are final)."""
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **fields}
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "source": source,
+            "model_card": model_card, "model": model, "target": target, "precision": precision,
+            "quantization": quantization, "max_context": max_context, "prefill_chunk": prefill_chunk, "entry": entry,
+            "inputs": inputs, "outputs": outputs, "states": states, "state_bytes": state_bytes(states),
+            "usage": usage, "tokens": tokens, "tokenizer": tokenizer, "passes": passes, "lowering": lowering,
+            "tools": tools}

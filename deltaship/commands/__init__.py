@@ -1,0 +1,16 @@
+"""The commands layer: one public function per `deltaship` subcommand, with the CLI's keyword arguments.
+
+The CLI (deltaship/cli.py) parses flags and prints; the work is these functions, which are the Python
+API too. Each imports its toolchain only when called.
+"""
+
+from __future__ import annotations
+
+from deltaship.bundle.evaluate import evaluate
+from deltaship.bundle.inspect import describe, inspect
+from deltaship.commands.generate import generate
+from deltaship.devices.plan import plan
+from deltaship.export import export
+from deltaship.profiling.profile import profile
+
+__all__ = ["export", "generate", "inspect", "describe", "plan", "profile", "evaluate"]

@@ -1,0 +1,165 @@
+"""The target contract: one `Target` subclass per target, registered once.
+
+A target owns everything that differs between ONNX, ExecuTorch and Core ML: its typed options (the
+CLI flags, defaults and help are generated from them), its explicit pass list, its lowering (a
+typed `Lowered` result), its usage text and tool packages, the runtime sessions that open its
+bundles, its parity tolerance rows, and the storage format the memory planner asks it for.
+
+This module and each target's module import no toolchain (no torch, onnx, executorch or
+coremltools): the pass list, the lowering and the sessions are imported inside the methods, so the
+registry serves `deltaship plan`, `inspect` and the ONNX runtime without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+
+from deltaship.errors import DeltashipError
+from deltaship.tolerances import Tolerance
+
+if TYPE_CHECKING:  # typing only: importing these pulls in torch
+    from deltaship.export.passes import ExportContext
+    from deltaship.runtimes.base import Session
+
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill call, unless a target says otherwise
+
+
+def option(help: str, *, choices: tuple | None = None, metavar: str | None = None) -> dict[str, Any]:
+    """Field metadata of a target option: its help text and allowed values (for the CLI and the check)."""
+    return {"help": help, "choices": choices, "metavar": metavar}
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    """Base of each target's options. Field names are `export()` keyword arguments; the CLI flag is the
+    name with dashes (`onnx_deltanet_ops` -> `--onnx-deltanet-ops`). Fields carry `option(...)` metadata."""
+
+    @classmethod
+    def fields(cls) -> tuple[dataclasses.Field, ...]:
+        return dataclasses.fields(cls)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _one_of(values: tuple) -> str:
+    items = [str(v) for v in values]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+@dataclass(frozen=True)
+class StorageFormat:
+    """How a target stores weights at one precision (what the memory planner counts).
+
+    bits: bits per weight; scale: bytes per block scale; block: quantization block (1 = none);
+    head_copy: a tied LM head is stored a second time (quantized gather table + matmul weight);
+    act: bytes per activation / state element."""
+
+    bits: int
+    scale: int
+    block: int
+    head_copy: bool
+    act: int
+
+
+@dataclass
+class Lowered:
+    """What a target's lowering wrote into the staging directory.
+
+    files: the artifact files it wrote (relative paths); entry: the file a runtime opens first;
+    details: target-specific facts for the manifest's `lowering` block; quantization: the scheme as the
+    toolchain applied it (None: the passes' own choices are reported); state_in_place: past-state name
+    -> execution providers on which its past and present may share one buffer."""
+
+    files: list[str]
+    entry: str
+    details: dict[str, Any] = field(default_factory=dict)
+    quantization: dict[str, Any] | None = None
+    state_in_place: dict[str, list[str]] = field(default_factory=dict)
+
+
+class Target(ABC):
+    """One deployment target. Subclass, fill the class attributes, implement the methods, `@register`."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    lowering_module: ClassVar[str]  # the package under deltaship/export/ whose lower() writes the artifact
+    Options: ClassVar[type[TargetOptions]] = TargetOptions
+    default_prefill_chunk: ClassVar[int] = DEFAULT_PREFILL_CHUNK
+    tool_packages: ClassVar[tuple[str, ...]] = ()
+    usage: ClassVar[tuple[str, ...]] = ()  # how an app drives the artifact (goes into the manifest)
+    pass_options: ClassVar[Mapping[str, Any]] = {}  # fixed parameters this target's passes read
+    tolerances: ClassVar[Mapping[str, Tolerance]]  # precision -> parity tolerance (see deltaship.tolerances)
+    formats: ClassVar[Mapping[str, StorageFormat]]  # precision -> how weights are stored
+    runtime_base_bytes: ClassVar[int] = 0  # the runtime's own resident memory (planner)
+    providers: ClassVar[tuple[str, ...]] = ("cpu",)  # execution providers its sessions run on
+    host_runtime: ClassVar[str | None] = None  # the package that runs its bundles on this host (profiling)
+    op_breakdown: ClassVar[bool] = False  # its session times each op kind (Session.profile_ops)
+    android_runner_args: ClassVar[str | None] = None  # default argument line of its Android runner binary
+
+    # ---- options -------------------------------------------------------------------------------
+    def parse_options(self, given: Mapping[str, Any]) -> TargetOptions:
+        """Typed options from `export()` keyword arguments, each checked against its allowed values."""
+        values = {}
+        for f in self.Options.fields():
+            if f.name not in given:
+                continue
+            value = given[f.name]
+            choices = f.metadata.get("choices")
+            if choices is not None and value is not None and value not in choices:
+                raise DeltashipError(f"{flag(f.name)} must be {_one_of(choices)}, got {value!r}",
+                                     f"pass one of {_one_of(choices)} (default {f.default})")
+            values[f.name] = value
+        return self.Options(**values)
+
+    def check(self, precision: str, max_context: int, prefill_chunk: int, options: TargetOptions) -> None:
+        """Option combinations this target cannot build (raise DeltashipError); called before any work."""
+
+    # ---- export --------------------------------------------------------------------------------
+    def activation_dtype(self, precision: str, options: Mapping[str, Any]) -> str:
+        """The dtype activations and float weights are computed in: fp16 for fp16 builds, fp32 otherwise
+        (quantized builds keep fp32 activations unless the target says otherwise)."""
+        return "float16" if precision == "fp16" else "float32"
+
+    @abstractmethod
+    def pipeline(self) -> tuple:
+        """The ordered export passes, explicitly (deltaship.export.passes and the target's own)."""
+
+    def lower(self, ctx: "ExportContext", weights: Any, out_dir: Path, progress: Callable[[str], None] | None = None,
+              tokens: dict[str, Any] | None = None) -> Lowered:
+        """Write the artifact files for the passes' result into out_dir, with `lowering_module`'s `lower()`,
+        which returns a dict: the `Lowered` fields `files`, `entry` (and, where it has them, `quantization`,
+        `state_in_place`), every other key being a detail for the manifest."""
+        r = importlib.import_module(self.lowering_module).lower(ctx, weights, out_dir, progress=progress,
+                                                                tokens=tokens)
+        return Lowered(files=r.pop("files"), entry=r.pop("entry"), quantization=r.pop("quantization", None),
+                       state_in_place=r.pop("state_in_place", {}), details=r)
+
+    @abstractmethod
+    def io_inputs(self, ctx: "ExportContext") -> list[dict[str, Any]]:
+        """The manifest's `inputs`: what an app feeds each call besides the states."""
+
+    def io_outputs(self, ctx: "ExportContext") -> list[dict[str, Any]]:
+        """The manifest's `outputs` besides the states."""
+        return [{"name": "logits", "shape": [1, ctx.spec.vocab_size], "dtype": "float32", "kind": "logits",
+                 "doc": "logits after the last token of the call"}]
+
+    # ---- run -----------------------------------------------------------------------------------
+    @abstractmethod
+    def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
+                     prefill_chunk: int | None = None, provider: str = "cpu", **options: Any) -> "Session":
+        """A runtime session over one of this target's bundles."""
+
+    # ---- plan ----------------------------------------------------------------------------------
+    def storage_format(self, precision: str) -> StorageFormat:
+        return self.formats[precision]

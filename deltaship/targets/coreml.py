@@ -1,0 +1,89 @@
+"""The Core ML target: one stateful multifunction .mlpackage (iOS 18 / macOS 15).
+
+Lowering: deltaship/export/coreml; sessions: deltaship/runtimes/coreml.py (Core ML on macOS, the MIL
+evaluator of deltaship/export/coreml/mil_eval.py elsewhere)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deltaship.targets import register
+from deltaship.targets.base import StorageFormat, Target, TargetOptions, option
+from deltaship.tolerances import Tolerance
+
+
+@dataclass(frozen=True)
+class CoreMLOptions(TargetOptions):
+    coreml_states: str = field(default="io", metadata=option(
+        "DeltaNet states as fp32 inputs/outputs (io) or fp16 Core ML states (state)", choices=("io", "state")))
+    coreml_palettize: int | None = field(default=None, metadata=option(
+        "with --precision fp16: palettize weights to BITS-bit look-up tables", choices=(2, 3, 4, 6, 8),
+        metavar="BITS"))
+    coreml_part_gb: float = field(default=1.4, metadata=option(
+        "weights per .mlpackage in GB: larger models are split into consecutive layer ranges"))
+
+
+@register
+class CoreMLTarget(Target):
+    name = "coreml"
+    description = "model.mlpackage for Core ML (iOS 18 / macOS 15): prefill and decode functions, MLState"
+    lowering_module = "deltaship.export.coreml"
+    Options = CoreMLOptions
+    default_prefill_chunk = 64  # a fixed-shape prefill function; its recurrence is unrolled in chunks of 64
+    tool_packages = ("coremltools",)
+    # int8 per output channel, fp16 scales, blocks that divide each row (what Core ML's int4/int8 take)
+    pass_options = {"int8_block": "channel", "scale_dtype": "float16", "block_must_divide": True}
+    usage = (
+        "Load model.mlpackage with Core ML (iOS 18 / macOS 15): MLModel(configuration:) with functionName "
+        "'prefill' or 'decode'; both share the weights and the states.",
+        "prefill takes exactly prefill_chunk tokens, decode exactly one: feed full chunks to prefill and the rest "
+        "of a prompt token by token to decode.",
+        "Inputs: input_ids int32 [1, T], position int32 [1] = tokens already consumed.",
+        "KV cache: Core ML states (make the state once with model.makeState() and pass it to every prediction of "
+        "both functions); reset = a new state.",
+        "DeltaNet states listed as kind 'deltanet_*' with mode 'io' are fp32 inputs 'past_L_kind' whose values come "
+        "from the previous call's outputs 'present_L_kind' (zeros at the start and on reset).",
+        "logits float32 [1, vocab] for the last token of the call.",
+    )
+    # Evaluated on Linux by interpreting the saved ML program: fp32 builds keep every state as fp32
+    # inputs/outputs and must be exact; fp16 compute covers the rest.
+    tolerances = {
+        "fp32": Tolerance(1e-3, 1.0, 1e-3, True),
+        "fp16": Tolerance(0.3, 0.9, 0.1, False),
+        "int8": Tolerance(0.3, 0.9, 0.1, False),
+        "int4": Tolerance(0.3, 0.9, 0.1, False),
+    }
+    formats = {  # Core ML computes in fp16 below fp32; quantized tied heads are stored twice
+        "fp32": StorageFormat(bits=32, scale=0, block=1, head_copy=False, act=2),
+        "fp16": StorageFormat(bits=16, scale=0, block=1, head_copy=False, act=2),
+        "int8": StorageFormat(bits=8, scale=2, block=4096, head_copy=True, act=2),
+        "int4": StorageFormat(bits=4, scale=2, block=32, head_copy=True, act=2),
+    }
+    runtime_base_bytes = 128 << 20
+
+    def check(self, precision: str, max_context: int, prefill_chunk: int, options: CoreMLOptions) -> None:
+        from deltaship.export.coreml import check_options
+        check_options(precision, max_context, prefill_chunk, options.as_dict())
+
+    def activation_dtype(self, precision: str, options) -> str:
+        return "float32" if precision == "fp32" else "float16"  # Core ML computes in fp16 below fp32
+
+    def pipeline(self) -> tuple:
+        from deltaship.export import passes as p
+        from deltaship.export.coreml import StaticCapture
+        # Captured with static shapes, one program per package part and function.
+        return (p.LoadStructure(), p.FoldZeroCentredNorms(), p.RewriteDeltaNet(), p.StaticKVCache(),
+                p.FuseProjections(), p.LastTokenLogits(), p.AssignPrecision(), StaticCapture())
+
+    def io_inputs(self, ctx) -> list[dict[str, Any]]:
+        return [{"name": "input_ids", "shape": [1, "T"], "dtype": "int32", "kind": "tokens",
+                 "doc": "prefill: exactly prefill_chunk tokens; decode: exactly 1"},
+                {"name": "position", "shape": [1], "dtype": "int32", "kind": "position",
+                 "doc": "tokens already consumed by the state"}]
+
+    def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
+                     prefill_chunk: int | None = None, provider: str = "cpu", **options: Any):
+        from deltaship.runtimes.coreml import open_coreml_session
+        return open_coreml_session(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

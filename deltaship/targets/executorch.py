@@ -1,0 +1,75 @@
+"""The ExecuTorch target: a stateful .pte (XNNPACK) for phones, quantized with torchao.
+
+Lowering: deltaship/export/executorch; session: deltaship/runtimes/executorch.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deltaship.targets import register
+from deltaship.targets.base import StorageFormat, Target, TargetOptions, option
+from deltaship.tolerances import Tolerance
+
+
+@dataclass(frozen=True)
+class ExecuTorchOptions(TargetOptions):
+    allow_portable_fallback: bool = field(default=False, metadata=option(
+        "accept nodes XNNPACK does not take (they run as portable kernels)"))
+
+
+@register
+class ExecuTorchTarget(Target):
+    name = "executorch"
+    description = "model.pte for the ExecuTorch runtime (XNNPACK), state held in the program"
+    lowering_module = "deltaship.export.executorch"
+    Options = ExecuTorchOptions
+    tool_packages = ("executorch", "torchao")
+    usage = (
+        "Load model.pte with the ExecuTorch runtime (XNNPACK backend; register the llama custom ops and the "
+        "quantized kernels: executorch.extension.llm.custom_ops and executorch.kernels.quantized in Python, "
+        "or link custom_ops and quantized_kernels in C++).",
+        "Method 'forward': tokens int64 [1, T] (T = 1 .. prefill_chunk) and input_pos int64 [1] = tokens already "
+        "consumed; returns float32 logits [1, vocab] of the last token.",
+        "All state lives in the program (mutable buffers). Calling forward with input_pos 0 starts a new sequence: "
+        "the DeltaNet state is discarded in the graph, so rewinding the position is a complete reset.",
+        "Metadata methods: get_max_seq_len, get_max_context_len, get_vocab_size, get_bos_id, get_eos_ids, "
+        "get_n_layers, use_kv_cache, use_sdpa_with_kv_cache, enable_dynamic_shape.",
+    )
+    # XNNPACK: int8/int4 are torchao 8da8w / 8da4w, i.e. int8 dynamic activations.
+    tolerances = {
+        "fp32": Tolerance(1e-3, 1.0, 1e-3, True),
+        "fp16": Tolerance(0.15, 0.95, 0.05, False),
+        "int8": Tolerance(2.0, 0.75, 0.1, False),
+        "int4": Tolerance(2.0, 0.75, 0.1, False),
+    }
+    formats = {  # a tied head is stored twice when quantized: a 4/8-bit gather table and the matmul weight
+        "fp32": StorageFormat(bits=32, scale=0, block=1, head_copy=False, act=4),
+        "fp16": StorageFormat(bits=16, scale=0, block=1, head_copy=False, act=2),
+        "int8": StorageFormat(bits=8, scale=4, block=4096, head_copy=True, act=4),
+        "int4": StorageFormat(bits=4, scale=4, block=32, head_copy=True, act=4),
+    }
+    runtime_base_bytes = 48 << 20
+    host_runtime = "executorch"
+    android_runner_args = ("--model_path {model} --seq_len {total} --prompt_tokens {prompt_length} "
+                           "--cpu_threads {threads}")  # ExecuTorch's llama_main
+
+    def pipeline(self) -> tuple:
+        from deltaship.export import passes as p
+        from deltaship.export.executorch.modules import XnnpackLayout
+        # No projection fusion (XNNPACK cannot split a dynamic-length result) and no capture (export/executorch
+        # captures the eager model with its real, quantized weights); XNNPACK's layer layout instead.
+        return (p.LoadStructure(), p.FoldZeroCentredNorms(), p.RewriteDeltaNet(), p.StaticKVCache(),
+                p.LastTokenLogits(), XnnpackLayout(), p.AssignPrecision(quantize=False))
+
+    def io_inputs(self, ctx) -> list[dict[str, Any]]:
+        return [{"name": "tokens", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens",
+                 "doc": "1 to prefill_chunk token ids"},
+                {"name": "input_pos", "shape": [1], "dtype": "int64", "kind": "position",
+                 "doc": "tokens already consumed; 0 starts a new sequence (resets the state in the graph)"}]
+
+    def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
+                     prefill_chunk: int | None = None, provider: str = "cpu", **options: Any):
+        from deltaship.runtimes.executorch import ExecuTorchSession
+        return ExecuTorchSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from deltaship.export import export
-from deltaship.export.evaluate import HELDOUT
+from deltaship.bundle.evaluate import HELDOUT
 from deltaship.export.reference import reference_model
 from deltaship.export.verify import log_softmax
 from deltaship.models.source import load_source

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from deltaship.export import export
-from deltaship.export.evaluate import evaluate
+from deltaship.bundle.evaluate import evaluate
 
 TARGETS = ("onnx", "executorch", "coreml")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")

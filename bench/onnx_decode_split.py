@@ -35,7 +35,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from peers import bandwidth  # bench/, this script's directory
 
-from deltaship.runtimes.bundle import read_manifest
+from deltaship.bundle.reader import read_manifest
 from deltaship.runtimes.onnx import OnnxSession, _options
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from deltaship.export import export
-from deltaship.runtimes.bundle import read_manifest
+from deltaship.bundle.reader import read_manifest
 from deltaship.runtimes.onnx import OnnxSession
 
 HERE = Path(__file__).parent

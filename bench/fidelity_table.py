@@ -5,7 +5,7 @@
 Exports qwen3.5-tiny (trained on Python's standard library, shipped with the package) for each
 target and precision, then runs `deltaship eval` on each bundle: perplexity on the held-out text,
 the fp32 transformers reference's perplexity on the same tokens, top-1 agreement and KL divergence.
-Core ML bundles are evaluated on Linux by interpreting the saved ML program (see README).
+Core ML bundles are evaluated on Linux by interpreting the saved ML program (see docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU tier (issue 6, part 3): deltaship ONNX bundles on ONNX Runtime's CUDA execution provider.
+"""The GPU tier: deltaship ONNX bundles on ONNX Runtime's CUDA execution provider.
 
 Run on a machine with an NVIDIA GPU and onnxruntime-gpu 1.31 installed in place of onnxruntime:
 

@@ -1,6 +1,6 @@
 """Drift of fp16 DeltaNet states over a long run (Core ML), the measurement behind the default.
 
-    python bench/coreml_state_drift.py [--tokens 1000] [--out bench/COREML_DRIFT.md]
+    python bench/coreml_state_drift.py [--tokens 1000] --out docs/results/coreml-drift.md
 
 Exports the trained qwen3.5-tiny to Core ML fp16 twice: DeltaNet conv/recurrent states as fp32
 inputs/outputs ("io") and as fp16 Core ML states ("state"; the KV cache is an fp16 state in both).
@@ -30,7 +30,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--window", type=int, default=100)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "COREML_DRIFT.md")
+    ap.add_argument("--out", type=Path, required=True, help="the markdown results page to write")
     a = ap.parse_args()
     source = load_source("qwen3.5-tiny")
     ref = reference_model(source)

@@ -1,8 +1,8 @@
 """Where an ExecuTorch program spends its time, per op (ExecuTorch's ETDump), for a prefill and a decode step.
 
-    python bench/et_ops.py [PTE_OR_BUNDLE ...] [--prompt 512] [--threads 2] [--runs 3] [--out bench/ET_OPS.md]
+    python bench/et_ops.py [PTE_OR_BUNDLE ...] [--prompt 512] [--threads 2] [--runs 3] --out docs/results/executorch-ops.md
 
-Defaults to the programs `bench/et_vs_example.py --only-build` leaves under bench/out/et (deltaship's
+Defaults to the programs `bench/et_vs_example.py --only-build` leaves in deltaship-bench/et under the system temp dir (deltaship's
 fp32 and int4 bundles and ExecuTorch's own dynamic-shape example). Each program is loaded once with
 ETDump on; a `--prompt`-token prefill (one call, or ceil(prompt / max chunk) calls for a program
 whose tokens input is capped) and a decode step after it run `--runs` times after a warmup.
@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-DEFAULTS = [HERE / "out" / "et" / n for n in ("deltaship-int4", "deltaship-fp32", "et-example-8da4w-dynamic.pte")]
+WORK = Path(tempfile.gettempdir()) / "deltaship-bench" / "et"  # where bench/et_vs_example.py builds by default
+DEFAULTS = [WORK / n for n in ("deltaship-int4", "deltaship-fp32", "et-example-8da4w-dynamic.pte")]
 MARKERS = {"DELEGATE_CALL", "OPERATOR_CALL", "Program::load_method", "Method::init"}
 
 
@@ -109,7 +110,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--top", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=HERE / "ET_OPS.md")
+    ap.add_argument("--out", type=Path, required=True, help="the markdown results page to write")
     a = ap.parse_args()
     missing = [str(p) for p in a.programs if not pte_of(p).is_file()]
     if missing:
@@ -126,8 +127,8 @@ def main() -> int:
     lines = [f"# ExecuTorch time per op (ETDump): {a.prompt}-token prefill and one decode step", "",
              f"`python bench/et_ops.py --prompt {a.prompt} --threads {a.threads} --runs {a.runs}`: ms per run, median "
              f"of {a.runs} after a warmup, ExecuTorch's event timestamps (delegate ops by XNNPACK's operator name, "
-             "portable and custom kernels as native_call_*). Programs from bench/out/et "
-             "(`bench/et_vs_example.py --only-build`).", ""]
+             "portable and custom kernels as native_call_*). Programs built by "
+             "`bench/et_vs_example.py --only-build`.", ""]
     for phase, title in (("prefill", f"prefill, {a.prompt} tokens"), ("decode", "one decode step")):
         lines += [f"## {title}", ""] + table(results, phase, a.top) + [""]
     a.out.write_text("\n".join(lines))

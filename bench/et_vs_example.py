@@ -1,14 +1,15 @@
 """deltaship's .pte against ExecuTorch's own Qwen3.5 export, same checkpoint, same machine, same run.
 
-    python bench/et_vs_example.py [--rounds 3] [--threads 2] [--work bench/out/et]
+    python bench/et_vs_example.py [--rounds 3] [--threads 2] [--work DIR] --out docs/results/executorch.md
 
 The 0.8B preset is written as a bf16 Hugging Face checkpoint (bench/make_checkpoint.py). ExecuTorch's
 example (examples/models/qwen3_5 in the executorch 1.5.1 wheel) is exported from it with its shipped
 yaml (static shape: the prompt goes one token per call) and with model.enable_dynamic_shape=True, at
-fp32 and 8da4w (group 128, 4-bit embedding group 32, as in PEERS.md); deltaship exports the same
+fp32 and 8da4w (group 128, 4-bit embedding group 32, as bench/peers.py builds it); deltaship exports the same
 checkpoint at fp32 and int4 (8da4w, --block-size 128). Each measurement runs in a fresh process
 (bench/et_worker.py): prefill of a 512-token prompt, 64 greedy decode steps, peak RSS; rounds
-alternate between the programs. Writes bench/ET_RESULTS.md.
+alternate between the programs. Writes the markdown page given by --out; the programs stay in
+--work (default: deltaship-bench/et in the system temp dir), where bench/et_ops.py finds them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +35,8 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
     print("$", " ".join(cmd), flush=True)
     t0 = time.monotonic()
     with open(log, "a") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        # cwd: ExecuTorch's export_llm (hydra) writes an outputs/ folder where it runs
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=log.parent)
     if r.returncode:
         raise SystemExit(f"failed ({r.returncode}) after {time.monotonic() - t0:.0f}s; see {log}")
     print(f"  done in {time.monotonic() - t0:.0f}s", flush=True)
@@ -140,16 +143,20 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", type=Path, default=HERE / "out" / "et")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "deltaship-bench" / "et")
     ap.add_argument("--only-build", action="store_true")
+    ap.add_argument("--out", type=Path, help="the markdown results page to write (required unless --only-build)")
     a = ap.parse_args()
+    if not a.only_build and a.out is None:
+        ap.error("--out is required (the markdown results page), unless --only-build")
+    a.work = a.work.resolve()
     a.work.mkdir(parents=True, exist_ok=True)
     programs = build(a.work, a.threads)
     if a.only_build:
         return 0
     samples = measure(programs, a.rounds, a.threads, a.work)
     text = report(programs, samples, a.threads, a.rounds)
-    (HERE / "ET_RESULTS.md").write_text(text)
+    a.out.write_text(text)
     print(text)
     return 0
 

@@ -1,13 +1,18 @@
 """Export the published-shape presets and record what each export costs: peak RSS, wall time, bundle size.
 
-    python bench/export_runs.py memory   # issue 6: 9B int4/fp16 ONNX, 4B int4 for every target
-    python bench/export_runs.py coreml   # issue 4: every preset to Core ML, sizes per precision
-    python bench/export_runs.py q08 --verify   # issue 2: the 0.8B as a user exports it (verification included)
+    python bench/export_runs.py memory --out docs/results/export-memory.md --json bench/results/export-memory.json
+        # 9B int4/fp16 ONNX, 4B int4 for every target
+    python bench/export_runs.py coreml --out docs/results/export-coreml.md --json bench/results/export-coreml.json
+        # every preset to Core ML, sizes per precision
+    python bench/export_runs.py q08 --verify --out Q08.md   # the 0.8B as a user exports it (verification included)
 
 Each export runs as its own process under `/usr/bin/time -v` (peak RSS of the export process is
 getrusage's maxrss), random weights at the published shapes (speed and memory do not depend on the
-values). Results go to bench/EXPORT_<SET>.md; bundles are written under bench/out/exports and
-deleted after measuring unless --keep.
+values). The table goes to the markdown page --out (hand-written sections below the table, "## ...", are
+kept), the rows to --json (default: --out with .json); --only keeps the other rows from that JSON, and an
+export already measured with the same committed code is taken from the other sets' export-<set>.json
+beside it. Bundles are written under --work (default: deltaship-bench/exports in the system temp dir)
+and deleted after measuring unless --keep.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -70,13 +76,14 @@ def package_tree() -> str | None:
     return tree.stdout.strip() or None
 
 
-def reusable(preset: str, target: str, precision: str, extra: list[str], verify: bool, code: str | None) -> dict | None:
+def reusable(preset: str, target: str, precision: str, extra: list[str], verify: bool, code: str | None,
+             results: Path) -> dict | None:
     """The same export already measured by another set with the same committed package code (the 4B Core ML
     int4 export is in both `memory` and `coreml`); exports take minutes, so it is not run twice."""
     if code is None:
         return None
     for other in SETS:
-        f = HERE / f"EXPORT_{other.upper()}.json"
+        f = results / f"export-{other}.json"
         if not f.is_file():
             continue
         for r in json.loads(f.read_text()):
@@ -90,20 +97,23 @@ def reusable(preset: str, target: str, precision: str, extra: list[str], verify:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("set", choices=sorted(SETS))
-    ap.add_argument("--work", type=Path, default=HERE / "out" / "exports")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "deltaship-bench" / "exports")
+    ap.add_argument("--out", type=Path, required=True, help="the markdown results page to write")
+    ap.add_argument("--json", type=Path, default=None, help="the rows as JSON (default: --out with .json)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--verify", action="store_true", help="verify too (where the fp32 reference fits)")
     ap.add_argument("--note", default="", help="how the run was made, when not on an idle machine (goes in the header)")
     ap.add_argument("--only", action="append", default=None, metavar="PRESET:TARGET:PRECISION",
                     help="re-run only these rows; the others are kept from the set's last run, marked as such")
     a = ap.parse_args()
+    a.json = a.json or a.out.with_suffix(".json")
     known = {f"{p}:{t}:{q}" for p, t, q, _ in SETS[a.set]}
     if a.only and not set(a.only) <= known:
         ap.error(f"--only {sorted(set(a.only) - known)} not in set {a.set}: {sorted(known)}")
     a.work.mkdir(parents=True, exist_ok=True)
     rows = []
     code = package_tree()
-    last_file = HERE / f"EXPORT_{a.set.upper()}.json"
+    last_file = a.json
     last = {(r["preset"], r["target"], r["precision"], r["args"]): r
             for r in (json.loads(last_file.read_text()) if last_file.is_file() else [])}
     for preset, target, precision, extra in SETS[a.set]:
@@ -114,7 +124,7 @@ def main() -> int:
             else:
                 print(f"warning: no earlier row for {preset} {target} {precision}: left out of the table", flush=True)
             continue
-        again = reusable(preset, target, precision, extra, a.verify, code)
+        again = reusable(preset, target, precision, extra, a.verify, code, a.json.parent)
         if again:
             print(f"reusing {preset} {target} {precision} from {again['set']} (same package code)", flush=True)
             rows.append(again)
@@ -144,12 +154,12 @@ def main() -> int:
                      f"{r['wall_s']:.0f} | {r['bundle_bytes'] / GIB:.2f} | {r['parts']} | "
                      f"{r['weights_fp16_bytes'] / GIB:.2f} | {ver} |")
     text = "\n".join(lines) + "\n"
-    md = HERE / f"EXPORT_{a.set.upper()}.md"
+    md = a.out
     kept_md = md.read_text() if md.is_file() else ""
     if "\n## " in kept_md:  # keep the hand-written sections below the table
         text += "\n## " + kept_md.split("\n## ", 1)[1]
     md.write_text(text)
-    (HERE / f"EXPORT_{a.set.upper()}.json").write_text(json.dumps(rows, indent=1))
+    a.json.write_text(json.dumps(rows, indent=1))
     print(text)
     return 0
 

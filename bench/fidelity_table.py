@@ -1,11 +1,11 @@
 """Fidelity of every target x precision on the trained built-in model, as one markdown table.
 
-    python bench/fidelity_table.py [--tokens 512] [--out bench/FIDELITY.md]
+    python bench/fidelity_table.py [--tokens 512] --out docs/results/fidelity.md
 
 Exports qwen3.5-tiny (trained on Python's standard library, shipped with the package) for each
 target and precision, then runs `deltaship eval` on each bundle: perplexity on the held-out text,
 the fp32 transformers reference's perplexity on the same tokens, top-1 agreement and KL divergence.
-Core ML bundles are evaluated on Linux by interpreting the saved ML program (see README).
+Core ML bundles are evaluated on Linux by interpreting the saved ML program (see docs/design.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "FIDELITY.md")
+    ap.add_argument("--out", type=Path, required=True, help="the markdown results page to write")
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()

@@ -1,4 +1,4 @@
-"""The GPU tier (issue 6, part 3): deltaship ONNX bundles on ONNX Runtime's CUDA execution provider.
+"""The GPU tier: deltaship ONNX bundles on ONNX Runtime's CUDA execution provider.
 
 Run on a machine with an NVIDIA GPU and onnxruntime-gpu 1.31 installed in place of onnxruntime:
 
@@ -9,7 +9,7 @@ Run on a machine with an NVIDIA GPU and onnxruntime-gpu 1.31 installed in place 
         CPU (ORT refuses the session when CPU fallback is disabled) is recorded.
 
 bench/gpu_tier.sh drives the whole GPU run (this parity, the exports, `deltaship profile --provider cuda`,
-the transformers baseline); bench/GPU.md holds the measured numbers and the commands.
+the transformers baseline); docs/results/gpu.md holds the measured numbers and the commands.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/bin/bash
-# The GPU tier run (issue 6, part 3) on a lent NVIDIA machine that has python3 with torch but no network.
+# The GPU tier run on a lent NVIDIA machine that has python3 with torch but no network.
 # onnxruntime-gpu 1.31.1 (CUDA 13 build) travels as an xz'd tar of its wheel's contents split into
 # .gpu/c*/ortpart* (each under the transfer limit; one call per part, each copying its part to $W/ch, since
-# the working tree is sent afresh with each call), transformers 5.23 as a wheel in .gpu/c4; bench/GPU.md
+# the working tree is sent afresh with each call), transformers 5.23 as a wheel in .gpu/c4; docs/results/gpu.md
 # says how the parts are made.
 #   bash bench/gpu_tier.sh keep     # copy the carried parts into $W/ch
 #   bash bench/gpu_tier.sh start    # background: export the 9B int4 bundle (fp16 activations) on the machine's CPUs

@@ -1,4 +1,4 @@
-"""transformers eager on the GPU: the baseline a user starts from, for the GPU tier table (bench/GPU.md).
+"""transformers eager on the GPU: the baseline a user starts from, for the GPU tier table (docs/results/gpu.md).
 
     python bench/gpu_transformers.py --model qwen3.5-9b [--dtype bfloat16] [--json OUT.json]
 

@@ -3,7 +3,7 @@
     python bench/onnx_decode_split.py BUNDLE [--threads 2] [--steps 40]
 
 ORT's profiler adds a few microseconds to every node, which at one token is as much as the small
-nodes themselves cost (bench/ONNX_OPS.md's decode table is profiled). This measures, unprofiled:
+nodes themselves cost (docs/results/onnx-ops.md's decode table is profiled). This measures, unprofiled:
 1. one decode step of the bundle at context 128 (the session's own IOBinding path), with the
    DeltaNet recurrent state in one buffer (past == present, as the manifest allows on the CPU) and
    double-buffered;

@@ -1,10 +1,11 @@
 """Where an ONNX bundle spends its time, per op type (ONNX Runtime's profiler), for both DeltaNet lowerings.
 
-    python bench/onnx_ops.py [--model qwen3.5-0.8b] [--precision int4] [--threads 2] [--runs 5]
+    python bench/onnx_ops.py [--model qwen3.5-0.8b] [--precision int4] [--threads 2] [--runs 5] \
+        --out docs/results/onnx-ops.md
 
 Exports the model twice (--onnx-deltanet-ops standard and contrib), then for each: one decode step at
 context 128 and one 512-token prefill, `--runs` times after a warmup, with ORT's profiler on; prints
-milliseconds per op type (mean over the runs) and the whole run, and writes bench/ONNX_OPS.md.
+milliseconds per op type (mean over the runs) and the whole run, and writes the markdown page given by --out.
 Profiling adds overhead to every node; compare the two lowerings with each other, not with
 un-profiled timings.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,6 @@ from deltaship.export import export
 from deltaship.bundle.reader import read_manifest
 from deltaship.runtimes.onnx import OnnxSession
 
-HERE = Path(__file__).parent
 
 
 def profile(bundle: Path, threads: int, runs: int, prompt: int) -> tuple[float, dict[str, float]]:
@@ -52,7 +53,8 @@ def main() -> int:
     ap.add_argument("--precision", default="int4")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--work", type=Path, default=HERE / "out" / "onnx_ops")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "deltaship-bench" / "onnx_ops")
+    ap.add_argument("--out", type=Path, required=True, help="the markdown results page to write")
     a = ap.parse_args()
     results = {}
     for mode in ("standard", "contrib"):
@@ -74,7 +76,7 @@ def main() -> int:
             lines.append(f"| {op} | {results['standard'][p][1].get(op, 0):.2f} | {results['contrib'][p][1].get(op, 0):.2f} |")
         lines.append("")
     text = "\n".join(lines)
-    (HERE / "ONNX_OPS.md").write_text(text)
+    a.out.write_text(text)
     print(text)
     return 0
 

@@ -5,7 +5,7 @@
 TOOL: deltaship (any deltaship bundle, through its session), transformers-fp32, transformers-bf16 (ARTIFACT
 = checkpoint dir), genai (onnxruntime-genai model dir), et-example (an ExecuTorch .pte; ARTIFACT may end
 with ':1' for a one-token-per-call program), llamacpp (a GGUF file, through llama-cpp-python).
-Measured exactly as PROFILING.md defines: prefill of 128 and 512 random-token prompts (prefill_tok_s =
+Measured as `deltaship profile` measures (docs/profiling.md): prefill of 128 and 512 random-token prompts (prefill_tok_s =
 P / time of the prefill call(s)), ttft_s (prompt handed over -> first token id), then 64 greedy decode
 steps after the 512-token prompt (tpot = (t_last - t_first) / (N - 1)); peak RSS (VmHWM).
 Tokenization is never involved (token ids in, token ids out).

@@ -1,16 +1,18 @@
 """deltaship against the tools a user would otherwise pick: one machine, one run, alternating.
 
-    python bench/peers.py [--rounds 3] [--threads 2] [--skip llamacpp,...]   # regenerates bench/RESULTS.md
+    python bench/peers.py [--rounds 3] [--threads 2] [--skip llamacpp,...] --out docs/results/peers.md
 
 0.8B preset (random weights, published shape) written once as a bf16 checkpoint, text-only and in the
 multimodal layout onnxruntime-genai's builder needs. Peers: transformers eager (fp32, bf16),
-onnxruntime-genai's model builder (fp32, int4; its own venv, bench/out/peers/genai-venv, so that its
+onnxruntime-genai's model builder (fp32, int4; its own venv under the work dir, so that its
 onnxruntime does not replace ours), ExecuTorch's own Qwen3.5 export (fp32, 8da4w; shipped static
 config and dynamic shape; built by bench/et_vs_example.py), llama.cpp through llama-cpp-python
 (F32, Q4_0; its own venv, built from source, only where it builds). deltaship: ONNX fp32/int4 and
 ExecuTorch fp32/int4 from the same checkpoint. Every measurement is a fresh process
 (bench/peer_worker.py); rounds alternate between the tools; medians with bootstrap 95% CIs.
 Also measures this machine's memory bandwidth and the decode roofline of each artifact.
+Artifacts, venvs and raw samples are kept in deltaship-bench/ under the system temp dir (reused by
+later runs; bench/et_vs_example.py builds into deltaship-bench/et there by default).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +31,8 @@ import numpy as np
 from deltaship.profiling.stats import ratio_ci, summarize
 
 HERE = Path(__file__).parent
-WORK = HERE / "out" / "peers"
-ET = HERE / "out" / "et"
+WORK = Path(tempfile.gettempdir()) / "deltaship-bench" / "peers"
+ET = Path(tempfile.gettempdir()) / "deltaship-bench" / "et"  # bench/et_vs_example.py's default --work
 
 
 def sh(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> None:
@@ -191,8 +194,10 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma-separated: transformers, genai, et, llamacpp")
     ap.add_argument("--only-build", action="store_true", help="build every artifact, measure nothing")
     ap.add_argument("--only", default="", help="comma-separated name prefixes to measure (e.g. deltaship,llama.cpp)")
-    ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    ap.add_argument("--out", type=Path, help="the markdown results page to write (required unless --only-build)")
     a = ap.parse_args()
+    if not a.only_build and a.out is None:
+        ap.error("--out is required (the markdown results page), unless --only-build")
     skip = set(filter(None, a.skip.split(",")))
     tools = build(skip)
     if a.only:

@@ -1,11 +1,11 @@
-"""Profile bundles on this host and plan every preset for every tier; writes bench/PROFILES.md.
+"""Profile bundles on this host and plan every preset for every tier.
 
-    python bench/profile_runs.py [--threads 2]
+    python bench/profile_runs.py [--threads 2] [--work DIR] --out docs/results/profiles.md
 
 Exports qwen3.5-tiny and qwen3.5-0.8b (ONNX int4 and fp32, ExecuTorch int4), profiles each with
 `deltaship profile` (prompt lengths 128 and 512, 64 decode steps, context sweep 128/1024/4096, tier
 emulation where asked), writes the JSON records and self-contained HTML reports to
-bench/out/profiles/, opens every report in headless Chromium (the plots must decode), and adds the
+--work (default: deltaship-bench/profiles in the system temp dir), opens every report in headless Chromium (the plots must decode), and adds the
 `deltaship plan` tables of all four presets for every tier, with the planned memory of each profiled
 bundle next to its measured peak RSS.
 """
@@ -17,6 +17,7 @@ import json
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from deltaship.devices.catalog import load_catalog
@@ -47,14 +48,15 @@ def browser_check(report: Path, work: Path) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", type=Path, default=HERE / "out" / "profiles")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "deltaship-bench" / "profiles")
+    ap.add_argument("--out", type=Path, required=True, help="the markdown results page to write")
     ap.add_argument("--note", default="", help="how the run was made, when not on an idle machine (goes in the header)")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     lines = ["# Profiles on this host, and the memory plan", "",
              f"`python bench/profile_runs.py --threads {a.threads}`: Linux x86-64, 2 cores, 24 GiB; each profile "
              "is `deltaship profile BUNDLE --prompt-lengths 128,512 --gen 64 --contexts 128,1024,4096` "
-             "(tiny: 4000, its limit is 4096; medians, bootstrap 95% CI). Reports: bench/out/profiles/*.html.",
+             "(tiny: 4000, its limit is 4096; medians, bootstrap 95% CI). Reports: *.html in the work dir.",
              *(["", f"Run conditions: {a.note}"] if a.note else []), ""]
     summary = ["| bundle | prefill 128 tok/s | prefill 512 tok/s | TTFT 512 ms | decode tok/s | decode ms at contexts "
                "128 / 1024 / 4096 | peak RSS MiB | planned MiB | report |", "|---|---|---|---|---|---|---|---|---|"]
@@ -91,7 +93,7 @@ def main() -> int:
     for preset in ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b"):
         lines += [f"## plan: {preset} (family tiers: {', '.join(models.get(preset, []))})", "",
                   f"`deltaship plan --model {preset}`", "", "```", format_table(plan(preset)), "```", ""]
-    (HERE / "PROFILES.md").write_text("\n".join(lines) + "\n")
+    a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12 + len(RUNS)]))
     return 0
 

@@ -64,7 +64,7 @@ class _CoreMLBase(Session):
 
 
 class CoreMLEvalSession(_CoreMLBase):
-    """Linux: the converted program, evaluated op by op (deltaship.runtimes.mil_eval)."""
+    """Linux: the converted program, evaluated op by op (deltaship.export.coreml.mil_eval)."""
 
     def __init__(self, bundle: Path, manifest: dict[str, Any], threads: int | None = None,
                  prefill_chunk: int | None = None):

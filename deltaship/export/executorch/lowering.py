@@ -3,7 +3,7 @@
 The stateful ops run on mutable buffers (program state): the KV cache is written in place by
 `llama::update_cache` and read by `llama::custom_sdpa`; the gated delta rule is ExecuTorch's
 `llama::gated_delta_rule` kernel (all T tokens in one call; the kernel itself loops over them: in a
-512-token prefill of the 0.8B int4 program it takes about 17% of the time, ETDump in bench/ET_OPS.md,
+512-token prefill of the 0.8B int4 program it takes about 17% of the time, ETDump in docs/results/executorch-ops.md,
 where XNNPACK's 4-bit GEMMs take about 70%). Everything else is written in the ops XNNPACK delegates
 (4-D means for the norms, a static-weight depthwise conv1d), so a layer stays in few delegate
 partitions.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from deltaship.errors import DeltashipError
@@ -49,6 +51,9 @@ def _generate(a: argparse.Namespace) -> int:
     res = generate(a.bundle, prompt=a.prompt, input_ids=a.input_ids, max_new_tokens=a.max_new_tokens,
                    threads=a.threads, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                    stop_at_eos=not a.no_stop_at_eos, dump_logits=a.dump_logits, provider=a.provider)
+    if res["stopped"] == "context" and not a.json:
+        print(f"deltaship generate: stopped after {len(res['output_ids'])} new tokens: the bundle's max context is "
+              "full (export with a larger --max-context for longer generations)", file=sys.stderr)
     if a.json:
         print(json.dumps(res))
     elif "text" in res:
@@ -105,10 +110,10 @@ def _devices(a: argparse.Namespace) -> int:
 
 
 def _plan(a: argparse.Namespace) -> int:
-    from deltaship.devices.plan import format_table, plan
+    from deltaship.devices.plan import format_table, plan, verdicts
     rows = plan(a.model, tier=a.tier, tiers_file=a.tiers, context=a.context,
                 targets=[t for t in a.targets.split(",")] if a.targets else None)
-    print(json.dumps(rows, indent=1) if a.json else format_table(rows))
+    print(json.dumps(rows, indent=1) if a.json else format_table(rows) + "\n\n" + "\n".join(verdicts(rows, a.tiers)))
     return 0
 
 
@@ -240,8 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is, so that every `finally` and partial-output cleanup runs."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)  # clean up as on Ctrl-C (a staging directory can hold GBs)
     try:
         return args.func(args)
     except DeltashipError as e:
@@ -252,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated; nothing was written", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":

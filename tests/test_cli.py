@@ -77,6 +77,9 @@ def test_inspect_human_and_tamper(tiny_bundle, tmp_path):
     (["--input-ids", ",".join(["5"] * 97)], "exceed the bundle's max context of 96"),
     (["--input-ids", "1,999"], "outside the vocabulary"),
     (["--input-ids", "1,x"], "not a comma-separated list"),
+    (["--input-ids", "1", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["--input-ids", "1", "--top-p", "2"], "--top-p must be in (0, 1]"),
+    (["--input-ids", "1", "--top-k", "-5"], "--top-k must be >= 0"),
 ])
 def test_generate_bad_input(tiny_bundle, args, message):
     r = run("generate", str(tiny_bundle), *args)
@@ -116,3 +119,32 @@ def test_cuda_provider_without_a_gpu_is_a_clear_error(tiny_bundle):
         assert r.returncode == 2 and "no CUDA execution provider" in r.stderr and "onnxruntime-gpu" in r.stderr, r.stderr
     r = run("profile", str(tiny_bundle), "--provider", "cuda", "--device", "ssh://nobody@127.0.0.1:1")
     assert r.returncode == 2 and "is for --device host" in r.stderr
+
+
+def test_generate_says_when_the_context_is_full(tiny_bundle):
+    r = run("generate", str(tiny_bundle), "--input-ids", ",".join(["5"] * 90), "--max-new-tokens", "20",
+            "--no-stop-at-eos")
+    assert r.returncode == 0 and "max context is full" in r.stderr
+
+
+def test_sigterm_during_export_leaves_nothing_and_stale_partials_are_swept(tmp_path):
+    import signal
+    import time
+    out = tmp_path / "b"
+    proc = subprocess.Popen([sys.executable, "-m", "deltaship.cli", "export", "--model", "qwen3.5-tiny",
+                             "--max-context", "96", "--out", str(out)], env=ENV, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob(".b.partial-*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert list(tmp_path.glob(".b.partial-*")), "the export never reached its staging directory"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "terminated; nothing was written" in err
+    assert not list(tmp_path.iterdir())
+    # a staging directory whose process is gone is swept by the next export to the same --out; a live one is kept
+    stale, live = tmp_path / ".b.partial-999999999-x", tmp_path / ".b.partial-1-x"
+    stale.mkdir()
+    live.mkdir()
+    r = run("export", "--model", "qwen3.5-tiny", "--max-context", "96", "--no-verify", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert not stale.exists() and live.exists()

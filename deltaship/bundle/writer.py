@@ -27,8 +27,27 @@ def check_destination(out: Path, force: bool) -> None:
 
 
 def staging_dir(out: Path) -> Path:
+    """A private temporary directory beside `out`, named after this process (see sweep_stale_partials)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+
+
+def sweep_stale_partials(out: Path) -> list[Path]:
+    """Remove staging directories of earlier exports to `out` whose process is gone (killed with SIGKILL,
+    or a machine that went down); a staging directory of a live process is left alone."""
+    removed = []
+    for p in out.parent.glob(f".{out.name}.partial-*-*"):
+        pid = p.name.removeprefix(f".{out.name}.partial-").split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+        except PermissionError:  # alive, someone else's
+            pass
+    return removed
 
 
 def write_manifest(tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +84,8 @@ def write_bundle(out: Path, force: bool, build: Callable[[Path], dict[str, Any]]
     """Run `build(tmp_dir) -> manifest` and publish the result at `out`; clean up on any failure."""
     out = Path(out)
     check_destination(out, force)
+    if out.parent.is_dir():
+        sweep_stale_partials(out)
     tmp = staging_dir(out)
     try:
         manifest = build(tmp)

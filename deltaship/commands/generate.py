@@ -11,6 +11,7 @@ import numpy as np
 
 from deltaship.errors import DeltashipError
 from deltaship.runtimes import open_bundle
+from deltaship.runtimes.base import check_sampling
 from deltaship.runtimes.tokenizer import load_tokenizer
 
 
@@ -32,6 +33,7 @@ def generate(bundle: str | Path, prompt: str | None = None, input_ids: str | lis
     """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict."""
     if (prompt is None) == (input_ids is None):
         raise DeltashipError("pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)  # before the bundle is opened
     if dump_logits is not None and Path(dump_logits).exists():
         raise DeltashipError(f"--dump-logits {dump_logits} already exists; nothing was overwritten",
                              "choose another file name or remove the old one")

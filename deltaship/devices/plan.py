@@ -103,6 +103,34 @@ def recommend(spec: ModelSpec, tier: Tier, context: int, targets: list[str] | No
     return None
 
 
+def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
+    """One line per tier: what is recommended and why the tier's other precisions were passed over, or that
+    nothing fits, by how much, and what would (a smaller context, or a tier with a larger budget)."""
+    catalog, _ = load_catalog(tiers_file)
+    lines = []
+    for name in dict.fromkeys(r["tier"] for r in rows):
+        tier_rows = [r for r in rows if r["tier"] == name]
+        pick = next((r for r in tier_rows if r["recommended"]), None)
+        tier = catalog[name]
+        if pick is not None:
+            line = (f"{name}: {pick['target']} {pick['precision']} at context {pick['context']} "
+                    f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB): the tier prefers "
+                    f"{' > '.join(tier.targets)} and {' > '.join(tier.precisions)} (most accurate first)")
+            smaller = [r for r in tier_rows if r["target"] == pick["target"] and r["fits"]
+                       and r["total_bytes"] < pick["total_bytes"] and r["precision"] != pick["precision"]]
+            if smaller:
+                s = min(smaller, key=lambda r: r["total_bytes"])
+                line += f"; {s['precision']} also fits, in {s['total_bytes'] / GIB:.2f} GiB"
+            lines.append(line)
+            continue
+        best = min(tier_rows, key=lambda r: r["total_bytes"])
+        lines.append(f"{name}: nothing fits. The smallest, {best['target']} {best['precision']} at context "
+                     f"{best['context']}, needs {best['total_bytes'] / GIB:.2f} GiB of a {best['budget_bytes'] / GIB:.2f}"
+                     f" GiB budget (weights {best['weights_bytes'] / GIB:.2f} GiB alone); it would fit a tier with "
+                     f"{best['total_bytes'] / GIB:.2f} GiB or more to spend (--tiers FILE), or a smaller model")
+    return lines
+
+
 def format_table(rows: list[dict]) -> str:
     head = f"{'tier':<12} {'target':<11} {'prec':<5} {'context':>7} {'weights':>9} {'state':>9} {'overhead':>9} " \
            f"{'total':>9} {'budget':>9}  fit"
@@ -115,4 +143,4 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["plan", "format_table", "weight_bytes", "state_bytes"]
+__all__ = ["plan", "format_table", "verdicts", "weight_bytes", "state_bytes"]

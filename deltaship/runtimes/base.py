@@ -107,8 +107,7 @@ class Session(ABC):
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True, keep_logits: bool = False,
                  on_token: Callable[[int], None] | None = None) -> Generation:
         """Prefill `ids` then produce up to max_new_tokens (greedy unless temperature > 0)."""
-        if max_new_tokens < 0:
-            raise DeltashipError("max_new_tokens must be >= 0", "pass --max-new-tokens 0 or more")
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
         rng = np.random.default_rng(seed)
         ids = list(int(i) for i in ids)
         gen = Generation(input_ids=ids, output_ids=[])
@@ -133,6 +132,18 @@ class Session(ABC):
                 break
             logits = self.decode(tok)
         return gen
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """Sampling settings that mean something; anything else is refused before any work."""
+    if max_new_tokens < 0:
+        raise DeltashipError(f"--max-new-tokens must be >= 0, got {max_new_tokens}", "pass --max-new-tokens 0 or more")
+    if not temperature >= 0:  # also catches NaN
+        raise DeltashipError(f"--temperature must be >= 0, got {temperature}", "use 0 for greedy, e.g. 0.7 to sample")
+    if top_k < 0:
+        raise DeltashipError(f"--top-k must be >= 0, got {top_k}", "use 0 (no top-k cut) or a positive count")
+    if not 0 < top_p <= 1:
+        raise DeltashipError(f"--top-p must be in (0, 1], got {top_p}", "use 1.0 (no nucleus cut) or e.g. 0.9")
 
 
 def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:

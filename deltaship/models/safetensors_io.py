@@ -1,8 +1,10 @@
-"""A minimal, lazy safetensors reader and writer on numpy (no torch, no pickle).
+"""Safetensors in and out: reading through the safetensors library, writing one tensor at a time.
 
-The format is an 8-byte little-endian header length, a JSON header naming each tensor's
-dtype, shape and byte range, then the raw data. Reading maps the file and copies only the
-rows asked for, so a 4 GB embedding can be converted block by block.
+Reading (`SafetensorsFile`) is `safetensors.safe_open`: lazy, memory-mapped, no pickle. Writing stays
+here because the library's `save_file` needs every tensor in memory at once, and the published-shape
+checkpoints deltaship writes for benchmarks (bench/make_checkpoint.py: 9B in bf16 is 18 GB) do not fit;
+`write_safetensors_lazy` produces and writes one tensor at a time (the format: an 8-byte header length,
+a JSON header of dtypes, shapes and byte ranges, then the raw data).
 """
 
 from __future__ import annotations
@@ -30,47 +32,27 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
 class SafetensorsFile:
-    """One .safetensors file: header parsed eagerly, data read on demand."""
+    """One .safetensors file, read lazily through the safetensors library (memory-mapped; a slice of rows
+    reads only those rows, so a 4 GB embedding can be converted block by block)."""
 
     def __init__(self, path: Path):
+        from safetensors import safe_open
+
         self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise DeltashipError(f"{self.path}: truncated safetensors file ({size} bytes, no header)",
-                                     "re-copy or re-download this file")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > 100_000_000:
-                raise DeltashipError(f"{self.path}: truncated or corrupt safetensors file (header of {n} bytes "
-                                     f"in a {size}-byte file)", "re-copy or re-download this file")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise DeltashipError(f"{self.path}: corrupt safetensors header", "re-copy or re-download this file") from None
-        self.metadata = header.pop("__metadata__", None) or {}
-        self.data_start = 8 + n
-        self.entries: dict[str, dict] = header
-        for name, e in header.items():
-            dt = e.get("dtype")
+        try:  # the library checks the header and that every tensor's bytes are in the file
+            self._file = safe_open(str(self.path), framework="pt")  # torch: bf16 (numpy has none)
+        except Exception as e:  # SafetensorError, or an OSError for an unreadable file
+            raise DeltashipError(f"{self.path}: truncated safetensors file, or a corrupt one (safetensors: {e})",
+                                 "re-copy or re-download this file") from None
+        self.metadata = self._file.metadata() or {}
+        self.entries: dict[str, dict] = {}
+        for name in self._file.keys():
+            sl = self._file.get_slice(name)
+            dt = sl.get_dtype()
             if dt not in _DTYPES:
                 raise DeltashipError(f"{self.path}: tensor {name!r} has unsupported dtype {dt!r}",
                                      "convert the checkpoint to F32, F16 or BF16 safetensors")
-            begin, end = e["data_offsets"]
-            expected = int(np.prod(e["shape"], dtype=np.int64)) * _DTYPES[dt].itemsize
-            if end - begin != expected:
-                raise DeltashipError(f"{self.path}: tensor {name!r} has {end - begin} bytes for shape {e['shape']} "
-                                     f"({dt})", "the file is corrupt; re-copy or re-download it")
-            if self.data_start + end > size:
-                raise DeltashipError(
-                    f"{self.path}: truncated safetensors file: tensor {name!r} ends at byte {self.data_start + end} "
-                    f"but the file has {size} bytes", "re-copy or re-download this file")
-        self._map: np.memmap | None = None
-
-    def _mm(self) -> np.memmap:
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        return self._map
+            self.entries[name] = {"dtype": dt, "shape": list(sl.get_shape())}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name]["shape"])
@@ -80,23 +62,12 @@ class SafetensorsFile:
 
     def read(self, name: str, rows: slice | None = None) -> np.ndarray:
         """Read a tensor (or a range of its leading dimension) as float32 (ints stay ints)."""
-        e = self.entries[name]
-        dt, shape = e["dtype"], list(e["shape"])
-        item = _DTYPES[dt].itemsize
-        begin = self.data_start + e["data_offsets"][0]
-        row_elems = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
-        if rows is not None and shape:
-            start, stop, _ = rows.indices(shape[0])
-            begin += start * row_elems * item
-            shape[0] = max(0, stop - start)
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        raw = self._mm()[begin:begin + count * item]
-        arr = np.frombuffer(raw.tobytes(), dtype=_DTYPES[dt]).reshape(shape)
-        if dt == "BF16":
-            return (arr.astype(np.uint32) << 16).view(np.float32)
-        if dt in ("F16", "F64"):
-            return arr.astype(np.float32)
-        return arr
+        import torch  # safetensors' numpy backend has no bfloat16, the dtype of the published checkpoints
+
+        sl = self._file.get_slice(name)
+        t = sl[rows] if rows is not None and self.entries[name]["shape"] else sl[:]
+        # a copy: the slice may be a view of the file's mapping, which must not outlive a rewrite of the file
+        return t.to(dtype=torch.float32 if t.is_floating_point() else t.dtype, copy=True).numpy()
 
 
 def write_safetensors(path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None,

@@ -59,7 +59,8 @@ def download_command(repo_id: str, revision: str | None) -> str:
 
 
 def _offline() -> bool:
-    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def resolve_hub_model(repo_id: str, revision: str | None = None, *, allow_download: bool = False) -> Path:

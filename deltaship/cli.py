@@ -139,7 +139,9 @@ def _profile(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deltaship import __version__
     p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
+    p.add_argument("--version", action="version", version=f"deltaship {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     from deltaship.models.presets import PRESETS

@@ -122,3 +122,133 @@ def test_a_local_directory_wins_over_a_hub_id_and_nonsense_is_named(tmp_path, mo
     with pytest.raises(DeltashipError) as e:
         load_source("not a/model id!")
     assert "Hub id" in e.value.message
+
+
+# ---- the model class: generate(), pipeline(), streamers over a bundle ------------------------------------------
+
+PROMPTS = ["import os\nimport ", "class Foo:\n    def __init__(self"]  # greedy continuations that vary
+
+
+def export_preset(out: Path, target: str, **opts) -> Path:
+    from deltaship.export import export
+    export("qwen3.5-tiny", out, target=target, precision="fp32", verify=False, progress=False, **opts)
+    return out
+
+
+@pytest.fixture(scope="module")
+def onnx_bundle(tmp_path_factory) -> Path:
+    return export_preset(tmp_path_factory.mktemp("hf-onnx") / "b", "onnx", max_context=256, prefill_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def et_bundle(tmp_path_factory) -> Path:
+    return export_preset(tmp_path_factory.mktemp("hf-et") / "b", "executorch", max_context=64, prefill_chunk=16)
+
+
+def check_generation_matches_deltaship(bundle: Path) -> None:
+    """generate() and pipeline() (greedy, 16 tokens) give `deltaship generate`'s tokens, prompt after prompt."""
+    from transformers import AutoTokenizer, pipeline
+
+    from deltaship import load
+    from deltaship.commands import generate
+    model, tok = load(bundle), AutoTokenizer.from_pretrained(bundle)
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    for prompt in PROMPTS:
+        want = generate(bundle, prompt=prompt, max_new_tokens=16)
+        enc = tok(prompt, return_tensors="pt")
+        assert enc["input_ids"][0].tolist() == want["input_ids"]  # AutoTokenizer reads the bundle's tokenizer
+        out = model.generate(**enc, max_new_tokens=16, do_sample=False)
+        assert out[0, enc["input_ids"].shape[1]:].tolist() == want["output_ids"]
+        res = pipe(prompt, max_new_tokens=16, do_sample=False, return_tensors=True)
+        assert res[0]["generated_token_ids"] == want["input_ids"] + want["output_ids"]
+        assert pipe(prompt, max_new_tokens=16, do_sample=False)[0]["generated_text"] == prompt + want["text"]
+    assert len({tuple(generate(bundle, prompt=p, max_new_tokens=4)["output_ids"]) for p in PROMPTS}) == 2
+
+
+def test_generate_and_pipeline_match_deltaship_generate_onnx(onnx_bundle):
+    check_generation_matches_deltaship(onnx_bundle)
+
+
+@pytest.mark.slow
+def test_generate_and_pipeline_match_deltaship_generate_executorch(et_bundle):
+    check_generation_matches_deltaship(et_bundle)
+
+
+def test_eos_stops_both_the_same_way(onnx_bundle):
+    """An end-of-sequence token ends generate() where the session's stop_at_eos does, and is kept in the output."""
+    from transformers import AutoTokenizer
+
+    from deltaship import load
+    from deltaship.runtimes import open_bundle
+    model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
+    ids = tok(PROMPTS[0])["input_ids"]
+    newline = tok("\n")["input_ids"][0]
+    session = open_bundle(onnx_bundle)
+    session.eos_ids = {newline}  # '\n' comes 4th in this continuation: stop there
+    want = session.generate(ids, 16, stop_at_eos=True)
+    assert want.stopped == "eos" and 1 < len(want.output_ids) < 16 and want.output_ids[-1] == newline
+    out = model.generate(**tok(PROMPTS[0], return_tensors="pt"), max_new_tokens=16, do_sample=False,
+                         eos_token_id=newline)
+    assert out[0, len(ids):].tolist() == want.output_ids
+
+
+def test_streamer_receives_the_text(onnx_bundle):
+    from transformers import AutoTokenizer, TextStreamer
+
+    from deltaship import load
+    from deltaship.commands import generate
+
+    class Collect(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            pieces.append(text)
+
+    pieces: list[str] = []
+    model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
+    model.generate(**tok(PROMPTS[1], return_tensors="pt"), max_new_tokens=16, do_sample=False,
+                   streamer=Collect(tok, skip_prompt=True))
+    assert "".join(pieces) == generate(onnx_bundle, prompt=PROMPTS[1], max_new_tokens=16)["text"]
+    assert len(pieces) > 1  # streamed in pieces, not once at the end
+
+
+def test_sampling_is_seeded_and_continuing_a_cache_equals_one_call(onnx_bundle):
+    import torch
+    from transformers import AutoTokenizer
+
+    from deltaship import load
+    model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
+    enc = tok(PROMPTS[0], return_tensors="pt")
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        runs.append(model.generate(**enc, max_new_tokens=12, do_sample=True, temperature=1.5, top_k=20)[0].tolist())
+    assert runs[0] == runs[1]
+    # generate() with the cache a previous call returned continues the session instead of starting over
+    first = model.generate(**enc, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    more = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences),
+                          past_key_values=first.past_key_values, max_new_tokens=6, do_sample=False)
+    assert more[0].tolist() == model.generate(**enc, max_new_tokens=12, do_sample=False)[0].tolist()
+
+
+def test_batches_and_padding_are_refused_clearly(onnx_bundle):
+    from transformers import AutoTokenizer
+
+    from deltaship import load
+    model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
+    enc = tok(PROMPTS[0], return_tensors="pt")
+    with pytest.raises(DeltashipError) as e:
+        model.generate(**enc, max_new_tokens=2, do_sample=False, num_beams=2)
+    assert "batch size 1" in e.value.message and "num_beams=1" in e.value.fix
+    with pytest.raises(DeltashipError, match="bundle"):
+        load(onnx_bundle.parent)  # not a bundle directory
+
+
+def test_import_deltaship_is_thin_and_export_is_callable():
+    import subprocess
+    import sys
+    code = ("import sys, deltaship; from deltaship import export, load; import deltaship.export as m; "
+            "assert m is export and callable(export) and 'torch' not in sys.modules, sorted(sys.modules); "
+            "print(deltaship.__version__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    cli = subprocess.run([sys.executable, "-m", "deltaship", "--version"], capture_output=True, text=True)
+    assert cli.returncode == 0 and cli.stdout.strip() == f"deltaship {res.stdout.strip()}"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -215,3 +217,18 @@ def _quant_summary(ctx) -> dict[str, Any]:
             "deltanet_int8": bool(ctx.options.get("deltanet_int8")),
             "embedding": ctx.quant["embedding"].get("model.embed_tokens.weight", "not quantized"),
             "activations": str(ctx.dtype).removeprefix("torch.")}
+
+
+class _CallableModule(types.ModuleType):
+    """`from deltaship import export; export(model, out, ...)`: the name is both this package and its function,
+    and Python sets the package attribute to the module on import, so the module itself calls export()."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return export(*args, **kwargs)
+
+
+_CallableModule.__call__.__doc__ = export.__doc__
+_CallableModule.__call__.__signature__ = inspect.signature(export).replace(  # type: ignore[attr-defined]
+    parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
+                *inspect.signature(export).parameters.values()])
+sys.modules[__name__].__class__ = _CallableModule

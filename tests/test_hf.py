@@ -252,3 +252,42 @@ def test_import_deltaship_is_thin_and_export_is_callable():
     assert res.returncode == 0, res.stderr
     cli = subprocess.run([sys.executable, "-m", "deltaship", "--version"], capture_output=True, text=True)
     assert cli.returncode == 0 and cli.stdout.strip() == f"deltaship {res.stdout.strip()}"
+
+
+# ---- optimum-cli export deltaship ------------------------------------------------------------------------------
+
+def _optimum_cli() -> str:
+    """The optimum-cli beside this interpreter; the test skips (saying why) when optimum is not installed."""
+    import importlib.util
+    import sys
+    if importlib.util.find_spec("optimum.commands.optimum_cli") is None:
+        pytest.skip("optimum is not installed: pip install 'deltaship[optimum]' to test `optimum-cli export deltaship`")
+    exe = Path(sys.executable).parent / "optimum-cli"
+    if not exe.exists():
+        pytest.skip(f"optimum is installed but {exe} is missing: reinstall optimum")
+    return str(exe)
+
+
+def test_optimum_cli_export_deltaship_writes_the_same_bundle(tmp_path, hf_cache):
+    import os
+    import subprocess
+
+    from deltaship.cli import main
+    root = Path(__file__).resolve().parents[1]  # where optimum/commands/register/ lives in a source checkout
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    cli = _optimum_cli()
+    helped = subprocess.run([cli, "export", "deltaship", "--help"], capture_output=True, text=True, env=env)
+    assert helped.returncode == 0, helped.stderr
+    for flag in ("--model", "--target", "--precision", "--allow-download", "--onnx-deltanet-ops", "OUT"):
+        assert flag in helped.stdout
+    common = ["--model", "qwen3.5-tiny", "--target", "onnx", "--precision", "int4", "--max-context", "64",
+              "--no-verify", "--quiet"]
+    res = subprocess.run([cli, "export", "deltaship", *common, str(tmp_path / "via-optimum")], capture_output=True,
+                         text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert main(["export", *common, "--out", str(tmp_path / "via-deltaship")]) == 0
+    ours, theirs = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("via-optimum", "via-deltaship"))
+    assert ours["precision"] == "int4" and ours["files"] and ours["files"] == theirs["files"]  # same sha256 per file
+    bad = subprocess.run([cli, "export", "deltaship", "--model", "acme/not-there", str(tmp_path / "x")],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "Hugging Face cache" in bad.stderr and "fix: fetch it with" in bad.stderr

@@ -72,7 +72,6 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = DeltashipConfig
     base_model_prefix = "deltaship"
     main_input_name = "input_ids"
-    _supports_cache_class = True
 
     def __init__(self, config: DeltashipConfig, session: Any = None, bundle: Path | None = None):
         super().__init__(config)

@@ -12,14 +12,16 @@ from pathlib import Path
 from deltaship.errors import DeltashipError
 
 
-def _export(a: argparse.Namespace) -> int:
+def run_export(a: argparse.Namespace) -> int:
+    """`export()` with the arguments add_export_arguments() parsed."""
     from deltaship.export import export
     from deltaship.targets import all_targets
     given = {f.name: getattr(a, f.name) for t in all_targets() for f in t.Options.fields()
              if getattr(a, f.name) not in (None, False)}  # only the target options the user set
     export(model=a.model, out=a.out, target=a.target, precision=a.precision, max_context=a.max_context,
            force=a.force, verify=not a.no_verify, prefill_chunk=a.prefill_chunk, block_size=a.block_size,
-           deltanet_int8=a.deltanet_int8, threads=a.threads, progress=not a.quiet, **given)
+           deltanet_int8=a.deltanet_int8, threads=a.threads, progress=not a.quiet,
+           allow_download=a.allow_download, **given)
     return 0
 
 
@@ -143,20 +145,25 @@ def _profile(a: argparse.Namespace) -> int:
     return 3 if died else 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = False) -> None:
+    """The `export` options, on any parser (`deltaship export`, `optimum-cli export deltaship`); run_export()
+    calls export() with them. out_positional: the bundle directory is a positional OUT (optimum-cli's way)."""
     from deltaship.models.presets import PRESETS
     from deltaship.targets import DEFAULT_PREFILL_CHUNK, PRECISIONS, all_targets, target_names
-    e = sub.add_parser("export", help="compile a checkpoint or preset into a verified bundle")
-    e.add_argument("--model", required=True, help=f"checkpoint directory or preset ({', '.join(PRESETS)})")
+    e.add_argument("--model", required=True,
+                   help=f"checkpoint directory, Hugging Face id (org/name[@revision], read from the local Hugging "
+                        f"Face cache) or preset ({', '.join(PRESETS)})")
     e.add_argument("--target", default="onnx", choices=target_names(), help="what to compile for (default onnx)")
     e.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weight precision (default fp32)")
     e.add_argument("--max-context", type=int, default=None,
                    help="KV-cache length in tokens (default: the preset's, else min(4096, the model's))")
-    e.add_argument("--out", required=True, help="bundle directory to write")
-    e.add_argument("--force", action="store_true", help="replace an existing --out")
+    if out_positional:
+        e.add_argument("out", metavar="OUT", help="bundle directory to write")
+    else:
+        e.add_argument("--out", required=True, help="bundle directory to write")
+    e.add_argument("--force", action="store_true", help="replace an existing output directory")
+    e.add_argument("--allow-download", action="store_true",
+                   help="download a Hugging Face id that is not in the local cache (default: never download)")
     e.add_argument("--no-verify", action="store_true", help="skip the parity check against transformers")
     chunks = ", ".join(f"{t.name} {t.default_prefill_chunk}" for t in all_targets()
                        if t.default_prefill_chunk != DEFAULT_PREFILL_CHUNK)
@@ -167,7 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--threads", type=int, default=None, help="threads for verification")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     _add_target_options(e)
-    e.set_defaults(func=_export)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deltaship import __version__
+    p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
+    p.add_argument("--version", action="version", version=f"deltaship {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("export", help="compile a checkpoint or preset into a verified bundle")
+    add_export_arguments(e)
+    e.set_defaults(func=run_export)
 
     g = sub.add_parser("generate", help="generate tokens with a bundle")
     g.add_argument("bundle")

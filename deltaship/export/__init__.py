@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -104,8 +106,10 @@ def special_tokens(source, tokenizer_dir_files: list[Path]) -> dict[str, Any]:
 def export(model: str, out: str | Path, target: str = "onnx", precision: str = "fp32",
            max_context: int | None = None, force: bool = False, verify: bool = True,
            prefill_chunk: int | None = None, block_size: int = 32, deltanet_int8: bool = False,
-           threads: int | None = None, progress: bool | Callable = True, **target_options: Any) -> dict[str, Any]:
-    """Compile `model` (a checkpoint directory or a preset) for `target` at `precision` into bundle `out`.
+           threads: int | None = None, progress: bool | Callable = True, allow_download: bool = False,
+           **target_options: Any) -> dict[str, Any]:
+    """Compile `model` (a checkpoint directory, a preset, or a Hub id `org/name[@revision]` from the local Hugging
+    Face cache, downloaded only with allow_download=True) for `target` at `precision` into bundle `out`.
 
     `target_options` are the target's own options (deltaship/targets/<target>.py, e.g. onnx_deltanet_ops).
     Returns the manifest. Nothing is left at `out` unless the export (and, for fp32, its
@@ -124,7 +128,7 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
     check_destination(out, force)
     say = progress if callable(progress) else Progress(bool(progress))
     say(f"loading {model}")
-    source = load_source(model)
+    source = load_source(model, allow_download=allow_download)
     spec = source.spec
     for note in source.notes():
         say(note)
@@ -213,3 +217,18 @@ def _quant_summary(ctx) -> dict[str, Any]:
             "deltanet_int8": bool(ctx.options.get("deltanet_int8")),
             "embedding": ctx.quant["embedding"].get("model.embed_tokens.weight", "not quantized"),
             "activations": str(ctx.dtype).removeprefix("torch.")}
+
+
+class _CallableModule(types.ModuleType):
+    """`from deltaship import export; export(model, out, ...)`: the name is both this package and its function,
+    and Python sets the package attribute to the module on import, so the module itself calls export()."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return export(*args, **kwargs)
+
+
+_CallableModule.__call__.__doc__ = export.__doc__
+_CallableModule.__call__.__signature__ = inspect.signature(export).replace(  # type: ignore[attr-defined]
+    parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
+                *inspect.signature(export).parameters.values()])
+sys.modules[__name__].__class__ = _CallableModule

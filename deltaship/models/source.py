@@ -1,4 +1,5 @@
-"""Resolve `--model` (a preset name or a checkpoint directory) into spec + weights + tokenizer."""
+"""Resolve `--model` (a preset name, a checkpoint directory or a Hub id in the local Hugging Face cache) into
+spec + weights + tokenizer."""
 
 from __future__ import annotations
 
@@ -66,8 +67,11 @@ def hub_cache_origin(path: Path) -> dict[str, str]:
     return {}
 
 
-def load_source(model: str | Path) -> ModelSource:
-    """A preset name (`qwen3.5-tiny`) or a local checkpoint directory; never a download."""
+def load_source(model: str | Path, *, allow_download: bool = False) -> ModelSource:
+    """A preset name (`qwen3.5-tiny`), a local checkpoint directory, or a Hub id (`org/name`, `org/name@revision`).
+
+    A Hub id is read from the local Hugging Face cache (deltaship/models/hub.py); it is downloaded only with
+    allow_download=True. An existing directory always wins over a Hub id of the same spelling."""
     text = str(model)
     if text in PRESETS:
         preset = get_preset(text)
@@ -86,12 +90,30 @@ def load_source(model: str | Path) -> ModelSource:
                            tokenizer_files=files)
     path = Path(text).expanduser()
     if not path.exists():
-        raise DeltashipError(f"--model {text!r} is neither a preset nor an existing directory; presets: "
-                             + ", ".join(PRESETS), "pass a local checkpoint directory or a preset name (nothing is downloaded)")
+        from deltaship.models.hub import parse_hub_id
+        hub_id = parse_hub_id(text)
+        if hub_id is not None:
+            return _load_hub(*hub_id, allow_download=allow_download)
+        raise DeltashipError(f"--model {text!r} is neither a preset, an existing directory nor a Hub id (org/name); "
+                             "presets: " + ", ".join(PRESETS),
+                             "pass a local checkpoint directory, a preset name, or a Hugging Face id such as "
+                             "Qwen/Qwen3.5-0.8B")
     if not path.is_dir():
         raise DeltashipError(f"--model {text!r} is a file, not a checkpoint directory",
                              "pass the directory that holds config.json and the *.safetensors files")
     return _load_dir(path, name=str(path))
+
+
+def _load_hub(repo_id: str, revision: str | None, *, allow_download: bool) -> ModelSource:
+    """A Hub id through the local cache; the source is named `org/name@<commit>` so it can be loaded again."""
+    from deltaship.models.hub import resolve_hub_model
+    snapshot = resolve_hub_model(repo_id, revision, allow_download=allow_download)
+    commit = snapshot.name
+    spelled = f"{repo_id}@{revision}" if revision else repo_id
+    try:
+        return _load_dir(snapshot, name=f"{repo_id}@{commit}")
+    except DeltashipError as e:  # name the Hub id the user typed, not only the cache path
+        raise DeltashipError(f"--model {spelled} (commit {commit}): {e.message}", e.fix) from None
 
 
 def _load_dir(path: Path, name: str) -> ModelSource:

@@ -128,7 +128,7 @@ public actor DeltashipModel {
 
     static func zeros(_ shape: [Int], _ type: MLMultiArrayDataType) throws -> MLMultiArray {
         let a = try MLMultiArray(shape: shape.map { NSNumber(value: $0) }, dataType: type)
-        a.withUnsafeMutableBytes { bytes, _ in bytes.initializeMemory(as: UInt8.self, repeating: 0) }  // not zeroed by init
+        a.withUnsafeMutableBytes { bytes, _ in _ = bytes.initializeMemory(as: UInt8.self, repeating: 0) }  // not zeroed by init
         return a
     }
 
@@ -164,8 +164,12 @@ public actor DeltashipModel {
             for s in part.spec.ioStates { feeds[s.input] = io[i][s.input] }
             let provider = try MLDictionaryFeatureProvider(dictionary: feeds)
             let model = tokens.count == 1 ? part.decode : part.prefill
-            let out = try states[i].map { try model.prediction(from: provider, using: $0) }
-                ?? model.prediction(from: provider)
+            let out: MLFeatureProvider
+            if let state = states[i] {
+                out = try model.prediction(from: provider, using: state)
+            } else {
+                out = try model.prediction(from: provider)  // an fp32 build has no MLState
+            }
             for s in part.spec.ioStates {  // this call's present_* are the next call's past_*
                 guard let v = out.featureValue(for: s.output)?.multiArrayValue else {
                     throw DeltashipKitError.missingOutput(s.output, package: part.spec.package)
@@ -231,7 +235,7 @@ public actor DeltashipModel {
         AsyncThrowingStream { continuation in
             let task = Task {
                 do {
-                    try await self.run(tokens, maxNewTokens: maxNewTokens, sampling: sampling) { continuation.yield($0) }
+                    try await self.run(tokens, maxNewTokens: maxNewTokens, sampling: sampling) { _ = continuation.yield($0) }
                     continuation.finish()
                 } catch {
                     continuation.finish(throwing: error)

@@ -49,6 +49,49 @@ def test_platforms_and_refusals(tmp_path, monkeypatch):
     assert not (tmp_path / "kit").exists() and not list(tmp_path.glob(".kit.*"))  # nothing left behind
 
 
+def test_web_and_desktop_dispatch_to_the_web_module(tmp_path, monkeypatch):
+    """web/desktop go to deltaship.apps.web's write_kit(bundle, out, platform) -> files, into a temp dir."""
+    import sys
+    import types
+
+    import deltaship.apps as apps
+    calls = []
+
+    def fake_write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
+        calls.append((bundle, out.name, platform))
+        (out / "index.js").write_text("// kit")
+        return [out / "index.js"]
+
+    monkeypatch.setitem(sys.modules, "fake_web_kit", types.SimpleNamespace(write_kit=fake_write_kit))
+    monkeypatch.setitem(apps._KITS, "desktop", ("fake_web_kit", ("onnx",), "x"))
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text(json.dumps({"target": "onnx"}))
+    record = write_kit(bundle, tmp_path / "kit", "desktop")
+    assert calls and calls[0][0] == bundle and calls[0][2] == "desktop" and calls[0][1] != "kit"  # a temp dir
+    assert record["files"] == ["index.js"] and record["platform"] == "desktop"
+    assert json.loads((tmp_path / "kit" / "kit.json").read_text())["files"] == ["index.js"]
+    assert (tmp_path / "kit" / "index.js").exists()
+
+
+def test_onnx_contract_variants_from_the_manifest():
+    """The ONNX contract another change moves to (position_ids [1, T], logits [1, 1, V]) is read, not assumed."""
+    from deltaship.apps.kotlin import kit_spec
+    manifest = {"target": "onnx", "entry": "model.onnx", "max_context": 64, "prefill_chunk": 8,
+                "tokens": {"eos": [5]}, "tools": {"onnxruntime": "1.31.1"},
+                "inputs": [{"name": "input_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens"},
+                           {"name": "position_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "position"}],
+                "outputs": [{"name": "logits", "shape": [1, 1, 99], "dtype": "float32", "kind": "logits"}],
+                "states": [{"name": "past.0.conv", "output": "present.0.conv", "shape": [1, 3, 8], "dtype": "float16"}]}
+    spec = kit_spec(Path("/nonexistent"), manifest)
+    assert spec["position"] == {"name": "position_ids", "shape": [1, -1], "dtype": "int64"}
+    assert spec["vocab_size"] == 99 and spec["logits"]["shape"] == [1, 1, 99]
+    assert spec["states"][0]["dtype"] == "float16" and "genai" not in spec
+    manifest["inputs"].append({"name": "attention_mask", "shape": [1, "tokens"], "dtype": "int64", "kind": "mask"})
+    with pytest.raises(DeltashipError, match="kinds \\['mask'\\]"):
+        kit_spec(Path("/nonexistent"), manifest)
+
+
 # ---------------------------------------------------------------- Swift / Core ML
 
 @pytest.fixture(scope="module")

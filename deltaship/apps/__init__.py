@@ -75,9 +75,9 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        if hasattr(module, "generate"):  # ios/android: returns the kit record
+        if platform in ("ios", "android"):  # generate(bundle, manifest, out) -> the kit record
             record = module.generate(bundle, manifest, tmp)
-        else:  # web.py's interface: write_kit(bundle, out, platform) -> written files
+        else:  # deltaship.apps.web's interface: write_kit(bundle, out, platform) -> written files
             files = module.write_kit(bundle, tmp, platform)
             record = {"platform": platform, "target": target,
                       "files": sorted(Path(f).relative_to(tmp).as_posix() if Path(f).is_absolute()

@@ -27,7 +27,31 @@ def _export(root: Path, target: str, precision: str, **opts) -> Path:
     return out
 
 
+def unbalanced(text: str) -> list[str]:
+    """Brackets that do not pair up in C-family source once strings and // comments are removed (no
+    compiler here: this catches a template rendered wrong, not a type error)."""
+    code = re.sub(r'"(?:[^"\\\n]|\\.)*"', '""', text)
+    code = re.sub(r"//[^\n]*", "", code)
+    stack, problems = [], []
+    for line_no, line in enumerate(code.splitlines(), 1):
+        for ch in line:
+            if ch in "([{":
+                stack.append((ch, line_no))
+            elif ch in ")]}":
+                if not stack or "([{"[")]}".index(ch)] != stack[-1][0]:
+                    problems.append(f"line {line_no}: unmatched {ch}")
+                else:
+                    stack.pop()
+    return problems + [f"line {n}: unclosed {c}" for c, n in stack]
+
+
 # ---------------------------------------------------------------- write_kit itself
+
+def test_unbalanced_sees_a_missing_brace():
+    assert unbalanced('func f() { let s = "}(" // ) {\n}') == []
+    assert unbalanced("func f() { if x { }\n") == ["line 1: unclosed {"]
+    assert unbalanced("a(b]") == ["line 1: unmatched ]", "line 1: unclosed ("]
+
 
 def test_platforms_and_refusals(tmp_path, monkeypatch):
     import deltaship.apps as apps
@@ -152,6 +176,8 @@ def check_swift_kit(kit: Path, bundle: Path) -> list[str]:
     stray = set().union(*(identifier_literals(t) for t in texts.values())) - names
     if stray:
         problems.append(f"names in the swift sources that are not in the packages: {sorted(stray)}")
+    problems += [f"{f}: {p}" for f, t in texts.items() for p in unbalanced(t)]
+    problems += [f"Package.swift: {p}" for p in unbalanced((kit / "Package.swift").read_text())]
     return problems
 
 
@@ -343,6 +369,8 @@ def check_kotlin_kit(kit: Path, bundle: Path) -> list[str]:
     stray = set().union(*(identifier_literals(t) for t in texts.values())) - names - GENAI_OPTIONS
     if stray:
         problems.append(f"names in the kotlin sources that are not in the bundle: {sorted(stray)}")
+    problems += [f"{f}: {p}" for f, t in texts.items() for p in unbalanced(t)]
+    problems += [f"build.gradle.kts: {p}" for p in unbalanced((kit / "build.gradle.kts").read_text())]
     return problems
 
 

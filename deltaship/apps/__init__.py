@@ -1,0 +1,102 @@
+"""App integration kits: source an app embeds to run a bundle, generated from its manifest.
+
+`write_kit(bundle, out, platform)` writes a small project for one platform: a Swift package over
+Core ML (ios), Kotlin over onnxruntime-android / onnxruntime-genai / ExecuTorch (android), or
+JavaScript (web, desktop; deltaship.apps.web). Every name, shape and dtype in the generated code
+is read from the bundle at generation time, and a `kit.json` beside it records them so a check
+can compare the code, the record and the artifact.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from deltaship.errors import DeltashipError
+
+PLATFORMS = ("android", "ios", "web", "desktop")
+KIT_RECORD = "kit.json"
+
+# platform -> (module, targets it can run, the export to make when the bundle's target does not fit)
+_KITS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "ios": ("deltaship.apps.swift", ("coreml",),
+            "export a Core ML bundle: deltaship export --model M --target coreml --out DIR "
+            "(an ONNX bundle runs on iOS through onnxruntime-objc / onnxruntime-genai, which this kit does not generate)"),
+    "android": ("deltaship.apps.kotlin", ("onnx", "executorch"),
+                "export an ONNX or ExecuTorch bundle: deltaship export --model M --target onnx|executorch --out DIR"),
+    "web": ("deltaship.apps.web", ("onnx",),
+            "export an ONNX bundle: deltaship export --model M --target onnx --out DIR"),
+    "desktop": ("deltaship.apps.web", ("onnx",),
+                "export an ONNX bundle: deltaship export --model M --target onnx --out DIR"),
+}
+
+
+def read_manifest(bundle: Path) -> dict[str, Any]:
+    """The bundle's manifest.json (no integrity check: `deltaship verify` does that)."""
+    path = Path(bundle) / "manifest.json"
+    if not path.is_file():
+        raise DeltashipError(f"{bundle}: no manifest.json, so this is not a deltaship bundle",
+                             "pass the directory `deltaship export --out` wrote")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DeltashipError(f"{path}: not valid JSON ({e})", "re-export the bundle") from e
+
+
+def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> dict[str, Any]:
+    """Write the app kit for `platform` from `bundle` into `out`; returns the kit record (kit.json).
+
+    Writes into a temporary directory next to `out`, then renames it: a failure leaves nothing,
+    and an existing `out` is replaced only with force=True.
+    """
+    bundle, out = Path(bundle), Path(out)
+    if platform not in _KITS:
+        raise DeltashipError(f"unknown platform {platform!r}", f"use one of {', '.join(PLATFORMS)}")
+    module_name, targets, fix = _KITS[platform]
+    manifest = read_manifest(bundle)
+    target = manifest.get("target")
+    if target not in targets:
+        raise DeltashipError(f"{bundle} is a {target} bundle; the {platform} kit runs {' or '.join(targets)} bundles",
+                             fix)
+    if out.exists() and not force:
+        raise DeltashipError(f"{out} already exists", "pass force=True (--force) to replace it, or another --out")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        raise DeltashipError(f"the {platform} kit generator ({module_name}) is not installed in this deltaship",
+                             "update deltaship to a version with web/desktop kits, or use --platform ios|android") from e
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        if platform in ("ios", "android"):  # generate(bundle, manifest, out) -> the kit record
+            record = module.generate(bundle, manifest, tmp)
+        else:  # deltaship.apps.web's interface: write_kit(bundle, out, platform) -> written files
+            files = module.write_kit(bundle, tmp, platform)
+            record = {"platform": platform, "target": target,
+                      "files": sorted(Path(f).relative_to(tmp).as_posix() if Path(f).is_absolute()
+                                      else str(f) for f in files)}
+        record = {"kit": "deltaship.app", "platform": platform, **record}
+        if not (tmp / KIT_RECORD).exists():
+            (tmp / KIT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record
+
+
+def kit_name(manifest: dict[str, Any]) -> str:
+    """A Swift/Kotlin identifier from the model's name, e.g. qwen3.5-tiny -> Qwen35Tiny."""
+    raw = str(manifest.get("source", {}).get("model", "model")).rstrip("/").split("/")[-1]
+    words = "".join(c if c.isalnum() else " " for c in raw).split()
+    name = "".join(w[:1].upper() + w[1:] for w in words) or "Model"
+    return name if name[0].isalpha() else "M" + name

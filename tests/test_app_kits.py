@@ -1,0 +1,508 @@
+"""App kits: the names, shapes and dtypes the generated Swift/Kotlin uses, against the real artifacts.
+
+Nothing here compiles Swift or Kotlin (no toolchains on this machine); the checks read the generated
+source text and compare every name it uses with the .mlpackage's spec (coremltools) or the ONNX
+graph (onnx), and mutate the source to see the check fail.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from deltaship.apps import PLATFORMS, write_kit
+from deltaship.errors import DeltashipError
+
+PRESET = "qwen3.5-tiny"
+
+
+def _export(root: Path, target: str, precision: str, **opts) -> Path:
+    from deltaship.export import export
+    out = root / f"{target}-{precision}"
+    export(PRESET, out, target=target, precision=precision, max_context=128, prefill_chunk=16, verify=False,
+           progress=False, **opts)
+    return out
+
+
+def unbalanced(text: str) -> list[str]:
+    """Brackets that do not pair up in C-family source once strings and // comments are removed (no
+    compiler here: this catches a template rendered wrong, not a type error)."""
+    code = re.sub(r'"(?:[^"\\\n]|\\.)*"', '""', text)
+    code = re.sub(r"//[^\n]*", "", code)
+    stack, problems = [], []
+    for line_no, line in enumerate(code.splitlines(), 1):
+        for ch in line:
+            if ch in "([{":
+                stack.append((ch, line_no))
+            elif ch in ")]}":
+                if not stack or "([{"[")]}".index(ch)] != stack[-1][0]:
+                    problems.append(f"line {line_no}: unmatched {ch}")
+                else:
+                    stack.pop()
+    return problems + [f"line {n}: unclosed {c}" for c, n in stack]
+
+
+# ---------------------------------------------------------------- write_kit itself
+
+def test_unbalanced_sees_a_missing_brace():
+    assert unbalanced('func f() { let s = "}(" // ) {\n}') == []
+    assert unbalanced("func f() { if x { }\n") == ["line 1: unclosed {"]
+    assert unbalanced("a(b]") == ["line 1: unmatched ]", "line 1: unclosed ("]
+
+
+def test_platforms_and_refusals(tmp_path, monkeypatch):
+    import deltaship.apps as apps
+    assert PLATFORMS == ("android", "ios", "web", "desktop")
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text(json.dumps({"target": "executorch"}))
+    with pytest.raises(DeltashipError, match="executorch bundle.*ios kit runs coreml") as e:
+        write_kit(bundle, tmp_path / "kit", "ios")
+    assert "--target coreml" in e.value.fix
+    with pytest.raises(DeltashipError, match="unknown platform 'watch'"):
+        write_kit(bundle, tmp_path / "kit", "watch")
+    with pytest.raises(DeltashipError, match="no manifest.json"):
+        write_kit(tmp_path, tmp_path / "kit", "android")
+    (bundle / "manifest.json").write_text(json.dumps({"target": "onnx"}))
+    monkeypatch.setitem(apps._KITS, "web", ("deltaship.apps.not_written_yet", ("onnx",), "x"))
+    with pytest.raises(DeltashipError, match="web kit generator .*not installed"):
+        write_kit(bundle, tmp_path / "kit", "web")
+    assert not (tmp_path / "kit").exists() and not list(tmp_path.glob(".kit.*"))  # nothing left behind
+
+
+def test_web_and_desktop_dispatch_to_the_web_module(tmp_path, monkeypatch):
+    """web/desktop go to deltaship.apps.web's write_kit(bundle, out, platform) -> files, into a temp dir."""
+    import sys
+    import types
+
+    import deltaship.apps as apps
+    calls = []
+
+    def fake_write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
+        calls.append((bundle, out.name, platform))
+        (out / "index.js").write_text("// kit")
+        return [out / "index.js"]
+
+    monkeypatch.setitem(sys.modules, "fake_web_kit", types.SimpleNamespace(write_kit=fake_write_kit))
+    monkeypatch.setitem(apps._KITS, "desktop", ("fake_web_kit", ("onnx",), "x"))
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text(json.dumps({"target": "onnx"}))
+    record = write_kit(bundle, tmp_path / "kit", "desktop")
+    assert calls and calls[0][0] == bundle and calls[0][2] == "desktop" and calls[0][1] != "kit"  # a temp dir
+    assert record["files"] == ["index.js"] and record["platform"] == "desktop"
+    assert json.loads((tmp_path / "kit" / "kit.json").read_text())["files"] == ["index.js"]
+    assert (tmp_path / "kit" / "index.js").exists()
+
+
+def test_onnx_contract_variants_from_the_manifest():
+    """The ONNX contract another change moves to (position_ids [1, T], logits [1, 1, V]) is read, not assumed."""
+    from deltaship.apps.kotlin import kit_spec
+    manifest = {"target": "onnx", "entry": "model.onnx", "max_context": 64, "prefill_chunk": 8,
+                "tokens": {"eos": [5]}, "tools": {"onnxruntime": "1.31.1"},
+                "inputs": [{"name": "input_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens"},
+                           {"name": "position_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "position"}],
+                "outputs": [{"name": "logits", "shape": [1, 1, 99], "dtype": "float32", "kind": "logits"}],
+                "states": [{"name": "past.0.conv", "output": "present.0.conv", "shape": [1, 3, 8], "dtype": "float16"}]}
+    spec = kit_spec(Path("/nonexistent"), manifest)
+    assert spec["position"] == {"name": "position_ids", "shape": [1, -1], "dtype": "int64"}
+    assert spec["vocab_size"] == 99 and spec["logits"]["shape"] == [1, 1, 99]
+    assert spec["states"][0]["dtype"] == "float16" and "genai" not in spec
+    manifest["inputs"].append({"name": "attention_mask", "shape": [1, "tokens"], "dtype": "int64", "kind": "mask"})
+    with pytest.raises(DeltashipError, match="kinds \\['mask'\\]"):
+        kit_spec(Path("/nonexistent"), manifest)
+
+
+# ---------------------------------------------------------------- Swift / Core ML
+
+@pytest.fixture(scope="module")
+def coreml_bundles(tmp_path_factory) -> dict[str, Path]:
+    """fp32 (every state an fp32 input/output, one package) and int4 split into several packages
+    (KV cache as fp16 MLStates, hidden states passed between packages)."""
+    root = tmp_path_factory.mktemp("coreml")
+    return {"fp32": _export(root, "coreml", "fp32"),
+            "int4-parts": _export(root, "coreml", "int4", coreml_part_gb=0.0015)}
+
+
+def coreml_functions(package: Path) -> dict[str, dict[str, dict[str, tuple[list[int], str]]]]:
+    """function -> {"inputs"|"outputs"|"states": name -> (shape, dtype)} from the saved package's spec."""
+    import coremltools as ct
+    from coremltools.proto import FeatureTypes_pb2 as ft
+    spec = ct.utils.load_spec(str(package))
+
+    def array(t) -> tuple[list[int], str]:
+        return list(t.shape), ft.ArrayFeatureType.ArrayDataType.Name(t.dataType).lower()
+
+    return {f.name: {"inputs": {i.name: array(i.type.multiArrayType) for i in f.input},
+                     "outputs": {o.name: array(o.type.multiArrayType) for o in f.output},
+                     "states": {s.name: array(s.type.stateType.arrayType) for s in f.state}}
+            for f in spec.description.functions}
+
+
+def check_swift_kit(kit: Path, bundle: Path) -> list[str]:
+    """Every name/shape/dtype the Swift sources use against the packages; [] when they agree."""
+    from deltaship.apps.swift import identifier_literals, parse_kit_spec
+    texts = {p.name: p.read_text() for p in (kit / "Sources").rglob("*.swift")}
+    spec = parse_kit_spec(texts["KitSpec.swift"])
+    problems = []
+    if spec != json.loads((kit / "kit.json").read_text())["swift"]:
+        problems.append("KitSpec.swift differs from kit.json")
+    names = set(spec["functions"].values()) | {"mlmodelc"}  # the compiled-model extension the driver looks for
+    for part in spec["parts"]:
+        funcs = coreml_functions(bundle / part["package"])
+        if set(funcs) != set(spec["functions"].values()):
+            problems.append(f"{part['package']}: functions {sorted(funcs)} != swift {sorted(spec['functions'].values())}")
+        swift = {"inputs": [part["input"], part["position"]] + [dict(s, name=s["input"]) for s in part["io_states"]],
+                 "outputs": [part["output"]] + [dict(s, name=s["output"]) for s in part["io_states"]],
+                 "states": part["ml_states"]}
+        for role, tokens in (("prefill", spec["prefill_chunk"]), ("decode", 1)):
+            fname = spec["functions"][role]
+            if fname not in funcs:
+                continue
+            for kind, feats in swift.items():
+                have = funcs[fname][kind]
+                for f in feats:
+                    want = ([tokens if d == -1 else d for d in f["shape"]], f["dtype"])
+                    if have.get(f["name"]) != want:
+                        problems.append(f"{part['package']}:{fname} {kind[:-1]} {f['name']}: swift {want}, "
+                                        f"package {have.get(f['name'])}")
+                missing = set(have) - {f["name"] for f in feats}
+                if missing:
+                    problems.append(f"{part['package']}:{fname} {kind} the swift never names: {sorted(missing)}")
+        names |= {part["package"]} | {f["name"] for fs in swift.values() for f in fs}
+    stray = set().union(*(identifier_literals(t) for t in texts.values())) - names
+    if stray:
+        problems.append(f"names in the swift sources that are not in the packages: {sorted(stray)}")
+    problems += [f"{f}: {p}" for f, t in texts.items() for p in unbalanced(t)]
+    problems += [f"Package.swift: {p}" for p in unbalanced((kit / "Package.swift").read_text())]
+    return problems
+
+
+@pytest.mark.parametrize("which", ["fp32", "int4-parts"])
+def test_swift_kit_names_match_the_packages(coreml_bundles, tmp_path, which):
+    bundle = coreml_bundles[which]
+    record = write_kit(bundle, tmp_path / "kit", "ios")
+    kit = tmp_path / "kit"
+    assert check_swift_kit(kit, bundle) == []
+    spec = record["swift"]
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert [p["package"] for p in spec["parts"]] == [p["package"] for p in manifest["lowering"]["parts"]]
+    io = [s for p in spec["parts"] for s in p["io_states"]]
+    ml = [s for p in spec["parts"] for s in p["ml_states"]]
+    assert len(io) + len(ml) == len(manifest["states"])
+    if which == "fp32":
+        assert ml == [] and len(spec["parts"]) == 1
+    else:  # fp16 KV cache as MLStates, DeltaNet states fp32/fp16 io, hidden states between packages
+        assert len(spec["parts"]) > 1 and {s["name"].split("_")[-1] for s in ml} == {"key", "value"}
+        assert spec["parts"][1]["input"]["name"] == "hidden_in" and spec["parts"][0]["output"]["name"] == "hidden_out"
+    package = (kit / "Package.swift").read_text()
+    assert ".iOS(.v18), .macOS(.v15)" in package and '.product(name: "Tokenizers", package: "swift-transformers")' in package
+    driver = (kit / "Sources" / record["name"] / "DeltashipModel.swift").read_text()
+    for api in ("config.functionName = name", "makeState()", "prediction(from: provider, using:",
+                "AsyncThrowingStream", "AutoTokenizer.from(modelFolder:"):
+        assert api in driver
+    assert "not compiled or run by deltaship" in (kit / "README.md").read_text().lower()
+
+
+@pytest.mark.parametrize("which", ["fp32", "int4-parts"])
+def test_swift_kit_contract_reproduces_deltaship_generate(coreml_bundles, tmp_path, which):
+    """The Swift driver's loop, replayed in Python from KitSpec.swift alone on the saved programs (deltaship's
+    MIL evaluator, as Core ML itself cannot run on Linux): full prefill chunks then single decode calls,
+    zero io-states and MLStates, present -> past, hidden states between packages. Same greedy tokens as
+    deltaship's own session."""
+    import numpy as np
+
+    from deltaship.apps.swift import parse_kit_spec
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.mil_eval import Interpreter, load_program
+    bundle = coreml_bundles[which]
+    record = write_kit(bundle, tmp_path / "kit", "ios")
+    spec = parse_kit_spec((tmp_path / "kit" / "Sources" / record["name"] / "KitSpec.swift").read_text())
+    np_type = {"int32": np.int32, "float32": np.float32, "float16": np.float16}
+    parts = [(p, Interpreter(load_program(bundle / p["package"]))) for p in spec["parts"]]
+    ml = [{s["name"]: np.zeros(s["shape"], np_type[s["dtype"]]) for s in p["ml_states"]} for p in spec["parts"]]
+    io = [{s["input"]: np.zeros(s["shape"], np_type[s["dtype"]]) for s in p["io_states"]} for p in spec["parts"]]
+    position = 0
+
+    def int32_array(values, f, tokens):
+        shape = [tokens if d < 0 else d for d in f["shape"]]
+        n = int(np.prod(shape))
+        return np.array(values if len(values) == n else [values[0] + j for j in range(n)], np.int32).reshape(shape)
+
+    def forward(tokens):
+        nonlocal position
+        fname = spec["functions"]["decode" if len(tokens) == 1 else "prefill"]
+        x = int32_array(tokens, spec["parts"][0]["input"], len(tokens))
+        for i, (p, interp) in enumerate(parts):
+            feeds = {p["input"]["name"]: x, p["position"]["name"]: int32_array([position], p["position"], len(tokens)),
+                     **io[i]}
+            out = interp.run(fname, feeds, ml[i])
+            for s in p["io_states"]:
+                io[i][s["input"]] = out[s["output"]]
+            x = out[p["output"]["name"]]
+        position += len(tokens)
+        return np.asarray(x, np.float32).reshape(-1)
+
+    prompt = [3, 17, 42, 9, 100, 5, 7, 61, 2, 11, 250, 8, 19, 77, 1, 30, 64, 12, 90]  # one chunk of 16 + 3 decodes
+    chunk = spec["prefill_chunk"]
+    i = 0
+    while len(prompt) - i >= chunk:
+        logits = forward(prompt[i:i + chunk])
+        i += chunk
+    for t in prompt[i:]:
+        logits = forward([t])
+    got = []
+    for _ in range(6):
+        got.append(int(np.argmax(logits)))
+        logits = forward([got[-1]])
+    assert got == open_bundle(bundle).generate(prompt, 6, stop_at_eos=False).output_ids
+
+
+@pytest.mark.parametrize("mutation", ["state name", "dtype", "function name", "hard-coded name", "dropped state"])
+def test_swift_check_catches_a_changed_name(coreml_bundles, tmp_path, mutation):
+    bundle = coreml_bundles["int4-parts"]
+    record = write_kit(bundle, tmp_path / "kit", "ios")
+    src = tmp_path / "kit" / "Sources" / record["name"]
+    spec_file, driver = src / "KitSpec.swift", src / "DeltashipModel.swift"
+    text = spec_file.read_text()
+    io0 = record["swift"]["parts"][0]["io_states"][0]
+    if mutation == "state name":
+        spec_file.write_text(text.replace(f'"{io0["output"]}"', f'"{io0["output"]}x"', 1))
+    elif mutation == "dtype":
+        spec_file.write_text(text.replace("dataType: .float16)", "dataType: .float32)", 1))
+    elif mutation == "function name":
+        spec_file.write_text(text.replace('decodeFunction = "decode"', 'decodeFunction = "decode_step"'))
+    elif mutation == "hard-coded name":
+        driver.write_text(driver.read_text().replace("for s in part.spec.ioStates { feeds[s.input] = io[i][s.input] }",
+                                                     'feeds["past_conv_0"] = io[i]["past_conv_0"]'))
+    else:
+        spec_file.write_text(re.sub(r"\n\s*IOState\([^\n]*", "", text, count=1))
+    problems = check_swift_kit(tmp_path / "kit", bundle)
+    assert problems
+    if mutation != "hard-coded name":  # also wrong against the package, not only against kit.json
+        assert any("package" in p or "never names" in p for p in problems if "kit.json" not in p), problems
+
+
+def test_existing_kit_needs_force(coreml_bundles, tmp_path):
+    bundle = coreml_bundles["fp32"]
+    write_kit(bundle, tmp_path / "kit", "ios")
+    (tmp_path / "kit" / "mine.txt").write_text("x")
+    with pytest.raises(DeltashipError, match="already exists"):
+        write_kit(bundle, tmp_path / "kit", "ios")
+    assert (tmp_path / "kit" / "mine.txt").exists()
+    write_kit(bundle, tmp_path / "kit", "ios", force=True)
+    assert not (tmp_path / "kit" / "mine.txt").exists()
+    with pytest.raises(DeltashipError, match="coreml bundle; the android kit runs onnx or executorch"):
+        write_kit(bundle, tmp_path / "kit2", "android")
+
+
+# ---------------------------------------------------------------- Kotlin / Android
+
+@pytest.fixture(scope="module")
+def android_bundles(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("android")
+    return {"onnx": _export(root, "onnx", "fp32"), "onnx-int4": _export(root, "onnx", "int4"),
+            "executorch": _export(root, "executorch", "fp32")}
+
+
+GENAI_OPTIONS = {"max_length"}  # onnxruntime-genai search option the genai driver sets by name
+
+
+def _kotlin_sources(kit: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in (kit / "src").rglob("*.kt")}
+
+
+def onnx_io(model: Path) -> tuple[dict, dict]:
+    """name -> (shape with -1 for a symbolic dimension, dtype) of the graph's inputs and outputs."""
+    import onnx
+    g = onnx.load(str(model), load_external_data=False).graph
+
+    def info(v) -> tuple[list[int], str]:
+        t = v.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
+        name = onnx.TensorProto.DataType.Name(t.elem_type)
+        return dims, {"FLOAT": "float32", "FLOAT16": "float16", "INT64": "int64", "INT32": "int32"}.get(name, name)
+
+    return {v.name: info(v) for v in g.input}, {v.name: info(v) for v in g.output}
+
+
+def check_kotlin_kit(kit: Path, bundle: Path) -> list[str]:
+    """Every name/shape/dtype/file the Kotlin sources use against the bundle's artifact; [] when they agree."""
+    from deltaship.apps.kotlin import identifier_literals, parse_kit_spec
+    texts = _kotlin_sources(kit)
+    spec = parse_kit_spec(texts["KitSpec.kt"])
+    record = json.loads((kit / "kit.json").read_text())["kotlin"]
+    problems = [f"KitSpec.kt {k} differs from kit.json" for k in spec if spec[k] != record.get(k)]
+    names = set(spec["files"].values())
+    problems += [f"bundle has no {f}" for f in names if not (bundle / f).is_file()]
+    model = bundle / spec["files"]["model"]
+    if model.is_file() and "tokens" in spec:
+        ins, outs = onnx_io(model)
+        kin = [spec["tokens"], spec["position"]] + [dict(s, name=s["input"]) for s in spec["states"]]
+        kout = [spec["logits"]] + [dict(s, name=s["output"]) for s in spec["states"]]
+        for kind, have, feats in (("input", ins, kin), ("output", outs, kout)):
+            for f in feats:
+                if have.get(f["name"]) != (f["shape"], f["dtype"]):
+                    problems.append(f"{kind} {f['name']}: kotlin {(f['shape'], f['dtype'])}, graph {have.get(f['name'])}")
+            missing = set(have) - {f["name"] for f in feats}
+            if missing:
+                problems.append(f"graph {kind}s the kotlin never names: {sorted(missing)}")
+        if spec["vocab_size"] != outs.get(spec["logits"]["name"], ([0], ""))[0][-1]:
+            problems.append(f"VOCAB_SIZE {spec['vocab_size']} is not the logits' last dimension")
+        names |= {f["name"] for f in kin + kout}
+    elif model.is_file():
+        meta = pte_metadata(model)
+        if meta["get_max_context_len"] != [spec["max_context"]]:
+            problems.append(f"MAX_CONTEXT {spec['max_context']} != get_max_context_len {meta['get_max_context_len']}")
+        if sorted(meta["get_eos_ids"]) != spec["eos_token_ids"]:
+            problems.append(f"EOS_TOKEN_IDS {spec['eos_token_ids']} != get_eos_ids {meta['get_eos_ids']}")
+        runner_needs = {"forward", "get_max_seq_len", "get_max_context_len", "use_kv_cache", "enable_dynamic_shape",
+                        "get_eos_ids"}
+        if not runner_needs <= set(meta):
+            problems.append(f"the .pte lacks methods ExecuTorch's runner reads: {sorted(runner_needs - set(meta))}")
+        fwd = meta["forward"]
+        if [d for d, _ in fwd["inputs"]] != ["Long", "Long"] or len(fwd["inputs"][1][1]) != 1:  # Long = int64
+            problems.append(f"forward takes {fwd['inputs']}, not (tokens int64 [1, T], input_pos int64 [1])")
+    stray = set().union(*(identifier_literals(t) for t in texts.values())) - names - GENAI_OPTIONS
+    if stray:
+        problems.append(f"names in the kotlin sources that are not in the bundle: {sorted(stray)}")
+    problems += [f"{f}: {p}" for f, t in texts.items() for p in unbalanced(t)]
+    problems += [f"build.gradle.kts: {p}" for p in unbalanced((kit / "build.gradle.kts").read_text())]
+    return problems
+
+
+def pte_metadata(pte: Path) -> dict:
+    """Constant methods' values and forward's input dtypes/shapes, read with executorch.runtime."""
+    from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers llama:: kernels)
+    from executorch.runtime import Runtime
+    program = Runtime.get().load_program(str(pte))
+    out: dict = {}
+    for name in program.method_names:
+        if name == "forward":
+            m = program.load_method(name).metadata
+            # dtype() is c10's ScalarType (an int in this binding: 4 = Long)
+            out[name] = {"inputs": [({"4": "Long"}.get(str(m.input_tensor_meta(i).dtype()).split(".")[-1],
+                                                   str(m.input_tensor_meta(i).dtype()).split(".")[-1]),
+                                     list(m.input_tensor_meta(i).sizes())) for i in range(m.num_inputs())]}
+        else:
+            out[name] = list(program.load_method(name).execute([]))
+    return out
+
+
+@pytest.mark.parametrize("which", ["onnx", "onnx-int4", "executorch"])
+def test_kotlin_kit_names_match_the_artifact(android_bundles, tmp_path, which):
+    bundle = android_bundles[which]
+    record = write_kit(bundle, tmp_path / "kit", "android")
+    assert check_kotlin_kit(tmp_path / "kit", bundle) == []
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    gradle = (tmp_path / "kit" / "build.gradle.kts").read_text()
+    if which == "executorch":
+        assert record["drivers"] == ["DeltashipExecuTorchModel.kt"]
+        assert f'implementation("org.pytorch:executorch-android:{manifest["tools"]["executorch"]}")' in gradle
+        driver = _kotlin_sources(tmp_path / "kit")["DeltashipExecuTorchModel.kt"]
+        for api in ("LlmModule(", "module.load()", "LlmGenerationConfig.create()", "module.generate(prompt, config,"):
+            assert api in driver
+    else:
+        assert record["drivers"] == ["DeltashipOrtModel.kt"]
+        assert f'onnxruntime-android:{manifest["tools"]["onnxruntime"]}"' in gradle
+        assert len(record["kotlin"]["states"]) == len(manifest["states"])
+    assert "not compiled or run by deltaship" in (tmp_path / "kit" / "README.md").read_text().lower()
+
+
+def test_onnx_kit_contract_reproduces_deltaship_generate(android_bundles, tmp_path):
+    """The Kotlin driver's loop, replayed in Python on onnxruntime from KitSpec.kt alone (zeros, chunks of
+    PREFILL_CHUNK, present -> past, position semantics, last row of the logits), gives the same greedy
+    tokens as deltaship's own session."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from deltaship.apps.kotlin import parse_kit_spec
+    from deltaship.runtimes import open_bundle
+    bundle = android_bundles["onnx"]
+    write_kit(bundle, tmp_path / "kit", "android")
+    spec = parse_kit_spec(_kotlin_sources(tmp_path / "kit")["KitSpec.kt"])
+    spec["prefill_chunk"] = 5  # several calls for a 12-token prompt (the driver only needs chunk <= PREFILL_CHUNK)
+    np_type = {"int64": np.int64, "int32": np.int32, "float32": np.float32, "float16": np.float16}
+    sess = ort.InferenceSession(str(bundle / spec["files"]["model"]), providers=["CPUExecutionProvider"])
+    carried = {s["input"]: np.zeros(s["shape"], np_type[s["dtype"]]) for s in spec["states"]}
+    position = 0
+
+    def integers(f, t, values):
+        shape = [t if d < 0 else d for d in f["shape"]]
+        n = int(np.prod(shape))
+        return np.array(values[:n] if len(values) >= n else [values[0] + j for j in range(n)],
+                        np_type[f["dtype"]]).reshape(shape)
+
+    def forward(tokens):
+        nonlocal position
+        feeds = {spec["tokens"]["name"]: integers(spec["tokens"], len(tokens), tokens),
+                 spec["position"]["name"]: integers(spec["position"], len(tokens), [position]), **carried}
+        names = [spec["logits"]["name"]] + [s["output"] for s in spec["states"]]
+        out = dict(zip(names, sess.run(names, feeds)))
+        for s in spec["states"]:
+            carried[s["input"]] = out[s["output"]]
+        position += len(tokens)
+        return out[spec["logits"]["name"]].reshape(-1)[-spec["vocab_size"]:]
+
+    prompt = [3, 17, 42, 9, 100, 5, 7, 61, 2, 11, 250, 8]
+    logits = None
+    for i in range(0, len(prompt), spec["prefill_chunk"]):
+        logits = forward(prompt[i:i + spec["prefill_chunk"]])
+    got = []
+    for _ in range(8):
+        got.append(int(np.argmax(logits)))
+        logits = forward([got[-1]])
+    assert got == open_bundle(bundle).generate(prompt, 8, stop_at_eos=False).output_ids
+
+
+@pytest.mark.parametrize("mutation", ["state name", "dtype", "shape", "hard-coded name", "model file"])
+def test_kotlin_check_catches_a_changed_name(android_bundles, tmp_path, mutation):
+    bundle = android_bundles["onnx-int4"]
+    write_kit(bundle, tmp_path / "kit", "android")
+    src = next((tmp_path / "kit" / "src").rglob("KitSpec.kt")).parent
+    spec_file, driver = src / "KitSpec.kt", src / "DeltashipOrtModel.kt"
+    text = spec_file.read_text()
+    if mutation == "state name":
+        spec_file.write_text(text.replace('"present.0.conv"', '"present.0.conv_state"'))
+    elif mutation == "dtype":
+        spec_file.write_text(text.replace("DType.INT64)", "DType.INT32)", 1))
+    elif mutation == "shape":
+        spec_file.write_text(text.replace("longArrayOf(1, -1)", "longArrayOf(1, 16)", 1))
+    elif mutation == "hard-coded name":
+        driver.write_text(driver.read_text().replace("feeds[KitSpec.POSITION.name] = pos", 'feeds["position_ids"] = pos'))
+    else:
+        spec_file.write_text(text.replace('"model.onnx"', '"model_q4.onnx"'))
+    problems = check_kotlin_kit(tmp_path / "kit", bundle)
+    assert problems
+    if mutation != "hard-coded name":
+        assert any("kit.json" not in p for p in problems), problems
+
+
+def test_executorch_check_catches_a_wrong_constant(android_bundles, tmp_path):
+    bundle = android_bundles["executorch"]
+    write_kit(bundle, tmp_path / "kit", "android")
+    spec_file = next((tmp_path / "kit" / "src").rglob("KitSpec.kt"))
+    text = spec_file.read_text()
+    spec_file.write_text(text.replace("MAX_CONTEXT = 128", "MAX_CONTEXT = 4096"))
+    assert any("get_max_context_len" in p for p in check_kotlin_kit(tmp_path / "kit", bundle))
+    spec_file.write_text(text.replace('"model.pte"', '"llama.pte"'))
+    assert any("bundle has no llama.pte" in p for p in check_kotlin_kit(tmp_path / "kit", bundle))
+
+
+def test_genai_driver_when_the_bundle_has_genai_config(android_bundles, tmp_path):
+    import shutil
+    bundle = tmp_path / "bundle"
+    shutil.copytree(android_bundles["onnx"], bundle)
+    if not (bundle / "genai_config.json").exists():  # bundles from before genai_config.json was written
+        (bundle / "genai_config.json").write_text(json.dumps({"model": {"type": "decoder", "context_length": 128}}))
+    record = write_kit(bundle, tmp_path / "kit", "android")
+    assert record["drivers"] == ["DeltashipOrtModel.kt", "DeltashipGenAiModel.kt"]
+    assert any(d.startswith("com.microsoft.onnxruntime:onnxruntime-genai-android:") for d in record["gradle"])
+    assert check_kotlin_kit(tmp_path / "kit", bundle) == []
+    driver = _kotlin_sources(tmp_path / "kit")["DeltashipGenAiModel.kt"]
+    for api in ("Model(bundleDir.path)", "Tokenizer(model)", "GeneratorParams(model)", "Generator(model, params)",
+                "appendTokens(ids)", "generateNextToken()", "getLastTokenInSequence(0)"):
+        assert api in driver

@@ -176,6 +176,14 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     _add_target_options(e)
 
 
+def _app(a: argparse.Namespace) -> int:
+    from deltaship.apps import write_kit
+    record = write_kit(Path(a.bundle), Path(a.out), a.platform, force=a.force)
+    print(f"wrote the {a.platform} kit to {a.out}: " + ", ".join(record.get("files", [])))
+    print(f"next: read {Path(a.out) / 'README.md'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from deltaship import __version__
     p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
@@ -251,6 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--runner-args", default=None, help="Android: runner arguments ({model}, {prompt_length}, ...)")
     pr.add_argument("--quiet", action="store_true")
     pr.set_defaults(func=_profile)
+
+    from deltaship.apps import PLATFORMS
+    ap = sub.add_parser("app", help="write the app integration kit for a bundle (Swift, Kotlin, JavaScript)")
+    ap.add_argument("bundle")
+    ap.add_argument("--platform", required=True, choices=PLATFORMS,
+                    help="ios: Swift over Core ML; android: Kotlin over onnxruntime-android/-genai or ExecuTorch; "
+                         "web/desktop: JavaScript over onnxruntime-web/-node")
+    ap.add_argument("--out", required=True, help="kit directory to write")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out")
+    ap.set_defaults(func=_app)
 
     v = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of a bundle against the fp32 reference")
     v.add_argument("bundle")

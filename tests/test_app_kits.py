@@ -217,7 +217,7 @@ def test_swift_kit_contract_reproduces_deltaship_generate(coreml_bundles, tmp_pa
 
     from deltaship.apps.swift import parse_kit_spec
     from deltaship.runtimes import open_bundle
-    from deltaship.runtimes.mil_eval import Interpreter, load_program
+    from deltaship.export.coreml.mil_eval import Interpreter, load_program
     bundle = coreml_bundles[which]
     record = write_kit(bundle, tmp_path / "kit", "ios")
     spec = parse_kit_spec((tmp_path / "kit" / "Sources" / record["name"] / "KitSpec.swift").read_text())

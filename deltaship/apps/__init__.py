@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from deltaship.bundle import read_manifest, require_intact
+from deltaship.bundle.writer import write_dir
 from deltaship.errors import DeltashipError
 
 PLATFORMS = ("android", "ios", "web", "desktop")
@@ -35,18 +35,6 @@ _KITS: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 
 
-def read_manifest(bundle: Path) -> dict[str, Any]:
-    """The bundle's manifest.json (no integrity check: `deltaship verify` does that)."""
-    path = Path(bundle) / "manifest.json"
-    if not path.is_file():
-        raise DeltashipError(f"{bundle}: no manifest.json, so this is not a deltaship bundle",
-                             "pass the directory `deltaship export --out` wrote")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DeltashipError(f"{path}: not valid JSON ({e})", "re-export the bundle") from e
-
-
 def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> dict[str, Any]:
     """Write the app kit for `platform` from `bundle` into `out`; returns the kit record (kit.json).
 
@@ -57,13 +45,12 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
     if platform not in _KITS:
         raise DeltashipError(f"unknown platform {platform!r}", f"use one of {', '.join(PLATFORMS)}")
     module_name, targets, fix = _KITS[platform]
-    manifest = read_manifest(bundle)
+    manifest = read_manifest(bundle)  # refuses other schema versions, naming the export that rebuilds them
+    require_intact(bundle, manifest)
     target = manifest.get("target")
     if target not in targets:
         raise DeltashipError(f"{bundle} is a {target} bundle; the {platform} kit runs {' or '.join(targets)} bundles",
                              fix)
-    if out.exists() and not force:
-        raise DeltashipError(f"{out} already exists", "pass force=True (--force) to replace it, or another --out")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -72,9 +59,7 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
         raise DeltashipError(f"the {platform} kit generator ({module_name}) is not installed in this deltaship",
                              "update deltaship to a version with web/desktop kits, or use --platform ios|android") from e
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    def build(tmp: Path) -> dict[str, Any]:
         if platform in ("ios", "android"):  # generate(bundle, manifest, out) -> the kit record
             record = module.generate(bundle, manifest, tmp)
         else:  # deltaship.apps.web's interface: write_kit(bundle, out, platform) -> written files
@@ -85,13 +70,9 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
         record = {"kit": "deltaship.app", "platform": platform, **record}
         if not (tmp / KIT_RECORD).exists():
             (tmp / KIT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return record
+        return record
+
+    return write_dir(out, force, build)
 
 
 def kit_name(manifest: dict[str, Any]) -> str:

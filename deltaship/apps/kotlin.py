@@ -46,12 +46,18 @@ def kit_spec(bundle: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     common = {"target": target, "files": files, "max_context": int(manifest["max_context"]),
               "prefill_chunk": int(manifest["prefill_chunk"]),
               "eos_token_ids": sorted(int(t) for t in manifest["tokens"]["eos"])}
-    if target == "executorch":
-        return {**common, "runtime": "executorch",
-                "gradle": [f"org.pytorch:executorch-android:{tools['executorch']}"]}
-    if target != "onnx":
-        raise DeltashipError(f"the Android kit runs onnx or executorch bundles, not {target}",
+    make = _RUNTIME_SPECS.get(target)
+    if make is None:
+        raise DeltashipError(f"the Android kit runs {' or '.join(_RUNTIME_SPECS)} bundles, not {target}",
                              "export with --target onnx or --target executorch")
+    return make(bundle, manifest, common, tools)
+
+
+def _executorch_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], tools: dict[str, str]) -> dict:
+    return {**common, "runtime": "executorch", "gradle": [f"org.pytorch:executorch-android:{tools['executorch']}"]}
+
+
+def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], tools: dict[str, str]) -> dict:
     kinds = {i["kind"]: i for i in manifest["inputs"]}
     logits = next(o for o in manifest["outputs"] if o["kind"] == "logits")
 
@@ -73,6 +79,12 @@ def kit_spec(bundle: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         spec["genai"] = {"config": genai.name, "version": version,
                          "gradle": f"com.microsoft.onnxruntime:onnxruntime-genai-android:{version}"}
     return spec
+
+
+
+
+# bundle target -> the Android runtime the kit drives it with
+_RUNTIME_SPECS = {"onnx": _onnx_spec, "executorch": _executorch_spec}
 
 
 def render_kit_spec(spec: dict[str, Any]) -> str:

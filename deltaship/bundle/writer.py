@@ -10,11 +10,13 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from deltaship.errors import DeltashipError
 from deltaship.files import sha256_file
 from deltaship.bundle.format import MANIFEST, SCHEMA, SCHEMA_VERSION
+
+T = TypeVar("T")
 
 
 def check_destination(out: Path, force: bool) -> None:
@@ -64,12 +66,11 @@ def write_manifest(tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def finalize(tmp: Path, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Hash every file, write the manifest, then atomically move the directory into place."""
-    write_manifest(tmp, manifest)
+def move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished staging directory to `out` (an old `out` is moved aside first, then removed)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; the bundle gets normal permissions
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; the result gets normal permissions
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -77,22 +78,28 @@ def finalize(tmp: Path, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     tmp.rename(out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    return manifest
 
 
-def write_bundle(out: Path, force: bool, build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
-    """Run `build(tmp_dir) -> manifest` and publish the result at `out`; clean up on any failure."""
+def write_dir(out: Path, force: bool, build: Callable[[Path], T]) -> T:
+    """Run `build(tmp_dir)` in a staging directory beside `out` and publish it at `out` only when it returned;
+    on any failure (an exception, Ctrl-C, SIGTERM through the CLI) nothing is left. Bundles and app kits."""
     out = Path(out)
     check_destination(out, force)
     if out.parent.is_dir():
         sweep_stale_partials(out)
     tmp = staging_dir(out)
     try:
-        manifest = build(tmp)
-        return finalize(tmp, out, manifest)
+        result = build(tmp)
+        move_into_place(tmp, out)
+        return result
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_bundle(out: Path, force: bool, build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """Run `build(tmp_dir) -> manifest`, hash the files into it and publish the bundle at `out`."""
+    return write_dir(out, force, lambda tmp: write_manifest(tmp, build(tmp)))
 
 
 def tool_versions(*packages: str) -> dict[str, str]:

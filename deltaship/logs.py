@@ -14,4 +14,5 @@ def quiet_third_party() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("TQDM_DISABLE", "1")  # coremltools' pass-pipeline progress bars
     warnings.filterwarnings("ignore", message=".*has not been tested with coremltools.*")
-    warnings.filterwarnings("ignore", module="coremltools")
+    for module in ("coremltools", "executorch", "torchao", "torch.utils._pytree", "torch.export", "copyreg"):
+        warnings.filterwarnings("ignore", module=module)  # version and deprecation notices the user cannot act on

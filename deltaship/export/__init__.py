@@ -6,45 +6,15 @@ import inspect
 import json
 import shutil
 import sys
-import time
 import types
 from pathlib import Path
 from typing import Any, Callable
 
 from deltaship.errors import DeltashipError
+from deltaship.progress import Progress
 from deltaship.targets import PRECISIONS, Target, TargetOptions, all_targets, flag, get_target
 
 EVAL_TOKENS = 256  # held-out tokens evaluated at export (deltaship eval defaults to 512)
-
-
-class Progress:
-    """Step lines on stderr, with elapsed time; quiet when disabled."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.t0 = time.monotonic()
-        self.tty = sys.stderr.isatty()
-        self._inline = False
-
-    def __call__(self, msg: str, inline: bool = False) -> None:
-        if not self.enabled:
-            return
-        line = f"[{time.monotonic() - self.t0:6.1f}s] {msg}"
-        if inline and self.tty:
-            sys.stderr.write("\r" + line[:120].ljust(120))
-            self._inline = True
-        else:
-            if self._inline:
-                sys.stderr.write("\n")
-                self._inline = False
-            if not inline:
-                sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-    def done(self) -> None:
-        if self._inline and self.enabled:
-            sys.stderr.write("\n")
-            self._inline = False
 
 
 def check_options(target: str, precision: str, max_context: int | None, block_size: int, deltanet_int8: bool,

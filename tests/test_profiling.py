@@ -217,6 +217,10 @@ def test_html_report_renders_in_headless_chromium(bundle, tmp_path):
            f"--user-data-dir={tmp_path / 'chrome'}", "--virtual-time-budget=5000", "--dump-dom", report.as_uri()]
     dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
     import re
+    summary = re.search(r'<table id="summary">(.*?)</table>', dom, re.S).group(1)
+    assert "decode_tok_s (from ctx" in summary and "prefill_tok_s (P=" in summary and "tok/s" in summary
+    device = re.search(r'<table id="device">(.*?)</table>', dom, re.S).group(1)
+    assert "<th>cores</th>" in device and "{" not in device  # a table, not the raw JSON
     m = re.search(r'<span id="check" data-expected="(\d+)">(\d+)/(\d+)</span>', dom)
     assert m, dom[-2000:]
     expected, loaded, total = map(int, m.groups())

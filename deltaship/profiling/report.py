@@ -19,9 +19,9 @@ def _fmt(value: float, unit: str) -> str:
 
 def _where(r: dict) -> str:
     parts = []
-    for k, label in (("prompt_length", "P"), ("context", "ctx"), ("op_kind", "op")):
+    for k, label in (("prompt_length", "P="), ("from_context", "from ctx "), ("context", "ctx="), ("op_kind", "op=")):
         if r.get(k) is not None:
-            parts.append(f"{label}={r[k]}")
+            parts.append(f"{label}{r[k]}")
     return " ".join(parts)
 
 
@@ -148,6 +148,29 @@ def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     return paths
 
 
+def summary(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """The headline numbers, for the top of the report: prefill per prompt length, decode, TTFT, peak memory."""
+    out = []
+    for r in doc["results"]:
+        if not r.get("samples") or r["metric"] not in ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_bytes",
+                                                        "gpu_peak_bytes", "load_cold_s"):
+            continue
+        where = _where(r)
+        out.append((f"{r['metric']}{' (' + where + ')' if where else ''}",
+                     f"{_fmt(r['median'], r['unit'])} {SHOWN.get(r['unit'], r['unit'])}"))
+    if doc.get("fit"):
+        out.append((f"fits {doc['fit']['tier']}", "yes" if doc["fit"]["fits"] else "no"))
+    return out
+
+
+def _plain(v: Any) -> str:
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {_plain(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        return "; ".join(_plain(x) for x in v)
+    return str(v)
+
+
 def write_html(doc: dict[str, Any], path: Path) -> Path:
     """One self-contained HTML file (plots inlined as data URIs). A small script reports, in
     #check, how many plots the browser decoded, so a headless browser test can read it."""
@@ -155,7 +178,11 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
     e = html.escape
     body = [f"<h1>deltaship profile: {e(doc['bundle']['name'])}</h1>",
             f"<p>{e(doc['bundle']['target'])} / {e(doc['bundle']['precision'])}, created {e(doc.get('created', ''))}</p>",
-            "<h2>Device</h2><pre>" + e(json.dumps(doc.get("device", {}), indent=1)) + "</pre>"]
+            "<h2>Summary</h2><table id='summary'>" + "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>"
+                                                            for k, v in summary(doc)) + "</table>",
+            "<h2>Device</h2><table id='device'>" + "".join(
+                f"<tr><th>{e(str(k))}</th><td>{e(_plain(v))}</td></tr>" for k, v in doc.get("device", {}).items()
+                if v not in (None, "", [], {})) + "</table>"]
     if doc.get("emulation"):
         body.append("<h2>Tier emulation</h2><pre>" + e(json.dumps(doc["emulation"], indent=1)) + "</pre>")
     if doc.get("fit"):
@@ -172,7 +199,7 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
               "'/'+imgs.length;});</script>")
     page = ("<!doctype html><html><head><meta charset='utf-8'><title>deltaship profile</title><style>"
             "body{font-family:sans-serif;max-width:1000px;margin:auto}pre{font-size:12px;overflow-x:auto}"
-            "img{max-width:100%}</style></head><body>" + "\n".join(body) + script + "</body></html>")
+            "img{max-width:100%}th{text-align:left;padding-right:1em}</style></head><body>" + "\n".join(body) + script + "</body></html>")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page)
     return path

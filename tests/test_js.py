@@ -1,0 +1,201 @@
+"""The JavaScript driver (deltaship/apps/js) in its real runtimes: onnxruntime-node 1.30 and onnxruntime-web in
+headless Chromium (wasm and WebGPU on the SwiftShader adapter), token for token against `deltaship generate`.
+
+Needs node/npm (the test installs the package's pinned npm dependencies when node_modules is missing) and
+Chromium for the browser tests. A missing tool fails the test with the install step; set
+DELTASHIP_SKIP_JS=1 to skip these tests instead (DELTASHIP_SKIP_WEBGPU=1: only the WebGPU one).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import threading
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from deltaship.export import export
+from deltaship.runtimes.commands import generate
+
+PKG = Path(__file__).resolve().parent.parent / "deltaship" / "apps" / "js"
+# byte-level tokenizer: 1 token, 7 tokens, and 26 tokens (over three chunks of 8)
+PROMPTS = ["a", "The cat", "Once upon a time there was"]
+NEW_TOKENS = 24
+
+if os.environ.get("DELTASHIP_SKIP_JS"):
+    pytest.skip("DELTASHIP_SKIP_JS is set", allow_module_level=True)
+
+
+def _tool(name: str, install: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed; the JS driver tests need it: {install} "
+                    "(or set DELTASHIP_SKIP_JS=1 to skip these tests)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def node() -> str:
+    """node, with the package's npm dependencies installed (from package-lock.json) if they are missing."""
+    path = _tool("node", "apt-get install -y nodejs npm (Node 18 or newer)")
+    if not (PKG / "node_modules" / "onnxruntime-node").is_dir():
+        npm = _tool("npm", "apt-get install -y npm")
+        # The install script of onnxruntime-node downloads CUDA binaries; the CPU library is in the package.
+        run = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=PKG, text=True,
+                             capture_output=True, env={**os.environ, "ONNXRUNTIME_NODE_INSTALL": "skip"})
+        assert run.returncode == 0, f"npm ci in {PKG} failed:\n{run.stderr[-3000:]}"
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    """The trained tiny preset, prefill chunk 8: fp32, int4, fp32 with external data, contrib DeltaNet ops."""
+    root = tmp_path_factory.mktemp("js-bundles")
+    variants = {"fp32": {}, "int4": {"precision": "int4"}, "external": {"external_data": True},
+                "contrib": {"onnx_deltanet_ops": "contrib"}}
+    out = {}
+    for name, opts in variants.items():
+        out[name] = root / name
+        export("qwen3.5-tiny", out[name], prefill_chunk=8, max_context=256, verify=False, progress=False, **opts)
+    return out
+
+
+def _python_tokens(bundle: Path) -> list[dict]:
+    return [generate(bundle, prompt=p, max_new_tokens=NEW_TOKENS) for p in PROMPTS]
+
+
+def _node_generate(node: str, bundle: Path) -> list[dict]:
+    run = subprocess.run([node, "examples/generate.mjs", str(bundle), *PROMPTS, "--max-new-tokens", str(NEW_TOKENS),
+                          "--json"], cwd=PKG, text=True, capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+def _assert_same(js: list[dict], py: list[dict]) -> None:
+    assert len(js) == len(PROMPTS)
+    for prompt, j, p in zip(PROMPTS, js, py):
+        assert j["inputIds"] == p["input_ids"], f"{prompt!r}: the JS tokenizer's ids differ"
+        assert j["outputIds"] == p["output_ids"], f"{prompt!r}: JS {j['outputIds']} != deltaship {p['output_ids']}"
+        assert j["text"] == p["text"]
+    assert [len(p["input_ids"]) for p in py] == [1, 7, 26]
+    assert any(len(set(p["output_ids"])) > 3 for p in py)  # a trained model, not a constant
+
+
+def test_js_unit(node):
+    """The driver's I/O contract with a checking fake session: position [1] and position_ids [1, T] forms."""
+    run = subprocess.run([node, "--test", "test/unit.test.mjs"], cwd=PKG, text=True, capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "# fail 0" in run.stdout and "# pass 0" not in run.stdout
+
+
+@pytest.mark.parametrize("variant", ["fp32", "int4", "external", "contrib"])
+def test_node_matches_deltaship_generate(node, tiny, variant):
+    bundle = tiny[variant]
+    if variant == "external":
+        assert (bundle / "model.onnx.data").is_file() and (bundle / "model.onnx").stat().st_size < 1 << 20
+    _assert_same(_node_generate(node, bundle), _python_tokens(bundle))
+
+
+def test_node_refuses_unknown_schema_and_other_targets(node, tiny, tmp_path):
+    for change, expect in [({"schema_version": 99}, "schema_version 99 is not one this driver reads"),
+                           ({"target": "executorch"}, "this is a executorch bundle")]:
+        bad = tmp_path / f"bad-{next(iter(change))}"
+        shutil.copytree(tiny["fp32"], bad)
+        manifest = json.loads((bad / "manifest.json").read_text())
+        (bad / "manifest.json").write_text(json.dumps({**manifest, **change}))
+        run = subprocess.run([node, "examples/generate.mjs", str(bad), "a"], cwd=PKG, text=True, capture_output=True)
+        assert run.returncode == 1 and expect in run.stderr and "fix: export again with" in run.stderr, run.stderr
+
+
+# ---- the browser --------------------------------------------------------------------------------------
+class _Server:
+    """Serves the package (page, src, node_modules) at / and each bundle at /bundles/NAME/; takes POST /result."""
+
+    def __init__(self, bundles: dict[str, Path]):
+        self.results: list[dict] = []
+        self.posted = threading.Event()
+        outer = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map, ".mjs": "text/javascript",
+                              ".js": "text/javascript", ".wasm": "application/wasm"}
+
+            def __init__(self, *a, **k):
+                super().__init__(*a, directory=str(PKG), **k)
+
+            def translate_path(self, path):
+                parts = urllib.parse.urlsplit(path).path.split("/")
+                if len(parts) > 3 and parts[1] == "bundles" and parts[2] in bundles:
+                    return str(bundles[parts[2]].joinpath(*parts[3:]))
+                return super().translate_path(path)
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.results.append(json.loads(body))
+                self.send_response(204)
+                self.end_headers()
+                outer.posted.set()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    pytest.fail("Chromium is not installed; the browser tests need it: apt-get install -y chromium "
+                "(or set DELTASHIP_SKIP_JS=1 to skip the JS tests)")
+
+
+def _browser_run(node, bundles: dict[str, Path], name: str, ep: str, tmp_path: Path, flags: list[str]) -> dict:
+    server = _Server(bundles)
+    query = urllib.parse.urlencode({"bundle": f"/bundles/{name}/", "ep": ep, "n": NEW_TOKENS,
+                                    "prompts": json.dumps(PROMPTS)})
+    url = f"http://127.0.0.1:{server.port}/test/page.html?{query}"
+    cmd = [_chromium(), "--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--no-first-run",
+           f"--user-data-dir={tmp_path / 'profile'}", *flags, url]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        posted = server.posted.wait(timeout=240)
+    finally:
+        proc.terminate()
+        try:
+            log = proc.communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log = proc.communicate()[0]
+        server.close()
+    assert posted, f"the page reported nothing within 240 s; Chromium said:\n{log[-4000:]}"
+    return server.results[0]
+
+
+@pytest.mark.parametrize("variant", ["fp32", "external"])
+def test_chromium_wasm_matches_deltaship_generate(node, tiny, tmp_path, variant):
+    report = _browser_run(node, tiny, variant, "wasm", tmp_path, [])
+    assert "error" not in report, report["error"]
+    _assert_same(report["results"], _python_tokens(tiny[variant]))
+    assert report["locations"] == ["cpu"]
+
+
+def test_chromium_webgpu_matches_deltaship_generate(node, tiny, tmp_path):
+    if os.environ.get("DELTASHIP_SKIP_WEBGPU"):
+        pytest.skip("DELTASHIP_SKIP_WEBGPU is set")
+    flags = ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader", "--enable-features=Vulkan"]
+    report = _browser_run(node, tiny, "fp32", "webgpu", tmp_path, flags)
+    assert "error" not in report, report["error"]
+    _assert_same(report["results"], _python_tokens(tiny["fp32"]))
+    assert report["locations"] == ["gpu-buffer"], "the states did not stay on the GPU between calls"

@@ -169,14 +169,16 @@ export function sample(logits, { temperature = 0, topK = 0, random = Math.random
  */
 export class Session {
   /**
-   * @param {{ort: object, session: object, manifest: object, tokenizer: object|null, gpuStates?: boolean}} parts
+   * @param {{ort: object, session: object, manifest: object, tokenizer: object|null, sharedState?: function}} parts
    */
-  constructor({ ort, session, manifest, tokenizer, gpuStates = false }) {
+  constructor({ ort, session, manifest, tokenizer, sharedState = null }) {
     this.ort = ort;
     this.session = session;
     this.manifest = manifest;
     this.tokenizer = tokenizer;
-    this.gpuStates = gpuStates;
+    // sharedState(state) -> a tensor fed as both past and present (one buffer updated in place), or null
+    this.sharedState = sharedState;
+    this.shared = new Set();
     this.plan = ioPlan(manifest);
     this.vocabSize = manifest.model.vocab_size;
     this.maxContext = manifest.max_context;
@@ -197,7 +199,13 @@ export class Session {
   /** Forget the sequence: zero every state; the next token is at position 0. */
   reset() {
     this.#disposeStates();
-    this.states = Object.fromEntries(this.plan.states.map((s) => [s.name, zeros(this.ort, s)]));
+    this.states = {};
+    this.shared.clear();
+    for (const s of this.plan.states) {
+      const t = this.sharedState?.(s);
+      if (t) this.shared.add(s.name);
+      this.states[s.name] = t ?? zeros(this.ort, s);
+    }
     this.position = 0;
   }
 
@@ -254,7 +262,15 @@ export class Session {
       feeds[plan.position.name] = new ort.Tensor('int64', pos, [1, T]);
     }
     for (const s of plan.states) feeds[s.name] = this.states[s.name];
-    const out = await this.session.run(feeds);
+    let out;
+    if (this.shared.size) {
+      // Every output must be named when some are preallocated; null = ONNX Runtime allocates it.
+      const fetches = Object.fromEntries(this.session.outputNames.map((n) => [n, null]));
+      for (const s of plan.states) if (this.shared.has(s.name)) fetches[s.output] = this.states[s.name];
+      out = await this.session.run(feeds, fetches);
+    } else {
+      out = await this.session.run(feeds);
+    }
     const next = {};
     for (const s of plan.states) {
       next[s.name] = out[s.output];

@@ -1,5 +1,4 @@
 // The browser: files fetched from the URL the bundle is served at, onnxruntime-web (wasm or WebGPU).
-import * as ortWeb from 'onnxruntime-web';
 import { Tokenizer } from '@huggingface/tokenizers';
 import { DeltashipError, Session, checkManifest, modelFiles } from './core.js';
 
@@ -29,10 +28,14 @@ async function fetchJson(url, what, fix) {
  * with the `externalData` session option (needed for models over 2 GB).
  * @param {string} url bundle URL, relative to the page or absolute
  * @param {{executionProvider?: 'wasm'|'webgpu', ort?: object, sessionOptions?: object}} [opts]
- *   ort: an onnxruntime-web module to use instead of the one this package imports
+ *   ort: the onnxruntime-web module to use (default: import('onnxruntime-web/webgpu') for WebGPU,
+ *   import('onnxruntime-web') for wasm); pass your own to set ort.env first (e.g. ort.env.wasm.numThreads)
  * @returns {Promise<Session>}
  */
-export async function openBundle(url, { executionProvider = 'wasm', ort = ortWeb, sessionOptions = {} } = {}) {
+export async function openBundle(url, { executionProvider = 'wasm', ort, sessionOptions = {} } = {}) {
+  // 'onnxruntime-web/webgpu' is the build with ONNX Runtime's native WebGPU provider, whose GroupQueryAttention
+  // updates a static KV cache in place; the default build's (JSEP) GroupQueryAttention cannot.
+  ort ??= executionProvider === 'webgpu' ? await import('onnxruntime-web/webgpu') : await import('onnxruntime-web');
   const base = new URL(url.endsWith('/') ? url : `${url}/`, globalThis.location?.href).href;
   const again = 'serve the directory written by `deltaship export --target onnx --out DIR` at this URL (or export it again)';
   const manifest = checkManifest(await fetchJson(`${base}manifest.json`, 'the bundle manifest', again), base);
@@ -59,5 +62,23 @@ export async function openBundle(url, { executionProvider = 'wasm', ort = ortWeb
     throw new DeltashipError(`${base}${entry}: onnxruntime-web (${executionProvider}) could not load the model: ${e.message ?? e}`,
       'export the bundle again with this version of deltaship; for WebGPU a float16 bundle needs a GPU with shader-f16');
   }
-  return new Session({ ort, session, manifest, tokenizer, gpuStates: webgpu });
+  return new Session({ ort, session, manifest, tokenizer, sharedState: webgpu ? kvCacheBuffer(ort) : null });
+}
+
+// ONNX Runtime's WebGPU GroupQueryAttention writes new positions into the static KV cache only when past and
+// present are one buffer; given two, it makes present one call longer than the graph's static shape, which
+// the next call refuses. So each KV-cache state is one GPU buffer, fed as past.* and preallocated as present.*.
+function kvCacheBuffer(ort) {
+  const bytes = { float32: 4, float16: 2 };
+  return (state) => {
+    if (!state.kind?.startsWith('kv_cache')) return null;
+    const device = ort.env.webgpu.device;
+    const size = state.shape.reduce((a, b) => a * b, 1) * bytes[state.dtype];
+    // WebGPU zero-fills new buffers: the manifest's "zeros" init.
+    const buffer = device.createBuffer({
+      size: Math.ceil(size / 16) * 16,
+      usage: GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST,
+    });
+    return ort.Tensor.fromGpuBuffer(buffer, { dataType: state.dtype, dims: state.shape, dispose: () => buffer.destroy() });
+  };
 }

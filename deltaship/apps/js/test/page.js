@@ -1,12 +1,12 @@
 // Query: ?bundle=URL&ep=wasm|webgpu&n=24&prompts=<JSON list of strings>. Reports {results | error} to POST /result.
-import * as ort from 'onnxruntime-web';
 import { openBundle } from '../src/web.js';
 
 const q = new URLSearchParams(location.search);
 let report;
 try {
-  ort.env.wasm.numThreads = 1; // no cross-origin isolation on the test server: no wasm threads
   const ep = q.get('ep') ?? 'wasm';
+  const ort = ep === 'webgpu' ? await import('onnxruntime-web/webgpu') : await import('onnxruntime-web');
+  ort.env.wasm.numThreads = 1; // no cross-origin isolation on the test server: no wasm threads
   const session = await openBundle(q.get('bundle'), { executionProvider: ep, ort });
   const results = [];
   for (const prompt of JSON.parse(q.get('prompts'))) {

@@ -2,9 +2,9 @@
 // chunked prefill / decode with the states the manifest lists, and sampling. node.js and web.js only
 // differ in how they read files and which onnxruntime package they pass in.
 
-/** The manifest this driver reads: `schema` and the `schema_version`s it knows. */
+/** The manifest this driver reads: `schema` and the `schema_version`s it knows (2 adds `model_card` only). */
 export const SCHEMA = 'deltaship.bundle';
-export const SCHEMA_VERSIONS = [1];
+export const SCHEMA_VERSIONS = [1, 2];
 
 /** An error that says what went wrong and, in `fix`, what to do about it. */
 export class DeltashipError extends Error {

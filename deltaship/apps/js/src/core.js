@@ -273,7 +273,8 @@ export class Session {
     }
     const next = {};
     for (const s of plan.states) {
-      next[s.name] = out[s.output];
+      // a shared state keeps its own tensor (it owns the buffer); the runtime wrote into it
+      next[s.name] = this.shared.has(s.name) ? this.states[s.name] : out[s.output];
       const old = this.states[s.name];
       // On WebGPU the present.* outputs stay in GPU buffers and become the next call's past.*; free the
       // old ones unless the runtime handed the same buffer back.

@@ -107,7 +107,7 @@ def test_node_matches_deltaship_generate(node, tiny, variant):
 
 def test_node_refuses_unknown_schema_and_other_targets(node, tiny, tmp_path):
     for change, expect in [({"schema_version": 99}, "schema_version 99 is not one this driver reads"),
-                           ({"target": "executorch"}, "this is a executorch bundle")]:
+                           ({"target": "executorch"}, "target is executorch; the JavaScript driver runs ONNX bundles only")]:
         bad = tmp_path / f"bad-{next(iter(change))}"
         shutil.copytree(tiny["fp32"], bad)
         manifest = json.loads((bad / "manifest.json").read_text())
@@ -188,7 +188,7 @@ def _browser_run(node, bundles: dict[str, Path], name: str, ep: str, tmp_path: P
     return server.results[0]
 
 
-@pytest.mark.parametrize("variant", ["fp32", "external"])
+@pytest.mark.parametrize("variant", ["fp32", "external", "contrib"])
 def test_chromium_wasm_matches_deltaship_generate(node, tiny, tmp_path, variant):
     report = _browser_run(node, tiny, variant, "wasm", tmp_path, [])
     assert "error" not in report, report["error"]
@@ -196,14 +196,15 @@ def test_chromium_wasm_matches_deltaship_generate(node, tiny, tmp_path, variant)
     assert report["locations"] == ["cpu"]
 
 
-def test_chromium_webgpu_matches_deltaship_generate(node, tiny, tmp_path):
+@pytest.mark.parametrize("variant", ["fp32", "int4"])
+def test_chromium_webgpu_matches_deltaship_generate(node, tiny, tmp_path, variant):
     if os.environ.get("DELTASHIP_SKIP_WEBGPU"):
         pytest.skip("DELTASHIP_SKIP_WEBGPU is set")
     flags = ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader", "--enable-features=Vulkan"]
     # SwiftShader compiles every WebGPU shader on the CPU: minutes on a small machine
-    report = _browser_run(node, tiny, "fp32", "webgpu", tmp_path, flags, wait_s=540)
+    report = _browser_run(node, tiny, variant, "webgpu", tmp_path, flags, wait_s=540)
     assert "error" not in report, report["error"]
-    _assert_same(report["results"], _python_tokens(tiny["fp32"]))
+    _assert_same(report["results"], _python_tokens(tiny[variant]))
     assert report["locations"] == ["gpu-buffer"], "the states did not stay on the GPU between calls"
     assert report["adapter"]["vendor"], report["adapter"]  # a WebGPU adapter (SwiftShader's here) ran it
 

@@ -39,7 +39,7 @@ export function checkManifest(manifest, where) {
       'or use the deltaship-runtime package from the deltaship that wrote the bundle');
   }
   if (manifest.target !== 'onnx') {
-    throw new DeltashipError(`${where}: this is a ${manifest.target} bundle; the JavaScript driver runs ONNX bundles only`,
+    throw new DeltashipError(`${where}: the bundle's target is ${manifest.target}; the JavaScript driver runs ONNX bundles only`,
       'export again with `deltaship export --target onnx ...`');
   }
   for (const s of manifest.states) {

@@ -104,7 +104,7 @@ test('stops after an end-of-sequence token and at the max context', async () => 
 test('refuses unknown schema versions, other targets and unknown inputs, naming the fix', () => {
   assert.equal(checkManifest({ ...manifest(), schema_version: 2 }, 'b').schema_version, 2); // 2 adds model_card only
   assert.throws(() => checkManifest({ ...manifest(), schema_version: 3 }, 'b'), /schema_version 3 .*\n  fix: export again with/);
-  assert.throws(() => checkManifest({ ...manifest(), target: 'coreml' }, 'b'), /coreml bundle.*\n  fix: export again with `deltaship export --target onnx/s);
+  assert.throws(() => checkManifest({ ...manifest(), target: 'coreml' }, 'b'), /target is coreml.*\n  fix: export again with `deltaship export --target onnx/s);
   assert.throws(() => checkManifest({ schema: 'other' }, 'b'), /not a deltaship manifest/);
   const odd = manifest();
   odd.inputs.push({ name: 'attention_mask', shape: [1, 'tokens'], dtype: 'int64', kind: 'attention_mask' });

@@ -387,8 +387,9 @@ def _gated_rms_norm(L: Lowerer, node, x, gate, weight, eps):
     if L.dtype_of(weight) != L.dtype_of(x):
         w = L.b.one("Cast", [w], to=TORCH_TO_ONNX[L.dtype_of(x)])
     if L.deltanet_ops == "contrib":
-        return L.b.one("GatedRMSNorm", [L.as_tensor(x), w, L.as_tensor(gate)], domain=MS, activation="silu",
-                       epsilon=float(eps))
+        # No `activation` attribute: ORT 1.30 (the npm builds apps ship) has none and rejects it; its gate is
+        # always SiLU, and 1.31's attribute defaults to "silu", so both compute the same graph.
+        return L.b.one("GatedRMSNorm", [L.as_tensor(x), w, L.as_tensor(gate)], domain=MS, epsilon=float(eps))
     normed = L.b.one("SimplifiedLayerNormalization", [L.as_tensor(x), w], axis=-1, epsilon=float(eps), stash_type=1)
     return L.b.one("Mul", [normed, _silu_of(L, L.as_tensor(gate))])
 

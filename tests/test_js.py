@@ -1,0 +1,258 @@
+"""The JavaScript driver (deltaship/apps/js) in its real runtimes: onnxruntime-node 1.30 and onnxruntime-web in
+headless Chromium (wasm and WebGPU on the SwiftShader adapter), token for token against `deltaship generate`.
+
+Needs node/npm (the test installs the package's pinned npm dependencies when node_modules is missing) and
+Chromium for the browser tests. A missing tool fails the test with the install step; set
+DELTASHIP_SKIP_JS=1 to skip these tests instead (DELTASHIP_SKIP_WEBGPU=1: only the WebGPU one).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import threading
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from deltaship.export import export
+
+try:  # main moved the command layer to deltaship/commands; this branch still has it in runtimes
+    from deltaship.commands.generate import generate
+except ImportError:
+    from deltaship.runtimes.commands import generate
+
+PKG = Path(__file__).resolve().parent.parent / "deltaship" / "apps" / "js"
+# byte-level tokenizer: 1 token, 7 tokens, and 26 tokens (over three chunks of 8)
+PROMPTS = ["a", "The cat", "Once upon a time there was"]
+NEW_TOKENS = 24
+
+if os.environ.get("DELTASHIP_SKIP_JS"):
+    pytest.skip("DELTASHIP_SKIP_JS is set", allow_module_level=True)
+
+
+def _tool(name: str, install: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed; the JS driver tests need it: {install} "
+                    "(or set DELTASHIP_SKIP_JS=1 to skip these tests)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def node() -> str:
+    """node, with the package's npm dependencies installed (from package-lock.json) if they are missing."""
+    path = _tool("node", "apt-get install -y nodejs npm (Node 18 or newer)")
+    if not (PKG / "node_modules" / "onnxruntime-node").is_dir():
+        npm = _tool("npm", "apt-get install -y npm")
+        # The install script of onnxruntime-node downloads CUDA binaries; the CPU library is in the package.
+        run = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=PKG, text=True,
+                             capture_output=True, env={**os.environ, "ONNXRUNTIME_NODE_INSTALL": "skip"})
+        assert run.returncode == 0, f"npm ci in {PKG} failed:\n{run.stderr[-3000:]}"
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    """The trained tiny preset, prefill chunk 8: fp32, int4, fp32 with external data, contrib DeltaNet ops."""
+    root = tmp_path_factory.mktemp("js-bundles")
+    variants = {"fp32": {}, "int4": {"precision": "int4"}, "external": {"external_data": True},
+                "contrib": {"onnx_deltanet_ops": "contrib"}}
+    out = {}
+    for name, opts in variants.items():
+        out[name] = root / name
+        export("qwen3.5-tiny", out[name], prefill_chunk=8, max_context=256, verify=False, progress=False, **opts)
+    return out
+
+
+def _python_tokens(bundle: Path) -> list[dict]:
+    return [generate(bundle, prompt=p, max_new_tokens=NEW_TOKENS) for p in PROMPTS]
+
+
+def _node_generate(node: str, bundle: Path) -> list[dict]:
+    run = subprocess.run([node, "examples/generate.mjs", str(bundle), *PROMPTS, "--max-new-tokens", str(NEW_TOKENS),
+                          "--json"], cwd=PKG, text=True, capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+def _assert_same(js: list[dict], py: list[dict]) -> None:
+    assert len(js) == len(PROMPTS)
+    for prompt, j, p in zip(PROMPTS, js, py):
+        assert j["inputIds"] == p["input_ids"], f"{prompt!r}: the JS tokenizer's ids differ"
+        assert j["outputIds"] == p["output_ids"], f"{prompt!r}: JS {j['outputIds']} != deltaship {p['output_ids']}"
+        assert j["text"] == p["text"]
+    assert [len(p["input_ids"]) for p in py] == [1, 7, 26]
+    assert any(len(set(p["output_ids"])) > 3 for p in py)  # a trained model, not a constant
+
+
+def test_js_unit(node):
+    """The driver's I/O contract with a checking fake session: position [1] and position_ids [1, T] forms."""
+    run = subprocess.run([node, "--test", "test/unit.test.mjs"], cwd=PKG, text=True, capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "# fail 0" in run.stdout and "# pass 0" not in run.stdout
+
+
+@pytest.mark.parametrize("variant", ["fp32", "int4", "external", "contrib"])
+def test_node_matches_deltaship_generate(node, tiny, variant):
+    bundle = tiny[variant]
+    if variant == "external":
+        assert (bundle / "model.onnx.data").is_file() and (bundle / "model.onnx").stat().st_size < 1 << 20
+    _assert_same(_node_generate(node, bundle), _python_tokens(bundle))
+
+
+def test_node_refuses_unknown_schema_and_other_targets(node, tiny, tmp_path):
+    for change, expect in [({"schema_version": 99}, "schema_version 99 is not one this driver reads"),
+                           ({"target": "executorch"}, "target is executorch; the JavaScript driver runs ONNX bundles only")]:
+        bad = tmp_path / f"bad-{next(iter(change))}"
+        shutil.copytree(tiny["fp32"], bad)
+        manifest = json.loads((bad / "manifest.json").read_text())
+        (bad / "manifest.json").write_text(json.dumps({**manifest, **change}))
+        run = subprocess.run([node, "examples/generate.mjs", str(bad), "a"], cwd=PKG, text=True, capture_output=True)
+        assert run.returncode == 1 and expect in run.stderr and "fix: export again with" in run.stderr, run.stderr
+
+
+# ---- the browser --------------------------------------------------------------------------------------
+class _Server:
+    """Serves the package (page, src, node_modules) at / and each bundle at /bundles/NAME/; takes POST /result."""
+
+    def __init__(self, bundles: dict[str, Path]):
+        self.results: list[dict] = []
+        self.posted = threading.Event()
+        outer = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map, ".mjs": "text/javascript",
+                              ".js": "text/javascript", ".wasm": "application/wasm"}
+
+            def __init__(self, *a, **k):
+                super().__init__(*a, directory=str(PKG), **k)
+
+            def translate_path(self, path):
+                parts = urllib.parse.urlsplit(path).path.split("/")
+                if len(parts) > 3 and parts[1] == "bundles" and parts[2] in bundles:
+                    return str(bundles[parts[2]].joinpath(*parts[3:]))
+                return super().translate_path(path)
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.results.append(json.loads(body))
+                self.send_response(204)
+                self.end_headers()
+                outer.posted.set()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    pytest.fail("Chromium is not installed; the browser tests need it: apt-get install -y chromium "
+                "(or set DELTASHIP_SKIP_JS=1 to skip the JS tests)")
+
+
+def _browser_run(node, bundles: dict[str, Path], name: str, ep: str, tmp_path: Path, flags: list[str],
+                 wait_s: int = 240) -> dict:
+    server = _Server(bundles)
+    query = urllib.parse.urlencode({"bundle": f"/bundles/{name}/", "ep": ep, "n": NEW_TOKENS,
+                                    "prompts": json.dumps(PROMPTS)})
+    url = f"http://127.0.0.1:{server.port}/test/page.html?{query}"
+    cmd = [_chromium(), "--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--no-first-run",
+           f"--user-data-dir={tmp_path / 'profile'}", *flags, url]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        posted = server.posted.wait(timeout=wait_s)
+    finally:
+        proc.terminate()
+        try:
+            log = proc.communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log = proc.communicate()[0]
+        server.close()
+    assert posted, f"the page reported nothing within {wait_s} s; Chromium said:\n{log[-4000:]}"
+    return server.results[0]
+
+
+@pytest.mark.parametrize("variant", ["fp32", "external", "contrib"])
+def test_chromium_wasm_matches_deltaship_generate(node, tiny, tmp_path, variant):
+    report = _browser_run(node, tiny, variant, "wasm", tmp_path, [])
+    assert "error" not in report, report["error"]
+    _assert_same(report["results"], _python_tokens(tiny[variant]))
+    assert report["locations"] == ["cpu"]
+
+
+@pytest.mark.parametrize("variant", ["fp32", "int4"])
+def test_chromium_webgpu_matches_deltaship_generate(node, tiny, tmp_path, variant):
+    if os.environ.get("DELTASHIP_SKIP_WEBGPU"):
+        pytest.skip("DELTASHIP_SKIP_WEBGPU is set")
+    flags = ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader", "--enable-features=Vulkan"]
+    # SwiftShader compiles every WebGPU shader on the CPU: minutes on a small machine
+    report = _browser_run(node, tiny, variant, "webgpu", tmp_path, flags, wait_s=540)
+    assert "error" not in report, report["error"]
+    _assert_same(report["results"], _python_tokens(tiny[variant]))
+    assert report["locations"] == ["gpu-buffer"], "the states did not stay on the GPU between calls"
+    assert report["adapter"]["vendor"], report["adapter"]  # a WebGPU adapter (SwiftShader's here) ran it
+
+
+# ---- the integration kits (deltaship/apps/web.py) --------------------------------------------------------
+def test_desktop_kit_runs_in_node(node, tiny, tmp_path):
+    from deltaship.apps.web import write_kit
+
+    kit = tmp_path / "desktop"
+    files = write_kit(tiny["external"], kit, "desktop")
+    names = {p.relative_to(kit).as_posix() for p in files}
+    assert {"generate.mjs", "README.md", "package.json", "deltaship-runtime/src/node.js", "bundle/model.onnx",
+            "bundle/model.onnx.data", "bundle/manifest.json", "bundle/tokenizer.json"} <= names
+    assert not any("node_modules" in n or n.startswith("deltaship-runtime/test") for n in names)
+    readme = (kit / "README.md").read_text()
+    assert "ONNXRUNTIME_NODE_INSTALL=skip npm install" in readme and "`model.onnx.data`" in readme
+    deps = json.loads((kit / "package.json").read_text())["dependencies"]
+    assert deps == {k: v for k, v in json.loads((PKG / "package.json").read_text())["dependencies"].items()
+                    if k != "onnxruntime-web"}
+    # the package's installed node_modules stand in for `npm install` in the kit (same pinned versions)
+    (kit / "node_modules").symlink_to(PKG / "node_modules")
+    prompt = PROMPTS[2]
+    run = subprocess.run([node, "generate.mjs", "bundle", prompt, "--max-new-tokens", str(NEW_TOKENS)], cwd=kit,
+                         text=True, capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == prompt + generate(tiny["external"], prompt=prompt, max_new_tokens=NEW_TOKENS)["text"] + "\n"
+
+
+def test_web_kit_names_files_that_exist(node, tiny, tmp_path):
+    """The web kit's import map targets exist in an install of its package.json, and it names the bundle's files.
+    (Its page waits for a click; the driver it runs is src/web.js, run in Chromium above.)"""
+    import re
+
+    from deltaship.apps.web import write_kit
+
+    kit = tmp_path / "web"
+    write_kit(tiny["fp32"], kit, "web")
+    html = (kit / "index.html").read_text()
+    targets = re.findall(r'"\./node_modules/([^"]+)"', html)
+    assert len(targets) == 3
+    for t in targets:
+        assert (PKG / "node_modules" / t).is_file(), t
+    main = (kit / "main.js").read_text()
+    for spec in re.findall(r"from '(\.[^']+)'", main):
+        assert (kit / spec).is_file(), spec
+    assert "./bundle/" in main and (kit / "bundle" / "manifest.json").is_file()
+    assert "`model.onnx`" in (kit / "README.md").read_text()
+    with pytest.raises(Exception, match="not empty"):
+        write_kit(tiny["fp32"], kit, "web")
+    with pytest.raises(Exception, match="use one of web, desktop"):
+        write_kit(tiny["fp32"], tmp_path / "x", "ios")

@@ -47,7 +47,8 @@ def bundles(tmp_path_factory, checkpoints):
 # The fast tier (`python -m pytest -m "not slow"`) leaves out what exports through the slow toolchains
 # (ExecuTorch's XNNPACK lowering, Core ML conversion and its op-by-op evaluation), trains, or profiles in
 # subprocesses: these modules, and any test parametrized with one of these targets.
-SLOW_MODULES = {"test_executorch", "test_coreml", "test_trained", "test_profiling"}
+SLOW_MODULES = {"test_executorch", "test_coreml", "test_trained", "test_profiling", "test_js", "test_app_kits",
+                "test_readme"}
 SLOW_TARGETS = {"executorch", "coreml"}
 
 

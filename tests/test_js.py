@@ -21,10 +21,7 @@ import pytest
 
 from deltaship.export import export
 
-try:  # main moved the command layer to deltaship/commands; this branch still has it in runtimes
-    from deltaship.commands.generate import generate
-except ImportError:
-    from deltaship.runtimes.commands import generate
+from deltaship.commands import generate
 
 PKG = Path(__file__).resolve().parent.parent / "deltaship" / "apps" / "js"
 # byte-level tokenizer: 1 token, 7 tokens, and 26 tokens (over three chunks of 8)

@@ -12,11 +12,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from deltaship.bundle import read_manifest
 from deltaship.errors import DeltashipError
 
 JS_PACKAGE = Path(__file__).parent / "js"
 PLATFORMS = ("web", "desktop")
 # What the kit copies of the package: the library, its package.json and README (not the tests, no node_modules).
+TARGETS = ("onnx",)  # what onnxruntime-web / -node run
 _PACKAGE_FILES = ("package.json", "README.md")
 # The npm packages each kit installs (at the versions deltaship-runtime pins): one node_modules at the kit's root,
 # which deltaship-runtime/src finds by walking up, as node and the import map in index.html both do.
@@ -25,16 +27,9 @@ _KIT_DEPENDENCIES = {"web": ("onnxruntime-web", "onnxruntime-common", "@huggingf
 
 
 def _manifest(bundle: Path) -> dict[str, Any]:
-    path = bundle / "manifest.json"
-    if not path.is_file():
-        raise DeltashipError(f"{bundle}: no manifest.json, so this is not a deltaship bundle",
-                             "pass the directory `deltaship export --target onnx --out DIR` wrote")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DeltashipError(f"{path}: not valid JSON ({e})", "export the bundle again") from e
-    if m.get("target") != "onnx":
-        raise DeltashipError(f"{bundle} is a {m.get('target')} bundle; the web and desktop kits run ONNX bundles",
+    m = read_manifest(bundle)  # refuses other schema versions, naming the export that rebuilds them
+    if m["target"] not in TARGETS:
+        raise DeltashipError(f"{bundle} is a {m['target']} bundle; the web and desktop kits run ONNX bundles",
                              "export an ONNX bundle: deltaship export --model M --target onnx --out DIR")
     return m
 

@@ -130,9 +130,7 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
         say(note)
     if max_context is None:
         max_context = PRESETS[model].default_max_context if model in PRESETS else min(4096, spec.max_position_embeddings)
-    if max_context > spec.max_position_embeddings:
-        raise DeltashipError(f"--max-context {max_context} exceeds the model's max_position_embeddings "
-                             f"({spec.max_position_embeddings})", f"pass --max-context {spec.max_position_embeddings} or less")
+    spec.check_context(max_context)  # names max_position_embeddings and, without scaling, YaRN
     chunk = min(prefill_chunk or tgt.default_prefill_chunk, max_context)
     tgt.check(precision, max_context, chunk, options)
     ctx = ExportContext(spec=spec, precision=precision, max_context=max_context, target=target,

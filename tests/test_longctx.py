@@ -1,0 +1,208 @@
+"""Long context: RoPE scaling (YaRN) read from the checkpoint, the context limit it implies, and the memory
+arithmetic per context token (KV cache by KV dtype, fixed DeltaNet state) the planner searches over.
+
+The oracle for YaRN is transformers' own Qwen3.5 loaded from the checkpoint directory (from_pretrained), so
+deltaship's reading of the config is checked too, not only its lowering.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import reference_greedy, text_config, write_checkpoint
+
+from deltaship.errors import DeltashipError
+from deltaship.export.verify import compare
+from deltaship.models import qwen3_5 as fam
+from deltaship.models.spec import ModelSpec
+from deltaship.targets import target_names
+from deltaship.tolerances import tolerance
+
+# A tiny model pretrained (nominally) on 64 positions, extended 4x by YaRN to 256. partial_rotary_factor 0.5
+# gives 4 rotary frequencies, so the ramp keeps some and interpolates others.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5}
+YARN_CONTEXT = 256
+
+# rope blocks as checkpoints write them, at the published attention shape (head_dim 256, theta 1e7)
+PUBLISHED_ROPE = {"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                  "mrope_interleaved": True}
+ROPE_CASES = {
+    "qwen_long_context": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144},
+                          1048576),
+    "mscale": ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32768, "mscale": 0.707,
+                "mscale_all_dim": 1.0}, 262144),
+    "explicit_attention_factor_betas_no_truncate": (
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 131072, "attention_factor": 1.25,
+         "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}, 262144),
+    "factor_from_context_ratio": ({"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 65536},
+                                  262144),
+}
+
+
+def _published_config(rope: dict | None, max_pos: int, legacy: bool = False) -> dict:
+    cfg = dict(text_config("base"), model_type="qwen3_5_text", head_dim=256, num_attention_heads=2,
+               num_key_value_heads=1, max_position_embeddings=max_pos)
+    if legacy:  # old-style: rope_scaling with "type", theta at the top level
+        del cfg["rope_parameters"]
+        cfg.update(rope_theta=1e7, partial_rotary_factor=0.25,
+                   rope_scaling={"type" if k == "rope_type" else k: v for k, v in rope.items()})
+    else:
+        cfg["rope_parameters"] = dict(PUBLISHED_ROPE, **rope) if rope else dict(PUBLISHED_ROPE, rope_type="default")
+    return cfg
+
+
+def _transformers_rotary(cfg: dict):
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+    return Qwen3_5TextRotaryEmbedding(Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
+
+
+def _deltaship_rotary(spec: ModelSpec) -> fam.Rotary:
+    rot = fam.Rotary(spec)
+    rot.inv_freq = torch.from_numpy(fam.rotary_inv_freq(spec))
+    return rot
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_yarn_cos_sin_are_transformers_bits(case, legacy):
+    rope, max_pos = ROPE_CASES[case]
+    cfg = _published_config(rope, max_pos, legacy)
+    spec = ModelSpec.from_config(cfg)
+    assert spec.rope_type == "yarn" and spec.max_position_embeddings == max_pos
+    theirs = _transformers_rotary(cfg)
+    assert np.array_equal(fam.rotary_inv_freq(spec), theirs.inv_freq.numpy())  # bit for bit
+    assert fam.rotary_attention_factor(spec) == theirs.attention_scaling
+    # cos/sin at positions around the original context and at the far end of the extended one
+    for start in (0, spec.rope_original_max_position_embeddings - 3, max_pos - 8):
+        ours = _deltaship_rotary(spec)(torch.tensor([start]), 8, torch.float32)
+        ref = theirs(torch.zeros(1), torch.arange(start, start + 8)[None])
+        for a, b in zip(ours, ref):
+            np.testing.assert_array_equal(a[0, :, 0].numpy(), b[0].numpy())
+
+
+def test_unscaled_rope_keeps_the_default_frequencies_and_no_factor():
+    spec = ModelSpec.from_config(_published_config(None, 262144))
+    assert spec.rope_type == "default" and fam.rotary_attention_factor(spec) == 1.0
+    rot = spec.rotary_dim
+    np.testing.assert_allclose(fam.rotary_inv_freq(spec), 1e7 ** -(np.arange(0, rot, 2) / rot), rtol=1e-6)
+    assert fam.Rotary(spec).attention_factor == 1.0
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "longrope", "llama3"])
+def test_unsupported_rope_type_names_the_config_key(key, rope_type):
+    cfg = _published_config(None, 262144)
+    cfg[key] = dict(PUBLISHED_ROPE, rope_type=rope_type, factor=2.0)
+    with pytest.raises(DeltashipError, match=rf"{key}\.rope_type '{rope_type}' is not supported; supported: "
+                                             r"default, yarn") as e:
+        ModelSpec.from_config(cfg)
+    assert "yarn" in e.value.fix
+
+
+@pytest.mark.parametrize("bad, match", [({"factor": 0.5}, "factor must be at least 1"),
+                                        ({"beta_fast": "fast"}, "beta_fast must be a positive number"),
+                                        ({"original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+                                        ({"truncate": "yes"}, "truncate must be true or false")])
+def test_bad_yarn_fields_are_named(bad, match):
+    cfg = _published_config(dict(ROPE_CASES["qwen_long_context"][0], **bad), 1048576)
+    with pytest.raises(DeltashipError, match=match):
+        ModelSpec.from_config(cfg)
+
+
+def test_context_past_max_position_embeddings_says_how_to_extend_it():
+    plain = ModelSpec.from_config(_published_config(None, 262144))
+    plain.check_context(262144)
+    with pytest.raises(DeltashipError, match=r"max_position_embeddings \(262144.*no RoPE scaling.*rope_type") as e:
+        plain.check_context(262145)
+    assert "rope_parameters.rope_type: yarn" in e.value.fix and "original_max_position_embeddings 262144" in e.value.fix
+    yarn = ModelSpec.from_config(_published_config(ROPE_CASES["qwen_long_context"][0], 1048576))
+    yarn.check_context(1048576)
+    with pytest.raises(DeltashipError, match=r"max_position_embeddings \(1048576.*YaRN.*factor 4") as e:
+        yarn.check_context(1048577)
+    assert "--max-context 1048576 or less" in e.value.fix
+
+
+def test_export_refuses_a_context_the_rope_does_not_cover(tmp_path):
+    from deltaship.export import export
+    with pytest.raises(DeltashipError, match=r"--max-context 4097 exceeds the model's max_position_embeddings "
+                                             r"\(4096.*no RoPE scaling"):
+        export("qwen3.5-tiny", tmp_path / "b", max_context=4097, progress=False, verify=False)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.fixture(scope="module")
+def yarn_checkpoint(tmp_path_factory):
+    return write_checkpoint("base", tmp_path_factory.mktemp("yarn") / "ckpt", seed=7,
+                            max_position_embeddings=YARN_CONTEXT, rope_parameters=dict(YARN))
+
+
+@pytest.fixture(scope="module")
+def yarn_oracle(yarn_checkpoint):
+    """transformers reading the checkpoint itself (not deltaship's hf_config), fp32."""
+    from transformers import Qwen3_5ForCausalLM
+    return Qwen3_5ForCausalLM.from_pretrained(yarn_checkpoint, dtype=torch.float32).eval()
+
+
+def test_reference_model_applies_the_checkpoint_yarn(yarn_checkpoint, yarn_oracle):
+    from helpers import reference
+    ours = reference(yarn_checkpoint)  # the model export verification compares against
+    ids = torch.tensor([np.random.default_rng(0).integers(0, 150, 120).tolist()])
+    with torch.no_grad():
+        np.testing.assert_allclose(ours(ids).logits.numpy(), yarn_oracle(ids).logits.numpy(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("target", list(target_names()))
+def test_yarn_bundle_matches_transformers_past_the_original_context(target, yarn_checkpoint, yarn_oracle, tmp_path):
+    """~100-token prompt + 32 greedy steps reaches position 132, twice the original 64 positions."""
+    from deltaship.export import export
+    from deltaship.runtimes import open_bundle
+
+    out = tmp_path / f"yarn-{target}"
+    manifest = export(str(yarn_checkpoint), out, target=target, precision="fp32", max_context=YARN_CONTEXT,
+                      prefill_chunk=32, verify=False, progress=False)
+    assert manifest["model"]["rope_type"] == "yarn" and manifest["model"]["rope_factor"] == 4.0
+    prompt = np.random.default_rng(1).integers(0, 150, 100).tolist()
+    ref_tokens, ref_rows = reference_greedy(yarn_oracle, prompt, 32)
+    gen = open_bundle(out).generate(prompt, 32, stop_at_eos=False, keep_logits=True)
+    tol = tolerance(target, "fp32")
+    res = compare(np.stack(gen.logits), ref_rows, ref_tokens, tol.tie_margin)
+    assert res["max_rel_logit_diff"] <= tol.max_rel_logit_diff, res
+    assert gen.output_ids == ref_tokens
+    # The comparison can tell: the same weights without YaRN give logits outside the tolerance.
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    cfg = dict(text_config("base"), max_position_embeddings=YARN_CONTEXT,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    plain = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg)).eval()
+    plain.load_state_dict(yarn_oracle.state_dict())
+    _, plain_rows = reference_greedy(plain, prompt, 32)
+    assert compare(plain_rows, ref_rows, ref_tokens, tol.tie_margin)["max_rel_logit_diff"] > tol.max_rel_logit_diff
+
+
+def test_executorch_layout_applies_the_attention_factor_on_rotary_channels_only():
+    """XnnpackRotary's full-width cos/sin (and the rotate-half matmul) equal the canonical partial rotary."""
+    from deltaship.export.executorch.modules import (
+        XnnpackRotary,
+        full_width_cos_scale,
+        full_width_inv_freq,
+        rotate_half_matrix,
+    )
+    spec = ModelSpec.from_config(_published_config(ROPE_CASES["mscale"][0], 262144))
+    assert fam.rotary_attention_factor(spec) != 1.0
+    xr = XnnpackRotary(spec)
+    assert xr.scaled
+    xr.inv_freq_full = torch.from_numpy(full_width_inv_freq(spec))
+    xr.cos_scale_full = torch.from_numpy(full_width_cos_scale(spec))
+    x = torch.randn(1, 6, 2, spec.head_dim)
+    pos = torch.tensor([200000])
+    cos, sin = xr(pos, 6, torch.float32)
+    rotate_half = torch.from_numpy(rotate_half_matrix(spec.head_dim, spec.rotary_dim))
+    got = x * cos + torch.nn.functional.linear(x, rotate_half) * sin
+    c, s = _deltaship_rotary(spec)(pos, 6, torch.float32)
+    want = fam.rotate(x, c, s, spec.rotary_dim)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[..., spec.rotary_dim:], x[..., spec.rotary_dim:])  # pass-through channels untouched
+    plain = ModelSpec.from_config(_published_config(None, 262144))
+    assert not XnnpackRotary(plain).scaled and not hasattr(XnnpackRotary(plain), "cos_scale_full")

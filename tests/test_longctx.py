@@ -206,3 +206,141 @@ def test_executorch_layout_applies_the_attention_factor_on_rotary_channels_only(
     assert torch.equal(got[..., spec.rotary_dim:], x[..., spec.rotary_dim:])  # pass-through channels untouched
     plain = ModelSpec.from_config(_published_config(None, 262144))
     assert not XnnpackRotary(plain).scaled and not hasattr(XnnpackRotary(plain), "cos_scale_full")
+
+
+# ---- the memory arithmetic and the planner's context axis ------------------------------------------------
+def test_kv_bytes_per_token_and_deltanet_state_are_the_state_bytes_arithmetic():
+    from deltaship.models.presets import PRESETS
+    from deltaship.models.spec import KV_DTYPES
+    for name, kib in (("qwen3.5-0.8b", 12), ("qwen3.5-9b", 32)):  # QWEN35.md: KV per token at 16 bits
+        spec = PRESETS[name].spec()
+        assert spec.kv_bytes_per_token("fp16") == kib * 1024
+        for ctx in (1, 1000, 262144):
+            st = spec.state_bytes(ctx, kv_bytes_per_elem=2, conv_bytes_per_elem=2)
+            assert st["total"] == spec.deltanet_state_bytes(2) + ctx * spec.kv_bytes_per_token("fp16")
+            assert st["kv_cache"] == ctx * spec.kv_bytes_per_token("fp16")
+        assert spec.kv_bytes_per_token("fp32") == 2 * spec.kv_bytes_per_token("fp16")
+        # int8/int4: half / a quarter of the fp16 bytes, plus one 4-byte scale per token, KV head, K and V
+        scales = len(spec.attention_layers) * 2 * spec.num_key_value_heads * 4
+        assert spec.kv_bytes_per_token("int8") == spec.kv_bytes_per_token("fp16") // 2 + scales
+        assert spec.kv_bytes_per_token("int4") == spec.kv_bytes_per_token("fp16") // 4 + scales
+        block = spec.memory_arithmetic("fp16", 2)
+        assert set(block["kv_bytes_per_token"]) == set(KV_DTYPES)
+        assert block["deltanet_state_bytes"] == spec.deltanet_state_bytes(2)
+    with pytest.raises(DeltashipError, match="unknown KV dtype 'int2'"):
+        spec.kv_bytes_per_token("int2")
+
+
+@pytest.mark.parametrize("config, precision", [("base", "fp32"), ("grouped_values", "fp16"),
+                                               ("deltanet_only", "fp32")])
+def test_manifest_memory_block_adds_up_to_state_bytes(config, precision, bundles):
+    from deltaship.bundle import read_manifest, schema_problems
+    m = read_manifest(bundles(config, "onnx", precision))
+    mem = m["memory"]
+    assert not schema_problems(m)
+    assert mem["kv_dtype"] == precision
+    assert m["state_bytes"] == mem["deltanet_state_bytes"] + m["max_context"] * mem["kv_bytes_per_token"][precision]
+    kv = [s for s in m["states"] if s["kind"].startswith("kv_cache")]
+    assert (mem["kv_bytes_per_token"]["fp16"] == 0) == (not kv)  # no attention layer, no KV cache
+
+
+def test_default_kv_dtype_keeps_todays_state_bytes():
+    from deltaship.devices.plan import default_kv_dtype, state_bytes
+    from deltaship.models.presets import PRESETS
+    from deltaship.targets import PRECISIONS, get_target
+    spec = PRESETS["qwen3.5-0.8b"].spec()
+    for tg in target_names():
+        for pr in PRECISIONS:
+            act = get_target(tg).storage_format(pr).act
+            assert default_kv_dtype(tg, pr) == {4: "fp32", 2: "fp16"}[act]
+            today = spec.state_bytes(4096, kv_bytes_per_elem=act, conv_bytes_per_elem=act)["total"]
+            assert state_bytes(spec, tg, pr, 4096) == today
+
+
+def _tier(budget_gib: float):
+    from deltaship.devices.catalog import GIB, Tier
+    return Tier(name=f"t{budget_gib}", kind="phone", ram_bytes=int(64 * GIB), budget_bytes=int(budget_gib * GIB),
+                targets=("onnx",), precisions=("int4",), context=2048, threads=4)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8", "int4"])
+def test_longest_context_fits_and_one_more_token_does_not(kv):
+    from deltaship.devices.plan import estimate, longest_context
+    from deltaship.models.presets import PRESETS
+    spec = PRESETS["qwen3.5-0.8b"].spec()
+    previous = 0
+    for budget in (0.3, 0.6, 0.9, 1.2, 2.0, 3.0, 6.0, 12.0, 40.0):
+        tier = _tier(budget)
+        row = longest_context(spec, tier, "onnx", "int4", kv)
+        assert row.longest and row.kv_dtype == kv
+        assert row.context >= previous  # monotone in the budget
+        if not row.fits:  # not even one token: the weights alone are over
+            assert row.context == 1 and previous == 0
+            continue
+        again = estimate(spec, tier, "onnx", "int4", row.context, kv)
+        assert again.fits and again.total_bytes == row.total_bytes  # the same arithmetic as estimate()
+        if row.context < spec.max_position_embeddings:
+            assert not estimate(spec, tier, "onnx", "int4", row.context + 1, kv).fits
+        else:
+            assert row.capped
+        previous = row.context
+    assert previous == spec.max_position_embeddings  # 40 GiB holds the whole native context
+
+
+def test_narrower_kv_cache_gives_a_longer_context():
+    from deltaship.devices.plan import longest_context
+    from deltaship.models.presets import PRESETS
+    spec = PRESETS["qwen3.5-0.8b"].spec()
+    tier = _tier(1.2)
+    ctx = {kv: longest_context(spec, tier, "onnx", "int4", kv).context for kv in ("fp32", "fp16", "int8", "int4")}
+    assert ctx["fp32"] < ctx["fp16"] < ctx["int8"] < ctx["int4"], ctx
+
+
+def test_plan_at_262144_has_a_row_per_kv_dtype_and_says_why_the_phone_does_not_fit():
+    from deltaship.devices.plan import format_table, plan, verdicts
+    rows = plan("qwen3.5-0.8b", tier="phone-4gb", context=262144)
+    for tg in ("executorch", "onnx"):
+        for pr in ("fp32", "int8", "int4"):  # these store fp32 activations: all four KV dtypes
+            got = {r["kv_dtype"] for r in rows if (r["target"], r["precision"], r["context"]) == (tg, pr, 262144)}
+            assert got == {"fp32", "fp16", "int8", "int4"}, (tg, pr, got)
+    int8 = [r for r in rows if r["kv_dtype"] == "int8" and r["context"] == 262144]
+    assert int8 and not any(r["fits"] for r in int8) and not any(r["kv_exportable"] for r in int8)
+    for r in rows:
+        assert r["total_bytes"] == r["weights_bytes"] + r["kv_bytes"] + r["deltanet_bytes"] + r["activation_bytes"] \
+            + r["runtime_bytes"] == r["weights_bytes"] + r["state_bytes"] + r["overhead_bytes"]
+    # the int8 KV cache alone (0.8B: 6240 bytes a token) is more than the 1.2 GiB budget
+    assert all(r["kv_bytes"] > r["budget_bytes"] for r in int8)
+    (line,) = verdicts(rows)
+    assert line.startswith("phone-4gb: nothing fits at context 262144") and "KV cache" in line
+    assert "Recommended instead" in line
+    assert "int8*" in format_table(rows)
+
+
+def test_plan_max_context_per_tier_and_the_9b_on_a_12gb_gpu():
+    from deltaship.devices.plan import plan, verdicts
+    rows = plan("qwen3.5-9b", tier="gpu-12gb", context="max")
+    assert rows and all(r["longest"] for r in rows)
+    pick = [r for r in rows if r["recommended"]]
+    assert len(pick) == 1 and pick[0]["kv_exportable"] and pick[0]["fits"]
+    best = max(r["context"] for r in rows if r["fits"] and r["kv_exportable"])
+    assert pick[0]["context"] == best
+    by_kv = {r["kv_dtype"]: r["context"] for r in rows if r["precision"] == "int4"}
+    assert by_kv["fp32"] < by_kv["fp16"] < by_kv["int8"] < by_kv["int4"]
+    (line,) = verdicts(rows)
+    assert line.startswith(f"gpu-12gb: onnx int4 at context {best}") and "planned" in line
+    rows = plan("qwen3.5-9b", tier="gpu-12gb", context="262144")  # the CLI passes a string
+    int8 = [r for r in rows if (r["precision"], r["kv_dtype"]) == ("int4", "int8") and r["context"] == 262144]
+    assert len(int8) == 1 and not int8[0]["fits"] and int8[0]["fits_at_chunk"] > 0  # fits with a smaller chunk
+    (small,) = [r for r in plan("qwen3.5-9b", tier="gpu-12gb", context=262144, kv_dtypes=["int8"],
+                                prefill_chunk=int8[0]["fits_at_chunk"])
+                  if r["precision"] == "int4" and r["context"] == 262144]
+    assert small["fits"]
+
+
+@pytest.mark.parametrize("bad, match", [("lots", "must be a number of tokens or max"), (0, "must be positive")])
+def test_plan_context_is_checked(bad, match):
+    from deltaship.devices.plan import plan
+    with pytest.raises(DeltashipError, match=match):
+        plan("qwen3.5-0.8b", tier="phone-4gb", context=bad)
+    with pytest.raises(DeltashipError, match="unknown KV dtype 'int2'"):
+        plan("qwen3.5-0.8b", tier="phone-4gb", context=4096, kv_dtypes=["int2"])

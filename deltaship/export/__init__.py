@@ -162,6 +162,7 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
                             else {})) for s in ctx.states],
             usage=list(tgt.usage), tokens=tokens, tokenizer={"files": tok_files}, passes=ctx.report,
             lowering=lowered.details, tools=tool_versions("torch", "transformers", *tgt.tool_packages))
+        manifest["memory"] = _memory(spec, ctx.states)
         if verify:
             from deltaship.export.verify import verify_bundle
             # The runtime reads the manifest: write a provisional one in the staging directory.
@@ -189,6 +190,14 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
     manifest = write_bundle(out, force, build)
     say(f"wrote {out} ({manifest['bundle_bytes'] / 2**20:.1f} MiB)")
     return manifest
+
+
+def _memory(spec, states: list[dict]) -> dict[str, Any]:
+    """The manifest's memory arithmetic: state bytes = deltanet_state_bytes + context x kv_bytes_per_token[kv_dtype]."""
+    short = {"float32": ("fp32", 4), "float16": ("fp16", 2)}
+    dtypes = {s["kind"]: s["dtype"] for s in states}
+    kv = short[dtypes.get("kv_cache_key", dtypes.get("deltanet_conv", "float32"))][0]
+    return spec.memory_arithmetic(kv, short[dtypes.get("deltanet_conv", "float32")][1])
 
 
 def _report_verification(say, rec: dict) -> None:

@@ -22,6 +22,20 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
+class KVDtype:
+    """How a KV cache stores one element: bits, plus bytes kept per token and KV head (for K and for V each)
+    by a per-token quantization: a float32 scale for int8/int4 (ExecuTorch's asymmetric int8 cache also
+    keeps an int8 zero point: 1 byte more; ORT's GroupQueryAttention uses static per-channel scales: 0)."""
+
+    bits: int
+    token_head_bytes: int = 0
+
+
+KV_DTYPES: dict[str, KVDtype] = {"fp32": KVDtype(32), "fp16": KVDtype(16), "int8": KVDtype(8, 4),
+                                 "int4": KVDtype(4, 4)}
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shapes and constants of one Qwen3.5 text decoder (batch size is always 1 on device)."""
 
@@ -128,6 +142,29 @@ class ModelSpec:
         conv = n_dn * _prod(shapes["conv"]) * conv_bytes_per_elem
         kv = n_at * 2 * _prod(self.kv_cache_shape(max_context)) * kv_bytes_per_elem
         return {"deltanet_recurrent": recurrent, "deltanet_conv": conv, "kv_cache": kv, "total": recurrent + conv + kv}
+
+    def kv_bytes_per_token(self, kv_dtype: str = "fp16") -> int:
+        """KV-cache bytes one more token of context costs (K and V of every attention layer, scales included)."""
+        if kv_dtype not in KV_DTYPES:
+            raise DeltashipError(f"unknown KV dtype {kv_dtype!r}; KV dtypes: {', '.join(KV_DTYPES)}",
+                                 "pick one of the KV dtypes")
+        f = KV_DTYPES[kv_dtype]
+        per_head = self.head_dim * f.bits // 8 + f.token_head_bytes
+        return len(self.attention_layers) * 2 * self.num_key_value_heads * per_head
+
+    def deltanet_state_bytes(self, conv_bytes_per_elem: int = 4) -> int:
+        """The DeltaNet states (recurrent fp32 + conv), whatever the context: fixed per sequence."""
+        s = self.state_bytes(0, conv_bytes_per_elem=conv_bytes_per_elem)
+        return s["deltanet_recurrent"] + s["deltanet_conv"]
+
+    def memory_arithmetic(self, kv_dtype: str, conv_bytes_per_elem: int) -> dict[str, Any]:
+        """The manifest's `memory` block: state bytes = deltanet_state_bytes + context x
+        kv_bytes_per_token[kv_dtype]; the other KV dtypes are there to plan with."""
+        return {"kv_dtype": kv_dtype,
+                "kv_bytes_per_token": {name: self.kv_bytes_per_token(name) for name in KV_DTYPES},
+                "kv_scale_bytes_per_token_head": {n: f.token_head_bytes for n, f in KV_DTYPES.items()},
+                "deltanet_state_bytes": self.deltanet_state_bytes(conv_bytes_per_elem),
+                "max_position_embeddings": self.max_position_embeddings}
 
     def parameter_count(self) -> dict[str, int]:
         """Parameters of the text decoder, by part (embedding, lm_head, body)."""

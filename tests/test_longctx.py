@@ -344,3 +344,35 @@ def test_plan_context_is_checked(bad, match):
         plan("qwen3.5-0.8b", tier="phone-4gb", context=bad)
     with pytest.raises(DeltashipError, match="unknown KV dtype 'int2'"):
         plan("qwen3.5-0.8b", tier="phone-4gb", context=4096, kv_dtypes=["int2"])
+
+
+# ---- export(kv_cache=...): what each target can store today, checked before any work ------------------------
+@pytest.mark.parametrize("target, precision, options, kv, ok", [
+    ("onnx", "fp32", {}, "fp32", True), ("onnx", "fp16", {}, "fp16", True),
+    ("onnx", "int4", {"onnx_activations": "fp16"}, "fp16", True), ("onnx", "int4", {}, "fp16", False),
+    ("onnx", "fp32", {}, "int8", False), ("executorch", "int8", {}, "fp32", True),
+    ("executorch", "fp16", {}, "int4", False), ("coreml", "int4", {}, "fp16", True)])
+def test_kv_cache_option_accepts_what_the_target_stores(target, precision, options, kv, ok):
+    from deltaship.export import check_options
+    from deltaship.targets import get_target
+    if ok:
+        typed = check_options(target, precision, None, 32, False, None, options, kv_cache=kv)
+        assert get_target(target).kv_cache_dtypes(precision, typed.as_dict())[0] == kv
+    else:
+        with pytest.raises(DeltashipError, match=rf"--kv-cache {kv} is not available for --target {target} at "
+                                                 rf"--precision {precision}: its KV cache is stored as") as e:
+            check_options(target, precision, None, 32, False, None, options, kv_cache=kv)
+        assert "drop --kv-cache" in e.value.fix
+
+
+def test_kv_cache_option_is_checked_before_work_and_recorded(tmp_path):
+    from deltaship.export import export
+    with pytest.raises(DeltashipError, match="unknown --kv-cache 'int2'"):
+        export("qwen3.5-tiny", tmp_path / "a", kv_cache="int2", progress=False, verify=False)
+    with pytest.raises(DeltashipError, match="--kv-cache int8 is not available"):
+        export("qwen3.5-tiny", tmp_path / "a", kv_cache="int8", progress=False, verify=False)
+    assert not (tmp_path / "a").exists()
+    m = export("qwen3.5-tiny", tmp_path / "b", precision="fp16", kv_cache="fp16", max_context=64, progress=False,
+               verify=False)
+    assert m["memory"]["kv_dtype"] == "fp16"
+    assert {s["dtype"] for s in m["states"] if s["kind"].startswith("kv_cache")} == {"float16"}

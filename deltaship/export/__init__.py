@@ -46,7 +46,8 @@ class Progress:
 
 
 def check_options(target: str, precision: str, max_context: int | None, block_size: int, deltanet_int8: bool,
-                  prefill_chunk: int | None, target_options: dict[str, Any] | None = None) -> TargetOptions:
+                  prefill_chunk: int | None, target_options: dict[str, Any] | None = None,
+                  kv_cache: str | None = None) -> TargetOptions:
     """Every option combination is checked once, here, before any work starts; returns the target's typed
     options. (The target's own combinations, which need the context and chunk, are checked by export().)"""
     tgt = get_target(target)
@@ -70,7 +71,23 @@ def check_options(target: str, precision: str, max_context: int | None, block_si
                              f"--precision int4 (got {precision})", "drop --deltanet-int8 or use --precision int4")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise DeltashipError(f"--prefill-chunk must be at least 1, got {prefill_chunk}", "pass a positive chunk size")
+    if kv_cache is not None:
+        _check_kv_cache(tgt, precision, kv_cache, options)
     return options
+
+
+def _check_kv_cache(tgt: Target, precision: str, kv_cache: str, options: TargetOptions) -> None:
+    from deltaship.models.spec import KV_DTYPES
+    if kv_cache not in KV_DTYPES:
+        raise DeltashipError(f"unknown --kv-cache {kv_cache!r}; KV dtypes: {', '.join(KV_DTYPES)}",
+                             "pick one of the KV dtypes")
+    can = tgt.kv_cache_dtypes(precision, options.as_dict())
+    if kv_cache not in can:
+        raise DeltashipError(
+            f"--kv-cache {kv_cache} is not available for --target {tgt.name} at --precision {precision}: its KV "
+            f"cache is stored as {' or '.join(can)} (the activation dtype); int8/int4 KV caches are planned",
+            f"drop --kv-cache, or pass --kv-cache {can[0]}; `deltaship plan --context N` shows what a narrower "
+            "KV cache would buy")
 
 
 def pass_options(target: Target, options: TargetOptions, *, prefill_chunk: int, block_size: int = 32,
@@ -104,10 +121,12 @@ def special_tokens(source, tokenizer_dir_files: list[Path]) -> dict[str, Any]:
 def export(model: str, out: str | Path, target: str = "onnx", precision: str = "fp32",
            max_context: int | None = None, force: bool = False, verify: bool = True,
            prefill_chunk: int | None = None, block_size: int = 32, deltanet_int8: bool = False,
-           threads: int | None = None, progress: bool | Callable = True, **target_options: Any) -> dict[str, Any]:
+           threads: int | None = None, progress: bool | Callable = True, kv_cache: str | None = None,
+           **target_options: Any) -> dict[str, Any]:
     """Compile `model` (a checkpoint directory or a preset) for `target` at `precision` into bundle `out`.
 
     `target_options` are the target's own options (deltaship/targets/<target>.py, e.g. onnx_deltanet_ops).
+    `kv_cache` asks for a KV-cache dtype (default: the target's own at `precision`); one it cannot store is refused.
     Returns the manifest. Nothing is left at `out` unless the export (and, for fp32, its
     verification) succeeded; an existing `out` is replaced only with force=True.
     """
@@ -118,7 +137,8 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
     from deltaship.models.source import load_source
 
     quiet_third_party()
-    options = check_options(target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options)
+    options = check_options(target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options,
+                            kv_cache)
     tgt = get_target(target)
     out = Path(out)
     check_destination(out, force)

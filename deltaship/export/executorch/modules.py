@@ -86,11 +86,10 @@ class XnnpackRotary(nn.Module):
     def forward(self, position: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         pos = (position + torch.arange(length, device=position.device)).float()
         freqs = pos.reshape(1, -1, 1, 1) * self.inv_freq_full.reshape(1, 1, 1, -1)  # reshapes XNNPACK takes
-        cos, sin = freqs.cos(), freqs.sin()
-        if self.scaled:
-            scale = self.cos_scale_full.reshape(1, 1, 1, -1)
-            cos, sin = cos * scale, sin * scale
-        return cos.to(dtype), sin.to(dtype)
+        if not self.scaled:  # the program of unscaled models, node for node
+            return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        scale = self.cos_scale_full.reshape(1, 1, 1, -1)
+        return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
 
 
 class XnnpackAttention(nn.Module):

@@ -376,3 +376,13 @@ def test_kv_cache_option_is_checked_before_work_and_recorded(tmp_path):
                verify=False)
     assert m["memory"]["kv_dtype"] == "fp16"
     assert {s["dtype"] for s in m["states"] if s["kind"].startswith("kv_cache")} == {"float16"}
+
+
+def test_a_context_past_the_native_one_is_capped_and_said():
+    from deltaship.devices.plan import plan, verdicts
+    native = plan("qwen3.5-0.8b", tier="laptop-16gb", context=262144)
+    beyond = plan("qwen3.5-0.8b", tier="laptop-16gb", context=10**6)
+    assert not any(r["capped"] for r in native) and all(r["capped"] for r in beyond)
+    assert {r["context"] for r in beyond} == {262144}
+    assert "max_position_embeddings" not in verdicts(native)[0]
+    assert "stops at the model's max_position_embeddings (longer needs YaRN" in verdicts(beyond)[0]

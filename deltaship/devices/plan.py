@@ -115,7 +115,6 @@ def estimate(spec: ModelSpec, tier: Tier, target: str, precision: str, context: 
     return PlanRow(tier.name, target, precision, context, w, dn + kvb, a + rt, total, tier.budget_bytes,
                    total <= tier.budget_bytes, kv_dtype=kv, kv_exportable=kv == default_kv_dtype(target, precision),
                    kv_bytes=kvb, deltanet_bytes=dn, activation_bytes=a, runtime_bytes=rt,
-                   capped=context >= spec.max_position_embeddings,
                    attention_scores_bytes=attention_scores_bytes(spec, target, precision, context, prefill_chunk))
 
 
@@ -137,7 +136,7 @@ def longest_context(spec: ModelSpec, tier: Tier, target: str, precision: str, kv
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if at(mid).fits else (lo, mid)
     row = at(lo)
-    row.longest = True
+    row.longest, row.capped = True, lo == spec.max_position_embeddings
     return row
 
 
@@ -207,6 +206,7 @@ def plan(model: str, tier: str | None = None, tiers_file: str | None = None, con
             ctx = min(context or t.context, spec.max_position_embeddings)
             tier_rows = [estimate(spec, t, tg, pr, ctx, kv, prefill_chunk) for tg, pr, kv in combos]
             for r in tier_rows:
+                r.capped = context is not None and context > ctx
                 if not r.fits:
                     r.fits_at_chunk = fits_at_chunk(spec, r, t) if prefill_chunk is None else 0
             pick = recommend(spec, t, ctx, targets, prefill_chunk)
@@ -277,7 +277,9 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
                 f"({_parts(best)})")
         rescued = [r for r in at_asked if r.get("fits_at_chunk")]
         if rescued:
-            r = max(rescued, key=lambda r: (r.get("kv_exportable", True), r["fits_at_chunk"], -r["total_bytes"]))
+            # today's KV dtype first, then the widest planned one, then the largest chunk
+            r = max(rescued, key=lambda r: (r.get("kv_exportable", True), -KV_ORDER.index(r["kv_dtype"]),
+                                            r["fits_at_chunk"]))
             line += (f"; {r['target']} {r['precision']}{_kv_note(r, at_asked)} would fit with --prefill-chunk "
                      f"{r['fits_at_chunk']} (fewer attention scores per chunk)")
         if pick is not None:

@@ -1,8 +1,9 @@
-"""`deltaship plan`: will a model fit a tier, and at which (target, precision, context)?
+"""`deltaship plan`: will a model fit a tier, and at which (target, precision, KV dtype, context)?
 
-Memory = weights (as each target stores them) + state at the context (KV cache + DeltaNet
-states) + runtime overhead (the runtime itself and the activations of one prefill chunk).
-Computed from the ModelSpec alone, so it works for models too big for this machine.
+Memory = weights (as each target stores them) + state at the context (context x KV-cache bytes per
+token at the KV dtype + the fixed DeltaNet states) + runtime overhead (the runtime itself and the
+activations of one prefill chunk). Computed from the ModelSpec alone, so it works for models too big
+for this machine. `context="max"` searches, per row, the longest context that fits.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from dataclasses import asdict, dataclass
 
 from deltaship.devices.catalog import GIB, Tier, load_catalog
 from deltaship.errors import DeltashipError
-from deltaship.models.spec import ModelSpec
+from deltaship.models.spec import KV_DTYPES, ModelSpec
 from deltaship.targets import PRECISIONS, get_target
+
+KV_ORDER = tuple(KV_DTYPES)  # widest first: fp32, fp16, int8, int4
+
 
 @dataclass
 class PlanRow:
@@ -21,12 +25,22 @@ class PlanRow:
     precision: str
     context: int
     weights_bytes: int
-    state_bytes: int
-    overhead_bytes: int
+    state_bytes: int  # kv_bytes + deltanet_bytes
+    overhead_bytes: int  # activation_bytes + runtime_bytes
     total_bytes: int
     budget_bytes: int
     fits: bool
     recommended: bool = False
+    kv_dtype: str = ""
+    kv_exportable: bool = True  # the target's bundles store this KV dtype today (int8/int4 KV: planned)
+    kv_bytes: int = 0
+    deltanet_bytes: int = 0
+    activation_bytes: int = 0
+    runtime_bytes: int = 0
+    capped: bool = False  # the context stopped at the model's max_position_embeddings, not at the budget
+    attention_scores_bytes: int = 0  # part of activation_bytes: heads x prefill chunk x context
+    longest: bool = False  # context is the longest that fits (plan(context="max"))
+    fits_at_chunk: int = 0  # when it does not fit: the largest prefill chunk (power of two) at which it would
 
 
 def weight_bytes(spec: ModelSpec, target: str, precision: str) -> int:
@@ -39,49 +53,166 @@ def weight_bytes(spec: ModelSpec, target: str, precision: str) -> int:
     return int(matrices * per)
 
 
-def state_bytes(spec: ModelSpec, target: str, precision: str, context: int) -> int:
+def default_kv_dtype(target: str, precision: str) -> str:
+    """The KV dtype the target's bundles use today: its activation dtype at that precision."""
     act = get_target(target).storage_format(precision).act
-    return spec.state_bytes(context, kv_bytes_per_elem=act, conv_bytes_per_elem=act)["total"]
+    by_bytes = {f.bits // 8: name for name, f in KV_DTYPES.items() if f.bits >= 8 and not f.token_head_bytes}
+    by_bytes.setdefault(1, "int8")
+    if act not in by_bytes:
+        raise DeltashipError(f"target {target} stores {act}-byte activations at {precision}; the planner knows KV "
+                             f"caches of {sorted(by_bytes)} bytes an element", "fix the target's storage format")
+    return by_bytes[act]
 
 
-def overhead_bytes(spec: ModelSpec, target: str, precision: str, context: int) -> int:
-    """The runtime, plus one prefill chunk's activations (MLP, projections, attention scores, logits)."""
+def kv_dtypes_for(target: str, precision: str) -> tuple[str, ...]:
+    """The target's own KV dtype, then the narrower ones a quantized cache could use."""
+    return KV_ORDER[KV_ORDER.index(default_kv_dtype(target, precision)):]
+
+
+def state_bytes(spec: ModelSpec, target: str, precision: str, context: int, kv_dtype: str | None = None) -> int:
+    """Per-sequence state: the fixed DeltaNet states plus context x the KV cache's bytes per token."""
+    act = get_target(target).storage_format(precision).act
+    return spec.deltanet_state_bytes(act) + context * spec.kv_bytes_per_token(kv_dtype or default_kv_dtype(target,
+                                                                                                           precision))
+
+
+def attention_scores_bytes(spec: ModelSpec, target: str, precision: str, context: int,
+                           prefill_chunk: int | None = None) -> int:
+    """The attention scores of one prefill chunk over the whole static cache (heads x chunk x context), as a
+    kernel that materialises them (ORT's CPU GroupQueryAttention does; tiled flash kernels would not)."""
+    tgt = get_target(target)
+    t = min(prefill_chunk or tgt.default_prefill_chunk, context)
+    return tgt.storage_format(precision).act * spec.num_attention_heads * t * context
+
+
+def activation_bytes(spec: ModelSpec, target: str, precision: str, context: int,
+                     prefill_chunk: int | None = None) -> int:
+    """One prefill chunk's activations: MLP, projections, the attention scores and one row of logits."""
     tgt = get_target(target)
     act = tgt.storage_format(precision).act
-    t = min(tgt.default_prefill_chunk, context)
+    t = min(prefill_chunk or tgt.default_prefill_chunk, context)
     per_token = 2 * spec.intermediate_size + 2 * spec.conv_dim + 6 * spec.hidden_size
-    scores = spec.num_attention_heads * t * context
-    return tgt.runtime_base_bytes + act * (t * per_token + scores) + 4 * spec.vocab_size
+    return act * t * per_token + attention_scores_bytes(spec, target, precision, context, prefill_chunk) \
+        + 4 * spec.vocab_size
 
 
-def estimate(spec: ModelSpec, tier: Tier, target: str, precision: str, context: int) -> PlanRow:
+def overhead_bytes(spec: ModelSpec, target: str, precision: str, context: int,
+                   prefill_chunk: int | None = None) -> int:
+    """The runtime, plus one prefill chunk's activations (MLP, projections, attention scores, logits)."""
+    return get_target(target).runtime_base_bytes + activation_bytes(spec, target, precision, context, prefill_chunk)
+
+
+def estimate(spec: ModelSpec, tier: Tier, target: str, precision: str, context: int, kv_dtype: str | None = None,
+             prefill_chunk: int | None = None) -> PlanRow:
+    """Memory of (target, precision, KV dtype) at `context` tokens on `tier`, by part."""
+    kv = kv_dtype or default_kv_dtype(target, precision)
     w = weight_bytes(spec, target, precision)
-    s = state_bytes(spec, target, precision, context)
-    o = overhead_bytes(spec, target, precision, context)
-    total = w + s + o
-    return PlanRow(tier.name, target, precision, context, w, s, o, total, tier.budget_bytes, total <= tier.budget_bytes)
+    dn = spec.deltanet_state_bytes(get_target(target).storage_format(precision).act)
+    kvb = context * spec.kv_bytes_per_token(kv)
+    a = activation_bytes(spec, target, precision, context, prefill_chunk)
+    rt = get_target(target).runtime_base_bytes
+    total = w + dn + kvb + a + rt
+    return PlanRow(tier.name, target, precision, context, w, dn + kvb, a + rt, total, tier.budget_bytes,
+                   total <= tier.budget_bytes, kv_dtype=kv, kv_exportable=kv == default_kv_dtype(target, precision),
+                   kv_bytes=kvb, deltanet_bytes=dn, activation_bytes=a, runtime_bytes=rt,
+                   attention_scores_bytes=attention_scores_bytes(spec, target, precision, context, prefill_chunk))
 
 
-def plan(model: str, tier: str | None = None, tiers_file: str | None = None, context: int | None = None,
-         targets: list[str] | None = None) -> list[dict]:
-    """One row per (tier, target, precision): memory parts, total, budget, fits; the pick per tier is marked."""
+def longest_context(spec: ModelSpec, tier: Tier, target: str, precision: str, kv_dtype: str | None = None,
+                    prefill_chunk: int | None = None) -> PlanRow:
+    """The longest context (at most max_position_embeddings) whose memory fits the tier, with its breakdown.
+
+    Memory grows with the context (KV cache, attention scores), so a binary search finds it. When not even one
+    token fits, the row is the one-token estimate with fits False.
+    """
+    def at(n: int) -> PlanRow:
+        return estimate(spec, tier, target, precision, n, kv_dtype, prefill_chunk)
+
+    lo, hi = 1, spec.max_position_embeddings
+    if at(hi).fits:
+        lo = hi
+    elif at(lo).fits:
+        while hi - lo > 1:  # at(lo) fits, at(hi) does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if at(mid).fits else (lo, mid)
+    row = at(lo)
+    row.longest, row.capped = True, lo == spec.max_position_embeddings
+    return row
+
+
+def fits_at_chunk(spec: ModelSpec, row: PlanRow, tier: Tier) -> int:
+    """The largest prefill chunk (a power of two below the row's) at which the row would fit; 0 if none."""
+    chunk = min(get_target(row.target).default_prefill_chunk, row.context) // 2
+    while chunk >= 1:
+        if estimate(spec, tier, row.target, row.precision, row.context, row.kv_dtype, chunk).fits:
+            return chunk
+        chunk //= 2
+    return 0
+
+
+def parse_context(context: int | str | None) -> int | str | None:
+    """--context: a number of tokens, or "max" (the longest that fits each tier); None: each tier's typical."""
+    if context is None or context == "max":
+        return context
+    if isinstance(context, str):
+        if not context.strip().isdigit():
+            raise DeltashipError(f"--context must be a number of tokens or max, got {context!r}",
+                                 "pass e.g. --context 262144, or --context max for the longest that fits")
+        context = int(context)
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise DeltashipError(f"--context must be positive, got {context}", "pass a context length in tokens")
+    return context
+
+
+def plan(model: str, tier: str | None = None, tiers_file: str | None = None, context: int | str | None = None,
+         targets: list[str] | None = None, kv_dtypes: list[str] | None = None,
+         prefill_chunk: int | None = None) -> list[dict]:
+    """One row per (tier, target, precision, KV dtype): memory parts, total, budget, fits; the pick per tier
+    is marked.
+
+    context: tokens, "max" (per row, the longest context that fits, capped at max_position_embeddings) or None
+    (each tier's typical context). kv_dtypes: the KV-cache dtypes to plan; by default the target's own when
+    no context is asked for (the table as before), and with a context its own then every narrower one
+    (int8/int4 KV caches are planned, not exportable yet: such rows have kv_exportable False and are never the
+    pick). prefill_chunk: tokens per prefill call (default: the target's), which sizes the attention scores.
+    """
     from deltaship.models.source import load_source
 
+    context = parse_context(context)
+    for kv in kv_dtypes or ():
+        if kv not in KV_DTYPES:
+            raise DeltashipError(f"unknown KV dtype {kv!r}; KV dtypes: {', '.join(KV_DTYPES)}",
+                                 "pick KV dtypes among those")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise DeltashipError(f"--prefill-chunk must be at least 1, got {prefill_chunk}", "pass a positive chunk size")
     spec = load_source(model).spec
     catalog, _ = load_catalog(tiers_file)
     if tier is not None and tier not in catalog:
         raise DeltashipError(f"unknown tier {tier!r}; tiers: {', '.join(catalog)}",
                              "pick a tier from the catalog or add your own with --tiers FILE")
-    if context is not None and context < 1:
-        raise DeltashipError(f"--context must be positive, got {context}", "pass a context length in tokens")
+
+    def kvs(tg: str, pr: str) -> tuple[str, ...]:
+        if kv_dtypes:
+            return tuple(kv_dtypes)
+        return kv_dtypes_for(tg, pr) if context is not None else (default_kv_dtype(tg, pr),)
+
     rows: list[PlanRow] = []
     for t in ([catalog[tier]] if tier else catalog.values()):
-        ctx = min(context or t.context, spec.max_position_embeddings)
-        tier_rows = [estimate(spec, t, tg, pr, ctx) for tg in (targets or t.targets) for pr in PRECISIONS]
-        pick = recommend(spec, t, ctx, targets)
+        combos = [(tg, pr, kv) for tg in (targets or t.targets) for pr in PRECISIONS for kv in kvs(tg, pr)]
+        if context == "max":
+            tier_rows = [longest_context(spec, t, tg, pr, kv, prefill_chunk) for tg, pr, kv in combos]
+            pick = _longest(t, tier_rows, targets)
+        else:
+            ctx = min(context or t.context, spec.max_position_embeddings)
+            tier_rows = [estimate(spec, t, tg, pr, ctx, kv, prefill_chunk) for tg, pr, kv in combos]
+            for r in tier_rows:
+                r.capped = context is not None and context > ctx
+                if not r.fits:
+                    r.fits_at_chunk = fits_at_chunk(spec, r, t) if prefill_chunk is None else 0
+            pick = recommend(spec, t, ctx, targets, prefill_chunk)
+        key = lambda r: (r.target, r.precision, r.context, r.kv_dtype)  # noqa: E731
         for r in tier_rows:
-            r.recommended = pick is not None and (r.target, r.precision, r.context) == (pick.target, pick.precision,
-                                                                                         pick.context)
+            r.recommended = pick is not None and key(r) == key(pick)
         if pick is not None and not any(r.recommended for r in tier_rows):
             pick.recommended = True
             tier_rows.append(pick)  # the pick needed a shorter context
@@ -89,58 +220,129 @@ def plan(model: str, tier: str | None = None, tiers_file: str | None = None, con
     return [asdict(r) for r in rows]
 
 
-def recommend(spec: ModelSpec, tier: Tier, context: int, targets: list[str] | None = None) -> PlanRow | None:
-    """The tier's most preferred target at the best of its precisions that fits; the context is
-    halved (down to 512) when nothing fits at the tier's typical context."""
+def recommend(spec: ModelSpec, tier: Tier, context: int, targets: list[str] | None = None,
+              prefill_chunk: int | None = None) -> PlanRow | None:
+    """The tier's most preferred target at the best of its precisions that fits (with the KV dtype its bundles
+    use); the context is halved (down to 512) when nothing fits at the tier's typical context."""
     ctx = context
     while ctx >= min(512, context):
         for tg in targets or tier.targets:
             for pr in tier.precisions:
-                row = estimate(spec, tier, tg, pr, ctx)
+                row = estimate(spec, tier, tg, pr, ctx, prefill_chunk=prefill_chunk)
                 if row.fits:
                     return row
         ctx //= 2
     return None
 
 
+def _longest(tier: Tier, rows: list[PlanRow], targets: list[str] | None) -> PlanRow | None:
+    """The exportable row reaching the longest context; among equals, the tier's preferred target and precision."""
+    order = {tg: i for i, tg in enumerate(targets or tier.targets)}
+    prec = {p: i for i, p in enumerate(tier.precisions)}
+    ok = [r for r in rows if r.fits and r.kv_exportable and r.precision in prec]
+    return min(ok, key=lambda r: (-r.context, order.get(r.target, len(order)), prec[r.precision]), default=None)
+
+
 def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
     """One line per tier: what is recommended and why the tier's other precisions were passed over, or that
-    nothing fits, by how much, and what would (a smaller context, or a tier with a larger budget)."""
+    nothing fits (at the context asked for), by how much and by what part, and what would (a smaller prefill
+    chunk, a narrower KV cache, a shorter context, a tier with a larger budget)."""
     catalog, _ = load_catalog(tiers_file)
     lines = []
     for name in dict.fromkeys(r["tier"] for r in rows):
         tier_rows = [r for r in rows if r["tier"] == name]
+        today = [r for r in tier_rows if r.get("kv_exportable", True)] or tier_rows
         pick = next((r for r in tier_rows if r["recommended"]), None)
         tier = catalog[name]
-        if pick is not None:
+        asked = max(r["context"] for r in tier_rows)
+        if pick is not None and (pick["context"] == asked or pick.get("longest")):
             line = (f"{name}: {pick['target']} {pick['precision']} at context {pick['context']} "
                     f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB): the tier prefers "
                     f"{' > '.join(tier.targets)} and {' > '.join(tier.precisions)} (most accurate first)")
-            smaller = [r for r in tier_rows if r["target"] == pick["target"] and r["fits"]
-                       and r["total_bytes"] < pick["total_bytes"] and r["precision"] != pick["precision"]]
+            smaller = [r for r in today if r["target"] == pick["target"] and r["fits"]
+                       and r["total_bytes"] < pick["total_bytes"] and r["precision"] != pick["precision"]
+                       and r["context"] == pick["context"]]
             if smaller:
                 s = min(smaller, key=lambda r: r["total_bytes"])
                 line += f"; {s['precision']} also fits, in {s['total_bytes'] / GIB:.2f} GiB"
-            lines.append(line)
+            if pick.get("capped"):
+                line += "; the context stops at the model's max_position_embeddings (longer needs YaRN rope scaling)"
+            lines.append(line + _planned_kv(tier_rows, pick))
             continue
-        best = min(tier_rows, key=lambda r: r["total_bytes"])
-        lines.append(f"{name}: nothing fits. The smallest, {best['target']} {best['precision']} at context "
-                     f"{best['context']}, needs {best['total_bytes'] / GIB:.2f} GiB of a {best['budget_bytes'] / GIB:.2f}"
-                     f" GiB budget (weights {best['weights_bytes'] / GIB:.2f} GiB alone); it would fit a tier with "
-                     f"{best['total_bytes'] / GIB:.2f} GiB or more to spend (--tiers FILE), or a smaller model")
+        at_asked = [r for r in tier_rows if r["context"] == asked]
+        best = min(at_asked, key=lambda r: r["total_bytes"])
+        line = (f"{name}: nothing fits{f' at context {asked}' if pick else ''}. The smallest, {best['target']} "
+                f"{best['precision']}{_kv_note(best, at_asked)} at context {best['context']}, needs "
+                f"{best['total_bytes'] / GIB:.2f} GiB of a {best['budget_bytes'] / GIB:.2f} GiB budget "
+                f"({_parts(best)})")
+        rescued = [r for r in at_asked if r.get("fits_at_chunk")]
+        if rescued:
+            # today's KV dtype first, then the widest planned one, then the largest chunk
+            r = max(rescued, key=lambda r: (r.get("kv_exportable", True), -KV_ORDER.index(r["kv_dtype"]),
+                                            r["fits_at_chunk"]))
+            line += (f"; {r['target']} {r['precision']}{_kv_note(r, at_asked)} would fit with --prefill-chunk "
+                     f"{r['fits_at_chunk']} (fewer attention scores per chunk)")
+        if pick is not None:
+            line += (f". Recommended instead: {pick['target']} {pick['precision']} at context {pick['context']} "
+                     f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB)")
+        else:
+            line += (f"; it would fit a tier with {best['total_bytes'] / GIB:.2f} GiB or more to spend (--tiers FILE), "
+                     "or a smaller model")
+        lines.append(line)
     return lines
 
 
+def _kv_note(r: dict, rows: list[dict]) -> str:
+    """' with an int8 KV cache (planned)' when the rows compare KV dtypes; nothing otherwise."""
+    if len({x.get("kv_dtype") for x in rows}) <= 1:
+        return ""
+    return f" with an {r['kv_dtype']} KV cache" + ("" if r.get("kv_exportable", True) else " (planned)")
+
+
+def _parts(r: dict) -> str:
+    """The memory breakdown of a row, in GiB."""
+    if not r.get("kv_dtype"):
+        return f"weights {r['weights_bytes'] / GIB:.2f} GiB alone"
+    return (f"weights {r['weights_bytes'] / GIB:.2f} + {r['kv_dtype']} KV cache {r['kv_bytes'] / GIB:.2f} + DeltaNet "
+            f"states {r['deltanet_bytes'] / GIB:.2f} + activations {r['activation_bytes'] / GIB:.2f} (attention "
+            f"scores {r['attention_scores_bytes'] / GIB:.2f}) + runtime {r['runtime_bytes'] / GIB:.2f} GiB")
+
+
+def _planned_kv(tier_rows: list[dict], pick: dict | None) -> str:
+    """What a narrower (planned) KV cache would add: a longer context that fits, or why even it does not."""
+    planned = [r for r in tier_rows if not r.get("kv_exportable", True)]
+    if not planned:
+        return ""
+    reach = pick["context"] if pick else 0
+    better = [r for r in planned if r["fits"] and r["context"] > reach]
+    if better:
+        b = max(better, key=lambda r: (r["context"], -r["total_bytes"]))
+        return (f". With an {b['kv_dtype']} KV cache (planned, not exportable yet) {b['target']} {b['precision']} "
+                f"fits at context {b['context']} in {b['total_bytes'] / GIB:.2f} GiB ({_parts(b)})")
+    if pick is None:
+        b = min(planned, key=lambda r: r["total_bytes"])
+        return (f". Even with an {b['kv_dtype']} KV cache (planned), {b['target']} {b['precision']} at context "
+                f"{b['context']} needs {b['total_bytes'] / GIB:.2f} GiB ({_parts(b)})")
+    return ""
+
+
 def format_table(rows: list[dict]) -> str:
-    head = f"{'tier':<12} {'target':<11} {'prec':<5} {'context':>7} {'weights':>9} {'state':>9} {'overhead':>9} " \
-           f"{'total':>9} {'budget':>9}  fit"
+    """The rows as a table: memory by part (KV cache, DeltaNet states, activations, runtime) in GiB."""
+    head = (f"{'tier':<12} {'target':<11} {'prec':<5} {'kv':<5} {'context':>7} {'weights':>8} {'kv':>8} "
+            f"{'deltanet':>8} {'activ.':>8} {'runtime':>8} {'total':>8} {'budget':>8}  fit")
     lines = [head, "-" * len(head)]
+    g = lambda b: f"{b / GIB:7.2f}G"  # noqa: E731
     for r in rows:
-        g = lambda b: f"{b / GIB:8.2f}G"  # noqa: E731
         mark = ("yes" if r["fits"] else "no") + ("  <- recommended" if r["recommended"] else "")
-        lines.append(f"{r['tier']:<12} {r['target']:<11} {r['precision']:<5} {r['context']:>7} {g(r['weights_bytes'])} "
-                     f"{g(r['state_bytes'])} {g(r['overhead_bytes'])} {g(r['total_bytes'])} {g(r['budget_bytes'])}  {mark}")
+        kv = r.get("kv_dtype", "") + ("" if r.get("kv_exportable", True) else "*")
+        lines.append(f"{r['tier']:<12} {r['target']:<11} {r['precision']:<5} {kv:<5} {r['context']:>7} "
+                     f"{g(r['weights_bytes'])} {g(r['kv_bytes'])} {g(r['deltanet_bytes'])} "
+                     f"{g(r['activation_bytes'])} {g(r['runtime_bytes'])} {g(r['total_bytes'])} "
+                     f"{g(r['budget_bytes'])}  {mark}")
+    if any(not r.get("kv_exportable", True) for r in rows):
+        lines.append("* a KV-cache dtype the target cannot export yet (planned: int8/int4 KV caches)")
     return "\n".join(lines)
 
 
-__all__ = ["plan", "format_table", "verdicts", "weight_bytes", "state_bytes"]
+__all__ = ["plan", "format_table", "verdicts", "weight_bytes", "state_bytes", "estimate", "longest_context",
+           "kv_dtypes_for", "default_kv_dtype", "parse_context", "fits_at_chunk"]

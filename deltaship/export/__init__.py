@@ -18,7 +18,8 @@ EVAL_TOKENS = 256  # held-out tokens evaluated at export (deltaship eval default
 
 
 def check_options(target: str, precision: str, max_context: int | None, block_size: int, deltanet_int8: bool,
-                  prefill_chunk: int | None, target_options: dict[str, Any] | None = None) -> TargetOptions:
+                  prefill_chunk: int | None, target_options: dict[str, Any] | None = None,
+                  kv_cache: str | None = None) -> TargetOptions:
     """Every option combination is checked once, here, before any work starts; returns the target's typed
     options. (The target's own combinations, which need the context and chunk, are checked by export().)"""
     tgt = get_target(target)
@@ -42,7 +43,23 @@ def check_options(target: str, precision: str, max_context: int | None, block_si
                              f"--precision int4 (got {precision})", "drop --deltanet-int8 or use --precision int4")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise DeltashipError(f"--prefill-chunk must be at least 1, got {prefill_chunk}", "pass a positive chunk size")
+    if kv_cache is not None:
+        _check_kv_cache(tgt, precision, kv_cache, options)
     return options
+
+
+def _check_kv_cache(tgt: Target, precision: str, kv_cache: str, options: TargetOptions) -> None:
+    from deltaship.models.spec import KV_DTYPES
+    if kv_cache not in KV_DTYPES:
+        raise DeltashipError(f"unknown --kv-cache {kv_cache!r}; KV dtypes: {', '.join(KV_DTYPES)}",
+                             "pick one of the KV dtypes")
+    can = tgt.kv_cache_dtypes(precision, options.as_dict())
+    if kv_cache not in can:
+        raise DeltashipError(
+            f"--kv-cache {kv_cache} is not available for --target {tgt.name} at --precision {precision}: its KV "
+            f"cache is stored as {' or '.join(can)} (the activation dtype); int8/int4 KV caches are planned",
+            f"drop --kv-cache, or pass --kv-cache {can[0]}; `deltaship plan --context N` shows what a narrower "
+            "KV cache would buy")
 
 
 def pass_options(target: Target, options: TargetOptions, *, prefill_chunk: int, block_size: int = 32,
@@ -77,11 +94,12 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
            max_context: int | None = None, force: bool = False, verify: bool = True,
            prefill_chunk: int | None = None, block_size: int = 32, deltanet_int8: bool = False,
            threads: int | None = None, progress: bool | Callable = True, allow_download: bool = False,
-           **target_options: Any) -> dict[str, Any]:
+           kv_cache: str | None = None, **target_options: Any) -> dict[str, Any]:
     """Compile `model` (a checkpoint directory, a preset, or a Hub id `org/name[@revision]` from the local Hugging
     Face cache, downloaded only with allow_download=True) for `target` at `precision` into bundle `out`.
 
     `target_options` are the target's own options (deltaship/targets/<target>.py, e.g. onnx_deltanet_ops).
+    `kv_cache` asks for a KV-cache dtype (default: the target's own at `precision`); one it cannot store is refused.
     Returns the manifest. Nothing is left at `out` unless the export (and, for fp32, its
     verification) succeeded; an existing `out` is replaced only with force=True.
     """
@@ -92,7 +110,8 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
     from deltaship.models.source import load_source
 
     quiet_third_party()
-    options = check_options(target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options)
+    options = check_options(target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options,
+                            kv_cache)
     tgt = get_target(target)
     out = Path(out)
     check_destination(out, force)
@@ -104,9 +123,7 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
         say(note)
     if max_context is None:
         max_context = PRESETS[model].default_max_context if model in PRESETS else min(4096, spec.max_position_embeddings)
-    if max_context > spec.max_position_embeddings:
-        raise DeltashipError(f"--max-context {max_context} exceeds the model's max_position_embeddings "
-                             f"({spec.max_position_embeddings})", f"pass --max-context {spec.max_position_embeddings} or less")
+    spec.check_context(max_context)  # names max_position_embeddings and, without scaling, YaRN
     chunk = min(prefill_chunk or tgt.default_prefill_chunk, max_context)
     tgt.check(precision, max_context, chunk, options)
     ctx = ExportContext(spec=spec, precision=precision, max_context=max_context, target=target,
@@ -138,6 +155,7 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
                             else {})) for s in ctx.states],
             usage=list(tgt.usage), tokens=tokens, tokenizer={"files": tok_files}, passes=ctx.report,
             lowering=lowered.details, tools=tool_versions("torch", "transformers", *tgt.tool_packages))
+        manifest["memory"] = _memory(spec, ctx.states)
         if verify:
             from deltaship.export.verify import verify_bundle
             # The runtime reads the manifest: write a provisional one in the staging directory.
@@ -165,6 +183,14 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
     manifest = write_bundle(out, force, build)
     say(f"wrote {out} ({manifest['bundle_bytes'] / 2**20:.1f} MiB)")
     return manifest
+
+
+def _memory(spec, states: list[dict]) -> dict[str, Any]:
+    """The manifest's memory arithmetic: state bytes = deltanet_state_bytes + context x kv_bytes_per_token[kv_dtype]."""
+    short = {"float32": ("fp32", 4), "float16": ("fp16", 2)}
+    dtypes = {s["kind"]: s["dtype"] for s in states}
+    kv = short[dtypes.get("kv_cache_key", dtypes.get("deltanet_conv", "float32"))][0]
+    return spec.memory_arithmetic(kv, short[dtypes.get("deltanet_conv", "float32")][1])
 
 
 def _report_verification(say, rec: dict) -> None:

@@ -39,9 +39,13 @@ def reference_model(source: ModelSource, dtype: torch.dtype = torch.float32):
 
 
 def recompute_rotary(model, cfg, device: str = "cpu") -> None:
-    """Rotary inverse frequencies are buffers, not checkpoint tensors: recompute them (float32) on `device`."""
+    """Rotary inverse frequencies are buffers, not checkpoint tensors: recompute them (float32) on `device`,
+    with the config's rope type (YaRN's comes with the cos/sin attention factor)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     rot = model.model.rotary_emb
-    inv, _ = rot.compute_default_rope_parameters(cfg)
+    init = rot.compute_default_rope_parameters if rot.rope_type == "default" else ROPE_INIT_FUNCTIONS[rot.rope_type]
+    inv, rot.attention_scaling = init(cfg)
     rot.inv_freq = inv.to(device, torch.float32)
     rot.original_inv_freq = inv.clone().to(device)
 

@@ -25,7 +25,7 @@ ARCHITECTURES: dict[str, str] = {
 }
 # What the export passes and the reference ask a family module for.
 INTERFACE = (
-    "build_source_model", "checkpoint_name", "rotary_inv_freq", "hf_config",
+    "build_source_model", "checkpoint_name", "rotary_inv_freq", "rotary_attention_factor", "hf_config",
     "fold_zero_centred_norm", "decay_scale_from_a_log", "squeeze_conv_weight",
     "SourceModule", "ZeroCentredRMSNorm", "RMSNorm", "Projections",
     "SourceGatedDeltaNet", "StatefulGatedDeltaNet", "SourceAttention", "StaticCacheAttention",

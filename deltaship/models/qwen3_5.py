@@ -9,6 +9,8 @@ the top of this file.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -42,8 +44,40 @@ FIXUPS = {
 
 
 def rotary_inv_freq(spec: ModelSpec) -> np.ndarray:
+    """[rotary_dim / 2] float32 inverse frequencies of the attention layers' partial rotary.
+
+    With YaRN (spec.rope_type "yarn") each frequency is blended between interpolation (divided by the
+    factor) and extrapolation (kept) by a ramp over the rotary dims, as transformers'
+    `_compute_yarn_parameters`; the cos/sin scale that goes with it is `rotary_attention_factor(spec)`.
+    """
     rot = spec.rotary_dim
-    return (1.0 / (spec.rope_theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot))).astype(np.float32)
+    if spec.rope_type == "default":
+        return (1.0 / (spec.rope_theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot))).astype(np.float32)
+    if spec.rope_type != "yarn":
+        raise ValueError(f"qwen3_5: rope_type {spec.rope_type!r} has no inverse frequencies here")
+
+    def correction_dim(rotations: float) -> float:  # the rotary dim that turns `rotations` times over the context
+        return (rot * math.log(spec.rope_original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(spec.rope_theta)))
+
+    low, high = correction_dim(spec.rope_beta_fast), correction_dim(spec.rope_beta_slow)
+    if spec.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    # float32 torch arithmetic in transformers' order: the same bits as the oracle (float64 would differ
+    # by an ulp, which is 0.1 rad of phase at a million positions)
+    pos_freqs = spec.rope_theta ** (torch.arange(0, rot, 2, device="cpu").float() / rot)
+    ramp = torch.clamp((torch.arange(rot // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: keep the pretrained frequency (high frequencies), 0: interpolate
+    inv = (1.0 / (spec.rope_factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv.numpy().astype(np.float32)
+
+
+def rotary_attention_factor(spec: ModelSpec) -> float:
+    """The factor transformers multiplies cos and sin by (YaRN's attention temperature; 1 without scaling)."""
+    return spec.rope_attention_factor if spec.rope_type != "default" else 1.0
 
 
 # ---- the checkpoint's structure (cannot run) -------------------------------------------------
@@ -250,15 +284,21 @@ class DecoderLayer(nn.Module):
 
 
 class Rotary(nn.Module):
+    """cos/sin [1, T, 1, rotary_dim] for positions position .. position+T-1 (times the YaRN attention factor)."""
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.register_buffer("inv_freq", torch.empty(spec.rotary_dim // 2))
+        self.attention_factor = rotary_attention_factor(spec)
 
     def forward(self, position: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         pos = (position + torch.arange(length, device=position.device)).float()
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)[None, :, None, :]  # [1, T, 1, rot]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        if self.attention_factor == 1.0:  # the graph of unscaled models, node for node
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        # scaled in fp32 before the cast, as transformers does
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
 
 
 class Qwen35Model(nn.Module):
@@ -343,6 +383,11 @@ def hf_config(spec: ModelSpec) -> dict:
     rope = {"rope_type": "default", "rope_theta": spec.rope_theta, "partial_rotary_factor": spec.partial_rotary_factor}
     if spec.mrope_section:
         rope["mrope_section"] = list(spec.mrope_section)
+    if spec.rope_type == "yarn":
+        rope.update(rope_type="yarn", factor=spec.rope_factor,
+                    original_max_position_embeddings=spec.rope_original_max_position_embeddings,
+                    beta_fast=spec.rope_beta_fast, beta_slow=spec.rope_beta_slow,
+                    attention_factor=spec.rope_attention_factor, truncate=spec.rope_truncate)
     return {
         "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
         "num_hidden_layers": spec.num_layers, "layer_types": list(spec.layer_types),

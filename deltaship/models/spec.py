@@ -8,6 +8,7 @@ configs are accepted. Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,20 @@ from deltaship.models.families import model_types
 
 SUPPORTED_MODEL_TYPES = model_types()  # the family registry (deltaship/models/families.py)
 LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class KVDtype:
+    """How a KV cache stores one element: bits, plus bytes kept per token and KV head (for K and for V each)
+    by a per-token quantization: a float32 scale for int8/int4 (ExecuTorch's asymmetric int8 cache also
+    keeps an int8 zero point: 1 byte more; ORT's GroupQueryAttention uses static per-channel scales: 0)."""
+
+    bits: int
+    token_head_bytes: int = 0
+
+
+KV_DTYPES: dict[str, KVDtype] = {"fp32": KVDtype(32), "fp16": KVDtype(16), "int8": KVDtype(8, 4),
+                                 "int4": KVDtype(4, 4)}
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,15 @@ class ModelSpec:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     torch_dtype: str = "float32"
+    # RoPE scaling of the attention layers (rope_parameters / rope_scaling in config.json). "default": none;
+    # "yarn": YaRN (inv_freq blended between interpolation and extrapolation, cos/sin times attention factor).
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_position_embeddings: int | None = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float = 1.0  # resolved (transformers infers it from factor / mscale when absent)
+    rope_truncate: bool = True
 
     # ---- derived sizes -------------------------------------------------------------
     @property
@@ -90,6 +114,23 @@ class ModelSpec:
             "recurrent": (1, self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
         }
 
+    def check_context(self, context: int, option: str = "--max-context") -> None:
+        """Refuse a context past what the RoPE config covers (max_position_embeddings), saying how to extend it."""
+        if context <= self.max_position_embeddings:
+            return
+        m = self.max_position_embeddings
+        if self.rope_type == "yarn":
+            raise DeltashipError(
+                f"{option} {context} exceeds the model's max_position_embeddings ({m}, config.json), the context "
+                f"its YaRN scaling (rope_parameters.factor {self.rope_factor:g} over original_max_position_embeddings "
+                f"{self.rope_original_max_position_embeddings}) extends to",
+                f"pass {option} {m} or less, or raise rope_parameters.factor and max_position_embeddings together")
+        raise DeltashipError(
+            f"{option} {context} exceeds the model's max_position_embeddings ({m}, config.json), and it has no RoPE "
+            f"scaling (rope_parameters.rope_type is \"default\"): positions past {m} were never trained",
+            f"pass {option} {m} or less, or extend the context with YaRN in config.json: rope_parameters.rope_type: "
+            f"yarn, factor F, original_max_position_embeddings {m}, and max_position_embeddings F x {m}")
+
     def kv_cache_shape(self, max_context: int) -> tuple[int, ...]:
         return (1, self.num_key_value_heads, max_context, self.head_dim)
 
@@ -101,6 +142,29 @@ class ModelSpec:
         conv = n_dn * _prod(shapes["conv"]) * conv_bytes_per_elem
         kv = n_at * 2 * _prod(self.kv_cache_shape(max_context)) * kv_bytes_per_elem
         return {"deltanet_recurrent": recurrent, "deltanet_conv": conv, "kv_cache": kv, "total": recurrent + conv + kv}
+
+    def kv_bytes_per_token(self, kv_dtype: str = "fp16") -> int:
+        """KV-cache bytes one more token of context costs (K and V of every attention layer, scales included)."""
+        if kv_dtype not in KV_DTYPES:
+            raise DeltashipError(f"unknown KV dtype {kv_dtype!r}; KV dtypes: {', '.join(KV_DTYPES)}",
+                                 "pick one of the KV dtypes")
+        f = KV_DTYPES[kv_dtype]
+        per_head = self.head_dim * f.bits // 8 + f.token_head_bytes
+        return len(self.attention_layers) * 2 * self.num_key_value_heads * per_head
+
+    def deltanet_state_bytes(self, conv_bytes_per_elem: int = 4) -> int:
+        """The DeltaNet states (recurrent fp32 + conv), whatever the context: fixed per sequence."""
+        s = self.state_bytes(0, conv_bytes_per_elem=conv_bytes_per_elem)
+        return s["deltanet_recurrent"] + s["deltanet_conv"]
+
+    def memory_arithmetic(self, kv_dtype: str, conv_bytes_per_elem: int) -> dict[str, Any]:
+        """The manifest's `memory` block: state bytes = deltanet_state_bytes + context x
+        kv_bytes_per_token[kv_dtype]; the other KV dtypes are there to plan with."""
+        return {"kv_dtype": kv_dtype,
+                "kv_bytes_per_token": {name: self.kv_bytes_per_token(name) for name in KV_DTYPES},
+                "kv_scale_bytes_per_token_head": {n: f.token_head_bytes for n, f in KV_DTYPES.items()},
+                "deltanet_state_bytes": self.deltanet_state_bytes(conv_bytes_per_elem),
+                "max_position_embeddings": self.max_position_embeddings}
 
     def parameter_count(self) -> dict[str, int]:
         """Parameters of the text decoder, by part (embedding, lm_head, body)."""
@@ -186,11 +250,13 @@ class ModelSpec:
             raise DeltashipError(f"{where}: unknown layer kind(s) {bad} in layer_types; supported: {list(LAYER_KINDS)}",
                                  "this checkpoint is not a Qwen3.5 text model")
 
-        rope = src.get("rope_parameters") or src.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):
-            raise DeltashipError(f"{where}: rope_type {rope_type!r} is not supported (only default rope)",
-                                 "export a checkpoint without rope scaling")
+        # transformers lets a (legacy) rope_scaling block win over rope_parameters
+        rope_key = "rope_scaling" if src.get("rope_scaling") else "rope_parameters"
+        rope = src.get(rope_key) or {}
+        if not isinstance(rope, dict):
+            raise DeltashipError(f"{where}: {rope_key} must be an object, got {rope!r}",
+                                 f"fix {rope_key} in config.json")
+        scaling = _rope_scaling(rope, rope_key, src, where)
         theta = rope.get("rope_theta", src.get("rope_theta"))
         if theta is None:
             raise DeltashipError(f"{where}: rope_theta is missing (neither rope_parameters.rope_theta nor rope_theta)",
@@ -229,6 +295,7 @@ class ModelSpec:
             bos_token_id=src.get("bos_token_id"),
             pad_token_id=src.get("pad_token_id"),
             torch_dtype=str(src.get("dtype", src.get("torch_dtype", config.get("dtype", "float32"))) or "float32"),
+            **scaling,
         )
         spec.validate(where)
         return spec
@@ -249,6 +316,63 @@ class ModelSpec:
                 f"for head_dim {self.head_dim}; it must be even and in (0, head_dim]", "fix partial_rotary_factor")
         if self.linear_conv_kernel_dim < 2:
             raise DeltashipError(f"{where}: linear_conv_kernel_dim must be at least 2", "fix linear_conv_kernel_dim")
+
+
+SUPPORTED_ROPE_TYPES = ("default", "yarn")
+
+
+def _rope_scaling(rope: dict[str, Any], key: str, src: dict[str, Any], where: str) -> dict[str, Any]:
+    """The spec's rope_* fields from a rope_parameters / rope_scaling block, resolved as transformers'
+    `_compute_yarn_parameters` resolves them (modeling_rope_utils.py)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "mrope":  # legacy name of the multimodal rope; text positions make it plain rope
+        rope_type = "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise DeltashipError(
+            f"{where}: {key}.rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
+            f"remove the scaling from {key} (the model then runs up to max_position_embeddings) or use "
+            f"rope_type \"yarn\"")
+    if rope_type == "default":
+        return {}
+
+    def number(name: str, default: float | None) -> float | None:
+        val = rope.get(name)
+        if val is None:
+            return default
+        if not isinstance(val, (int, float)) or isinstance(val, bool) or val <= 0:
+            raise DeltashipError(f"{where}: {key}.{name} must be a positive number, got {val!r}",
+                                 f"fix {key}.{name} in config.json")
+        return float(val)
+
+    max_pos = src.get("max_position_embeddings", 262144)
+    # transformers: a top-level original_max_position_embeddings wins, else the block's, else max_position_embeddings
+    original = src.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", max_pos))
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise DeltashipError(f"{where}: {key}.original_max_position_embeddings must be a positive integer, got "
+                             f"{original!r}", "set it to the context the model was pretrained with")
+    factor = number("factor", None)
+    if factor is None:  # transformers: the ratio of the extended to the pretrained context
+        factor = max_pos / original
+    if factor < 1.0:
+        raise DeltashipError(f"{where}: {key}.factor must be at least 1, got {factor}",
+                             f"fix {key}.factor (extended context / original_max_position_embeddings)")
+    attention = number("attention_factor", None)
+    if attention is None:
+        mscale, mscale_all = number("mscale", None), number("mscale_all_dim", None)
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else _yarn_mscale(factor))
+    beta_fast, beta_slow = number("beta_fast", 32.0), number("beta_slow", 1.0)
+    truncate = rope.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise DeltashipError(f"{where}: {key}.truncate must be true or false, got {truncate!r}",
+                             f"fix {key}.truncate in config.json")
+    return {"rope_type": "yarn", "rope_factor": float(factor), "rope_original_max_position_embeddings": original,
+            "rope_beta_fast": beta_fast, "rope_beta_slow": beta_slow, "rope_attention_factor": float(attention),
+            "rope_truncate": truncate}
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _prod(shape: tuple[int, ...]) -> int:

@@ -131,6 +131,11 @@ class Target(ABC):
         (quantized builds keep fp32 activations unless the target says otherwise)."""
         return "float16" if precision == "fp16" else "float32"
 
+    def kv_cache_dtypes(self, precision: str, options: Mapping[str, Any]) -> tuple[str, ...]:
+        """The KV-cache dtypes (deltaship.models.spec.KV_DTYPES names) this target exports at `precision`, its
+        default first. Today the cache is stored in the activation dtype only; int8/int4 caches are planned."""
+        return ({"float32": "fp32", "float16": "fp16"}[self.activation_dtype(precision, options)],)
+
     @abstractmethod
     def pipeline(self) -> tuple:
         """The ordered export passes, explicitly (deltaship.export.passes and the target's own)."""

@@ -66,17 +66,30 @@ def qkv_head_scales(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
     return mult.reshape(-1, 1), const.reshape(-1, 1)
 
 
+def full_width_cos_scale(spec: ModelSpec) -> np.ndarray:
+    """[d] YaRN's cos/sin factor on the rotary channels, 1 past them (cos must stay exactly 1 there)."""
+    out = np.ones(spec.head_dim, np.float32)
+    out[: spec.rotary_dim] = fam.rotary_attention_factor(spec)
+    return out
+
+
 class XnnpackRotary(nn.Module):
     """cos/sin [1, T, 1, head_dim], full width: 1 and 0 on the channels rotary does not touch."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.register_buffer("inv_freq_full", torch.empty(spec.head_dim, device="meta"))
+        self.scaled = fam.rotary_attention_factor(spec) != 1.0
+        if self.scaled:  # only with rope scaling: unscaled models keep the same program
+            self.register_buffer("cos_scale_full", torch.empty(spec.head_dim, device="meta"))
 
     def forward(self, position: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         pos = (position + torch.arange(length, device=position.device)).float()
         freqs = pos.reshape(1, -1, 1, 1) * self.inv_freq_full.reshape(1, 1, 1, -1)  # reshapes XNNPACK takes
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        if not self.scaled:  # the program of unscaled models, node for node
+            return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        scale = self.cos_scale_full.reshape(1, 1, 1, -1)
+        return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
 
 
 class XnnpackAttention(nn.Module):
@@ -196,6 +209,8 @@ class XnnpackLayout:
                 counts["deltanet_heads_first"] += int(spec.linear_key_head_dim == spec.linear_value_head_dim)
         model.model.rotary = XnnpackRotary(spec)
         plan.add_constant("model.rotary.inv_freq_full", lambda: full_width_inv_freq(spec), (spec.head_dim,))
+        if model.model.rotary.scaled:
+            plan.add_constant("model.rotary.cos_scale_full", lambda: full_width_cos_scale(spec), (spec.head_dim,))
         del plan.recipes["model.rotary.inv_freq"]
         return counts
 

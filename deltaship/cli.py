@@ -21,7 +21,7 @@ def run_export(a: argparse.Namespace) -> int:
     export(model=a.model, out=a.out, target=a.target, precision=a.precision, max_context=a.max_context,
            force=a.force, verify=not a.no_verify, prefill_chunk=a.prefill_chunk, block_size=a.block_size,
            deltanet_int8=a.deltanet_int8, threads=a.threads, progress=not a.quiet,
-           allow_download=a.allow_download, **given)
+           allow_download=a.allow_download, kv_cache=a.kv_cache, **given)
     return 0
 
 
@@ -114,7 +114,8 @@ def _devices(a: argparse.Namespace) -> int:
 def _plan(a: argparse.Namespace) -> int:
     from deltaship.devices.plan import format_table, plan, verdicts
     rows = plan(a.model, tier=a.tier, tiers_file=a.tiers, context=a.context,
-                targets=[t for t in a.targets.split(",")] if a.targets else None)
+                targets=[t for t in a.targets.split(",")] if a.targets else None,
+                kv_dtypes=a.kv_dtypes.split(",") if a.kv_dtypes else None, prefill_chunk=a.prefill_chunk)
     print(json.dumps(rows, indent=1) if a.json else format_table(rows) + "\n\n" + "\n".join(verdicts(rows, a.tiers)))
     return 0
 
@@ -171,6 +172,9 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
                    help=f"tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}; {chunks})")
     e.add_argument("--block-size", type=int, default=32, help="quantization block size (int8/int4; default 32)")
     e.add_argument("--deltanet-int8", action="store_true", help="with int4: keep DeltaNet projections at int8")
+    e.add_argument("--kv-cache", choices=("fp32", "fp16", "int8", "int4"), default=None,
+                   help="KV-cache dtype (default: the target's own at --precision; `deltaship plan --kv-dtypes` shows "
+                        "what each would take)")
     e.add_argument("--threads", type=int, default=None, help="threads for verification")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     _add_target_options(e)
@@ -227,7 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", required=True)
     pl.add_argument("--tier", default=None)
     pl.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
-    pl.add_argument("--context", type=int, default=None, help="context in tokens (default: each tier's typical)")
+    pl.add_argument("--context", default=None,
+                    help="context in tokens, or 'max' for the longest that fits (default: each tier's typical)")
+    pl.add_argument("--kv-dtypes", default=None,
+                    help="comma-separated KV-cache dtypes to plan (fp32, fp16, int8, int4; default: each target's own)")
+    pl.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default: each target's)")
     pl.add_argument("--targets", default=None, help="comma-separated targets (default: each tier's)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)

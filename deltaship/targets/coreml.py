@@ -29,7 +29,7 @@ class CoreMLOptions(TargetOptions):
 class CoreMLTarget(Target):
     name = "coreml"
     description = "model.mlpackage for Core ML (iOS 18 / macOS 15): prefill and decode functions, MLState"
-    lowering_module = "deltaship.export.coreml"
+    lowering_module = "deltaship.export.coreml.package"
     Options = CoreMLOptions
     default_prefill_chunk = 64  # a fixed-shape prefill function; its recurrence is unrolled in chunks of 64
     tool_packages = ("coremltools",)
@@ -64,7 +64,7 @@ class CoreMLTarget(Target):
     runtime_base_bytes = 128 << 20
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: CoreMLOptions) -> None:
-        from deltaship.export.coreml import check_options
+        from deltaship.export.coreml.package import check_options
         check_options(precision, max_context, prefill_chunk, options.as_dict())
 
     def activation_dtype(self, precision: str, options) -> str:
@@ -72,7 +72,7 @@ class CoreMLTarget(Target):
 
     def pipeline(self) -> tuple:
         from deltaship.export import passes as p
-        from deltaship.export.coreml import StaticCapture
+        from deltaship.export.coreml.package import StaticCapture
         # Captured with static shapes, one program per package part and function.
         return (p.LoadStructure(), p.FoldZeroCentredNorms(), p.RewriteDeltaNet(), p.StaticKVCache(),
                 p.FuseProjections(), p.LastTokenLogits(), p.AssignPrecision(), StaticCapture())

@@ -178,6 +178,8 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
         for f in source.tokenizer_files:
             shutil.copy(f, tmp / f.name)
             tok_files.append(f.name)
+        if hasattr(tmod, "adapt_tokenizer_config"):  # after the copy: the target adjusts the copied files
+            tmod.adapt_tokenizer_config(tmp)
         in_place = lowered.get("state_in_place", {})  # states whose past and present may share a buffer
         manifest = base_manifest(
             source={"model": source.name, "kind": source.kind, "architecture": spec.architecture,
@@ -187,8 +189,9 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
             quantization=lowered.get("quantization") or _quant_summary(ctx),
             max_context=max_context, prefill_chunk=chunk, entry=lowered["entry"],
             inputs=tmod.io_inputs(ctx) if hasattr(tmod, "io_inputs") else _default_inputs(),
-            outputs=[{"name": "logits", "shape": [1, spec.vocab_size], "dtype": "float32", "kind": "logits",
-                      "doc": "logits after the last token of the call"}],
+            outputs=tmod.io_outputs(ctx) if hasattr(tmod, "io_outputs") else [
+                {"name": "logits", "shape": [1, spec.vocab_size], "dtype": "float32", "kind": "logits",
+                 "doc": "logits after the last token of the call"}],
             states=[dict(s, init="zeros", reset="zeros", **({"in_place": in_place[s["name"]]} if s["name"] in in_place
                                                             else {})) for s in ctx.states],
             state_bytes=sum(_nbytes(s) for s in ctx.states),

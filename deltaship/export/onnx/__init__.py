@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 from deltaship.export.passes import PIPELINE  # noqa: F401  (the canonical passes, as they are)
 from deltaship.export.onnx.builder import GraphBuilder
+from deltaship.export.onnx.genai import GENAI_CONFIG, adapt_tokenizer_config, write_genai_config
 from deltaship.export.onnx.lowering import LOWERINGS, Lowerer
 
 OPSET = 21
@@ -17,15 +19,16 @@ EXTERNAL_THRESHOLD = 1_800_000_000  # protobuf cannot hold a model over 2 GB
 TOOL_PACKAGES = ("onnx", "onnxruntime")
 USAGE = [
     "Open model.onnx with ONNX Runtime (com.microsoft contrib ops: CPU and CUDA execution providers).",
-    "Each call: input_ids int64 [1, T] (T = 1 .. prefill_chunk; 1 to decode) and position int64 [1] = the number "
-    "of tokens the state already holds.",
+    "Each call: input_ids int64 [1, T] (T = 1 .. prefill_chunk; 1 to decode) and position_ids int64 [1, T] = "
+    "p, p+1, .., p+T-1 where p is the number of tokens the state already holds (the graph reads element 0).",
     "Feed every state input 'past.L.kind' the output 'present.L.kind' of the previous call; start from zeros "
     "and zero them again to reset.",
     "KV-cache states hold max_context positions; GroupQueryAttention writes the new positions in place, so "
     "present.L.key/value may be bound to the same buffer as past.L.key/value (IOBinding).",
     "A state whose entry lists 'in_place' execution providers may share one buffer between past and present on "
     "them (IOBinding); elsewhere give present its own buffer and swap the two after each call.",
-    "logits float32 [1, vocab] are for the last token of the call.",
+    "logits float32 [1, 1, vocab] are for the last token of the call.",
+    "onnxruntime-genai runs the bundle as it is: og.Model(bundle_dir) reads genai_config.json.",
 ]
 MODEL_FILE = "model.onnx"
 # MatMulNBits: 4 = quantize activations to int8 blocks (fast integer dot products); 0 = float activations.
@@ -87,27 +90,65 @@ def estimate_bytes(ctx) -> int:
     return total
 
 
+_PROGRAM_POSITION = "position"  # the captured program's start position [1]: derived from position_ids
+_PROGRAM_LOGITS = "logits_last"  # the program's logits [1, V]: unsqueezed to the graph output [1, 1, V]
+
+
+def _genai_io(b: GraphBuilder, vocab: int) -> None:
+    """Swap the program's I/O for the contract onnxruntime-genai drives: input position_ids int64 [1, T]
+    (its element 0 is the start position the program wants) and output logits float32 [1, 1, V]. genai
+    trims prefill logits to the last token only when the graph declares dim 1 of logits as 1."""
+    i = next(k for k, v in enumerate(b.inputs) if v.name == _PROGRAM_POSITION)
+    b.inputs[i] = onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "tokens"])
+    first = b.node("Slice", ["position_ids", b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64)),
+                             b.const(np.array([1], np.int64))], name_hint="position_first")[0]
+    b.node("Reshape", [first, b.const(np.array([1], np.int64))], outputs=[_PROGRAM_POSITION])
+    b.nodes[:] = b.nodes[-2:] + b.nodes[:-2]  # keep the node list topologically sorted
+    o = next(k for k, v in enumerate(b.outputs) if v.name == _PROGRAM_LOGITS)
+    b.node("Unsqueeze", [_PROGRAM_LOGITS, b.const(np.array([1], np.int64))], outputs=["logits"])
+    b.outputs[o] = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 1, vocab])
+
+
+def io_inputs(ctx) -> list[dict]:
+    """The manifest's `inputs`: the graph inputs other than states."""
+    return [{"name": "input_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens",
+             "doc": "1 to prefill_chunk token ids"},
+            {"name": "position_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "position_ids",
+             "doc": "positions of this call's tokens: p .. p+T-1, p = tokens already consumed by the state"}]
+
+
+def io_outputs(ctx) -> list[dict]:
+    """The manifest's `outputs`: the graph outputs other than states."""
+    return [{"name": "logits", "shape": [1, 1, ctx.spec.vocab_size], "dtype": "float32", "kind": "logits",
+             "doc": "logits after the last token of the call"}]
+
+
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict:
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
     accuracy_level = int(ctx.options.get("accuracy_level", DEFAULT_ACCURACY_LEVEL))
     external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))
     b = GraphBuilder(out_dir / DATA_FILE if external else None)
-    inputs = ["input_ids", "position"] + [s["name"] for s in ctx.states]
-    outputs = ["logits"] + [s["output"] for s in ctx.states]
+    # The program takes position [1] and returns logits [1, V]; the graph's contract is the one
+    # onnxruntime-genai drives (position_ids [1, T], logits [1, 1, V]), adapted around it below.
+    inputs = ["input_ids", _PROGRAM_POSITION] + [s["name"] for s in ctx.states]
+    outputs = [_PROGRAM_LOGITS] + [s["output"] for s in ctx.states]
     deltanet_ops = ctx.options.get("onnx_deltanet_ops", DEFAULT_DELTANET_OPS)
     lw = Lowerer(ctx.program, ctx.plan, weights, ctx.quant, b, accuracy_level=accuracy_level, progress=progress,
                  deltanet_ops=deltanet_ops)
     lw.run(inputs, outputs)
+    _genai_io(b, ctx.spec.vocab_size)
     b.finish(out_dir / MODEL_FILE, {"": OPSET, "com.microsoft": 1}, IR_VERSION,
              doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}")
     ops: dict[str, int] = {}
     for n in b.nodes:
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
-    return {"files": [MODEL_FILE] + ([DATA_FILE] if external else []), "entry": MODEL_FILE, "onnx_ops": ops,
+    in_place = in_place_states(b.nodes, ctx.states)
+    genai = write_genai_config(out_dir, ctx, tokens, MODEL_FILE, b.nodes, in_place)
+    return {"files": [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else []), "entry": MODEL_FILE, "onnx_ops": ops,
             "external_data": external, "opset": OPSET, "ir_version": IR_VERSION,
             "accuracy_level": accuracy_level, "weight_bytes": b.weight_bytes,
-            "state_in_place": in_place_states(b.nodes, ctx.states),
+            "state_in_place": in_place, "genai": genai,
             "deltanet_ops": {"mode": deltanet_ops, **DELTANET_OPS[deltanet_ops]}}
 
 
-__all__ = ["lower", "LOWERINGS", "MODEL_FILE"]
+__all__ = ["lower", "io_inputs", "io_outputs", "adapt_tokenizer_config", "LOWERINGS", "MODEL_FILE"]

@@ -91,7 +91,7 @@ def test_genai_runs_the_tiny_preset_bundle_as_deltaship_does(tiny, precision):
 
 
 @pytest.mark.parametrize("config,opts", [("odd_heads", {}), ("grouped_values", {}), ("deltanet_only", {}),
-                                         ("base", {"precision": "int4"}),
+                                         ("base", {"precision": "int4"}), ("multimodal", {}),
                                          ("odd_heads", {"onnx_deltanet_ops": "contrib"})])
 def test_genai_runs_test_checkpoints_of_odd_shapes(bundles, config, opts):
     _og()

@@ -144,7 +144,7 @@ def test_manifest_contract(bundles, checkpoints):
     assert [i["name"] for i in m["inputs"]] == ["input_ids", "position_ids"]
     # onnxruntime-genai's contract: position_ids [1, T], logits of the last token only [1, 1, V]
     dims = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim] for v in [*g.input, *g.output]}
-    assert dims["position_ids"] == [1, "tokens"] and dims["logits"] == [1, 1, 160]
+    assert dims["position_ids"] == [1, "positions"] and dims["logits"] == [1, 1, 160]
     assert m["outputs"][0]["shape"] == [1, 1, 160]
     ops = {n.op_type for n in g.node}
     assert {"LinearAttention", "LinearAttentionGate", "GroupQueryAttention"} <= ops

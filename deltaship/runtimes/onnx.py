@@ -141,7 +141,10 @@ class OnnxSession(Session):
             self._pos[0] = self.position
             io.bind_cpu_input("position", self._pos)
         else:
-            io.bind_cpu_input("position_ids", self._positions[:, self.position:self.position + ids.size])
+            # [[p]] only: the graph reads element 0, and ONNX Runtime keys its memory patterns by the XOR of all
+            # input dims, in which input_ids [1, T] and position_ids [1, T] would cancel out (prefill and decode
+            # would share a pattern that fits neither)
+            io.bind_cpu_input("position_ids", self._positions[:, self.position:self.position + 1])
         for s in self.states:
             vals, cur = self._vals[s["name"]], self._cur[s["name"]]
             io.bind_ortvalue_input(s["name"], vals[cur])

@@ -20,7 +20,8 @@ TOOL_PACKAGES = ("onnx", "onnxruntime")
 USAGE = [
     "Open model.onnx with ONNX Runtime (com.microsoft contrib ops: CPU and CUDA execution providers).",
     "Each call: input_ids int64 [1, T] (T = 1 .. prefill_chunk; 1 to decode) and position_ids int64 [1, T] = "
-    "p, p+1, .., p+T-1 where p is the number of tokens the state already holds (the graph reads element 0).",
+    "p, p+1, .., p+T-1 where p is the number of tokens the state already holds; the graph reads only element 0, "
+    "so [1, 1] = [[p]] is enough (and lets ONNX Runtime keep separate memory patterns for prefill and decode).",
     "Feed every state input 'past.L.kind' the output 'present.L.kind' of the previous call; start from zeros "
     "and zero them again to reset.",
     "KV-cache states hold max_context positions; GroupQueryAttention writes the new positions in place, so "
@@ -99,7 +100,10 @@ def _genai_io(b: GraphBuilder, vocab: int) -> None:
     (its element 0 is the start position the program wants) and output logits float32 [1, 1, V]. genai
     trims prefill logits to the last token only when the graph declares dim 1 of logits as 1."""
     i = next(k for k, v in enumerate(b.inputs) if v.name == _PROGRAM_POSITION)
-    b.inputs[i] = onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "tokens"])
+    # Its own dim name: only element 0 is read, so a caller may pass [1, 1] (deltaship's session does: ONNX
+    # Runtime keys its memory patterns by the XOR of all input dims, and [1, T] twice cancels out, so prefill
+    # and decode would share one pattern and fall back to allocating tensor by tensor).
+    b.inputs[i] = onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "positions"])
     first = b.node("Slice", ["position_ids", b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64)),
                              b.const(np.array([1], np.int64))], name_hint="position_first")[0]
     b.node("Reshape", [first, b.const(np.array([1], np.int64))], outputs=[_PROGRAM_POSITION])
@@ -113,8 +117,9 @@ def io_inputs(ctx) -> list[dict]:
     """The manifest's `inputs`: the graph inputs other than states."""
     return [{"name": "input_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens",
              "doc": "1 to prefill_chunk token ids"},
-            {"name": "position_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "position_ids",
-             "doc": "positions of this call's tokens: p .. p+T-1, p = tokens already consumed by the state"}]
+            {"name": "position_ids", "shape": [1, "positions"], "dtype": "int64", "kind": "position_ids",
+             "doc": "positions of this call's tokens: p .. p+T-1, p = tokens already consumed by the state; only "
+                    "the first is read, so [1, 1] = [[p]] is enough"}]
 
 
 def io_outputs(ctx) -> list[dict]:

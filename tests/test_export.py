@@ -149,8 +149,13 @@ def test_manifest_contract(bundles, checkpoints):
     # the ONNX graph's inputs/outputs are exactly the manifest's
     import onnx
     g = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
-    assert [i.name for i in g.input] == ["input_ids", "position"] + [s["name"] for s in m["states"]]
+    assert [i.name for i in g.input] == ["input_ids", "position_ids"] + [s["name"] for s in m["states"]]
     assert [o.name for o in g.output] == ["logits"] + [s["output"] for s in m["states"]]
+    assert [i["name"] for i in m["inputs"]] == ["input_ids", "position_ids"]
+    # onnxruntime-genai's contract: position_ids [1, T], logits of the last token only [1, 1, V]
+    dims = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim] for v in [*g.input, *g.output]}
+    assert dims["position_ids"] == [1, "positions"] and dims["logits"] == [1, 1, 160]
+    assert m["outputs"][0]["shape"] == [1, 1, 160]
     ops = {n.op_type for n in g.node}
     assert {"LinearAttention", "LinearAttentionGate", "GroupQueryAttention"} <= ops
     # default lowering: conv and output norm in standard ops (ORT's contrib kernels for them are slower)

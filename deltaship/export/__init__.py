@@ -141,6 +141,7 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
         for f in source.tokenizer_files:
             shutil.copy(f, tmp / f.name)
             tok_files.append(f.name)
+        tgt.finish_bundle(tmp)  # after the copy: the target may adjust the copied files
         manifest = new_manifest(
             source={"model": source.name, "kind": source.kind, "architecture": spec.architecture,
                     "sha256": source.fingerprint(), "notes": source.notes()},

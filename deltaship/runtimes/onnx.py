@@ -94,9 +94,10 @@ class OnnxSession(Session):
             self._bufs[s["name"]] = arrs
             self._vals[s["name"]] = [self._ortvalue(a) for a in arrs]
             self._cur[s["name"]] = 0
-        self._logits = np.zeros((1, self.vocab_size), dtype=np.float32)
+        self._logits = np.zeros((1, 1, self.vocab_size), dtype=np.float32)
         self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits)
-        self._pos = np.zeros(1, dtype=np.int64)
+        # position_ids of a call are a slice (a view, no copy) of one preallocated row
+        self._positions = np.arange(self.max_context, dtype=np.int64).reshape(1, -1)
 
     def _shares_buffer(self, state: dict[str, Any]) -> bool:
         """Past and present in one buffer: where the manifest says the kernel allows it on this provider."""
@@ -131,8 +132,10 @@ class OnnxSession(Session):
     def _forward(self, ids: np.ndarray) -> np.ndarray:
         io = self.sess.io_binding()
         io.bind_cpu_input("input_ids", ids.reshape(1, -1))
-        self._pos[0] = self.position
-        io.bind_cpu_input("position", self._pos)
+        # [[p]] only: the graph reads element 0, and ONNX Runtime keys its memory patterns by the XOR of all
+        # input dims, in which input_ids [1, T] and position_ids [1, T] would cancel out (prefill and decode
+        # would share a pattern that fits neither)
+        io.bind_cpu_input("position_ids", self._positions[:, self.position:self.position + 1])
         for s in self.states:
             vals, cur = self._vals[s["name"]], self._cur[s["name"]]
             io.bind_ortvalue_input(s["name"], vals[cur])
@@ -141,7 +144,9 @@ class OnnxSession(Session):
         self.sess.run_with_iobinding(io)
         for s in self.states:
             self._cur[s["name"]] = (self._cur[s["name"]] + 1) % len(self._vals[s["name"]])
-        return self._logits_val.numpy()[0].copy() if self.device == "cuda" else self._logits[0].copy()
+        if self.device == "cuda":
+            return self._logits_val.numpy().reshape(-1).copy()
+        return self._logits.reshape(-1).copy()
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Current value of every state (copies), by input name."""

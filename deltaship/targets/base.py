@@ -150,6 +150,9 @@ class Target(ABC):
         return Lowered(files=r.pop("files"), entry=r.pop("entry"), quantization=r.pop("quantization", None),
                        state_in_place=r.pop("state_in_place", {}), details=r)
 
+    def finish_bundle(self, bundle_dir: Path) -> None:
+        """Adjust the bundle's copied files (tokenizer, configs) after the lowering; nothing by default."""
+
     @abstractmethod
     def io_inputs(self, ctx: "ExportContext") -> list[dict[str, Any]]:
         """The manifest's `inputs`: what an app feeds each call besides the states."""

@@ -38,15 +38,17 @@ class OnnxTarget(Target):
     tool_packages = ("onnx", "onnxruntime")
     usage = (
         "Open model.onnx with ONNX Runtime (com.microsoft contrib ops: CPU and CUDA execution providers).",
-        "Each call: input_ids int64 [1, T] (T = 1 .. prefill_chunk; 1 to decode) and position int64 [1] = the "
-        "number of tokens the state already holds.",
+        "Each call: input_ids int64 [1, T] (T = 1 .. prefill_chunk; 1 to decode) and position_ids int64 [1, T] = "
+        "p, p+1, .., p+T-1 where p is the number of tokens the state already holds; the graph reads only element 0, "
+        "so [1, 1] = [[p]] is enough (and lets ONNX Runtime keep separate memory patterns for prefill and decode).",
         "Feed every state input 'past.L.kind' the output 'present.L.kind' of the previous call; start from zeros "
         "and zero them again to reset.",
         "KV-cache states hold max_context positions; GroupQueryAttention writes the new positions in place, so "
         "present.L.key/value may be bound to the same buffer as past.L.key/value (IOBinding).",
         "A state whose entry lists 'in_place' execution providers may share one buffer between past and present "
         "on them (IOBinding); elsewhere give present its own buffer and swap the two after each call.",
-        "logits float32 [1, vocab] are for the last token of the call.",
+        "logits float32 [1, 1, vocab] are for the last token of the call.",
+        "onnxruntime-genai runs the bundle as it is: og.Model(bundle_dir) reads genai_config.json.",
     )
     tolerances = {
         "fp32": Tolerance(1e-3, 1.0, 1e-3, True),
@@ -86,10 +88,16 @@ class OnnxTarget(Target):
                 p.FuseProjections(), p.LastTokenLogits(), p.AssignPrecision(), p.Capture())
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
-        return [{"name": "input_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens",
-                 "doc": "1 to prefill_chunk token ids"},
-                {"name": "position", "shape": [1], "dtype": "int64", "kind": "position",
-                 "doc": "position of the first token of this call = tokens already consumed by the state"}]
+        from deltaship.export import onnx as impl  # the names live beside the lowering that writes them
+        return impl.io_inputs(ctx)
+
+    def io_outputs(self, ctx) -> list[dict[str, Any]]:
+        from deltaship.export import onnx as impl
+        return impl.io_outputs(ctx)
+
+    def finish_bundle(self, bundle_dir: Path) -> None:
+        from deltaship.export.onnx.genai import adapt_tokenizer_config
+        adapt_tokenizer_config(bundle_dir)  # a tokenizer class onnxruntime-genai accepts
 
     def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
                      prefill_chunk: int | None = None, provider: str = "cpu", **options: Any):

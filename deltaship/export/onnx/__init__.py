@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 from deltaship.export.onnx.builder import GraphBuilder
+from deltaship.export.onnx.genai import GENAI_CONFIG, adapt_tokenizer_config, write_genai_config
 from deltaship.export.onnx.lowering import LOWERINGS, Lowerer
 
 OPSET = 21
@@ -70,27 +72,69 @@ def estimate_bytes(ctx) -> int:
     return total
 
 
+_PROGRAM_POSITION = "position"  # the captured program's start position [1]: derived from position_ids
+_PROGRAM_LOGITS = "logits_last"  # the program's logits [1, V]: unsqueezed to the graph output [1, 1, V]
+
+
+def _genai_io(b: GraphBuilder, vocab: int) -> None:
+    """Swap the program's I/O for the contract onnxruntime-genai drives: input position_ids int64 [1, T]
+    (its element 0 is the start position the program wants) and output logits float32 [1, 1, V]. genai
+    trims prefill logits to the last token only when the graph declares dim 1 of logits as 1."""
+    i = next(k for k, v in enumerate(b.inputs) if v.name == _PROGRAM_POSITION)
+    # Its own dim name: only element 0 is read, so a caller may pass [1, 1] (deltaship's session does: ONNX
+    # Runtime keys its memory patterns by the XOR of all input dims, and [1, T] twice cancels out, so prefill
+    # and decode would share one pattern and fall back to allocating tensor by tensor).
+    b.inputs[i] = onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "positions"])
+    first = b.node("Slice", ["position_ids", b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64)),
+                             b.const(np.array([1], np.int64))], name_hint="position_first")[0]
+    b.node("Reshape", [first, b.const(np.array([1], np.int64))], outputs=[_PROGRAM_POSITION])
+    b.nodes[:] = b.nodes[-2:] + b.nodes[:-2]  # keep the node list topologically sorted
+    o = next(k for k, v in enumerate(b.outputs) if v.name == _PROGRAM_LOGITS)
+    b.node("Unsqueeze", [_PROGRAM_LOGITS, b.const(np.array([1], np.int64))], outputs=["logits"])
+    b.outputs[o] = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 1, vocab])
+
+
+def io_inputs(ctx) -> list[dict]:
+    """The manifest's `inputs`: the graph inputs other than states."""
+    return [{"name": "input_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens",
+             "doc": "1 to prefill_chunk token ids"},
+            {"name": "position_ids", "shape": [1, "positions"], "dtype": "int64", "kind": "position_ids",
+             "doc": "positions of this call's tokens: p .. p+T-1, p = tokens already consumed by the state; only "
+                    "the first is read, so [1, 1] = [[p]] is enough"}]
+
+
+def io_outputs(ctx) -> list[dict]:
+    """The manifest's `outputs`: the graph outputs other than states."""
+    return [{"name": "logits", "shape": [1, 1, ctx.spec.vocab_size], "dtype": "float32", "kind": "logits",
+             "doc": "logits after the last token of the call"}]
+
+
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict:
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
     accuracy_level = int(ctx.options["accuracy_level"])  # MatMulNBits: 4 = int8 activation blocks, 0 = float
     external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))
     b = GraphBuilder(out_dir / DATA_FILE if external else None)
-    inputs = ["input_ids", "position"] + [s["name"] for s in ctx.states]
-    outputs = ["logits"] + [s["output"] for s in ctx.states]
+    # The program takes position [1] and returns logits [1, V]; the graph's contract is the one
+    # onnxruntime-genai drives (position_ids [1, T], logits [1, 1, V]), adapted around it below.
+    inputs = ["input_ids", _PROGRAM_POSITION] + [s["name"] for s in ctx.states]
+    outputs = [_PROGRAM_LOGITS] + [s["output"] for s in ctx.states]
     deltanet_ops = ctx.options["onnx_deltanet_ops"]
     lw = Lowerer(ctx.program, ctx.plan, weights, ctx.quant, b, accuracy_level=accuracy_level, progress=progress,
                  deltanet_ops=deltanet_ops)
     lw.run(inputs, outputs)
+    _genai_io(b, ctx.spec.vocab_size)
     b.finish(out_dir / MODEL_FILE, {"": OPSET, "com.microsoft": 1}, IR_VERSION,
              doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}")
     ops: dict[str, int] = {}
     for n in b.nodes:
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
-    return {"files": [MODEL_FILE] + ([DATA_FILE] if external else []), "entry": MODEL_FILE, "onnx_ops": ops,
+    in_place = in_place_states(b.nodes, ctx.states)
+    genai = write_genai_config(out_dir, ctx, tokens, MODEL_FILE, b.nodes, in_place)
+    return {"files": [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else []), "entry": MODEL_FILE, "onnx_ops": ops,
             "external_data": external, "opset": OPSET, "ir_version": IR_VERSION,
             "accuracy_level": accuracy_level, "weight_bytes": b.weight_bytes,
-            "state_in_place": in_place_states(b.nodes, ctx.states),
+            "state_in_place": in_place, "genai": genai,
             "deltanet_ops": {"mode": deltanet_ops, **DELTANET_OPS[deltanet_ops]}}
 
 
-__all__ = ["lower", "LOWERINGS", "MODEL_FILE"]
+__all__ = ["lower", "io_inputs", "io_outputs", "adapt_tokenizer_config", "LOWERINGS", "MODEL_FILE"]

@@ -1,0 +1,180 @@
+"""Every ONNX bundle runs unmodified in onnxruntime-genai (the runtime apps embed): its own greedy loop
+gives deltaship's tokens, its tokenizer gives deltaship's ids.
+
+Needs the optional package: pip install "onnxruntime-genai>=0.18,<0.19" (deltaship[genai]). The tests of
+what deltaship says without it run everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deltaship.errors import DeltashipError
+from deltaship.export import export
+from deltaship.runtimes import open_bundle
+from deltaship.bundle.reader import read_manifest
+
+PROMPT_LENGTHS = (1, 7, 20)  # one token, less than a prefill chunk (8), more than two chunks
+NEW_TOKENS = 12
+TEXT = ("import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n"
+        "\n\nclass Cache:\n    def __init__(self):\n        self.items = {}\n")
+
+
+def _og():
+    return pytest.importorskip("onnxruntime_genai", reason="optional runtime: pip install onnxruntime-genai==0.18.*")
+
+
+def _genai_tokens(bundle: Path, ids: list[int], n: int) -> list[int]:
+    """Greedy tokens from onnxruntime-genai's own loop, as an app drives it (nothing of deltaship involved)."""
+    og = _og()
+    model = og.Model(str(bundle))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + n, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray(ids, dtype=np.int32))
+    out: list[int] = []
+    while not gen.is_done() and len(out) < n:
+        gen.generate_next_token()
+        out.append(int(gen.get_next_tokens()[0]))
+    return out
+
+
+def _assert_same_greedy(bundle: Path, prompts: list[list[int]]) -> None:
+    from deltaship.runtimes.genai import open_genai
+    session = open_genai(bundle)
+    for ids in prompts:
+        want = open_bundle(bundle).generate(ids, NEW_TOKENS).output_ids
+        assert len(want) >= 2
+        assert _genai_tokens(bundle, ids, NEW_TOKENS) == want, f"{bundle.name}: prompt of {len(ids)} tokens"
+        session.reset()
+        assert session.generate(ids, NEW_TOKENS).output_ids == want  # deltaship's genai session, genai's loop
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The trained tiny preset at each precision, prefill chunk 8 (prompts of 20 tokens take three calls)."""
+    root = tmp_path_factory.mktemp("genai-tiny")
+
+    def get(precision: str) -> Path:
+        out = root / precision
+        if not out.exists():
+            export("qwen3.5-tiny", out, precision=precision, max_context=256, prefill_chunk=8, verify=False,
+                   progress=False)
+        return out
+    return get
+
+
+def _text_prompts(bundle: Path) -> list[list[int]]:
+    from deltaship.runtimes.tokenizer import load_tokenizer
+    ids = load_tokenizer(bundle, read_manifest(bundle)).encode(TEXT)
+    assert len(ids) > max(PROMPT_LENGTHS)
+    return [ids[:n] for n in PROMPT_LENGTHS]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
+def test_genai_runs_the_tiny_preset_bundle_as_deltaship_does(tiny, precision):
+    _og()
+    bundle = tiny(precision)
+    cfg = json.loads((bundle / "genai_config.json").read_text())
+    m = read_manifest(bundle)
+    # genai feeds a prompt in the bundle's prefill chunks, and sizes its caches from the bundle
+    assert cfg["search"]["chunk_size"] == m["prefill_chunk"] == 8
+    assert cfg["model"]["context_length"] == cfg["search"]["max_length"] == m["max_context"]
+    assert cfg["model"]["eos_token_id"] in (m["tokens"]["eos"], m["tokens"]["eos"][0])
+    _assert_same_greedy(bundle, _text_prompts(bundle))
+
+
+@pytest.mark.parametrize("config,opts", [("odd_heads", {}), ("grouped_values", {}), ("deltanet_only", {}),
+                                         ("base", {"precision": "int4"}), ("multimodal", {}),
+                                         ("odd_heads", {"onnx_deltanet_ops": "contrib"})])
+def test_genai_runs_test_checkpoints_of_odd_shapes(bundles, config, opts):
+    _og()
+    bundle = bundles(config, **opts)
+    m = read_manifest(bundle)
+    cfg = json.loads((bundle / "genai_config.json").read_text())
+    has_kv = any(s["kind"].startswith("kv_cache") for s in m["states"])
+    assert ("past_key_names" in cfg["model"]["decoder"]["inputs"]) == has_kv  # deltanet_only: no KV cache
+    # shared past/present DeltaNet buffers only where every kernel allows it (not the contrib conv)
+    assert cfg["search"]["past_present_share_buffer"] == (opts.get("onnx_deltanet_ops") != "contrib")
+    rng = np.random.default_rng(len(config))
+    prompts = [[int(t) for t in rng.integers(0, m["model"]["vocab_size"] - 1, n)] for n in PROMPT_LENGTHS]
+    _assert_same_greedy(bundle, prompts)
+
+
+def test_genai_session_logits_and_timings(tiny):
+    _og()
+    from deltaship.runtimes.genai import open_genai
+    bundle = tiny("fp32")
+    ids = _text_prompts(bundle)[-1]
+    s, ref = open_genai(bundle, threads=1), open_bundle(bundle, threads=1)
+    # chunk by chunk through genai: the same logits as deltaship's session (same graph, same chunks)
+    np.testing.assert_allclose(s.prefill(ids), ref.prefill(ids), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(s.decode(5), ref.decode(5), rtol=0, atol=1e-5)
+    gen, times = s.timed_generate(ids, 6)
+    assert gen.output_ids == open_bundle(bundle).generate(ids, 6).output_ids
+    assert times["prefill_s"] > 0 and len(times["decode_s"]) == len(gen.output_ids) - 1
+    with pytest.raises(DeltashipError, match="cannot be continued"):
+        s.decode(5)
+    s.reset()
+    s.seek(30)  # reached by computing filler tokens
+    assert s.position == 30 and np.isfinite(s.decode(5)).all()
+
+
+def test_genai_tokenizer_matches_deltaships(tiny):
+    og = _og()
+    from deltaship.runtimes.tokenizer import load_tokenizer
+    bundle = tiny("int4")
+    want = load_tokenizer(bundle, read_manifest(bundle)).encode(TEXT + "héllo 中文")
+    tok = og.Tokenizer(og.Model(str(bundle)))
+    assert [int(t) for t in tok.encode(TEXT + "héllo 中文")] == want
+    assert tok.decode(np.asarray(want, dtype=np.int32)) == TEXT + "héllo 中文"
+
+
+def test_a_tokenizer_class_genai_refuses_is_rewritten_at_export(tmp_path):
+    """transformers 5 checkpoints say Qwen3_5Tokenizer, which genai refuses; the bundle says
+    PreTrainedTokenizerFast (same tokenizer.json), which genai, AutoTokenizer and deltaship all load."""
+    og = _og()
+    from transformers import AutoTokenizer
+
+    from deltaship.models.source import load_source
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(load_source("qwen3.5-tiny").path, ckpt)
+    tc = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(dict(tc, tokenizer_class="Qwen3_5Tokenizer")))
+    before = AutoTokenizer.from_pretrained(str(ckpt)).encode(TEXT)
+    out = tmp_path / "b"
+    export(str(ckpt), out, precision="int4", max_context=128, verify=False, progress=False)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert cfg["deltaship_original_tokenizer_class"] == "Qwen3_5Tokenizer"
+    assert AutoTokenizer.from_pretrained(str(out)).encode(TEXT) == before
+    assert [int(t) for t in og.Tokenizer(og.Model(str(out))).encode(TEXT)] == before
+    open_bundle(out)  # the manifest's hashes are those of the rewritten file
+
+
+def test_genai_session_says_to_export_again_without_genai_config(bundles, tmp_path):
+    _og()
+    from deltaship.runtimes.genai import open_genai
+    old = tmp_path / "old"
+    shutil.copytree(bundles("base"), old)
+    (old / "genai_config.json").unlink()  # what a bundle from before this version lacks
+    m = json.loads((old / "manifest.json").read_text())
+    del m["files"]["genai_config.json"]
+    (old / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DeltashipError, match="no genai_config.json") as e:
+        open_genai(old)
+    assert "export the bundle again" in e.value.fix
+
+
+def test_genai_session_names_the_package_when_it_is_missing(bundles, monkeypatch):
+    from deltaship.runtimes.genai import open_genai
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails as if not installed
+    with pytest.raises(DeltashipError, match="onnxruntime-genai is not installed") as e:
+        open_genai(bundles("base"))
+    assert "pip install" in e.value.fix and "onnxruntime-genai" in e.value.fix

@@ -52,7 +52,8 @@ def _generate(a: argparse.Namespace) -> int:
     from deltaship.commands import generate
     res = generate(a.bundle, prompt=a.prompt, input_ids=a.input_ids, max_new_tokens=a.max_new_tokens,
                    threads=a.threads, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-                   stop_at_eos=not a.no_stop_at_eos, dump_logits=a.dump_logits, provider=a.provider)
+                   stop_at_eos=not a.no_stop_at_eos, dump_logits=a.dump_logits, provider=a.provider,
+                   runtime=a.runtime)
     if res["stopped"] == "context" and not a.json:
         print(f"deltaship generate: stopped after {len(res['output_ids'])} new tokens: the bundle's max context is "
               "full (export with a larger --max-context for longer generations)", file=sys.stderr)
@@ -136,7 +137,7 @@ def _profile(a: argparse.Namespace) -> int:
                   warmups=a.warmups, reps=a.reps, min_seconds=a.min_seconds, tier=a.tier, tiers_file=a.tiers,
                   breakdown=not a.no_breakdown, json_out=a.json, report=a.report, ssh_options=a.ssh_option,
                   remote_deltaship=a.remote_deltaship, runner=a.runner, runner_args=a.runner_args, progress=say,
-                  provider=a.provider)
+                  provider=a.provider, runtime=a.runtime)
     if a.plots:
         from deltaship.profiling.report import write_plots
         write_plots(doc, Path(a.plots))
@@ -189,6 +190,7 @@ def _app(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deltaship.runtimes import runtime_names
     from deltaship import __version__
     p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
     p.add_argument("--version", action="version", version=f"deltaship {__version__}")
@@ -209,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
                    help="ONNX bundles: run on ONNX Runtime's CUDA execution provider (needs onnxruntime-gpu)")
+    g.add_argument("--runtime", choices=runtime_names(), default=None,
+                   help="run the bundle in this runtime, as an app embeds it (e.g. genai: onnxruntime-genai for ONNX "
+                        "bundles; default: deltaship's own session for the bundle's target)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -251,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
                     help="ONNX bundles on the host: cpu, or cuda (ONNX Runtime's CUDA execution provider; GPU "
                          "memory is recorded)")
+    pr.add_argument("--runtime", choices=runtime_names(), default=None,
+                    help="profile the bundle in this runtime (e.g. genai for ONNX bundles; default: deltaship's own)")
     pr.add_argument("--warmups", type=int, default=None)
     pr.add_argument("--reps", type=int, default=None, help="at least this many repetitions (default 5)")
     pr.add_argument("--min-seconds", type=float, default=None, help="and at least this long per phase (default 2)")

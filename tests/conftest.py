@@ -44,6 +44,26 @@ def bundles(tmp_path_factory, checkpoints):
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_pte(tmp_path_factory):
+    """The trained tiny preset as an ExecuTorch bundle (max context 128, prefill chunk 16), exported once per
+    session and precision for every test that needs a .pte of it: an ExecuTorch export takes minutes."""
+    from deltaship.export import export
+
+    root = tmp_path_factory.mktemp("tiny-pte")
+    cache: dict[str, Path] = {}
+
+    def get(precision: str = "fp32") -> Path:
+        if precision not in cache:
+            out = root / precision
+            export("qwen3.5-tiny", out, target="executorch", precision=precision, max_context=128, prefill_chunk=16,
+                   verify=False, progress=False)
+            cache[precision] = out
+        return cache[precision]
+
+    return get
+
+
 # The fast tier (`python -m pytest -m "not slow"`) leaves out what exports through the slow toolchains
 # (ExecuTorch's XNNPACK lowering, Core ML conversion and its op-by-op evaluation), trains, or profiles in
 # subprocesses: these modules, and any test parametrized with one of these targets.

@@ -302,10 +302,10 @@ def test_existing_kit_needs_force(coreml_bundles, tmp_path):
 # ---------------------------------------------------------------- Kotlin / Android
 
 @pytest.fixture(scope="module")
-def android_bundles(tmp_path_factory) -> dict[str, Path]:
+def android_bundles(tmp_path_factory, tiny_pte) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("android")
     return {"onnx": _export(root, "onnx", "fp32"), "onnx-int4": _export(root, "onnx", "int4"),
-            "executorch": _export(root, "executorch", "fp32")}
+            "executorch": tiny_pte("fp32")}
 
 
 GENAI_OPTIONS = {"max_length"}  # onnxruntime-genai search option the genai driver sets by name

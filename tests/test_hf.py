@@ -141,8 +141,8 @@ def onnx_bundle(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def et_bundle(tmp_path_factory) -> Path:
-    return export_preset(tmp_path_factory.mktemp("hf-et") / "b", "executorch", max_context=64, prefill_chunk=16)
+def et_bundle(tiny_pte) -> Path:
+    return tiny_pte("fp32")
 
 
 def check_generation_matches_deltaship(bundle: Path) -> None:

@@ -18,7 +18,7 @@ from deltaship.errors import DeltashipError
 JS_PACKAGE = Path(__file__).parent / "js"
 PLATFORMS = ("web", "desktop")
 # What the kit copies of the package: the library, its package.json and README (not the tests, no node_modules).
-TARGETS = ("onnx",)  # what onnxruntime-web / -node run
+BUNDLE_TARGETS = ("onnx",)  # the bundles onnxruntime-web / -node run
 _PACKAGE_FILES = ("package.json", "README.md")
 # The npm packages each kit installs (at the versions deltaship-runtime pins): one node_modules at the kit's root,
 # which deltaship-runtime/src finds by walking up, as node and the import map in index.html both do.
@@ -28,7 +28,7 @@ _KIT_DEPENDENCIES = {"web": ("onnxruntime-web", "onnxruntime-common", "@huggingf
 
 def _manifest(bundle: Path) -> dict[str, Any]:
     m = read_manifest(bundle)  # refuses other schema versions, naming the export that rebuilds them
-    if m["target"] not in TARGETS:
+    if m["target"] not in BUNDLE_TARGETS:
         raise DeltashipError(f"{bundle} is a {m['target']} bundle; the web and desktop kits run ONNX bundles",
                              "export an ONNX bundle: deltaship export --model M --target onnx --out DIR")
     return m

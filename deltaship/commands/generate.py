@@ -29,7 +29,7 @@ def parse_ids(text: str) -> list[int]:
 def generate(bundle: str | Path, prompt: str | None = None, input_ids: str | list[int] | None = None,
              max_new_tokens: int = 32, threads: int | None = None, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
-             dump_logits: str | Path | None = None, provider: str = "cpu") -> dict[str, Any]:
+             dump_logits: str | Path | None = None, provider: str = "cpu", runtime: str | None = None) -> dict[str, Any]:
     """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict."""
     if (prompt is None) == (input_ids is None):
         raise DeltashipError("pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3")
@@ -37,7 +37,7 @@ def generate(bundle: str | Path, prompt: str | None = None, input_ids: str | lis
     if dump_logits is not None and Path(dump_logits).exists():
         raise DeltashipError(f"--dump-logits {dump_logits} already exists; nothing was overwritten",
                              "choose another file name or remove the old one")
-    session = open_bundle(bundle, threads=threads, provider=provider)
+    session = open_bundle(bundle, threads=threads, provider=provider, runtime=runtime)
     tok = load_tokenizer(Path(bundle), session.manifest) if prompt is not None else None
     ids = tok.encode(prompt) if tok else (parse_ids(input_ids) if isinstance(input_ids, str) else list(input_ids))
     t0 = time.monotonic()

@@ -129,7 +129,8 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
             tiers_file: str | None = None, breakdown: bool = True, json_out: str | Path | None = None,
             report: str | Path | None = None, ssh_options: list[str] | None = None,
             remote_deltaship: str = "deltaship", runner: str | None = None, runner_args: str | None = None,
-            progress: Callable[[str], None] | None = None, provider: str = "cpu") -> dict[str, Any]:
+            progress: Callable[[str], None] | None = None, provider: str = "cpu",
+            runtime: str | None = None) -> dict[str, Any]:
     """Profile a bundle on a device; return (and optionally write) the versioned JSON document."""
     from deltaship.devices.catalog import get_tier
     from deltaship.devices.discovery import fingerprint
@@ -166,10 +167,11 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
         if get_target(target).host_runtime is None:
             raise DeltashipError(f"this host has no runtime for {target} bundles (Core ML runs only on Apple devices)",
                                  "profile a Core ML bundle on a Mac, or export for onnx/executorch")
-        if provider != "cpu":
+        if provider != "cpu" or runtime is not None:
             from deltaship.runtimes import open_bundle
-            open_bundle(path, provider=provider, check_hashes=False)  # fails here, clearly, if it cannot run
-            cfg["provider"] = provider
+            # fails here, clearly, if it cannot run
+            open_bundle(path, provider=provider, runtime=runtime, check_hashes=False)
+            cfg["provider"], cfg["runtime"] = provider, runtime
         doc["device"] = fingerprint("host")
         cap = None
         if t is not None:

@@ -158,12 +158,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     manifest = read_manifest(bundle)
     rng = np.random.default_rng(0)
     vocab = manifest["model"]["vocab_size"]
-    provider = cfg.get("provider", "cpu")
+    provider, runtime = cfg.get("provider", "cpu"), cfg.get("runtime")
     gpu = GpuMemory() if provider == "cuda" else None  # before the session: its CUDA context counts
     with RssTrace() as trace:
         trace.phase = "load"
         t = now()
-        session = open_bundle(bundle, threads=threads, check_hashes=False, provider=provider)
+        session = open_bundle(bundle, threads=threads, check_hashes=False, provider=provider, runtime=runtime)
         results.append(record("load_cold_s", "s", [now() - t]))
         # Warm loads open the bundle again with the first session closed, one session alive at a time:
         # the peak RSS below must be that of an app holding one session, not two.
@@ -172,13 +172,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
         def reopen() -> float:
             t0 = now()
-            again = open_bundle(bundle, threads=threads, check_hashes=False, provider=provider)
+            again = open_bundle(bundle, threads=threads, check_hashes=False, provider=provider, runtime=runtime)
             dt = now() - t0
             del again
             gc.collect()
             return dt
         results.append(record("load_warm_s", "s", repeat(reopen, 0, max(2, reps // 2), 0)))
-        session = open_bundle(bundle, threads=threads, check_hashes=False, provider=provider)
+        session = open_bundle(bundle, threads=threads, check_hashes=False, provider=provider, runtime=runtime)
 
         for p in cfg.get("prompt_lengths", [128]):
             if p + cfg.get("gen", 0) > session.max_context:

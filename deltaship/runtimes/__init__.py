@@ -16,11 +16,14 @@ PROVIDERS = ("cpu", "cuda")
 
 
 def open_bundle(bundle: str | Path, *, threads: int | None = None, check_hashes: bool = True,
-                prefill_chunk: int | None = None, provider: str = "cpu", **options: Any) -> Session:
+                prefill_chunk: int | None = None, provider: str = "cpu", runtime: str | None = None,
+                **options: Any) -> Session:
     """Open a bundle for generation. Files are checked against the manifest's sizes (and sha256).
 
-    provider: "cpu", or "cuda" (ONNX bundles on ONNX Runtime's CUDA execution provider)."""
-    from deltaship.targets import get_target, target_names
+    provider: "cpu", or "cuda" (ONNX bundles on ONNX Runtime's CUDA execution provider).
+    runtime: which runtime runs it (the target's `runtimes`, e.g. "genai" for an ONNX bundle in
+    onnxruntime-genai, as apps embed it); None: deltaship's own session for the target."""
+    from deltaship.targets import all_targets, get_target, target_names
     if provider not in PROVIDERS:
         raise DeltashipError(f"unknown provider {provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
     manifest = read_manifest(bundle)
@@ -33,8 +36,20 @@ def open_bundle(bundle: str | Path, *, threads: int | None = None, check_hashes:
     if provider not in target.providers:
         raise DeltashipError(f"--provider {provider} runs ONNX bundles only; this is a {name} bundle",
                              "export the model with --target onnx for the GPU tier, or drop --provider")
+    if runtime is not None and runtime not in target.runtimes:
+        runs = [t.name for t in all_targets() if runtime in t.runtimes]
+        raise DeltashipError(f"--runtime {runtime} runs {' or '.join(runs) or 'no'} bundles; this is a {name} bundle "
+                             f"(its runtimes: {', '.join(target.runtimes)})",
+                             f"drop --runtime, pick one of {', '.join(target.runtimes)}, or export with --target "
+                             f"{runs[0] if runs else 'onnx'}")
     return target.open_session(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk,
-                               provider=provider, **options)
+                               provider=provider, runtime=runtime, **options)
+
+
+def runtime_names() -> tuple[str, ...]:
+    """Every runtime some target's bundles run in (the choices of `--runtime`)."""
+    from deltaship.targets import all_targets
+    return tuple(dict.fromkeys(r for t in all_targets() for r in t.runtimes))
 
 
 __all__ = ["open_bundle", "Session", "Generation", "read_manifest", "PROVIDERS"]

@@ -103,6 +103,7 @@ class Target(ABC):
     formats: ClassVar[Mapping[str, StorageFormat]]  # precision -> how weights are stored
     runtime_base_bytes: ClassVar[int] = 0  # the runtime's own resident memory (planner)
     providers: ClassVar[tuple[str, ...]] = ("cpu",)  # execution providers its sessions run on
+    runtimes: ClassVar[tuple[str, ...]] = ()  # runtimes that run its bundles (`--runtime`); the first is the default
     host_runtime: ClassVar[str | None] = None  # the package that runs its bundles on this host (profiling)
     op_breakdown: ClassVar[bool] = False  # its session times each op kind (Session.profile_ops)
     android_runner_args: ClassVar[str | None] = None  # default argument line of its Android runner binary
@@ -165,8 +166,9 @@ class Target(ABC):
     # ---- run -----------------------------------------------------------------------------------
     @abstractmethod
     def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
-                     prefill_chunk: int | None = None, provider: str = "cpu", **options: Any) -> "Session":
-        """A runtime session over one of this target's bundles."""
+                     prefill_chunk: int | None = None, provider: str = "cpu", runtime: str | None = None,
+                     **options: Any) -> "Session":
+        """A session over one of this target's bundles in `runtime` (one of `runtimes`; None: the first)."""
 
     # ---- plan ----------------------------------------------------------------------------------
     def storage_format(self, precision: str) -> StorageFormat:

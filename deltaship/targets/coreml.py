@@ -61,6 +61,7 @@ class CoreMLTarget(Target):
         "int8": StorageFormat(bits=8, scale=2, block=4096, head_copy=True, act=2),
         "int4": StorageFormat(bits=4, scale=2, block=32, head_copy=True, act=2),
     }
+    runtimes = ("coreml",)
     runtime_base_bytes = 128 << 20
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: CoreMLOptions) -> None:
@@ -84,6 +85,7 @@ class CoreMLTarget(Target):
                  "doc": "tokens already consumed by the state"}]
 
     def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
-                     prefill_chunk: int | None = None, provider: str = "cpu", **options: Any):
+                     prefill_chunk: int | None = None, provider: str = "cpu", runtime: str | None = None,
+                     **options: Any):
         from deltaship.runtimes.coreml import open_coreml_session
         return open_coreml_session(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

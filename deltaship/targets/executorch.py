@@ -50,6 +50,7 @@ class ExecuTorchTarget(Target):
         "int8": StorageFormat(bits=8, scale=4, block=4096, head_copy=True, act=4),
         "int4": StorageFormat(bits=4, scale=4, block=32, head_copy=True, act=4),
     }
+    runtimes = ("executorch",)
     runtime_base_bytes = 48 << 20
     host_runtime = "executorch"
     android_runner_args = ("--model_path {model} --seq_len {total} --prompt_tokens {prompt_length} "
@@ -70,6 +71,7 @@ class ExecuTorchTarget(Target):
                  "doc": "tokens already consumed; 0 starts a new sequence (resets the state in the graph)"}]
 
     def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
-                     prefill_chunk: int | None = None, provider: str = "cpu", **options: Any):
+                     prefill_chunk: int | None = None, provider: str = "cpu", runtime: str | None = None,
+                     **options: Any):
         from deltaship.runtimes.executorch import ExecuTorchSession
         return ExecuTorchSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

@@ -66,6 +66,7 @@ class OnnxTarget(Target):
     }
     runtime_base_bytes = 96 << 20
     providers = ("cpu", "cuda")
+    runtimes = ("onnxruntime", "genai")  # deltaship's IOBinding session; onnxruntime-genai, as apps embed it
     host_runtime = "onnxruntime"
     op_breakdown = True  # ONNX Runtime's profiler
     android_runner_args = "-e cpu -x {threads} -r {reps} {model}"  # onnxruntime_perf_test
@@ -100,7 +101,11 @@ class OnnxTarget(Target):
         adapt_tokenizer_config(bundle_dir)  # a tokenizer class onnxruntime-genai accepts
 
     def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
-                     prefill_chunk: int | None = None, provider: str = "cpu", **options: Any):
+                     prefill_chunk: int | None = None, provider: str = "cpu", runtime: str | None = None,
+                     **options: Any):
+        if runtime == "genai":
+            from deltaship.runtimes.genai import GenaiSession
+            return GenaiSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk)
         from deltaship.runtimes.onnx import OnnxSession
         return OnnxSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, provider=provider,
                            **options)

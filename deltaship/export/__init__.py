@@ -157,6 +157,7 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
             usage=list(tgt.usage), tokens=tokens, tokenizer={"files": tok_files}, passes=ctx.report,
             lowering=lowered.details, tools=tool_versions("torch", "transformers", *tgt.tool_packages))
         manifest["memory"] = _memory(spec, ctx.states)
+        manifest["app_runtimes"] = dict(tgt.app_runtimes)
         if verify:
             from deltaship.export.verify import verify_bundle
             # The runtime reads the manifest: write a provisional one in the staging directory.

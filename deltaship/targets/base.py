@@ -104,6 +104,9 @@ class Target(ABC):
     runtime_base_bytes: ClassVar[int] = 0  # the runtime's own resident memory (planner)
     providers: ClassVar[tuple[str, ...]] = ("cpu",)  # execution providers its sessions run on
     runtimes: ClassVar[tuple[str, ...]] = ()  # runtimes that run its bundles (`--runtime`); the first is the default
+    # The runtimes apps embed that deltaship's test suite runs this target's bundles in, with the versions
+    # checked and how (goes into the manifest as `app_runtimes`).
+    app_runtimes: ClassVar[Mapping[str, str]] = {}
     host_runtime: ClassVar[str | None] = None  # the package that runs its bundles on this host (profiling)
     op_breakdown: ClassVar[bool] = False  # its session times each op kind (Session.profile_ops)
     android_runner_args: ClassVar[str | None] = None  # default argument line of its Android runner binary

@@ -62,6 +62,10 @@ class CoreMLTarget(Target):
         "int4": StorageFormat(bits=4, scale=2, block=32, head_copy=True, act=2),
     }
     runtimes = ("coreml",)
+    app_runtimes = {
+        "coreml": "not run (no Mac): the saved ML program is evaluated op by op on Linux against transformers; "
+                  "the Swift kit's names are checked against the package's spec",
+    }
     runtime_base_bytes = 128 << 20
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: CoreMLOptions) -> None:

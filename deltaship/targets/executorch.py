@@ -51,6 +51,10 @@ class ExecuTorchTarget(Target):
         "int4": StorageFormat(bits=4, scale=4, block=32, head_copy=True, act=4),
     }
     runtimes = ("executorch",)
+    app_runtimes = {
+        "executorch": "1.5.1 (Python runtime, XNNPACK): export-time verification against transformers",
+        "executorch-android": "not run (no Android device): the Kotlin kit's names are checked against the program",
+    }
     runtime_base_bytes = 48 << 20
     host_runtime = "executorch"
     android_runner_args = ("--model_path {model} --seq_len {total} --prompt_tokens {prompt_length} "

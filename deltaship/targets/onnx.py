@@ -67,6 +67,15 @@ class OnnxTarget(Target):
     runtime_base_bytes = 96 << 20
     providers = ("cpu", "cuda")
     runtimes = ("onnxruntime", "genai")  # deltaship's IOBinding session; onnxruntime-genai, as apps embed it
+    app_runtimes = {
+        "onnxruntime": "1.31 (Python, CPU): export-time verification against transformers",
+        "onnxruntime-genai": "0.18.0 (Python wheel, the C++ core of its Android/iOS packages): same greedy tokens "
+                             "(tests/test_genai.py)",
+        "onnxruntime-node": "1.30.0: same greedy tokens with deltaship-runtime (tests/test_js.py)",
+        "onnxruntime-web": "1.30.0, wasm and WebGPU (SwiftShader) in headless Chromium: same greedy tokens "
+                           "(tests/test_js.py)",
+        "onnxruntime-android": "not run (no Android device): the Kotlin kit's names are checked against the graph",
+    }
     host_runtime = "onnxruntime"
     op_breakdown = True  # ONNX Runtime's profiler
     android_runner_args = "-e cpu -x {threads} -r {reps} {model}"  # onnxruntime_perf_test

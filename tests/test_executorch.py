@@ -27,9 +27,11 @@ def test_program_contract_and_metadata(pte):
     from executorch.runtime import Runtime
     prog = Runtime.get().load_program(str(path / "model.pte"))
     meta = {name: prog.load_method(name).execute([])[0] for name in
-            ("get_max_seq_len", "get_vocab_size", "get_n_layers", "use_kv_cache", "enable_dynamic_shape",
-             "get_eos_ids", "get_bos_id")}
-    assert meta["get_max_seq_len"] == 96 and meta["get_vocab_size"] == 272 and meta["get_n_layers"] == 8
+            ("get_max_seq_len", "get_max_context_len", "get_vocab_size", "get_n_layers", "use_kv_cache",
+             "enable_dynamic_shape", "get_eos_ids", "get_bos_id")}
+    # the runner feeds prompts in calls of get_max_seq_len tokens: the prefill chunk, not the context
+    assert meta["get_max_seq_len"] == 16 and meta["get_max_context_len"] == 96
+    assert meta["get_vocab_size"] == 272 and meta["get_n_layers"] == 8
     assert meta["use_kv_cache"] and meta["enable_dynamic_shape"] and meta["get_eos_ids"] == 256
     lw = m["lowering"]
     assert "llama::gated_delta_rule" in lw["gated_delta_rule"]

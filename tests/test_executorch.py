@@ -15,11 +15,9 @@ from deltaship.runtimes import open_bundle
 
 
 @pytest.fixture(scope="module")
-def pte(tmp_path_factory):
-    out = tmp_path_factory.mktemp("et") / "tiny"
-    manifest = export("qwen3.5-tiny", out, target="executorch", precision="fp32", max_context=96, prefill_chunk=16,
-                      progress=False, verify=False)
-    return out, manifest
+def pte(tiny_pte):
+    out = tiny_pte("fp32")  # max context 128, prefill chunk 16 (conftest)
+    return out, json.loads((out / "manifest.json").read_text())
 
 
 def test_program_contract_and_metadata(pte):
@@ -27,9 +25,11 @@ def test_program_contract_and_metadata(pte):
     from executorch.runtime import Runtime
     prog = Runtime.get().load_program(str(path / "model.pte"))
     meta = {name: prog.load_method(name).execute([])[0] for name in
-            ("get_max_seq_len", "get_vocab_size", "get_n_layers", "use_kv_cache", "enable_dynamic_shape",
-             "get_eos_ids", "get_bos_id")}
-    assert meta["get_max_seq_len"] == 96 and meta["get_vocab_size"] == 272 and meta["get_n_layers"] == 8
+            ("get_max_seq_len", "get_max_context_len", "get_vocab_size", "get_n_layers", "use_kv_cache",
+             "enable_dynamic_shape", "get_eos_ids", "get_bos_id")}
+    # the runner feeds prompts in calls of get_max_seq_len tokens: the prefill chunk, not the context
+    assert meta["get_max_seq_len"] == 16 and meta["get_max_context_len"] == 128
+    assert meta["get_vocab_size"] == 272 and meta["get_n_layers"] == 8
     assert meta["use_kv_cache"] and meta["enable_dynamic_shape"] and meta["get_eos_ids"] == 256
     lw = m["lowering"]
     assert "llama::gated_delta_rule" in lw["gated_delta_rule"]
@@ -39,7 +39,7 @@ def test_program_contract_and_metadata(pte):
     assert {s["kind"] for s in m["states"]} == {"deltanet_conv", "deltanet_recurrent", "kv_cache_key",
                                                  "kv_cache_value"}
     kv = next(s for s in m["states"] if s["kind"] == "kv_cache_key")
-    assert kv["shape"] == [1, 96, 2, 64]  # ExecuTorch's [1, S, Hkv, D] layout
+    assert kv["shape"] == [1, 128, 2, 64]  # ExecuTorch's [1, S, Hkv, D] layout
 
 
 def test_executorch_llm_runner_drives_the_program(pte):

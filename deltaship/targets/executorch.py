@@ -27,11 +27,20 @@ class ExecuTorchTarget(Target):
     Options = ExecuTorchOptions
     tool_packages = ("executorch", "torchao")
     usage = (
-        "Load model.pte with the ExecuTorch runtime (XNNPACK backend; register the llama custom ops and the "
-        "quantized kernels: executorch.extension.llm.custom_ops and executorch.kernels.quantized in Python, "
-        "or link custom_ops and quantized_kernels in C++).",
+        "Load model.pte with the ExecuTorch runtime (XNNPACK backend). The kernel libraries it needs are listed in "
+        "manifest lowering.runtime_requirements: in Python import executorch.extension.llm.custom_ops.custom_ops "
+        "(llama:: ops) and, for int8/int4 programs, executorch.kernels.quantized; in C++ link whole-archive "
+        "executorch, custom_ops, xnnpack_backend, optimized_native_cpu_ops_lib and, for int8/int4, quantized_ops_lib "
+        "(+ quantized_kernels); the Android AAR org.pytorch:executorch-android has them all; on iOS add the "
+        "frameworks executorch, executorch_llm, backend_xnnpack, kernels_llm, kernels_optimized (+ kernels_quantized "
+        "for int8/int4) with -all_load.",
+        "ExecuTorch's LLM runner (TextLLMRunner; Android LlmModule, iOS ExecuTorchLLMTextRunner) runs model.pte with "
+        "tokenizer.json unmodified (temperature 0 for greedy; it adds no BOS unless asked, as deltaship): it feeds "
+        "prompts in calls of get_max_seq_len (= prefill_chunk) tokens and checks only prompt < get_max_context_len "
+        "(= max_context), so ask it for at most max_context - prompt + 1 new tokens: a position past the context fails in "
+        "llama::update_cache.",
         "Method 'forward': tokens int64 [1, T] (T = 1 .. prefill_chunk) and input_pos int64 [1] = tokens already "
-        "consumed; returns float32 logits [1, vocab] of the last token.",
+        "consumed (input_pos + T <= max_context); returns float32 logits [1, vocab] of the last token.",
         "All state lives in the program (mutable buffers). Calling forward with input_pos 0 starts a new sequence: "
         "the DeltaNet state is discarded in the graph, so rewinding the position is a complete reset.",
         "Metadata methods: get_max_seq_len, get_max_context_len, get_vocab_size, get_bos_id, get_eos_ids, "

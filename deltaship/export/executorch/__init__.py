@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from deltaship.errors import DeltashipError
+from deltaship.export.executorch.requirements import program_operators, runtime_requirements
 from deltaship.export.passes import materialize
 
 PTE_FILE = "model.pte"
@@ -206,8 +207,16 @@ def _placeholder(t: torch.Tensor) -> torch.Tensor:
 
 
 def metadata(ctx, tokens: dict[str, Any]) -> dict[str, Any]:
+    """The constant methods ExecuTorch's LLM runner reads (extension/llm/runner/constants.h).
+
+    The runner splits a prompt into calls of get_max_seq_len tokens (text_prefiller.cpp), so that is the
+    prefill chunk the token dimension is bounded by; get_max_context_len is the KV cache. With
+    seq_len < context the runner checks only the prompt against the context, not position + prompt
+    (text_llm_runner.cpp treats it as a sliding window): past the context the program itself fails, in
+    llama::update_cache's bounds check (a program without attention layers has no cache to overflow)."""
     eos = tokens.get("eos") or []
-    return {"get_max_seq_len": ctx.max_context, "get_max_context_len": ctx.max_context,
+    chunk = int(ctx.options["prefill_chunk"])
+    return {"get_max_seq_len": min(chunk, ctx.max_context), "get_max_context_len": ctx.max_context,
             "get_vocab_size": ctx.spec.vocab_size, "get_n_layers": ctx.spec.num_layers,
             "get_bos_id": tokens.get("bos") if tokens.get("bos") is not None else (eos[0] if eos else 0),
             "get_eos_ids": list(eos), "use_kv_cache": True, "use_sdpa_with_kv_cache": True,
@@ -307,11 +316,16 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(), emit_mutable_buffer_names=True))
     with open(out_dir / PTE_FILE, "wb") as f:  # segment by segment: no second copy of the program in memory
         prog.write_to_file(f)
+    operators, delegates = program_operators(prog.executorch_program)
+    from deltaship.export.bundle import tool_versions
     n_layers = ctx.spec.num_layers
     return {"files": [PTE_FILE], "entry": PTE_FILE, "delegate_partitions": int(info.num_delegated_subgraphs),
             "delegate_partitions_per_layer": round(info.num_delegated_subgraphs / n_layers, 2),
             "portable_nodes": portable, "kernels_swapped": swapped, "reshapes_inferred": reshapes,
             "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op; all T tokens in one call, a token loop inside the kernel)",
             "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]",
-            "quantization": quant, "prefill": f"1 .. {chunk} tokens per call (dynamic shape)"}
+            "quantization": quant, "prefill": f"1 .. {chunk} tokens per call (dynamic shape)",
+            "operators": operators,
+            "runtime_requirements": runtime_requirements(operators, delegates,
+                                                         tool_versions("executorch")["executorch"])}
 

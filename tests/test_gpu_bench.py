@@ -35,7 +35,7 @@ def test_dry_run_lists_exports_profiles_and_peers_for_the_chosen_presets(tmp_pat
     assert not any("2b" in n or "4b" in n for n in names)
     assert names.count("llama.cpp CUDA build") == 1 and names[-1] == "report"
     assert "--onnx-activations fp16" in out and "--provider cuda --prompt-lengths 512,4096" in out
-    assert "onnxruntime-gpu==1.31.*" in out and "-DGGML_CUDA=on" in out
+    assert "onnxruntime-gpu[cuda,cudnn]==1.31.*" in out and "-DGGML_CUDA=on" in out
     # int4 exports get fp16 activations, fp16 exports do not
     fp16_export = next(line for line in out.splitlines() if "--out" in line and line.endswith("q0.8b-fp16"))
     assert "--onnx-activations" not in fp16_export
@@ -137,3 +137,11 @@ def test_collect_reads_profiles_and_peers(tmp_path):
     assert ds["bytes_per_token"] == 10_000_000 + 4_000 + 51_200
     assert ll["tool"] == "llama.cpp CUDA Q4_0" and ll["tpot_ms"] == pytest.approx(2.5)
     assert (res / "gpu-bench.md").exists() and (res / "gpu-bench.json").exists()
+
+
+def test_cuda_lib_dirs_come_from_the_venvs_nvidia_wheels(tmp_path):
+    for pkg in ("cublas", "cudnn"):
+        (tmp_path / "venv" / "lib" / "python3.12" / "site-packages" / "nvidia" / pkg / "lib").mkdir(parents=True)
+    dirs = gpu_run.cuda_lib_dirs(tmp_path / "venv")
+    assert [Path(d).parent.name for d in dirs] == ["cublas", "cudnn"]
+    assert gpu_run.cuda_lib_dirs(tmp_path / "none") == []

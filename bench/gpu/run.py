@@ -47,7 +47,8 @@ PRESETS = ("0.8b", "2b", "4b", "9b")
 PRECISIONS = ("int4", "fp16")
 PEERS = ("transformers", "genai", "llamacpp")
 PROMPTS, GEN, CONTEXTS, MAX_CONTEXT = (512, 4096), 64, (128, 1024, 4096), 8192
-ORT_GPU = "onnxruntime-gpu==1.31.*"
+# the extras pull NVIDIA's CUDA 13 / cuDNN wheels (pip warns and goes on where an extra does not exist)
+ORT_GPU = "onnxruntime-gpu[cuda,cudnn]==1.31.*"
 LLAMA_CPP = "llama-cpp-python==0.3.36"  # its sdist vendors a llama.cpp with the qwen35 architecture
 # Free disk an export needs (the bundle; the export streams weights, no checkpoint is written), GiB, with margin.
 DISK_GIB = {"0.8b": {"int4": 1.5, "fp16": 3}, "2b": {"int4": 3, "fp16": 6}, "4b": {"int4": 5, "fp16": 11},
@@ -183,6 +184,9 @@ def _torch_pin() -> str:
 
 def check_machine(work: Path, presets: list[str], precisions: list[str], peers: list[str] = ()) -> dict:
     """nvidia-smi answers and the disk has room; returns the GPU's name, driver and CUDA version."""
+    if sys.version_info < (3, 11):
+        raise GpuBenchError(f"python3 is {sys.version.split()[0]}; deltaship needs 3.11 or later",
+                            "run bench/gpu/run.py with a python 3.11+ (e.g. python3.12 bench/gpu/run.py ...)")
     smi = shutil.which("nvidia-smi")
     if smi is None:
         raise GpuBenchError("no NVIDIA GPU: nvidia-smi is not on PATH, so this machine has no NVIDIA driver",
@@ -226,12 +230,15 @@ def run(a) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine,
         "commit": _commit(), "command": " ".join(map(shlex.quote, sys.argv)), "presets": presets,
         "precisions": precisions, "peers": peers}, indent=2) + "\n")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     failed = []
     for s in steps:
         if s.done and s.done.exists():
             print(f"[skip] {s.name} ({s.done} exists)", flush=True)
             continue
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        libs = cuda_lib_dirs(a.work / "venv")  # after install: onnxruntime's CUDA provider dlopens these
+        if libs:
+            env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
         print(f"[run ] {s.name}\n    {s.shell()}", flush=True)
         log = a.work / "logs" / (s.name.replace(" ", "_").replace("/", "_") + ".log")
         log.parent.mkdir(exist_ok=True)
@@ -244,6 +251,11 @@ def run(a) -> int:
                 return 1  # nothing after it can run
     print("failed: " + ", ".join(failed) if failed else "all steps done", flush=True)
     return 1 if failed else 0
+
+
+def cuda_lib_dirs(venv: Path) -> list[str]:
+    """The lib dirs of the NVIDIA wheels (CUDA runtime, cuBLAS, cuDNN, ...) installed in the venv."""
+    return sorted(str(d) for d in venv.glob("lib/python3*/site-packages/nvidia/*/lib") if d.is_dir())
 
 
 def _pick(value: str | None, allowed: tuple[str, ...], flag: str, empty_ok: bool = False) -> list[str]:

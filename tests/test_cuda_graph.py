@@ -87,3 +87,23 @@ def test_placement_lists_the_position_arithmetic_and_its_copies_to_the_gpu(tiny_
     copied = {e["tensor"]: (e["to_op"], e["input"]) for e in res["predicted_memcpy_edges"]}
     assert len(copied) == 2  # the 2 Memcpy nodes ORT reported for fp16-activation bundles
     assert ("GroupQueryAttention", 5) in copied.values()  # seqlens_k lives in device memory
+
+
+def test_graph_buffers_give_the_same_tokens_on_the_cpu(tiny_onnx):
+    # the cuda_graph binding path (fixed decode buffers, logits OrtValue, gpu_graph_id run options) with its buffers
+    # on the CPU: same greedy tokens and logits as the plain session, and the buffers never move
+    from deltaship.runtimes import open_bundle
+    plain = open_bundle(tiny_onnx)
+    graph = open_bundle(tiny_onnx)
+    graph.cuda_graph = True
+    graph._graph_buffers("cpu")
+    ptrs = (graph._decode_in.input_ids.data_ptr(), graph._decode_in.position_ids.data_ptr(),
+            graph._logits_val.data_ptr())
+    prompt = [5, 17, 99, 3, 250, 8, 8, 1, 42, 7]  # > prefill_chunk (8): two prefill calls, then decode
+    a = plain.generate(prompt, 12, stop_at_eos=False, keep_logits=True)
+    b = graph.generate(prompt, 12, stop_at_eos=False, keep_logits=True)
+    assert a.output_ids == b.output_ids
+    np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
+    assert (graph._decode_in.input_ids.data_ptr(), graph._decode_in.position_ids.data_ptr(),
+            graph._logits_val.data_ptr()) == ptrs
+    assert graph._decode_in.position_ids.numpy().tolist() == [[len(prompt) + 12 - 2]]  # the last decode call's

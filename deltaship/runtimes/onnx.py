@@ -145,16 +145,23 @@ class OnnxSession(Session):
             self._cur[s["name"]] = 0
         self._logits = np.zeros((1, 1, self.vocab_size), dtype=np.float32)
         self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits)
-        if cuda_graph:  # a captured graph writes its output to the address it was captured with, on the device
-            self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits, "cuda", 0)
-            self._decode_in = DecodeInputs(ort, "cuda")
-            self._run_opts = {}
-            for gid in ("-1", "1", "2"):  # -1: no capture (prefill); 1, 2: decode on either buffer parity
-                ro = ort.RunOptions()
-                ro.add_run_config_entry("gpu_graph_id", gid)
-                self._run_opts[gid] = ro
+        if cuda_graph:
+            self._graph_buffers("cuda")
         # position_ids of a call are a slice (a view, no copy) of one preallocated row
         self._positions = np.arange(self.max_context, dtype=np.int64).reshape(1, -1)
+
+    def _graph_buffers(self, device: str) -> None:
+        """Fixed-address decode inputs and logits, and the run options naming each graph (cuda_graph=True)."""
+        ort = self._ort
+        # a captured graph writes its output to the address it was captured with, on the device
+        args = ("cuda", 0) if device == "cuda" else ()
+        self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits, *args)
+        self._decode_in = DecodeInputs(ort, device)
+        self._run_opts = {}
+        for gid in ("-1", "1", "2"):  # -1: no capture (prefill); 1, 2: decode on either buffer parity
+            ro = ort.RunOptions()
+            ro.add_run_config_entry("gpu_graph_id", gid)
+            self._run_opts[gid] = ro
 
     def _shares_buffer(self, state: dict[str, Any]) -> bool:
         """Past and present in one buffer: where the manifest says the kernel allows it on this provider."""

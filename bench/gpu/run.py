@@ -413,7 +413,8 @@ def collect(work: Path) -> dict:
                          "tpot_ms": (_metric(p, "tpot_s") or 0) * 1e3 or None,
                          "decode_context": PROMPTS[0],
                          "bytes_per_token": bytes_per_token(m, PROMPTS[0]),
-                         "gpu_peak_bytes": _metric(p, "gpu_peak_bytes"), "runtime": p.get("runtime")})
+                         "gpu_peak_bytes": _metric(p, "gpu_peak_bytes"), "runtime": p.get("runtime"),
+                         "measured": p.get("created")})  # a resumed run's date is the last invocation's
         for tool, f in (("transformers bf16 eager", f"transformers-{preset}.json"),
                         ("onnxruntime-genai-cuda int4", f"genai-{preset}.json"),
                         ("llama.cpp CUDA Q4_0", f"llamacpp-{preset}.json")):

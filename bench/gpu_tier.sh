@@ -1,5 +1,6 @@
 #!/bin/bash
-# The GPU tier run on a lent NVIDIA machine that has python3 with torch but no network.
+# The GPU tier run on a lent NVIDIA machine that has python3 with torch but no network (as run on 2026-11-22).
+# On a machine with PyPI access, bench/gpu/run.sh does the whole bench in one resumable command.
 # onnxruntime-gpu 1.31.1 (CUDA 13 build) travels as an xz'd tar of its wheel's contents split into
 # .gpu/c*/ortpart* (each under the transfer limit; one call per part, each copying its part to $W/ch, since
 # the working tree is sent afresh with each call), transformers 5.23 as a wheel in .gpu/c4; docs/results/gpu.md

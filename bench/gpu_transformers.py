@@ -3,7 +3,8 @@
     python bench/gpu_transformers.py --model qwen3.5-9b [--dtype bfloat16] [--json OUT.json]
 
 Qwen3_5ForCausalLM at the preset's published shape, random weights (speed does not depend on the values),
-on cuda:0. Prefill tokens/s for 128- and 512-token prompts (one forward, logits of the last token), decode
+on cuda:0. Prefill tokens/s for 128- and 512-token prompts
+(--prompt-lengths) (one forward, logits of the last token), decode
 ms per token (64 greedy steps with transformers' own cache, after a 128-token prompt), and the peak of
 torch's allocator. Medians of 5 runs after 2 warm-ups, timed with torch.cuda.synchronize. Whether the
 flash-linear-attention kernels were importable is recorded (without them transformers runs its torch
@@ -30,6 +31,7 @@ def main() -> int:
     p.add_argument("--model", default="qwen3.5-9b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", default=None)
+    p.add_argument("--prompt-lengths", default="128,512", help="comma-separated prefill lengths")
     a = p.parse_args()
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -67,7 +69,7 @@ def main() -> int:
 
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
-        for n in (128, 512):
+        for n in [int(x) for x in a.prompt_lengths.split(",")]:
             ids = torch.randint(0, spec.vocab_size, (1, n), generator=g).cuda()
             s = timed(lambda: model(ids, use_cache=False, logits_to_keep=1))
             res[f"prefill_{n}_tok_s"] = n / s

@@ -5,6 +5,13 @@ session's execution provider under "in_place" has one buffer that is both past a
 cache (GroupQueryAttention writes the new positions into the buffer it reads) and, on the CPU, the
 DeltaNet recurrent state (LinearAttention copies past into present, then updates present). The other
 states alternate between two buffers, so nothing is copied per token.
+
+cuda_graph=True (CUDA provider only) asks ONNX Runtime's CUDA EP to capture decode (T=1) as CUDA graphs and
+replay them, which needs every buffer a run touches at a fixed device address: the states are (alternating
+buffers give two address sets, so two graphs, `gpu_graph_id` 1 and 2 by the buffers' parity), input_ids and
+position_ids live in preallocated [1, 1] device buffers written in place (DecodeInputs), logits in a fixed
+device buffer. Prefill runs with `gpu_graph_id` -1 (not captured: its length varies). ORT refuses the session
+when the graph needs Memcpy nodes (CPU-placed nodes feeding GPU ones); see docs/results/gpu.md.
 """
 
 from __future__ import annotations
@@ -35,11 +42,44 @@ def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool 
     return opts
 
 
+class DecodeInputs:
+    """input_ids and position_ids of a one-token call, each a preallocated [1, 1] int64 OrtValue on `device`.
+
+    set() writes the values in place (OrtValue.update_inplace), so the buffers keep their addresses: a captured
+    CUDA graph reads its inputs from the addresses it was captured with."""
+
+    def __init__(self, ort, device: str = "cpu"):
+        self.device = device
+        self._host = np.zeros((1, 1), dtype=np.int64)  # staging row for the host-to-device copy
+        args = ("cuda", 0) if device == "cuda" else ()
+        self.input_ids = ort.OrtValue.ortvalue_from_numpy(self._host.copy(), *args)
+        self.position_ids = ort.OrtValue.ortvalue_from_numpy(self._host.copy(), *args)
+
+    def set(self, token: int, position: int) -> None:
+        self._host[0, 0] = token
+        self.input_ids.update_inplace(self._host)
+        self._host[0, 0] = position
+        self.position_ids.update_inplace(self._host)
+
+
+def cuda_provider_options(cuda_graph: bool) -> dict[str, str]:
+    """The CUDA EP's options for a deltaship session."""
+    return {"enable_cuda_graph": "1"} if cuda_graph else {}
+
+
 class OnnxSession(Session):
     def __init__(self, bundle: Path, manifest: dict[str, Any], threads: int | None = None,
                  providers: list[str] | None = None, prefill_chunk: int | None = None, in_place: bool = True,
-                 profiling: bool = False, provider: str = "cpu"):
+                 profiling: bool = False, provider: str = "cpu", cuda_graph: bool = False):
         super().__init__(bundle, manifest, prefill_chunk)
+        if cuda_graph and (provider != "cuda" or (providers and providers[0] != "CUDAExecutionProvider")):
+            raise DeltashipError(
+                f"cuda_graph=True needs the CUDA execution provider; this session was asked for "
+                f"{providers[0] if providers else provider}",
+                "open the bundle with provider='cuda' (onnxruntime-gpu on an NVIDIA GPU), or drop cuda_graph")
+        if cuda_graph and not in_place:
+            raise DeltashipError("cuda_graph=True needs in_place=True (the KV cache must stay in one buffer)",
+                                 "drop in_place=False")
         import onnxruntime as ort
 
         if providers is None and provider == "cuda":
@@ -49,6 +89,7 @@ class OnnxSession(Session):
                     f"this onnxruntime {ort.__version__} has no CUDA execution provider (it has {', '.join(have)})",
                     "on a machine with an NVIDIA GPU: pip uninstall onnxruntime && pip install onnxruntime-gpu==1.31.*")
             providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        self.cuda_graph = cuda_graph
         self._ort = ort
         prefix = None
         if profiling:
@@ -56,13 +97,16 @@ class OnnxSession(Session):
             prefix = str(Path(tempfile.mkdtemp(prefix="deltaship-ortprof-")) / "ort")
         self.threads = threads
         self.providers = providers or ["CPUExecutionProvider"]
+        # ORT takes provider options as (name, options) pairs; self.providers keeps the plain names
+        ep_list = [(p, cuda_provider_options(cuda_graph)) if p == "CUDAExecutionProvider" else p
+                   for p in self.providers]
         model_path = self.bundle / manifest["entry"]
         self.cpu_fallback = False
         try:
             if self.providers[0] != "CPUExecutionProvider":
                 # Every node on the accelerator, or say that some are not: ORT would otherwise run them on the
                 # CPU without a word.
-                accel = [p for p in self.providers if p != "CPUExecutionProvider"]
+                accel = [p for p in ep_list if p != "CPUExecutionProvider"]
                 try:  # ORT refuses a CPU provider in the list when CPU fallback is disabled
                     self.sess = ort.InferenceSession(str(model_path), providers=accel,
                                                      sess_options=_options(ort, threads, prefix, strict=True))
@@ -74,8 +118,13 @@ class OnnxSession(Session):
                     self.cpu_fallback = True
             if not hasattr(self, "sess"):
                 self.sess = ort.InferenceSession(str(model_path), sess_options=_options(ort, threads, prefix),
-                                                 providers=self.providers)
+                                                 providers=ep_list)
         except Exception as e:  # ORT raises its own exception types
+            if cuda_graph and "graph capture" in str(e):
+                raise DeltashipError(
+                    f"{model_path}: ONNX Runtime {ort.__version__} refused CUDA graph capture for this bundle: {e}",
+                    "open it without cuda_graph: this graph still has CPU-placed position nodes that feed the GPU "
+                    "through Memcpy nodes (docs/results/gpu.md, 'CUDA graphs')") from None
             raise DeltashipError(f"{model_path}: ONNX Runtime {ort.__version__} could not load the model: {e}",
                                  "export the bundle again with this version of deltaship") from None
         got = self.sess.get_providers()[0]
@@ -96,8 +145,23 @@ class OnnxSession(Session):
             self._cur[s["name"]] = 0
         self._logits = np.zeros((1, 1, self.vocab_size), dtype=np.float32)
         self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits)
+        if cuda_graph:
+            self._graph_buffers("cuda")
         # position_ids of a call are a slice (a view, no copy) of one preallocated row
         self._positions = np.arange(self.max_context, dtype=np.int64).reshape(1, -1)
+
+    def _graph_buffers(self, device: str) -> None:
+        """Fixed-address decode inputs and logits, and the run options naming each graph (cuda_graph=True)."""
+        ort = self._ort
+        # a captured graph writes its output to the address it was captured with, on the device
+        args = ("cuda", 0) if device == "cuda" else ()
+        self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits, *args)
+        self._decode_in = DecodeInputs(ort, device)
+        self._run_opts = {}
+        for gid in ("-1", "1", "2"):  # -1: no capture (prefill); 1, 2: decode on either buffer parity
+            ro = ort.RunOptions()
+            ro.add_run_config_entry("gpu_graph_id", gid)
+            self._run_opts[gid] = ro
 
     def _shares_buffer(self, state: dict[str, Any]) -> bool:
         """Past and present in one buffer: where the manifest says the kernel allows it on this provider."""
@@ -129,22 +193,39 @@ class OnnxSession(Session):
                     a[...] = 0
             self._cur[name] = 0
 
+    def _graph_id(self, ids: np.ndarray) -> str:
+        """The run's gpu_graph_id: -1 (not captured) for prefill; for decode 1 or 2 by the alternating states'
+        parity, so that each captured graph always sees the same buffer addresses."""
+        if ids.size != 1:
+            return "-1"
+        alternating = [s["name"] for s in self.states if len(self._vals[s["name"]]) == 2]
+        return str(1 + (self._cur[alternating[0]] if alternating else 0))
+
     def _forward(self, ids: np.ndarray) -> np.ndarray:
         io = self.sess.io_binding()
-        io.bind_cpu_input("input_ids", ids.reshape(1, -1))
-        # [[p]] only: the graph reads element 0, and ONNX Runtime keys its memory patterns by the XOR of all
-        # input dims, in which input_ids [1, T] and position_ids [1, T] would cancel out (prefill and decode
-        # would share a pattern that fits neither)
-        io.bind_cpu_input("position_ids", self._positions[:, self.position:self.position + 1])
+        gid = self._graph_id(ids) if self.cuda_graph else None
+        if gid not in (None, "-1"):
+            self._decode_in.set(int(ids[0]), self.position)
+            io.bind_ortvalue_input("input_ids", self._decode_in.input_ids)
+            io.bind_ortvalue_input("position_ids", self._decode_in.position_ids)
+        else:
+            io.bind_cpu_input("input_ids", ids.reshape(1, -1))
+            # [[p]] only: the graph reads element 0, and ONNX Runtime keys its memory patterns by the XOR of all
+            # input dims, in which input_ids [1, T] and position_ids [1, T] would cancel out (prefill and decode
+            # would share a pattern that fits neither)
+            io.bind_cpu_input("position_ids", self._positions[:, self.position:self.position + 1])
         for s in self.states:
             vals, cur = self._vals[s["name"]], self._cur[s["name"]]
             io.bind_ortvalue_input(s["name"], vals[cur])
             io.bind_ortvalue_output(s["output"], vals[(cur + 1) % len(vals)])
         io.bind_ortvalue_output("logits", self._logits_val)
-        self.sess.run_with_iobinding(io)
+        if gid is None:
+            self.sess.run_with_iobinding(io)
+        else:
+            self.sess.run_with_iobinding(io, self._run_opts[gid])
         for s in self.states:
             self._cur[s["name"]] = (self._cur[s["name"]] + 1) % len(self._vals[s["name"]])
-        if self.device == "cuda":
+        if self.device == "cuda" or self.cuda_graph:
             return self._logits_val.numpy().reshape(-1).copy()
         return self._logits.reshape(-1).copy()
 

@@ -1,0 +1,12 @@
+#!/bin/bash
+# The whole GPU bench on a bare Linux machine with an NVIDIA GPU: checks, venv, exports of the 0.8B/2B/4B/9B
+# presets (int4 with fp16 activations, fp16), `deltaship profile --provider cuda` on each, the peers
+# (transformers, onnxruntime-genai-cuda, llama.cpp CUDA) and one results JSON + markdown table.
+# Idempotent: a re-run skips every step whose output exists. Needs only python3 (3.11+) with venv, and pip access
+# to PyPI (and download.pytorch.org for --torch-cpu); llama.cpp also needs cmake and nvcc. See bench/gpu/run.py.
+#   bash bench/gpu/run.sh --dry-run                 # the plan, done/todo per step; runs nothing
+#   bash bench/gpu/run.sh --only 0.8b,9b --work /data/gpu
+#   python3 bench/gpu/run.py report /data/gpu/results/gpu-bench.json   # the table again
+set -eu
+cd "${0%/*}/../.."  # the repository root (no dirname: works with a bare PATH)
+exec python3 bench/gpu/run.py "$@"

@@ -1,0 +1,109 @@
+"""CUDA graph plumbing of the ONNX session, checked on the CPU (whether capture works needs a GPU: not run here)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deltaship.errors import DeltashipError
+
+
+@pytest.fixture(scope="module")
+def tiny_onnx(tmp_path_factory):
+    from deltaship.export import export
+    out = tmp_path_factory.mktemp("cg") / "tiny-int4"
+    export("qwen3.5-tiny", out, target="onnx", precision="int4", onnx_activations="fp16", verify=False,
+           progress=False, max_context=64, prefill_chunk=8)
+    return out
+
+
+def test_cuda_graph_without_the_cuda_provider_is_a_clear_error(tiny_onnx):
+    from deltaship.runtimes import open_bundle
+    with pytest.raises(DeltashipError) as e:
+        open_bundle(tiny_onnx, cuda_graph=True)
+    assert "cuda_graph=True needs the CUDA execution provider" in str(e.value) and "cpu" in str(e.value)
+    assert "provider='cuda'" in e.value.fix
+
+
+def test_cuda_graph_on_an_onnxruntime_without_cuda_names_the_package(tiny_onnx):
+    import onnxruntime as ort
+
+    from deltaship.runtimes import open_bundle
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA provider")
+    with pytest.raises(DeltashipError) as e:
+        open_bundle(tiny_onnx, provider="cuda", cuda_graph=True)
+    assert "no CUDA execution provider" in str(e.value) and "onnxruntime-gpu" in e.value.fix
+
+
+def test_cuda_provider_options():
+    from deltaship.runtimes.onnx import cuda_provider_options
+    assert cuda_provider_options(True) == {"enable_cuda_graph": "1"}
+    assert cuda_provider_options(False) == {}
+
+
+def test_decode_inputs_are_preallocated_and_written_in_place():
+    import onnxruntime as ort
+
+    from deltaship.runtimes.onnx import DecodeInputs
+    d = DecodeInputs(ort, "cpu")  # the same code path as "cuda" but for the device the buffers live on
+    ptrs = (d.input_ids.data_ptr(), d.position_ids.data_ptr())
+    for tok, pos in ((7, 0), (300, 41), (2, 63)):
+        d.set(tok, pos)
+        assert (d.input_ids.data_ptr(), d.position_ids.data_ptr()) == ptrs  # a captured graph would still see them
+        assert d.input_ids.numpy().tolist() == [[tok]] and d.position_ids.numpy().tolist() == [[pos]]
+        assert d.input_ids.shape() == [1, 1] and d.input_ids.data_type() == "tensor(int64)"
+
+
+def test_graph_id_is_uncaptured_for_prefill_and_follows_the_buffer_parity_for_decode(tiny_onnx):
+    from deltaship.runtimes import open_bundle
+    s = open_bundle(tiny_onnx)
+    assert s._graph_id(np.array([1, 2, 3])) == "-1"
+    s.prefill([1, 2, 3])  # one run: the alternating states moved to their second buffer
+    ids = [s._graph_id(np.array([5]))]
+    for _ in range(3):
+        s.decode(1)
+        ids.append(s._graph_id(np.array([5])))
+    assert ids == ["2", "1", "2", "1"]
+
+
+def test_placement_lists_the_position_arithmetic_and_its_copies_to_the_gpu(tiny_onnx):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import onnx
+    spec = importlib.util.spec_from_file_location(
+        "gpu_placement", Path(__file__).resolve().parents[1] / "bench" / "gpu" / "placement.py")
+    placement = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(placement)
+    entry = json.loads((tiny_onnx / "manifest.json").read_text())["entry"]
+    res = placement.cpu_candidates(onnx.load(str(tiny_onnx / entry), load_external_data=False))
+    ops = sorted(n["op"] for n in res["cpu_nodes"])
+    # position_ids -> position (Slice, Reshape); + query length (Gather of a Shape); seqlens_k (Sub, Cast) and
+    # total_sequence_length (Squeeze, Cast): what ORT placed on the CPU on the H100 (7 nodes, Gather for Slice+Reshape)
+    assert ops == ["Add", "Cast", "Cast", "Gather", "Reshape", "Slice", "Squeeze", "Sub"]
+    assert res["graph_inputs_read"] == ["position_ids"] and res["gqa_nodes"] == 2
+    copied = {e["tensor"]: (e["to_op"], e["input"]) for e in res["predicted_memcpy_edges"]}
+    assert len(copied) == 2  # the 2 Memcpy nodes ORT reported for fp16-activation bundles
+    assert ("GroupQueryAttention", 5) in copied.values()  # seqlens_k lives in device memory
+
+
+def test_graph_buffers_give_the_same_tokens_on_the_cpu(tiny_onnx):
+    # the cuda_graph binding path (fixed decode buffers, logits OrtValue, gpu_graph_id run options) with its buffers
+    # on the CPU: same greedy tokens and logits as the plain session, and the buffers never move
+    from deltaship.runtimes import open_bundle
+    plain = open_bundle(tiny_onnx)
+    graph = open_bundle(tiny_onnx)
+    graph.cuda_graph = True
+    graph._graph_buffers("cpu")
+    ptrs = (graph._decode_in.input_ids.data_ptr(), graph._decode_in.position_ids.data_ptr(),
+            graph._logits_val.data_ptr())
+    prompt = [5, 17, 99, 3, 250, 8, 8, 1, 42, 7]  # > prefill_chunk (8): two prefill calls, then decode
+    a = plain.generate(prompt, 12, stop_at_eos=False, keep_logits=True)
+    b = graph.generate(prompt, 12, stop_at_eos=False, keep_logits=True)
+    assert a.output_ids == b.output_ids
+    np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
+    assert (graph._decode_in.input_ids.data_ptr(), graph._decode_in.position_ids.data_ptr(),
+            graph._logits_val.data_ptr()) == ptrs
+    assert graph._decode_in.position_ids.numpy().tolist() == [[len(prompt) + 12 - 2]]  # the last decode call's

@@ -53,10 +53,11 @@ def _generate(a: argparse.Namespace) -> int:
     res = generate(a.bundle, prompt=a.prompt, input_ids=a.input_ids, max_new_tokens=a.max_new_tokens,
                    threads=a.threads, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                    stop_at_eos=not a.no_stop_at_eos, dump_logits=a.dump_logits, provider=a.provider,
-                   runtime=a.runtime)
-    if res["stopped"] == "context" and not a.json:
-        print(f"deltaship generate: stopped after {len(res['output_ids'])} new tokens: the bundle's max context is "
-              "full (export with a larger --max-context for longer generations)", file=sys.stderr)
+                   runtime=a.runtime, cuda_graph=a.cuda_graph)
+    if res.get("stopped") == "context" and not a.json:
+        n = res.get("new_tokens", len(res.get("output_ids", [])))
+        print(f"deltaship generate: stopped after {n} new tokens: the bundle's max context is full (export with a "
+              "larger --max-context for longer generations)", file=sys.stderr)
     if a.json:
         print(json.dumps(res))
     elif "text" in res:
@@ -211,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
                    help="ONNX bundles: run on ONNX Runtime's CUDA execution provider (needs onnxruntime-gpu)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="with --provider cuda: capture the decode step as a CUDA graph (ONNX Runtime's enable_cuda_graph)")
     g.add_argument("--runtime", choices=runtime_names(), default=None,
                    help="run the bundle in this runtime, as an app embeds it (e.g. genai: onnxruntime-genai for ONNX "
                         "bundles; default: deltaship's own session for the bundle's target)")

@@ -118,3 +118,19 @@ def test_constants_are_defined_once_and_targets_are_not_compared_by_name():
     duck = [f for f, text in src.items() if re.search(r"(getattr|hasattr)\(tmod", text)]
     assert not duck, duck
     assert not [f for f, text in src.items() if "import qwen3_5" in text and f.startswith("export/passes")]
+
+
+def test_every_deltaship_import_names_an_existing_module():
+    """A module moved in a reshape leaves no import behind (imports inside functions included)."""
+    import importlib.util
+    root = PACKAGE.parent
+    missing = []
+    for path in [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "bench").rglob("*.py")]:
+        for m in re.finditer(r"^\s*(?:from|import)\s+(deltaship(?:\.\w+)*)", path.read_text(), re.M):
+            try:
+                found = importlib.util.find_spec(m.group(1)) is not None
+            except ModuleNotFoundError:
+                found = False
+            if not found:
+                missing.append(f"{path.relative_to(root)}: {m.group(1)}")
+    assert not missing, missing

@@ -167,6 +167,18 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
         if get_target(target).host_runtime is None:
             raise DeltashipError(f"this host has no runtime for {target} bundles (Core ML runs only on Apple devices)",
                                  "profile a Core ML bundle on a Mac, or export for onnx/executorch")
+        from deltaship.runtimes import text_runtime
+        text = text_runtime(path, runtime)
+        if text is not None:  # a runtime that takes text (ExecuTorch's C++ LLM runner): its own stats
+            module, spec = text
+            doc["device"], doc["results"], doc["threads"] = fingerprint("host"), [], threads
+            for p in cfg["prompt_lengths"]:
+                say(f"profiling {path.name} in {runtime}: prompt {p} tokens, {cfg['gen']} new")
+                out = getattr(module, spec.profile)(path, prompt_length=p, gen=cfg["gen"], reps=cfg["reps"],
+                                                    warmups=cfg["warmups"])
+                doc["results"] += out["results"]
+                doc["runtime"] = out["runtime"]
+            return _finish(doc, t, json_out, report)
         if provider != "cpu" or runtime is not None:
             from deltaship.runtimes import open_bundle
             # fails here, clearly, if it cannot run
@@ -202,6 +214,11 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
         doc["threads"] = threads
     else:
         raise DeltashipError(f"unknown device {device!r}", "use host, ssh://user@host[:port] or adb:SERIAL")
+    return _finish(doc, t, json_out, report)
+
+
+def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | Path | None) -> dict[str, Any]:
+    """The tier verdict, then the JSON and the HTML report where asked."""
     if t is not None:
         peak = next((r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes"), None)
         doc["fit"] = {"tier": t.name, "budget_bytes": t.budget_bytes, "peak_rss_bytes": peak,

@@ -36,8 +36,11 @@ def open_bundle(bundle: str | Path, *, threads: int | None = None, check_hashes:
     if provider not in target.providers:
         raise DeltashipError(f"--provider {provider} runs ONNX bundles only; this is a {name} bundle",
                              "export the model with --target onnx for the GPU tier, or drop --provider")
+    if runtime in target.text_runtimes:
+        raise DeltashipError(f"--runtime {runtime} takes text, not token ids: it runs `deltaship generate --prompt` "
+                             "and `deltaship profile`, not a session", "pass --prompt, or drop --runtime")
     if runtime is not None and runtime not in target.runtimes:
-        runs = [t.name for t in all_targets() if runtime in t.runtimes]
+        runs = [t.name for t in all_targets() if runtime in t.runtimes or runtime in t.text_runtimes]
         raise DeltashipError(f"--runtime {runtime} runs {' or '.join(runs) or 'no'} bundles; this is a {name} bundle "
                              f"(its runtimes: {', '.join(target.runtimes)})",
                              f"drop --runtime, pick one of {', '.join(target.runtimes)}, or export with --target "
@@ -49,7 +52,18 @@ def open_bundle(bundle: str | Path, *, threads: int | None = None, check_hashes:
 def runtime_names() -> tuple[str, ...]:
     """Every runtime some target's bundles run in (the choices of `--runtime`)."""
     from deltaship.targets import all_targets
-    return tuple(dict.fromkeys(r for t in all_targets() for r in t.runtimes))
+    return tuple(dict.fromkeys(r for t in all_targets() for r in (*t.runtimes, *t.text_runtimes)))
+
+
+def text_runtime(bundle: str | Path, runtime: str | None):
+    """The module of `runtime` if it is a text runtime of the bundle's target (else None)."""
+    import importlib
+
+    from deltaship.targets import get_target
+    if runtime is None:
+        return None
+    spec = get_target(read_manifest(bundle)["target"]).text_runtimes.get(runtime)
+    return (importlib.import_module(spec.module), spec) if spec else None
 
 
 __all__ = ["open_bundle", "Session", "Generation", "read_manifest", "PROVIDERS"]

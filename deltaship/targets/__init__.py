@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from deltaship.errors import DeltashipError
 from deltaship.targets.base import (DEFAULT_PREFILL_CHUNK, PRECISIONS, Lowered, StorageFormat, Target,
-                                    TargetOptions, flag, option)
+                                    TargetOptions, TextRuntime, flag, option)
 
 _REGISTRY: dict[str, Target] = {}
 
@@ -46,5 +46,5 @@ from deltaship.targets import onnx  # noqa: E402,F401,I001
 from deltaship.targets import executorch  # noqa: E402,F401
 from deltaship.targets import coreml  # noqa: E402,F401
 
-__all__ = ["Target", "TargetOptions", "Lowered", "StorageFormat", "option", "flag", "register", "unregister",
+__all__ = ["Target", "TargetOptions", "TextRuntime", "Lowered", "StorageFormat", "option", "flag", "register", "unregister",
            "get_target", "target_names", "all_targets", "PRECISIONS", "DEFAULT_PREFILL_CHUNK"]

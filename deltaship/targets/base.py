@@ -72,6 +72,17 @@ class StorageFormat:
     act: int
 
 
+@dataclass(frozen=True)
+class TextRuntime:
+    """A runtime that takes text, not token ids (ExecuTorch's C++ LLM runner): it serves `generate --prompt` and
+    `profile`, through `module`'s functions `generate(bundle, prompt, max_new_tokens, temperature) -> dict`
+    and `profile(bundle, prompt_length, gen, reps, warmups) -> {"runtime", "results"}`."""
+
+    module: str
+    generate: str
+    profile: str
+
+
 @dataclass
 class Lowered:
     """What a target's lowering wrote into the staging directory.
@@ -104,6 +115,7 @@ class Target(ABC):
     runtime_base_bytes: ClassVar[int] = 0  # the runtime's own resident memory (planner)
     providers: ClassVar[tuple[str, ...]] = ("cpu",)  # execution providers its sessions run on
     runtimes: ClassVar[tuple[str, ...]] = ()  # runtimes that run its bundles (`--runtime`); the first is the default
+    text_runtimes: ClassVar[Mapping[str, TextRuntime]] = {}  # runtimes that take text only (generate, profile)
     # The runtimes apps embed that deltaship's test suite runs this target's bundles in, with the versions
     # checked and how (goes into the manifest as `app_runtimes`).
     app_runtimes: ClassVar[Mapping[str, str]] = {}

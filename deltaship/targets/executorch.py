@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.targets import register
-from deltaship.targets.base import StorageFormat, Target, TargetOptions, option
+from deltaship.targets.base import StorageFormat, Target, TargetOptions, TextRuntime, option
 from deltaship.tolerances import Tolerance
 
 
@@ -60,8 +60,13 @@ class ExecuTorchTarget(Target):
         "int4": StorageFormat(bits=4, scale=4, block=32, head_copy=True, act=4),
     }
     runtimes = ("executorch",)
+    # ExecuTorch's C++ LLM runner (TextLLMRunner: what the Android LlmModule and the iOS runner wrap), text in/out
+    text_runtimes = {"et-runner": TextRuntime("deltaship.runtimes.et_runner", "generate_with_runner",
+                                              "profile_with_runner")}
     app_runtimes = {
         "executorch": "1.5.1 (Python runtime, XNNPACK): export-time verification against transformers",
+        "executorch TextLLMRunner": "1.5.1 (its Python binding of the C++ runner the Android/iOS LLM APIs wrap): "
+                                    "same greedy text, prompts shorter and longer than a chunk (tests/test_et_runner.py)",
         "executorch-android": "not run (no Android device): the Kotlin kit's names are checked against the program",
     }
     runtime_base_bytes = 48 << 20

@@ -317,7 +317,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     with open(out_dir / PTE_FILE, "wb") as f:  # segment by segment: no second copy of the program in memory
         prog.write_to_file(f)
     operators, delegates = program_operators(prog.executorch_program)
-    from deltaship.export.bundle import tool_versions
+    from deltaship.bundle.writer import tool_versions
     n_layers = ctx.spec.num_layers
     return {"files": [PTE_FILE], "entry": PTE_FILE, "delegate_partitions": int(info.num_delegated_subgraphs),
             "delegate_partitions_per_layer": round(info.num_delegated_subgraphs / n_layers, 2),

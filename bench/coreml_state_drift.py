@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deltaship.export import export
 from deltaship.bundle.evaluate import HELDOUT
+from deltaship.export import export
 from deltaship.export.reference import reference_model
 from deltaship.export.verify import log_softmax
 from deltaship.models.source import load_source
@@ -39,8 +39,16 @@ def main() -> int:
         ids = None
         for mode in ("io", "state"):
             out = Path(tmp) / mode
-            m = export("qwen3.5-tiny", out, target="coreml", precision="fp16", max_context=max(1024, a.tokens + 8),
-                       verify=False, progress=False, coreml_states=mode)
+            m = export(
+                "qwen3.5-tiny",
+                out,
+                target="coreml",
+                precision="fp16",
+                max_context=max(1024, a.tokens + 8),
+                verify=False,
+                progress=False,
+                coreml_states=mode,
+            )
             if ids is None:
                 ids = load_tokenizer(out, m).encode(HELDOUT.read_text())[: a.tokens]
                 with torch.no_grad():
@@ -52,19 +60,30 @@ def main() -> int:
             kl = (np.exp(lp) * (lp - lq)).sum(-1)
             top1 = want.argmax(-1) == got.argmax(-1)
             rel = np.abs(got - want).max(-1) / want.std(-1)
-            rows[mode] = [(w, kl[w:w + a.window].mean(), top1[w:w + a.window].mean(), rel[w:w + a.window].max())
-                          for w in range(0, len(ids), a.window)]
-    lines = ["# Core ML: drift of the DeltaNet state over a long run", "",
-             f"`python bench/coreml_state_drift.py --tokens {a.tokens}`: trained qwen3.5-tiny, Core ML fp16, "
-             f"{len(ids)} held-out tokens fed one by one (saved ML program evaluated on Linux), against "
-             "transformers fp32.", "",
-             "| tokens | KL io | KL state | top-1 io | top-1 state | max rel diff io | max rel diff state |",
-             "|---|---|---|---|---|---|---|"]
+            rows[mode] = [
+                (w, kl[w : w + a.window].mean(), top1[w : w + a.window].mean(), rel[w : w + a.window].max())
+                for w in range(0, len(ids), a.window)
+            ]
+    lines = [
+        "# Core ML: drift of the DeltaNet state over a long run",
+        "",
+        f"`python bench/coreml_state_drift.py --tokens {a.tokens}`: trained qwen3.5-tiny, Core ML fp16, "
+        f"{len(ids)} held-out tokens fed one by one (saved ML program evaluated on Linux), against "
+        "transformers fp32.",
+        "",
+        "| tokens | KL io | KL state | top-1 io | top-1 state | max rel diff io | max rel diff state |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (w, kl_i, t_i, r_i), (_, kl_s, t_s, r_s) in zip(rows["io"], rows["state"]):
-        lines.append(f"| {w}-{w + a.window - 1} | {kl_i:.2e} | {kl_s:.2e} | {t_i:.3f} | {t_s:.3f} | {r_i:.3f} | {r_s:.3f} |")
+        lines.append(
+            f"| {w}-{w + a.window - 1} | {kl_i:.2e} | {kl_s:.2e} | {t_i:.3f} | {t_s:.3f} | {r_i:.3f} | {r_s:.3f} |"
+        )
     mean = {k: np.mean([r[1] for r in v]) for k, v in rows.items()}
-    lines += ["", f"Mean KL: io {mean['io']:.3e}, state {mean['state']:.3e}. "
-              "io = DeltaNet states as fp32 inputs/outputs; state = fp16 Core ML states."]
+    lines += [
+        "",
+        f"Mean KL: io {mean['io']:.3e}, state {mean['state']:.3e}. "
+        "io = DeltaNet states as fp32 inputs/outputs; state = fp16 Core ML states.",
+    ]
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

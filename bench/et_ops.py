@@ -1,6 +1,7 @@
 """Where an ExecuTorch program spends its time, per op (ExecuTorch's ETDump), for a prefill and a decode step.
 
-    python bench/et_ops.py [PTE_OR_BUNDLE ...] [--prompt 512] [--threads 2] [--runs 3] --out docs/results/executorch-ops.md
+    python bench/et_ops.py [PTE_OR_BUNDLE ...] [--prompt 512] [--threads 2] [--runs 3] \
+        --out docs/results/executorch-ops.md
 
 Defaults to the programs `bench/et_vs_example.py --only-build` leaves in deltaship-bench/et under the system temp dir (deltaship's
 fp32 and int4 bundles and ExecuTorch's own dynamic-shape example). Each program is loaded once with
@@ -58,7 +59,7 @@ def profile(path: Path, prompt: int, runs: int) -> dict[str, dict[str, float]]:
 
     def prefill() -> None:
         for start in range(0, prompt, chunk):
-            module.forward((ids[:, start:start + chunk], torch.tensor([start], dtype=torch.long)))
+            module.forward((ids[:, start : start + chunk], torch.tensor([start], dtype=torch.long)))
 
     def decode() -> None:
         module.forward((ids[:, :1], torch.tensor([prompt], dtype=torch.long)))
@@ -85,8 +86,10 @@ def profile(path: Path, prompt: int, runs: int) -> dict[str, dict[str, float]]:
                             name = op_name(ev.name)
                         per[name] += sum(ev.perf_data.raw)
                 phases[phase].append(per)
-    return {phase: {op: statistics.median(r.get(op, 0.0) for r in rows) for op in set().union(*rows)}
-            for phase, rows in phases.items()}
+    return {
+        phase: {op: statistics.median(r.get(op, 0.0) for r in rows) for op in set().union(*rows)}
+        for phase, rows in phases.items()
+    }
 
 
 def table(results: dict[str, dict[str, dict[str, float]]], phase: str, top: int) -> list[str]:
@@ -96,8 +99,11 @@ def table(results: dict[str, dict[str, dict[str, float]]], phase: str, top: int)
         for op, ms in r[phase].items():
             if op != "whole run":
                 ops[op] = max(ops[op], ms)
-    rows = ["| op | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
-            "| **whole run** | " + " | ".join(f"**{results[n][phase].get('whole run', 0):.1f}**" for n in names) + " |"]
+    rows = [
+        "| op | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+        "| **whole run** | " + " | ".join(f"**{results[n][phase].get('whole run', 0):.1f}**" for n in names) + " |",
+    ]
     for op, _ in ops.most_common(top):
         rows.append(f"| {op} | " + " | ".join(f"{results[n][phase].get(op, 0.0):.2f}" for n in names) + " |")
     return rows
@@ -114,21 +120,28 @@ def main() -> int:
     a = ap.parse_args()
     missing = [str(p) for p in a.programs if not pte_of(p).is_file()]
     if missing:
-        print(f"no program at {', '.join(missing)}: run `python bench/et_vs_example.py --only-build` first",
-              file=sys.stderr)
+        print(
+            f"no program at {', '.join(missing)}: run `python bench/et_vs_example.py --only-build` first",
+            file=sys.stderr,
+        )
         return 2
     from executorch.extension.pybindings import portable_lib
+
     portable_lib._unsafe_reset_threadpool(a.threads)
     results = {}
     for p in a.programs:
         name = p.name.removesuffix(".pte")
         print(f"profiling {name}", flush=True)
         results[name] = profile(p, a.prompt, a.runs)
-    lines = [f"# ExecuTorch time per op (ETDump): {a.prompt}-token prefill and one decode step", "",
-             f"`python bench/et_ops.py --prompt {a.prompt} --threads {a.threads} --runs {a.runs}`: ms per run, median "
-             f"of {a.runs} after a warmup, ExecuTorch's event timestamps (delegate ops by XNNPACK's operator name, "
-             "portable and custom kernels as native_call_*). Programs built by "
-             "`bench/et_vs_example.py --only-build`.", ""]
+    lines = [
+        f"# ExecuTorch time per op (ETDump): {a.prompt}-token prefill and one decode step",
+        "",
+        f"`python bench/et_ops.py --prompt {a.prompt} --threads {a.threads} --runs {a.runs}`: ms per run, median "
+        f"of {a.runs} after a warmup, ExecuTorch's event timestamps (delegate ops by XNNPACK's operator name, "
+        "portable and custom kernels as native_call_*). Programs built by "
+        "`bench/et_vs_example.py --only-build`.",
+        "",
+    ]
     for phase, title in (("prefill", f"prefill, {a.prompt} tokens"), ("decode", "one decode step")):
         lines += [f"## {title}", ""] + table(results, phase, a.top) + [""]
     a.out.write_text("\n".join(lines))

@@ -19,8 +19,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,16 +44,32 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
 
 def et_params(ckpt: Path) -> dict:
     c = json.loads((ckpt / "config.json").read_text())
-    return {"dim": c["hidden_size"], "hidden_dim": c["intermediate_size"], "n_heads": c["num_attention_heads"],
-            "head_dim": c["head_dim"], "n_kv_heads": c["num_key_value_heads"], "n_layers": c["num_hidden_layers"],
-            "norm_eps": c["rms_norm_eps"], "rope_theta": c["rope_parameters"]["rope_theta"], "use_scaled_rope": False,
-            "vocab_size": c["vocab_size"], "use_hf_rope": True,
-            "partial_rotary_factor": c["rope_parameters"]["partial_rotary_factor"], "attention_qkv_bias": False,
-            "use_qk_norm": True, "qk_norm_before_rope": True, "attention_type": "mha", "use_q_gate": True,
-            "rms_norm_add_unit_offset": True, "linear_conv_kernel_dim": c["linear_conv_kernel_dim"],
-            "linear_key_head_dim": c["linear_key_head_dim"], "linear_value_head_dim": c["linear_value_head_dim"],
-            "linear_num_key_heads": c["linear_num_key_heads"], "linear_num_value_heads": c["linear_num_value_heads"],
-            "layer_types": c["layer_types"]}
+    return {
+        "dim": c["hidden_size"],
+        "hidden_dim": c["intermediate_size"],
+        "n_heads": c["num_attention_heads"],
+        "head_dim": c["head_dim"],
+        "n_kv_heads": c["num_key_value_heads"],
+        "n_layers": c["num_hidden_layers"],
+        "norm_eps": c["rms_norm_eps"],
+        "rope_theta": c["rope_parameters"]["rope_theta"],
+        "use_scaled_rope": False,
+        "vocab_size": c["vocab_size"],
+        "use_hf_rope": True,
+        "partial_rotary_factor": c["rope_parameters"]["partial_rotary_factor"],
+        "attention_qkv_bias": False,
+        "use_qk_norm": True,
+        "qk_norm_before_rope": True,
+        "attention_type": "mha",
+        "use_q_gate": True,
+        "rms_norm_add_unit_offset": True,
+        "linear_conv_kernel_dim": c["linear_conv_kernel_dim"],
+        "linear_key_head_dim": c["linear_key_head_dim"],
+        "linear_value_head_dim": c["linear_value_head_dim"],
+        "linear_num_key_heads": c["linear_num_key_heads"],
+        "linear_num_value_heads": c["linear_num_value_heads"],
+        "layer_types": c["layer_types"],
+    }
 
 
 def build(work: Path, threads: int) -> dict[str, dict]:
@@ -70,24 +86,69 @@ def build(work: Path, threads: int) -> dict[str, dict]:
         run([sys.executable, "-m", "executorch.examples.models.qwen3_5.convert_weights", str(ckpt), str(meta)], log)
     yaml = ET / "examples/models/qwen3_5/config/qwen3_5_xnnpack_fp32.yaml"
     quant = ["+quantization.qmode=8da4w", "+quantization.group_size=128", "+quantization.embedding_quantize='4,32'"]
-    for name, extra, dynamic in (("et-example-fp32-static", [], False), ("et-example-8da4w-static", quant, False),
-                                 ("et-example-fp32-dynamic", [], True), ("et-example-8da4w-dynamic", quant, True)):
+    for name, extra, dynamic in (
+        ("et-example-fp32-static", [], False),
+        ("et-example-8da4w-static", quant, False),
+        ("et-example-fp32-dynamic", [], True),
+        ("et-example-8da4w-dynamic", quant, True),
+    ):
         out = work / f"{name}.pte"
         if not out.is_file():
-            run([sys.executable, "-m", "executorch.extension.llm.export.export_llm", "--config", str(yaml),
-                 "+base.model_class=qwen3_5_0_8b", f"+base.params={params}", f"+base.checkpoint={meta}",
-                 f"+export.output_name={out}", "export.max_seq_length=1024", "export.max_context_length=1024"]
-                + (["model.enable_dynamic_shape=True"] if dynamic else []) + extra, log)
+            run(
+                [
+                    sys.executable,
+                    "-m",
+                    "executorch.extension.llm.export.export_llm",
+                    "--config",
+                    str(yaml),
+                    "+base.model_class=qwen3_5_0_8b",
+                    f"+base.params={params}",
+                    f"+base.checkpoint={meta}",
+                    f"+export.output_name={out}",
+                    "export.max_seq_length=1024",
+                    "export.max_context_length=1024",
+                ]
+                + (["model.enable_dynamic_shape=True"] if dynamic else [])
+                + extra,
+                log,
+            )
         programs[name] = {"pte": out, "chunk": 512 if dynamic else 1}
     # deltaship
     # prefill chunk 512 (fastest prefill) and 128 (a smaller activation arena: less peak memory)
-    for name, prec, chunk in (("deltaship-fp32", "fp32", 512), ("deltaship-int4", "int4", 512),
-                              ("deltaship-fp32-c128", "fp32", 128), ("deltaship-int4-c128", "int4", 128)):
+    for name, prec, chunk in (
+        ("deltaship-fp32", "fp32", 512),
+        ("deltaship-int4", "int4", 512),
+        ("deltaship-fp32-c128", "fp32", 128),
+        ("deltaship-int4-c128", "int4", 128),
+    ):
         out = work / name
         if not (out / "manifest.json").is_file():
-            run([sys.executable, "-m", "deltaship.cli", "export", "--model", str(ckpt), "--target", "executorch",
-                 "--precision", prec, "--block-size", "128", "--max-context", "1024", "--prefill-chunk", str(chunk),
-                 "--out", str(out), "--force", "--no-verify", "--quiet"], log)
+            run(
+                [
+                    sys.executable,
+                    "-m",
+                    "deltaship.cli",
+                    "export",
+                    "--model",
+                    str(ckpt),
+                    "--target",
+                    "executorch",
+                    "--precision",
+                    prec,
+                    "--block-size",
+                    "128",
+                    "--max-context",
+                    "1024",
+                    "--prefill-chunk",
+                    str(chunk),
+                    "--out",
+                    str(out),
+                    "--force",
+                    "--no-verify",
+                    "--quiet",
+                ],
+                log,
+            )
         programs[name] = {"pte": out / "model.pte", "chunk": chunk}
     return programs
 
@@ -112,30 +173,43 @@ def measure(programs: dict[str, dict], rounds: int, threads: int, work: Path) ->
 def report(programs: dict, samples: dict, threads: int, rounds: int) -> str:
     def stat(name: str, key: str) -> list[float]:
         return [s[key] for s in samples[name] if key in s]
-    lines = ["# deltaship .pte vs ExecuTorch's own Qwen3.5 export (0.8B, random weights, published shape)", "",
-             f"`python bench/et_vs_example.py --rounds {rounds} --threads {threads}`: one machine, one run, "
-             "programs alternated, each measurement a fresh process; medians with bootstrap 95% CI.", "",
-             "| program | tokens per call | prefill 512 tok/s | decode tok/s | peak RSS GiB | .pte MiB |",
-             "|---|---|---|---|---|---|"]
+
+    lines = [
+        "# deltaship .pte vs ExecuTorch's own Qwen3.5 export (0.8B, random weights, published shape)",
+        "",
+        f"`python bench/et_vs_example.py --rounds {rounds} --threads {threads}`: one machine, one run, "
+        "programs alternated, each measurement a fresh process; medians with bootstrap 95% CI.",
+        "",
+        "| program | tokens per call | prefill 512 tok/s | decode tok/s | peak RSS GiB | .pte MiB |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, p in programs.items():
         pre, dec, rss = stat(name, "prefill_tok_s"), stat(name, "decode_tok_s"), stat(name, "peak_rss_bytes")
         if not pre:
             lines.append(f"| {name} | - | died | died | - | {p['pte'].stat().st_size / 2**20:.0f} |")
             continue
         sp, sd = summarize(pre), summarize(dec)
-        lines.append(f"| {name} | {p['chunk'] if p['chunk'] > 1 else 'one'} token(s) | {sp['median']:.1f} "
-                     f"[{sp['ci95'][0]:.1f}, {sp['ci95'][1]:.1f}] | {sd['median']:.2f} [{sd['ci95'][0]:.2f}, "
-                     f"{sd['ci95'][1]:.2f}] | {np.median(rss) / 2**30:.2f} | {p['pte'].stat().st_size / 2**20:.0f} |")
+        lines.append(
+            f"| {name} | {p['chunk'] if p['chunk'] > 1 else 'one'} token(s) | {sp['median']:.1f} "
+            f"[{sp['ci95'][0]:.1f}, {sp['ci95'][1]:.1f}] | {sd['median']:.2f} [{sd['ci95'][0]:.2f}, "
+            f"{sd['ci95'][1]:.2f}] | {np.median(rss) / 2**30:.2f} | {p['pte'].stat().st_size / 2**20:.0f} |"
+        )
     lines += ["", "Ratios, deltaship / ExecuTorch example (95% CI):", ""]
-    pairs = [(f"deltaship-{p}{c}", f"et-example-{q}-{k}") for p, q in (("fp32", "fp32"), ("int4", "8da4w"))
-             for c in ("", "-c128") for k in ("static", "dynamic")]
+    pairs = [
+        (f"deltaship-{p}{c}", f"et-example-{q}-{k}")
+        for p, q in (("fp32", "fp32"), ("int4", "8da4w"))
+        for c in ("", "-c128")
+        for k in ("static", "dynamic")
+    ]
     for ours, theirs in pairs:
         if stat(ours, "prefill_tok_s") and stat(theirs, "prefill_tok_s"):
             rp = ratio_ci(stat(ours, "prefill_tok_s"), stat(theirs, "prefill_tok_s"))
             rd = ratio_ci(stat(ours, "decode_tok_s"), stat(theirs, "decode_tok_s"))
             mem = np.median(stat(ours, "peak_rss_bytes")) / np.median(stat(theirs, "peak_rss_bytes"))
-            lines.append(f"- {ours} vs {theirs}: prefill x{rp['ratio']:.2f} [{rp['ci95'][0]:.2f}, {rp['ci95'][1]:.2f}], "
-                         f"decode x{rd['ratio']:.2f} [{rd['ci95'][0]:.2f}, {rd['ci95'][1]:.2f}], peak RSS x{mem:.2f}")
+            lines.append(
+                f"- {ours} vs {theirs}: prefill x{rp['ratio']:.2f} [{rp['ci95'][0]:.2f}, {rp['ci95'][1]:.2f}], "
+                f"decode x{rd['ratio']:.2f} [{rd['ci95'][0]:.2f}, {rd['ci95'][1]:.2f}], peak RSS x{mem:.2f}"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -13,10 +13,10 @@ import json
 import sys
 import time
 
+import executorch.kernels.quantized  # noqa: F401
 import numpy as np
 import torch
 from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (llama:: kernels)
-import executorch.kernels.quantized  # noqa: F401
 from executorch.extension.pybindings import portable_lib
 from executorch.runtime import Runtime
 
@@ -45,7 +45,7 @@ def main() -> int:
     pos = 0
     while pos < PROMPT:
         n = min(chunk, PROMPT - pos)
-        logits = call(ids[pos:pos + n], pos)
+        logits = call(ids[pos : pos + n], pos)
         pos += n
     t1 = time.monotonic()
     tok = int(np.argmax(logits))
@@ -58,8 +58,16 @@ def main() -> int:
         tok = int(np.argmax(logits))
     stamps.append(time.monotonic())
     tpot = (stamps[-1] - stamps[1]) / (GEN - 1)
-    print(json.dumps({"prefill_tok_s": PROMPT / (t1 - t0), "decode_tok_s": 1 / tpot, "ttft_s": ttft,
-                      "peak_rss_bytes": peak_rss()}))
+    print(
+        json.dumps(
+            {
+                "prefill_tok_s": PROMPT / (t1 - t0),
+                "decode_tok_s": 1 / tpot,
+                "ttft_s": ttft,
+                "peak_rss_bytes": peak_rss(),
+            }
+        )
+    )
     return 0
 
 

@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deltaship.export import export
 from deltaship.bundle.evaluate import evaluate
+from deltaship.export import export
 
 TARGETS = ("onnx", "executorch", "coreml")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
@@ -36,14 +36,40 @@ def main() -> int:
             for precision in PRECISIONS:
                 out = Path(tmp) / f"{target}-{precision}"
                 t0 = time.monotonic()
-                m = export("qwen3.5-tiny", out, target=target, precision=precision, max_context=1024,
-                           verify=False, progress=False)
+                m = export(
+                    "qwen3.5-tiny",
+                    out,
+                    target=target,
+                    precision=precision,
+                    max_context=1024,
+                    verify=False,
+                    progress=False,
+                )
                 res = evaluate(out, tokens=a.tokens, threads=a.threads)
-                res.update(target=target, precision=precision, bundle_mib=m["bundle_bytes"] / 2**20,
-                           seconds=time.monotonic() - t0)
+                res.update(
+                    target=target,
+                    precision=precision,
+                    bundle_mib=m["bundle_bytes"] / 2**20,
+                    seconds=time.monotonic() - t0,
+                )
                 rows.append(res)
-                print(json.dumps({k: res[k] for k in ("target", "precision", "perplexity", "reference_perplexity",
-                                                      "top1_agreement", "kl_divergence", "tokens")}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            k: res[k]
+                            for k in (
+                                "target",
+                                "precision",
+                                "perplexity",
+                                "reference_perplexity",
+                                "top1_agreement",
+                                "kl_divergence",
+                                "tokens",
+                            )
+                        }
+                    ),
+                    flush=True,
+                )
     lines = [
         "# Fidelity on the trained qwen3.5-tiny",
         "",
@@ -54,9 +80,11 @@ def main() -> int:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['target']} | {r['precision']} | {r['bundle_mib']:.1f} | {r['perplexity']:.4f} | "
-                     f"{r['reference_perplexity']:.4f} | {r['top1_agreement']:.4f} | {r['kl_divergence']:.2e} |")
-    lines += ["", f"Tokens: {rows[0]['tokens']}. Runtimes: " + "; ".join(sorted({r['runtime'] for r in rows})) + "."]
+        lines.append(
+            f"| {r['target']} | {r['precision']} | {r['bundle_mib']:.1f} | {r['perplexity']:.4f} | "
+            f"{r['reference_perplexity']:.4f} | {r['top1_agreement']:.4f} | {r['kl_divergence']:.2e} |"
+        )
+    lines += ["", f"Tokens: {rows[0]['tokens']}. Runtimes: " + "; ".join(sorted({r["runtime"] for r in rows})) + "."]
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -52,8 +52,12 @@ def parity(out: Path) -> dict:
             cpu = open_bundle(bundle)
             prompts = default_prompts(source.spec.vocab_size, cuda.prefill_chunk, cuda.max_context, 8)
             tol = tolerance("onnx", precision)
-            res = {"case": name, "runtime": cuda.runtime_name(), "cpu_fallback": cuda.cpu_fallback,
-                   "prompt_lengths": [len(p) for p in prompts]}
+            res = {
+                "case": name,
+                "runtime": cuda.runtime_name(),
+                "cpu_fallback": cuda.cpu_fallback,
+                "prompt_lengths": [len(p) for p in prompts],
+            }
             worst_ref = worst_cpu = 0.0
             agree_ref = agree_cpu = 1.0
             kls, top1 = [], []
@@ -68,9 +72,14 @@ def parity(out: Path) -> dict:
                 worst_cpu, agree_cpu = max(worst_cpu, c["max_rel_logit_diff"]), min(agree_cpu, c["greedy_agreement"])
                 kls.append(f["kl_divergence"])
                 top1.append(f["top1_agreement"])
-            res.update(vs_transformers_max_rel_logit_diff=worst_ref, vs_transformers_greedy_agreement=agree_ref,
-                       vs_transformers_kl=float(np.mean(kls)), vs_transformers_top1=float(np.mean(top1)),
-                       cuda_vs_cpu_max_rel_logit_diff=worst_cpu, cuda_vs_cpu_greedy_agreement=agree_cpu)
+            res.update(
+                vs_transformers_max_rel_logit_diff=worst_ref,
+                vs_transformers_greedy_agreement=agree_ref,
+                vs_transformers_kl=float(np.mean(kls)),
+                vs_transformers_top1=float(np.mean(top1)),
+                cuda_vs_cpu_max_rel_logit_diff=worst_cpu,
+                cuda_vs_cpu_greedy_agreement=agree_cpu,
+            )
             gen = cuda.generate(prompts[1], 32, stop_at_eos=False)
             gen_cpu = cpu.generate(prompts[1], 32, stop_at_eos=False)
             res["greedy32_cuda_equals_cpu"] = gen.output_ids == gen_cpu.output_ids

@@ -52,8 +52,13 @@ def main() -> int:
     model = model.to(dtype).eval()
     fla_kernels = importlib.util.find_spec("fla") is not None
     g = torch.Generator().manual_seed(0)
-    res: dict = {"model": a.model, "dtype": a.dtype, "torch": torch.__version__, "fla_kernels": fla_kernels,
-                 "gpu": torch.cuda.get_device_name(0)}
+    res: dict = {
+        "model": a.model,
+        "dtype": a.dtype,
+        "torch": torch.__version__,
+        "fla_kernels": fla_kernels,
+        "gpu": torch.cuda.get_device_name(0),
+    }
 
     def timed(fn, warm=2, reps=5):
         for _ in range(warm):
@@ -86,6 +91,7 @@ def main() -> int:
                 cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             res.setdefault("_decode", []).append((time.perf_counter() - t) / steps)
+
         for _ in range(4):
             decode()
         res["decode_ms_per_token"] = statistics.median(res.pop("_decode")[1:]) * 1e3

@@ -31,14 +31,30 @@ def main() -> int:
     spec = preset.spec()
     weights = RandomWeights(spec, seed=preset.seed)
     a.out.mkdir(parents=True, exist_ok=True)
-    text = dict(hf_config(spec), model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"],
-                eos_token_id=list(spec.eos_token_id)[0] if spec.eos_token_id else None,
-                dtype={"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[a.dtype], hidden_act="silu")
+    text = dict(
+        hf_config(spec),
+        model_type="qwen3_5_text",
+        architectures=["Qwen3_5ForCausalLM"],
+        eos_token_id=list(spec.eos_token_id)[0] if spec.eos_token_id else None,
+        dtype={"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[a.dtype],
+        hidden_act="silu",
+    )
     if a.multimodal:
-        cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
-               "vision_config": {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
-                                 "out_hidden_size": spec.hidden_size, "model_type": "qwen3_5_vision"},
-               "tie_word_embeddings": spec.tie_word_embeddings, "mtp_num_hidden_layers": 0}
+        cfg = {
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
+            "text_config": text,
+            "vision_config": {
+                "depth": 1,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_heads": 2,
+                "out_hidden_size": spec.hidden_size,
+                "model_type": "qwen3_5_vision",
+            },
+            "tie_word_embeddings": spec.tie_word_embeddings,
+            "mtp_num_hidden_layers": 0,
+        }
         rename = lambda n: n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n  # noqa: E731
     else:
         cfg, rename = text, (lambda n: n)

@@ -79,8 +79,14 @@ def weight_matmuls(graph: onnx.GraphProto) -> list[tuple[onnx.NodeProto, int, in
     return out
 
 
-def decode_steps(bundle: Path, threads: int, steps: int, contexts: tuple[int, ...] = (128,), in_place: bool = True,
-                 manifest: dict | None = None) -> list[float]:
+def decode_steps(
+    bundle: Path,
+    threads: int,
+    steps: int,
+    contexts: tuple[int, ...] = (128,),
+    in_place: bool = True,
+    manifest: dict | None = None,
+) -> list[float]:
     """Median ms of one decode step at each context depth, one session."""
     s = OnnxSession(bundle, manifest or read_manifest(bundle), threads=threads, in_place=in_place)
     ids = np.array([5], dtype=np.int64)
@@ -106,10 +112,13 @@ def step_without_matmuls(bundle: Path, manifest: dict, model: onnx.ModelProto, t
             continue
         width = widths[y]
         g.initializer.append(helper.make_tensor(f"{y}_n", TensorProto.INT64, [1], [width]))
-        nodes += [helper.make_node("Shape", [n.input[0]], [f"{y}_lead"], end=-1),
-                  helper.make_node("Concat", [f"{y}_lead", f"{y}_n"], [f"{y}_shape"], axis=0),
-                  helper.make_node("ConstantOfShape", [f"{y}_shape"], [y],
-                                   value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))]
+        nodes += [
+            helper.make_node("Shape", [n.input[0]], [f"{y}_lead"], end=-1),
+            helper.make_node("Concat", [f"{y}_lead", f"{y}_n"], [f"{y}_shape"], axis=0),
+            helper.make_node(
+                "ConstantOfShape", [f"{y}_shape"], [y], value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+            ),
+        ]
     used = {i for n in nodes for i in n.input}
     kept = [i for i in g.initializer if i.name in used]
     del g.node[:], g.initializer[:]
@@ -126,11 +135,24 @@ def int4_kernel(threads: int, block: int, steps: int, k: int = 1024, n: int = 71
     nodes, inputs, outputs, inits = [], [], [], []
     for i in range(layers):
         blocks = k // block
-        inits += [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block // 2), dtype=np.uint8), f"w{i}"),
-                  numpy_helper.from_array(rng.random(n * blocks, dtype=np.float32) * 0.01, f"s{i}")]
+        inits += [
+            numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block // 2), dtype=np.uint8), f"w{i}"),
+            numpy_helper.from_array(rng.random(n * blocks, dtype=np.float32) * 0.01, f"s{i}"),
+        ]
         inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, 1, k]))
-        nodes.append(helper.make_node("MatMulNBits", [f"x{i}", f"w{i}", f"s{i}"], [f"y{i}"], domain="com.microsoft",
-                                      K=k, N=n, bits=4, block_size=block, accuracy_level=4))
+        nodes.append(
+            helper.make_node(
+                "MatMulNBits",
+                [f"x{i}", f"w{i}", f"s{i}"],
+                [f"y{i}"],
+                domain="com.microsoft",
+                K=k,
+                N=n,
+                bits=4,
+                block_size=block,
+                accuracy_level=4,
+            )
+        )
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
     s = session(standalone(helper.make_graph(nodes, "bank", inputs, outputs, inits)), threads)
     feeds = {i.name: rng.standard_normal(i.shape, dtype=np.float32) for i in s.get_inputs()}
@@ -157,25 +179,34 @@ def matmuls_alone(model: onnx.ModelProto, threads: int, steps: int) -> tuple[flo
     return median_ms(lambda: s.run(None, feeds), steps), len(nodes)
 
 
-def linear_attention_alone(model: onnx.ModelProto, manifest: dict, threads: int, steps: int,
-                           in_place: bool) -> tuple[float, int]:
+def linear_attention_alone(
+    model: onnx.ModelProto, manifest: dict, threads: int, steps: int, in_place: bool
+) -> tuple[float, int]:
     la = [n for n in model.graph.node if n.op_type == "LinearAttention"]
     attrs = {a.name: helper.get_attribute_value(a) for a in la[0].attribute}
     h = attrs["kv_num_heads"]
     _, _, dk, dv = next(s["shape"] for s in manifest["states"] if s["kind"] == "deltanet_recurrent")
     hq = attrs["q_num_heads"]
-    shapes = {"q": [1, 1, hq * dk], "k": [1, 1, hq * dk], "v": [1, 1, h * dv], "s": [1, h, dk, dv], "g": [1, 1, h],
-              "b": [1, 1, h]}
+    shapes = {
+        "q": [1, 1, hq * dk],
+        "k": [1, 1, hq * dk],
+        "v": [1, 1, h * dv],
+        "s": [1, h, dk, dv],
+        "g": [1, 1, h],
+        "b": [1, 1, h],
+    }
     node = helper.make_node("LinearAttention", list(shapes), ["o", "ns"], domain="com.microsoft", **attrs)
-    graph = helper.make_graph([node], "la", [helper.make_tensor_value_info(k, TensorProto.FLOAT, v)
-                                             for k, v in shapes.items()],
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("o", "ns")])
+    graph = helper.make_graph(
+        [node],
+        "la",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in shapes.items()],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("o", "ns")],
+    )
     s = session(standalone(graph), threads)
     rng = np.random.default_rng(0)
     feeds = {k: rng.standard_normal(v, dtype=np.float32) * 0.1 for k, v in shapes.items() if k != "s"}
     feeds["g"] = -np.abs(feeds["g"])
-    states = [[ort.OrtValue.ortvalue_from_numpy(np.zeros(shapes["s"], np.float32)) for _ in range(2)]
-              for _ in la]
+    states = [[ort.OrtValue.ortvalue_from_numpy(np.zeros(shapes["s"], np.float32)) for _ in range(2)] for _ in la]
     bindings = []
     for pair in states:
         io = s.io_binding()
@@ -189,6 +220,7 @@ def linear_attention_alone(model: onnx.ModelProto, manifest: dict, threads: int,
     def run():
         for io in bindings:
             s.run_with_iobinding(io)
+
     return median_ms(run, steps), len(la)
 
 
@@ -198,8 +230,13 @@ def per_node_us(op: str, width: int, threads: int, steps: int, n: int = 200) -> 
     else:
         const = helper.make_tensor("c", TensorProto.FLOAT, [width], np.ones(width, np.float32).tolist())
     nodes = [helper.make_node(op, ["x" if i == 0 else f"y{i - 1}", "c"], [f"y{i}"]) for i in range(n)]
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, width])],
-                              [helper.make_tensor_value_info(f"y{n - 1}", TensorProto.FLOAT, None)], [const])
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, width])],
+        [helper.make_tensor_value_info(f"y{n - 1}", TensorProto.FLOAT, None)],
+        [const],
+    )
     s = session(standalone(graph, contrib=False), threads, optimize=False)
     x = np.ones((1, 1, width), np.float32)
     return median_ms(lambda: s.run(None, {"x": x}), steps) * 1e3 / n
@@ -213,15 +250,21 @@ def main() -> int:
     a = ap.parse_args()
     manifest = read_manifest(a.bundle)
     model = onnx.load(str(a.bundle / manifest["entry"]))
-    out: dict = {"bundle": str(a.bundle), "threads": a.threads, "onnxruntime": ort.__version__,
-                 "graph_nodes": len(model.graph.node)}
+    out: dict = {
+        "bundle": str(a.bundle),
+        "threads": a.threads,
+        "onnxruntime": ort.__version__,
+        "graph_nodes": len(model.graph.node),
+    }
     for mode in (True, False, True, False):  # alternated: the machine drifts
         out.setdefault(f"decode_step_ms_{'shared' if mode else 'double'}_state", []).append(
-            decode_steps(a.bundle, a.threads, a.steps, in_place=mode)[0])
+            decode_steps(a.bundle, a.threads, a.steps, in_place=mode)[0]
+        )
     out["matmuls_alone_ms"], out["matmul_nodes"] = matmuls_alone(model, a.threads, a.steps)
     for mode in (True, False):
-        out[f"linear_attention_alone_ms_{'shared' if mode else 'double'}_state"], out["linear_attention_nodes"] = \
+        out[f"linear_attention_alone_ms_{'shared' if mode else 'double'}_state"], out["linear_attention_nodes"] = (
             linear_attention_alone(model, manifest, a.threads, a.steps, mode)
+        )
     hidden = manifest["model"]["hidden_size"]
     out["reshape_us_per_node"] = per_node_us("Reshape", hidden, a.threads, a.steps)
     out["mul_us_per_node"] = per_node_us("Mul", hidden, a.threads, a.steps)

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from deltaship.export import export
 from deltaship.bundle.reader import read_manifest
+from deltaship.export import export
 from deltaship.runtimes.onnx import OnnxSession
-
 
 
 def profile(bundle: Path, threads: int, runs: int, prompt: int) -> tuple[float, dict[str, float]]:
@@ -60,20 +59,37 @@ def main() -> int:
     for mode in ("standard", "contrib"):
         out = a.work / f"{a.model}-{a.precision}-{mode}"
         if not (out / "manifest.json").is_file():
-            export(a.model, out, target="onnx", precision=a.precision, max_context=1024, force=True, verify=False,
-                   progress=False, onnx_deltanet_ops=mode)
+            export(
+                a.model,
+                out,
+                target="onnx",
+                precision=a.precision,
+                max_context=1024,
+                force=True,
+                verify=False,
+                progress=False,
+                onnx_deltanet_ops=mode,
+            )
         results[mode] = {p: profile(out, a.threads, a.runs, p) for p in (1, 512)}
-    lines = ["# ONNX Runtime time per op type: DeltaNet in standard ops vs ORT's contrib kernels", "",
-             f"`python bench/onnx_ops.py --model {a.model} --precision {a.precision} --threads {a.threads} --runs "
-             f"{a.runs}`: ms per call, mean of {a.runs} profiled runs (ORT {__import__('onnxruntime').__version__}, "
-             "CPU execution provider).", ""]
+    lines = [
+        "# ONNX Runtime time per op type: DeltaNet in standard ops vs ORT's contrib kernels",
+        "",
+        f"`python bench/onnx_ops.py --model {a.model} --precision {a.precision} --threads {a.threads} --runs "
+        f"{a.runs}`: ms per call, mean of {a.runs} profiled runs (ORT {__import__('onnxruntime').__version__}, "
+        "CPU execution provider).",
+        "",
+    ]
     for p, what in ((1, "one decode step at context 128"), (512, "a 512-token prefill")):
-        ops = sorted({op for mode in results for op in results[mode][p][1]},
-                     key=lambda op: -max(results[m][p][1].get(op, 0) for m in results))
+        ops = sorted(
+            {op for mode in results for op in results[mode][p][1]},
+            key=lambda op: -max(results[m][p][1].get(op, 0) for m in results),
+        )
         lines += [f"## {what}", "", "| op type | standard ms | contrib ms |", "|---|---|---|"]
         lines.append(f"| **whole run** | **{results['standard'][p][0]:.2f}** | **{results['contrib'][p][0]:.2f}** |")
         for op in ops[:14]:
-            lines.append(f"| {op} | {results['standard'][p][1].get(op, 0):.2f} | {results['contrib'][p][1].get(op, 0):.2f} |")
+            lines.append(
+                f"| {op} | {results['standard'][p][1].get(op, 0):.2f} | {results['contrib'][p][1].get(op, 0):.2f} |"
+            )
         lines.append("")
     text = "\n".join(lines)
     a.out.write_text(text)

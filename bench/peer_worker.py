@@ -27,6 +27,7 @@ def peak_rss() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
+
 def now() -> float:
     return time.monotonic_ns() / 1e9
 
@@ -34,6 +35,7 @@ def now() -> float:
 class Deltaship:
     def __init__(self, path: str, threads: int):
         from deltaship.runtimes import open_bundle
+
         self.s = open_bundle(path, threads=threads, check_hashes=False)
 
     def prefill(self, ids):
@@ -48,6 +50,7 @@ class Transformers:
     def __init__(self, path: str, threads: int, dtype: str):
         import torch
         from transformers import Qwen3_5ForCausalLM
+
         torch.set_num_threads(threads)
         self.torch = torch
         self.m = Qwen3_5ForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
@@ -68,6 +71,7 @@ class Transformers:
 class Genai:
     def __init__(self, path: str, threads: int):
         import onnxruntime_genai as og
+
         self.og = og
         self.model = og.Model(path)
 
@@ -85,11 +89,12 @@ class Genai:
 
 class ExecuTorchExample:
     def __init__(self, path: str, threads: int):
+        import executorch.kernels.quantized  # noqa: F401
         import torch
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
-        import executorch.kernels.quantized  # noqa: F401
         from executorch.extension.pybindings import portable_lib
         from executorch.runtime import Runtime
+
         path, _, per_call = path.partition(":")
         self.chunk = int(per_call or 1024)
         portable_lib._unsafe_reset_threadpool(threads)
@@ -104,8 +109,8 @@ class ExecuTorchExample:
     def prefill(self, ids):
         self.pos = 0
         for i in range(0, len(ids), self.chunk):
-            logits = self._call(list(ids[i:i + self.chunk]), self.pos)
-            self.pos += len(ids[i:i + self.chunk])
+            logits = self._call(list(ids[i : i + self.chunk]), self.pos)
+            self.pos += len(ids[i : i + self.chunk])
         return logits
 
     def decode(self, tok):
@@ -117,10 +122,19 @@ class ExecuTorchExample:
 class LlamaCpp:
     def __init__(self, path: str, threads: int):
         import llama_cpp
+
         # The stand-in byte tokenizer has no BPE merges, which llama.cpp's vocabulary loader requires unless
         # the pre-tokenizer is one that needs none; token ids are fed directly, so the tokenizer is never used.
-        self.m = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                                 logits_all=False, verbose=False, kv_overrides={"tokenizer.ggml.pre": "kimi-k2"})
+        self.m = llama_cpp.Llama(
+            model_path=path,
+            n_ctx=1024,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=512,
+            logits_all=False,
+            verbose=False,
+            kv_overrides={"tokenizer.ggml.pre": "kimi-k2"},
+        )
         self.lib = llama_cpp
 
     def last_logits(self):

@@ -22,8 +22,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -65,39 +65,94 @@ def build(skip: set[str]) -> dict[str, dict]:
     for prec in ("fp32", "int4"):
         out = WORK / f"deltaship-onnx-{prec}"
         if not (out / "manifest.json").exists():
-            sh([sys.executable, "-m", "deltaship.cli", "export", "--model", str(text), "--target", "onnx",
-                "--precision", prec, "--max-context", "1024", "--out", str(out), "--force", "--no-verify", "--quiet"], log)
+            sh(
+                [
+                    sys.executable,
+                    "-m",
+                    "deltaship.cli",
+                    "export",
+                    "--model",
+                    str(text),
+                    "--target",
+                    "onnx",
+                    "--precision",
+                    prec,
+                    "--max-context",
+                    "1024",
+                    "--out",
+                    str(out),
+                    "--force",
+                    "--no-verify",
+                    "--quiet",
+                ],
+                log,
+            )
         tools[f"deltaship onnx {prec}"] = {"tool": "deltaship", "path": out, "py": sys.executable, "precision": prec}
     for prec in ("fp32", "int4"):
         if (ET / f"deltaship-{prec}" / "manifest.json").exists():
-            tools[f"deltaship executorch {prec}"] = {"tool": "deltaship", "path": ET / f"deltaship-{prec}",
-                                                     "py": sys.executable, "precision": prec}
+            tools[f"deltaship executorch {prec}"] = {
+                "tool": "deltaship",
+                "path": ET / f"deltaship-{prec}",
+                "py": sys.executable,
+                "precision": prec,
+            }
     # transformers
     if "transformers" not in skip:
         for d in ("fp32", "bf16") if has_bf16() else ("fp32",):
-            tools[f"transformers eager {d}"] = {"tool": f"transformers-{d}", "path": text, "py": sys.executable,
-                                                "precision": d}
+            tools[f"transformers eager {d}"] = {
+                "tool": f"transformers-{d}",
+                "path": text,
+                "py": sys.executable,
+                "precision": d,
+            }
     # ExecuTorch's own export (bench/et_vs_example.py builds them)
     if "et" not in skip:
-        for name, prec in (("et-example-fp32-static", "fp32"), ("et-example-8da4w-static", "int4"),
-                           ("et-example-fp32-dynamic", "fp32"), ("et-example-8da4w-dynamic", "int4")):
+        for name, prec in (
+            ("et-example-fp32-static", "fp32"),
+            ("et-example-8da4w-static", "int4"),
+            ("et-example-fp32-dynamic", "fp32"),
+            ("et-example-8da4w-dynamic", "int4"),
+        ):
             pte = ET / f"{name}.pte"
             if pte.exists():
                 per_call = ":1" if "static" in name else ":512"
-                tools[name.replace("et-example", "executorch example")] = {"tool": "et-example", "path": pte,
-                                                                           "suffix": per_call, "py": sys.executable,
-                                                                           "precision": prec}
+                tools[name.replace("et-example", "executorch example")] = {
+                    "tool": "et-example",
+                    "path": pte,
+                    "suffix": per_call,
+                    "py": sys.executable,
+                    "precision": prec,
+                }
     # onnxruntime-genai
     if "genai" not in skip:
-        py = venv(WORK / "genai-venv", ["torch==2.13.0", "onnxruntime-genai", "onnx_ir", "transformers>=5.23,<6",
-                                        "numpy"], log)
+        py = venv(
+            WORK / "genai-venv",
+            ["torch==2.13.0", "onnxruntime-genai", "onnx_ir", "transformers>=5.23,<6", "numpy"],
+            log,
+        )
         if not (mm / "model.safetensors").exists():
             sh([sys.executable, str(HERE / "make_checkpoint.py"), "qwen3.5-0.8b", str(mm), "--multimodal"], log)
         for prec in ("fp32", "int4"):
             out = WORK / f"genai-{prec}"
             if not (out / "genai_config.json").exists():
-                sh([str(py), "-m", "onnxruntime_genai.models.builder", "-i", str(mm), "-o", str(out), "-p", prec,
-                    "-e", "cpu", "-c", str(WORK / "genai-cache")], log)
+                sh(
+                    [
+                        str(py),
+                        "-m",
+                        "onnxruntime_genai.models.builder",
+                        "-i",
+                        str(mm),
+                        "-o",
+                        str(out),
+                        "-p",
+                        prec,
+                        "-e",
+                        "cpu",
+                        "-c",
+                        str(WORK / "genai-cache"),
+                    ],
+                    log,
+                )
                 cfg = json.loads((out / "genai_config.json").read_text())
                 opts = cfg["model"]["decoder"].setdefault("session_options", {})
                 opts["intra_op_num_threads"] = 2
@@ -119,9 +174,24 @@ def build_llamacpp(text: Path, log: Path) -> dict[str, dict]:
     src = WORK / "llamacpp-src"
     if not (src / "convert_hf_to_gguf.py").exists():
         dl = WORK / "llamacpp-sdist"
-        sh([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(dl),
-            LLAMA_CPP], log)
+        sh(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(dl),
+                LLAMA_CPP,
+            ],
+            log,
+        )
         import tarfile
+
         with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tf:
             tf.extractall(dl)
         next(dl.glob("llama_cpp_python-*/vendor/llama.cpp")).rename(src)
@@ -132,23 +202,43 @@ def build_llamacpp(text: Path, log: Path) -> dict[str, dict]:
             (ckpt / f.name).unlink(missing_ok=True)
             (ckpt / f.name).symlink_to(f.resolve())
         from deltaship.models.presets import write_tiny_tokenizer
+
         write_tiny_tokenizer(ckpt)
     f32 = WORK / "q08-f32.gguf"
     if not f32.exists():
-        conv = ("import sys, runpy; sys.argv = sys.argv[1:]; d = sys.argv[0].rsplit('/', 1)[0]; "
-                "sys.path[:0] = [d, d + '/gguf-py']; import conversion.base as b; "
-                "b.TextModel.get_vocab_base_pre = lambda self, tok: 'qwen35'; "
-                "runpy.run_path(sys.argv[0], run_name='__main__')")
-        sh([sys.executable, "-c", conv, str(src / "convert_hf_to_gguf.py"), str(ckpt), "--outtype", "f32",
-            "--outfile", str(f32), "--no-mtp"], log)
+        conv = (
+            "import sys, runpy; sys.argv = sys.argv[1:]; d = sys.argv[0].rsplit('/', 1)[0]; "
+            "sys.path[:0] = [d, d + '/gguf-py']; import conversion.base as b; "
+            "b.TextModel.get_vocab_base_pre = lambda self, tok: 'qwen35'; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')"
+        )
+        sh(
+            [
+                sys.executable,
+                "-c",
+                conv,
+                str(src / "convert_hf_to_gguf.py"),
+                str(ckpt),
+                "--outtype",
+                "f32",
+                "--outfile",
+                str(f32),
+                "--no-mtp",
+            ],
+            log,
+        )
     q4 = WORK / "q08-q4_0.gguf"
     if not q4.exists():
-        quant = ("import sys, llama_cpp as l; p = l.llama_model_quantize_default_params(); "
-                 "p.ftype = l.LLAMA_FTYPE_MOSTLY_Q4_0; p.nthread = 2; "
-                 "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
+        quant = (
+            "import sys, llama_cpp as l; p = l.llama_model_quantize_default_params(); "
+            "p.ftype = l.LLAMA_FTYPE_MOSTLY_Q4_0; p.nthread = 2; "
+            "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))"
+        )
         sh([str(py), "-c", quant, str(f32), str(q4)], log)
-    return {"llama.cpp f32": {"tool": "llamacpp", "path": f32, "py": str(py), "precision": "fp32"},
-            "llama.cpp Q4_0": {"tool": "llamacpp", "path": q4, "py": str(py), "precision": "int4"}}
+    return {
+        "llama.cpp f32": {"tool": "llamacpp", "path": f32, "py": str(py), "precision": "fp32"},
+        "llama.cpp Q4_0": {"tool": "llamacpp", "path": q4, "py": str(py), "precision": "int4"},
+    }
 
 
 def has_bf16() -> bool:
@@ -170,6 +260,7 @@ def state_traffic_bytes(context: int) -> int:
     """Bytes of state one decode step of the 0.8B moves in any runtime: every DeltaNet conv and recurrent
     state read and written once, and the attention layers' KV cache read up to `context` (all fp32)."""
     from deltaship.models.presets import get_preset
+
     b = get_preset("qwen3.5-0.8b").spec().state_bytes(context)
     return 2 * (b["deltanet_recurrent"] + b["deltanet_conv"]) + b["kv_cache"]
 
@@ -177,6 +268,7 @@ def state_traffic_bytes(context: int) -> int:
 def bandwidth(threads: int) -> float:
     """Read bandwidth: a multi-threaded sum over a 1 GiB array, best of 5 (GB/s)."""
     import torch
+
     torch.set_num_threads(threads)
     a = torch.ones(1 << 28, dtype=torch.float32)
     best = 0.0
@@ -209,14 +301,22 @@ def main() -> int:
     samples: dict[str, list[dict]] = {k: [] for k in tools}
     for r in range(a.rounds):
         for name, t in tools.items():
-            cmd = [t["py"], str(HERE / "peer_worker.py"), t["tool"], str(t["path"]) + t.get("suffix", ""), str(a.threads)]
+            cmd = [
+                t["py"],
+                str(HERE / "peer_worker.py"),
+                t["tool"],
+                str(t["path"]) + t.get("suffix", ""),
+                str(a.threads),
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TQDM_DISABLE="1"))
             if out.returncode:
                 print(f"round {r} {name}: died ({out.returncode}): {out.stderr[-300:]}", flush=True)
                 continue
             res = json.loads(out.stdout.strip().splitlines()[-1])
             samples[name].append(res)
-            print(f"round {r} {name}: " + json.dumps({k: round(v, 2) for k, v in res.items() if k != "tool"}), flush=True)
+            print(
+                f"round {r} {name}: " + json.dumps({k: round(v, 2) for k, v in res.items() if k != "tool"}), flush=True
+            )
         bw.append(bandwidth(a.threads))
     (WORK / f"samples-{a.out.stem}.json").write_text(json.dumps({"samples": samples, "bandwidth_gbs": bw}, indent=1))
     text = report(tools, samples, bw, a)
@@ -227,17 +327,28 @@ def main() -> int:
 
 def report(tools: dict, samples: dict, bw: list[float], a) -> str:
     med_bw = float(np.median(bw))
-    lines = ["# deltaship against its peers (0.8B, random weights at the published shape)", "",
-             f"`python bench/peers.py --rounds {a.rounds} --threads {a.threads}"
-             f"{' --only ' + a.only if a.only else ''}` on this machine (2 cores, AMD EPYC; "
-             f"{a.threads} threads for every tool); every measurement a fresh process, tools alternated each round; "
-             "median and bootstrap 95% CI over the rounds. Memory read bandwidth (multi-threaded sum of 1 GiB, "
-             f"best of 5, measured between rounds): median {med_bw:.1f} GB/s (range {min(bw):.1f}-{max(bw):.1f}).", "",
-             *([] if has_bf16() else ["transformers eager bf16 is left out: this CPU has no bf16 units (no AVX512_BF16 "
-                                      "or AMX), where torch's bf16 GEMM is over 100x slower than fp32.", ""]),
-             "| tool | precision | prefill 128 tok/s | prefill 512 tok/s | TTFT 512 s | decode tok/s | peak RSS GiB | "
-             "artifact GiB | decode roofline tok/s | % of roofline | roofline with state tok/s | % of it |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# deltaship against its peers (0.8B, random weights at the published shape)",
+        "",
+        f"`python bench/peers.py --rounds {a.rounds} --threads {a.threads}"
+        f"{' --only ' + a.only if a.only else ''}` on this machine (2 cores, AMD EPYC; "
+        f"{a.threads} threads for every tool); every measurement a fresh process, tools alternated each round; "
+        "median and bootstrap 95% CI over the rounds. Memory read bandwidth (multi-threaded sum of 1 GiB, "
+        f"best of 5, measured between rounds): median {med_bw:.1f} GB/s (range {min(bw):.1f}-{max(bw):.1f}).",
+        "",
+        *(
+            []
+            if has_bf16()
+            else [
+                "transformers eager bf16 is left out: this CPU has no bf16 units (no AVX512_BF16 "
+                "or AMX), where torch's bf16 GEMM is over 100x slower than fp32.",
+                "",
+            ]
+        ),
+        "| tool | precision | prefill 128 tok/s | prefill 512 tok/s | TTFT 512 s | decode tok/s | peak RSS GiB | "
+        "artifact GiB | decode roofline tok/s | % of roofline | roofline with state tok/s | % of it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     # decode runs 64 steps after the 512-token prompt: the KV cache read grows from 512 to 575 positions
     state = state_traffic_bytes(512 + 32)
     ci = lambda xs: (lambda s: f"{s['median']:.1f} [{s['ci95'][0]:.1f}, {s['ci95'][1]:.1f}]")(summarize(xs))  # noqa: E731
@@ -250,27 +361,38 @@ def report(tools: dict, samples: dict, bw: list[float], a) -> str:
         size = artifact_bytes(t["path"])
         roof, roof_state = med_bw * 1e9 / size, med_bw * 1e9 / (size + state)
         dec = float(np.median(get("decode_tok_s")))
-        lines.append(f"| {name} | {t['precision']} | {ci(get('prefill_128_tok_s'))} | {ci(get('prefill_512_tok_s'))} | "
-                     f"{np.median(get('ttft_512_s')):.2f} | {ci(get('decode_tok_s'))} | "
-                     f"{np.median(get('peak_rss_bytes')) / 2**30:.2f} | {size / 2**30:.2f} | {roof:.0f} | "
-                     f"{100 * dec / roof:.0f}% | {roof_state:.0f} | {100 * dec / roof_state:.0f}% |")
-    lines += ["", "Roofline: bandwidth / artifact bytes, i.e. every stored weight read once per token (an upper "
-              "bound on bytes read, so the roofline is conservative for artifacts that store an embedding "
-              "table apart from the LM head). Roofline with state: bandwidth / (artifact bytes + the state a decode "
-              f"step must move in any runtime: the DeltaNet conv and recurrent states read and written, the KV cache "
-              f"read at the mean decode context, all fp32: {state / 1e6:.1f} MB), which the first roofline leaves "
-              "out.", "", "## Ratios, best deltaship bundle vs best peer, same precision", ""]
+        lines.append(
+            f"| {name} | {t['precision']} | {ci(get('prefill_128_tok_s'))} | {ci(get('prefill_512_tok_s'))} | "
+            f"{np.median(get('ttft_512_s')):.2f} | {ci(get('decode_tok_s'))} | "
+            f"{np.median(get('peak_rss_bytes')) / 2**30:.2f} | {size / 2**30:.2f} | {roof:.0f} | "
+            f"{100 * dec / roof:.0f}% | {roof_state:.0f} | {100 * dec / roof_state:.0f}% |"
+        )
+    lines += [
+        "",
+        "Roofline: bandwidth / artifact bytes, i.e. every stored weight read once per token (an upper "
+        "bound on bytes read, so the roofline is conservative for artifacts that store an embedding "
+        "table apart from the LM head). Roofline with state: bandwidth / (artifact bytes + the state a decode "
+        f"step must move in any runtime: the DeltaNet conv and recurrent states read and written, the KV cache "
+        f"read at the mean decode context, all fp32: {state / 1e6:.1f} MB), which the first roofline leaves "
+        "out.",
+        "",
+        "## Ratios, best deltaship bundle vs best peer, same precision",
+        "",
+    ]
     for prec in ("fp32", "int4"):
         ours = [n for n, t in tools.items() if n.startswith("deltaship") and t["precision"] == prec and samples[n]]
-        theirs = [n for n, t in tools.items() if not n.startswith("deltaship") and t["precision"] == prec and samples[n]]
+        theirs = [
+            n for n, t in tools.items() if not n.startswith("deltaship") and t["precision"] == prec and samples[n]
+        ]
         for metric in ("prefill_128_tok_s", "prefill_512_tok_s", "decode_tok_s"):
             if not ours or not theirs:
                 continue
             best_o = max(ours, key=lambda n: np.median([x[metric] for x in samples[n]]))
             best_t = max(theirs, key=lambda n: np.median([x[metric] for x in samples[n]]))
             r = ratio_ci([x[metric] for x in samples[best_o]], [x[metric] for x in samples[best_t]])
-            lines.append(f"- {prec} {metric}: {best_o} / {best_t} = x{r['ratio']:.2f} [{r['ci95'][0]:.2f}, "
-                         f"{r['ci95'][1]:.2f}]")
+            lines.append(
+                f"- {prec} {metric}: {best_o} / {best_t} = x{r['ratio']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]"
+            )
     return "\n".join(lines) + "\n"
 
 

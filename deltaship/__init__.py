@@ -26,13 +26,15 @@ if TYPE_CHECKING:
 __all__ = ["export", "load", "__version__"]
 
 
-def load(bundle: str | Path, *, threads: int | None = None, provider: str = "cpu",
-         **session_options: Any) -> "DeltashipModelForCausalLM":
+def load(
+    bundle: str | Path, *, threads: int | None = None, provider: str = "cpu", **session_options: Any
+) -> "DeltashipModelForCausalLM":
     """Open an exported bundle as a transformers causal LM (`generate()`, `pipeline("text-generation")`).
 
     Same as `deltaship.hf.DeltashipModelForCausalLM.from_pretrained(bundle)`; the tokenizer is
     `transformers.AutoTokenizer.from_pretrained(bundle)`."""
     from deltaship.hf.modeling import DeltashipModelForCausalLM
+
     return DeltashipModelForCausalLM.from_pretrained(bundle, threads=threads, provider=provider, **session_options)
 
 
@@ -41,5 +43,6 @@ def __getattr__(name: str) -> Any:
     # (deltaship/export/__init__.py), so `from deltaship import export; export(...)` works either way.
     if name == "export":
         import deltaship.export as module
+
         return module
     raise AttributeError(f"module 'deltaship' has no attribute {name!r}")

@@ -16,18 +16,37 @@ def run_export(a: argparse.Namespace) -> int:
     """`export()` with the arguments add_export_arguments() parsed."""
     from deltaship.export import export
     from deltaship.targets import all_targets
-    given = {f.name: getattr(a, f.name) for t in all_targets() for f in t.Options.fields()
-             if getattr(a, f.name) not in (None, False)}  # only the target options the user set
-    export(model=a.model, out=a.out, target=a.target, precision=a.precision, max_context=a.max_context,
-           force=a.force, verify=not a.no_verify, prefill_chunk=a.prefill_chunk, block_size=a.block_size,
-           deltanet_int8=a.deltanet_int8, threads=a.threads, progress=not a.quiet,
-           allow_download=a.allow_download, kv_cache=a.kv_cache, **given)
+
+    given = {
+        f.name: getattr(a, f.name)
+        for t in all_targets()
+        for f in t.Options.fields()
+        if getattr(a, f.name) not in (None, False)
+    }  # only the target options the user set
+    export(
+        model=a.model,
+        out=a.out,
+        target=a.target,
+        precision=a.precision,
+        max_context=a.max_context,
+        force=a.force,
+        verify=not a.no_verify,
+        prefill_chunk=a.prefill_chunk,
+        block_size=a.block_size,
+        deltanet_int8=a.deltanet_int8,
+        threads=a.threads,
+        progress=not a.quiet,
+        allow_download=a.allow_download,
+        kv_cache=a.kv_cache,
+        **given,
+    )
     return 0
 
 
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
     """One flag per field of each target's options dataclass (deltaship/targets), with its help and default."""
     from deltaship.targets import all_targets, flag
+
     for t in all_targets():
         group = parser.add_argument_group(f"{t.name} options", t.description)
         for f in t.Options.fields():
@@ -39,8 +58,11 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
             else:
                 choices = meta.get("choices")
                 kinds = {type(c) for c in choices or ()}
-                kwargs["type"] = kinds.pop() if len(kinds) == 1 else (float if "float" in str(f.type) else
-                                                                     int if "int" in str(f.type) else str)
+                kwargs["type"] = (
+                    kinds.pop()
+                    if len(kinds) == 1
+                    else (float if "float" in str(f.type) else int if "int" in str(f.type) else str)
+                )
                 if choices:
                     kwargs["choices"] = choices
                 if meta.get("metavar"):
@@ -50,14 +72,30 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
 
 def _generate(a: argparse.Namespace) -> int:
     from deltaship.commands import generate
-    res = generate(a.bundle, prompt=a.prompt, input_ids=a.input_ids, max_new_tokens=a.max_new_tokens,
-                   threads=a.threads, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-                   stop_at_eos=not a.no_stop_at_eos, dump_logits=a.dump_logits, provider=a.provider,
-                   runtime=a.runtime, cuda_graph=a.cuda_graph)
+
+    res = generate(
+        a.bundle,
+        prompt=a.prompt,
+        input_ids=a.input_ids,
+        max_new_tokens=a.max_new_tokens,
+        threads=a.threads,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        seed=a.seed,
+        stop_at_eos=not a.no_stop_at_eos,
+        dump_logits=a.dump_logits,
+        provider=a.provider,
+        runtime=a.runtime,
+        cuda_graph=a.cuda_graph,
+    )
     if res.get("stopped") == "context" and not a.json:
         n = res.get("new_tokens", len(res.get("output_ids", [])))
-        print(f"deltaship generate: stopped after {n} new tokens: the bundle's max context is full (export with a "
-              "larger --max-context for longer generations)", file=sys.stderr)
+        print(
+            f"deltaship generate: stopped after {n} new tokens: the bundle's max context is full (export with a "
+            "larger --max-context for longer generations)",
+            file=sys.stderr,
+        )
     if a.json:
         print(json.dumps(res))
     elif "text" in res:
@@ -69,6 +107,7 @@ def _generate(a: argparse.Namespace) -> int:
 
 def _inspect(a: argparse.Namespace) -> int:
     from deltaship.bundle.inspect import describe, inspect
+
     info = inspect(a.bundle)
     print(json.dumps(info, indent=2) if a.json else describe(info))
     return 0 if info["intact"] else 1
@@ -76,6 +115,7 @@ def _inspect(a: argparse.Namespace) -> int:
 
 def _eval(a: argparse.Namespace) -> int:
     from deltaship.bundle.evaluate import evaluate
+
     res = evaluate(a.bundle, model=a.model, tokens=a.tokens, threads=a.threads)
     if a.json:
         print(json.dumps(res))
@@ -99,6 +139,7 @@ def _ints(text: str) -> list[int]:
 
 def _devices(a: argparse.Namespace) -> int:
     from deltaship.devices.discovery import discover, fingerprint
+
     found = [fingerprint(d, a.ssh_option) for d in a.device] if a.device else discover(local_only=a.local)
     if a.json:
         print(json.dumps(found))
@@ -115,9 +156,16 @@ def _devices(a: argparse.Namespace) -> int:
 
 def _plan(a: argparse.Namespace) -> int:
     from deltaship.devices.plan import format_table, plan, verdicts
-    rows = plan(a.model, tier=a.tier, tiers_file=a.tiers, context=a.context,
-                targets=[t for t in a.targets.split(",")] if a.targets else None,
-                kv_dtypes=a.kv_dtypes.split(",") if a.kv_dtypes else None, prefill_chunk=a.prefill_chunk)
+
+    rows = plan(
+        a.model,
+        tier=a.tier,
+        tiers_file=a.tiers,
+        context=a.context,
+        targets=[t for t in a.targets.split(",")] if a.targets else None,
+        kv_dtypes=a.kv_dtypes.split(",") if a.kv_dtypes else None,
+        prefill_chunk=a.prefill_chunk,
+    )
     print(json.dumps(rows, indent=1) if a.json else format_table(rows) + "\n\n" + "\n".join(verdicts(rows, a.tiers)))
     return 0
 
@@ -125,6 +173,7 @@ def _plan(a: argparse.Namespace) -> int:
 def _profile(a: argparse.Namespace) -> int:
     from deltaship.profiling.profile import compare, profile
     from deltaship.profiling.report import format_compare, format_results
+
     if a.compare:
         if a.bundle is not None:
             raise DeltashipError("--compare takes two JSON files instead of a bundle", "drop the bundle argument")
@@ -133,14 +182,32 @@ def _profile(a: argparse.Namespace) -> int:
     if a.bundle is None:
         raise DeltashipError("profile needs a BUNDLE (or --compare A.json B.json)", "pass the bundle directory")
     say = (lambda m: print(m, file=sys.stderr)) if not a.quiet else None
-    doc = profile(a.bundle, device=a.device, prompt_lengths=_ints(a.prompt_lengths) if a.prompt_lengths else None,
-                  gen=a.gen, contexts=_ints(a.contexts) if a.contexts is not None else None, threads=a.threads,
-                  warmups=a.warmups, reps=a.reps, min_seconds=a.min_seconds, tier=a.tier, tiers_file=a.tiers,
-                  breakdown=not a.no_breakdown, json_out=a.json, report=a.report, ssh_options=a.ssh_option,
-                  remote_deltaship=a.remote_deltaship, runner=a.runner, runner_args=a.runner_args, progress=say,
-                  provider=a.provider, runtime=a.runtime)
+    doc = profile(
+        a.bundle,
+        device=a.device,
+        prompt_lengths=_ints(a.prompt_lengths) if a.prompt_lengths else None,
+        gen=a.gen,
+        contexts=_ints(a.contexts) if a.contexts is not None else None,
+        threads=a.threads,
+        warmups=a.warmups,
+        reps=a.reps,
+        min_seconds=a.min_seconds,
+        tier=a.tier,
+        tiers_file=a.tiers,
+        breakdown=not a.no_breakdown,
+        json_out=a.json,
+        report=a.report,
+        ssh_options=a.ssh_option,
+        remote_deltaship=a.remote_deltaship,
+        runner=a.runner,
+        runner_args=a.runner_args,
+        progress=say,
+        provider=a.provider,
+        runtime=a.runtime,
+    )
     if a.plots:
         from deltaship.profiling.report import write_plots
+
         write_plots(doc, Path(a.plots))
     if a.json != "-":
         print(format_results(doc))
@@ -153,30 +220,50 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     calls export() with them. out_positional: the bundle directory is a positional OUT (optimum-cli's way)."""
     from deltaship.models.presets import PRESETS
     from deltaship.targets import DEFAULT_PREFILL_CHUNK, PRECISIONS, all_targets, target_names
-    e.add_argument("--model", required=True,
-                   help=f"checkpoint directory, Hugging Face id (org/name[@revision], read from the local Hugging "
-                        f"Face cache) or preset ({', '.join(PRESETS)})")
+
+    e.add_argument(
+        "--model",
+        required=True,
+        help=f"checkpoint directory, Hugging Face id (org/name[@revision], read from the local Hugging "
+        f"Face cache) or preset ({', '.join(PRESETS)})",
+    )
     e.add_argument("--target", default="onnx", choices=target_names(), help="what to compile for (default onnx)")
     e.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weight precision (default fp32)")
-    e.add_argument("--max-context", type=int, default=None,
-                   help="KV-cache length in tokens (default: the preset's, else min(4096, the model's))")
+    e.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="KV-cache length in tokens (default: the preset's, else min(4096, the model's))",
+    )
     if out_positional:
         e.add_argument("out", metavar="OUT", help="bundle directory to write")
     else:
         e.add_argument("--out", required=True, help="bundle directory to write")
     e.add_argument("--force", action="store_true", help="replace an existing output directory")
-    e.add_argument("--allow-download", action="store_true",
-                   help="download a Hugging Face id that is not in the local cache (default: never download)")
+    e.add_argument(
+        "--allow-download",
+        action="store_true",
+        help="download a Hugging Face id that is not in the local cache (default: never download)",
+    )
     e.add_argument("--no-verify", action="store_true", help="skip the parity check against transformers")
-    chunks = ", ".join(f"{t.name} {t.default_prefill_chunk}" for t in all_targets()
-                       if t.default_prefill_chunk != DEFAULT_PREFILL_CHUNK)
-    e.add_argument("--prefill-chunk", type=int, default=None,
-                   help=f"tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}; {chunks})")
+    chunks = ", ".join(
+        f"{t.name} {t.default_prefill_chunk}" for t in all_targets() if t.default_prefill_chunk != DEFAULT_PREFILL_CHUNK
+    )
+    e.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help=f"tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}; {chunks})",
+    )
     e.add_argument("--block-size", type=int, default=32, help="quantization block size (int8/int4; default 32)")
     e.add_argument("--deltanet-int8", action="store_true", help="with int4: keep DeltaNet projections at int8")
-    e.add_argument("--kv-cache", choices=("fp32", "fp16", "int8", "int4"), default=None,
-                   help="KV-cache dtype (default: the target's own at --precision; `deltaship plan --kv-dtypes` shows "
-                        "what each would take)")
+    e.add_argument(
+        "--kv-cache",
+        choices=("fp32", "fp16", "int8", "int4"),
+        default=None,
+        help="KV-cache dtype (default: the target's own at --precision; `deltaship plan --kv-dtypes` shows "
+        "what each would take)",
+    )
     e.add_argument("--threads", type=int, default=None, help="threads for verification")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     _add_target_options(e)
@@ -184,6 +271,7 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
 
 def _app(a: argparse.Namespace) -> int:
     from deltaship.apps import write_kit
+
     record = write_kit(Path(a.bundle), Path(a.out), a.platform, force=a.force)
     print(f"wrote the {a.platform} kit to {a.out}: " + ", ".join(record.get("files", [])))
     print(f"next: read {Path(a.out) / 'README.md'}")
@@ -191,8 +279,9 @@ def _app(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deltaship.runtimes import runtime_names
     from deltaship import __version__
+    from deltaship.runtimes import runtime_names
+
     p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
     p.add_argument("--version", action="version", version=f"deltaship {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -210,13 +299,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (input_ids, output_ids, ...)")
     g.add_argument("--dump-logits", default=None, help="save the logits of each new token as float32 [N, vocab] .npy")
     g.add_argument("--threads", type=int, default=None)
-    g.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
-                   help="ONNX bundles: run on ONNX Runtime's CUDA execution provider (needs onnxruntime-gpu)")
-    g.add_argument("--cuda-graph", action="store_true",
-                   help="with --provider cuda: capture the decode step as a CUDA graph (ONNX Runtime's enable_cuda_graph)")
-    g.add_argument("--runtime", choices=runtime_names(), default=None,
-                   help="run the bundle in this runtime, as an app embeds it (e.g. genai: onnxruntime-genai for ONNX "
-                        "bundles; default: deltaship's own session for the bundle's target)")
+    g.add_argument(
+        "--provider",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="ONNX bundles: run on ONNX Runtime's CUDA execution provider (needs onnxruntime-gpu)",
+    )
+    g.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="with --provider cuda: capture the decode step as a CUDA graph (ONNX Runtime's enable_cuda_graph)",
+    )
+    g.add_argument(
+        "--runtime",
+        choices=runtime_names(),
+        default=None,
+        help="run the bundle in this runtime, as an app embeds it (e.g. genai: onnxruntime-genai for ONNX "
+        "bundles; default: deltaship's own session for the bundle's target)",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -239,10 +339,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", required=True)
     pl.add_argument("--tier", default=None)
     pl.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
-    pl.add_argument("--context", default=None,
-                    help="context in tokens, or 'max' for the longest that fits (default: each tier's typical)")
-    pl.add_argument("--kv-dtypes", default=None,
-                    help="comma-separated KV-cache dtypes to plan (fp32, fp16, int8, int4; default: each target's own)")
+    pl.add_argument(
+        "--context",
+        default=None,
+        help="context in tokens, or 'max' for the longest that fits (default: each tier's typical)",
+    )
+    pl.add_argument(
+        "--kv-dtypes",
+        default=None,
+        help="comma-separated KV-cache dtypes to plan (fp32, fp16, int8, int4; default: each target's own)",
+    )
     pl.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default: each target's)")
     pl.add_argument("--targets", default=None, help="comma-separated targets (default: each tier's)")
     pl.add_argument("--json", action="store_true")
@@ -253,14 +359,24 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", default="host", help="host, ssh://user@host[:port] or adb:SERIAL")
     pr.add_argument("--prompt-lengths", default=None, help="default 128,512")
     pr.add_argument("--gen", type=int, default=None, help="tokens generated per decode run (default 64)")
-    pr.add_argument("--contexts", default=None, help="context depths of the decode sweep (default 128,1024,4096, "
-                    "each clipped to the bundle's max context - 1)")
+    pr.add_argument(
+        "--contexts",
+        default=None,
+        help="context depths of the decode sweep (default 128,1024,4096, each clipped to the bundle's max context - 1)",
+    )
     pr.add_argument("--threads", type=int, default=None)
-    pr.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
-                    help="ONNX bundles on the host: cpu, or cuda (ONNX Runtime's CUDA execution provider; GPU "
-                         "memory is recorded)")
-    pr.add_argument("--runtime", choices=runtime_names(), default=None,
-                    help="profile the bundle in this runtime (e.g. genai for ONNX bundles; default: deltaship's own)")
+    pr.add_argument(
+        "--provider",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="ONNX bundles on the host: cpu, or cuda (ONNX Runtime's CUDA execution provider; GPU memory is recorded)",
+    )
+    pr.add_argument(
+        "--runtime",
+        choices=runtime_names(),
+        default=None,
+        help="profile the bundle in this runtime (e.g. genai for ONNX bundles; default: deltaship's own)",
+    )
     pr.add_argument("--warmups", type=int, default=None)
     pr.add_argument("--reps", type=int, default=None, help="at least this many repetitions (default 5)")
     pr.add_argument("--min-seconds", type=float, default=None, help="and at least this long per phase (default 2)")
@@ -279,11 +395,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=_profile)
 
     from deltaship.apps import PLATFORMS
+
     ap = sub.add_parser("app", help="write the app integration kit for a bundle (Swift, Kotlin, JavaScript)")
     ap.add_argument("bundle")
-    ap.add_argument("--platform", required=True, choices=PLATFORMS,
-                    help="ios: Swift over Core ML; android: Kotlin over onnxruntime-android/-genai or ExecuTorch; "
-                         "web/desktop: JavaScript over onnxruntime-web/-node")
+    ap.add_argument(
+        "--platform",
+        required=True,
+        choices=PLATFORMS,
+        help="ios: Swift over Core ML; android: Kotlin over onnxruntime-android/-genai or ExecuTorch; "
+        "web/desktop: JavaScript over onnxruntime-web/-node",
+    )
     ap.add_argument("--out", required=True, help="kit directory to write")
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
     ap.set_defaults(func=_app)
@@ -308,6 +429,9 @@ def _terminate(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from deltaship.logs import quiet_third_party
+
+    quiet_third_party()  # toolchains' import-time notices the user cannot act on
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)  # clean up as on Ctrl-C (a staging directory can hold GBs)
     try:

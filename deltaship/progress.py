@@ -26,6 +26,7 @@ class Progress:
         self._console = None
         if enabled and self.stream.isatty():
             from rich.console import Console
+
             self._console = Console(file=self.stream, highlight=False)
 
     def _stamp(self, msg: str) -> str:

@@ -30,9 +30,11 @@ def table() -> dict[tuple[str, str], Tolerance]:
     """The one table, (target, precision) -> Tolerance, assembled from each target's rows
     (deltaship/targets/<target>.py `tolerances`, where the reasons for each row are written)."""
     from deltaship.targets import all_targets
+
     return {(t.name, precision): tol for t in all_targets() for precision, tol in t.tolerances.items()}
 
 
 def tolerance(target: str, precision: str) -> Tolerance:
     from deltaship.targets import get_target
+
     return get_target(target).tolerances[precision]

@@ -56,8 +56,16 @@ def tiny_pte(tmp_path_factory):
     def get(precision: str = "fp32") -> Path:
         if precision not in cache:
             out = root / precision
-            export("qwen3.5-tiny", out, target="executorch", precision=precision, max_context=128, prefill_chunk=16,
-                   verify=False, progress=False)
+            export(
+                "qwen3.5-tiny",
+                out,
+                target="executorch",
+                precision=precision,
+                max_context=128,
+                prefill_chunk=16,
+                verify=False,
+                progress=False,
+            )
             cache[precision] = out
         return cache[precision]
 
@@ -67,8 +75,15 @@ def tiny_pte(tmp_path_factory):
 # The fast tier (`python -m pytest -m "not slow"`) leaves out what exports through the slow toolchains
 # (ExecuTorch's XNNPACK lowering, Core ML conversion and its op-by-op evaluation), trains, or profiles in
 # subprocesses: these modules, and any test parametrized with one of these targets.
-SLOW_MODULES = {"test_executorch", "test_coreml", "test_trained", "test_profiling", "test_js", "test_app_kits",
-                "test_readme"}
+SLOW_MODULES = {
+    "test_executorch",
+    "test_coreml",
+    "test_trained",
+    "test_profiling",
+    "test_js",
+    "test_app_kits",
+    "test_readme",
+}
 SLOW_TARGETS = {"executorch", "coreml"}
 
 

@@ -12,22 +12,61 @@ L, F = "linear_attention", "full_attention"
 # One table of tiny random configs, run through one shared parity runner.
 TINY_CONFIGS: dict[str, dict] = {
     # the 3:1 pattern, tied embeddings, equal key/value heads
-    "base": dict(hidden_size=64, intermediate_size=96, layer_types=[L, L, L, F], num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
-                 linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True),
+    "base": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        layer_types=[L, L, L, F],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        tie_word_embeddings=True,
+    ),
     # value heads > key heads (as in 4B/9B, ratio 3 here), untied LM head
-    "grouped_values": dict(hidden_size=64, intermediate_size=128, layer_types=[L, F, L, L, F],
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
-                           linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=8,
-                           tie_word_embeddings=False),
+    "grouped_values": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        layer_types=[L, F, L, L, F],
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        tie_word_embeddings=False,
+    ),
     # odd head counts, d_k != d_v, attention first
-    "odd_heads": dict(hidden_size=48, intermediate_size=80, layer_types=[F, L, L, L], num_attention_heads=3,
-                      num_key_value_heads=1, head_dim=24, linear_num_key_heads=3, linear_num_value_heads=3,
-                      linear_key_head_dim=8, linear_value_head_dim=12, tie_word_embeddings=True),
+    "odd_heads": dict(
+        hidden_size=48,
+        intermediate_size=80,
+        layer_types=[F, L, L, L],
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=24,
+        linear_num_key_heads=3,
+        linear_num_value_heads=3,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        tie_word_embeddings=True,
+    ),
     # no attention layer at all: no KV cache, only DeltaNet state
-    "deltanet_only": dict(hidden_size=32, intermediate_size=64, layer_types=[L, L], num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
-                          linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True),
+    "deltanet_only": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        layer_types=[L, L],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        tie_word_embeddings=True,
+    ),
 }
 MULTIMODAL = "multimodal"  # "base" wrapped in Qwen3_5ForConditionalGeneration, with vision and MTP tensors
 ALL_CONFIGS = list(TINY_CONFIGS) + [MULTIMODAL]
@@ -36,14 +75,22 @@ VOCAB = 160
 
 def text_config(name: str) -> dict:
     base = TINY_CONFIGS["base" if name == MULTIMODAL else name]
-    return dict(base, vocab_size=VOCAB, num_hidden_layers=len(base["layer_types"]), rms_norm_eps=1e-6,
-                linear_conv_kernel_dim=4, max_position_embeddings=4096, eos_token_id=VOCAB - 1,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    return dict(
+        base,
+        vocab_size=VOCAB,
+        num_hidden_layers=len(base["layer_types"]),
+        rms_norm_eps=1e-6,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        eos_token_id=VOCAB - 1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
 
 
 def randomize(model, seed: int) -> None:
     """Weights with structure enough that greedy decoding has clear winners (std 0.15, random norms)."""
     import torch
+
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -62,15 +109,18 @@ def randomize(model, seed: int) -> None:
 def write_checkpoint(name: str, directory: Path, seed: int = 0, **overrides) -> Path:
     """A transformers-saved checkpoint of a tiny config (multimodal: with vision and MTP tensors)."""
     import torch
-    from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
-                              Qwen3_5TextConfig)
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
     tcfg = dict(text_config(name), **overrides)
     if name == MULTIMODAL:
-        cfg = Qwen3_5Config(text_config=tcfg, tie_word_embeddings=True,
-                            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                               out_hidden_size=tcfg["hidden_size"]))
+        cfg = Qwen3_5Config(
+            text_config=tcfg,
+            tie_word_embeddings=True,
+            vision_config=dict(
+                depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=tcfg["hidden_size"]
+            ),
+        )
         model = Qwen3_5ForConditionalGeneration(cfg)
     else:
         model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**tcfg))
@@ -83,6 +133,7 @@ def write_checkpoint(name: str, directory: Path, seed: int = 0, **overrides) -> 
 
 def _add_mtp_tensors(directory: Path) -> None:
     from deltaship.models.safetensors_io import SafetensorsFile, write_safetensors
+
     path = directory / "model.safetensors"
     sf = SafetensorsFile(path)
     tensors = [(n, sf.read(n)) for n in sf.entries]
@@ -95,12 +146,14 @@ def reference(ckpt: Path):
     """transformers' model for a test checkpoint, fp32, eval."""
     from deltaship.export.reference import reference_model
     from deltaship.models.source import load_source
+
     return reference_model(load_source(str(ckpt)))
 
 
 def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
     """transformers' own cached greedy decoding, and its fp32 logits rows [steps, vocab]."""
     from deltaship.export.verify import reference_continuation
+
     return reference_continuation(model, prompt, steps)
 
 
@@ -116,10 +169,17 @@ def export_context(ckpt: Path, precision: str, max_context: int = 128, target: s
     from deltaship.export.passes import ExportContext, run_pipeline
     from deltaship.models.source import load_source
     from deltaship.targets import get_target
+
     tgt = get_target(target)
     common = {k: options.pop(k) for k in ("block_size", "deltanet_int8") if k in options}
-    typed = check_options(target, precision, max_context, common.get("block_size", 32),
-                          common.get("deltanet_int8", False), 8, options)
-    ctx = ExportContext(spec=load_source(str(ckpt)).spec, precision=precision, max_context=max_context, target=target,
-                        options=pass_options(tgt, typed, prefill_chunk=8, **common))
+    typed = check_options(
+        target, precision, max_context, common.get("block_size", 32), common.get("deltanet_int8", False), 8, options
+    )
+    ctx = ExportContext(
+        spec=load_source(str(ckpt)).spec,
+        precision=precision,
+        max_context=max_context,
+        target=target,
+        options=pass_options(tgt, typed, prefill_chunk=8, **common),
+    )
     return run_pipeline(ctx, tgt.pipeline()[:-1])

@@ -21,9 +21,19 @@ PRESET = "qwen3.5-tiny"
 
 def _export(root: Path, target: str, precision: str, **opts) -> Path:
     from deltaship.export import export
+
     out = root / f"{target}-{precision}"
-    export(PRESET, out, target=target, precision=precision, max_context=128, prefill_chunk=16, verify=False,
-           progress=False, **opts)
+    export(
+        PRESET,
+        out,
+        target=target,
+        precision=precision,
+        max_context=128,
+        prefill_chunk=16,
+        verify=False,
+        progress=False,
+        **opts,
+    )
     return out
 
 
@@ -47,6 +57,7 @@ def unbalanced(text: str) -> list[str]:
 
 # ---------------------------------------------------------------- write_kit itself
 
+
 def test_unbalanced_sees_a_missing_brace():
     assert unbalanced('func f() { let s = "}(" // ) {\n}') == []
     assert unbalanced("func f() { if x { }\n") == ["line 1: unclosed {"]
@@ -55,6 +66,7 @@ def test_unbalanced_sees_a_missing_brace():
 
 def test_platforms_and_refusals(tmp_path, monkeypatch):
     import deltaship.apps as apps
+
     assert PLATFORMS == ("android", "ios", "web", "desktop")
     bundle = tmp_path / "b"
     bundle.mkdir()
@@ -79,6 +91,7 @@ def test_web_and_desktop_dispatch_to_the_web_module(tmp_path, monkeypatch):
     import types
 
     import deltaship.apps as apps
+
     calls = []
 
     def fake_write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
@@ -101,12 +114,21 @@ def test_web_and_desktop_dispatch_to_the_web_module(tmp_path, monkeypatch):
 def test_onnx_contract_variants_from_the_manifest():
     """The ONNX contract another change moves to (position_ids [1, T], logits [1, 1, V]) is read, not assumed."""
     from deltaship.apps.kotlin import kit_spec
-    manifest = {"target": "onnx", "entry": "model.onnx", "max_context": 64, "prefill_chunk": 8,
-                "tokens": {"eos": [5]}, "tools": {"onnxruntime": "1.31.1"},
-                "inputs": [{"name": "input_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens"},
-                           {"name": "position_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "position"}],
-                "outputs": [{"name": "logits", "shape": [1, 1, 99], "dtype": "float32", "kind": "logits"}],
-                "states": [{"name": "past.0.conv", "output": "present.0.conv", "shape": [1, 3, 8], "dtype": "float16"}]}
+
+    manifest = {
+        "target": "onnx",
+        "entry": "model.onnx",
+        "max_context": 64,
+        "prefill_chunk": 8,
+        "tokens": {"eos": [5]},
+        "tools": {"onnxruntime": "1.31.1"},
+        "inputs": [
+            {"name": "input_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens"},
+            {"name": "position_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "position"},
+        ],
+        "outputs": [{"name": "logits", "shape": [1, 1, 99], "dtype": "float32", "kind": "logits"}],
+        "states": [{"name": "past.0.conv", "output": "present.0.conv", "shape": [1, 3, 8], "dtype": "float16"}],
+    }
     spec = kit_spec(Path("/nonexistent"), manifest)
     assert spec["position"] == {"name": "position_ids", "shape": [1, -1], "dtype": "int64"}
     assert spec["vocab_size"] == 99 and spec["logits"]["shape"] == [1, 1, 99]
@@ -118,33 +140,42 @@ def test_onnx_contract_variants_from_the_manifest():
 
 # ---------------------------------------------------------------- Swift / Core ML
 
+
 @pytest.fixture(scope="module")
 def coreml_bundles(tmp_path_factory) -> dict[str, Path]:
     """fp32 (every state an fp32 input/output, one package) and int4 split into several packages
     (KV cache as fp16 MLStates, hidden states passed between packages)."""
     root = tmp_path_factory.mktemp("coreml")
-    return {"fp32": _export(root, "coreml", "fp32"),
-            "int4-parts": _export(root, "coreml", "int4", coreml_part_gb=0.0015)}
+    return {
+        "fp32": _export(root, "coreml", "fp32"),
+        "int4-parts": _export(root, "coreml", "int4", coreml_part_gb=0.0015),
+    }
 
 
 def coreml_functions(package: Path) -> dict[str, dict[str, dict[str, tuple[list[int], str]]]]:
     """function -> {"inputs"|"outputs"|"states": name -> (shape, dtype)} from the saved package's spec."""
     import coremltools as ct
     from coremltools.proto import FeatureTypes_pb2 as ft
+
     spec = ct.utils.load_spec(str(package))
 
     def array(t) -> tuple[list[int], str]:
         return list(t.shape), ft.ArrayFeatureType.ArrayDataType.Name(t.dataType).lower()
 
-    return {f.name: {"inputs": {i.name: array(i.type.multiArrayType) for i in f.input},
-                     "outputs": {o.name: array(o.type.multiArrayType) for o in f.output},
-                     "states": {s.name: array(s.type.stateType.arrayType) for s in f.state}}
-            for f in spec.description.functions}
+    return {
+        f.name: {
+            "inputs": {i.name: array(i.type.multiArrayType) for i in f.input},
+            "outputs": {o.name: array(o.type.multiArrayType) for o in f.output},
+            "states": {s.name: array(s.type.stateType.arrayType) for s in f.state},
+        }
+        for f in spec.description.functions
+    }
 
 
 def check_swift_kit(kit: Path, bundle: Path) -> list[str]:
     """Every name/shape/dtype the Swift sources use against the packages; [] when they agree."""
     from deltaship.apps.swift import identifier_literals, parse_kit_spec
+
     texts = {p.name: p.read_text() for p in (kit / "Sources").rglob("*.swift")}
     spec = parse_kit_spec(texts["KitSpec.swift"])
     problems = []
@@ -154,10 +185,14 @@ def check_swift_kit(kit: Path, bundle: Path) -> list[str]:
     for part in spec["parts"]:
         funcs = coreml_functions(bundle / part["package"])
         if set(funcs) != set(spec["functions"].values()):
-            problems.append(f"{part['package']}: functions {sorted(funcs)} != swift {sorted(spec['functions'].values())}")
-        swift = {"inputs": [part["input"], part["position"]] + [dict(s, name=s["input"]) for s in part["io_states"]],
-                 "outputs": [part["output"]] + [dict(s, name=s["output"]) for s in part["io_states"]],
-                 "states": part["ml_states"]}
+            problems.append(
+                f"{part['package']}: functions {sorted(funcs)} != swift {sorted(spec['functions'].values())}"
+            )
+        swift = {
+            "inputs": [part["input"], part["position"]] + [dict(s, name=s["input"]) for s in part["io_states"]],
+            "outputs": [part["output"]] + [dict(s, name=s["output"]) for s in part["io_states"]],
+            "states": part["ml_states"],
+        }
         for role, tokens in (("prefill", spec["prefill_chunk"]), ("decode", 1)):
             fname = spec["functions"][role]
             if fname not in funcs:
@@ -167,8 +202,10 @@ def check_swift_kit(kit: Path, bundle: Path) -> list[str]:
                 for f in feats:
                     want = ([tokens if d == -1 else d for d in f["shape"]], f["dtype"])
                     if have.get(f["name"]) != want:
-                        problems.append(f"{part['package']}:{fname} {kind[:-1]} {f['name']}: swift {want}, "
-                                        f"package {have.get(f['name'])}")
+                        problems.append(
+                            f"{part['package']}:{fname} {kind[:-1]} {f['name']}: swift {want}, "
+                            f"package {have.get(f['name'])}"
+                        )
                 missing = set(have) - {f["name"] for f in feats}
                 if missing:
                     problems.append(f"{part['package']}:{fname} {kind} the swift never names: {sorted(missing)}")
@@ -199,10 +236,18 @@ def test_swift_kit_names_match_the_packages(coreml_bundles, tmp_path, which):
         assert len(spec["parts"]) > 1 and {s["name"].split("_")[-1] for s in ml} == {"key", "value"}
         assert spec["parts"][1]["input"]["name"] == "hidden_in" and spec["parts"][0]["output"]["name"] == "hidden_out"
     package = (kit / "Package.swift").read_text()
-    assert ".iOS(.v18), .macOS(.v15)" in package and '.product(name: "Tokenizers", package: "swift-transformers")' in package
+    assert (
+        ".iOS(.v18), .macOS(.v15)" in package
+        and '.product(name: "Tokenizers", package: "swift-transformers")' in package
+    )
     driver = (kit / "Sources" / record["name"] / "DeltashipModel.swift").read_text()
-    for api in ("config.functionName = name", "makeState()", "prediction(from: provider, using:",
-                "AsyncThrowingStream", "AutoTokenizer.from(modelFolder:"):
+    for api in (
+        "config.functionName = name",
+        "makeState()",
+        "prediction(from: provider, using:",
+        "AsyncThrowingStream",
+        "AutoTokenizer.from(modelFolder:",
+    ):
         assert api in driver
     assert "not compiled or run by deltaship" in (kit / "README.md").read_text().lower()
 
@@ -216,8 +261,9 @@ def test_swift_kit_contract_reproduces_deltaship_generate(coreml_bundles, tmp_pa
     import numpy as np
 
     from deltaship.apps.swift import parse_kit_spec
-    from deltaship.runtimes import open_bundle
     from deltaship.export.coreml.mil_eval import Interpreter, load_program
+    from deltaship.runtimes import open_bundle
+
     bundle = coreml_bundles[which]
     record = write_kit(bundle, tmp_path / "kit", "ios")
     spec = parse_kit_spec((tmp_path / "kit" / "Sources" / record["name"] / "KitSpec.swift").read_text())
@@ -237,8 +283,11 @@ def test_swift_kit_contract_reproduces_deltaship_generate(coreml_bundles, tmp_pa
         fname = spec["functions"]["decode" if len(tokens) == 1 else "prefill"]
         x = int32_array(tokens, spec["parts"][0]["input"], len(tokens))
         for i, (p, interp) in enumerate(parts):
-            feeds = {p["input"]["name"]: x, p["position"]["name"]: int32_array([position], p["position"], len(tokens)),
-                     **io[i]}
+            feeds = {
+                p["input"]["name"]: x,
+                p["position"]["name"]: int32_array([position], p["position"], len(tokens)),
+                **io[i],
+            }
             out = interp.run(fname, feeds, ml[i])
             for s in p["io_states"]:
                 io[i][s["input"]] = out[s["output"]]
@@ -250,7 +299,7 @@ def test_swift_kit_contract_reproduces_deltaship_generate(coreml_bundles, tmp_pa
     chunk = spec["prefill_chunk"]
     i = 0
     while len(prompt) - i >= chunk:
-        logits = forward(prompt[i:i + chunk])
+        logits = forward(prompt[i : i + chunk])
         i += chunk
     for t in prompt[i:]:
         logits = forward([t])
@@ -276,8 +325,12 @@ def test_swift_check_catches_a_changed_name(coreml_bundles, tmp_path, mutation):
     elif mutation == "function name":
         spec_file.write_text(text.replace('decodeFunction = "decode"', 'decodeFunction = "decode_step"'))
     elif mutation == "hard-coded name":
-        driver.write_text(driver.read_text().replace("for s in part.spec.ioStates { feeds[s.input] = io[i][s.input] }",
-                                                     'feeds["past_conv_0"] = io[i]["past_conv_0"]'))
+        driver.write_text(
+            driver.read_text().replace(
+                "for s in part.spec.ioStates { feeds[s.input] = io[i][s.input] }",
+                'feeds["past_conv_0"] = io[i]["past_conv_0"]',
+            )
+        )
     else:
         spec_file.write_text(re.sub(r"\n\s*IOState\([^\n]*", "", text, count=1))
     problems = check_swift_kit(tmp_path / "kit", bundle)
@@ -301,11 +354,15 @@ def test_existing_kit_needs_force(coreml_bundles, tmp_path):
 
 # ---------------------------------------------------------------- Kotlin / Android
 
+
 @pytest.fixture(scope="module")
 def android_bundles(tmp_path_factory, tiny_pte) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("android")
-    return {"onnx": _export(root, "onnx", "fp32"), "onnx-int4": _export(root, "onnx", "int4"),
-            "executorch": tiny_pte("fp32")}
+    return {
+        "onnx": _export(root, "onnx", "fp32"),
+        "onnx-int4": _export(root, "onnx", "int4"),
+        "executorch": tiny_pte("fp32"),
+    }
 
 
 GENAI_OPTIONS = {"max_length"}  # onnxruntime-genai search option the genai driver sets by name
@@ -318,6 +375,7 @@ def _kotlin_sources(kit: Path) -> dict[str, str]:
 def onnx_io(model: Path) -> tuple[dict, dict]:
     """name -> (shape with -1 for a symbolic dimension, dtype) of the graph's inputs and outputs."""
     import onnx
+
     g = onnx.load(str(model), load_external_data=False).graph
 
     def info(v) -> tuple[list[int], str]:
@@ -332,6 +390,7 @@ def onnx_io(model: Path) -> tuple[dict, dict]:
 def check_kotlin_kit(kit: Path, bundle: Path) -> list[str]:
     """Every name/shape/dtype/file the Kotlin sources use against the bundle's artifact; [] when they agree."""
     from deltaship.apps.kotlin import identifier_literals, parse_kit_spec
+
     texts = _kotlin_sources(kit)
     spec = parse_kit_spec(texts["KitSpec.kt"])
     record = json.loads((kit / "kit.json").read_text())["kotlin"]
@@ -346,7 +405,9 @@ def check_kotlin_kit(kit: Path, bundle: Path) -> list[str]:
         for kind, have, feats in (("input", ins, kin), ("output", outs, kout)):
             for f in feats:
                 if have.get(f["name"]) != (f["shape"], f["dtype"]):
-                    problems.append(f"{kind} {f['name']}: kotlin {(f['shape'], f['dtype'])}, graph {have.get(f['name'])}")
+                    problems.append(
+                        f"{kind} {f['name']}: kotlin {(f['shape'], f['dtype'])}, graph {have.get(f['name'])}"
+                    )
             missing = set(have) - {f["name"] for f in feats}
             if missing:
                 problems.append(f"graph {kind}s the kotlin never names: {sorted(missing)}")
@@ -359,8 +420,14 @@ def check_kotlin_kit(kit: Path, bundle: Path) -> list[str]:
             problems.append(f"MAX_CONTEXT {spec['max_context']} != get_max_context_len {meta['get_max_context_len']}")
         if sorted(meta["get_eos_ids"]) != spec["eos_token_ids"]:
             problems.append(f"EOS_TOKEN_IDS {spec['eos_token_ids']} != get_eos_ids {meta['get_eos_ids']}")
-        runner_needs = {"forward", "get_max_seq_len", "get_max_context_len", "use_kv_cache", "enable_dynamic_shape",
-                        "get_eos_ids"}
+        runner_needs = {
+            "forward",
+            "get_max_seq_len",
+            "get_max_context_len",
+            "use_kv_cache",
+            "enable_dynamic_shape",
+            "get_eos_ids",
+        }
         if not runner_needs <= set(meta):
             problems.append(f"the .pte lacks methods ExecuTorch's runner reads: {sorted(runner_needs - set(meta))}")
         fwd = meta["forward"]
@@ -378,15 +445,25 @@ def pte_metadata(pte: Path) -> dict:
     """Constant methods' values and forward's input dtypes/shapes, read with executorch.runtime."""
     from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers llama:: kernels)
     from executorch.runtime import Runtime
+
     program = Runtime.get().load_program(str(pte))
     out: dict = {}
     for name in program.method_names:
         if name == "forward":
             m = program.load_method(name).metadata
             # dtype() is c10's ScalarType (an int in this binding: 4 = Long)
-            out[name] = {"inputs": [({"4": "Long"}.get(str(m.input_tensor_meta(i).dtype()).split(".")[-1],
-                                                   str(m.input_tensor_meta(i).dtype()).split(".")[-1]),
-                                     list(m.input_tensor_meta(i).sizes())) for i in range(m.num_inputs())]}
+            out[name] = {
+                "inputs": [
+                    (
+                        {"4": "Long"}.get(
+                            str(m.input_tensor_meta(i).dtype()).split(".")[-1],
+                            str(m.input_tensor_meta(i).dtype()).split(".")[-1],
+                        ),
+                        list(m.input_tensor_meta(i).sizes()),
+                    )
+                    for i in range(m.num_inputs())
+                ]
+            }
         else:
             out[name] = list(program.load_method(name).execute([]))
     return out
@@ -421,6 +498,7 @@ def test_onnx_kit_contract_reproduces_deltaship_generate(android_bundles, tmp_pa
 
     from deltaship.apps.kotlin import parse_kit_spec
     from deltaship.runtimes import open_bundle
+
     bundle = android_bundles["onnx"]
     write_kit(bundle, tmp_path / "kit", "android")
     spec = parse_kit_spec(_kotlin_sources(tmp_path / "kit")["KitSpec.kt"])
@@ -433,24 +511,28 @@ def test_onnx_kit_contract_reproduces_deltaship_generate(android_bundles, tmp_pa
     def integers(f, t, values):
         shape = [t if d < 0 else d for d in f["shape"]]
         n = int(np.prod(shape))
-        return np.array(values[:n] if len(values) >= n else [values[0] + j for j in range(n)],
-                        np_type[f["dtype"]]).reshape(shape)
+        return np.array(
+            values[:n] if len(values) >= n else [values[0] + j for j in range(n)], np_type[f["dtype"]]
+        ).reshape(shape)
 
     def forward(tokens):
         nonlocal position
-        feeds = {spec["tokens"]["name"]: integers(spec["tokens"], len(tokens), tokens),
-                 spec["position"]["name"]: integers(spec["position"], len(tokens), [position]), **carried}
+        feeds = {
+            spec["tokens"]["name"]: integers(spec["tokens"], len(tokens), tokens),
+            spec["position"]["name"]: integers(spec["position"], len(tokens), [position]),
+            **carried,
+        }
         names = [spec["logits"]["name"]] + [s["output"] for s in spec["states"]]
         out = dict(zip(names, sess.run(names, feeds)))
         for s in spec["states"]:
             carried[s["input"]] = out[s["output"]]
         position += len(tokens)
-        return out[spec["logits"]["name"]].reshape(-1)[-spec["vocab_size"]:]
+        return out[spec["logits"]["name"]].reshape(-1)[-spec["vocab_size"] :]
 
     prompt = [3, 17, 42, 9, 100, 5, 7, 61, 2, 11, 250, 8]
     logits = None
     for i in range(0, len(prompt), spec["prefill_chunk"]):
-        logits = forward(prompt[i:i + spec["prefill_chunk"]])
+        logits = forward(prompt[i : i + spec["prefill_chunk"]])
     got = []
     for _ in range(8):
         got.append(int(np.argmax(logits)))
@@ -472,7 +554,9 @@ def test_kotlin_check_catches_a_changed_name(android_bundles, tmp_path, mutation
     elif mutation == "shape":
         spec_file.write_text(text.replace("longArrayOf(1, -1)", "longArrayOf(1, 16)", 1))
     elif mutation == "hard-coded name":
-        driver.write_text(driver.read_text().replace("feeds[KitSpec.POSITION.name] = pos", 'feeds["position_ids"] = pos'))
+        driver.write_text(
+            driver.read_text().replace("feeds[KitSpec.POSITION.name] = pos", 'feeds["position_ids"] = pos')
+        )
     else:
         spec_file.write_text(text.replace('"model.onnx"', '"model_q4.onnx"'))
     problems = check_kotlin_kit(tmp_path / "kit", bundle)
@@ -494,6 +578,7 @@ def test_executorch_check_catches_a_wrong_constant(android_bundles, tmp_path):
 
 def test_genai_driver_when_the_bundle_has_genai_config(android_bundles, tmp_path):
     import shutil
+
     bundle = tmp_path / "bundle"
     shutil.copytree(android_bundles["onnx"], bundle)
     if not (bundle / "genai_config.json").exists():  # bundles from before genai_config.json was written
@@ -503,6 +588,13 @@ def test_genai_driver_when_the_bundle_has_genai_config(android_bundles, tmp_path
     assert any(d.startswith("com.microsoft.onnxruntime:onnxruntime-genai-android:") for d in record["gradle"])
     assert check_kotlin_kit(tmp_path / "kit", bundle) == []
     driver = _kotlin_sources(tmp_path / "kit")["DeltashipGenAiModel.kt"]
-    for api in ("Model(bundleDir.path)", "Tokenizer(model)", "GeneratorParams(model)", "Generator(model, params)",
-                "appendTokens(ids)", "generateNextToken()", "getLastTokenInSequence(0)"):
+    for api in (
+        "Model(bundleDir.path)",
+        "Tokenizer(model)",
+        "GeneratorParams(model)",
+        "Generator(model, params)",
+        "appendTokens(ids)",
+        "generateNextToken()",
+        "getLastTokenInSequence(0)",
+    ):
         assert api in driver

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from deltaship.errors import DeltashipError
-from deltaship.targets import (PRECISIONS, StorageFormat, Target, TargetOptions, get_target, option, register,
-                               unregister)
+from deltaship.targets import PRECISIONS, StorageFormat, Target, TargetOptions, get_target, option, register, unregister
 from deltaship.tolerances import Tolerance, table
 
 PACKAGE = Path(__file__).resolve().parents[1] / "deltaship"
@@ -66,15 +65,16 @@ def test_a_registered_target_is_everywhere(toy, tmp_path, capsys):
     assert "toy" in help_text.split("--target")[1].split("\n")[0] and "--toy-knob {3,5}" in help_text
     assert ("toy", "int4") in table()
 
-    m = export("qwen3.5-tiny", tmp_path / "toy", target="toy", toy_knob=5, max_context=64, verify=False,
-               progress=False)
+    m = export("qwen3.5-tiny", tmp_path / "toy", target="toy", toy_knob=5, max_context=64, verify=False, progress=False)
     assert m["target"] == "toy" and m["usage"] == ["toy usage"] and not schema_problems(m)
     info = inspect(tmp_path / "toy")
     assert info["intact"] and "toy / fp32" in describe(info)
     ref = export("qwen3.5-tiny", tmp_path / "onnx", target="onnx", max_context=64, verify=False, progress=False)
     ids = [100, 101, 102]
-    assert open_bundle(tmp_path / "toy").generate(ids, 8).output_ids == \
-        open_bundle(tmp_path / "onnx").generate(ids, 8).output_ids
+    assert (
+        open_bundle(tmp_path / "toy").generate(ids, 8).output_ids
+        == open_bundle(tmp_path / "onnx").generate(ids, 8).output_ids
+    )
     assert ref["files"]["model.onnx"] == m["files"]["model.onnx"]
 
     rows = plan("qwen3.5-tiny", tier="phone-8gb", targets=["toy"])
@@ -85,6 +85,7 @@ def test_a_registered_target_is_everywhere(toy, tmp_path, capsys):
 
 def test_target_options_are_typed_and_owned(toy, tmp_path):
     from deltaship.export import export
+
     with pytest.raises(DeltashipError, match="--toy-knob must be 3 or 5, got 4"):
         export("qwen3.5-tiny", tmp_path / "a", target="toy", toy_knob=4, progress=False)
     with pytest.raises(DeltashipError, match="--toy-knob applies to --target toy, not onnx"):
@@ -96,6 +97,7 @@ def test_every_family_module_has_the_interface():
     import importlib
 
     from deltaship.models.families import ARCHITECTURES, FAMILIES, INTERFACE
+
     assert set(ARCHITECTURES.values()) <= set(FAMILIES)
     for model_type, module in FAMILIES.items():
         missing = [n for n in INTERFACE if not hasattr(importlib.import_module(module), n)]
@@ -112,8 +114,12 @@ def test_constants_are_defined_once_and_targets_are_not_compared_by_name():
         where = [f for f, text in src.items() if re.search(rf"^{const}\s*=", text, re.M)]
         assert where == ["targets/base.py"], (const, where)
     assert not [f for f, text in src.items() if re.search(r"^TARGETS\s*=", text, re.M)]  # the registry is the list
-    compared = [f"{f}: {m.group(0)}" for f, text in src.items() if not f.startswith("targets/")
-                for m in re.finditer(r"""target\s*[!=]=\s*["'][a-z]+["']""", text)]
+    compared = [
+        f"{f}: {m.group(0)}"
+        for f, text in src.items()
+        if not f.startswith("targets/")
+        for m in re.finditer(r"""target\s*[!=]=\s*["'][a-z]+["']""", text)
+    ]
     assert not compared, compared
     duck = [f for f, text in src.items() if re.search(r"(getattr|hasattr)\(tmod", text)]
     assert not duck, duck
@@ -123,6 +129,7 @@ def test_constants_are_defined_once_and_targets_are_not_compared_by_name():
 def test_every_deltaship_import_names_an_existing_module():
     """A module moved in a reshape leaves no import behind (imports inside functions included)."""
     import importlib.util
+
     root = PACKAGE.parent
     missing = []
     for path in [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "bench").rglob("*.py")]:

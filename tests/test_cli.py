@@ -17,15 +17,27 @@ ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false")
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deltaship.cli", *args], capture_output=True, text=True, env=ENV,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "deltaship.cli", *args], capture_output=True, text=True, env=ENV, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
 def tiny_bundle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "tiny"
-    r = run("export", "--model", "qwen3.5-tiny", "--target", "onnx", "--precision", "fp32", "--max-context", "96",
-            "--out", str(out))
+    r = run(
+        "export",
+        "--model",
+        "qwen3.5-tiny",
+        "--target",
+        "onnx",
+        "--precision",
+        "fp32",
+        "--max-context",
+        "96",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert "verification passed" in r.stderr and "pass rewrite_deltanet" in r.stderr
     return out
@@ -33,8 +45,18 @@ def tiny_bundle(tmp_path_factory) -> Path:
 
 def test_generate_json_and_dump_logits(tiny_bundle, tmp_path):
     dump = tmp_path / "logits.npy"
-    r = run("generate", str(tiny_bundle), "--input-ids", "1,2,3", "--max-new-tokens", "6", "--json",
-            "--dump-logits", str(dump), "--no-stop-at-eos")
+    r = run(
+        "generate",
+        str(tiny_bundle),
+        "--input-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--dump-logits",
+        str(dump),
+        "--no-stop-at-eos",
+    )
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["input_ids"] == [1, 2, 3] and len(res["output_ids"]) == 6
@@ -60,10 +82,17 @@ def test_generate_prompt_text(tiny_bundle):
 def test_inspect_human_and_tamper(tiny_bundle, tmp_path):
     r = run("inspect", str(tiny_bundle))
     assert r.returncode == 0, r.stderr
-    for text in ("onnx / fp32", "past.0.recurrent", "deltanet_recurrent", "rewrite_deltanet", "all file hashes match",
-                 "verified    passed"):
+    for text in (
+        "onnx / fp32",
+        "past.0.recurrent",
+        "deltanet_recurrent",
+        "rewrite_deltanet",
+        "all file hashes match",
+        "verified    passed",
+    ):
         assert text in r.stdout
     import shutil
+
     copy = tmp_path / "copy"
     shutil.copytree(tiny_bundle, copy)
     (copy / "tokenizer.json").write_text("{}")
@@ -73,14 +102,17 @@ def test_inspect_human_and_tamper(tiny_bundle, tmp_path):
     assert r.returncode == 2 and "tampered" in r.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--input-ids", ",".join(["5"] * 97)], "exceed the bundle's max context of 96"),
-    (["--input-ids", "1,999"], "outside the vocabulary"),
-    (["--input-ids", "1,x"], "not a comma-separated list"),
-    (["--input-ids", "1", "--temperature", "-1"], "--temperature must be >= 0"),
-    (["--input-ids", "1", "--top-p", "2"], "--top-p must be in (0, 1]"),
-    (["--input-ids", "1", "--top-k", "-5"], "--top-k must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--input-ids", ",".join(["5"] * 97)], "exceed the bundle's max context of 96"),
+        (["--input-ids", "1,999"], "outside the vocabulary"),
+        (["--input-ids", "1,x"], "not a comma-separated list"),
+        (["--input-ids", "1", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["--input-ids", "1", "--top-p", "2"], "--top-p must be in (0, 1]"),
+        (["--input-ids", "1", "--top-k", "-5"], "--top-k must be >= 0"),
+    ],
+)
 def test_generate_bad_input(tiny_bundle, args, message):
     r = run("generate", str(tiny_bundle), *args)
     assert r.returncode == 2 and message in r.stderr and "fix:" in r.stderr
@@ -97,11 +129,13 @@ def test_export_bad_input(tmp_path):
 
 
 def test_onnx_runtime_does_not_import_torch(tiny_bundle):
-    code = ("import sys; from deltaship.commands import generate; "
-            f"r = generate({str(tiny_bundle)!r}, input_ids=[1, 2], max_new_tokens=3, threads=1); "
-            "assert len(r['output_ids']) >= 1; "
-            "bad = [m for m in ('torch', 'transformers', 'executorch', 'coremltools') if m in sys.modules]; "
-            "assert not bad, bad; print('ok')")
+    code = (
+        "import sys; from deltaship.commands import generate; "
+        f"r = generate({str(tiny_bundle)!r}, input_ids=[1, 2], max_new_tokens=3, threads=1); "
+        "assert len(r['output_ids']) >= 1; "
+        "bad = [m for m in ('torch', 'transformers', 'executorch', 'coremltools') if m in sys.modules]; "
+        "assert not bad, bad; print('ok')"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
@@ -110,29 +144,50 @@ def test_cuda_provider_without_a_gpu_is_a_clear_error(tiny_bundle):
     """The GPU tier runs ONNX bundles on ONNX Runtime's CUDA provider; where this onnxruntime has none (the CPU
     package, as here), generate and profile say so and what to install, instead of quietly using the CPU."""
     import onnxruntime as ort
+
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime has a CUDA provider: the error path cannot be shown here")
-    for args in (("generate", str(tiny_bundle), "--input-ids", "1,2", "--provider", "cuda"),
-                 ("profile", str(tiny_bundle), "--provider", "cuda", "--prompt-lengths", "8", "--gen", "4",
-                  "--contexts", "16")):
+    for args in (
+        ("generate", str(tiny_bundle), "--input-ids", "1,2", "--provider", "cuda"),
+        ("profile", str(tiny_bundle), "--provider", "cuda", "--prompt-lengths", "8", "--gen", "4", "--contexts", "16"),
+    ):
         r = run(*args)
-        assert r.returncode == 2 and "no CUDA execution provider" in r.stderr and "onnxruntime-gpu" in r.stderr, r.stderr
+        assert r.returncode == 2 and "no CUDA execution provider" in r.stderr and "onnxruntime-gpu" in r.stderr, (
+            r.stderr
+        )
     r = run("profile", str(tiny_bundle), "--provider", "cuda", "--device", "ssh://nobody@127.0.0.1:1")
     assert r.returncode == 2 and "is for --device host" in r.stderr
 
 
 def test_generate_says_when_the_context_is_full(tiny_bundle):
-    r = run("generate", str(tiny_bundle), "--input-ids", ",".join(["5"] * 90), "--max-new-tokens", "20",
-            "--no-stop-at-eos")
+    r = run(
+        "generate", str(tiny_bundle), "--input-ids", ",".join(["5"] * 90), "--max-new-tokens", "20", "--no-stop-at-eos"
+    )
     assert r.returncode == 0 and "max context is full" in r.stderr
 
 
 def test_sigterm_during_export_leaves_nothing_and_stale_partials_are_swept(tmp_path):
     import signal
     import time
+
     out = tmp_path / "b"
-    proc = subprocess.Popen([sys.executable, "-m", "deltaship.cli", "export", "--model", "qwen3.5-tiny",
-                             "--max-context", "96", "--out", str(out)], env=ENV, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deltaship.cli",
+            "export",
+            "--model",
+            "qwen3.5-tiny",
+            "--max-context",
+            "96",
+            "--out",
+            str(out),
+        ],
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while not list(tmp_path.glob(".b.partial-*")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)

@@ -11,14 +11,25 @@ from deltaship.errors import DeltashipError
 @pytest.fixture(scope="module")
 def tiny_onnx(tmp_path_factory):
     from deltaship.export import export
+
     out = tmp_path_factory.mktemp("cg") / "tiny-int4"
-    export("qwen3.5-tiny", out, target="onnx", precision="int4", onnx_activations="fp16", verify=False,
-           progress=False, max_context=64, prefill_chunk=8)
+    export(
+        "qwen3.5-tiny",
+        out,
+        target="onnx",
+        precision="int4",
+        onnx_activations="fp16",
+        verify=False,
+        progress=False,
+        max_context=64,
+        prefill_chunk=8,
+    )
     return out
 
 
 def test_cuda_graph_without_the_cuda_provider_is_a_clear_error(tiny_onnx):
     from deltaship.runtimes import open_bundle
+
     with pytest.raises(DeltashipError) as e:
         open_bundle(tiny_onnx, cuda_graph=True)
     assert "cuda_graph=True needs the CUDA execution provider" in str(e.value) and "cpu" in str(e.value)
@@ -29,6 +40,7 @@ def test_cuda_graph_on_an_onnxruntime_without_cuda_names_the_package(tiny_onnx):
     import onnxruntime as ort
 
     from deltaship.runtimes import open_bundle
+
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime has the CUDA provider")
     with pytest.raises(DeltashipError) as e:
@@ -38,6 +50,7 @@ def test_cuda_graph_on_an_onnxruntime_without_cuda_names_the_package(tiny_onnx):
 
 def test_cuda_provider_options():
     from deltaship.runtimes.onnx import cuda_provider_options
+
     assert cuda_provider_options(True) == {"enable_cuda_graph": "1"}
     assert cuda_provider_options(False) == {}
 
@@ -46,6 +59,7 @@ def test_decode_inputs_are_preallocated_and_written_in_place():
     import onnxruntime as ort
 
     from deltaship.runtimes.onnx import DecodeInputs
+
     d = DecodeInputs(ort, "cpu")  # the same code path as "cuda" but for the device the buffers live on
     ptrs = (d.input_ids.data_ptr(), d.position_ids.data_ptr())
     for tok, pos in ((7, 0), (300, 41), (2, 63)):
@@ -57,6 +71,7 @@ def test_decode_inputs_are_preallocated_and_written_in_place():
 
 def test_graph_id_is_uncaptured_for_prefill_and_follows_the_buffer_parity_for_decode(tiny_onnx):
     from deltaship.runtimes import open_bundle
+
     s = open_bundle(tiny_onnx)
     assert s._graph_id(np.array([1, 2, 3])) == "-1"
     s.prefill([1, 2, 3])  # one run: the alternating states moved to their second buffer
@@ -73,8 +88,10 @@ def test_placement_lists_the_position_arithmetic_and_its_copies_to_the_gpu(tiny_
     from pathlib import Path
 
     import onnx
+
     spec = importlib.util.spec_from_file_location(
-        "gpu_placement", Path(__file__).resolve().parents[1] / "bench" / "gpu" / "placement.py")
+        "gpu_placement", Path(__file__).resolve().parents[1] / "bench" / "gpu" / "placement.py"
+    )
     placement = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(placement)
     entry = json.loads((tiny_onnx / "manifest.json").read_text())["entry"]
@@ -93,17 +110,24 @@ def test_graph_buffers_give_the_same_tokens_on_the_cpu(tiny_onnx):
     # the cuda_graph binding path (fixed decode buffers, logits OrtValue, gpu_graph_id run options) with its buffers
     # on the CPU: same greedy tokens and logits as the plain session, and the buffers never move
     from deltaship.runtimes import open_bundle
+
     plain = open_bundle(tiny_onnx)
     graph = open_bundle(tiny_onnx)
     graph.cuda_graph = True
     graph._graph_buffers("cpu")
-    ptrs = (graph._decode_in.input_ids.data_ptr(), graph._decode_in.position_ids.data_ptr(),
-            graph._logits_val.data_ptr())
+    ptrs = (
+        graph._decode_in.input_ids.data_ptr(),
+        graph._decode_in.position_ids.data_ptr(),
+        graph._logits_val.data_ptr(),
+    )
     prompt = [5, 17, 99, 3, 250, 8, 8, 1, 42, 7]  # > prefill_chunk (8): two prefill calls, then decode
     a = plain.generate(prompt, 12, stop_at_eos=False, keep_logits=True)
     b = graph.generate(prompt, 12, stop_at_eos=False, keep_logits=True)
     assert a.output_ids == b.output_ids
     np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
-    assert (graph._decode_in.input_ids.data_ptr(), graph._decode_in.position_ids.data_ptr(),
-            graph._logits_val.data_ptr()) == ptrs
+    assert (
+        graph._decode_in.input_ids.data_ptr(),
+        graph._decode_in.position_ids.data_ptr(),
+        graph._logits_val.data_ptr(),
+    ) == ptrs
     assert graph._decode_in.position_ids.numpy().tolist() == [[len(prompt) + 12 - 2]]  # the last decode call's

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from deltaship.errors import DeltashipError
-from deltaship.export import export
 from deltaship.commands import generate
+from deltaship.errors import DeltashipError
 from deltaship.runtimes.et_runner import generate_with_runner, profile_with_runner
 from deltaship.runtimes.tokenizer import load_tokenizer
 
@@ -25,7 +24,7 @@ SHORT = "def "
 def long_prompt() -> str:
     """Real source text, cut mid-line (60 characters: 60 tokens of the tiny byte-level vocabulary, 4 chunks)."""
     text = HELDOUT.read_text()
-    return text[text.index("class Chunk:"):][:60]
+    return text[text.index("class Chunk:") :][:60]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +39,7 @@ def manifest(path: Path) -> dict:
 
 def test_metadata_splits_prompts_by_the_prefill_chunk(ptes):
     from executorch.runtime import Runtime
+
     prog = Runtime.get().load_program(str(ptes["fp32"] / "model.pte"))
     meta = {n: prog.load_method(n).execute([])[0] for n in ("get_max_seq_len", "get_max_context_len")}
     assert meta == {"get_max_seq_len": CHUNK, "get_max_context_len": CONTEXT}
@@ -79,6 +79,7 @@ def test_program_refuses_positions_past_the_context(ptes, capfd):
     """With get_max_seq_len < get_max_context_len the runner checks only prompt < context; asked for more new
     tokens than fit, the program itself fails (llama::update_cache's bound) instead of writing past the cache."""
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
     path = ptes["fp32"]
     runner = TextLLMRunner(str(path / "model.pte"), str(path / "tokenizer.json"))
     config = GenerationConfig(echo=False, max_new_tokens=CONTEXT + 50, temperature=0.0)
@@ -126,15 +127,22 @@ print("loaded")
 """
 
 
-@pytest.mark.parametrize("precision,drop,loads", [("fp32", None, True), ("int4", None, True),
-                                                  ("int4", "executorch.kernels.quantized", False)])
+@pytest.mark.parametrize(
+    "precision,drop,loads",
+    [("fp32", None, True), ("int4", None, True), ("int4", "executorch.kernels.quantized", False)],
+)
 def test_the_listed_python_imports_are_what_loading_needs(ptes, precision, drop, loads):
     """In a fresh process, importing exactly the manifest's list loads the program; without the quantized
     kernels the int4 program does not load (so the list is both sufficient and not padded)."""
     path = ptes[precision]
     modules = [m for m in manifest(path)["lowering"]["runtime_requirements"]["python"] if m != drop]
-    r = subprocess.run([sys.executable, "-c", LOAD, str(path / "model.pte"), json.dumps(modules)],
-                       capture_output=True, text=True, timeout=600, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", LOAD, str(path / "model.pte"), json.dumps(modules)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if loads:
         assert r.returncode == 0 and "loaded" in r.stdout, r.stderr[-2000:]
     else:

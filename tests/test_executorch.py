@@ -23,10 +23,21 @@ def pte(tiny_pte):
 def test_program_contract_and_metadata(pte):
     path, m = pte
     from executorch.runtime import Runtime
+
     prog = Runtime.get().load_program(str(path / "model.pte"))
-    meta = {name: prog.load_method(name).execute([])[0] for name in
-            ("get_max_seq_len", "get_max_context_len", "get_vocab_size", "get_n_layers", "use_kv_cache",
-             "enable_dynamic_shape", "get_eos_ids", "get_bos_id")}
+    meta = {
+        name: prog.load_method(name).execute([])[0]
+        for name in (
+            "get_max_seq_len",
+            "get_max_context_len",
+            "get_vocab_size",
+            "get_n_layers",
+            "use_kv_cache",
+            "enable_dynamic_shape",
+            "get_eos_ids",
+            "get_bos_id",
+        )
+    }
     # the runner feeds prompts in calls of get_max_seq_len tokens: the prefill chunk, not the context
     assert meta["get_max_seq_len"] == 16 and meta["get_max_context_len"] == 128
     assert meta["get_vocab_size"] == 272 and meta["get_n_layers"] == 8
@@ -36,8 +47,7 @@ def test_program_contract_and_metadata(pte):
     # XNNPACK is cut only at the stateful kernels (one per layer) and at the last-token select before the head
     assert 0 < lw["delegate_partitions"] <= m["model"]["num_layers"] + 2, lw["delegate_partitions"]
     assert all(expected_portable(op) for op in lw["portable_nodes"])
-    assert {s["kind"] for s in m["states"]} == {"deltanet_conv", "deltanet_recurrent", "kv_cache_key",
-                                                 "kv_cache_value"}
+    assert {s["kind"] for s in m["states"]} == {"deltanet_conv", "deltanet_recurrent", "kv_cache_key", "kv_cache_value"}
     kv = next(s for s in m["states"] if s["kind"] == "kv_cache_key")
     assert kv["shape"] == [1, 128, 2, 64]  # ExecuTorch's [1, S, Hkv, D] layout
 
@@ -48,16 +58,19 @@ def test_executorch_llm_runner_drives_the_program(pte):
     the graph at position 0)."""
     from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
     path, _ = pte
     runner = TextLLMRunner(str(path / "model.pte"), str(path / "tokenizer.json"))
     texts = []
     for _ in range(2):
         pieces: list[str] = []
-        runner.generate("def ", GenerationConfig(echo=False, max_new_tokens=20, temperature=0.0),
-                        token_callback=pieces.append)
+        runner.generate(
+            "def ", GenerationConfig(echo=False, max_new_tokens=20, temperature=0.0), token_callback=pieces.append
+        )
         texts.append("".join(pieces))
         runner.reset()
     from deltaship.commands import generate
+
     ours = generate(path, prompt="def ", max_new_tokens=20)["text"]
     assert texts[0] == texts[1] == ours and len(ours) >= 10
 
@@ -66,17 +79,26 @@ def test_node_xnnpack_cannot_take_fails_unless_allowed(tmp_path, monkeypatch, ch
     """softplus lowers to ops XNNPACK does not take: the export names them, or accepts them when asked."""
     import torch
     import torch.nn.functional as F
+
     from deltaship.export.executorch import lowering
 
     def softplus_gates(self, a, b, dt_bias, decay_scale):
         return decay_scale.float() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b.float())
+
     monkeypatch.setattr(lowering.ExecuTorchKernels, "delta_gates", softplus_gates)
     model = str(checkpoints["deltanet_only"])
     with pytest.raises(DeltashipError, match="XNNPACK does not take these nodes.*aten_"):
         export(model, tmp_path / "a", target="executorch", max_context=32, progress=False, verify=False)
     assert not (tmp_path / "a").exists()
-    m = export(model, tmp_path / "b", target="executorch", max_context=32, progress=False, verify=False,
-               allow_portable_fallback=True)
+    m = export(
+        model,
+        tmp_path / "b",
+        target="executorch",
+        max_context=32,
+        progress=False,
+        verify=False,
+        allow_portable_fallback=True,
+    )
     assert not all(expected_portable(op) for op in m["lowering"]["portable_nodes"])
 
 
@@ -86,7 +108,7 @@ def test_program_from_another_executorch_version_is_a_clear_error(pte, tmp_path)
     shutil.copytree(path, bad)
     data = bytearray((bad / "model.pte").read_bytes())
     i = data.find(b"ET12")
-    data[i:i + 4] = b"ET09"  # the program identifier of an older schema
+    data[i : i + 4] = b"ET09"  # the program identifier of an older schema
     (bad / "model.pte").write_bytes(bytes(data))
     m = json.loads((bad / "manifest.json").read_text())
     m["tools"]["executorch"] = "0.9.0"
@@ -105,6 +127,7 @@ def test_vocabulary_tables_quantized_by_row_blocks_equal_whole_table_quantizatio
     import numpy as np
     import torch
     from executorch.examples.models.llama.source_transformation.quantize import get_quant_embedding_transform
+
     from deltaship.export.executorch import quant
 
     w = (np.random.default_rng(0).standard_normal((300, 64)) * 0.05).astype(np.float32)
@@ -144,8 +167,11 @@ def test_lowered_weights_released_and_program_unchanged(tmp_path):
     def build(release: bool):
         edge = to_edge_transform_and_lower(torch.export.export(model, (x,)), partitioner=[XnnpackPartitioner()])
         released = release_lowered_weights(edge) if release else 0
-        originals = [m.original_module for m in edge.exported_program().graph_module.modules()
-                     if isinstance(m, LoweredBackendModule)]
+        originals = [
+            m.original_module
+            for m in edge.exported_program().graph_module.modules()
+            if isinstance(m, LoweredBackendModule)
+        ]
         path = tmp_path / f"m{int(release)}.pte"
         path.write_bytes(edge.to_executorch().buffer)
         out = Runtime.get().load_program(str(path)).load_method("forward").execute([x])[0]
@@ -158,8 +184,11 @@ def test_lowered_weights_released_and_program_unchanged(tmp_path):
 
     def held(eps) -> int:
         return sum(t.untyped_storage().nbytes() for ep in eps for t in ep.state_dict.values())
+
     assert held(kept) >= weight_bytes and held(originals) < 64
-    assert all(t.shape == p.shape for ep in originals for t, p in zip(ep.state_dict.values(), model.state_dict().values()))
+    assert all(
+        t.shape == p.shape for ep in originals for t, p in zip(ep.state_dict.values(), model.state_dict().values())
+    )
     torch.testing.assert_close(out, out_kept, rtol=0, atol=0)
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
@@ -168,8 +197,8 @@ def test_xnnpack_preprocess_shares_and_leaves_weights_untouched(checkpoints, tmp
     """The program each XNNPACK preprocess gets shares its weight storage with the partition it was cut from
     (no model-sized deep copy at the export's peak), and preprocess leaves the partition's own tensors as
     they were: same values, shapes and objects (what makes sharing safe)."""
-    import torch
     import executorch.exir.backend.backend_api as ba
+    import torch
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 
     partition_ptrs: set[int] = set()
@@ -185,8 +214,12 @@ def test_xnnpack_preprocess_shares_and_leaves_weights_untouched(checkpoints, tmp
                 mine.append((sd, {k: (t, t.clone()) for k, t in sd.items()}))
                 partition_ptrs.update(t.untyped_storage().data_ptr() for t in sd.values())
         out = lower_all(backend_id, method_to_nodes, programs)
-        changed.extend(k for sd, before in mine for k, (obj, val) in before.items()
-                       if sd[k] is not obj or sd[k].shape != val.shape or not torch.equal(sd[k], val))
+        changed.extend(
+            k
+            for sd, before in mine
+            for k, (obj, val) in before.items()
+            if sd[k] is not obj or sd[k].shape != val.shape or not torch.equal(sd[k], val)
+        )
         return out
 
     def preprocess_spy(ep, specs):
@@ -197,12 +230,21 @@ def test_xnnpack_preprocess_shares_and_leaves_weights_untouched(checkpoints, tmp
     monkeypatch.setattr(XnnpackBackend, "preprocess", staticmethod(preprocess_spy))
     hook = "copy_exported_program_for_preprocess"
     before = vars(XnnpackBackend).get(hook)
-    export(str(checkpoints["grouped_values"]), tmp_path / "b", target="executorch", precision="int4",
-           max_context=64, prefill_chunk=8, verify=False, progress=False)
+    export(
+        str(checkpoints["grouped_values"]),
+        tmp_path / "b",
+        target="executorch",
+        precision="int4",
+        max_context=64,
+        prefill_chunk=8,
+        verify=False,
+        progress=False,
+    )
     assert given_ptrs and given_ptrs <= partition_ptrs
     assert not changed, changed
     assert vars(XnnpackBackend).get(hook) is before  # restored after the export
     from deltaship.export.executorch import preprocess_shares_weights
+
     with pytest.raises(KeyError), preprocess_shares_weights():
         assert vars(XnnpackBackend).get(hook) is not before
         raise KeyError("lowering failed")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import export_context
 
+from deltaship.bundle import SCHEMA_VERSION, read_manifest, schema_problems
 from deltaship.errors import DeltashipError
 from deltaship.export import export, pass_options
 from deltaship.export.passes import ExportContext, PassError, run_pipeline
@@ -18,7 +19,6 @@ from deltaship.models import qwen3_5 as fam
 from deltaship.models.ops import CANONICAL_OPS
 from deltaship.models.presets import PRESETS
 from deltaship.models.weights import RandomWeights
-from deltaship.bundle import SCHEMA_VERSION, read_manifest, schema_problems
 from deltaship.runtimes import open_bundle
 from deltaship.targets import all_targets, get_target
 
@@ -49,8 +49,12 @@ def test_running_the_fold_pass_twice_fails_naming_the_passes():
 
 def export_context_only(passes):
     onnx = get_target("onnx")
-    ctx = ExportContext(spec=PRESETS["qwen3.5-tiny"].spec(), precision="fp32", max_context=64,
-                        options=pass_options(onnx, onnx.Options(), prefill_chunk=64))
+    ctx = ExportContext(
+        spec=PRESETS["qwen3.5-tiny"].spec(),
+        precision="fp32",
+        max_context=64,
+        options=pass_options(onnx, onnx.Options(), prefill_chunk=64),
+    )
     return run_pipeline(ctx, passes)
 
 
@@ -69,7 +73,9 @@ def test_structure_after_passes():
     sig = ctx.program.graph_signature
     n_user_in = sum(1 for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT)
     assert n_user_in == 2 + len(ctx.states) and len(sig.output_specs) == 1 + len(ctx.states)
-    assert {s["name"].replace("past.", "") for s in ctx.states} == {s["output"].replace("present.", "") for s in ctx.states}
+    assert {s["name"].replace("past.", "") for s in ctx.states} == {
+        s["output"].replace("present.", "") for s in ctx.states
+    }
     # no token loop: one gated_delta_rule call per DeltaNet layer, whatever the prompt length
     calls = [n for n in ctx.program.graph.nodes if n.target == torch.ops.deltaship.gated_delta_rule.default]
     assert len(calls) == len(spec.deltanet_layers)
@@ -79,6 +85,7 @@ def test_every_canonical_op_has_a_lowering_for_every_target():
     from deltaship.export.coreml.lowering import MIL_LOWERINGS
     from deltaship.export.executorch.lowering import LOWERINGS as ET
     from deltaship.export.onnx.lowering import LOWERINGS as ONNX
+
     tables = {t.target: t for t in (ONNX, ET, MIL_LOWERINGS)}
     assert set(tables) == {t.name for t in all_targets()}
     for target, table in tables.items():
@@ -93,6 +100,7 @@ def test_every_canonical_op_has_a_lowering_for_every_target():
 def test_unknown_op_fails_naming_it(tmp_path):
     from deltaship.export.onnx import lower
     from deltaship.export.onnx.lowering import LOWERINGS
+
     ctx = export_context_only(PIPELINE)
     saved = LOWERINGS.pop(torch.ops.aten.sigmoid.default)
     try:
@@ -104,9 +112,11 @@ def test_unknown_op_fails_naming_it(tmp_path):
 
 def test_eager_canonical_model_matches_transformers(checkpoints):
     """The rewritten model itself (before any lowering) against the oracle."""
+    from helpers import reference
+
     from deltaship.export.passes import materialize
     from deltaship.models.source import load_source
-    from helpers import reference
+
     ckpt = checkpoints["grouped_values"]
     ctx = export_context(ckpt, "fp32")
     model = materialize(ctx.model, ctx.plan, load_source(str(ckpt)).weights).eval()
@@ -127,8 +137,13 @@ def test_manifest_contract(bundles, checkpoints):
     m = read_manifest(path)
     assert m["schema"] == "deltaship.bundle" and m["schema_version"] == SCHEMA_VERSION
     assert not schema_problems(m)
-    assert m["model_card"] == {"source_repo": None, "revision": None, "license": None, "base_model": None,
-                               "weights": "checkpoint"}
+    assert m["model_card"] == {
+        "source_repo": None,
+        "revision": None,
+        "license": None,
+        "base_model": None,
+        "weights": "checkpoint",
+    }
     assert m["target"] == "onnx" and m["precision"] == "fp32" and m["max_context"] == 128
     assert m["source"]["kind"] == "checkpoint" and len(m["source"]["sha256"]) == 64
     kinds = [s["kind"] for s in m["states"]]
@@ -148,6 +163,7 @@ def test_manifest_contract(bundles, checkpoints):
     assert {"torch", "onnx", "onnxruntime", "transformers"} <= set(m["tools"])
     # the ONNX graph's inputs/outputs are exactly the manifest's
     import onnx
+
     g = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
     assert [i.name for i in g.input] == ["input_ids", "position_ids"] + [s["name"] for s in m["states"]]
     assert [o.name for o in g.output] == ["logits"] + [s["output"] for s in m["states"]]
@@ -192,22 +208,27 @@ def test_tampered_bundle_is_detected(bundles, tmp_path):
     with pytest.raises(DeltashipError, match="tampered.*model.onnx: sha256 mismatch"):
         open_bundle(out)
     from deltaship.commands import inspect
+
     info = inspect(out)
     assert not info["intact"] and "model.onnx" in info["problems"][0]
 
 
 def test_option_combinations_are_checked_before_work(tmp_path):
-    cases = [({"target": "tflite"}, "unknown --target"), ({"precision": "int3"}, "unknown --precision"),
-             ({"deltanet_int8": True}, "needs --precision int4"), ({"block_size": 48}, "power of two"),
-             ({"max_context": 10**7}, "exceeds the model's max_position_embeddings"),
-             ({"accuracy_level": 0}, "applies to ONNX int8/int4"),
-             ({"target": "coreml", "onnx_deltanet_ops": "contrib"}, "applies to --target onnx, not coreml"),
-             ({"onnx_deltanet_ops": "fused"}, "must be standard or contrib"),
-             ({"onnx_activations": "fp16"}, "applies to int8/int4 weights"),
-             ({"onnx_activations": "fp32", "precision": "fp16"}, "applies to int8/int4 weights"),
-             ({"onnx_activations": "bf16", "precision": "int4"}, "must be fp32 or fp16"),
-             ({"target": "executorch", "precision": "int4", "onnx_activations": "fp16"}, "applies to --target onnx"),
-             ({"coreml_statez": "io"}, "unknown export option 'coreml_statez'")]
+    cases = [
+        ({"target": "tflite"}, "unknown --target"),
+        ({"precision": "int3"}, "unknown --precision"),
+        ({"deltanet_int8": True}, "needs --precision int4"),
+        ({"block_size": 48}, "power of two"),
+        ({"max_context": 10**7}, "exceeds the model's max_position_embeddings"),
+        ({"accuracy_level": 0}, "applies to ONNX int8/int4"),
+        ({"target": "coreml", "onnx_deltanet_ops": "contrib"}, "applies to --target onnx, not coreml"),
+        ({"onnx_deltanet_ops": "fused"}, "must be standard or contrib"),
+        ({"onnx_activations": "fp16"}, "applies to int8/int4 weights"),
+        ({"onnx_activations": "fp32", "precision": "fp16"}, "applies to int8/int4 weights"),
+        ({"onnx_activations": "bf16", "precision": "int4"}, "must be fp32 or fp16"),
+        ({"target": "executorch", "precision": "int4", "onnx_activations": "fp16"}, "applies to --target onnx"),
+        ({"coreml_statez": "io"}, "unknown export option 'coreml_statez'"),
+    ]
     for kwargs, msg in cases:
         with pytest.raises(DeltashipError, match=msg):
             export("qwen3.5-tiny", tmp_path / "x", progress=False, **kwargs)
@@ -223,8 +244,7 @@ def test_export_preset_without_checkpoint(tmp_path):
 
 def test_external_data_bundle_runs_and_verifies(tmp_path, checkpoints):
     """Models over 2 GB keep their weights in model.onnx.data; forced here on a tiny one."""
-    m = export(str(checkpoints["grouped_values"]), tmp_path / "ext", max_context=64, progress=False,
-               external_data=True)
+    m = export(str(checkpoints["grouped_values"]), tmp_path / "ext", max_context=64, progress=False, external_data=True)
     assert m["lowering"]["external_data"] and "model.onnx.data" in m["files"]
     assert m["files"]["model.onnx"]["bytes"] < 200_000 < m["files"]["model.onnx.data"]["bytes"]
     assert m["verification"]["status"] == "passed"
@@ -237,11 +257,18 @@ def test_large_tables_are_streamed_in_row_blocks(tmp_path, checkpoints, monkeypa
     """Tables over ROW_BLOCK rows (embedding, LM head) are converted and written a block of rows at a
     time; forced here with small blocks (the untied head and the embedding of `grouped_values`)."""
     from deltaship.export.onnx import lowering
+
     monkeypatch.setattr(lowering, "ROW_BLOCK", 48)
     calls = []
     real = lowering.Lowerer._rows
     monkeypatch.setattr(lowering.Lowerer, "_rows", lambda self, fqn, rows: calls.append(rows) or real(self, fqn, rows))
-    m = export(str(checkpoints["grouped_values"]), tmp_path / "s", precision=precision, max_context=64,
-               progress=False, external_data=True)
+    m = export(
+        str(checkpoints["grouped_values"]),
+        tmp_path / "s",
+        precision=precision,
+        max_context=64,
+        progress=False,
+        external_data=True,
+    )
     assert m["verification"]["status"] == "passed"
     assert len(calls) >= 2 * 4 and all(r.stop - r.start == 48 for r in calls)  # 160 rows -> 4 blocks, 2 tables

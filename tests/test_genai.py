@@ -15,15 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deltaship.bundle.reader import read_manifest
 from deltaship.errors import DeltashipError
 from deltaship.export import export
 from deltaship.runtimes import open_bundle
-from deltaship.bundle.reader import read_manifest
 
 PROMPT_LENGTHS = (1, 7, 20)  # one token, less than a prefill chunk (8), more than two chunks
 NEW_TOKENS = 12
-TEXT = ("import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n"
-        "\n\nclass Cache:\n    def __init__(self):\n        self.items = {}\n")
+TEXT = (
+    "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n"
+    "\n\nclass Cache:\n    def __init__(self):\n        self.items = {}\n"
+)
 
 
 def _og():
@@ -47,6 +49,7 @@ def _genai_tokens(bundle: Path, ids: list[int], n: int) -> list[int]:
 
 def _assert_same_greedy(bundle: Path, prompts: list[list[int]]) -> None:
     from deltaship.runtimes.genai import open_genai
+
     session = open_genai(bundle)
     for ids in prompts:
         want = open_bundle(bundle).generate(ids, NEW_TOKENS).output_ids
@@ -64,14 +67,17 @@ def tiny(tmp_path_factory):
     def get(precision: str) -> Path:
         out = root / precision
         if not out.exists():
-            export("qwen3.5-tiny", out, precision=precision, max_context=256, prefill_chunk=8, verify=False,
-                   progress=False)
+            export(
+                "qwen3.5-tiny", out, precision=precision, max_context=256, prefill_chunk=8, verify=False, progress=False
+            )
         return out
+
     return get
 
 
 def _text_prompts(bundle: Path) -> list[list[int]]:
     from deltaship.runtimes.tokenizer import load_tokenizer
+
     ids = load_tokenizer(bundle, read_manifest(bundle)).encode(TEXT)
     assert len(ids) > max(PROMPT_LENGTHS)
     return [ids[:n] for n in PROMPT_LENGTHS]
@@ -90,9 +96,17 @@ def test_genai_runs_the_tiny_preset_bundle_as_deltaship_does(tiny, precision):
     _assert_same_greedy(bundle, _text_prompts(bundle))
 
 
-@pytest.mark.parametrize("config,opts", [("odd_heads", {}), ("grouped_values", {}), ("deltanet_only", {}),
-                                         ("base", {"precision": "int4"}), ("multimodal", {}),
-                                         ("odd_heads", {"onnx_deltanet_ops": "contrib"})])
+@pytest.mark.parametrize(
+    "config,opts",
+    [
+        ("odd_heads", {}),
+        ("grouped_values", {}),
+        ("deltanet_only", {}),
+        ("base", {"precision": "int4"}),
+        ("multimodal", {}),
+        ("odd_heads", {"onnx_deltanet_ops": "contrib"}),
+    ],
+)
 def test_genai_runs_test_checkpoints_of_odd_shapes(bundles, config, opts):
     _og()
     bundle = bundles(config, **opts)
@@ -110,6 +124,7 @@ def test_genai_runs_test_checkpoints_of_odd_shapes(bundles, config, opts):
 def test_genai_session_logits_and_timings(tiny):
     _og()
     from deltaship.runtimes.genai import open_genai
+
     bundle = tiny("fp32")
     ids = _text_prompts(bundle)[-1]
     s, ref = open_genai(bundle, threads=1), open_bundle(bundle, threads=1)
@@ -129,6 +144,7 @@ def test_genai_session_logits_and_timings(tiny):
 def test_genai_tokenizer_matches_deltaships(tiny):
     og = _og()
     from deltaship.runtimes.tokenizer import load_tokenizer
+
     bundle = tiny("int4")
     want = load_tokenizer(bundle, read_manifest(bundle)).encode(TEXT + "héllo 中文")
     tok = og.Tokenizer(og.Model(str(bundle)))
@@ -143,6 +159,7 @@ def test_a_tokenizer_class_genai_refuses_is_rewritten_at_export(tmp_path):
     from transformers import AutoTokenizer
 
     from deltaship.models.source import load_source
+
     ckpt = tmp_path / "ckpt"
     shutil.copytree(load_source("qwen3.5-tiny").path, ckpt)
     tc = json.loads((ckpt / "tokenizer_config.json").read_text())
@@ -161,6 +178,7 @@ def test_a_tokenizer_class_genai_refuses_is_rewritten_at_export(tmp_path):
 def test_genai_session_says_to_export_again_without_genai_config(bundles, tmp_path):
     _og()
     from deltaship.runtimes.genai import open_genai
+
     old = tmp_path / "old"
     shutil.copytree(bundles("base"), old)
     (old / "genai_config.json").unlink()  # what a bundle from before this version lacks
@@ -174,6 +192,7 @@ def test_genai_session_says_to_export_again_without_genai_config(bundles, tmp_pa
 
 def test_genai_session_names_the_package_when_it_is_missing(bundles, monkeypatch):
     from deltaship.runtimes.genai import open_genai
+
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails as if not installed
     with pytest.raises(DeltashipError, match="onnxruntime-genai is not installed") as e:
         open_genai(bundles("base"))

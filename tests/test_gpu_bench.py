@@ -18,8 +18,11 @@ _spec.loader.exec_module(gpu_run)
 
 
 def _dry(tmp_path, *args):
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "run.py"), "--dry-run", "--work", str(tmp_path),
-                        *args], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu" / "run.py"), "--dry-run", "--work", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -51,8 +54,11 @@ def test_dry_run_marks_finished_steps_done_and_skip_peers(tmp_path):
 
 
 def test_unknown_preset_is_a_clear_error(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "run.py"), "--dry-run", "--only", "7b",
-                        "--work", str(tmp_path)], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu" / "run.py"), "--dry-run", "--only", "7b", "--work", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "--only: unknown 7b" in r.stderr and "0.8b, 2b, 4b, 9b" in r.stderr
 
 
@@ -61,20 +67,29 @@ def test_no_gpu_exits_with_a_clear_message(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").symlink_to(sys.executable)
-    r = subprocess.run(["/bin/bash", str(ROOT / "bench" / "gpu" / "run.sh"), "--only", "0.8b", "--work",
-                        str(tmp_path / "w")], capture_output=True, text=True, env={"PATH": str(bin_dir)})
+    r = subprocess.run(
+        ["/bin/bash", str(ROOT / "bench" / "gpu" / "run.sh"), "--only", "0.8b", "--work", str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        env={"PATH": str(bin_dir)},
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert "no NVIDIA GPU" in r.stderr and "fix:" in r.stderr
     assert not (tmp_path / "w" / "venv").exists()
 
 
 def _manifest(tied: bool) -> dict:
-    return {"files": {"model.onnx": {"bytes": 1_000_000}, "model.onnx.data": {"bytes": 9_000_000},
-                      "tokenizer.json": {"bytes": 5_000}},
-            "precision": "int4",
-            "model": {"vocab_size": 1000, "hidden_size": 64, "tie_word_embeddings": tied},
-            "quantization": {"embedding": {"bits": 4, "block_size": 32, "scale_dtype": "float16"}},
-            "memory": {"kv_dtype": "fp16", "kv_bytes_per_token": {"fp16": 100}, "deltanet_state_bytes": 2_000}}
+    return {
+        "files": {
+            "model.onnx": {"bytes": 1_000_000},
+            "model.onnx.data": {"bytes": 9_000_000},
+            "tokenizer.json": {"bytes": 5_000},
+        },
+        "precision": "int4",
+        "model": {"vocab_size": 1000, "hidden_size": 64, "tie_word_embeddings": tied},
+        "quantization": {"embedding": {"bits": 4, "block_size": 32, "scale_dtype": "float16"}},
+        "memory": {"kv_dtype": "fp16", "kv_bytes_per_token": {"fp16": 100}, "deltanet_state_bytes": 2_000},
+    }
 
 
 def test_bytes_per_token_counts_weights_states_and_kv():
@@ -85,15 +100,33 @@ def test_bytes_per_token_counts_weights_states_and_kv():
 
 
 def _synthetic(tmp_path) -> Path:
-    res = {"date": "2026-11-23T14:00:00+00:00", "commit": "abc1234",
-           "machine": {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "cuda": "13.0"},
-           "command": "bench/gpu/run.py --only 9b", "bandwidth": {"gbs": 3000.0, "method": "torch copy_"},
-           "rows": [{"tool": "deltaship", "preset": "9b", "precision": "int4", "prefill_512_tok_s": 9845.4,
-                     "prefill_4096_tok_s": 12000.0, "tpot_ms": 6.0, "bytes_per_token": 4.5e9,
-                     "gpu_peak_bytes": 7340 * 2**20},
-                    {"tool": "deltaship", "preset": "9b", "precision": "fp16", "missing": True},
-                    {"tool": "transformers bf16 eager", "preset": "9b", "precision": "bf16",
-                     "prefill_512_tok_s": 4109.0, "tpot_ms": 64.0}]}
+    res = {
+        "date": "2026-11-23T14:00:00+00:00",
+        "commit": "abc1234",
+        "machine": {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "cuda": "13.0"},
+        "command": "bench/gpu/run.py --only 9b",
+        "bandwidth": {"gbs": 3000.0, "method": "torch copy_"},
+        "rows": [
+            {
+                "tool": "deltaship",
+                "preset": "9b",
+                "precision": "int4",
+                "prefill_512_tok_s": 9845.4,
+                "prefill_4096_tok_s": 12000.0,
+                "tpot_ms": 6.0,
+                "bytes_per_token": 4.5e9,
+                "gpu_peak_bytes": 7340 * 2**20,
+            },
+            {"tool": "deltaship", "preset": "9b", "precision": "fp16", "missing": True},
+            {
+                "tool": "transformers bf16 eager",
+                "preset": "9b",
+                "precision": "bf16",
+                "prefill_512_tok_s": 4109.0,
+                "tpot_ms": 64.0,
+            },
+        ],
+    }
     p = tmp_path / "gpu-bench.json"
     p.write_text(json.dumps(res))
     return p
@@ -120,17 +153,38 @@ def test_report_subcommand_writes_the_table(tmp_path):
 def test_collect_reads_profiles_and_peers(tmp_path):
     res = tmp_path / "results"
     res.mkdir()
-    (res / "run.json").write_text(json.dumps({"date": "d", "machine": {}, "commit": "c", "command": "x",
-                                              "presets": ["0.8b"], "precisions": ["int4"], "peers": []}))
+    (res / "run.json").write_text(
+        json.dumps(
+            {
+                "date": "d",
+                "machine": {},
+                "commit": "c",
+                "command": "x",
+                "presets": ["0.8b"],
+                "precisions": ["int4"],
+                "peers": [],
+            }
+        )
+    )
     (res / "bandwidth.json").write_text(json.dumps({"gbs": 2000.0, "method": "m"}))
     (tmp_path / "bundles" / "q0.8b-int4-fp16act").mkdir(parents=True)
     (tmp_path / "bundles" / "q0.8b-int4-fp16act" / "manifest.json").write_text(json.dumps(_manifest(True)))
-    (res / "q0.8b-int4-fp16act-cuda.json").write_text(json.dumps({"runtime": "ort", "results": [
-        {"metric": "prefill_tok_s", "prompt_length": 512, "median": 20000.0},
-        {"metric": "prefill_tok_s", "prompt_length": 4096, "median": 30000.0},
-        {"metric": "tpot_s", "median": 0.005}, {"metric": "gpu_peak_bytes", "median": 2**30}]}))
-    (res / "llamacpp-0.8b.json").write_text(json.dumps([{"n_prompt": 512, "n_gen": 0, "avg_ts": 15000.0},
-                                                        {"n_prompt": 0, "n_gen": 64, "avg_ts": 400.0}]))
+    (res / "q0.8b-int4-fp16act-cuda.json").write_text(
+        json.dumps(
+            {
+                "runtime": "ort",
+                "results": [
+                    {"metric": "prefill_tok_s", "prompt_length": 512, "median": 20000.0},
+                    {"metric": "prefill_tok_s", "prompt_length": 4096, "median": 30000.0},
+                    {"metric": "tpot_s", "median": 0.005},
+                    {"metric": "gpu_peak_bytes", "median": 2**30},
+                ],
+            }
+        )
+    )
+    (res / "llamacpp-0.8b.json").write_text(
+        json.dumps([{"n_prompt": 512, "n_gen": 0, "avg_ts": 15000.0}, {"n_prompt": 0, "n_gen": 64, "avg_ts": 400.0}])
+    )
     out = gpu_run.collect(tmp_path)
     ds, ll = out["rows"]
     assert ds["prefill_4096_tok_s"] == 30000.0 and ds["tpot_ms"] == pytest.approx(5.0)

@@ -45,8 +45,10 @@ def put_in_cache(cache: Path, repo_id: str, ckpt: Path, commit: str = COMMIT, re
 
 def export_tiny(model: str, out: Path) -> dict:
     from deltaship.export import export
-    return export(model, out, target="onnx", precision="fp32", max_context=64, prefill_chunk=8, verify=False,
-                  progress=False)
+
+    return export(
+        model, out, target="onnx", precision="fp32", max_context=64, prefill_chunk=8, verify=False, progress=False
+    )
 
 
 def test_hub_id_exports_from_the_cache_with_repo_and_commit(hf_cache, tiny_ckpt, tmp_path):
@@ -64,17 +66,21 @@ def test_hub_id_at_a_commit_picks_that_snapshot(hf_cache, tiny_ckpt, tmp_path):
     other = write_checkpoint("base", tmp_path / "other", seed=11)
     put_in_cache(hf_cache, "acme/tiny-qwen", other, commit=OTHER_COMMIT, ref=None)  # not main
     from deltaship.models.source import load_source
+
     pinned, main = load_source(f"acme/tiny-qwen@{OTHER_COMMIT}"), load_source("acme/tiny-qwen")
     assert pinned.model_card()["revision"] == OTHER_COMMIT and main.model_card()["revision"] == COMMIT
     assert pinned.fingerprint() != main.fingerprint()  # different weights, not the same snapshot twice
     manifest = export_tiny(f"acme/tiny-qwen@{OTHER_COMMIT}", tmp_path / "b")
-    assert (manifest["model_card"]["source_repo"], manifest["model_card"]["revision"]) == ("acme/tiny-qwen",
-                                                                                           OTHER_COMMIT)
+    assert (manifest["model_card"]["source_repo"], manifest["model_card"]["revision"]) == (
+        "acme/tiny-qwen",
+        OTHER_COMMIT,
+    )
 
 
 def test_hub_id_at_a_branch_resolves_to_its_commit(hf_cache, tiny_ckpt):
     put_in_cache(hf_cache, "acme/tiny-qwen", tiny_ckpt, commit=OTHER_COMMIT, ref="dev")
     from deltaship.models.source import load_source
+
     assert load_source("acme/tiny-qwen@dev").model_card()["revision"] == OTHER_COMMIT
 
 
@@ -97,8 +103,17 @@ def test_absent_revision_lists_the_cached_ones(hf_cache, tiny_ckpt, tmp_path):
 def test_hub_checkpoint_of_another_architecture_is_refused(hf_cache, tmp_path):
     llama = tmp_path / "llama"
     llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                                                   "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100}))
+    (llama / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "vocab_size": 100,
+            }
+        )
+    )
     put_in_cache(hf_cache, "acme/tiny-llama", llama)
     with pytest.raises(DeltashipError) as e:
         export_tiny("acme/tiny-llama", tmp_path / "b")
@@ -109,6 +124,7 @@ def test_hub_checkpoint_of_another_architecture_is_refused(hf_cache, tmp_path):
 def test_download_is_refused_when_hf_hub_offline_is_set(hf_cache, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from deltaship.models.source import load_source
+
     with pytest.raises(DeltashipError) as e:
         load_source("acme/not-there", allow_download=True)
     assert "HF_HUB_OFFLINE" in e.value.message and "download acme/not-there" in e.value.fix
@@ -116,6 +132,7 @@ def test_download_is_refused_when_hf_hub_offline_is_set(hf_cache, monkeypatch, t
 
 def test_a_local_directory_wins_over_a_hub_id_and_nonsense_is_named(tmp_path, monkeypatch, tiny_ckpt):
     from deltaship.models.source import load_source
+
     monkeypatch.chdir(tiny_ckpt.parent.parent)
     src = load_source(f"{tiny_ckpt.parent.name}/{tiny_ckpt.name}")  # relative path shaped like org/name
     assert src.kind == "checkpoint" and src.model_card()["source_repo"] is None
@@ -131,6 +148,7 @@ PROMPTS = ["import os\nimport ", "class Foo:\n    def __init__(self"]  # greedy 
 
 def export_preset(out: Path, target: str, **opts) -> Path:
     from deltaship.export import export
+
     export("qwen3.5-tiny", out, target=target, precision="fp32", verify=False, progress=False, **opts)
     return out
 
@@ -151,6 +169,7 @@ def check_generation_matches_deltaship(bundle: Path) -> None:
 
     from deltaship import load
     from deltaship.commands import generate
+
     model, tok = load(bundle), AutoTokenizer.from_pretrained(bundle)
     pipe = pipeline("text-generation", model=model, tokenizer=tok)
     for prompt in PROMPTS:
@@ -158,7 +177,7 @@ def check_generation_matches_deltaship(bundle: Path) -> None:
         enc = tok(prompt, return_tensors="pt")
         assert enc["input_ids"][0].tolist() == want["input_ids"]  # AutoTokenizer reads the bundle's tokenizer
         out = model.generate(**enc, max_new_tokens=16, do_sample=False)
-        assert out[0, enc["input_ids"].shape[1]:].tolist() == want["output_ids"]
+        assert out[0, enc["input_ids"].shape[1] :].tolist() == want["output_ids"]
         res = pipe(prompt, max_new_tokens=16, do_sample=False, return_tensors=True)
         assert res[0]["generated_token_ids"] == want["input_ids"] + want["output_ids"]
         assert pipe(prompt, max_new_tokens=16, do_sample=False)[0]["generated_text"] == prompt + want["text"]
@@ -180,6 +199,7 @@ def test_eos_stops_both_the_same_way(onnx_bundle):
 
     from deltaship import load
     from deltaship.runtimes import open_bundle
+
     model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
     ids = tok(PROMPTS[0])["input_ids"]
     newline = tok("\n")["input_ids"][0]
@@ -187,9 +207,10 @@ def test_eos_stops_both_the_same_way(onnx_bundle):
     session.eos_ids = {newline}  # '\n' comes 4th in this continuation: stop there
     want = session.generate(ids, 16, stop_at_eos=True)
     assert want.stopped == "eos" and 1 < len(want.output_ids) < 16 and want.output_ids[-1] == newline
-    out = model.generate(**tok(PROMPTS[0], return_tensors="pt"), max_new_tokens=16, do_sample=False,
-                         eos_token_id=newline)
-    assert out[0, len(ids):].tolist() == want.output_ids
+    out = model.generate(
+        **tok(PROMPTS[0], return_tensors="pt"), max_new_tokens=16, do_sample=False, eos_token_id=newline
+    )
+    assert out[0, len(ids) :].tolist() == want.output_ids
 
 
 def test_streamer_receives_the_text(onnx_bundle):
@@ -204,8 +225,12 @@ def test_streamer_receives_the_text(onnx_bundle):
 
     pieces: list[str] = []
     model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
-    model.generate(**tok(PROMPTS[1], return_tensors="pt"), max_new_tokens=16, do_sample=False,
-                   streamer=Collect(tok, skip_prompt=True))
+    model.generate(
+        **tok(PROMPTS[1], return_tensors="pt"),
+        max_new_tokens=16,
+        do_sample=False,
+        streamer=Collect(tok, skip_prompt=True),
+    )
     assert "".join(pieces) == generate(onnx_bundle, prompt=PROMPTS[1], max_new_tokens=16)["text"]
     assert len(pieces) > 1  # streamed in pieces, not once at the end
 
@@ -215,6 +240,7 @@ def test_sampling_is_seeded_and_continuing_a_cache_equals_one_call(onnx_bundle):
     from transformers import AutoTokenizer
 
     from deltaship import load
+
     model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
     enc = tok(PROMPTS[0], return_tensors="pt")
     runs = []
@@ -224,8 +250,13 @@ def test_sampling_is_seeded_and_continuing_a_cache_equals_one_call(onnx_bundle):
     assert runs[0] == runs[1]
     # generate() with the cache a previous call returned continues the session instead of starting over
     first = model.generate(**enc, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
-    more = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences),
-                          past_key_values=first.past_key_values, max_new_tokens=6, do_sample=False)
+    more = model.generate(
+        first.sequences,
+        attention_mask=torch.ones_like(first.sequences),
+        past_key_values=first.past_key_values,
+        max_new_tokens=6,
+        do_sample=False,
+    )
     assert more[0].tolist() == model.generate(**enc, max_new_tokens=12, do_sample=False)[0].tolist()
 
 
@@ -233,6 +264,7 @@ def test_batches_and_padding_are_refused_clearly(onnx_bundle):
     from transformers import AutoTokenizer
 
     from deltaship import load
+
     model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
     enc = tok(PROMPTS[0], return_tensors="pt")
     with pytest.raises(DeltashipError) as e:
@@ -245,9 +277,12 @@ def test_batches_and_padding_are_refused_clearly(onnx_bundle):
 def test_import_deltaship_is_thin_and_export_is_callable():
     import subprocess
     import sys
-    code = ("import sys, deltaship; from deltaship import export, load; import deltaship.export as m; "
-            "assert m is export and callable(export) and 'torch' not in sys.modules, sorted(sys.modules); "
-            "print(deltaship.__version__)")
+
+    code = (
+        "import sys, deltaship; from deltaship import export, load; import deltaship.export as m; "
+        "assert m is export and callable(export) and 'torch' not in sys.modules, sorted(sys.modules); "
+        "print(deltaship.__version__)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     cli = subprocess.run([sys.executable, "-m", "deltaship", "--version"], capture_output=True, text=True)
@@ -256,10 +291,12 @@ def test_import_deltaship_is_thin_and_export_is_callable():
 
 # ---- optimum-cli export deltaship ------------------------------------------------------------------------------
 
+
 def _optimum_cli() -> str:
     """The optimum-cli beside this interpreter; the test skips (saying why) when optimum is not installed."""
     import importlib.util
     import sys
+
     if importlib.util.find_spec("optimum.commands.optimum_cli") is None:
         pytest.skip("optimum is not installed: pip install 'deltaship[optimum]' to test `optimum-cli export deltaship`")
     exe = Path(sys.executable).parent / "optimum-cli"
@@ -273,6 +310,7 @@ def test_optimum_cli_export_deltaship_writes_the_same_bundle(tmp_path, hf_cache)
     import subprocess
 
     from deltaship.cli import main
+
     root = Path(__file__).resolve().parents[1]  # where optimum/commands/register/ lives in a source checkout
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     cli = _optimum_cli()
@@ -280,14 +318,29 @@ def test_optimum_cli_export_deltaship_writes_the_same_bundle(tmp_path, hf_cache)
     assert helped.returncode == 0, helped.stderr
     for flag in ("--model", "--target", "--precision", "--allow-download", "--onnx-deltanet-ops", "OUT"):
         assert flag in helped.stdout
-    common = ["--model", "qwen3.5-tiny", "--target", "onnx", "--precision", "int4", "--max-context", "64",
-              "--no-verify", "--quiet"]
-    res = subprocess.run([cli, "export", "deltaship", *common, str(tmp_path / "via-optimum")], capture_output=True,
-                         text=True, env=env)
+    common = [
+        "--model",
+        "qwen3.5-tiny",
+        "--target",
+        "onnx",
+        "--precision",
+        "int4",
+        "--max-context",
+        "64",
+        "--no-verify",
+        "--quiet",
+    ]
+    res = subprocess.run(
+        [cli, "export", "deltaship", *common, str(tmp_path / "via-optimum")], capture_output=True, text=True, env=env
+    )
     assert res.returncode == 0, res.stderr
     assert main(["export", *common, "--out", str(tmp_path / "via-deltaship")]) == 0
     ours, theirs = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("via-optimum", "via-deltaship"))
     assert ours["precision"] == "int4" and ours["files"] and ours["files"] == theirs["files"]  # same sha256 per file
-    bad = subprocess.run([cli, "export", "deltaship", "--model", "acme/not-there", str(tmp_path / "x")],
-                         capture_output=True, text=True, env=env)
+    bad = subprocess.run(
+        [cli, "export", "deltaship", "--model", "acme/not-there", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert bad.returncode == 2 and "Hugging Face cache" in bad.stderr and "fix: fetch it with" in bad.stderr

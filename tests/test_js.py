@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from deltaship.export import export
-
 from deltaship.commands import generate
+from deltaship.export import export
 
 PKG = Path(__file__).resolve().parent.parent / "deltaship" / "apps" / "js"
 # byte-level tokenizer: 1 token, 7 tokens, and 26 tokens (over three chunks of 8)
@@ -35,8 +34,10 @@ if os.environ.get("DELTASHIP_SKIP_JS"):
 def _tool(name: str, install: str) -> str:
     path = shutil.which(name)
     if path is None:
-        pytest.fail(f"{name} is not installed; the JS driver tests need it: {install} "
-                    "(or set DELTASHIP_SKIP_JS=1 to skip these tests)")
+        pytest.fail(
+            f"{name} is not installed; the JS driver tests need it: {install} "
+            "(or set DELTASHIP_SKIP_JS=1 to skip these tests)"
+        )
     return path
 
 
@@ -47,8 +48,13 @@ def node() -> str:
     if not (PKG / "node_modules" / "onnxruntime-node").is_dir():
         npm = _tool("npm", "apt-get install -y npm")
         # The install script of onnxruntime-node downloads CUDA binaries; the CPU library is in the package.
-        run = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=PKG, text=True,
-                             capture_output=True, env={**os.environ, "ONNXRUNTIME_NODE_INSTALL": "skip"})
+        run = subprocess.run(
+            [npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"],
+            cwd=PKG,
+            text=True,
+            capture_output=True,
+            env={**os.environ, "ONNXRUNTIME_NODE_INSTALL": "skip"},
+        )
         assert run.returncode == 0, f"npm ci in {PKG} failed:\n{run.stderr[-3000:]}"
     return path
 
@@ -57,8 +63,12 @@ def node() -> str:
 def tiny(tmp_path_factory) -> dict[str, Path]:
     """The trained tiny preset, prefill chunk 8: fp32, int4, fp32 with external data, contrib DeltaNet ops."""
     root = tmp_path_factory.mktemp("js-bundles")
-    variants = {"fp32": {}, "int4": {"precision": "int4"}, "external": {"external_data": True},
-                "contrib": {"onnx_deltanet_ops": "contrib"}}
+    variants = {
+        "fp32": {},
+        "int4": {"precision": "int4"},
+        "external": {"external_data": True},
+        "contrib": {"onnx_deltanet_ops": "contrib"},
+    }
     out = {}
     for name, opts in variants.items():
         out[name] = root / name
@@ -71,8 +81,13 @@ def _python_tokens(bundle: Path) -> list[dict]:
 
 
 def _node_generate(node: str, bundle: Path) -> list[dict]:
-    run = subprocess.run([node, "examples/generate.mjs", str(bundle), *PROMPTS, "--max-new-tokens", str(NEW_TOKENS),
-                          "--json"], cwd=PKG, text=True, capture_output=True, timeout=300)
+    run = subprocess.run(
+        [node, "examples/generate.mjs", str(bundle), *PROMPTS, "--max-new-tokens", str(NEW_TOKENS), "--json"],
+        cwd=PKG,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     return [json.loads(line) for line in run.stdout.splitlines()]
 
@@ -103,8 +118,10 @@ def test_node_matches_deltaship_generate(node, tiny, variant):
 
 
 def test_node_refuses_unknown_schema_and_other_targets(node, tiny, tmp_path):
-    for change, expect in [({"schema_version": 99}, "schema_version 99 is not one this driver reads"),
-                           ({"target": "executorch"}, "target is executorch; the JavaScript driver runs ONNX bundles only")]:
+    for change, expect in [
+        ({"schema_version": 99}, "schema_version 99 is not one this driver reads"),
+        ({"target": "executorch"}, "target is executorch; the JavaScript driver runs ONNX bundles only"),
+    ]:
         bad = tmp_path / f"bad-{next(iter(change))}"
         shutil.copytree(tiny["fp32"], bad)
         manifest = json.loads((bad / "manifest.json").read_text())
@@ -123,8 +140,12 @@ class _Server:
         outer = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
-            extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map, ".mjs": "text/javascript",
-                              ".js": "text/javascript", ".wasm": "application/wasm"}
+            extensions_map = {
+                **http.server.SimpleHTTPRequestHandler.extensions_map,
+                ".mjs": "text/javascript",
+                ".js": "text/javascript",
+                ".wasm": "application/wasm",
+            }
 
             def __init__(self, *a, **k):
                 super().__init__(*a, directory=str(PKG), **k)
@@ -158,18 +179,30 @@ def _chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if shutil.which(name):
             return shutil.which(name)
-    pytest.fail("Chromium is not installed; the browser tests need it: apt-get install -y chromium "
-                "(or set DELTASHIP_SKIP_JS=1 to skip the JS tests)")
+    pytest.fail(
+        "Chromium is not installed; the browser tests need it: apt-get install -y chromium "
+        "(or set DELTASHIP_SKIP_JS=1 to skip the JS tests)"
+    )
 
 
-def _browser_run(node, bundles: dict[str, Path], name: str, ep: str, tmp_path: Path, flags: list[str],
-                 wait_s: int = 240) -> dict:
+def _browser_run(
+    node, bundles: dict[str, Path], name: str, ep: str, tmp_path: Path, flags: list[str], wait_s: int = 240
+) -> dict:
     server = _Server(bundles)
-    query = urllib.parse.urlencode({"bundle": f"/bundles/{name}/", "ep": ep, "n": NEW_TOKENS,
-                                    "prompts": json.dumps(PROMPTS)})
+    query = urllib.parse.urlencode(
+        {"bundle": f"/bundles/{name}/", "ep": ep, "n": NEW_TOKENS, "prompts": json.dumps(PROMPTS)}
+    )
     url = f"http://127.0.0.1:{server.port}/test/page.html?{query}"
-    cmd = [_chromium(), "--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--no-first-run",
-           f"--user-data-dir={tmp_path / 'profile'}", *flags, url]
+    cmd = [
+        _chromium(),
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        *flags,
+        url,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         posted = server.posted.wait(timeout=wait_s)
@@ -213,19 +246,35 @@ def test_desktop_kit_runs_in_node(node, tiny, tmp_path):
     kit = tmp_path / "desktop"
     files = write_kit(tiny["external"], kit, "desktop")
     names = {p.relative_to(kit).as_posix() for p in files}
-    assert {"generate.mjs", "README.md", "package.json", "deltaship-runtime/src/node.js", "bundle/model.onnx",
-            "bundle/model.onnx.data", "bundle/manifest.json", "bundle/tokenizer.json"} <= names
+    assert {
+        "generate.mjs",
+        "README.md",
+        "package.json",
+        "deltaship-runtime/src/node.js",
+        "bundle/model.onnx",
+        "bundle/model.onnx.data",
+        "bundle/manifest.json",
+        "bundle/tokenizer.json",
+    } <= names
     assert not any("node_modules" in n or n.startswith("deltaship-runtime/test") for n in names)
     readme = (kit / "README.md").read_text()
     assert "ONNXRUNTIME_NODE_INSTALL=skip npm install" in readme and "`model.onnx.data`" in readme
     deps = json.loads((kit / "package.json").read_text())["dependencies"]
-    assert deps == {k: v for k, v in json.loads((PKG / "package.json").read_text())["dependencies"].items()
-                    if k != "onnxruntime-web"}
+    assert deps == {
+        k: v
+        for k, v in json.loads((PKG / "package.json").read_text())["dependencies"].items()
+        if k != "onnxruntime-web"
+    }
     # the package's installed node_modules stand in for `npm install` in the kit (same pinned versions)
     (kit / "node_modules").symlink_to(PKG / "node_modules")
     prompt = PROMPTS[2]
-    run = subprocess.run([node, "generate.mjs", "bundle", prompt, "--max-new-tokens", str(NEW_TOKENS)], cwd=kit,
-                         text=True, capture_output=True, timeout=300)
+    run = subprocess.run(
+        [node, "generate.mjs", "bundle", prompt, "--max-new-tokens", str(NEW_TOKENS)],
+        cwd=kit,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout == prompt + generate(tiny["external"], prompt=prompt, max_new_tokens=NEW_TOKENS)["text"] + "\n"
 

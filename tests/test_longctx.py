@@ -21,33 +21,69 @@ from deltaship.tolerances import tolerance
 
 # A tiny model pretrained (nominally) on 64 positions, extended 4x by YaRN to 256. partial_rotary_factor 0.5
 # gives 4 rotary frequencies, so the ramp keeps some and interpolates others.
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.5}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+}
 YARN_CONTEXT = 256
 
 # rope blocks as checkpoints write them, at the published attention shape (head_dim 256, theta 1e7)
-PUBLISHED_ROPE = {"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
-                  "mrope_interleaved": True}
+PUBLISHED_ROPE = {
+    "rope_theta": 1e7,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [11, 11, 10],
+    "mrope_interleaved": True,
+}
 ROPE_CASES = {
-    "qwen_long_context": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144},
-                          1048576),
-    "mscale": ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32768, "mscale": 0.707,
-                "mscale_all_dim": 1.0}, 262144),
+    "qwen_long_context": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}, 1048576),
+    "mscale": (
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 32768,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
+        262144,
+    ),
     "explicit_attention_factor_betas_no_truncate": (
-        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 131072, "attention_factor": 1.25,
-         "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}, 262144),
-    "factor_from_context_ratio": ({"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 65536},
-                                  262144),
+        {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 131072,
+            "attention_factor": 1.25,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "truncate": False,
+        },
+        262144,
+    ),
+    "factor_from_context_ratio": (
+        {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 65536},
+        262144,
+    ),
 }
 
 
 def _published_config(rope: dict | None, max_pos: int, legacy: bool = False) -> dict:
-    cfg = dict(text_config("base"), model_type="qwen3_5_text", head_dim=256, num_attention_heads=2,
-               num_key_value_heads=1, max_position_embeddings=max_pos)
+    cfg = dict(
+        text_config("base"),
+        model_type="qwen3_5_text",
+        head_dim=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_pos,
+    )
     if legacy:  # old-style: rope_scaling with "type", theta at the top level
         del cfg["rope_parameters"]
-        cfg.update(rope_theta=1e7, partial_rotary_factor=0.25,
-                   rope_scaling={"type" if k == "rope_type" else k: v for k, v in rope.items()})
+        cfg.update(
+            rope_theta=1e7,
+            partial_rotary_factor=0.25,
+            rope_scaling={"type" if k == "rope_type" else k: v for k, v in rope.items()},
+        )
     else:
         cfg["rope_parameters"] = dict(PUBLISHED_ROPE, **rope) if rope else dict(PUBLISHED_ROPE, rope_type="default")
     return cfg
@@ -56,6 +92,7 @@ def _published_config(rope: dict | None, max_pos: int, legacy: bool = False) -> 
 def _transformers_rotary(cfg: dict):
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
     return Qwen3_5TextRotaryEmbedding(Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
 
 
@@ -96,16 +133,24 @@ def test_unscaled_rope_keeps_the_default_frequencies_and_no_factor():
 def test_unsupported_rope_type_names_the_config_key(key, rope_type):
     cfg = _published_config(None, 262144)
     cfg[key] = dict(PUBLISHED_ROPE, rope_type=rope_type, factor=2.0)
-    with pytest.raises(DeltashipError, match=rf"{key}\.rope_type '{rope_type}' is not supported; supported: "
-                                             r"default, yarn") as e:
+    with pytest.raises(
+        DeltashipError,
+        match=rf"{key}\.rope_type '{rope_type}' is not supported; supported: "
+        r"default, yarn",
+    ) as e:
         ModelSpec.from_config(cfg)
     assert "yarn" in e.value.fix
 
 
-@pytest.mark.parametrize("bad, match", [({"factor": 0.5}, "factor must be at least 1"),
-                                        ({"beta_fast": "fast"}, "beta_fast must be a positive number"),
-                                        ({"original_max_position_embeddings": 0}, "original_max_position_embeddings"),
-                                        ({"truncate": "yes"}, "truncate must be true or false")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"factor": 0.5}, "factor must be at least 1"),
+        ({"beta_fast": "fast"}, "beta_fast must be a positive number"),
+        ({"original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+        ({"truncate": "yes"}, "truncate must be true or false"),
+    ],
+)
 def test_bad_yarn_fields_are_named(bad, match):
     cfg = _published_config(dict(ROPE_CASES["qwen_long_context"][0], **bad), 1048576)
     with pytest.raises(DeltashipError, match=match):
@@ -127,27 +172,38 @@ def test_context_past_max_position_embeddings_says_how_to_extend_it():
 
 def test_export_refuses_a_context_the_rope_does_not_cover(tmp_path):
     from deltaship.export import export
-    with pytest.raises(DeltashipError, match=r"--max-context 4097 exceeds the model's max_position_embeddings "
-                                             r"\(4096.*no RoPE scaling"):
+
+    with pytest.raises(
+        DeltashipError,
+        match=r"--max-context 4097 exceeds the model's max_position_embeddings "
+        r"\(4096.*no RoPE scaling",
+    ):
         export("qwen3.5-tiny", tmp_path / "b", max_context=4097, progress=False, verify=False)
     assert not (tmp_path / "b").exists()
 
 
 @pytest.fixture(scope="module")
 def yarn_checkpoint(tmp_path_factory):
-    return write_checkpoint("base", tmp_path_factory.mktemp("yarn") / "ckpt", seed=7,
-                            max_position_embeddings=YARN_CONTEXT, rope_parameters=dict(YARN))
+    return write_checkpoint(
+        "base",
+        tmp_path_factory.mktemp("yarn") / "ckpt",
+        seed=7,
+        max_position_embeddings=YARN_CONTEXT,
+        rope_parameters=dict(YARN),
+    )
 
 
 @pytest.fixture(scope="module")
 def yarn_oracle(yarn_checkpoint):
     """transformers reading the checkpoint itself (not deltaship's hf_config), fp32."""
     from transformers import Qwen3_5ForCausalLM
+
     return Qwen3_5ForCausalLM.from_pretrained(yarn_checkpoint, dtype=torch.float32).eval()
 
 
 def test_reference_model_applies_the_checkpoint_yarn(yarn_checkpoint, yarn_oracle):
     from helpers import reference
+
     ours = reference(yarn_checkpoint)  # the model export verification compares against
     ids = torch.tensor([np.random.default_rng(0).integers(0, 150, 120).tolist()])
     with torch.no_grad():
@@ -161,8 +217,16 @@ def test_yarn_bundle_matches_transformers_past_the_original_context(target, yarn
     from deltaship.runtimes import open_bundle
 
     out = tmp_path / f"yarn-{target}"
-    manifest = export(str(yarn_checkpoint), out, target=target, precision="fp32", max_context=YARN_CONTEXT,
-                      prefill_chunk=32, verify=False, progress=False)
+    manifest = export(
+        str(yarn_checkpoint),
+        out,
+        target=target,
+        precision="fp32",
+        max_context=YARN_CONTEXT,
+        prefill_chunk=32,
+        verify=False,
+        progress=False,
+    )
     assert manifest["model"]["rope_type"] == "yarn" and manifest["model"]["rope_factor"] == 4.0
     prompt = np.random.default_rng(1).integers(0, 150, 100).tolist()
     ref_tokens, ref_rows = reference_greedy(yarn_oracle, prompt, 32)
@@ -173,8 +237,12 @@ def test_yarn_bundle_matches_transformers_past_the_original_context(target, yarn
     assert gen.output_ids == ref_tokens
     # The comparison can tell: the same weights without YaRN give logits outside the tolerance.
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-    cfg = dict(text_config("base"), max_position_embeddings=YARN_CONTEXT,
-               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+
+    cfg = dict(
+        text_config("base"),
+        max_position_embeddings=YARN_CONTEXT,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
     plain = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg)).eval()
     plain.load_state_dict(yarn_oracle.state_dict())
     _, plain_rows = reference_greedy(plain, prompt, 32)
@@ -189,6 +257,7 @@ def test_executorch_layout_applies_the_attention_factor_on_rotary_channels_only(
         full_width_inv_freq,
         rotate_half_matrix,
     )
+
     spec = ModelSpec.from_config(_published_config(ROPE_CASES["mscale"][0], 262144))
     assert fam.rotary_attention_factor(spec) != 1.0
     xr = XnnpackRotary(spec)
@@ -203,7 +272,7 @@ def test_executorch_layout_applies_the_attention_factor_on_rotary_channels_only(
     c, s = _deltaship_rotary(spec)(pos, 6, torch.float32)
     want = fam.rotate(x, c, s, spec.rotary_dim)
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[..., spec.rotary_dim:], x[..., spec.rotary_dim:])  # pass-through channels untouched
+    assert torch.equal(got[..., spec.rotary_dim :], x[..., spec.rotary_dim :])  # pass-through channels untouched
     plain = ModelSpec.from_config(_published_config(None, 262144))
     assert not XnnpackRotary(plain).scaled and not hasattr(XnnpackRotary(plain), "cos_scale_full")
 
@@ -212,6 +281,7 @@ def test_executorch_layout_applies_the_attention_factor_on_rotary_channels_only(
 def test_kv_bytes_per_token_and_deltanet_state_are_the_state_bytes_arithmetic():
     from deltaship.models.presets import PRESETS
     from deltaship.models.spec import KV_DTYPES
+
     for name, kib in (("qwen3.5-0.8b", 12), ("qwen3.5-9b", 32)):  # QWEN35.md: KV per token at 16 bits
         spec = PRESETS[name].spec()
         assert spec.kv_bytes_per_token("fp16") == kib * 1024
@@ -231,10 +301,10 @@ def test_kv_bytes_per_token_and_deltanet_state_are_the_state_bytes_arithmetic():
         spec.kv_bytes_per_token("int2")
 
 
-@pytest.mark.parametrize("config, precision", [("base", "fp32"), ("grouped_values", "fp16"),
-                                               ("deltanet_only", "fp32")])
+@pytest.mark.parametrize("config, precision", [("base", "fp32"), ("grouped_values", "fp16"), ("deltanet_only", "fp32")])
 def test_manifest_memory_block_adds_up_to_state_bytes(config, precision, bundles):
     from deltaship.bundle import read_manifest, schema_problems
+
     m = read_manifest(bundles(config, "onnx", precision))
     mem = m["memory"]
     assert not schema_problems(m)
@@ -248,6 +318,7 @@ def test_default_kv_dtype_keeps_todays_state_bytes():
     from deltaship.devices.plan import default_kv_dtype, state_bytes
     from deltaship.models.presets import PRESETS
     from deltaship.targets import PRECISIONS, get_target
+
     spec = PRESETS["qwen3.5-0.8b"].spec()
     for tg in target_names():
         for pr in PRECISIONS:
@@ -259,14 +330,24 @@ def test_default_kv_dtype_keeps_todays_state_bytes():
 
 def _tier(budget_gib: float):
     from deltaship.devices.catalog import GIB, Tier
-    return Tier(name=f"t{budget_gib}", kind="phone", ram_bytes=int(64 * GIB), budget_bytes=int(budget_gib * GIB),
-                targets=("onnx",), precisions=("int4",), context=2048, threads=4)
+
+    return Tier(
+        name=f"t{budget_gib}",
+        kind="phone",
+        ram_bytes=int(64 * GIB),
+        budget_bytes=int(budget_gib * GIB),
+        targets=("onnx",),
+        precisions=("int4",),
+        context=2048,
+        threads=4,
+    )
 
 
 @pytest.mark.parametrize("kv", ["fp32", "fp16", "int8", "int4"])
 def test_longest_context_fits_and_one_more_token_does_not(kv):
     from deltaship.devices.plan import estimate, longest_context
     from deltaship.models.presets import PRESETS
+
     spec = PRESETS["qwen3.5-0.8b"].spec()
     previous = 0
     for budget in (0.3, 0.6, 0.9, 1.2, 2.0, 3.0, 6.0, 12.0, 40.0):
@@ -290,6 +371,7 @@ def test_longest_context_fits_and_one_more_token_does_not(kv):
 def test_narrower_kv_cache_gives_a_longer_context():
     from deltaship.devices.plan import longest_context
     from deltaship.models.presets import PRESETS
+
     spec = PRESETS["qwen3.5-0.8b"].spec()
     tier = _tier(1.2)
     ctx = {kv: longest_context(spec, tier, "onnx", "int4", kv).context for kv in ("fp32", "fp16", "int8", "int4")}
@@ -298,6 +380,7 @@ def test_narrower_kv_cache_gives_a_longer_context():
 
 def test_plan_at_262144_has_a_row_per_kv_dtype_and_says_why_the_phone_does_not_fit():
     from deltaship.devices.plan import format_table, plan, verdicts
+
     rows = plan("qwen3.5-0.8b", tier="phone-4gb", context=262144)
     for tg in ("executorch", "onnx"):
         for pr in ("fp32", "int8", "int4"):  # these store fp32 activations: all four KV dtypes
@@ -306,8 +389,11 @@ def test_plan_at_262144_has_a_row_per_kv_dtype_and_says_why_the_phone_does_not_f
     int8 = [r for r in rows if r["kv_dtype"] == "int8" and r["context"] == 262144]
     assert int8 and not any(r["fits"] for r in int8) and not any(r["kv_exportable"] for r in int8)
     for r in rows:
-        assert r["total_bytes"] == r["weights_bytes"] + r["kv_bytes"] + r["deltanet_bytes"] + r["activation_bytes"] \
-            + r["runtime_bytes"] == r["weights_bytes"] + r["state_bytes"] + r["overhead_bytes"]
+        assert (
+            r["total_bytes"]
+            == r["weights_bytes"] + r["kv_bytes"] + r["deltanet_bytes"] + r["activation_bytes"] + r["runtime_bytes"]
+            == r["weights_bytes"] + r["state_bytes"] + r["overhead_bytes"]
+        )
     # the int8 KV cache alone (0.8B: 6240 bytes a token) is more than the 1.2 GiB budget
     assert all(r["kv_bytes"] > r["budget_bytes"] for r in int8)
     (line,) = verdicts(rows)
@@ -318,6 +404,7 @@ def test_plan_at_262144_has_a_row_per_kv_dtype_and_says_why_the_phone_does_not_f
 
 def test_plan_max_context_per_tier_and_the_9b_on_a_12gb_gpu():
     from deltaship.devices.plan import plan, verdicts
+
     rows = plan("qwen3.5-9b", tier="gpu-12gb", context="max")
     assert rows and all(r["longest"] for r in rows)
     pick = [r for r in rows if r["recommended"]]
@@ -331,15 +418,20 @@ def test_plan_max_context_per_tier_and_the_9b_on_a_12gb_gpu():
     rows = plan("qwen3.5-9b", tier="gpu-12gb", context="262144")  # the CLI passes a string
     int8 = [r for r in rows if (r["precision"], r["kv_dtype"]) == ("int4", "int8") and r["context"] == 262144]
     assert len(int8) == 1 and not int8[0]["fits"] and int8[0]["fits_at_chunk"] > 0  # fits with a smaller chunk
-    (small,) = [r for r in plan("qwen3.5-9b", tier="gpu-12gb", context=262144, kv_dtypes=["int8"],
-                                prefill_chunk=int8[0]["fits_at_chunk"])
-                  if r["precision"] == "int4" and r["context"] == 262144]
+    (small,) = [
+        r
+        for r in plan(
+            "qwen3.5-9b", tier="gpu-12gb", context=262144, kv_dtypes=["int8"], prefill_chunk=int8[0]["fits_at_chunk"]
+        )
+        if r["precision"] == "int4" and r["context"] == 262144
+    ]
     assert small["fits"]
 
 
 @pytest.mark.parametrize("bad, match", [("lots", "must be a number of tokens or max"), (0, "must be positive")])
 def test_plan_context_is_checked(bad, match):
     from deltaship.devices.plan import plan
+
     with pytest.raises(DeltashipError, match=match):
         plan("qwen3.5-0.8b", tier="phone-4gb", context=bad)
     with pytest.raises(DeltashipError, match="unknown KV dtype 'int2'"):
@@ -347,39 +439,54 @@ def test_plan_context_is_checked(bad, match):
 
 
 # ---- export(kv_cache=...): what each target can store today, checked before any work ------------------------
-@pytest.mark.parametrize("target, precision, options, kv, ok", [
-    ("onnx", "fp32", {}, "fp32", True), ("onnx", "fp16", {}, "fp16", True),
-    ("onnx", "int4", {"onnx_activations": "fp16"}, "fp16", True), ("onnx", "int4", {}, "fp16", False),
-    ("onnx", "fp32", {}, "int8", False), ("executorch", "int8", {}, "fp32", True),
-    ("executorch", "fp16", {}, "int4", False), ("coreml", "int4", {}, "fp16", True)])
+@pytest.mark.parametrize(
+    "target, precision, options, kv, ok",
+    [
+        ("onnx", "fp32", {}, "fp32", True),
+        ("onnx", "fp16", {}, "fp16", True),
+        ("onnx", "int4", {"onnx_activations": "fp16"}, "fp16", True),
+        ("onnx", "int4", {}, "fp16", False),
+        ("onnx", "fp32", {}, "int8", False),
+        ("executorch", "int8", {}, "fp32", True),
+        ("executorch", "fp16", {}, "int4", False),
+        ("coreml", "int4", {}, "fp16", True),
+    ],
+)
 def test_kv_cache_option_accepts_what_the_target_stores(target, precision, options, kv, ok):
     from deltaship.export import check_options
     from deltaship.targets import get_target
+
     if ok:
         typed = check_options(target, precision, None, 32, False, None, options, kv_cache=kv)
         assert get_target(target).kv_cache_dtypes(precision, typed.as_dict())[0] == kv
     else:
-        with pytest.raises(DeltashipError, match=rf"--kv-cache {kv} is not available for --target {target} at "
-                                                 rf"--precision {precision}: its KV cache is stored as") as e:
+        with pytest.raises(
+            DeltashipError,
+            match=rf"--kv-cache {kv} is not available for --target {target} at "
+            rf"--precision {precision}: its KV cache is stored as",
+        ) as e:
             check_options(target, precision, None, 32, False, None, options, kv_cache=kv)
         assert "drop --kv-cache" in e.value.fix
 
 
 def test_kv_cache_option_is_checked_before_work_and_recorded(tmp_path):
     from deltaship.export import export
+
     with pytest.raises(DeltashipError, match="unknown --kv-cache 'int2'"):
         export("qwen3.5-tiny", tmp_path / "a", kv_cache="int2", progress=False, verify=False)
     with pytest.raises(DeltashipError, match="--kv-cache int8 is not available"):
         export("qwen3.5-tiny", tmp_path / "a", kv_cache="int8", progress=False, verify=False)
     assert not (tmp_path / "a").exists()
-    m = export("qwen3.5-tiny", tmp_path / "b", precision="fp16", kv_cache="fp16", max_context=64, progress=False,
-               verify=False)
+    m = export(
+        "qwen3.5-tiny", tmp_path / "b", precision="fp16", kv_cache="fp16", max_context=64, progress=False, verify=False
+    )
     assert m["memory"]["kv_dtype"] == "fp16"
     assert {s["dtype"] for s in m["states"] if s["kind"].startswith("kv_cache")} == {"float16"}
 
 
 def test_a_context_past_the_native_one_is_capped_and_said():
     from deltaship.devices.plan import plan, verdicts
+
     native = plan("qwen3.5-0.8b", tier="laptop-16gb", context=262144)
     beyond = plan("qwen3.5-0.8b", tier="laptop-16gb", context=10**6)
     assert not any(r["capped"] for r in native) and all(r["capped"] for r in beyond)

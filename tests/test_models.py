@@ -41,12 +41,22 @@ def test_layer_types_are_read_not_assumed(checkpoints):
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_presets_match_published_sizes(preset):
     spec = PRESETS[preset].spec()
-    published = {"qwen3.5-0.8b": (1024, 24, 18, 6, 16, True), "qwen3.5-2b": (2048, 24, 18, 6, 16, True),
-                 "qwen3.5-4b": (2560, 32, 24, 8, 32, True), "qwen3.5-9b": (4096, 32, 24, 8, 32, False)}
+    published = {
+        "qwen3.5-0.8b": (1024, 24, 18, 6, 16, True),
+        "qwen3.5-2b": (2048, 24, 18, 6, 16, True),
+        "qwen3.5-4b": (2560, 32, 24, 8, 32, True),
+        "qwen3.5-9b": (4096, 32, 24, 8, 32, False),
+    }
     if preset in published:
         h, n, dn, at, hv, tied = published[preset]
-        assert (spec.hidden_size, spec.num_layers, len(spec.deltanet_layers), len(spec.attention_layers),
-                spec.linear_num_value_heads, spec.tie_word_embeddings) == (h, n, dn, at, hv, tied)
+        assert (
+            spec.hidden_size,
+            spec.num_layers,
+            len(spec.deltanet_layers),
+            len(spec.attention_layers),
+            spec.linear_num_value_heads,
+            spec.tie_word_embeddings,
+        ) == (h, n, dn, at, hv, tied)
         assert spec.vocab_size == 248320 and spec.head_dim == 256 and spec.rotary_dim == 64
     st = spec.state_bytes(4096, kv_bytes_per_elem=2)
     if preset in ("qwen3.5-0.8b", "qwen3.5-2b"):
@@ -60,22 +70,28 @@ def test_parameter_count_equals_transformers(preset):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from deltaship.models.qwen3_5 import hf_config
+
     spec = PRESETS[preset].spec()
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**hf_config(spec)))
     assert spec.parameter_count()["total"] == sum(p.numel() for p in model.parameters())  # tied counted once
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda c: c.pop("hidden_size"), "'hidden_size' is missing"),
-    (lambda c: c.update(model_type="llama"), "model_type 'llama' is not supported"),
-    (lambda c: c.update(layer_types=["linear_attention"]), "layer_types has 1 entries"),
-    (lambda c: c.update(num_attention_heads=3), "3 query heads are not a multiple"),
-    (lambda c: c.update(linear_num_value_heads=3), "not a multiple of its 2 key heads"),
-    (lambda c: c.update(hidden_size="64"), "'hidden_size' must be a positive integer"),
-    (lambda c: c.update(layer_types=["linear_attention", "mamba", "linear_attention", "full_attention"]),
-     "unknown layer kind"),
-])
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda c: c.pop("hidden_size"), "'hidden_size' is missing"),
+        (lambda c: c.update(model_type="llama"), "model_type 'llama' is not supported"),
+        (lambda c: c.update(layer_types=["linear_attention"]), "layer_types has 1 entries"),
+        (lambda c: c.update(num_attention_heads=3), "3 query heads are not a multiple"),
+        (lambda c: c.update(linear_num_value_heads=3), "not a multiple of its 2 key heads"),
+        (lambda c: c.update(hidden_size="64"), "'hidden_size' must be a positive integer"),
+        (
+            lambda c: c.update(layer_types=["linear_attention", "mamba", "linear_attention", "full_attention"]),
+            "unknown layer kind",
+        ),
+    ],
+)
 def test_bad_configs_name_the_problem(mutate, message):
     cfg = dict(text_config("base"), model_type="qwen3_5_text")
     mutate(cfg)
@@ -114,6 +130,7 @@ def test_missing_extra_and_misshapen_tensors_are_named(checkpoints, tmp_path):
         del t["model.layers.1.linear_attn.A_log"]
         t["model.layers.0.mlp.extra.weight"] = np.zeros(3, np.float32)
         t["model.layers.3.self_attn.k_proj.weight"] = np.zeros((5, 64), np.float32)
+
     _rewrite(path, edit)
     with pytest.raises(DeltashipError) as e:
         load_source(str(d))
@@ -145,6 +162,7 @@ def test_pickled_checkpoints_are_never_loaded(checkpoints, tmp_path):
     class Evil:
         def __reduce__(self):
             return (open, (str(marker), "w"))
+
     (d / "pytorch_model.bin").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(DeltashipError, match="never loads pickles"):
         load_source(str(d))
@@ -168,7 +186,7 @@ def test_sharded_checkpoint_with_index(checkpoints, tmp_path):
     name = "model.layers.0.linear_attn.in_proj_qkv.weight"
     w = src.weights.read(name)
     # BF16 storage: equal to the original up to bf16 rounding
-    np.testing.assert_allclose(w, tensors[name], rtol=2 ** -8, atol=0)
+    np.testing.assert_allclose(w, tensors[name], rtol=2**-8, atol=0)
     np.testing.assert_array_equal(src.weights.read(name, slice(3, 9)), w[3:9])
     (d / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(DeltashipError, match="shard\\(s\\) that are missing: model-00002-of-00002"):

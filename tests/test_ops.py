@@ -29,8 +29,9 @@ def test_gated_delta_rule_matches_transformers(t, heads):
     hk, hv = heads
     q, k, v, decay, beta, state = _inputs(t, hk, hv, 8, 12)
     out, new_state = OPS.gated_delta_rule(q, k, v, decay, beta, state)
-    ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(q, k, v, g=decay, beta=beta, initial_state=state,
-                                                             output_final_state=True)
+    ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(
+        q, k, v, g=decay, beta=beta, initial_state=state, output_final_state=True
+    )
     torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(new_state, ref_state, atol=2e-5, rtol=1e-4)
 
@@ -59,12 +60,12 @@ def test_causal_conv_with_state_matches_transformers(t):
     weight = torch.randn(c, kk, generator=g)
     history = torch.randn(1, 7, c, generator=g)
     x = torch.randn(1, t, c, generator=g)
-    state = history[:, -(kk - 1):]
+    state = history[:, -(kk - 1) :]
     y, new_state = OPS.causal_conv_with_state(x, state, weight)
     # transformers' full-sequence conv over history + x, channels first
     full = hf.causal_conv1d_fn(torch.cat([history, x], 1).transpose(1, 2), weight, None, activation="silu")
     torch.testing.assert_close(y, full.transpose(1, 2)[:, -t:], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(new_state, torch.cat([history, x], 1)[:, -(kk - 1):])
+    torch.testing.assert_close(new_state, torch.cat([history, x], 1)[:, -(kk - 1) :])
 
 
 def test_norm_ops_match_transformers():
@@ -87,8 +88,12 @@ def test_attention_with_kv_cache_matches_naive_attention():
     kc, vc = torch.zeros(1, hkv, s, d), torch.zeros(1, hkv, s, d)
     _, kc, vc = OPS.attention_with_kv_cache(q[:, :6], keys[:, :6], vals[:, :6], kc, vc, torch.tensor([0]))
     out, kc, vc = OPS.attention_with_kv_cache(q[:, 6:], keys[:, 6:], vals[:, 6:], kc, vc, torch.tensor([6]))
-    ref = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2).repeat_interleave(2, 1),
-                                         vals.transpose(1, 2).repeat_interleave(2, 1), is_causal=True)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        keys.transpose(1, 2).repeat_interleave(2, 1),
+        vals.transpose(1, 2).repeat_interleave(2, 1),
+        is_causal=True,
+    )
     torch.testing.assert_close(out, ref.transpose(1, 2)[:, 6:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kc[:, :, :11], keys.transpose(1, 2))
     assert not kc[:, :, 11:].any()
@@ -96,6 +101,7 @@ def test_attention_with_kv_cache_matches_naive_attention():
 
 def test_fake_kernels_give_the_reference_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     args = _inputs(5, 2, 4, 8, 8)
     real = OPS.gated_delta_rule(*args)
     with FakeTensorMode() as mode:

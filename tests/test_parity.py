@@ -7,8 +7,8 @@ come from deltaship.tolerances, the one table.
 from __future__ import annotations
 
 import numpy as np
-import torch
 import pytest
+import torch
 from helpers import ALL_CONFIGS, export_context, reference, reference_greedy
 
 from deltaship.export.reference import matched_reference_model
@@ -26,8 +26,13 @@ CHUNK = 8  # the bundles fixture exports with prefill_chunk=8
 LOW_PRECISION_CASES = (
     [(c, "onnx", p) for c in ALL_CONFIGS for p in ("fp16", "int8", "int4")]
     + [(c, "coreml", p) for c in ("base", "grouped_values") for p in ("fp16", "int8", "int4")]
-    + [("grouped_values", "executorch", "fp16"), ("base", "executorch", "int8"), ("base", "executorch", "int4"),
-       ("grouped_values", "executorch", "int4")])
+    + [
+        ("grouped_values", "executorch", "fp16"),
+        ("base", "executorch", "int8"),
+        ("base", "executorch", "int4"),
+        ("grouped_values", "executorch", "int4"),
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +43,7 @@ def refs(checkpoints):
         if config not in cache:
             cache[config] = reference(checkpoints[config])
         return cache[config]
+
     return get
 
 
@@ -132,8 +138,9 @@ def test_onnx_states_shared_in_place_are_exact(bundles):
     assert kinds["deltanet_conv"] is None  # written by a Slice of a Concat that reads it: two buffers
     shared = OnnxSession(path, manifest, prefill_chunk=80)
     double = OnnxSession(path, manifest, prefill_chunk=80, in_place=False)
-    assert {n for n, v in shared._vals.items() if len(v) == 1} == \
-        {s["name"] for s in manifest["states"] if s["kind"] != "deltanet_conv"}
+    assert {n for n, v in shared._vals.items() if len(v) == 1} == {
+        s["name"] for s in manifest["states"] if s["kind"] != "deltanet_conv"
+    }
     assert all(len(v) == 2 for v in double._vals.values())
     prompt = _prompt(70, seed=11)  # one call, longer than LinearAttention's chunk of 64
     a, b = shared.prefill(prompt), double.prefill(prompt)
@@ -149,11 +156,12 @@ def test_onnx_states_shared_in_place_are_exact(bundles):
 def _matched_parity(bundle, ckpt, precision, tol, target="onnx", **opts) -> dict:
     """Teacher-forced parity of a bundle against transformers with the bundle's own weight rounding
     (recomputed from the export's quantization choices, or read back from what the toolchain did)."""
-    import json
+
     ctx = export_context(ckpt, precision, target=target, **opts)
     source = load_source(str(ckpt))
     if target == "executorch" and precision in ("int8", "int4"):  # torchao's rounding, redone (deterministic)
         from deltaship.export.executorch import prepare
+
         prepare(ctx, source.weights)
     ref = matched_reference_model(source, ctx.plan, ctx.quant, precision, rounded=ctx.rounded)
     s = open_bundle(bundle)
@@ -185,8 +193,13 @@ def test_quantized_onnx_with_float_activations_is_exact(config, precision, bundl
 
 def test_int4_with_int8_deltanet_is_exact(bundles, checkpoints):
     tol = tolerance("onnx", "fp32")
-    got = _matched_parity(bundles("grouped_values", "onnx", "int4", accuracy_level=0, deltanet_int8=True),
-                          checkpoints["grouped_values"], "int4", tol, deltanet_int8=True)
+    got = _matched_parity(
+        bundles("grouped_values", "onnx", "int4", accuracy_level=0, deltanet_int8=True),
+        checkpoints["grouped_values"],
+        "int4",
+        tol,
+        deltanet_int8=True,
+    )
     assert got["rel"] <= tol.max_rel_logit_diff and got["agree"] == 1.0, got
 
 
@@ -198,6 +211,7 @@ def test_onnx_int4_with_fp16_activations(bundles, checkpoints):
 
     import onnx
     from onnx import TensorProto
+
     path = bundles("grouped_values", "onnx", "int4", accuracy_level=0, onnx_activations="fp16")
     g = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
     inits = {t.name: t.data_type for t in g.initializer}
@@ -219,6 +233,7 @@ def test_onnx_contrib_deltanet_ops_are_as_exact(config, bundles, refs):
     """The alternative ONNX lowering onto ORT's CausalConvWithState and GatedRMSNorm contrib ops: greedy
     tokens identical to transformers, chunked prefill equal to token-by-token feeding."""
     import onnx
+
     path = bundles(config, "onnx", "fp32", onnx_deltanet_ops="contrib")
     ops = {n.op_type for n in onnx.load(str(path / "model.onnx"), load_external_data=False).graph.node}
     assert {"CausalConvWithState", "GatedRMSNorm", "LinearAttention"} <= ops
@@ -228,8 +243,10 @@ def test_onnx_contrib_deltanet_ops_are_as_exact(config, bundles, refs):
     gen = s.generate(prompt, 32, stop_at_eos=False, keep_logits=True)
     assert gen.output_ids == ref_tokens
     tol = tolerance("onnx", "fp32")
-    assert compare(np.stack(gen.logits), ref_rows, ref_tokens, tol.tie_margin)["max_rel_logit_diff"] <= \
-        tol.max_rel_logit_diff
+    assert (
+        compare(np.stack(gen.logits), ref_rows, ref_tokens, tol.tie_margin)["max_rel_logit_diff"]
+        <= tol.max_rel_logit_diff
+    )
     stepwise = open_bundle(path)
     for tok in prompt:
         last = stepwise.decode(tok)

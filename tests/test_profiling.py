@@ -28,6 +28,7 @@ SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/ss
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> Path:
     from deltaship.export import export
+
     out = tmp_path_factory.mktemp("prof") / "tiny"
     export("qwen3.5-tiny", out, max_context=64, prefill_chunk=32, progress=False, verify=False)
     return out
@@ -51,8 +52,10 @@ def test_catalog_and_user_tiers(tmp_path):
     assert {"phone-4gb", "phone-8gb", "phone-12gb", "laptop-16gb", "gpu-8gb", "gpu-24gb", "gpu-80gb"} <= set(tiers)
     assert "phone-8gb" in models["qwen3.5-0.8b"] and "gpu-24gb" in models["qwen3.5-9b"]
     extra = tmp_path / "mine.toml"
-    extra.write_text('[tiers.watch-1gb]\nkind = "watch"\nram_gib = 1\nbudget_gib = 0.25\n'
-                     'targets = ["executorch"]\nprecisions = ["int4"]\ncontext = 512\n')
+    extra.write_text(
+        '[tiers.watch-1gb]\nkind = "watch"\nram_gib = 1\nbudget_gib = 0.25\n'
+        'targets = ["executorch"]\nprecisions = ["int4"]\ncontext = 512\n'
+    )
     tiers, _ = load_catalog(extra)
     assert tiers["watch-1gb"].budget_bytes == 2**28
     extra.write_text('[tiers.bad]\nkind = "x"\n')
@@ -83,6 +86,7 @@ def test_plan_arithmetic_and_fit():
 def test_plan_weights_match_a_real_bundle(bundle, tmp_path):
     """The planner's weight bytes for ONNX fp32 and int4 equal the bundle's model file to within its graph."""
     from deltaship.export import export
+
     m = json.loads((bundle / "manifest.json").read_text())
     planned = weight_bytes(PRESETS["qwen3.5-tiny"].spec(), "onnx", "fp32")
     assert abs(m["files"]["model.onnx"]["bytes"] - planned) / planned < 0.05
@@ -94,6 +98,7 @@ def test_plan_weights_match_a_real_bundle(bundle, tmp_path):
 # ---- profiling on the host ---------------------------------------------------------------------
 def test_profile_host_records_and_contract(bundle, tmp_path):
     from deltaship.profiling.profile import profile
+
     ballast = np.ones(1 << 27)  # 1 GiB resident in this process: the worker's peak must not include it
     doc = profile(bundle, **FAST, json_out=tmp_path / "p.json", threads=1)
     del ballast
@@ -101,9 +106,16 @@ def test_profile_host_records_and_contract(bundle, tmp_path):
     assert saved["schema_version"] == 1 and saved["device"]["device"] == "host"
     assert {"device", "bundle", "results"} <= set(saved)
     metrics = {(r["metric"], r.get("prompt_length"), r.get("context")) for r in doc["results"]}
-    for m in [("load_cold_s", None, None), ("load_warm_s", None, None), ("prefill_tok_s", 16, None),
-              ("prefill_tok_s", 40, None), ("ttft_s", 40, None), ("decode_latency_s", None, 8),
-              ("decode_latency_s", None, 48), ("peak_rss_bytes", None, None)]:
+    for m in [
+        ("load_cold_s", None, None),
+        ("load_warm_s", None, None),
+        ("prefill_tok_s", 16, None),
+        ("prefill_tok_s", 40, None),
+        ("ttft_s", 40, None),
+        ("decode_latency_s", None, 8),
+        ("decode_latency_s", None, 48),
+        ("peak_rss_bytes", None, None),
+    ]:
         assert m in metrics, m
     for r in doc["results"]:
         assert {"metric", "unit", "samples", "median", "p90", "cv", "ci95", "flags"} <= set(r), r["metric"]
@@ -118,6 +130,7 @@ def test_profile_host_records_and_contract(bundle, tmp_path):
 
 def test_profile_compare(bundle, tmp_path):
     from deltaship.profiling.profile import compare, profile
+
     profile(bundle, **FAST, json_out=tmp_path / "a.json", threads=1, breakdown=False)
     profile(bundle, **FAST, json_out=tmp_path / "b.json", threads=1, breakdown=False)
     rows = compare(tmp_path / "a.json", tmp_path / "b.json")
@@ -128,6 +141,7 @@ def test_profile_compare(bundle, tmp_path):
 
 def test_profile_tier_emulation_and_fit(bundle):
     from deltaship.profiling.profile import profile
+
     doc = profile(bundle, **FAST, tier="phone-4gb", breakdown=False)
     e = doc["emulation"]
     assert e["tier"] == "phone-4gb" and e["threads"] == min(4, os.cpu_count()) and e["emulated"]
@@ -142,14 +156,17 @@ def test_a_run_that_dies_is_recorded_not_a_number(bundle, tmp_path):
     tiny bundle, and the test failed once with it (the failure's output was not kept).
     """
     from deltaship.profiling.profile import MemoryCap, profile
+
     cap = MemoryCap(10 << 20)
     enforceable = cap.procs is not None
     cap.close()
     if not enforceable:
         pytest.skip("this host offers no writable cgroup to cap memory (the cap is reported as not enforced)")
     tiny = tmp_path / "tiers.toml"
-    tiny.write_text('[tiers.tiny-ram]\nkind = "phone"\nram_gib = 1\nbudget_gib = 0.01\n'
-                    'targets = ["onnx"]\nprecisions = ["fp32"]\ncontext = 64\nthreads = 1\n')
+    tiny.write_text(
+        '[tiers.tiny-ram]\nkind = "phone"\nram_gib = 1\nbudget_gib = 0.01\n'
+        'targets = ["onnx"]\nprecisions = ["fp32"]\ncontext = 64\nthreads = 1\n'
+    )
     doc = profile(bundle, **FAST, tier="tiny-ram", tiers_file=str(tiny), breakdown=False)
     died = [r for r in doc["results"] if r.get("status") == "died"]
     assert died and died[0]["samples"] == [] and "died" in died[0]["flags"], doc["results"]
@@ -165,6 +182,7 @@ def test_worker_holds_one_session_at_a_time(bundle, monkeypatch):
 
     import deltaship.runtimes as runtimes
     from deltaship.profiling import worker
+
     real, alive, most = runtimes.open_bundle, set(), [0]
 
     def counting(*args, **kwargs):
@@ -175,6 +193,7 @@ def test_worker_holds_one_session_at_a_time(bundle, monkeypatch):
         weakref.finalize(session, alive.discard, key)
         most[0] = max(most[0], len(alive))
         return session
+
     monkeypatch.setattr(runtimes, "open_bundle", counting)
     doc = worker.run(dict(bundle=str(bundle), threads=1, **dict(FAST, contexts=[8])))
     assert most[0] == 1
@@ -187,6 +206,7 @@ def test_default_contexts_clip_to_the_bundle(bundle):
     """Without --contexts the default depths are clipped to what the bundle's KV cache holds, rather
     than refused (a 4096-context bundle is profiled at 4095, not failed for 4096)."""
     from deltaship.profiling.profile import profile
+
     fast = {k: v for k, v in FAST.items() if k != "contexts"}
     doc = profile(bundle, **fast, breakdown=False)
     assert doc["config"]["contexts"] == [63]
@@ -196,6 +216,7 @@ def test_default_contexts_clip_to_the_bundle(bundle):
 
 def test_profile_bad_input(bundle):
     from deltaship.profiling.profile import profile
+
     with pytest.raises(DeltashipError, match="do not fit this bundle's max context of 64"):
         profile(bundle, contexts=[128], prompt_lengths=[16], gen=4)
     with pytest.raises(DeltashipError, match="unknown tier"):
@@ -208,15 +229,29 @@ def test_profile_bad_input(bundle):
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is installed by .ci/run; not on this machine")
 def test_html_report_renders_in_headless_chromium(bundle, tmp_path):
     from deltaship.profiling.profile import profile
+
     report = tmp_path / "report.html"
     profile(bundle, **FAST, report=report, threads=1)
     html = report.read_text()
     assert "src='data:image/png;base64," in html and "http" not in html.split("<body>")[1].split("<script>")[0]
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'chrome'}", "--virtual-time-budget=5000", "--dump-dom", report.as_uri()]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chrome'}",
+        "--virtual-time-budget=5000",
+        "--dump-dom",
+        report.as_uri(),
+    ]
     dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
     import re
+
     summary = re.search(r'<table id="summary">(.*?)</table>', dom, re.S).group(1)
     assert "decode_tok_s (from ctx" in summary and "prefill_tok_s (P=" in summary and "tok/s" in summary
     device = re.search(r'<table id="device">(.*?)</table>', dom, re.S).group(1)
@@ -226,9 +261,13 @@ def test_html_report_renders_in_headless_chromium(bundle, tmp_path):
     expected, loaded, total = map(int, m.groups())
     assert expected == total == loaded >= 4  # every plot decoded by the browser
     shot = tmp_path / "shot.png"
-    subprocess.run(cmd[:-2] + [f"--screenshot={shot}", "--window-size=1100,1600", report.as_uri()],
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        cmd[:-2] + [f"--screenshot={shot}", "--window-size=1100,1600", report.as_uri()],
+        capture_output=True,
+        timeout=120,
+    )
     from PIL import Image
+
     px = np.asarray(Image.open(shot).convert("L"))
     assert px.std() > 10  # not a blank page
 
@@ -257,7 +296,8 @@ def sshd(tmp_path_factory):
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\nUsePAM no\n"
         f"StrictModes no\nPermitRootLogin yes\nPidFile {d / 'sshd.pid'}\nSetEnv PATH={venv_bin}:/usr/bin:/bin\n"
-        "PermitUserEnvironment yes\n")
+        "PermitUserEnvironment yes\n"
+    )
     Path("/run/sshd").mkdir(exist_ok=True)
     proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stderr=subprocess.PIPE)
     for _ in range(50):
@@ -266,11 +306,23 @@ def sshd(tmp_path_factory):
             break
         except OSError:
             time.sleep(0.1)
-    opts = ["-i", str(d / "client_key"), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-            "-o", "LogLevel=ERROR"]
+    opts = [
+        "-i",
+        str(d / "client_key"),
+        "-o",
+        "StrictHostKeyChecking=no",
+        "-o",
+        "UserKnownHostsFile=/dev/null",
+        "-o",
+        "LogLevel=ERROR",
+    ]
     user = os.environ.get("USER") or subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip()
-    yield {"url": f"ssh://{user}@127.0.0.1:{port}", "options": opts, "port": port,
-           "deltaship": str(Path(sys.executable).parent / "deltaship")}
+    yield {
+        "url": f"ssh://{user}@127.0.0.1:{port}",
+        "options": opts,
+        "port": port,
+        "deltaship": str(Path(sys.executable).parent / "deltaship"),
+    }
     proc.terminate()
     proc.wait(timeout=10)
 
@@ -278,10 +330,17 @@ def sshd(tmp_path_factory):
 def test_ssh_fingerprint_and_profile_over_loopback(sshd, bundle, tmp_path):
     from deltaship.devices.discovery import ssh_fingerprint
     from deltaship.profiling.profile import profile
+
     fp = ssh_fingerprint(sshd["url"], sshd["options"], sshd["deltaship"])
     assert fp["kind"] == "ssh" and fp["cores"] >= 1 and fp["ram_bytes"] > 0
-    doc = profile(bundle, device=sshd["url"], **FAST, ssh_options=sshd["options"], remote_deltaship=sshd["deltaship"],
-                  json_out=tmp_path / "remote.json")
+    doc = profile(
+        bundle,
+        device=sshd["url"],
+        **FAST,
+        ssh_options=sshd["options"],
+        remote_deltaship=sshd["deltaship"],
+        json_out=tmp_path / "remote.json",
+    )
     assert doc["device"]["kind"] == "ssh" and doc["device"]["device"] == sshd["url"]
     assert any(r["metric"] == "prefill_tok_s" and r["samples"] for r in doc["results"])
     assert json.loads((tmp_path / "remote.json").read_text())["bundle"]["name"] == "tiny"
@@ -289,6 +348,7 @@ def test_ssh_fingerprint_and_profile_over_loopback(sshd, bundle, tmp_path):
 
 def test_unreachable_ssh_host_is_a_clear_error(bundle):
     from deltaship.profiling.profile import profile
+
     port = _free_port()  # nothing listens there
     with pytest.raises(DeltashipError, match=f"ssh://127.0.0.1:{port} is unreachable"):
         profile(bundle, device=f"ssh://127.0.0.1:{port}", **FAST, ssh_options=["-o", "ConnectTimeout=3"])
@@ -298,6 +358,7 @@ def test_unreachable_ssh_host_is_a_clear_error(bundle):
 @pytest.mark.skipif(shutil.which("adb") is None, reason="adb is installed by .ci/run; not on this machine")
 def test_adb_with_no_device():
     from deltaship.devices.discovery import adb_devices, adb_fingerprint
+
     subprocess.run(["adb", "start-server"], capture_output=True, timeout=60)
     assert adb_devices() == []
     with pytest.raises(DeltashipError, match="'emulator-5554' is not attached"):
@@ -306,9 +367,12 @@ def test_adb_with_no_device():
 
 def test_android_runner_output_parsing():
     from deltaship.devices.android import parse_pss, parse_runner_output
-    et = ('I 00:00:01 PyTorchObserver {"prompt_tokens":128,"generated_tokens":33,"model_load_start_ms":1000,'
-          '"model_load_end_ms":1500,"inference_start_ms":2000,"prompt_eval_end_ms":2400,"first_token_ms":2410,'
-          '"inference_end_ms":3010,"SCALING_FACTOR_UNITS_PER_SECOND":1000}')
+
+    et = (
+        'I 00:00:01 PyTorchObserver {"prompt_tokens":128,"generated_tokens":33,"model_load_start_ms":1000,'
+        '"model_load_end_ms":1500,"inference_start_ms":2000,"prompt_eval_end_ms":2400,"first_token_ms":2410,'
+        '"inference_end_ms":3010,"SCALING_FACTOR_UNITS_PER_SECOND":1000}'
+    )
     got = parse_runner_output(et)
     assert got == pytest.approx({"load_cold_s": 0.5, "prefill_tok_s": 320.0, "ttft_s": 0.41, "decode_tok_s": 32 / 0.6})
     assert parse_runner_output("Average inference time cost: 12.5 ms")["inference_s"] == pytest.approx(0.0125)
@@ -318,20 +382,50 @@ def test_android_runner_output_parsing():
 # ---- the CLI -----------------------------------------------------------------------------------
 def test_cli_devices_plan_profile(bundle, tmp_path):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "deltaship.cli", *a], capture_output=True, text=True,  # noqa: E731
-                                    env=env, timeout=600)
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "deltaship.cli", *a],
+        capture_output=True,
+        text=True,  # noqa: E731
+        env=env,
+        timeout=600,
+    )
     r = run("devices", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)[0]["device"] == "host"
     r = run("plan", "--model", "qwen3.5-9b", "--json")
     rows = json.loads(r.stdout)
-    assert {"tier", "target", "precision", "context", "weights_bytes", "state_bytes", "overhead_bytes", "total_bytes",
-            "budget_bytes", "fits"} <= set(rows[0])
+    assert {
+        "tier",
+        "target",
+        "precision",
+        "context",
+        "weights_bytes",
+        "state_bytes",
+        "overhead_bytes",
+        "total_bytes",
+        "budget_bytes",
+        "fits",
+    } <= set(rows[0])
     r = run("plan", "--model", "qwen3.5-9b", "--tier", "phone-4gb")
     assert r.returncode == 0 and "no" in r.stdout
     r = run("plan", "--model", "qwen3.5-9b", "--tier", "nope")
     assert r.returncode == 2 and "unknown tier 'nope'" in r.stderr
-    r = run("profile", str(bundle), "--prompt-lengths", "16", "--gen", "4", "--contexts", "8", "--reps", "3",
-            "--min-seconds", "0.1", "--json", str(tmp_path / "c.json"), "--no-breakdown")
+    r = run(
+        "profile",
+        str(bundle),
+        "--prompt-lengths",
+        "16",
+        "--gen",
+        "4",
+        "--contexts",
+        "8",
+        "--reps",
+        "3",
+        "--min-seconds",
+        "0.1",
+        "--json",
+        str(tmp_path / "c.json"),
+        "--no-breakdown",
+    )
     assert r.returncode == 0 and "prefill_tok_s" in r.stdout
     r = run("profile", "--compare", str(tmp_path / "c.json"), str(tmp_path / "c.json"))
     assert r.returncode == 0 and "B/A" in r.stdout and "1.000" in r.stdout
@@ -342,6 +436,7 @@ def _fake_nvml(monkeypatch, per_process: int | None, device_used: list[int]):
     `per_process` bytes (0: no per-process entry, as on some virtual machines; None: the query raises,
     as NotSupported does on some vGPU setups)."""
     import types
+
     used = iter(device_used + [device_used[-1]] * 10_000)
     proc = types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=per_process)
 
@@ -349,18 +444,28 @@ def _fake_nvml(monkeypatch, per_process: int | None, device_used: list[int]):
         if per_process is None:
             raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
         return [proc] if per_process else []
+
     nv = types.SimpleNamespace(
-        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlInit=lambda: None,
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=next(used)),
-        nvmlDeviceGetComputeRunningProcesses=processes)
+        nvmlDeviceGetComputeRunningProcesses=processes,
+    )
     monkeypatch.setitem(sys.modules, "pynvml", nv)
 
 
-@pytest.mark.parametrize("per_process,expect,source", [(3 << 30, 3 << 30, "per-process"),
-                                                       (0, 2 << 30, "device used memory above"),
-                                                       (None, 2 << 30, "device used memory above")])
+@pytest.mark.parametrize(
+    "per_process,expect,source",
+    [
+        (3 << 30, 3 << 30, "per-process"),
+        (0, 2 << 30, "device used memory above"),
+        (None, 2 << 30, "device used memory above"),
+    ],
+)
 def test_gpu_memory_per_process_or_device_delta(monkeypatch, per_process, expect, source):
     from deltaship.profiling.worker import GpuMemory
+
     _fake_nvml(monkeypatch, per_process, [5 << 30, 6 << 30, 7 << 30, 6 << 30])
     g = GpuMemory(interval=0.001)
     time.sleep(0.05)
@@ -370,6 +475,7 @@ def test_gpu_memory_per_process_or_device_delta(monkeypatch, per_process, expect
 
 def test_gpu_memory_without_nvml_is_unmeasured(monkeypatch):
     from deltaship.profiling.worker import GpuMemory
+
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     g = GpuMemory()
     g.stop()

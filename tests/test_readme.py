@@ -38,7 +38,7 @@ def section(text: str, heading: str) -> str:
     """The text directly under `heading`, up to the next heading of any level."""
     start = text.index(f"\n{heading}\n") + len(heading) + 2
     nxt = re.search(r"^#+ ", text[start:], re.M)
-    return text[start: start + nxt.start()] if nxt else text[start:]
+    return text[start : start + nxt.start()] if nxt else text[start:]
 
 
 def normalized(line: str) -> list[str]:
@@ -53,13 +53,20 @@ def test_readme_is_short():
 
 def test_install_and_test_commands_are_what_ci_runs():
     text = README.read_text()
-    quick = [cmd for info, body in fenced(section(text, "## Quick start")) if info[:1] == ["bash"]
-             and "runnable" not in info for cmd in commands(body)]
+    quick = [
+        cmd
+        for info, body in fenced(section(text, "## Quick start"))
+        if info[:1] == ["bash"] and "runnable" not in info
+        for cmd in commands(body)
+    ]
     install = [c for c in quick if c.startswith("pip install")]
     tests = [c for c in quick if c.startswith("python -m pytest")]
     assert len(install) == 1 and len(tests) == 1, f"expected one install and one test command in Quick start: {quick}"
-    ci = [normalized(ln) for ln in (ROOT / ".ci" / "run").read_text().splitlines()
-          if ln.strip() and not ln.lstrip().startswith("#")]
+    ci = [
+        normalized(ln)
+        for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+        if ln.strip() and not ln.lstrip().startswith("#")
+    ]
     for cmd in install + tests:
         assert normalized(cmd) in ci, f"README command {cmd!r} is not a line of .ci/run"
     # the CPU-only recipe ends with the same install command
@@ -100,17 +107,29 @@ def test_runnable_blocks_run(tmp_path):
     assert len(runnable) >= 5, "the README's runnable blocks (```bash runnable) are missing"
     main = runnable[0]
     assert "deltaship export" in main and "deltaship generate" in main, "the first runnable block must be the main job"
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     for body in runnable:
-        r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", body], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=900)
+        r = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", body],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if r.returncode:
-            pytest.fail(f"README block failed (exit {r.returncode}):\n{body}\n--- stdout\n{r.stdout[-3000:]}"
-                        f"\n--- stderr\n{r.stderr[-3000:]}")
+            pytest.fail(
+                f"README block failed (exit {r.returncode}):\n{body}\n--- stdout\n{r.stdout[-3000:]}"
+                f"\n--- stderr\n{r.stderr[-3000:]}"
+            )
         if body is main:
             prompt = shlex.split(main.split("deltaship generate", 1)[1])
             prompt = prompt[prompt.index("--prompt") + 1]
             last = [ln for ln in r.stdout.splitlines() if ln.strip()][-1]
-            assert last.startswith(prompt) and len(last) > len(prompt) + 8, \
+            assert last.startswith(prompt) and len(last) > len(prompt) + 8, (
                 f"the main job printed no generated text after the prompt {prompt!r}: {last!r}"
+            )

@@ -13,16 +13,18 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from train_tiny import corpus_files, is_heldout  # noqa: E402  (the training script, outside the package)
 
-from deltaship.export import export
 from deltaship.bundle.evaluate import HELDOUT, evaluate
+from deltaship.export import export
 from deltaship.models.source import load_source
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
-    return {p: (out / p, export("qwen3.5-tiny", out / p, precision=p, max_context=512, progress=False))
-            for p in ("fp32", "int4")}
+    return {
+        p: (out / p, export("qwen3.5-tiny", out / p, precision=p, max_context=512, progress=False))
+        for p in ("fp32", "int4")
+    }
 
 
 def test_preset_ships_trained_weights():
@@ -63,19 +65,57 @@ def test_int4_costs_something_but_not_much(tiny):
 
 def test_eval_refuses_a_different_model(tiny, checkpoints):
     from deltaship.errors import DeltashipError
+
     with pytest.raises(DeltashipError, match="not the model this bundle was exported from"):
         evaluate(tiny["fp32"][0], model=str(checkpoints["base"]))
 
 
 def test_generate_def_prints_python_like_text(tiny):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run([sys.executable, "-m", "deltaship.cli", "generate", str(tiny["fp32"][0]), "--prompt", "def ",
-                        "--max-new-tokens", "48", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltaship.cli",
+            "generate",
+            str(tiny["fp32"][0]),
+            "--prompt",
+            "def ",
+            "--max-new-tokens",
+            "48",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     text = json.loads(r.stdout)["text"]
     assert text.isascii() and ("_" in text or "(" in text)
     # sampled continuations look like code: indentation, calls, assignments, colons
-    r = subprocess.run([sys.executable, "-m", "deltaship.cli", "generate", str(tiny["fp32"][0]), "--prompt",
-                        "def read(self):\n", "--max-new-tokens", "160", "--temperature", "0.6", "--top-p", "0.9",
-                        "--seed", "2", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltaship.cli",
+            "generate",
+            str(tiny["fp32"][0]),
+            "--prompt",
+            "def read(self):\n",
+            "--max-new-tokens",
+            "160",
+            "--temperature",
+            "0.6",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     text = json.loads(r.stdout)["text"]
     assert sum(text.count(c) for c in "():=.") >= 5 and "    " in text

@@ -58,11 +58,20 @@ def heldout_text(n: int = HELDOUT_BYTES) -> str:
     return bytes(held[:n]).decode("utf-8", errors="replace")
 
 
-def train(out: Path, steps: int = 2200, batch: int = 16, seq: int = 256, lr: float = 2e-3, seed: int = 0,
-          threads: int = 2, log_every: int = 50) -> dict:
+def train(
+    out: Path,
+    steps: int = 2200,
+    batch: int = 16,
+    seq: int = 256,
+    lr: float = 2e-3,
+    seed: int = 0,
+    threads: int = 2,
+    log_every: int = 50,
+) -> dict:
     import logging
 
     import torch
+
     for name in ("torchao", "torch.utils._pytree", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -81,16 +90,21 @@ def train(out: Path, steps: int = 2200, batch: int = 16, seq: int = 256, lr: flo
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (no_decay if p.ndim < 2 else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
+    )
     warm = max(1, steps // 20)
 
     def lr_at(s: int) -> float:
-        return lr * s / warm if s < warm else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm))))
+        return (
+            lr * s / warm
+            if s < warm
+            else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm))))
+        )
 
     def batch_of(data: np.ndarray, n: int) -> torch.Tensor:
         starts = rng.integers(0, data.size - seq - 1, n)
-        return torch.from_numpy(np.stack([data[s:s + seq] for s in starts]).astype(np.int64))
+        return torch.from_numpy(np.stack([data[s : s + seq] for s in starts]).astype(np.int64))
 
     @torch.no_grad()
     def heldout_loss() -> float:
@@ -130,9 +144,19 @@ def train(out: Path, steps: int = 2200, batch: int = 16, seq: int = 256, lr: flo
     write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"}, dtype="BF16")
     write_tiny_tokenizer(out)
     (out / "heldout.txt").write_bytes(bytes(he[:HELDOUT_BYTES]))
-    meta = {"steps": steps, "batch": batch, "seq": seq, "lr": lr, "seed": seed, "threads": threads,
-            "tokens_seen": steps * batch * seq, "train_seconds": round(time.monotonic() - t0, 1),
-            "final_heldout_loss_nats_per_byte": log[-1].get("heldout_loss"), "corpus": info, "log": log}
+    meta = {
+        "steps": steps,
+        "batch": batch,
+        "seq": seq,
+        "lr": lr,
+        "seed": seed,
+        "threads": threads,
+        "tokens_seen": steps * batch * seq,
+        "train_seconds": round(time.monotonic() - t0, 1),
+        "final_heldout_loss_nats_per_byte": log[-1].get("heldout_loss"),
+        "corpus": info,
+        "log": log,
+    }
     (out / "training.json").write_text(json.dumps(meta, indent=2))
     return meta
 

@@ -59,10 +59,14 @@ def cpu_candidates(model) -> dict:
     inputs_used = sorted({i for n in cpu.values() for i in n.input if i in graph_inputs})
     order = {n.name: k for k, n in enumerate(g.node)}
     nodes = sorted(cpu.values(), key=lambda n: order[n.name])
-    return {"gqa_nodes": len(gqa), "graph_inputs_read": inputs_used,
-            "cpu_nodes": [{"name": n.name, "op": n.op_type, "inputs": list(n.input), "outputs": list(n.output)}
-                          for n in nodes],
-            "predicted_memcpy_edges": edges}
+    return {
+        "gqa_nodes": len(gqa),
+        "graph_inputs_read": inputs_used,
+        "cpu_nodes": [
+            {"name": n.name, "op": n.op_type, "inputs": list(n.input), "outputs": list(n.output)} for n in nodes
+        ],
+        "predicted_memcpy_edges": edges,
+    }
 
 
 def main() -> int:
@@ -71,14 +75,17 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     import onnx
+
     manifest = json.loads((a.bundle / "manifest.json").read_text())
     res = cpu_candidates(onnx.load(str(a.bundle / manifest["entry"]), load_external_data=False))
     for n in res["cpu_nodes"]:
         print(f"cpu  {n['op']:10} {n['name']:28} {', '.join(n['inputs'])} -> {', '.join(n['outputs'])}")
     for e in res["predicted_memcpy_edges"]:
         print(f"copy {e['tensor']} ({e['from']}) -> {e['to_op']} {e['to']} input {e['input']}")
-    print(f"{len(res['cpu_nodes'])} nodes predicted on the CPU; "
-          f"{len({e['tensor'] for e in res['predicted_memcpy_edges']})} tensors copied to the GPU (Memcpy nodes)")
+    print(
+        f"{len(res['cpu_nodes'])} nodes predicted on the CPU; "
+        f"{len({e['tensor'] for e in res['predicted_memcpy_edges']})} tensors copied to the GPU (Memcpy nodes)"
+    )
     if a.json:
         a.json.write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -51,8 +51,12 @@ PROMPTS, GEN, CONTEXTS, MAX_CONTEXT = (512, 4096), 64, (128, 1024, 4096), 8192
 ORT_GPU = "onnxruntime-gpu[cuda,cudnn]==1.31.*"
 LLAMA_CPP = "llama-cpp-python==0.3.36"  # its sdist vendors a llama.cpp with the qwen35 architecture
 # Free disk an export needs (the bundle; the export streams weights, no checkpoint is written), GiB, with margin.
-DISK_GIB = {"0.8b": {"int4": 1.5, "fp16": 3}, "2b": {"int4": 3, "fp16": 6}, "4b": {"int4": 5, "fp16": 11},
-            "9b": {"int4": 8, "fp16": 22}}
+DISK_GIB = {
+    "0.8b": {"int4": 1.5, "fp16": 3},
+    "2b": {"int4": 3, "fp16": 6},
+    "4b": {"int4": 5, "fp16": 11},
+    "9b": {"int4": 8, "fp16": 22},
+}
 VENV_GIB = 8  # torch with its CUDA libraries + onnxruntime-gpu
 # Peers per preset: the bf16 checkpoints (multimodal for genai, text for llama.cpp), genai's int4 export, the GGUFs.
 PEER_GIB = {"0.8b": 6, "2b": 14, "4b": 26, "9b": 55}
@@ -82,8 +86,14 @@ def bundle_name(preset: str, precision: str) -> str:
     return f"q{preset}-{precision}" + ("-fp16act" if precision == "int4" else "")
 
 
-def plan(work: Path, presets: list[str], precisions: list[str], peers: list[str], torch_cpu: bool = False,
-         python: str = "python3") -> list[Step]:
+def plan(
+    work: Path,
+    presets: list[str],
+    precisions: list[str],
+    peers: list[str],
+    torch_cpu: bool = False,
+    python: str = "python3",
+) -> list[Step]:
     """Every step of the run, in order; `done` says which output makes a step finished."""
     venv = work / "venv"
     py = str(venv / "bin" / "python")
@@ -93,17 +103,33 @@ def plan(work: Path, presets: list[str], precisions: list[str], peers: list[str]
     installed = venv / ".deltaship-gpu-installed"
     steps = [
         Step("venv", "setup", [python, "-m", "venv", str(venv)], venv / "bin" / "python"),
-        Step("install", "setup", ["bash", "-c", " && ".join([
-            f"{py} -m pip install -q --upgrade pip",
-            f"{py} -m pip install -q " + " ".join(map(shlex.quote, torch_args)),
-            f"{py} -m pip install -q -e {shlex.quote(str(ROOT))}",
-            f"{py} -m pip uninstall -q -y onnxruntime",  # both wheels ship `onnxruntime`: keep only the GPU one
-            f"{py} -m pip install -q {shlex.quote(ORT_GPU)}",
-            f"{py} -c 'import onnxruntime as o; assert \"CUDAExecutionProvider\" in o.get_available_providers(), "
-            f"o.get_available_providers()'",
-            f"touch {shlex.quote(str(installed))}"])], installed),
-        Step("bandwidth", "setup", [py, str(Path(__file__)), "bandwidth", "--json", str(res / "bandwidth.json")],
-             res / "bandwidth.json"),
+        Step(
+            "install",
+            "setup",
+            [
+                "bash",
+                "-c",
+                " && ".join(
+                    [
+                        f"{py} -m pip install -q --upgrade pip",
+                        f"{py} -m pip install -q " + " ".join(map(shlex.quote, torch_args)),
+                        f"{py} -m pip install -q -e {shlex.quote(str(ROOT))}",
+                        f"{py} -m pip uninstall -q -y onnxruntime",  # both wheels ship `onnxruntime`: keep only the GPU one
+                        f"{py} -m pip install -q {shlex.quote(ORT_GPU)}",
+                        f'{py} -c \'import onnxruntime as o; assert "CUDAExecutionProvider" in o.get_available_providers(), '
+                        f"o.get_available_providers()'",
+                        f"touch {shlex.quote(str(installed))}",
+                    ]
+                ),
+            ],
+            installed,
+        ),
+        Step(
+            "bandwidth",
+            "setup",
+            [py, str(Path(__file__)), "bandwidth", "--json", str(res / "bandwidth.json")],
+            res / "bandwidth.json",
+        ),
     ]
     for preset in presets:
         for prec in precisions:
@@ -111,64 +137,197 @@ def plan(work: Path, presets: list[str], precisions: list[str], peers: list[str]
             out = work / "bundles" / name
             acts = ["--onnx-activations", "fp16"] if prec == "int4" else []
             # manifest.json appears only when the bundle is complete (the writer renames a temp dir)
-            steps.append(Step(f"export {name}", "export",
-                              [py, "-m", "deltaship.cli", "export", "--model", f"qwen3.5-{preset}", "--target", "onnx",
-                               "--precision", prec, *acts, "--max-context", str(MAX_CONTEXT), "--no-verify", "--quiet",
-                               "--force", "--out", str(out)], out / "manifest.json"))
+            steps.append(
+                Step(
+                    f"export {name}",
+                    "export",
+                    [
+                        py,
+                        "-m",
+                        "deltaship.cli",
+                        "export",
+                        "--model",
+                        f"qwen3.5-{preset}",
+                        "--target",
+                        "onnx",
+                        "--precision",
+                        prec,
+                        *acts,
+                        "--max-context",
+                        str(MAX_CONTEXT),
+                        "--no-verify",
+                        "--quiet",
+                        "--force",
+                        "--out",
+                        str(out),
+                    ],
+                    out / "manifest.json",
+                )
+            )
     for preset in presets:
         for prec in precisions:
             name = bundle_name(preset, prec)
-            steps.append(Step(f"profile {name}", "profile",
-                              [py, "-m", "deltaship.cli", "profile", str(work / "bundles" / name), "--device", "host",
-                               "--provider", "cuda", "--prompt-lengths", ",".join(map(str, PROMPTS)), "--gen", str(GEN),
-                               "--contexts", ",".join(map(str, CONTEXTS)), "--no-breakdown",
-                               "--json", str(res / f"{name}-cuda.json")], res / f"{name}-cuda.json"))
+            steps.append(
+                Step(
+                    f"profile {name}",
+                    "profile",
+                    [
+                        py,
+                        "-m",
+                        "deltaship.cli",
+                        "profile",
+                        str(work / "bundles" / name),
+                        "--device",
+                        "host",
+                        "--provider",
+                        "cuda",
+                        "--prompt-lengths",
+                        ",".join(map(str, PROMPTS)),
+                        "--gen",
+                        str(GEN),
+                        "--contexts",
+                        ",".join(map(str, CONTEXTS)),
+                        "--no-breakdown",
+                        "--json",
+                        str(res / f"{name}-cuda.json"),
+                    ],
+                    res / f"{name}-cuda.json",
+                )
+            )
     for preset in presets:
         if "transformers" in peers:
-            steps.append(Step(f"peer transformers {preset}", "peer",
-                              [py, str(ROOT / "bench" / "gpu_transformers.py"), "--model", f"qwen3.5-{preset}",
-                               "--prompt-lengths", ",".join(map(str, PROMPTS)),
-                               "--json", str(res / f"transformers-{preset}.json")],
-                              res / f"transformers-{preset}.json"))
+            steps.append(
+                Step(
+                    f"peer transformers {preset}",
+                    "peer",
+                    [
+                        py,
+                        str(ROOT / "bench" / "gpu_transformers.py"),
+                        "--model",
+                        f"qwen3.5-{preset}",
+                        "--prompt-lengths",
+                        ",".join(map(str, PROMPTS)),
+                        "--json",
+                        str(res / f"transformers-{preset}.json"),
+                    ],
+                    res / f"transformers-{preset}.json",
+                )
+            )
         if "genai" in peers:
             gpy = str(work / "genai-venv" / "bin" / "python")
             mm, gout = work / "ckpt" / f"{preset}-mm", work / "genai" / f"{preset}-int4"
             steps += [
-                Step("genai venv", "setup", ["bash", "-c", f"{python} -m venv {work / 'genai-venv'} && {gpy} -m pip "
-                     f"install -q {torch_pin} onnxruntime-genai-cuda onnx_ir 'transformers>=5.23,<6' numpy"],
-                     work / "genai-venv" / "bin" / "python"),
-                Step(f"checkpoint {preset} multimodal", "setup",
-                     [py, str(ROOT / "bench" / "make_checkpoint.py"), f"qwen3.5-{preset}", str(mm), "--multimodal"],
-                     mm / "model.safetensors"),
-                Step(f"genai build {preset} int4", "peer",
-                     [gpy, "-m", "onnxruntime_genai.models.builder", "-i", str(mm), "-o", str(gout), "-p", "int4",
-                      "-e", "cuda", "-c", str(work / "genai-cache")], gout / "genai_config.json"),
-                Step(f"peer genai {preset}", "peer",
-                     ["bash", "-c", f"{gpy} {ROOT / 'bench' / 'peer_worker.py'} genai {gout} 0 | tail -1 > "
-                      f"{res / f'genai-{preset}.json'}.tmp && mv {res / f'genai-{preset}.json'}.tmp "
-                      f"{res / f'genai-{preset}.json'}"], res / f"genai-{preset}.json"),
+                Step(
+                    "genai venv",
+                    "setup",
+                    [
+                        "bash",
+                        "-c",
+                        f"{python} -m venv {work / 'genai-venv'} && {gpy} -m pip "
+                        f"install -q {torch_pin} onnxruntime-genai-cuda onnx_ir 'transformers>=5.23,<6' numpy",
+                    ],
+                    work / "genai-venv" / "bin" / "python",
+                ),
+                Step(
+                    f"checkpoint {preset} multimodal",
+                    "setup",
+                    [py, str(ROOT / "bench" / "make_checkpoint.py"), f"qwen3.5-{preset}", str(mm), "--multimodal"],
+                    mm / "model.safetensors",
+                ),
+                Step(
+                    f"genai build {preset} int4",
+                    "peer",
+                    [
+                        gpy,
+                        "-m",
+                        "onnxruntime_genai.models.builder",
+                        "-i",
+                        str(mm),
+                        "-o",
+                        str(gout),
+                        "-p",
+                        "int4",
+                        "-e",
+                        "cuda",
+                        "-c",
+                        str(work / "genai-cache"),
+                    ],
+                    gout / "genai_config.json",
+                ),
+                Step(
+                    f"peer genai {preset}",
+                    "peer",
+                    [
+                        "bash",
+                        "-c",
+                        f"{gpy} {ROOT / 'bench' / 'peer_worker.py'} genai {gout} 0 | tail -1 > "
+                        f"{res / f'genai-{preset}.json'}.tmp && mv {res / f'genai-{preset}.json'}.tmp "
+                        f"{res / f'genai-{preset}.json'}",
+                    ],
+                    res / f"genai-{preset}.json",
+                ),
             ]
         if "llamacpp" in peers:
             src, build = work / "llamacpp-src", work / "llamacpp-build"
             text, q4 = work / "ckpt" / f"{preset}-text", work / "gguf" / f"{preset}-q4_0.gguf"
             steps += [
-                Step("llama.cpp source", "setup", ["bash", "-c",
-                     f"mkdir -p {work / 'llamacpp-sdist'} && cd {work / 'llamacpp-sdist'} && "
-                     f"(ls llama_cpp_python-*.tar.gz || {py} -m pip download -q --no-deps --no-binary :all: "
-                     f"{LLAMA_CPP}) && tar xzf llama_cpp_python-*.tar.gz && "
-                     f"mv llama_cpp_python-*/vendor/llama.cpp {src}"], src / "convert_hf_to_gguf.py"),
-                Step("llama.cpp CUDA build", "setup", ["bash", "-c",
-                     f"cmake -S {src} -B {build} -DGGML_CUDA=on -DCMAKE_BUILD_TYPE=Release && cmake --build {build} "
-                     f"-j --target llama-bench llama-quantize"], build / "bin" / "llama-bench"),
-                Step(f"checkpoint {preset} text", "setup",
-                     [py, str(ROOT / "bench" / "make_checkpoint.py"), f"qwen3.5-{preset}", str(text)],
-                     text / "model.safetensors"),
-                Step(f"gguf {preset} q4_0", "peer", [py, str(Path(__file__)), "gguf", str(src), str(text), str(q4),
-                                                     "--quantize", str(build / "bin" / "llama-quantize")], q4),
-                Step(f"peer llama.cpp {preset}", "peer", ["bash", "-c",
-                     f"{build / 'bin' / 'llama-bench'} -m {q4} -p {','.join(map(str, PROMPTS))} -n {GEN} -ngl 99 "
-                     f"-o json > {res / f'llamacpp-{preset}.json'}.tmp && mv {res / f'llamacpp-{preset}.json'}.tmp "
-                     f"{res / f'llamacpp-{preset}.json'}"], res / f"llamacpp-{preset}.json"),
+                Step(
+                    "llama.cpp source",
+                    "setup",
+                    [
+                        "bash",
+                        "-c",
+                        f"mkdir -p {work / 'llamacpp-sdist'} && cd {work / 'llamacpp-sdist'} && "
+                        f"(ls llama_cpp_python-*.tar.gz || {py} -m pip download -q --no-deps --no-binary :all: "
+                        f"{LLAMA_CPP}) && tar xzf llama_cpp_python-*.tar.gz && "
+                        f"mv llama_cpp_python-*/vendor/llama.cpp {src}",
+                    ],
+                    src / "convert_hf_to_gguf.py",
+                ),
+                Step(
+                    "llama.cpp CUDA build",
+                    "setup",
+                    [
+                        "bash",
+                        "-c",
+                        f"cmake -S {src} -B {build} -DGGML_CUDA=on -DCMAKE_BUILD_TYPE=Release && cmake --build {build} "
+                        f"-j --target llama-bench llama-quantize",
+                    ],
+                    build / "bin" / "llama-bench",
+                ),
+                Step(
+                    f"checkpoint {preset} text",
+                    "setup",
+                    [py, str(ROOT / "bench" / "make_checkpoint.py"), f"qwen3.5-{preset}", str(text)],
+                    text / "model.safetensors",
+                ),
+                Step(
+                    f"gguf {preset} q4_0",
+                    "peer",
+                    [
+                        py,
+                        str(Path(__file__)),
+                        "gguf",
+                        str(src),
+                        str(text),
+                        str(q4),
+                        "--quantize",
+                        str(build / "bin" / "llama-quantize"),
+                    ],
+                    q4,
+                ),
+                Step(
+                    f"peer llama.cpp {preset}",
+                    "peer",
+                    [
+                        "bash",
+                        "-c",
+                        f"{build / 'bin' / 'llama-bench'} -m {q4} -p {','.join(map(str, PROMPTS))} -n {GEN} -ngl 99 "
+                        f"-o json > {res / f'llamacpp-{preset}.json'}.tmp && mv {res / f'llamacpp-{preset}.json'}.tmp "
+                        f"{res / f'llamacpp-{preset}.json'}",
+                    ],
+                    res / f"llamacpp-{preset}.json",
+                ),
             ]
     steps.append(Step("report", "report", [py, str(Path(__file__)), "collect", str(work)]))
     seen: set[str] = set()  # shared setup steps (a venv, the llama.cpp build) appear once
@@ -185,18 +344,25 @@ def _torch_pin() -> str:
 def check_machine(work: Path, presets: list[str], precisions: list[str], peers: list[str] = ()) -> dict:
     """nvidia-smi answers and the disk has room; returns the GPU's name, driver and CUDA version."""
     if sys.version_info < (3, 11):
-        raise GpuBenchError(f"python3 is {sys.version.split()[0]}; deltaship needs 3.11 or later",
-                            "run bench/gpu/run.py with a python 3.11+ (e.g. python3.12 bench/gpu/run.py ...)")
+        raise GpuBenchError(
+            f"python3 is {sys.version.split()[0]}; deltaship needs 3.11 or later",
+            "run bench/gpu/run.py with a python 3.11+ (e.g. python3.12 bench/gpu/run.py ...)",
+        )
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        raise GpuBenchError("no NVIDIA GPU: nvidia-smi is not on PATH, so this machine has no NVIDIA driver",
-                            "run this on a Linux machine with an NVIDIA GPU and its driver; the CPU-side checks "
-                            "are `--dry-run` and `python -m pytest tests/test_gpu_bench.py`")
-    r = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                       capture_output=True, text=True)
+        raise GpuBenchError(
+            "no NVIDIA GPU: nvidia-smi is not on PATH, so this machine has no NVIDIA driver",
+            "run this on a Linux machine with an NVIDIA GPU and its driver; the CPU-side checks "
+            "are `--dry-run` and `python -m pytest tests/test_gpu_bench.py`",
+        )
+    r = subprocess.run(
+        [smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], capture_output=True, text=True
+    )
     if r.returncode or not r.stdout.strip():
-        raise GpuBenchError(f"no NVIDIA GPU: nvidia-smi failed ({r.returncode}): {(r.stderr or r.stdout).strip()}",
-                            "check the driver (nvidia-smi must list a GPU) and that the GPU is visible here")
+        raise GpuBenchError(
+            f"no NVIDIA GPU: nvidia-smi failed ({r.returncode}): {(r.stderr or r.stdout).strip()}",
+            "check the driver (nvidia-smi must list a GPU) and that the GPU is visible here",
+        )
     name, driver, mem = [x.strip() for x in r.stdout.splitlines()[0].split(",")]
     head = subprocess.run([smi], capture_output=True, text=True).stdout
     cuda = head.split("CUDA Version:")[1].split()[0] if "CUDA Version:" in head else None
@@ -206,9 +372,10 @@ def check_machine(work: Path, presets: list[str], precisions: list[str], peers: 
     work.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(work).free / 2**30
     if free < need:
-        raise GpuBenchError(f"{work} has {free:.0f} GiB free; the chosen presets need about {need:.0f} GiB",
-                            "free disk, pass --work on a larger disk, pick fewer presets with --only, or "
-                            "--skip-peers genai,llamacpp")
+        raise GpuBenchError(
+            f"{work} has {free:.0f} GiB free; the chosen presets need about {need:.0f} GiB",
+            "free disk, pass --work on a larger disk, pick fewer presets with --only, or --skip-peers genai,llamacpp",
+        )
     return {"gpu": name, "driver": driver, "memory": mem, "cuda": cuda}
 
 
@@ -226,10 +393,21 @@ def run(a) -> int:
         return 0
     machine = check_machine(a.work, presets, precisions, peers)
     (a.work / "results").mkdir(parents=True, exist_ok=True)
-    (a.work / "results" / "run.json").write_text(json.dumps({
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine,
-        "commit": _commit(), "command": " ".join(map(shlex.quote, sys.argv)), "presets": presets,
-        "precisions": precisions, "peers": peers}, indent=2) + "\n")
+    (a.work / "results" / "run.json").write_text(
+        json.dumps(
+            {
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "machine": machine,
+                "commit": _commit(),
+                "command": " ".join(map(shlex.quote, sys.argv)),
+                "presets": presets,
+                "precisions": precisions,
+                "peers": peers,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     failed = []
     for s in steps:
         if s.done and s.done.exists():
@@ -270,18 +448,21 @@ def _pick(value: str | None, allowed: tuple[str, ...], flag: str, empty_ok: bool
 
 def _commit() -> str:
     r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
     return (r.stdout.strip() or "unknown") + ("-dirty" if dirty else "")
 
 
 # ---- measurements run inside the venv ---------------------------------------------------------------
+
 
 def bandwidth(out: Path, gib: float = 1.0, reps: int = 20) -> dict:
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written per second), best of `reps`."""
     n = int(gib * 2**30)
     try:
         import torch
+
         if torch.cuda.is_available():
             a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
             best = float("inf")
@@ -298,6 +479,7 @@ def bandwidth(out: Path, gib: float = 1.0, reps: int = 20) -> dict:
         pass
     try:
         import cupy
+
         a, b = cupy.empty(n, dtype=cupy.uint8), cupy.empty(n, dtype=cupy.uint8)
         best = float("inf")
         for _ in range(reps):
@@ -321,9 +503,13 @@ def _ort_bandwidth(n: int, reps: int) -> dict:
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
-    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "copy",
-                          [helper.make_tensor_value_info("x", TensorProto.UINT8, [n])],
-                          [helper.make_tensor_value_info("y", TensorProto.UINT8, [n])])
+
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "copy",
+        [helper.make_tensor_value_info("x", TensorProto.UINT8, [n])],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, [n])],
+    )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     sess = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"])
     x = ort.OrtValue.ortvalue_from_numpy(np.zeros(n, np.uint8), "cuda", 0)
@@ -337,8 +523,11 @@ def _ort_bandwidth(n: int, reps: int) -> dict:
         sess.run_with_iobinding(io)
         io.synchronize_outputs()
         best = min(best, time.perf_counter() - t)
-    return {"method": f"onnxruntime {ort.__version__} Identity, host-timed", "gbs": 2 * n / best / 1e9,
-            "onnx": onnx.__version__}
+    return {
+        "method": f"onnxruntime {ort.__version__} Identity, host-timed",
+        "gbs": 2 * n / best / 1e9,
+        "onnx": onnx.__version__,
+    }
 
 
 def _write(out: Path, res: dict) -> dict:
@@ -353,22 +542,38 @@ def gguf(src: Path, ckpt: Path, q4: Path, quantize: Path) -> None:
     forced to qwen35, as bench/peers.py does on the CPU) and its llama-quantize."""
     sys.path.insert(0, str(ROOT))
     from deltaship.models.presets import write_tiny_tokenizer
+
     if not (ckpt / "tokenizer.json").exists():
         write_tiny_tokenizer(ckpt)
     f16 = q4.with_name(q4.stem + "-f16.gguf")
     q4.parent.mkdir(parents=True, exist_ok=True)
-    conv = ("import sys, runpy; sys.argv = sys.argv[1:]; d = sys.argv[0].rsplit('/', 1)[0]; "
-            "sys.path[:0] = [d, d + '/gguf-py']; import conversion.base as b; "
-            "b.TextModel.get_vocab_base_pre = lambda self, tok: 'qwen35'; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
-    subprocess.check_call([sys.executable, "-c", conv, str(src / "convert_hf_to_gguf.py"), str(ckpt), "--outtype",
-                           "f16", "--outfile", str(f16), "--no-mtp"])
+    conv = (
+        "import sys, runpy; sys.argv = sys.argv[1:]; d = sys.argv[0].rsplit('/', 1)[0]; "
+        "sys.path[:0] = [d, d + '/gguf-py']; import conversion.base as b; "
+        "b.TextModel.get_vocab_base_pre = lambda self, tok: 'qwen35'; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    subprocess.check_call(
+        [
+            sys.executable,
+            "-c",
+            conv,
+            str(src / "convert_hf_to_gguf.py"),
+            str(ckpt),
+            "--outtype",
+            "f16",
+            "--outfile",
+            str(f16),
+            "--no-mtp",
+        ]
+    )
     subprocess.check_call([str(quantize), str(f16), str(q4) + ".tmp", "Q4_0"])
     os.replace(str(q4) + ".tmp", q4)
     f16.unlink()
 
 
 # ---- results ---------------------------------------------------------------------------------------
+
 
 def bytes_per_token(manifest: dict, context: int) -> int:
     """Bytes one decode step streams: the stored weights (less an untied embedding table: a token reads one row of
@@ -381,8 +586,9 @@ def bytes_per_token(manifest: dict, context: int) -> int:
             elems = m["vocab_size"] * m["hidden_size"]
             weights -= elems * emb["bits"] // 8 + elems // emb["block_size"] * 2
         else:
-            weights -= m["vocab_size"] * m["hidden_size"] * (2 if manifest["precision"] in ("fp16", "int4", "int8")
-                                                             else 4)
+            weights -= (
+                m["vocab_size"] * m["hidden_size"] * (2 if manifest["precision"] in ("fp16", "int4", "int8") else 4)
+            )
     mem = manifest["memory"]
     return weights + 2 * mem["deltanet_state_bytes"] + context * mem["kv_bytes_per_token"][mem["kv_dtype"]]
 
@@ -408,16 +614,26 @@ def collect(work: Path) -> dict:
                 rows.append({"tool": "deltaship", "preset": preset, "precision": prec, "missing": True})
                 continue
             p, m = json.loads(prof.read_text()), json.loads(man.read_text())
-            rows.append({"tool": "deltaship", "preset": preset, "precision": prec, "bundle": name,
-                         **{f"prefill_{n}_tok_s": _metric(p, "prefill_tok_s", prompt_length=n) for n in PROMPTS},
-                         "tpot_ms": (_metric(p, "tpot_s") or 0) * 1e3 or None,
-                         "decode_context": PROMPTS[0],
-                         "bytes_per_token": bytes_per_token(m, PROMPTS[0]),
-                         "gpu_peak_bytes": _metric(p, "gpu_peak_bytes"), "runtime": p.get("runtime"),
-                         "measured": p.get("created")})  # a resumed run's date is the last invocation's
-        for tool, f in (("transformers bf16 eager", f"transformers-{preset}.json"),
-                        ("onnxruntime-genai-cuda int4", f"genai-{preset}.json"),
-                        ("llama.cpp CUDA Q4_0", f"llamacpp-{preset}.json")):
+            rows.append(
+                {
+                    "tool": "deltaship",
+                    "preset": preset,
+                    "precision": prec,
+                    "bundle": name,
+                    **{f"prefill_{n}_tok_s": _metric(p, "prefill_tok_s", prompt_length=n) for n in PROMPTS},
+                    "tpot_ms": (_metric(p, "tpot_s") or 0) * 1e3 or None,
+                    "decode_context": PROMPTS[0],
+                    "bytes_per_token": bytes_per_token(m, PROMPTS[0]),
+                    "gpu_peak_bytes": _metric(p, "gpu_peak_bytes"),
+                    "runtime": p.get("runtime"),
+                    "measured": p.get("created"),
+                }
+            )  # a resumed run's date is the last invocation's
+        for tool, f in (
+            ("transformers bf16 eager", f"transformers-{preset}.json"),
+            ("onnxruntime-genai-cuda int4", f"genai-{preset}.json"),
+            ("llama.cpp CUDA Q4_0", f"llamacpp-{preset}.json"),
+        ):
             if (res / f).exists():
                 rows.append({"tool": tool, "preset": preset, **_peer_row(tool, json.loads((res / f).read_text()))})
     out = {**run, "bandwidth": bw, "rows": rows}
@@ -429,11 +645,17 @@ def collect(work: Path) -> dict:
 
 def _peer_row(tool: str, d) -> dict:
     if tool.startswith("transformers"):
-        return {"precision": "bf16", **{f"prefill_{n}_tok_s": d.get(f"prefill_{n}_tok_s") for n in PROMPTS},
-                "tpot_ms": d.get("decode_ms_per_token")}
+        return {
+            "precision": "bf16",
+            **{f"prefill_{n}_tok_s": d.get(f"prefill_{n}_tok_s") for n in PROMPTS},
+            "tpot_ms": d.get("decode_ms_per_token"),
+        }
     if tool.startswith("onnxruntime-genai"):  # bench/peer_worker.py measures prompts of 128 and 512
-        return {"precision": "int4", "prefill_512_tok_s": d.get("prefill_512_tok_s"),
-                "tpot_ms": 1e3 / d["decode_tok_s"] if d.get("decode_tok_s") else None}
+        return {
+            "precision": "int4",
+            "prefill_512_tok_s": d.get("prefill_512_tok_s"),
+            "tpot_ms": 1e3 / d["decode_tok_s"] if d.get("decode_tok_s") else None,
+        }
     row: dict = {"precision": "Q4_0"}  # llama-bench -o json: one entry per test, n_prompt or n_gen set
     for t in d:
         if t.get("n_prompt") and not t.get("n_gen"):
@@ -447,17 +669,21 @@ def table(res: dict) -> str:
     """The markdown page: header (date, machine, commit, command, bandwidth) and one row per bundle / peer."""
     m = res.get("machine") or {}
     bw = (res.get("bandwidth") or {}).get("gbs")
-    lines = [f"- **Date:** {res.get('date')}",
-             f"- **Machine:** {m.get('gpu')}, driver {m.get('driver')}, CUDA {m.get('cuda')}",
-             f"- **Commit:** `{res.get('commit')}`", f"- **Command:** `{res.get('command')}`",
-             "- **Device copy bandwidth:** "
-             + (f"{bw:.0f} GB/s ({res['bandwidth']['method']})" if bw else "not measured"),
-             "", "| model | tool | precision | prefill 512 tok/s | prefill 4096 tok/s | decode ms/token | "
-                 "GB streamed/token | roofline ms/token | % of roofline | GPU peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"- **Date:** {res.get('date')}",
+        f"- **Machine:** {m.get('gpu')}, driver {m.get('driver')}, CUDA {m.get('cuda')}",
+        f"- **Commit:** `{res.get('commit')}`",
+        f"- **Command:** `{res.get('command')}`",
+        "- **Device copy bandwidth:** " + (f"{bw:.0f} GB/s ({res['bandwidth']['method']})" if bw else "not measured"),
+        "",
+        "| model | tool | precision | prefill 512 tok/s | prefill 4096 tok/s | decode ms/token | "
+        "GB streamed/token | roofline ms/token | % of roofline | GPU peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def f(x, fmt="{:,.0f}"):
         return fmt.format(x) if x is not None else ""
+
     for r in res["rows"]:
         if r.get("missing"):
             lines.append(f"| {r['preset']} | {r['tool']} | {r['precision']} | not run | | | | | | |")
@@ -466,12 +692,17 @@ def table(res: dict) -> str:
         roof = bpt / (bw * 1e9) * 1e3 if bpt and bw else None
         frac = roof / tpot if roof and tpot else None
         peak = r.get("gpu_peak_bytes")
-        lines.append(f"| {r['preset']} | {r['tool']} | {r['precision']} | {f(r.get('prefill_512_tok_s'))} | "
-                     f"{f(r.get('prefill_4096_tok_s'))} | {f(tpot, '{:.2f}')} | {f(bpt and bpt / 1e9, '{:.2f}')} | "
-                     f"{f(roof, '{:.2f}')} | {f(frac and 100 * frac, '{:.0f}%')} | {f(peak and peak / 2**20)} |")
-    lines += ["", "Roofline: bytes streamed per decoded token (weights less an untied embedding table, DeltaNet states "
-                  "read and written, KV cache read at the 512-token context) / the device copy bandwidth. Peers' "
-                  "bytes are not computed (their formats differ), so their roofline columns are empty."]
+        lines.append(
+            f"| {r['preset']} | {r['tool']} | {r['precision']} | {f(r.get('prefill_512_tok_s'))} | "
+            f"{f(r.get('prefill_4096_tok_s'))} | {f(tpot, '{:.2f}')} | {f(bpt and bpt / 1e9, '{:.2f}')} | "
+            f"{f(roof, '{:.2f}')} | {f(frac and 100 * frac, '{:.0f}%')} | {f(peak and peak / 2**20)} |"
+        )
+    lines += [
+        "",
+        "Roofline: bytes streamed per decoded token (weights less an untied embedding table, DeltaNet states "
+        "read and written, KV cache read at the 512-token context) / the device copy bandwidth. Peers' "
+        "bytes are not computed (their formats differ), so their roofline columns are empty.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -502,8 +733,12 @@ def main(argv: list[str] | None = None) -> int:
             md = table(json.loads(a.results.read_text()))
             a.md.write_text(md) if a.md else print(md, end="")
         return 0
-    p.add_argument("--work", type=Path, default=Path(os.environ.get("DELTASHIP_GPU_WORK", "/tmp/deltaship-gpu")),
-                   help="where venvs, bundles, logs and results go (default /tmp/deltaship-gpu)")
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path(os.environ.get("DELTASHIP_GPU_WORK", "/tmp/deltaship-gpu")),
+        help="where venvs, bundles, logs and results go (default /tmp/deltaship-gpu)",
+    )
     p.add_argument("--only", help=f"comma-separated presets ({', '.join(PRESETS)}); default all")
     p.add_argument("--precisions", help=f"comma-separated ({', '.join(PRECISIONS)}); default both")
     p.add_argument("--skip-peers", help=f"comma-separated peers to leave out ({', '.join(PEERS)})")

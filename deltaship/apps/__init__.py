@@ -23,15 +23,27 @@ KIT_RECORD = "kit.json"
 
 # platform -> (module, targets it can run, the export to make when the bundle's target does not fit)
 _KITS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "ios": ("deltaship.apps.swift", ("coreml",),
-            "export a Core ML bundle: deltaship export --model M --target coreml --out DIR "
-            "(an ONNX bundle runs on iOS through onnxruntime-objc / onnxruntime-genai, which this kit does not generate)"),
-    "android": ("deltaship.apps.kotlin", ("onnx", "executorch"),
-                "export an ONNX or ExecuTorch bundle: deltaship export --model M --target onnx|executorch --out DIR"),
-    "web": ("deltaship.apps.web", ("onnx",),
-            "export an ONNX bundle: deltaship export --model M --target onnx --out DIR"),
-    "desktop": ("deltaship.apps.web", ("onnx",),
-                "export an ONNX bundle: deltaship export --model M --target onnx --out DIR"),
+    "ios": (
+        "deltaship.apps.swift",
+        ("coreml",),
+        "export a Core ML bundle: deltaship export --model M --target coreml --out DIR "
+        "(an ONNX bundle runs on iOS through onnxruntime-objc / onnxruntime-genai, which this kit does not generate)",
+    ),
+    "android": (
+        "deltaship.apps.kotlin",
+        ("onnx", "executorch"),
+        "export an ONNX or ExecuTorch bundle: deltaship export --model M --target onnx|executorch --out DIR",
+    ),
+    "web": (
+        "deltaship.apps.web",
+        ("onnx",),
+        "export an ONNX bundle: deltaship export --model M --target onnx --out DIR",
+    ),
+    "desktop": (
+        "deltaship.apps.web",
+        ("onnx",),
+        "export an ONNX bundle: deltaship export --model M --target onnx --out DIR",
+    ),
 }
 
 
@@ -49,24 +61,31 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
     require_intact(bundle, manifest)
     target = manifest.get("target")
     if target not in targets:
-        raise DeltashipError(f"{bundle} is a {target} bundle; the {platform} kit runs {' or '.join(targets)} bundles",
-                             fix)
+        raise DeltashipError(
+            f"{bundle} is a {target} bundle; the {platform} kit runs {' or '.join(targets)} bundles", fix
+        )
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name != module_name:
             raise
-        raise DeltashipError(f"the {platform} kit generator ({module_name}) is not installed in this deltaship",
-                             "update deltaship to a version with web/desktop kits, or use --platform ios|android") from e
+        raise DeltashipError(
+            f"the {platform} kit generator ({module_name}) is not installed in this deltaship",
+            "update deltaship to a version with web/desktop kits, or use --platform ios|android",
+        ) from e
 
     def build(tmp: Path) -> dict[str, Any]:
         if platform in ("ios", "android"):  # generate(bundle, manifest, out) -> the kit record
             record = module.generate(bundle, manifest, tmp)
         else:  # deltaship.apps.web's interface: write_kit(bundle, out, platform) -> written files
             files = module.write_kit(bundle, tmp, platform)
-            record = {"platform": platform, "target": target,
-                      "files": sorted(Path(f).relative_to(tmp).as_posix() if Path(f).is_absolute()
-                                      else str(f) for f in files)}
+            record = {
+                "platform": platform,
+                "target": target,
+                "files": sorted(
+                    Path(f).relative_to(tmp).as_posix() if Path(f).is_absolute() else str(f) for f in files
+                ),
+            }
         record = {"kit": "deltaship.app", "platform": platform, **record}
         if not (tmp / KIT_RECORD).exists():
             (tmp / KIT_RECORD).write_text(json.dumps(record, indent=2) + "\n")

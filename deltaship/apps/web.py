@@ -22,15 +22,19 @@ BUNDLE_TARGETS = ("onnx",)  # the bundles onnxruntime-web / -node run
 _PACKAGE_FILES = ("package.json", "README.md")
 # The npm packages each kit installs (at the versions deltaship-runtime pins): one node_modules at the kit's root,
 # which deltaship-runtime/src finds by walking up, as node and the import map in index.html both do.
-_KIT_DEPENDENCIES = {"web": ("onnxruntime-web", "onnxruntime-common", "@huggingface/tokenizers"),
-                     "desktop": ("onnxruntime-node", "onnxruntime-common", "@huggingface/tokenizers")}
+_KIT_DEPENDENCIES = {
+    "web": ("onnxruntime-web", "onnxruntime-common", "@huggingface/tokenizers"),
+    "desktop": ("onnxruntime-node", "onnxruntime-common", "@huggingface/tokenizers"),
+}
 
 
 def _manifest(bundle: Path) -> dict[str, Any]:
     m = read_manifest(bundle)  # refuses other schema versions, naming the export that rebuilds them
     if m["target"] not in BUNDLE_TARGETS:
-        raise DeltashipError(f"{bundle} is a {m['target']} bundle; the web and desktop kits run ONNX bundles",
-                             "export an ONNX bundle: deltaship export --model M --target onnx --out DIR")
+        raise DeltashipError(
+            f"{bundle} is a {m['target']} bundle; the web and desktop kits run ONNX bundles",
+            "export an ONNX bundle: deltaship export --model M --target onnx --out DIR",
+        )
     return m
 
 
@@ -41,15 +45,18 @@ def write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
     """
     bundle, out = Path(bundle), Path(out)
     if platform not in PLATFORMS:
-        raise DeltashipError(f"unknown platform {platform!r} for the JavaScript kit", f"use one of {', '.join(PLATFORMS)}")
+        raise DeltashipError(
+            f"unknown platform {platform!r} for the JavaScript kit", f"use one of {', '.join(PLATFORMS)}"
+        )
     m = _manifest(bundle)
     if out.exists() and any(out.iterdir()):
         raise DeltashipError(f"{out} exists and is not empty", "pass a new or empty directory")
     files = [f for f in m.get("files", {}) if f != "manifest.json"]
     missing = [f for f in files if not (bundle / f).is_file()]
     if missing:
-        raise DeltashipError(f"{bundle}: the manifest lists {', '.join(missing)} but the files are missing",
-                             "export the bundle again")
+        raise DeltashipError(
+            f"{bundle}: the manifest lists {', '.join(missing)} but the files are missing", "export the bundle again"
+        )
     out.mkdir(parents=True, exist_ok=True)
     pkg = out / "deltaship-runtime"
     for name in _PACKAGE_FILES:
@@ -66,9 +73,18 @@ def write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
     else:
         (out / "generate.mjs").write_text(_GENERATE_MJS)
     pins = json.loads((JS_PACKAGE / "package.json").read_text())["dependencies"]
-    (out / "package.json").write_text(json.dumps(
-        {"name": f"deltaship-{platform}-kit", "private": True, "type": "module",
-         "dependencies": {name: pins[name] for name in _KIT_DEPENDENCIES[platform]}}, indent=2) + "\n")
+    (out / "package.json").write_text(
+        json.dumps(
+            {
+                "name": f"deltaship-{platform}-kit",
+                "private": True,
+                "type": "module",
+                "dependencies": {name: pins[name] for name in _KIT_DEPENDENCIES[platform]},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     (out / "README.md").write_text(_readme(m, platform, files))
     return sorted(p for p in out.rglob("*") if p.is_file())
 
@@ -119,8 +135,13 @@ def _readme(m: dict[str, Any], platform: str, files: list[str]) -> str:
             "`index.html` maps `onnxruntime-web` and `@huggingface/tokenizers` to `node_modules/` with an import map; "
             "with a bundler (Vite, webpack) import `./deltaship-runtime/src/web.js` and let it resolve them. "
             f"Put the bundle where the page can fetch it (here `bundle/`: `{m['entry']}`"
-            + (f" and its external weights {', '.join(f'`{f}`' for f in external)}, passed with the "
-               "`externalData` session option" if external else "") + ").",
+            + (
+                f" and its external weights {', '.join(f'`{f}`' for f in external)}, passed with the "
+                "`externalData` session option"
+                if external
+                else ""
+            )
+            + ").",
             "",
             "`main.js` uses WebGPU when the browser has it (states stay in GPU buffers between calls) and the "
             "wasm CPU backend otherwise. Serve with `Cross-Origin-Opener-Policy: same-origin` and "

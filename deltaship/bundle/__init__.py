@@ -10,5 +10,15 @@ from deltaship.bundle.inspect import describe, inspect
 from deltaship.bundle.reader import check_files, read_manifest, require_intact
 from deltaship.bundle.validate import schema_problems
 
-__all__ = ["MANIFEST", "SCHEMA", "SCHEMA_FILE", "SCHEMA_VERSION", "read_manifest", "check_files", "require_intact",
-           "schema_problems", "inspect", "describe"]
+__all__ = [
+    "MANIFEST",
+    "SCHEMA",
+    "SCHEMA_FILE",
+    "SCHEMA_VERSION",
+    "read_manifest",
+    "check_files",
+    "require_intact",
+    "schema_problems",
+    "inspect",
+    "describe",
+]

@@ -23,6 +23,7 @@ HELDOUT = DATA / "qwen3.5-tiny" / "heldout.txt"
 
 def eval_tokens(bundle: Path, manifest: dict, n: int) -> tuple[list[int], str]:
     from deltaship.runtimes.tokenizer import load_tokenizer
+
     if "tokenizer.json" in manifest.get("tokenizer", {}).get("files", []) and HELDOUT.is_file():
         ids = load_tokenizer(bundle, manifest).encode(HELDOUT.read_text(encoding="utf-8", errors="replace"))
         return ids[:n], "held-out Python standard library source (heldout.txt)"
@@ -32,22 +33,29 @@ def eval_tokens(bundle: Path, manifest: dict, n: int) -> tuple[list[int], str]:
 
 def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     from deltaship.export.verify import log_softmax
+
     return -log_softmax(logits)[np.arange(len(targets)), targets]
 
 
-def evaluate(bundle: str | Path, model: str | None = None, tokens: int = 512, threads: int | None = None,
-             progress: Callable[[str], None] | None = None, source=None) -> dict[str, Any]:
+def evaluate(
+    bundle: str | Path,
+    model: str | None = None,
+    tokens: int = 512,
+    threads: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    source=None,
+) -> dict[str, Any]:
     """Perplexity, reference perplexity, KL divergence and top-1 agreement of a bundle.
 
     The reference is the model named in the manifest (or `model`), checked by sha256.
     """
     import torch
 
+    from deltaship.bundle.reader import read_manifest
     from deltaship.export.reference import reference_model
     from deltaship.export.verify import log_softmax
     from deltaship.models.source import load_source
     from deltaship.runtimes import open_bundle
-    from deltaship.bundle.reader import read_manifest
 
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
@@ -58,11 +66,15 @@ def evaluate(bundle: str | Path, model: str | None = None, tokens: int = 512, th
         try:
             source = load_source(name)
         except DeltashipError as e:
-            raise DeltashipError(f"the reference model {name!r} of this bundle is not available here ({e.message})",
-                                 "pass --model with the checkpoint directory the bundle was exported from") from None
+            raise DeltashipError(
+                f"the reference model {name!r} of this bundle is not available here ({e.message})",
+                "pass --model with the checkpoint directory the bundle was exported from",
+            ) from None
     if source.fingerprint() != manifest["source"]["sha256"]:
-        raise DeltashipError(f"{name} is not the model this bundle was exported from (sha256 differs)",
-                             "pass --model with the exact checkpoint the bundle was exported from")
+        raise DeltashipError(
+            f"{name} is not the model this bundle was exported from (sha256 differs)",
+            "pass --model with the exact checkpoint the bundle was exported from",
+        )
     session = open_bundle(bundle, threads=threads)
     ids, text = eval_tokens(bundle, manifest, min(tokens, session.max_context))
     if len(ids) < 2:
@@ -87,7 +99,8 @@ def evaluate(bundle: str | Path, model: str | None = None, tokens: int = 512, th
         "tokens": int(len(targets)),
         "text": text,
         "runtime": session.runtime_name(),
-        "target": manifest["target"], "precision": manifest["precision"],
+        "target": manifest["target"],
+        "precision": manifest["precision"],
     }
     if "random" in text:
         result["note"] = "random token ids: perplexity is not a quality measure here"

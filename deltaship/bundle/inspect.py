@@ -44,8 +44,10 @@ def describe(info: dict[str, Any]) -> str:
         lines.append(f"  {o['name']:<22} {o['dtype']:<8} {o['shape']}  {o.get('doc', '')}")
     lines.append("states (input -> output, layer, kind, init/reset)")
     for s in m["states"]:
-        lines.append(f"  {s['name']:<16} -> {s['output']:<18} L{s['layer']:<3} {s['kind']:<20} {s['dtype']:<8} "
-                     f"{s['shape']} {s['init']}/{s['reset']}")
+        lines.append(
+            f"  {s['name']:<16} -> {s['output']:<18} L{s['layer']:<3} {s['kind']:<20} {s['dtype']:<8} "
+            f"{s['shape']} {s['init']}/{s['reset']}"
+        )
     tok = m.get("tokens", {})
     lines.append("tokens      " + ", ".join(f"{k}={v}" for k, v in tok.items() if v not in (None, [])))
     lines.append(f"tokenizer   {', '.join(m['tokenizer']['files']) or 'none'}")
@@ -55,13 +57,19 @@ def describe(info: dict[str, Any]) -> str:
         lines.append(f"  {p['pass']:<26} {counts}")
     v = m.get("verification", {})
     if v.get("status") in ("passed", "failed"):
-        lines.append(f"verified    {v['status']} in {v.get('runtime')} over prompts of "
-                     f"{[p['prompt_length'] for p in v['prompts']]} tokens + {v['steps']} steps:")
-        lines.append(f"            parity: max |logit diff| {v['max_abs_logit_diff']:.3g} ({v['max_rel_logit_diff']:.3g} of "
-                     f"the logit std), greedy agreement {v['greedy_agreement']:.3f} (tie-aware "
-                     f"{v['tie_aware_agreement']:.3f})")
-        lines.append(f"            fidelity vs unrounded fp32: KL {v['kl_divergence']:.3g}, top-1 agreement "
-                     f"{v['top1_agreement']:.3f}")
+        lines.append(
+            f"verified    {v['status']} in {v.get('runtime')} over prompts of "
+            f"{[p['prompt_length'] for p in v['prompts']]} tokens + {v['steps']} steps:"
+        )
+        lines.append(
+            f"            parity: max |logit diff| {v['max_abs_logit_diff']:.3g} ({v['max_rel_logit_diff']:.3g} of "
+            f"the logit std), greedy agreement {v['greedy_agreement']:.3f} (tie-aware "
+            f"{v['tie_aware_agreement']:.3f})"
+        )
+        lines.append(
+            f"            fidelity vs unrounded fp32: KL {v['kl_divergence']:.3g}, top-1 agreement "
+            f"{v['top1_agreement']:.3f}"
+        )
     else:
         lines.append(f"verified    {v.get('status', 'unknown')}: {v.get('reason', '')}")
     lines.append("tools       " + ", ".join(f"{k} {v}" for k, v in m["tools"].items()))

@@ -5,32 +5,42 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from deltaship.errors import DeltashipError
 from deltaship.bundle.format import MANIFEST, SCHEMA, SCHEMA_VERSION
+from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object, sha256_file
 
 
 def read_manifest(bundle: str | Path) -> dict[str, Any]:
     d = Path(bundle)
     if not d.is_dir():
-        raise DeltashipError(f"{d}: not a bundle directory (it does not exist or is a file)",
-                             "pass the directory written by `deltaship export --out DIR`")
+        raise DeltashipError(
+            f"{d}: not a bundle directory (it does not exist or is a file)",
+            "pass the directory written by `deltaship export --out DIR`",
+        )
     path = d / MANIFEST
     if not path.is_file():
-        raise DeltashipError(f"{d}: no {MANIFEST}; this is not a deltaship bundle (or an export did not finish)",
-                             "export again with `deltaship export ... --out DIR`")
+        raise DeltashipError(
+            f"{d}: no {MANIFEST}; this is not a deltaship bundle (or an export did not finish)",
+            "export again with `deltaship export ... --out DIR`",
+        )
     m = read_json_object(path, "bundle manifest", "export the bundle again")
     if m.get("schema") != SCHEMA:
-        raise DeltashipError(f"{path}: not a deltaship manifest (schema {m.get('schema')!r})", "export the bundle again")
+        raise DeltashipError(
+            f"{path}: not a deltaship manifest (schema {m.get('schema')!r})", "export the bundle again"
+        )
     version = m.get("schema_version")
     if version != SCHEMA_VERSION:
         age = "an older" if isinstance(version, int) and version < SCHEMA_VERSION else "a newer"
         source = (m.get("source") or {}).get("model", "MODEL")
-        raise DeltashipError(f"{path}: this bundle was written by {age} deltaship (manifest schema version {version}); "
-                             f"this deltaship reads version {SCHEMA_VERSION}",
-                             f"export it again with this version: deltaship export --model {source} "
-                             f"--target {m.get('target', 'TARGET')} --precision {m.get('precision', 'PRECISION')} "
-                             "--out NEW_DIR" if age == "an older" else "upgrade deltaship (pip install -U deltaship)")
+        raise DeltashipError(
+            f"{path}: this bundle was written by {age} deltaship (manifest schema version {version}); "
+            f"this deltaship reads version {SCHEMA_VERSION}",
+            f"export it again with this version: deltaship export --model {source} "
+            f"--target {m.get('target', 'TARGET')} --precision {m.get('precision', 'PRECISION')} "
+            "--out NEW_DIR"
+            if age == "an older"
+            else "upgrade deltaship (pip install -U deltaship)",
+        )
     return m
 
 
@@ -52,5 +62,7 @@ def check_files(bundle: str | Path, manifest: dict[str, Any], hashes: bool = Tru
 def require_intact(bundle: str | Path, manifest: dict[str, Any], hashes: bool = True) -> None:
     problems = check_files(bundle, manifest, hashes)
     if problems:
-        raise DeltashipError(f"{bundle}: the bundle has been tampered with or damaged: " + "; ".join(problems),
-                             "export the bundle again (or restore it from where it was shipped)")
+        raise DeltashipError(
+            f"{bundle}: the bundle has been tampered with or damaged: " + "; ".join(problems),
+            "export the bundle again (or restore it from where it was shipped)",
+        )

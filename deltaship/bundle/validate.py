@@ -22,5 +22,7 @@ def schema_problems(manifest: dict[str, Any]) -> list[str]:
     except ImportError:
         return []
     validator = jsonschema.Draft202012Validator(schema())
-    return [f"manifest{''.join(f'[{p!r}]' for p in e.absolute_path)}: {e.message}"
-            for e in sorted(validator.iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path)))]
+    return [
+        f"manifest{''.join(f'[{p!r}]' for p in e.absolute_path)}: {e.message}"
+        for e in sorted(validator.iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path)))
+    ]

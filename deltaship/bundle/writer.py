@@ -12,9 +12,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from deltaship.bundle.format import MANIFEST, SCHEMA, SCHEMA_VERSION
 from deltaship.errors import DeltashipError
 from deltaship.files import sha256_file
-from deltaship.bundle.format import MANIFEST, SCHEMA, SCHEMA_VERSION
 
 T = TypeVar("T")
 
@@ -24,8 +24,10 @@ def check_destination(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise DeltashipError(f"--out {out} exists and is a file", "choose another --out directory")
     if out.exists() and any(out.iterdir()) and not force:
-        raise DeltashipError(f"--out {out} already exists and is not empty; nothing was written",
-                             "pass --force to replace it, or choose another --out directory")
+        raise DeltashipError(
+            f"--out {out} already exists and is not empty; nothing was written",
+            "pass --force to replace it, or choose another --out directory",
+        )
 
 
 def staging_dir(out: Path) -> Path:
@@ -124,17 +126,50 @@ def state_bytes(states: list[dict[str, Any]]) -> int:
     return total
 
 
-def new_manifest(*, source: dict[str, Any], model_card: dict[str, Any], model: dict[str, Any], target: str,
-                 precision: str, quantization: dict[str, Any], max_context: int, prefill_chunk: int, entry: str,
-                 inputs: list[dict[str, Any]], outputs: list[dict[str, Any]], states: list[dict[str, Any]],
-                 usage: list[str], tokens: dict[str, Any], tokenizer: dict[str, Any], passes: list[dict[str, Any]],
-                 lowering: dict[str, Any], tools: dict[str, str]) -> dict[str, Any]:
+def new_manifest(
+    *,
+    source: dict[str, Any],
+    model_card: dict[str, Any],
+    model: dict[str, Any],
+    target: str,
+    precision: str,
+    quantization: dict[str, Any],
+    max_context: int,
+    prefill_chunk: int,
+    entry: str,
+    inputs: list[dict[str, Any]],
+    outputs: list[dict[str, Any]],
+    states: list[dict[str, Any]],
+    usage: list[str],
+    tokens: dict[str, Any],
+    tokenizer: dict[str, Any],
+    passes: list[dict[str, Any]],
+    lowering: dict[str, Any],
+    tools: dict[str, str],
+) -> dict[str, Any]:
     """A manifest with every field of schema.json but `verification`, `files` and `bundle_bytes`
     (added when verification has run and the files are final)."""
-    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "source": source,
-            "model_card": model_card, "model": model, "target": target, "precision": precision,
-            "quantization": quantization, "max_context": max_context, "prefill_chunk": prefill_chunk, "entry": entry,
-            "inputs": inputs, "outputs": outputs, "states": states, "state_bytes": state_bytes(states),
-            "usage": usage, "tokens": tokens, "tokenizer": tokenizer, "passes": passes, "lowering": lowering,
-            "tools": tools}
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": source,
+        "model_card": model_card,
+        "model": model,
+        "target": target,
+        "precision": precision,
+        "quantization": quantization,
+        "max_context": max_context,
+        "prefill_chunk": prefill_chunk,
+        "entry": entry,
+        "inputs": inputs,
+        "outputs": outputs,
+        "states": states,
+        "state_bytes": state_bytes(states),
+        "usage": usage,
+        "tokens": tokens,
+        "tokenizer": tokenizer,
+        "passes": passes,
+        "lowering": lowering,
+        "tools": tools,
+    }

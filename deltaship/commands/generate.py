@@ -19,47 +19,90 @@ def parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
     except ValueError:
-        raise DeltashipError(f"--input-ids {text!r} is not a comma-separated list of integers",
-                             "pass e.g. --input-ids 1,2,3") from None
+        raise DeltashipError(
+            f"--input-ids {text!r} is not a comma-separated list of integers", "pass e.g. --input-ids 1,2,3"
+        ) from None
     if not ids:
         raise DeltashipError("--input-ids is empty", "pass at least one token id")
     return ids
 
 
-def generate(bundle: str | Path, prompt: str | None = None, input_ids: str | list[int] | None = None,
-             max_new_tokens: int = 32, threads: int | None = None, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
-             dump_logits: str | Path | None = None, provider: str = "cpu", runtime: str | None = None,
-             cuda_graph: bool = False) -> dict[str, Any]:
+def generate(
+    bundle: str | Path,
+    prompt: str | None = None,
+    input_ids: str | list[int] | None = None,
+    max_new_tokens: int = 32,
+    threads: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_at_eos: bool = True,
+    dump_logits: str | Path | None = None,
+    provider: str = "cpu",
+    runtime: str | None = None,
+    cuda_graph: bool = False,
+) -> dict[str, Any]:
     """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict."""
     if (prompt is None) == (input_ids is None):
-        raise DeltashipError("pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3")
+        raise DeltashipError(
+            "pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3"
+        )
     check_sampling(max_new_tokens, temperature, top_k, top_p)  # before the bundle is opened
     text = text_runtime(bundle, runtime)
     if text is not None:  # a runtime that takes text (ExecuTorch's C++ LLM runner)
-        given = [flag for flag, v in (("--input-ids", input_ids), ("--dump-logits", dump_logits), ("--top-k", top_k),
-                                      ("--top-p", top_p != 1.0), ("--seed", seed), ("--threads", threads),
-                                      ("--provider", provider != "cpu"), ("--no-stop-at-eos", not stop_at_eos)) if v]
+        given = [
+            flag
+            for flag, v in (
+                ("--input-ids", input_ids),
+                ("--dump-logits", dump_logits),
+                ("--top-k", top_k),
+                ("--top-p", top_p != 1.0),
+                ("--seed", seed),
+                ("--threads", threads),
+                ("--provider", provider != "cpu"),
+                ("--no-stop-at-eos", not stop_at_eos),
+            )
+            if v
+        ]
         if given or prompt is None:
-            raise DeltashipError(f"--runtime {runtime} takes a text prompt and greedy or temperature sampling only; "
-                                 f"it cannot take {', '.join(given) or 'token ids'}",
-                                 f"pass --prompt and drop {', '.join(given) or '--input-ids'}, or drop --runtime")
+            raise DeltashipError(
+                f"--runtime {runtime} takes a text prompt and greedy or temperature sampling only; "
+                f"it cannot take {', '.join(given) or 'token ids'}",
+                f"pass --prompt and drop {', '.join(given) or '--input-ids'}, or drop --runtime",
+            )
         module, spec = text
         res = getattr(module, spec.generate)(bundle, prompt, max_new_tokens=max_new_tokens, temperature=temperature)
         return {**res, "seconds": res.get("stats", {}).get("total_seconds")}
     if dump_logits is not None and Path(dump_logits).exists():
-        raise DeltashipError(f"--dump-logits {dump_logits} already exists; nothing was overwritten",
-                             "choose another file name or remove the old one")
-    session = open_bundle(bundle, threads=threads, provider=provider, runtime=runtime,
-                          **({"cuda_graph": True} if cuda_graph else {}))
+        raise DeltashipError(
+            f"--dump-logits {dump_logits} already exists; nothing was overwritten",
+            "choose another file name or remove the old one",
+        )
+    session = open_bundle(
+        bundle, threads=threads, provider=provider, runtime=runtime, **({"cuda_graph": True} if cuda_graph else {})
+    )
     tok = load_tokenizer(Path(bundle), session.manifest) if prompt is not None else None
     ids = tok.encode(prompt) if tok else (parse_ids(input_ids) if isinstance(input_ids, str) else list(input_ids))
     t0 = time.monotonic()
-    gen = session.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                           stop_at_eos=stop_at_eos, keep_logits=dump_logits is not None)
+    gen = session.generate(
+        ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop_at_eos=stop_at_eos,
+        keep_logits=dump_logits is not None,
+    )
     elapsed = time.monotonic() - t0
-    result: dict[str, Any] = {"input_ids": gen.input_ids, "output_ids": gen.output_ids, "stopped": gen.stopped,
-                              "seconds": round(elapsed, 4), "runtime": session.runtime_name()}
+    result: dict[str, Any] = {
+        "input_ids": gen.input_ids,
+        "output_ids": gen.output_ids,
+        "stopped": gen.stopped,
+        "seconds": round(elapsed, 4),
+        "runtime": session.runtime_name(),
+    }
     if tok is None:
         try:
             tok = load_tokenizer(Path(bundle), session.manifest)

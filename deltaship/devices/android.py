@@ -57,38 +57,62 @@ def _adb(serial: str, *args: str, timeout: float = 600) -> subprocess.CompletedP
     return subprocess.run(["adb", "-s", serial, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def profile_adb(path: Path, manifest: dict[str, Any], serial: str, cfg: dict[str, Any], runner: str | None,
-                runner_args: str | None, say: Callable[[str], None]) -> dict[str, Any]:
+def profile_adb(
+    path: Path,
+    manifest: dict[str, Any],
+    serial: str,
+    cfg: dict[str, Any],
+    runner: str | None,
+    runner_args: str | None,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
     fp = adb_fingerprint(serial)  # clear error when adb is missing or the phone is absent
     if not runner:
-        raise DeltashipError("profiling on Android needs --runner: a runner binary built for the phone's ABI "
-                             f"({fp.get('abi')}), e.g. ExecuTorch's llama_main or onnxruntime_perf_test",
-                             "build the runner for Android and pass --runner PATH (and --runner-args if needed)")
+        raise DeltashipError(
+            "profiling on Android needs --runner: a runner binary built for the phone's ABI "
+            f"({fp.get('abi')}), e.g. ExecuTorch's llama_main or onnxruntime_perf_test",
+            "build the runner for Android and pass --runner PATH (and --runner-args if needed)",
+        )
     from deltaship.targets import get_target
+
     target = manifest["target"]
     default_args = get_target(target).android_runner_args
     if default_args is None:
         raise DeltashipError(f"{target} bundles do not run on Android", "export for executorch or onnx")
     remote = f"{REMOTE_ROOT}/{path.name}"
     say(f"adb:{serial}: pushing {path.name}")
-    for args in (("shell", "mkdir", "-p", REMOTE_ROOT), ("push", str(path), REMOTE_ROOT),
-                 ("push", runner, f"{REMOTE_ROOT}/runner"), ("shell", "chmod", "755", f"{REMOTE_ROOT}/runner")):
+    for args in (
+        ("shell", "mkdir", "-p", REMOTE_ROOT),
+        ("push", str(path), REMOTE_ROOT),
+        ("push", runner, f"{REMOTE_ROOT}/runner"),
+        ("shell", "chmod", "755", f"{REMOTE_ROOT}/runner"),
+    ):
         r = _adb(serial, *args)
         if r.returncode != 0:
-            raise DeltashipError(f"adb:{serial}: `adb {' '.join(args)}` failed: {r.stderr.strip()[-300:]}",
-                                 "check the phone is still attached and has free space in /data/local/tmp")
+            raise DeltashipError(
+                f"adb:{serial}: `adb {' '.join(args)}` failed: {r.stderr.strip()[-300:]}",
+                "check the phone is still attached and has free space in /data/local/tmp",
+            )
     model = f"{remote}/{manifest['entry']}"
     results: list[dict[str, Any]] = []
     for p in cfg["prompt_lengths"]:
-        fields = {"model": model, "prompt_length": p, "gen": cfg["gen"], "total": p + cfg["gen"],
-                  "threads": cfg.get("threads") or 4, "reps": cfg["reps"], "bundle_dir": remote}
+        fields = {
+            "model": model,
+            "prompt_length": p,
+            "gen": cfg["gen"],
+            "total": p + cfg["gen"],
+            "threads": cfg.get("threads") or 4,
+            "reps": cfg["reps"],
+            "bundle_dir": remote,
+        }
         argline = (runner_args or default_args).format(**fields)
         phases: dict[str, list[float]] = {}
         pss: list[int] = []
         for _ in range(cfg["reps"]):
             cmd = f"cd {shlex.quote(remote)} && {REMOTE_ROOT}/runner {argline} & echo PID:$!; wait"
-            proc = subprocess.Popen(["adb", "-s", serial, "shell", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True)
+            proc = subprocess.Popen(
+                ["adb", "-s", serial, "shell", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
             first = proc.stdout.readline()
             pid = first.strip().removeprefix("PID:")
             while proc.poll() is None:
@@ -98,8 +122,17 @@ def profile_adb(path: Path, manifest: dict[str, Any], serial: str, cfg: dict[str
                 time.sleep(0.5)
             text = proc.stdout.read()
             if proc.returncode != 0:
-                results.append({"metric": "run", "status": "died", "reason": f"runner exited {proc.returncode}",
-                                "prompt_length": p, "stderr_tail": text[-2000:], "samples": [], "flags": ["died"]})
+                results.append(
+                    {
+                        "metric": "run",
+                        "status": "died",
+                        "reason": f"runner exited {proc.returncode}",
+                        "prompt_length": p,
+                        "stderr_tail": text[-2000:],
+                        "samples": [],
+                        "flags": ["died"],
+                    }
+                )
                 break
             for k, v in parse_runner_output(text).items():
                 phases.setdefault(k, []).append(v)
@@ -107,7 +140,15 @@ def profile_adb(path: Path, manifest: dict[str, Any], serial: str, cfg: dict[str
             unit = "tok/s" if k.endswith("tok_s") else "s"
             results.append({"metric": k, "unit": unit, "prompt_length": p, "samples": samples, **summarize(samples)})
         if pss:
-            results.append({"metric": "peak_pss_bytes", "unit": "bytes", "prompt_length": p, "samples": [max(pss)],
-                            **summarize([max(pss)]), "note": "dumpsys meminfo TOTAL PSS, polled every 0.5 s"})
+            results.append(
+                {
+                    "metric": "peak_pss_bytes",
+                    "unit": "bytes",
+                    "prompt_length": p,
+                    "samples": [max(pss)],
+                    **summarize([max(pss)]),
+                    "note": "dumpsys meminfo TOTAL PSS, polled every 0.5 s",
+                }
+            )
     _adb(serial, "shell", "rm", "-rf", remote)
     return {"device": fp, "results": results, "runtime": f"{target} runner {Path(runner).name}"}

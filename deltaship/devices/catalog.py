@@ -29,18 +29,30 @@ def _parse(data: dict, where: str) -> tuple[dict[str, Tier], dict[str, list[str]
     tiers = {}
     for name, t in (data.get("tiers") or {}).items():
         try:
-            tier = Tier(name=name, kind=str(t["kind"]), ram_bytes=int(float(t["ram_gib"]) * GIB),
-                        budget_bytes=int(float(t["budget_gib"]) * GIB), targets=tuple(t["targets"]),
-                        precisions=tuple(t["precisions"]), context=int(t["context"]), threads=int(t.get("threads", 2)),
-                        notes=str(t.get("notes", "")))
+            tier = Tier(
+                name=name,
+                kind=str(t["kind"]),
+                ram_bytes=int(float(t["ram_gib"]) * GIB),
+                budget_bytes=int(float(t["budget_gib"]) * GIB),
+                targets=tuple(t["targets"]),
+                precisions=tuple(t["precisions"]),
+                context=int(t["context"]),
+                threads=int(t.get("threads", 2)),
+                notes=str(t.get("notes", "")),
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise DeltashipError(f"{where}: tier {name!r} is missing or has a bad field ({e})",
-                                 "each tier needs kind, ram_gib, budget_gib, targets, precisions, context") from None
+            raise DeltashipError(
+                f"{where}: tier {name!r} is missing or has a bad field ({e})",
+                "each tier needs kind, ram_gib, budget_gib, targets, precisions, context",
+            ) from None
         from deltaship.targets import PRECISIONS, target_names
+
         bad = [x for x in tier.targets if x not in target_names()] + [p for p in tier.precisions if p not in PRECISIONS]
         if bad or tier.budget_bytes > tier.ram_bytes or tier.context < 1:
-            raise DeltashipError(f"{where}: tier {name!r} is inconsistent (unknown {bad}, or budget over RAM, "
-                                 "or context < 1)", f"targets are {target_names()}, precisions {PRECISIONS}")
+            raise DeltashipError(
+                f"{where}: tier {name!r} is inconsistent (unknown {bad}, or budget over RAM, or context < 1)",
+                f"targets are {target_names()}, precisions {PRECISIONS}",
+            )
         tiers[name] = tier
     return tiers, dict(data.get("models") or {})
 
@@ -65,6 +77,8 @@ def load_catalog(user_file: str | Path | None = None) -> tuple[dict[str, Tier], 
 def get_tier(name: str, user_file: str | Path | None = None) -> Tier:
     tiers, _ = load_catalog(user_file)
     if name not in tiers:
-        raise DeltashipError(f"unknown tier {name!r}; tiers: {', '.join(tiers)}",
-                             "pick a tier from the catalog or add your own with --tiers FILE")
+        raise DeltashipError(
+            f"unknown tier {name!r}; tiers: {', '.join(tiers)}",
+            "pick a tier from the catalog or add your own with --tiers FILE",
+        )
     return tiers[name]

@@ -35,8 +35,9 @@ def cpu_model() -> str:
         return m.group(1).strip()
     if platform.system() == "Darwin":
         try:
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                                  timeout=5).stdout.strip()
+            return subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             pass
     return platform.processor() or platform.machine()
@@ -76,21 +77,32 @@ def nvidia_gpus() -> list[dict[str, Any]]:
     """NVIDIA GPUs through NVML (pynvml) when installed, else nvidia-smi; empty when none."""
     try:
         import pynvml  # type: ignore
+
         pynvml.nvmlInit()
         out = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             name = pynvml.nvmlDeviceGetName(h)
-            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                        "memory_bytes": int(mem.total), "driver": pynvml.nvmlSystemGetDriverVersion()})
+            out.append(
+                {
+                    "index": i,
+                    "name": name.decode() if isinstance(name, bytes) else name,
+                    "memory_bytes": int(mem.total),
+                    "driver": pynvml.nvmlSystemGetDriverVersion(),
+                }
+            )
         return out
     except Exception:  # no pynvml, no driver, no GPU: all the same to us
         pass
     if shutil.which("nvidia-smi"):
         try:
-            r = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
-                                "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+            r = subprocess.run(
+                ["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             gpus = []
             for line in r.stdout.strip().splitlines():
                 idx, name, mem, drv = [x.strip() for x in line.split(",")]
@@ -110,6 +122,7 @@ def runtimes() -> dict[str, str]:
             pass
     try:
         import onnxruntime as ort
+
         out["onnxruntime_providers"] = ",".join(ort.get_available_providers())
     except ImportError:
         pass
@@ -144,22 +157,26 @@ def parse_ssh(spec: str) -> dict[str, Any]:
 
 def ssh_base(target: dict[str, Any], options: list[str] | None = None) -> list[str]:
     dest = f"{target['user']}@{target['host']}" if target["user"] else target["host"]
-    return ["ssh", "-p", str(target["port"]), "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
-            *(options or []), dest]
+    return ["ssh", "-p", str(target["port"]), "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", *(options or []), dest]
 
 
-def ssh_run(target: dict[str, Any], command: str, options: list[str] | None = None, timeout: float = 600,
-            what: str = "command") -> str:
+def ssh_run(
+    target: dict[str, Any], command: str, options: list[str] | None = None, timeout: float = 600, what: str = "command"
+) -> str:
     if not shutil.which("ssh"):
         raise DeltashipError("ssh is not installed on this machine", "install OpenSSH's client (ssh, scp)")
     r = subprocess.run(ssh_base(target, options) + [command], capture_output=True, text=True, timeout=timeout)
     if r.returncode == 255:
-        raise DeltashipError(f"ssh://{target['host']}:{target['port']} is unreachable: {r.stderr.strip()[-300:]}",
-                             "check the address, that sshd runs there, and that key-based login works (BatchMode)")
+        raise DeltashipError(
+            f"ssh://{target['host']}:{target['port']} is unreachable: {r.stderr.strip()[-300:]}",
+            "check the address, that sshd runs there, and that key-based login works (BatchMode)",
+        )
     if r.returncode != 0:
-        raise DeltashipError(f"the remote {what} failed on {target['host']} (exit {r.returncode}): "
-                             f"{(r.stderr or r.stdout).strip()[-500:]}",
-                             "install deltaship on the remote machine (pip install deltaship) and check it runs there")
+        raise DeltashipError(
+            f"the remote {what} failed on {target['host']} (exit {r.returncode}): "
+            f"{(r.stderr or r.stdout).strip()[-500:]}",
+            "install deltaship on the remote machine (pip install deltaship) and check it runs there",
+        )
     return r.stdout
 
 
@@ -169,8 +186,10 @@ def ssh_fingerprint(spec: str, options: list[str] | None = None, remote_cmd: str
     try:
         info = json.loads(out)[0]
     except (json.JSONDecodeError, IndexError, KeyError):
-        raise DeltashipError(f"{spec}: unexpected answer from the remote deltaship: {out[:200]!r}",
-                             "install the same deltaship version on the remote machine") from None
+        raise DeltashipError(
+            f"{spec}: unexpected answer from the remote deltaship: {out[:200]!r}",
+            "install the same deltaship version on the remote machine",
+        ) from None
     info.update(device=spec, kind="ssh")
     return info
 
@@ -197,19 +216,28 @@ def adb_fingerprint(serial: str) -> dict[str, Any]:
     if not shutil.which("adb"):
         raise DeltashipError("adb is not installed", "install Android platform-tools (adb)")
     if serial not in adb_devices():
-        raise DeltashipError(f"Android device {serial!r} is not attached (adb devices lists: "
-                             f"{', '.join(adb_devices()) or 'none'})", "connect the phone, enable USB debugging, "
-                             "accept the host key, and check `adb devices`")
-    props = parse_getprop(subprocess.run(["adb", "-s", serial, "shell", "getprop"], capture_output=True, text=True,
-                                         timeout=30).stdout)
-    meminfo = subprocess.run(["adb", "-s", serial, "shell", "cat", "/proc/meminfo"], capture_output=True, text=True,
-                             timeout=30).stdout
+        raise DeltashipError(
+            f"Android device {serial!r} is not attached (adb devices lists: {', '.join(adb_devices()) or 'none'})",
+            "connect the phone, enable USB debugging, accept the host key, and check `adb devices`",
+        )
+    props = parse_getprop(
+        subprocess.run(["adb", "-s", serial, "shell", "getprop"], capture_output=True, text=True, timeout=30).stdout
+    )
+    meminfo = subprocess.run(
+        ["adb", "-s", serial, "shell", "cat", "/proc/meminfo"], capture_output=True, text=True, timeout=30
+    ).stdout
     m = re.search(r"MemTotal:\s*(\d+) kB", meminfo)
-    return {"device": f"adb:{serial}", "kind": "android", "model": props.get("ro.product.model", "?"),
-            "soc": props.get("ro.soc.model") or props.get("ro.board.platform", "?"),
-            "abi": props.get("ro.product.cpu.abi", "?"), "os": f"Android {props.get('ro.build.version.release', '?')}",
-            "ram_bytes": int(m.group(1)) * 1024 if m else 0,
-            "cores": None, "runtimes": {}}
+    return {
+        "device": f"adb:{serial}",
+        "kind": "android",
+        "model": props.get("ro.product.model", "?"),
+        "soc": props.get("ro.soc.model") or props.get("ro.board.platform", "?"),
+        "abi": props.get("ro.product.cpu.abi", "?"),
+        "os": f"Android {props.get('ro.build.version.release', '?')}",
+        "ram_bytes": int(m.group(1)) * 1024 if m else 0,
+        "cores": None,
+        "runtimes": {},
+    }
 
 
 # ---- Apple (xcrun devicectl, macOS only) ----------------------------------------------------
@@ -217,18 +245,32 @@ def apple_devices() -> list[dict[str, Any]]:
     if platform.system() != "Darwin" or not shutil.which("xcrun"):
         return []
     import tempfile
+
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        r = subprocess.run(["xcrun", "devicectl", "list", "devices", "--json-output", f.name], capture_output=True,
-                           text=True, timeout=60)
+        r = subprocess.run(
+            ["xcrun", "devicectl", "list", "devices", "--json-output", f.name],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if r.returncode != 0:
             return []
         data = json.loads(Path(f.name).read_text())
     out = []
     for d in data.get("result", {}).get("devices", []):
         hw, props = d.get("hardwareProperties", {}), d.get("deviceProperties", {})
-        out.append({"device": f"apple:{d.get('identifier')}", "kind": "apple", "model": hw.get("marketingName", "?"),
-                    "soc": hw.get("cpuType", {}).get("name", "?"), "os": f"{hw.get('platform', '?')} "
-                    f"{props.get('osVersionNumber', '?')}", "ram_bytes": None, "cores": None, "runtimes": {}})
+        out.append(
+            {
+                "device": f"apple:{d.get('identifier')}",
+                "kind": "apple",
+                "model": hw.get("marketingName", "?"),
+                "soc": hw.get("cpuType", {}).get("name", "?"),
+                "os": f"{hw.get('platform', '?')} {props.get('osVersionNumber', '?')}",
+                "ram_bytes": None,
+                "cores": None,
+                "runtimes": {},
+            }
+        )
     return out
 
 

@@ -59,25 +59,30 @@ def default_kv_dtype(target: str, precision: str) -> str:
     by_bytes = {f.bits // 8: name for name, f in KV_DTYPES.items() if f.bits >= 8 and not f.token_head_bytes}
     by_bytes.setdefault(1, "int8")
     if act not in by_bytes:
-        raise DeltashipError(f"target {target} stores {act}-byte activations at {precision}; the planner knows KV "
-                             f"caches of {sorted(by_bytes)} bytes an element", "fix the target's storage format")
+        raise DeltashipError(
+            f"target {target} stores {act}-byte activations at {precision}; the planner knows KV "
+            f"caches of {sorted(by_bytes)} bytes an element",
+            "fix the target's storage format",
+        )
     return by_bytes[act]
 
 
 def kv_dtypes_for(target: str, precision: str) -> tuple[str, ...]:
     """The target's own KV dtype, then the narrower ones a quantized cache could use."""
-    return KV_ORDER[KV_ORDER.index(default_kv_dtype(target, precision)):]
+    return KV_ORDER[KV_ORDER.index(default_kv_dtype(target, precision)) :]
 
 
 def state_bytes(spec: ModelSpec, target: str, precision: str, context: int, kv_dtype: str | None = None) -> int:
     """Per-sequence state: the fixed DeltaNet states plus context x the KV cache's bytes per token."""
     act = get_target(target).storage_format(precision).act
-    return spec.deltanet_state_bytes(act) + context * spec.kv_bytes_per_token(kv_dtype or default_kv_dtype(target,
-                                                                                                           precision))
+    return spec.deltanet_state_bytes(act) + context * spec.kv_bytes_per_token(
+        kv_dtype or default_kv_dtype(target, precision)
+    )
 
 
-def attention_scores_bytes(spec: ModelSpec, target: str, precision: str, context: int,
-                           prefill_chunk: int | None = None) -> int:
+def attention_scores_bytes(
+    spec: ModelSpec, target: str, precision: str, context: int, prefill_chunk: int | None = None
+) -> int:
     """The attention scores of one prefill chunk over the whole static cache (heads x chunk x context), as a
     kernel that materialises them (ORT's CPU GroupQueryAttention does; tiled flash kernels would not)."""
     tgt = get_target(target)
@@ -85,25 +90,35 @@ def attention_scores_bytes(spec: ModelSpec, target: str, precision: str, context
     return tgt.storage_format(precision).act * spec.num_attention_heads * t * context
 
 
-def activation_bytes(spec: ModelSpec, target: str, precision: str, context: int,
-                     prefill_chunk: int | None = None) -> int:
+def activation_bytes(
+    spec: ModelSpec, target: str, precision: str, context: int, prefill_chunk: int | None = None
+) -> int:
     """One prefill chunk's activations: MLP, projections, the attention scores and one row of logits."""
     tgt = get_target(target)
     act = tgt.storage_format(precision).act
     t = min(prefill_chunk or tgt.default_prefill_chunk, context)
     per_token = 2 * spec.intermediate_size + 2 * spec.conv_dim + 6 * spec.hidden_size
-    return act * t * per_token + attention_scores_bytes(spec, target, precision, context, prefill_chunk) \
+    return (
+        act * t * per_token
+        + attention_scores_bytes(spec, target, precision, context, prefill_chunk)
         + 4 * spec.vocab_size
+    )
 
 
-def overhead_bytes(spec: ModelSpec, target: str, precision: str, context: int,
-                   prefill_chunk: int | None = None) -> int:
+def overhead_bytes(spec: ModelSpec, target: str, precision: str, context: int, prefill_chunk: int | None = None) -> int:
     """The runtime, plus one prefill chunk's activations (MLP, projections, attention scores, logits)."""
     return get_target(target).runtime_base_bytes + activation_bytes(spec, target, precision, context, prefill_chunk)
 
 
-def estimate(spec: ModelSpec, tier: Tier, target: str, precision: str, context: int, kv_dtype: str | None = None,
-             prefill_chunk: int | None = None) -> PlanRow:
+def estimate(
+    spec: ModelSpec,
+    tier: Tier,
+    target: str,
+    precision: str,
+    context: int,
+    kv_dtype: str | None = None,
+    prefill_chunk: int | None = None,
+) -> PlanRow:
     """Memory of (target, precision, KV dtype) at `context` tokens on `tier`, by part."""
     kv = kv_dtype or default_kv_dtype(target, precision)
     w = weight_bytes(spec, target, precision)
@@ -112,19 +127,41 @@ def estimate(spec: ModelSpec, tier: Tier, target: str, precision: str, context: 
     a = activation_bytes(spec, target, precision, context, prefill_chunk)
     rt = get_target(target).runtime_base_bytes
     total = w + dn + kvb + a + rt
-    return PlanRow(tier.name, target, precision, context, w, dn + kvb, a + rt, total, tier.budget_bytes,
-                   total <= tier.budget_bytes, kv_dtype=kv, kv_exportable=kv == default_kv_dtype(target, precision),
-                   kv_bytes=kvb, deltanet_bytes=dn, activation_bytes=a, runtime_bytes=rt,
-                   attention_scores_bytes=attention_scores_bytes(spec, target, precision, context, prefill_chunk))
+    return PlanRow(
+        tier.name,
+        target,
+        precision,
+        context,
+        w,
+        dn + kvb,
+        a + rt,
+        total,
+        tier.budget_bytes,
+        total <= tier.budget_bytes,
+        kv_dtype=kv,
+        kv_exportable=kv == default_kv_dtype(target, precision),
+        kv_bytes=kvb,
+        deltanet_bytes=dn,
+        activation_bytes=a,
+        runtime_bytes=rt,
+        attention_scores_bytes=attention_scores_bytes(spec, target, precision, context, prefill_chunk),
+    )
 
 
-def longest_context(spec: ModelSpec, tier: Tier, target: str, precision: str, kv_dtype: str | None = None,
-                    prefill_chunk: int | None = None) -> PlanRow:
+def longest_context(
+    spec: ModelSpec,
+    tier: Tier,
+    target: str,
+    precision: str,
+    kv_dtype: str | None = None,
+    prefill_chunk: int | None = None,
+) -> PlanRow:
     """The longest context (at most max_position_embeddings) whose memory fits the tier, with its breakdown.
 
     Memory grows with the context (KV cache, attention scores), so a binary search finds it. When not even one
     token fits, the row is the one-token estimate with fits False.
     """
+
     def at(n: int) -> PlanRow:
         return estimate(spec, tier, target, precision, n, kv_dtype, prefill_chunk)
 
@@ -156,17 +193,25 @@ def parse_context(context: int | str | None) -> int | str | None:
         return context
     if isinstance(context, str):
         if not context.strip().isdigit():
-            raise DeltashipError(f"--context must be a number of tokens or max, got {context!r}",
-                                 "pass e.g. --context 262144, or --context max for the longest that fits")
+            raise DeltashipError(
+                f"--context must be a number of tokens or max, got {context!r}",
+                "pass e.g. --context 262144, or --context max for the longest that fits",
+            )
         context = int(context)
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise DeltashipError(f"--context must be positive, got {context}", "pass a context length in tokens")
     return context
 
 
-def plan(model: str, tier: str | None = None, tiers_file: str | None = None, context: int | str | None = None,
-         targets: list[str] | None = None, kv_dtypes: list[str] | None = None,
-         prefill_chunk: int | None = None) -> list[dict]:
+def plan(
+    model: str,
+    tier: str | None = None,
+    tiers_file: str | None = None,
+    context: int | str | None = None,
+    targets: list[str] | None = None,
+    kv_dtypes: list[str] | None = None,
+    prefill_chunk: int | None = None,
+) -> list[dict]:
     """One row per (tier, target, precision, KV dtype): memory parts, total, budget, fits; the pick per tier
     is marked.
 
@@ -181,15 +226,18 @@ def plan(model: str, tier: str | None = None, tiers_file: str | None = None, con
     context = parse_context(context)
     for kv in kv_dtypes or ():
         if kv not in KV_DTYPES:
-            raise DeltashipError(f"unknown KV dtype {kv!r}; KV dtypes: {', '.join(KV_DTYPES)}",
-                                 "pick KV dtypes among those")
+            raise DeltashipError(
+                f"unknown KV dtype {kv!r}; KV dtypes: {', '.join(KV_DTYPES)}", "pick KV dtypes among those"
+            )
     if prefill_chunk is not None and prefill_chunk < 1:
         raise DeltashipError(f"--prefill-chunk must be at least 1, got {prefill_chunk}", "pass a positive chunk size")
     spec = load_source(model).spec
     catalog, _ = load_catalog(tiers_file)
     if tier is not None and tier not in catalog:
-        raise DeltashipError(f"unknown tier {tier!r}; tiers: {', '.join(catalog)}",
-                             "pick a tier from the catalog or add your own with --tiers FILE")
+        raise DeltashipError(
+            f"unknown tier {tier!r}; tiers: {', '.join(catalog)}",
+            "pick a tier from the catalog or add your own with --tiers FILE",
+        )
 
     def kvs(tg: str, pr: str) -> tuple[str, ...]:
         if kv_dtypes:
@@ -197,7 +245,7 @@ def plan(model: str, tier: str | None = None, tiers_file: str | None = None, con
         return kv_dtypes_for(tg, pr) if context is not None else (default_kv_dtype(tg, pr),)
 
     rows: list[PlanRow] = []
-    for t in ([catalog[tier]] if tier else catalog.values()):
+    for t in [catalog[tier]] if tier else catalog.values():
         combos = [(tg, pr, kv) for tg in (targets or t.targets) for pr in PRECISIONS for kv in kvs(tg, pr)]
         if context == "max":
             tier_rows = [longest_context(spec, t, tg, pr, kv, prefill_chunk) for tg, pr, kv in combos]
@@ -220,8 +268,9 @@ def plan(model: str, tier: str | None = None, tiers_file: str | None = None, con
     return [asdict(r) for r in rows]
 
 
-def recommend(spec: ModelSpec, tier: Tier, context: int, targets: list[str] | None = None,
-              prefill_chunk: int | None = None) -> PlanRow | None:
+def recommend(
+    spec: ModelSpec, tier: Tier, context: int, targets: list[str] | None = None, prefill_chunk: int | None = None
+) -> PlanRow | None:
     """The tier's most preferred target at the best of its precisions that fits (with the KV dtype its bundles
     use); the context is halved (down to 512) when nothing fits at the tier's typical context."""
     ctx = context
@@ -256,12 +305,20 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
         tier = catalog[name]
         asked = max(r["context"] for r in tier_rows)
         if pick is not None and (pick["context"] == asked or pick.get("longest")):
-            line = (f"{name}: {pick['target']} {pick['precision']} at context {pick['context']} "
-                    f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB): the tier prefers "
-                    f"{' > '.join(tier.targets)} and {' > '.join(tier.precisions)} (most accurate first)")
-            smaller = [r for r in today if r["target"] == pick["target"] and r["fits"]
-                       and r["total_bytes"] < pick["total_bytes"] and r["precision"] != pick["precision"]
-                       and r["context"] == pick["context"]]
+            line = (
+                f"{name}: {pick['target']} {pick['precision']} at context {pick['context']} "
+                f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB): the tier prefers "
+                f"{' > '.join(tier.targets)} and {' > '.join(tier.precisions)} (most accurate first)"
+            )
+            smaller = [
+                r
+                for r in today
+                if r["target"] == pick["target"]
+                and r["fits"]
+                and r["total_bytes"] < pick["total_bytes"]
+                and r["precision"] != pick["precision"]
+                and r["context"] == pick["context"]
+            ]
             if smaller:
                 s = min(smaller, key=lambda r: r["total_bytes"])
                 line += f"; {s['precision']} also fits, in {s['total_bytes'] / GIB:.2f} GiB"
@@ -271,23 +328,33 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
             continue
         at_asked = [r for r in tier_rows if r["context"] == asked]
         best = min(at_asked, key=lambda r: r["total_bytes"])
-        line = (f"{name}: nothing fits{f' at context {asked}' if pick else ''}. The smallest, {best['target']} "
-                f"{best['precision']}{_kv_note(best, at_asked)} at context {best['context']}, needs "
-                f"{best['total_bytes'] / GIB:.2f} GiB of a {best['budget_bytes'] / GIB:.2f} GiB budget "
-                f"({_parts(best)})")
+        line = (
+            f"{name}: nothing fits{f' at context {asked}' if pick else ''}. The smallest, {best['target']} "
+            f"{best['precision']}{_kv_note(best, at_asked)} at context {best['context']}, needs "
+            f"{best['total_bytes'] / GIB:.2f} GiB of a {best['budget_bytes'] / GIB:.2f} GiB budget "
+            f"({_parts(best)})"
+        )
         rescued = [r for r in at_asked if r.get("fits_at_chunk")]
         if rescued:
             # today's KV dtype first, then the widest planned one, then the largest chunk
-            r = max(rescued, key=lambda r: (r.get("kv_exportable", True), -KV_ORDER.index(r["kv_dtype"]),
-                                            r["fits_at_chunk"]))
-            line += (f"; {r['target']} {r['precision']}{_kv_note(r, at_asked)} would fit with --prefill-chunk "
-                     f"{r['fits_at_chunk']} (fewer attention scores per chunk)")
+            r = max(
+                rescued,
+                key=lambda r: (r.get("kv_exportable", True), -KV_ORDER.index(r["kv_dtype"]), r["fits_at_chunk"]),
+            )
+            line += (
+                f"; {r['target']} {r['precision']}{_kv_note(r, at_asked)} would fit with --prefill-chunk "
+                f"{r['fits_at_chunk']} (fewer attention scores per chunk)"
+            )
         if pick is not None:
-            line += (f". Recommended instead: {pick['target']} {pick['precision']} at context {pick['context']} "
-                     f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB)")
+            line += (
+                f". Recommended instead: {pick['target']} {pick['precision']} at context {pick['context']} "
+                f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB)"
+            )
         else:
-            line += (f"; it would fit a tier with {best['total_bytes'] / GIB:.2f} GiB or more to spend (--tiers FILE), "
-                     "or a smaller model")
+            line += (
+                f"; it would fit a tier with {best['total_bytes'] / GIB:.2f} GiB or more to spend (--tiers FILE), "
+                "or a smaller model"
+            )
         lines.append(line)
     return lines
 
@@ -303,9 +370,11 @@ def _parts(r: dict) -> str:
     """The memory breakdown of a row, in GiB."""
     if not r.get("kv_dtype"):
         return f"weights {r['weights_bytes'] / GIB:.2f} GiB alone"
-    return (f"weights {r['weights_bytes'] / GIB:.2f} + {r['kv_dtype']} KV cache {r['kv_bytes'] / GIB:.2f} + DeltaNet "
-            f"states {r['deltanet_bytes'] / GIB:.2f} + activations {r['activation_bytes'] / GIB:.2f} (attention "
-            f"scores {r['attention_scores_bytes'] / GIB:.2f}) + runtime {r['runtime_bytes'] / GIB:.2f} GiB")
+    return (
+        f"weights {r['weights_bytes'] / GIB:.2f} + {r['kv_dtype']} KV cache {r['kv_bytes'] / GIB:.2f} + DeltaNet "
+        f"states {r['deltanet_bytes'] / GIB:.2f} + activations {r['activation_bytes'] / GIB:.2f} (attention "
+        f"scores {r['attention_scores_bytes'] / GIB:.2f}) + runtime {r['runtime_bytes'] / GIB:.2f} GiB"
+    )
 
 
 def _planned_kv(tier_rows: list[dict], pick: dict | None) -> str:
@@ -317,32 +386,51 @@ def _planned_kv(tier_rows: list[dict], pick: dict | None) -> str:
     better = [r for r in planned if r["fits"] and r["context"] > reach]
     if better:
         b = max(better, key=lambda r: (r["context"], -r["total_bytes"]))
-        return (f". With an {b['kv_dtype']} KV cache (planned, not exportable yet) {b['target']} {b['precision']} "
-                f"fits at context {b['context']} in {b['total_bytes'] / GIB:.2f} GiB ({_parts(b)})")
+        return (
+            f". With an {b['kv_dtype']} KV cache (planned, not exportable yet) {b['target']} {b['precision']} "
+            f"fits at context {b['context']} in {b['total_bytes'] / GIB:.2f} GiB ({_parts(b)})"
+        )
     if pick is None:
         b = min(planned, key=lambda r: r["total_bytes"])
-        return (f". Even with an {b['kv_dtype']} KV cache (planned), {b['target']} {b['precision']} at context "
-                f"{b['context']} needs {b['total_bytes'] / GIB:.2f} GiB ({_parts(b)})")
+        return (
+            f". Even with an {b['kv_dtype']} KV cache (planned), {b['target']} {b['precision']} at context "
+            f"{b['context']} needs {b['total_bytes'] / GIB:.2f} GiB ({_parts(b)})"
+        )
     return ""
 
 
 def format_table(rows: list[dict]) -> str:
     """The rows as a table: memory by part (KV cache, DeltaNet states, activations, runtime) in GiB."""
-    head = (f"{'tier':<12} {'target':<11} {'prec':<5} {'kv':<5} {'context':>7} {'weights':>8} {'kv':>8} "
-            f"{'deltanet':>8} {'activ.':>8} {'runtime':>8} {'total':>8} {'budget':>8}  fit")
+    head = (
+        f"{'tier':<12} {'target':<11} {'prec':<5} {'kv':<5} {'context':>7} {'weights':>8} {'kv':>8} "
+        f"{'deltanet':>8} {'activ.':>8} {'runtime':>8} {'total':>8} {'budget':>8}  fit"
+    )
     lines = [head, "-" * len(head)]
     g = lambda b: f"{b / GIB:7.2f}G"  # noqa: E731
     for r in rows:
         mark = ("yes" if r["fits"] else "no") + ("  <- recommended" if r["recommended"] else "")
         kv = r.get("kv_dtype", "") + ("" if r.get("kv_exportable", True) else "*")
-        lines.append(f"{r['tier']:<12} {r['target']:<11} {r['precision']:<5} {kv:<5} {r['context']:>7} "
-                     f"{g(r['weights_bytes'])} {g(r['kv_bytes'])} {g(r['deltanet_bytes'])} "
-                     f"{g(r['activation_bytes'])} {g(r['runtime_bytes'])} {g(r['total_bytes'])} "
-                     f"{g(r['budget_bytes'])}  {mark}")
+        lines.append(
+            f"{r['tier']:<12} {r['target']:<11} {r['precision']:<5} {kv:<5} {r['context']:>7} "
+            f"{g(r['weights_bytes'])} {g(r['kv_bytes'])} {g(r['deltanet_bytes'])} "
+            f"{g(r['activation_bytes'])} {g(r['runtime_bytes'])} {g(r['total_bytes'])} "
+            f"{g(r['budget_bytes'])}  {mark}"
+        )
     if any(not r.get("kv_exportable", True) for r in rows):
         lines.append("* a KV-cache dtype the target cannot export yet (planned: int8/int4 KV caches)")
     return "\n".join(lines)
 
 
-__all__ = ["plan", "format_table", "verdicts", "weight_bytes", "state_bytes", "estimate", "longest_context",
-           "kv_dtypes_for", "default_kv_dtype", "parse_context", "fits_at_chunk"]
+__all__ = [
+    "plan",
+    "format_table",
+    "verdicts",
+    "weight_bytes",
+    "state_bytes",
+    "estimate",
+    "longest_context",
+    "kv_dtypes_for",
+    "default_kv_dtype",
+    "parse_context",
+    "fits_at_chunk",
+]

@@ -17,30 +17,42 @@ from deltaship.targets import PRECISIONS, Target, TargetOptions, all_targets, fl
 EVAL_TOKENS = 256  # held-out tokens evaluated at export (deltaship eval defaults to 512)
 
 
-def check_options(target: str, precision: str, max_context: int | None, block_size: int, deltanet_int8: bool,
-                  prefill_chunk: int | None, target_options: dict[str, Any] | None = None,
-                  kv_cache: str | None = None) -> TargetOptions:
+def check_options(
+    target: str,
+    precision: str,
+    max_context: int | None,
+    block_size: int,
+    deltanet_int8: bool,
+    prefill_chunk: int | None,
+    target_options: dict[str, Any] | None = None,
+    kv_cache: str | None = None,
+) -> TargetOptions:
     """Every option combination is checked once, here, before any work starts; returns the target's typed
     options. (The target's own combinations, which need the context and chunk, are checked by export().)"""
     tgt = get_target(target)
     owners = {f.name: t.name for t in all_targets() for f in t.Options.fields()}
     for key in target_options or {}:
         if key not in owners:
-            raise DeltashipError(f"unknown export option {key!r}; options: {', '.join(owners)}",
-                                 "check the option's spelling")
+            raise DeltashipError(
+                f"unknown export option {key!r}; options: {', '.join(owners)}", "check the option's spelling"
+            )
         if owners[key] != target:
             raise DeltashipError(f"{flag(key)} applies to --target {owners[key]}, not {target}", f"drop {flag(key)}")
     options = tgt.parse_options(target_options or {})
     if precision not in PRECISIONS:
-        raise DeltashipError(f"unknown --precision {precision!r}; precisions: {', '.join(PRECISIONS)}",
-                             "pick one of the precisions")
+        raise DeltashipError(
+            f"unknown --precision {precision!r}; precisions: {', '.join(PRECISIONS)}", "pick one of the precisions"
+        )
     if max_context is not None and max_context < 1:
         raise DeltashipError(f"--max-context must be at least 1, got {max_context}", "pass a positive context length")
     if block_size < 16 or block_size & (block_size - 1):
         raise DeltashipError(f"--block-size must be a power of two >= 16, got {block_size}", "use 32, 64 or 128")
     if deltanet_int8 and precision != "int4":
-        raise DeltashipError("--deltanet-int8 keeps DeltaNet projections at int8 when the rest is int4; it needs "
-                             f"--precision int4 (got {precision})", "drop --deltanet-int8 or use --precision int4")
+        raise DeltashipError(
+            "--deltanet-int8 keeps DeltaNet projections at int8 when the rest is int4; it needs "
+            f"--precision int4 (got {precision})",
+            "drop --deltanet-int8 or use --precision int4",
+        )
     if prefill_chunk is not None and prefill_chunk < 1:
         raise DeltashipError(f"--prefill-chunk must be at least 1, got {prefill_chunk}", "pass a positive chunk size")
     if kv_cache is not None:
@@ -50,24 +62,40 @@ def check_options(target: str, precision: str, max_context: int | None, block_si
 
 def _check_kv_cache(tgt: Target, precision: str, kv_cache: str, options: TargetOptions) -> None:
     from deltaship.models.spec import KV_DTYPES
+
     if kv_cache not in KV_DTYPES:
-        raise DeltashipError(f"unknown --kv-cache {kv_cache!r}; KV dtypes: {', '.join(KV_DTYPES)}",
-                             "pick one of the KV dtypes")
+        raise DeltashipError(
+            f"unknown --kv-cache {kv_cache!r}; KV dtypes: {', '.join(KV_DTYPES)}", "pick one of the KV dtypes"
+        )
     can = tgt.kv_cache_dtypes(precision, options.as_dict())
     if kv_cache not in can:
         raise DeltashipError(
             f"--kv-cache {kv_cache} is not available for --target {tgt.name} at --precision {precision}: its KV "
             f"cache is stored as {' or '.join(can)} (the activation dtype); int8/int4 KV caches are planned",
             f"drop --kv-cache, or pass --kv-cache {can[0]}; `deltaship plan --context N` shows what a narrower "
-            "KV cache would buy")
+            "KV cache would buy",
+        )
 
 
-def pass_options(target: Target, options: TargetOptions, *, prefill_chunk: int, block_size: int = 32,
-                 deltanet_int8: bool = False, verify: bool = True) -> dict[str, Any]:
+def pass_options(
+    target: Target,
+    options: TargetOptions,
+    *,
+    prefill_chunk: int,
+    block_size: int = 32,
+    deltanet_int8: bool = False,
+    verify: bool = True,
+) -> dict[str, Any]:
     """What the passes and the lowering read as ctx.options: the target's fixed pass parameters, the common
     options and every target option (defaults filled in)."""
-    return {**target.pass_options, "verify": verify, "block_size": block_size, "deltanet_int8": deltanet_int8,
-            "prefill_chunk": prefill_chunk, **options.as_dict()}
+    return {
+        **target.pass_options,
+        "verify": verify,
+        "block_size": block_size,
+        "deltanet_int8": deltanet_int8,
+        "prefill_chunk": prefill_chunk,
+        **options.as_dict(),
+    }
 
 
 def special_tokens(source, tokenizer_dir_files: list[Path]) -> dict[str, Any]:
@@ -82,19 +110,34 @@ def special_tokens(source, tokenizer_dir_files: list[Path]) -> dict[str, Any]:
             eos += e if isinstance(e, list) else ([e] if isinstance(e, int) else [])
         if f.name == "tokenizer.json":
             added = {t["content"]: t["id"] for t in json.loads(f.read_text()).get("added_tokens", [])}
-            for key, content in (("im_start", "<|im_start|>"), ("im_end", "<|im_end|>"),
-                                 ("endoftext", "<|endoftext|>")):
+            for key, content in (
+                ("im_start", "<|im_start|>"),
+                ("im_end", "<|im_end|>"),
+                ("endoftext", "<|endoftext|>"),
+            ):
                 if content in added:
                     out[key] = added[content]
     out["eos"] = sorted(set(eos))
     return out
 
 
-def export(model: str, out: str | Path, target: str = "onnx", precision: str = "fp32",
-           max_context: int | None = None, force: bool = False, verify: bool = True,
-           prefill_chunk: int | None = None, block_size: int = 32, deltanet_int8: bool = False,
-           threads: int | None = None, progress: bool | Callable = True, allow_download: bool = False,
-           kv_cache: str | None = None, **target_options: Any) -> dict[str, Any]:
+def export(
+    model: str,
+    out: str | Path,
+    target: str = "onnx",
+    precision: str = "fp32",
+    max_context: int | None = None,
+    force: bool = False,
+    verify: bool = True,
+    prefill_chunk: int | None = None,
+    block_size: int = 32,
+    deltanet_int8: bool = False,
+    threads: int | None = None,
+    progress: bool | Callable = True,
+    allow_download: bool = False,
+    kv_cache: str | None = None,
+    **target_options: Any,
+) -> dict[str, Any]:
     """Compile `model` (a checkpoint directory, a preset, or a Hub id `org/name[@revision]` from the local Hugging
     Face cache, downloaded only with allow_download=True) for `target` at `precision` into bundle `out`.
 
@@ -110,8 +153,9 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
     from deltaship.models.source import load_source
 
     quiet_third_party()
-    options = check_options(target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options,
-                            kv_cache)
+    options = check_options(
+        target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options, kv_cache
+    )
     tgt = get_target(target)
     out = Path(out)
     check_destination(out, force)
@@ -122,13 +166,21 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
     for note in source.notes():
         say(note)
     if max_context is None:
-        max_context = PRESETS[model].default_max_context if model in PRESETS else min(4096, spec.max_position_embeddings)
+        max_context = (
+            PRESETS[model].default_max_context if model in PRESETS else min(4096, spec.max_position_embeddings)
+        )
     spec.check_context(max_context)  # names max_position_embeddings and, without scaling, YaRN
     chunk = min(prefill_chunk or tgt.default_prefill_chunk, max_context)
     tgt.check(precision, max_context, chunk, options)
-    ctx = ExportContext(spec=spec, precision=precision, max_context=max_context, target=target,
-                        options=pass_options(tgt, options, prefill_chunk=chunk, block_size=block_size,
-                                             deltanet_int8=deltanet_int8, verify=verify))
+    ctx = ExportContext(
+        spec=spec,
+        precision=precision,
+        max_context=max_context,
+        target=target,
+        options=pass_options(
+            tgt, options, prefill_chunk=chunk, block_size=block_size, deltanet_int8=deltanet_int8, verify=verify
+        ),
+    )
     run_pipeline(ctx, tgt.pipeline(), progress=say)
 
     tokens = special_tokens(source, source.tokenizer_files)
@@ -143,23 +195,44 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
             tok_files.append(f.name)
         tgt.finish_bundle(tmp)  # after the copy: the target may adjust the copied files
         manifest = new_manifest(
-            source={"model": source.name, "kind": source.kind, "architecture": spec.architecture,
-                    "sha256": source.fingerprint(), "notes": source.notes()},
+            source={
+                "model": source.name,
+                "kind": source.kind,
+                "architecture": spec.architecture,
+                "sha256": source.fingerprint(),
+                "notes": source.notes(),
+            },
             model_card=source.model_card(),
             model=spec.to_dict() | {"num_layers": spec.num_layers, "parameters": spec.parameter_count()},
-            target=target, precision=precision,
+            target=target,
+            precision=precision,
             quantization=lowered.quantization or _quant_summary(ctx),
-            max_context=max_context, prefill_chunk=chunk, entry=lowered.entry,
-            inputs=tgt.io_inputs(ctx), outputs=tgt.io_outputs(ctx),
-            states=[dict(s, init="zeros", reset="zeros",
-                         **({"in_place": lowered.state_in_place[s["name"]]} if s["name"] in lowered.state_in_place
-                            else {})) for s in ctx.states],
-            usage=list(tgt.usage), tokens=tokens, tokenizer={"files": tok_files}, passes=ctx.report,
-            lowering=lowered.details, tools=tool_versions("torch", "transformers", *tgt.tool_packages))
+            max_context=max_context,
+            prefill_chunk=chunk,
+            entry=lowered.entry,
+            inputs=tgt.io_inputs(ctx),
+            outputs=tgt.io_outputs(ctx),
+            states=[
+                dict(
+                    s,
+                    init="zeros",
+                    reset="zeros",
+                    **({"in_place": lowered.state_in_place[s["name"]]} if s["name"] in lowered.state_in_place else {}),
+                )
+                for s in ctx.states
+            ],
+            usage=list(tgt.usage),
+            tokens=tokens,
+            tokenizer={"files": tok_files},
+            passes=ctx.report,
+            lowering=lowered.details,
+            tools=tool_versions("torch", "transformers", *tgt.tool_packages),
+        )
         manifest["memory"] = _memory(spec, ctx.states)
         manifest["app_runtimes"] = dict(tgt.app_runtimes)
         if verify:
             from deltaship.export.verify import verify_bundle
+
             # The runtime reads the manifest: write a provisional one in the staging directory.
             provisional = write_manifest(tmp, dict(manifest))
             rec = verify_bundle(tmp, provisional, source, ctx, threads=threads, progress=say)
@@ -170,14 +243,19 @@ def export(model: str, out: str | Path, target: str = "onnx", precision: str = "
                     f"verification failed: the {target} {precision} bundle disagrees with transformers "
                     f"(max relative logit difference {rec['max_rel_logit_diff']:.3g}, tie-aware greedy agreement "
                     f"{rec['tie_aware_agreement']:.3f}; tolerance {rec['tolerance']}); nothing was written",
-                    "this is a deltaship bug: please report it with the model's config.json")
+                    "this is a deltaship bug: please report it with the model's config.json",
+                )
             if rec["status"] != "skipped":
                 from deltaship.bundle.evaluate import evaluate
-                manifest["fidelity"] = evaluate(tmp, tokens=min(EVAL_TOKENS, max_context), threads=threads,
-                                                progress=say, source=source)
+
+                manifest["fidelity"] = evaluate(
+                    tmp, tokens=min(EVAL_TOKENS, max_context), threads=threads, progress=say, source=source
+                )
                 f = manifest["fidelity"]
-                say(f"fidelity on {f['tokens']} tokens: perplexity {f['perplexity']:.3f} (reference "
-                    f"{f['reference_perplexity']:.3f}), KL {f['kl_divergence']:.3g}, top-1 {f['top1_agreement']:.3f}")
+                say(
+                    f"fidelity on {f['tokens']} tokens: perplexity {f['perplexity']:.3f} (reference "
+                    f"{f['reference_perplexity']:.3f}), KL {f['kl_divergence']:.3g}, top-1 {f['top1_agreement']:.3f}"
+                )
         else:
             manifest["verification"] = {"status": "skipped", "reason": "--no-verify"}
         return manifest
@@ -199,10 +277,12 @@ def _report_verification(say, rec: dict) -> None:
     if rec["status"] == "skipped":
         say(f"verification skipped: {rec['reason']}")
     else:
-        say(f"verification {rec['status']}: max |logit diff| {rec['max_abs_logit_diff']:.3g} "
+        say(
+            f"verification {rec['status']}: max |logit diff| {rec['max_abs_logit_diff']:.3g} "
             f"({rec['max_rel_logit_diff']:.3g} of the logit std), greedy agreement {rec['greedy_agreement']:.3f} "
             f"(tie-aware {rec['tie_aware_agreement']:.3f}); vs unrounded fp32: KL {rec['kl_divergence']:.3g}, "
-            f"top-1 {rec['top1_agreement']:.3f}")
+            f"top-1 {rec['top1_agreement']:.3f}"
+        )
 
 
 def _quant_summary(ctx) -> dict[str, Any]:
@@ -211,10 +291,14 @@ def _quant_summary(ctx) -> dict[str, Any]:
     bits: dict[str, int] = {}
     for q in ctx.quant["linear"].values():
         bits[f"int{q['bits']}"] = bits.get(f"int{q['bits']}", 0) + 1
-    return {"scheme": "blockwise symmetric", "block_size": ctx.options["block_size"], "tensors": bits,
-            "deltanet_int8": bool(ctx.options.get("deltanet_int8")),
-            "embedding": ctx.quant["embedding"].get("model.embed_tokens.weight", "not quantized"),
-            "activations": str(ctx.dtype).removeprefix("torch.")}
+    return {
+        "scheme": "blockwise symmetric",
+        "block_size": ctx.options["block_size"],
+        "tensors": bits,
+        "deltanet_int8": bool(ctx.options.get("deltanet_int8")),
+        "embedding": ctx.quant["embedding"].get("model.embed_tokens.weight", "not quantized"),
+        "activations": str(ctx.dtype).removeprefix("torch."),
+    }
 
 
 class _CallableModule(types.ModuleType):
@@ -227,6 +311,9 @@ class _CallableModule(types.ModuleType):
 
 _CallableModule.__call__.__doc__ = export.__doc__
 _CallableModule.__call__.__signature__ = inspect.signature(export).replace(  # type: ignore[attr-defined]
-    parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
-                *inspect.signature(export).parameters.values()])
+    parameters=[
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
+        *inspect.signature(export).parameters.values(),
+    ]
+)
 sys.modules[__name__].__class__ = _CallableModule

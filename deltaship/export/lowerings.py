@@ -20,10 +20,12 @@ class OpLowerings:
 
     def register(self, *ops: Any) -> Callable[[Callable], Callable]:
         """Decorator: `@LOWERINGS.register(aten.add.Tensor, aten.sub.Tensor)`."""
+
         def deco(fn: Callable) -> Callable:
             for op in ops:
                 self.add(op, fn)
             return fn
+
         return deco
 
     def add(self, op: Any, fn: Callable) -> None:

@@ -18,8 +18,8 @@ from deltaship.errors import DeltashipError
 from deltaship.export.weight_plan import WeightPlan
 from deltaship.models.families import family_of_architecture
 from deltaship.models.spec import ModelSpec
-from deltaship.targets import PRECISIONS, get_target
 from deltaship.models.weights import expected_tensors
+from deltaship.targets import PRECISIONS, get_target
 
 
 class PassError(RuntimeError):
@@ -85,10 +85,14 @@ class LoadStructure:
             ctx.plan.add_source(name, src, tuple(p.shape))
         if ctx.spec.tie_word_embeddings:
             ctx.plan.alias("lm_head.weight", "model.embed_tokens.weight")
-        ctx.plan.add_constant("model.rotary.inv_freq", lambda: ctx.family.rotary_inv_freq(ctx.spec),
-                              (ctx.spec.rotary_dim // 2,))
-        return {"layers": ctx.spec.num_layers, "tensors": len(expected_tensors(ctx.spec)),
-                "tied_lm_head": int(ctx.spec.tie_word_embeddings)}
+        ctx.plan.add_constant(
+            "model.rotary.inv_freq", lambda: ctx.family.rotary_inv_freq(ctx.spec), (ctx.spec.rotary_dim // 2,)
+        )
+        return {
+            "layers": ctx.spec.num_layers,
+            "tensors": len(expected_tensors(ctx.spec)),
+            "tied_lm_head": int(ctx.spec.tie_word_embeddings),
+        }
 
     def ensures(self, ctx: ExportContext) -> None:
         params = {n for n, _ in ctx.model.named_parameters()}
@@ -112,7 +116,9 @@ class FoldZeroCentredNorms:
             new = ctx.family.RMSNorm(m.weight.shape[0], m.eps)
             new.weight = m.weight
             _replace(ctx.model, path, new)
-            ctx.plan.add_fixup(f"{path}.weight", "fold_zero_centred_norm", ctx.family.fold_zero_centred_norm, dtype="float32")
+            ctx.plan.add_fixup(
+                f"{path}.weight", "fold_zero_centred_norm", ctx.family.fold_zero_centred_norm, dtype="float32"
+            )
         return {"norms_folded": len(found)}
 
     def ensures(self, ctx: ExportContext) -> None:
@@ -135,10 +141,15 @@ class RewriteDeltaNet:
             _replace(ctx.model, path, ctx.family.StatefulGatedDeltaNet(ctx.spec, src))
             for old, new in ctx.family.StatefulGatedDeltaNet.renames.items():
                 ctx.plan.rename(f"{path}.{old}", f"{path}.{new}")
-            ctx.plan.add_fixup(f"{path}.decay_scale", "decay_scale_from_a_log", ctx.family.decay_scale_from_a_log,
-                               dtype="float32")
-            ctx.plan.add_fixup(f"{path}.conv_weight", "squeeze_conv_weight", ctx.family.squeeze_conv_weight,
-                               shape=(ctx.spec.conv_dim, ctx.spec.linear_conv_kernel_dim))
+            ctx.plan.add_fixup(
+                f"{path}.decay_scale", "decay_scale_from_a_log", ctx.family.decay_scale_from_a_log, dtype="float32"
+            )
+            ctx.plan.add_fixup(
+                f"{path}.conv_weight",
+                "squeeze_conv_weight",
+                ctx.family.squeeze_conv_weight,
+                shape=(ctx.spec.conv_dim, ctx.spec.linear_conv_kernel_dim),
+            )
             ctx.plan.add_fixup(f"{path}.dt_bias", "keep_fp32", lambda w: w, dtype="float32")
             ctx.plan.add_fixup(f"{path}.norm_weight", "keep_fp32", lambda w: w, dtype="float32")
         return {"deltanet_layers_rewritten": len(found), "states_added": 2 * len(found)}
@@ -165,8 +176,7 @@ class StaticKVCache:
             _replace(ctx.model, path, ctx.family.StaticCacheAttention(ctx.spec, src, ctx.max_context))
             for old, new in ctx.family.StaticCacheAttention.renames.items():
                 ctx.plan.rename(f"{path}.{old}", f"{path}.{new}")
-        return {"attention_layers_rewritten": len(found), "kv_caches": 2 * len(found),
-                "max_context": ctx.max_context}
+        return {"attention_layers_rewritten": len(found), "kv_caches": 2 * len(found), "max_context": ctx.max_context}
 
     def ensures(self, ctx: ExportContext) -> None:
         if _modules(ctx.model, ctx.family.SourceAttention):
@@ -255,12 +265,16 @@ class AssignPrecision:
                     b = 8 if dn8 and ".linear_attn." in mname else bits
                     blk = m.in_features if (b == 8 and per_channel8) else block
                     if divide and m.in_features % blk:
-                        blk = next((x for x in (blk // 2, blk // 4, blk // 8) if x >= 4 and m.in_features % x == 0),
-                                   m.in_features)
+                        blk = next(
+                            (x for x in (blk // 2, blk // 4, blk // 8) if x >= 4 and m.in_features % x == 0),
+                            m.in_features,
+                        )
                     for alias in plan.aliases(f"{mname}.weight"):
                         ctx.quant["linear"][alias] = {"bits": b, "block_size": blk, "scale_dtype": scale_dt}
             # Gathered embedding rows cannot be padded: the block must divide the hidden size.
-            emb_block = next((b for b in (block, block // 2, block // 4) if b >= 16 and ctx.spec.hidden_size % b == 0), 0)
+            emb_block = next(
+                (b for b in (block, block // 2, block // 4) if b >= 16 and ctx.spec.hidden_size % b == 0), 0
+            )
             if emb_block:
                 if bits == 8 and per_channel8:
                     emb_block = ctx.spec.hidden_size
@@ -307,12 +321,17 @@ class Capture:
         if len(user_in) != 2 + len(ctx.states):
             raise PassError(f"captured program takes {len(user_in)} inputs, expected 2 + {len(ctx.states)} states")
         if len(sig.output_specs) != 1 + len(ctx.states):
-            raise PassError(f"captured program returns {len(sig.output_specs)} outputs, expected 1 + "
-                            f"{len(ctx.states)} states: some state has no output")
+            raise PassError(
+                f"captured program returns {len(sig.output_specs)} outputs, expected 1 + "
+                f"{len(ctx.states)} states: some state has no output"
+            )
         n_dn = len(ctx.spec.deltanet_layers)
         calls = [str(n.target) for n in ctx.program.graph.nodes if n.op == "call_function"]
-        for op, want in (("gated_delta_rule", n_dn), ("causal_conv_with_state", n_dn),
-                         ("attention_with_kv_cache", len(ctx.spec.attention_layers))):
+        for op, want in (
+            ("gated_delta_rule", n_dn),
+            ("causal_conv_with_state", n_dn),
+            ("attention_with_kv_cache", len(ctx.spec.attention_layers)),
+        ):
             got = sum(1 for c in calls if c == f"deltaship.{op}.default")
             if got != want:
                 raise PassError(f"captured program has {got} {op} ops, expected {want}")
@@ -325,7 +344,9 @@ def example_inputs(states: list[dict], length: int, device: str = "meta") -> tup
     return ids, pos, st
 
 
-def capture(model: nn.Module, states: list[dict], max_context: int, static: int | None = None) -> torch.export.ExportedProgram:
+def capture(
+    model: nn.Module, states: list[dict], max_context: int, static: int | None = None
+) -> torch.export.ExportedProgram:
     """The program for any prompt length 1 .. max_context, or for exactly `static` tokens."""
     if static is not None:
         return torch.export.export(model, example_inputs(states, static), strict=False)
@@ -354,8 +375,9 @@ def run_pipeline(ctx: ExportContext, passes: tuple, progress=None) -> ExportCont
     return ctx
 
 
-def materialize(model: nn.Module, plan: WeightPlan, weights, prefix: str | None = None,
-                allocate: bool = True) -> nn.Module:
+def materialize(
+    model: nn.Module, plan: WeightPlan, weights, prefix: str | None = None, allocate: bool = True
+) -> nn.Module:
     """Give a meta model real weights from the plan (for eager runs and toolchains that need them).
 
     allocate=False with a prefix fills only that part of an already allocated model, so a caller can

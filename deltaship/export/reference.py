@@ -74,7 +74,7 @@ def _set_from_rounded(model, source: ModelSource, plan, rounded: dict) -> None:
         row = 0
         for s in sources:
             n = source.weights.shape(s)[0] if s in source.weights.names() else arr.shape[0]
-            params[s].data = torch.from_numpy(np.ascontiguousarray(arr[row:row + n])).float()
+            params[s].data = torch.from_numpy(np.ascontiguousarray(arr[row : row + n])).float()
             row += n
 
 
@@ -108,8 +108,9 @@ def matched_reference_model(source: ModelSource, plan, quant: dict, precision: s
             if isinstance(m, torch.nn.Linear):
                 src = embed_name if (tied and mname == "lm_head") else f"{mname}.weight"
                 if src in linear_q:
-                    m.weight = torch.nn.Parameter(_roundtrip(original_embed if src == embed_name else m.weight,
-                                                             linear_q[src]))
+                    m.weight = torch.nn.Parameter(
+                        _roundtrip(original_embed if src == embed_name else m.weight, linear_q[src])
+                    )
         emb = model.model.embed_tokens
         if embed_name in embed_q:
             emb.weight = torch.nn.Parameter(_roundtrip(original_embed, embed_q[embed_name]))

@@ -67,10 +67,12 @@ def compare(got: np.ndarray, ref: np.ndarray, ref_tokens: list[int], tie_margin:
     std = ref.std(-1, keepdims=True)
     picks = got.argmax(-1)
     margin = (ref[idx, toks] - ref[idx, picks]) / std[:, 0]
-    return {"max_abs_logit_diff": float(np.abs(got - ref).max()),
-            "max_rel_logit_diff": float((np.abs(got - ref) / std).max()),
-            "greedy_agreement": float(np.mean(picks == toks)),
-            "tie_aware_agreement": float(np.mean((picks == toks) | (margin <= tie_margin)))}
+    return {
+        "max_abs_logit_diff": float(np.abs(got - ref).max()),
+        "max_rel_logit_diff": float((np.abs(got - ref) / std).max()),
+        "greedy_agreement": float(np.mean(picks == toks)),
+        "tie_aware_agreement": float(np.mean((picks == toks) | (margin <= tie_margin))),
+    }
 
 
 def fidelity(got: np.ndarray, ref: np.ndarray) -> dict[str, float]:
@@ -89,7 +91,7 @@ def reference_continuation(model, prompt: list[int], steps: int) -> tuple[list[i
         ids.append(int(out.logits[0, -1].argmax()))
     full = model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
     p = len(prompt)
-    return ids[p:], full[p - 1:p - 1 + steps]
+    return ids[p:], full[p - 1 : p - 1 + steps]
 
 
 def teacher_forced(session, prompt: list[int], tokens: list[int]) -> np.ndarray:
@@ -101,23 +103,37 @@ def teacher_forced(session, prompt: list[int], tokens: list[int]) -> np.ndarray:
     return np.stack(rows)
 
 
-def verify_bundle(bundle: Path, manifest: dict[str, Any], source: ModelSource, ctx, steps: int = 8,
-                  prompts: list[list[int]] | None = None, threads: int | None = None,
-                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def verify_bundle(
+    bundle: Path,
+    manifest: dict[str, Any],
+    source: ModelSource,
+    ctx,
+    steps: int = 8,
+    prompts: list[list[int]] | None = None,
+    threads: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Run the bundle in its runtime against the transformers references; return the manifest record."""
     from deltaship.export.reference import matched_reference_model, quiet_third_party, reference_model
     from deltaship.runtimes import open_bundle
+
     quiet_third_party()
     import transformers
 
     tol = tolerance(manifest["target"], manifest["precision"])
-    record: dict[str, Any] = {"reference": f"transformers {transformers.__version__} Qwen3_5ForCausalLM, fp32 "
-                                           f"compute, weights as stored in the bundle",
-                              "tolerance": tol.__dict__, "steps": steps}
+    record: dict[str, Any] = {
+        "reference": f"transformers {transformers.__version__} Qwen3_5ForCausalLM, fp32 "
+        f"compute, weights as stored in the bundle",
+        "tolerance": tol.__dict__,
+        "steps": steps,
+    }
     need = reference_need(source.spec)
     if not reference_fits(source.spec):
-        record.update(status="skipped", reason=f"the fp32 reference needs about {need / 2**30:.1f} GiB; "
-                      f"{available_memory() / 2**30:.1f} GiB are available")
+        record.update(
+            status="skipped",
+            reason=f"the fp32 reference needs about {need / 2**30:.1f} GiB; "
+            f"{available_memory() / 2**30:.1f} GiB are available",
+        )
         return record
     session = open_bundle(bundle, threads=threads, check_hashes=False)
     record["runtime"] = session.runtime_name()
@@ -144,9 +160,14 @@ def verify_bundle(bundle: Path, manifest: dict[str, Any], source: ModelSource, c
     worst = max(r["max_rel_logit_diff"] for r in rows)
     agree = min(r["tie_aware_agreement"] for r in rows)
     ok = worst <= tol.max_rel_logit_diff and agree >= tol.min_greedy_agreement
-    record.update(status="passed" if ok else "failed", prompts=rows, max_rel_logit_diff=worst,
-                  max_abs_logit_diff=max(r["max_abs_logit_diff"] for r in rows),
-                  greedy_agreement=min(r["greedy_agreement"] for r in rows), tie_aware_agreement=agree,
-                  kl_divergence=float(np.mean([r["kl_divergence"] for r in rows])),
-                  top1_agreement=float(np.mean([r["top1_agreement"] for r in rows])))
+    record.update(
+        status="passed" if ok else "failed",
+        prompts=rows,
+        max_rel_logit_diff=worst,
+        max_abs_logit_diff=max(r["max_abs_logit_diff"] for r in rows),
+        greedy_agreement=min(r["greedy_agreement"] for r in rows),
+        tie_aware_agreement=agree,
+        kl_divergence=float(np.mean([r["kl_divergence"] for r in rows])),
+        top1_agreement=float(np.mean([r["top1_agreement"] for r in rows])),
+    )
     return record

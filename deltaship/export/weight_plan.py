@@ -43,15 +43,24 @@ class WeightPlan:
     def add_source(self, name: str, source: str, shape: tuple[int, ...], dtype: str = "model") -> None:
         self.recipes[name] = Recipe((source,), tuple(shape), dtype=dtype)
 
-    def add_constant(self, name: str, fn: Callable[[], np.ndarray], shape: tuple[int, ...],
-                     dtype: str = "float32") -> None:
+    def add_constant(
+        self, name: str, fn: Callable[[], np.ndarray], shape: tuple[int, ...], dtype: str = "float32"
+    ) -> None:
         self.recipes[name] = Recipe((), tuple(shape), compute=fn, dtype=dtype)
 
-    def add_fixup(self, name: str, fixup: str, fn: Callable[[np.ndarray], np.ndarray],
-                  shape: tuple[int, ...] | None = None, dtype: str | None = None) -> None:
+    def add_fixup(
+        self,
+        name: str,
+        fixup: str,
+        fn: Callable[[np.ndarray], np.ndarray],
+        shape: tuple[int, ...] | None = None,
+        dtype: str | None = None,
+    ) -> None:
         r = self._get(name)
         if any(f == fixup for f, _ in r.fixups):
-            raise PlanError(f"fix-up {fixup!r} is already applied to {name}; applying it twice would corrupt the weight")
+            raise PlanError(
+                f"fix-up {fixup!r} is already applied to {name}; applying it twice would corrupt the weight"
+            )
         r.fixups.append((fixup, fn))
         if shape is not None:
             r.shape = tuple(shape)
@@ -67,8 +76,9 @@ class WeightPlan:
         if any(p.fixups or p.compute for p in parts):
             raise PlanError(f"cannot fuse {names}: only plain source tensors can be fused")
         rows = sum(p.shape[0] for p in parts)
-        self.recipes[new] = Recipe(tuple(s for p in parts for s in p.sources), (rows, *parts[0].shape[1:]),
-                                   dtype=parts[0].dtype)
+        self.recipes[new] = Recipe(
+            tuple(s for p in parts for s in p.sources), (rows, *parts[0].shape[1:]), dtype=parts[0].dtype
+        )
         for n in names:
             del self.recipes[n]
 
@@ -110,8 +120,11 @@ class WeightPlan:
             return out[rows] if rows is not None else out
         if rows is not None and r.row_local:
             return weights.read(r.sources[0], rows)
-        arr = weights.read(r.sources[0]) if len(r.sources) == 1 else np.concatenate(
-            [weights.read(s) for s in r.sources], axis=0)
+        arr = (
+            weights.read(r.sources[0])
+            if len(r.sources) == 1
+            else np.concatenate([weights.read(s) for s in r.sources], axis=0)
+        )
         for _, fn in r.fixups:
             arr = fn(arr)
         if r.rows is not None:

@@ -36,14 +36,23 @@ class DeltashipConfig(PretrainedConfig):
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> "DeltashipConfig":
-        model = {k: v for k, v in manifest["model"].items()
-                 if k not in ("vocab_size", "eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype")}
+        model = {
+            k: v
+            for k, v in manifest["model"].items()
+            if k not in ("vocab_size", "eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype")
+        }
         tokens = manifest.get("tokens", {})
         eos = tokens.get("eos") or []
-        return cls(vocab_size=int(manifest["model"]["vocab_size"]), max_context=int(manifest["max_context"]),
-                   target=manifest["target"], precision=manifest["precision"],
-                   eos_token_id=eos[0] if len(eos) == 1 else (list(eos) or None),
-                   bos_token_id=tokens.get("bos"), pad_token_id=tokens.get("pad"), **model)
+        return cls(
+            vocab_size=int(manifest["model"]["vocab_size"]),
+            max_context=int(manifest["max_context"]),
+            target=manifest["target"],
+            precision=manifest["precision"],
+            eos_token_id=eos[0] if len(eos) == 1 else (list(eos) or None),
+            bos_token_id=tokens.get("bos"),
+            pad_token_id=tokens.get("pad"),
+            **model,
+        )
 
 
 class SessionCache:
@@ -81,16 +90,25 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     @classmethod
-    def from_pretrained(cls, bundle_dir: str | Path, *, threads: int | None = None, provider: str = "cpu",
-                        check_hashes: bool = True, **session_options: Any) -> "DeltashipModelForCausalLM":
+    def from_pretrained(
+        cls,
+        bundle_dir: str | Path,
+        *,
+        threads: int | None = None,
+        provider: str = "cpu",
+        check_hashes: bool = True,
+        **session_options: Any,
+    ) -> "DeltashipModelForCausalLM":
         """Open a bundle directory (manifest.json + artifact) for generation; its files are checked first."""
         from deltaship.runtimes import open_bundle
+
         path = Path(bundle_dir)
         if not (path / "manifest.json").is_file():
-            raise DeltashipError(f"{path}: no manifest.json, so this is not a deltaship bundle",
-                                 "pass a directory written by `deltaship export` (or deltaship.export())")
-        session = open_bundle(path, threads=threads, provider=provider, check_hashes=check_hashes,
-                              **session_options)
+            raise DeltashipError(
+                f"{path}: no manifest.json, so this is not a deltaship bundle",
+                "pass a directory written by `deltaship export` (or deltaship.export())",
+            )
+        session = open_bundle(path, threads=threads, provider=provider, check_hashes=check_hashes, **session_options)
         config = DeltashipConfig.from_manifest(session.manifest)
         config.name_or_path = str(path)
         model = cls(config, session=session, bundle=path)
@@ -112,23 +130,35 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
     def can_generate(self) -> bool:
         return True
 
-    def forward(self, input_ids: torch.LongTensor, past_key_values: SessionCache | None = None,
-                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        past_key_values: SessionCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
         """input_ids [1, T]: a new prompt (past_key_values None) or the tokens after `past_key_values`."""
         if self.session is None:
-            raise DeltashipError("this DeltashipModelForCausalLM has no runtime session",
-                                 "create it with DeltashipModelForCausalLM.from_pretrained(bundle_dir)")
+            raise DeltashipError(
+                "this DeltashipModelForCausalLM has no runtime session",
+                "create it with DeltashipModelForCausalLM.from_pretrained(bundle_dir)",
+            )
         if input_ids is None or input_ids.ndim != 2:
-            raise DeltashipError("deltaship models take input_ids of shape [1, tokens] (inputs_embeds are not "
-                                 "supported)", "pass input_ids, e.g. model.generate(**tokenizer(text, "
-                                 "return_tensors='pt'))")
+            raise DeltashipError(
+                "deltaship models take input_ids of shape [1, tokens] (inputs_embeds are not supported)",
+                "pass input_ids, e.g. model.generate(**tokenizer(text, return_tensors='pt'))",
+            )
         if input_ids.shape[0] != 1:
-            raise DeltashipError(f"deltaship models run batch size 1; got a batch of {input_ids.shape[0]} (beam search "
-                                 "and num_return_sequences > 1 also make batches)",
-                                 "call generate once per prompt, with num_beams=1 and num_return_sequences=1")
+            raise DeltashipError(
+                f"deltaship models run batch size 1; got a batch of {input_ids.shape[0]} (beam search "
+                "and num_return_sequences > 1 also make batches)",
+                "call generate once per prompt, with num_beams=1 and num_return_sequences=1",
+            )
         if attention_mask is not None and not bool(attention_mask.all()):
-            raise DeltashipError("the attention mask masks some tokens out; deltaship sessions do not take padding",
-                                 "pass one unpadded prompt (batch size 1)")
+            raise DeltashipError(
+                "the attention mask masks some tokens out; deltaship sessions do not take padding",
+                "pass one unpadded prompt (batch size 1)",
+            )
         ids = [int(t) for t in input_ids[0].tolist()]
         if past_key_values is None:
             self.session.reset()
@@ -161,8 +191,9 @@ def _generation_config(bundle: Path, config: DeltashipConfig) -> GenerationConfi
         gen.eos_token_id = config.eos_token_id
     if gen.pad_token_id is None:  # batch size 1 never pads; set it so generate() does not warn
         eos = config.eos_token_id
-        gen.pad_token_id = config.pad_token_id if config.pad_token_id is not None else (
-            eos[0] if isinstance(eos, list) else eos)
+        gen.pad_token_id = (
+            config.pad_token_id if config.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+        )
     if gen.bos_token_id is None:
         gen.bos_token_id = config.bos_token_id
     return gen

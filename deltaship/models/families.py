@@ -25,10 +25,22 @@ ARCHITECTURES: dict[str, str] = {
 }
 # What the export passes and the reference ask a family module for.
 INTERFACE = (
-    "build_source_model", "checkpoint_name", "rotary_inv_freq", "rotary_attention_factor", "hf_config",
-    "fold_zero_centred_norm", "decay_scale_from_a_log", "squeeze_conv_weight",
-    "SourceModule", "ZeroCentredRMSNorm", "RMSNorm", "Projections",
-    "SourceGatedDeltaNet", "StatefulGatedDeltaNet", "SourceAttention", "StaticCacheAttention",
+    "build_source_model",
+    "checkpoint_name",
+    "rotary_inv_freq",
+    "rotary_attention_factor",
+    "hf_config",
+    "fold_zero_centred_norm",
+    "decay_scale_from_a_log",
+    "squeeze_conv_weight",
+    "SourceModule",
+    "ZeroCentredRMSNorm",
+    "RMSNorm",
+    "Projections",
+    "SourceGatedDeltaNet",
+    "StatefulGatedDeltaNet",
+    "SourceAttention",
+    "StaticCacheAttention",
 )
 
 
@@ -39,14 +51,18 @@ def model_types() -> tuple[str, ...]:
 def family(model_type: str) -> ModuleType:
     """The family module of a checkpoint's model_type."""
     if model_type not in FAMILIES:
-        raise DeltashipError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}",
-                             "point --model at a Qwen3.5 checkpoint directory or use a preset such as qwen3.5-tiny")
+        raise DeltashipError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}",
+            "point --model at a Qwen3.5 checkpoint directory or use a preset such as qwen3.5-tiny",
+        )
     return importlib.import_module(FAMILIES[model_type])
 
 
 def family_of_architecture(architecture: str) -> ModuleType:
     """The family module of a spec's architecture (`ModelSpec.architecture`)."""
     if architecture not in ARCHITECTURES:
-        raise DeltashipError(f"architecture {architecture!r} is not supported; supported: "
-                             f"{', '.join(ARCHITECTURES)}", "export a Qwen3.5 checkpoint or a preset")
+        raise DeltashipError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}",
+            "export a Qwen3.5 checkpoint or a preset",
+        )
     return family(ARCHITECTURES[architecture])

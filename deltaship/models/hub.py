@@ -38,6 +38,7 @@ def hub_cache_dir() -> Path:
 
     Read from the environment at call time: huggingface_hub's own constant is frozen when it is imported."""
     from huggingface_hub import constants
+
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
             return Path(os.path.expandvars(os.environ[var])).expanduser()
@@ -49,8 +50,9 @@ def hub_cache_dir() -> Path:
 def download_command(repo_id: str, revision: str | None) -> str:
     """The shell command that puts the repo in the cache, with the CLI the installed huggingface_hub provides."""
     try:
-        scripts = {e.name for e in metadata.distribution("huggingface_hub").entry_points
-                   if e.group == "console_scripts"}
+        scripts = {
+            e.name for e in metadata.distribution("huggingface_hub").entry_points if e.group == "console_scripts"
+        }
     except metadata.PackageNotFoundError:
         scripts = set()
     cli = "hf" if "hf" in scripts or "huggingface-cli" not in scripts else "huggingface-cli"
@@ -59,8 +61,9 @@ def download_command(repo_id: str, revision: str | None) -> str:
 
 
 def _offline() -> bool:
-    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def resolve_hub_model(repo_id: str, revision: str | None = None, *, allow_download: bool = False) -> Path:
@@ -79,21 +82,26 @@ def resolve_hub_model(repo_id: str, revision: str | None = None, *, allow_downlo
         return Path(snapshot_download(repo_id, revision=rev, cache_dir=cache, local_files_only=True))
     except IncompleteSnapshotError as e:
         if not allow_download:
-            raise DeltashipError(f"--model {spelled}: the cached snapshot at {e.snapshot_path} is incomplete",
-                                 f"complete it with `{fetch}` (or pass --allow-download)") from None
+            raise DeltashipError(
+                f"--model {spelled}: the cached snapshot at {e.snapshot_path} is incomplete",
+                f"complete it with `{fetch}` (or pass --allow-download)",
+            ) from None
     except LocalEntryNotFoundError:
         if not allow_download:
             raise _absent(repo_id, revision, cache, fetch) from None
     if _offline():
-        raise DeltashipError(f"--model {spelled} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is "
-                             "set, so --allow-download cannot fetch it",
-                             f"unset HF_HUB_OFFLINE, or fetch it elsewhere with `{fetch}` and copy the cache")
+        raise DeltashipError(
+            f"--model {spelled} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is "
+            "set, so --allow-download cannot fetch it",
+            f"unset HF_HUB_OFFLINE, or fetch it elsewhere with `{fetch}` and copy the cache",
+        )
     try:
         return Path(snapshot_download(repo_id, revision=rev, cache_dir=cache, allow_patterns=DOWNLOAD_PATTERNS))
     except Exception as e:  # network, authentication, unknown repo or revision: huggingface_hub says which
-        raise DeltashipError(f"--model {spelled}: downloading from the Hugging Face Hub failed: "
-                             f"{type(e).__name__}: {e}".strip(),
-                             f"check the id and your network or token, or fetch it with `{fetch}`") from None
+        raise DeltashipError(
+            f"--model {spelled}: downloading from the Hugging Face Hub failed: {type(e).__name__}: {e}".strip(),
+            f"check the id and your network or token, or fetch it with `{fetch}`",
+        ) from None
 
 
 def _absent(repo_id: str, revision: str | None, cache: Path, fetch: str) -> DeltashipError:
@@ -103,12 +111,17 @@ def _absent(repo_id: str, revision: str | None, cache: Path, fetch: str) -> Delt
         return DeltashipError(
             f"--model {repo_id!r} is not a preset, not a local directory, and not in the Hugging Face cache "
             f"({cache}); nothing is downloaded without --allow-download",
-            f"fetch it with `{fetch}`, then run again (or pass --allow-download)")
-    refs = sorted(p.relative_to(storage / "refs").as_posix() for p in (storage / "refs").rglob("*") if p.is_file()) \
-        if (storage / "refs").is_dir() else []
+            f"fetch it with `{fetch}`, then run again (or pass --allow-download)",
+        )
+    refs = (
+        sorted(p.relative_to(storage / "refs").as_posix() for p in (storage / "refs").rglob("*") if p.is_file())
+        if (storage / "refs").is_dir()
+        else []
+    )
     snaps = sorted(p.name for p in (storage / "snapshots").iterdir()) if (storage / "snapshots").is_dir() else []
     have = ", ".join(refs + snaps) or "none"
     return DeltashipError(
         f"--model {repo_id}@{revision or 'main'}: revision {revision or 'main'!r} is not in the Hugging Face cache "
         f"({storage}); cached revisions: {have}",
-        f"fetch it with `{fetch}`, or pick a cached revision with --model {repo_id}@<revision>")
+        f"fetch it with `{fetch}`, or pick a cached revision with --model {repo_id}@<revision>",
+    )

@@ -97,7 +97,7 @@ def causal_conv_with_state(x: Tensor, state: Tensor, weight: Tensor) -> tuple[Te
     k = weight.shape[1]
     full = torch.cat([state.to(x.dtype), x], dim=1)
     y = F.conv1d(full.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=weight.shape[0]).transpose(1, 2)
-    return F.silu(y).contiguous(), full[:, full.shape[1] - (k - 1):].to(state.dtype).contiguous()
+    return F.silu(y).contiguous(), full[:, full.shape[1] - (k - 1) :].to(state.dtype).contiguous()
 
 
 @causal_conv_with_state.register_fake
@@ -189,8 +189,9 @@ def _(q, k, v, g, beta, state):
 
 
 @torch.library.custom_op("deltaship::attention_with_kv_cache", mutates_args=())
-def attention_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                            pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def attention_with_kv_cache(
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """Causal grouped-query attention over a static KV cache.
 
     q [B, T, H, D], k and v [B, T, Hkv, D] (rotary already applied), caches [B, Hkv, S, D]

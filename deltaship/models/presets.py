@@ -28,17 +28,29 @@ _COMMON = {
     "max_position_embeddings": 262144,
     "vocab_size": 248320,
     "eos_token_id": 248044,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
     "dtype": "bfloat16",
 }
 
 
 def _published(hidden: int, mlp: int, layers: int, heads: int, kv: int, v_heads: int, tied: bool) -> dict[str, Any]:
-    return {**_COMMON, "hidden_size": hidden, "intermediate_size": mlp, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv, "linear_num_value_heads": v_heads,
-            "tie_word_embeddings": tied,
-            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]}
+    return {
+        **_COMMON,
+        "hidden_size": hidden,
+        "intermediate_size": mlp,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "linear_num_value_heads": v_heads,
+        "tie_word_embeddings": tied,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+    }
 
 
 # Byte-level vocabulary of the tiny model: 256 bytes, then the special tokens, padded to 272.
@@ -47,10 +59,20 @@ TINY_VOCAB = 272
 
 _TINY = {
     **_COMMON,
-    "vocab_size": TINY_VOCAB, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
-    "tie_word_embeddings": True, "max_position_embeddings": 4096, "eos_token_id": 256,
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+    "eos_token_id": 256,
     "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)],
     "dtype": "float32",
 }
@@ -73,16 +95,41 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("qwen3.5-tiny", _TINY, 1024, "8 layers (6 DeltaNet + 2 attention), hidden 256, byte-level vocab",
-               weights="trained by deltaship on the Python standard library's source (tools/train_tiny.py)"),
-        Preset("qwen3.5-0.8b", _published(1024, 3584, 24, 8, 2, 16, True), 4096, "published 0.8B shape, random weights",
-               base_model="Qwen/Qwen3.5-0.8B"),
-        Preset("qwen3.5-2b", _published(2048, 6144, 24, 8, 2, 16, True), 4096, "published 2B shape, random weights",
-               base_model="Qwen/Qwen3.5-2B"),
-        Preset("qwen3.5-4b", _published(2560, 9216, 32, 16, 4, 32, True), 4096, "published 4B shape, random weights",
-               base_model="Qwen/Qwen3.5-4B"),
-        Preset("qwen3.5-9b", _published(4096, 12288, 32, 16, 4, 32, False), 4096, "published 9B shape, random weights",
-               base_model="Qwen/Qwen3.5-9B"),
+        Preset(
+            "qwen3.5-tiny",
+            _TINY,
+            1024,
+            "8 layers (6 DeltaNet + 2 attention), hidden 256, byte-level vocab",
+            weights="trained by deltaship on the Python standard library's source (tools/train_tiny.py)",
+        ),
+        Preset(
+            "qwen3.5-0.8b",
+            _published(1024, 3584, 24, 8, 2, 16, True),
+            4096,
+            "published 0.8B shape, random weights",
+            base_model="Qwen/Qwen3.5-0.8B",
+        ),
+        Preset(
+            "qwen3.5-2b",
+            _published(2048, 6144, 24, 8, 2, 16, True),
+            4096,
+            "published 2B shape, random weights",
+            base_model="Qwen/Qwen3.5-2B",
+        ),
+        Preset(
+            "qwen3.5-4b",
+            _published(2560, 9216, 32, 16, 4, 32, True),
+            4096,
+            "published 4B shape, random weights",
+            base_model="Qwen/Qwen3.5-4B",
+        ),
+        Preset(
+            "qwen3.5-9b",
+            _published(4096, 12288, 32, 16, 4, 32, False),
+            4096,
+            "published 9B shape, random weights",
+            base_model="Qwen/Qwen3.5-9B",
+        ),
     )
 }
 DEFAULT_PRESET = "qwen3.5-tiny"
@@ -90,8 +137,10 @@ DEFAULT_PRESET = "qwen3.5-tiny"
 
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
-        raise DeltashipError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}",
-                             "pass a preset name or a checkpoint directory to --model")
+        raise DeltashipError(
+            f"unknown preset {name!r}; presets: {', '.join(PRESETS)}",
+            "pass a preset name or a checkpoint directory to --model",
+        )
     return PRESETS[name]
 
 
@@ -112,9 +161,16 @@ def write_tiny_tokenizer(directory: Path) -> list[str]:
     tok.add_special_tokens(list(TINY_SPECIAL_TOKENS))
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|endoftext|>", "model_max_length": _TINY["max_position_embeddings"],
-         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|endoftext|>",
+                "model_max_length": _TINY["max_position_embeddings"],
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+            indent=2,
+        )
+    )
     return ["tokenizer.json", "tokenizer_config.json"]
 
 

@@ -57,8 +57,11 @@ def rotary_inv_freq(spec: ModelSpec) -> np.ndarray:
         raise ValueError(f"qwen3_5: rope_type {spec.rope_type!r} has no inverse frequencies here")
 
     def correction_dim(rotations: float) -> float:  # the rotary dim that turns `rotations` times over the context
-        return (rot * math.log(spec.rope_original_max_position_embeddings / (rotations * 2 * math.pi))
-                / (2 * math.log(spec.rope_theta)))
+        return (
+            rot
+            * math.log(spec.rope_original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(spec.rope_theta))
+        )
 
     low, high = correction_dim(spec.rope_beta_fast), correction_dim(spec.rope_beta_slow)
     if spec.rope_truncate:
@@ -85,8 +88,10 @@ class SourceModule(nn.Module):
     """A module as the checkpoint stores it; the export passes replace it before capture."""
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(f"{type(self).__name__} is the checkpoint's layout and cannot run; "
-                           "run the export passes (deltaship.export.passes) first")
+        raise RuntimeError(
+            f"{type(self).__name__} is the checkpoint's layout and cannot run; "
+            "run the export passes (deltaship.export.passes) first"
+        )
 
 
 class ZeroCentredRMSNorm(SourceModule):
@@ -154,8 +159,9 @@ class Projections(nn.Module):
 
     def fuse(self) -> nn.Linear:
         first = next(iter(self.parts.values()))
-        self.fused = nn.Linear(first.in_features, sum(self.sizes), bias=False, device=first.weight.device,
-                               dtype=first.weight.dtype)
+        self.fused = nn.Linear(
+            first.in_features, sum(self.sizes), bias=False, device=first.weight.device, dtype=first.weight.dtype
+        )
         self.parts = nn.ModuleDict()
         return self.fused
 
@@ -185,8 +191,14 @@ class StatefulGatedDeltaNet(nn.Module):
     def __init__(self, spec: ModelSpec, src: SourceGatedDeltaNet):
         super().__init__()
         self.spec = spec
-        self.proj = Projections({"in_proj_qkv": src.in_proj_qkv, "in_proj_z": src.in_proj_z,
-                                 "in_proj_b": src.in_proj_b, "in_proj_a": src.in_proj_a})
+        self.proj = Projections(
+            {
+                "in_proj_qkv": src.in_proj_qkv,
+                "in_proj_z": src.in_proj_z,
+                "in_proj_b": src.in_proj_b,
+                "in_proj_a": src.in_proj_a,
+            }
+        )
         self.conv_weight = nn.Parameter(torch.empty(spec.conv_dim, spec.linear_conv_kernel_dim, device="meta"))
         self.dt_bias = src.dt_bias
         self.decay_scale = nn.Parameter(torch.empty(spec.linear_num_value_heads, device="meta"))
@@ -195,13 +207,24 @@ class StatefulGatedDeltaNet(nn.Module):
         self.kernels = CANONICAL
 
     # source name -> canonical name, for the weight plan
-    renames = {"in_proj_qkv.weight": "proj.parts.in_proj_qkv.weight", "in_proj_z.weight": "proj.parts.in_proj_z.weight",
-               "in_proj_b.weight": "proj.parts.in_proj_b.weight", "in_proj_a.weight": "proj.parts.in_proj_a.weight",
-               "conv1d.weight": "conv_weight", "A_log": "decay_scale", "norm.weight": "norm_weight"}
+    renames = {
+        "in_proj_qkv.weight": "proj.parts.in_proj_qkv.weight",
+        "in_proj_z.weight": "proj.parts.in_proj_z.weight",
+        "in_proj_b.weight": "proj.parts.in_proj_b.weight",
+        "in_proj_a.weight": "proj.parts.in_proj_a.weight",
+        "conv1d.weight": "conv_weight",
+        "A_log": "decay_scale",
+        "norm.weight": "norm_weight",
+    }
 
     def forward(self, x: Tensor, conv_state: Tensor, rec_state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         s = self.spec
-        hk, hv, dk, dv = s.linear_num_key_heads, s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim
+        hk, hv, dk, dv = (
+            s.linear_num_key_heads,
+            s.linear_num_value_heads,
+            s.linear_key_head_dim,
+            s.linear_value_head_dim,
+        )
         kern = self.kernels
         qkv, z, b, a = self.proj(x)
         qkv, conv_state = kern.causal_conv_with_state(qkv, conv_state, self.conv_weight)
@@ -218,7 +241,7 @@ class StatefulGatedDeltaNet(nn.Module):
 def rotate(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
     """Rotary embedding on the first `rot` channels of each head (half-split convention)."""
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
     rotated = torch.cat([-x2, x1], dim=-1)
     return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
 
@@ -238,11 +261,15 @@ class StaticCacheAttention(nn.Module):
         self.o_proj = src.o_proj
         self.kernels = CANONICAL
 
-    renames = {"q_proj.weight": "qkv.parts.q_proj.weight", "k_proj.weight": "qkv.parts.k_proj.weight",
-               "v_proj.weight": "qkv.parts.v_proj.weight"}
+    renames = {
+        "q_proj.weight": "qkv.parts.q_proj.weight",
+        "k_proj.weight": "qkv.parts.k_proj.weight",
+        "v_proj.weight": "qkv.parts.v_proj.weight",
+    }
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor, k_cache: Tensor,
-                v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         s = self.spec
         h, hkv, d = s.num_attention_heads, s.num_key_value_heads, s.head_dim
         qg, k, v = self.qkv(x)
@@ -250,8 +277,9 @@ class StaticCacheAttention(nn.Module):
         q, gate = qg[..., :d], qg[..., d:]
         q = rotate(self.q_norm(q), cos, sin, s.rotary_dim)
         k = rotate(self.k_norm(k.reshape(1, -1, hkv, d)), cos, sin, s.rotary_dim)
-        out, k_cache, v_cache = self.kernels.attention_with_kv_cache(q, k, v.reshape(1, -1, hkv, d), k_cache, v_cache,
-                                                                     position)
+        out, k_cache, v_cache = self.kernels.attention_with_kv_cache(
+            q, k, v.reshape(1, -1, hkv, d), k_cache, v_cache, position
+        )
         out = out.reshape(1, -1, h * d) * torch.sigmoid(gate.reshape(1, -1, h * d))
         return self.o_proj(out), k_cache, v_cache
 
@@ -334,24 +362,36 @@ class Qwen35Model(nn.Module):
                     shape, dt = shapes[kind], (torch.float32 if kind == "recurrent" else dtype)
                 else:
                     shape, dt = self.spec.kv_cache_shape(mixer.max_context), dtype
-                out.append({"name": f"past.{i}.{kind}", "output": f"present.{i}.{kind}", "layer": i,
-                            "kind": {"conv": "deltanet_conv", "recurrent": "deltanet_recurrent",
-                                     "key": "kv_cache_key", "value": "kv_cache_value"}[kind],
-                            "shape": list(shape), "dtype": str(dt).replace("torch.", "")})
+                out.append(
+                    {
+                        "name": f"past.{i}.{kind}",
+                        "output": f"present.{i}.{kind}",
+                        "layer": i,
+                        "kind": {
+                            "conv": "deltanet_conv",
+                            "recurrent": "deltanet_recurrent",
+                            "key": "kv_cache_key",
+                            "value": "kv_cache_value",
+                        }[kind],
+                        "shape": list(shape),
+                        "dtype": str(dt).replace("torch.", ""),
+                    }
+                )
         return out
 
     def layer_state_counts(self) -> list[int]:
         return [len(layer.mixer.state_kinds) for layer in self.model.layers]
 
-    def run_layers(self, x: Tensor, position: Tensor, states: list[Tensor], start: int = 0,
-                   stop: int | None = None) -> tuple[Tensor, list[Tensor]]:
+    def run_layers(
+        self, x: Tensor, position: Tensor, states: list[Tensor], start: int = 0, stop: int | None = None
+    ) -> tuple[Tensor, list[Tensor]]:
         """Layers start .. stop-1 on hidden states x; `states` are those layers' states, in order."""
         cos, sin = self.model.rotary(position, x.shape[1], x.dtype)
         new_states: list[Tensor] = []
         i = 0
         for layer in self.model.layers[start:stop]:
             n = len(layer.mixer.state_kinds)
-            x, new = layer(x, cos, sin, position, states[i:i + n])
+            x, new = layer(x, cos, sin, position, states[i : i + n])
             new_states += new
             i += n
         return x, new_states
@@ -384,17 +424,31 @@ def hf_config(spec: ModelSpec) -> dict:
     if spec.mrope_section:
         rope["mrope_section"] = list(spec.mrope_section)
     if spec.rope_type == "yarn":
-        rope.update(rope_type="yarn", factor=spec.rope_factor,
-                    original_max_position_embeddings=spec.rope_original_max_position_embeddings,
-                    beta_fast=spec.rope_beta_fast, beta_slow=spec.rope_beta_slow,
-                    attention_factor=spec.rope_attention_factor, truncate=spec.rope_truncate)
+        rope.update(
+            rope_type="yarn",
+            factor=spec.rope_factor,
+            original_max_position_embeddings=spec.rope_original_max_position_embeddings,
+            beta_fast=spec.rope_beta_fast,
+            beta_slow=spec.rope_beta_slow,
+            attention_factor=spec.rope_attention_factor,
+            truncate=spec.rope_truncate,
+        )
     return {
-        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers, "layer_types": list(spec.layer_types),
-        "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": spec.head_dim, "linear_num_key_heads": spec.linear_num_key_heads,
-        "linear_num_value_heads": spec.linear_num_value_heads, "linear_key_head_dim": spec.linear_key_head_dim,
-        "linear_value_head_dim": spec.linear_value_head_dim, "linear_conv_kernel_dim": spec.linear_conv_kernel_dim,
-        "rms_norm_eps": spec.rms_norm_eps, "tie_word_embeddings": spec.tie_word_embeddings,
-        "max_position_embeddings": spec.max_position_embeddings, "rope_parameters": rope,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "layer_types": list(spec.layer_types),
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "linear_num_key_heads": spec.linear_num_key_heads,
+        "linear_num_value_heads": spec.linear_num_value_heads,
+        "linear_key_head_dim": spec.linear_key_head_dim,
+        "linear_value_head_dim": spec.linear_value_head_dim,
+        "linear_conv_kernel_dim": spec.linear_conv_kernel_dim,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_parameters": rope,
     }

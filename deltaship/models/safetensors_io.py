@@ -42,16 +42,20 @@ class SafetensorsFile:
         try:  # the library checks the header and that every tensor's bytes are in the file
             self._file = safe_open(str(self.path), framework="pt")  # torch: bf16 (numpy has none)
         except Exception as e:  # SafetensorError, or an OSError for an unreadable file
-            raise DeltashipError(f"{self.path}: truncated safetensors file, or a corrupt one (safetensors: {e})",
-                                 "re-copy or re-download this file") from None
+            raise DeltashipError(
+                f"{self.path}: truncated safetensors file, or a corrupt one (safetensors: {e})",
+                "re-copy or re-download this file",
+            ) from None
         self.metadata = self._file.metadata() or {}
         self.entries: dict[str, dict] = {}
         for name in self._file.keys():
             sl = self._file.get_slice(name)
             dt = sl.get_dtype()
             if dt not in _DTYPES:
-                raise DeltashipError(f"{self.path}: tensor {name!r} has unsupported dtype {dt!r}",
-                                     "convert the checkpoint to F32, F16 or BF16 safetensors")
+                raise DeltashipError(
+                    f"{self.path}: tensor {name!r} has unsupported dtype {dt!r}",
+                    "convert the checkpoint to F32, F16 or BF16 safetensors",
+                )
             self.entries[name] = {"dtype": dt, "shape": list(sl.get_shape())}
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -70,15 +74,20 @@ class SafetensorsFile:
         return t.to(dtype=torch.float32 if t.is_floating_point() else t.dtype, copy=True).numpy()
 
 
-def write_safetensors(path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None,
-                      dtype: str = "F32") -> None:
+def write_safetensors(
+    path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None, dtype: str = "F32"
+) -> None:
     """Write float tensors as F32, F16 or BF16 (rounded to nearest even)."""
     items = [(name, tuple(arr.shape), (lambda a=arr: a)) for name, arr in tensors]
     write_safetensors_lazy(path, items, metadata, dtype)
 
 
-def write_safetensors_lazy(path: Path, items: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]],
-                           metadata: dict[str, str] | None = None, dtype: str = "F32") -> None:
+def write_safetensors_lazy(
+    path: Path,
+    items: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]],
+    metadata: dict[str, str] | None = None,
+    dtype: str = "F32",
+) -> None:
     """Like write_safetensors, but each tensor is produced only when written: one in memory at a time."""
     itemsize = {"F32": 4, "F16": 2, "BF16": 2}[dtype]
     header: dict = {"__metadata__": metadata} if metadata else {}

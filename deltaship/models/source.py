@@ -12,8 +12,15 @@ from deltaship.models.presets import PRESETS, get_preset, write_tiny_tokenizer
 from deltaship.models.spec import ModelSpec, read_config
 from deltaship.models.weights import CheckpointWeights, RandomWeights, WeightSource
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 @dataclass
@@ -39,15 +46,26 @@ class ModelSource:
         if self.kind == "preset":
             preset = get_preset(self.name)
             # Preset weights are deltaship's own (seeded random or trained here): the project's license.
-            return {"source_repo": None, "revision": None, "license": "apache-2.0",
-                    "base_model": preset.base_model, "weights": preset.weights}
-        card: dict[str, str | None] = {"source_repo": None, "revision": None, "license": None, "base_model": None,
-                                       "weights": "checkpoint"}
+            return {
+                "source_repo": None,
+                "revision": None,
+                "license": "apache-2.0",
+                "base_model": preset.base_model,
+                "weights": preset.weights,
+            }
+        card: dict[str, str | None] = {
+            "source_repo": None,
+            "revision": None,
+            "license": None,
+            "base_model": None,
+            "weights": "checkpoint",
+        }
         if self.path is not None:
             card.update(hub_cache_origin(self.path))
             readme = self.path / "README.md"
             if readme.is_file():  # a Hugging Face model card: its YAML header says license and base model
                 from huggingface_hub.repocard import metadata_load
+
                 meta = metadata_load(readme) or {}
                 for key in ("license", "base_model"):
                     value = meta.get(key)
@@ -77,6 +95,7 @@ def load_source(model: str | Path, *, allow_download: bool = False) -> ModelSour
         preset = get_preset(text)
         spec = preset.spec()
         from deltaship.models import trained
+
         ckpt = trained.checkpoint_dir(text)
         if ckpt is not None:  # a preset that ships trained weights is a checkpoint inside the package
             src = _load_dir(ckpt, name=text)
@@ -86,27 +105,33 @@ def load_source(model: str | Path, *, allow_download: bool = False) -> ModelSour
         if text == "qwen3.5-tiny":
             tdir = Path(tempfile.mkdtemp(prefix="deltaship-tok-"))
             files = [tdir / f for f in write_tiny_tokenizer(tdir)]
-        return ModelSource(name=text, kind="preset", spec=spec, weights=RandomWeights(spec, seed=preset.seed),
-                           tokenizer_files=files)
+        return ModelSource(
+            name=text, kind="preset", spec=spec, weights=RandomWeights(spec, seed=preset.seed), tokenizer_files=files
+        )
     path = Path(text).expanduser()
     if not path.exists():
         from deltaship.models.hub import parse_hub_id
+
         hub_id = parse_hub_id(text)
         if hub_id is not None:
             return _load_hub(*hub_id, allow_download=allow_download)
-        raise DeltashipError(f"--model {text!r} is neither a preset, an existing directory nor a Hub id (org/name); "
-                             "presets: " + ", ".join(PRESETS),
-                             "pass a local checkpoint directory, a preset name, or a Hugging Face id such as "
-                             "Qwen/Qwen3.5-0.8B")
+        raise DeltashipError(
+            f"--model {text!r} is neither a preset, an existing directory nor a Hub id (org/name); "
+            "presets: " + ", ".join(PRESETS),
+            "pass a local checkpoint directory, a preset name, or a Hugging Face id such as Qwen/Qwen3.5-0.8B",
+        )
     if not path.is_dir():
-        raise DeltashipError(f"--model {text!r} is a file, not a checkpoint directory",
-                             "pass the directory that holds config.json and the *.safetensors files")
+        raise DeltashipError(
+            f"--model {text!r} is a file, not a checkpoint directory",
+            "pass the directory that holds config.json and the *.safetensors files",
+        )
     return _load_dir(path, name=str(path))
 
 
 def _load_hub(repo_id: str, revision: str | None, *, allow_download: bool) -> ModelSource:
     """A Hub id through the local cache; the source is named `org/name@<commit>` so it can be loaded again."""
     from deltaship.models.hub import resolve_hub_model
+
     snapshot = resolve_hub_model(repo_id, revision, allow_download=allow_download)
     commit = snapshot.name
     spelled = f"{repo_id}@{revision}" if revision else repo_id
@@ -121,5 +146,12 @@ def _load_dir(path: Path, name: str) -> ModelSource:
     spec = ModelSpec.from_config(read_config(cfg_path), where=str(cfg_path))
     weights = CheckpointWeights(path, spec)
     toks = [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
-    return ModelSource(name=name, kind="checkpoint", spec=spec, weights=weights, tokenizer_files=toks,
-                       ignored=dict(weights.ignored), path=path)
+    return ModelSource(
+        name=name,
+        kind="checkpoint",
+        spec=spec,
+        weights=weights,
+        tokenizer_files=toks,
+        ignored=dict(weights.ignored),
+        path=path,
+    )

@@ -31,8 +31,7 @@ class KVDtype:
     token_head_bytes: int = 0
 
 
-KV_DTYPES: dict[str, KVDtype] = {"fp32": KVDtype(32), "fp16": KVDtype(16), "int8": KVDtype(8, 4),
-                                 "int4": KVDtype(4, 4)}
+KV_DTYPES: dict[str, KVDtype] = {"fp32": KVDtype(32), "fp16": KVDtype(16), "int8": KVDtype(8, 4), "int4": KVDtype(4, 4)}
 
 
 @dataclass(frozen=True)
@@ -124,12 +123,14 @@ class ModelSpec:
                 f"{option} {context} exceeds the model's max_position_embeddings ({m}, config.json), the context "
                 f"its YaRN scaling (rope_parameters.factor {self.rope_factor:g} over original_max_position_embeddings "
                 f"{self.rope_original_max_position_embeddings}) extends to",
-                f"pass {option} {m} or less, or raise rope_parameters.factor and max_position_embeddings together")
+                f"pass {option} {m} or less, or raise rope_parameters.factor and max_position_embeddings together",
+            )
         raise DeltashipError(
             f"{option} {context} exceeds the model's max_position_embeddings ({m}, config.json), and it has no RoPE "
-            f"scaling (rope_parameters.rope_type is \"default\"): positions past {m} were never trained",
+            f'scaling (rope_parameters.rope_type is "default"): positions past {m} were never trained',
             f"pass {option} {m} or less, or extend the context with YaRN in config.json: rope_parameters.rope_type: "
-            f"yarn, factor F, original_max_position_embeddings {m}, and max_position_embeddings F x {m}")
+            f"yarn, factor F, original_max_position_embeddings {m}, and max_position_embeddings F x {m}",
+        )
 
     def kv_cache_shape(self, max_context: int) -> tuple[int, ...]:
         return (1, self.num_key_value_heads, max_context, self.head_dim)
@@ -146,8 +147,9 @@ class ModelSpec:
     def kv_bytes_per_token(self, kv_dtype: str = "fp16") -> int:
         """KV-cache bytes one more token of context costs (K and V of every attention layer, scales included)."""
         if kv_dtype not in KV_DTYPES:
-            raise DeltashipError(f"unknown KV dtype {kv_dtype!r}; KV dtypes: {', '.join(KV_DTYPES)}",
-                                 "pick one of the KV dtypes")
+            raise DeltashipError(
+                f"unknown KV dtype {kv_dtype!r}; KV dtypes: {', '.join(KV_DTYPES)}", "pick one of the KV dtypes"
+            )
         f = KV_DTYPES[kv_dtype]
         per_head = self.head_dim * f.bits // 8 + f.token_head_bytes
         return len(self.attention_layers) * 2 * self.num_key_value_heads * per_head
@@ -160,11 +162,13 @@ class ModelSpec:
     def memory_arithmetic(self, kv_dtype: str, conv_bytes_per_elem: int) -> dict[str, Any]:
         """The manifest's `memory` block: state bytes = deltanet_state_bytes + context x
         kv_bytes_per_token[kv_dtype]; the other KV dtypes are there to plan with."""
-        return {"kv_dtype": kv_dtype,
-                "kv_bytes_per_token": {name: self.kv_bytes_per_token(name) for name in KV_DTYPES},
-                "kv_scale_bytes_per_token_head": {n: f.token_head_bytes for n, f in KV_DTYPES.items()},
-                "deltanet_state_bytes": self.deltanet_state_bytes(conv_bytes_per_elem),
-                "max_position_embeddings": self.max_position_embeddings}
+        return {
+            "kv_dtype": kv_dtype,
+            "kv_bytes_per_token": {name: self.kv_bytes_per_token(name) for name in KV_DTYPES},
+            "kv_scale_bytes_per_token_head": {n: f.token_head_bytes for n, f in KV_DTYPES.items()},
+            "deltanet_state_bytes": self.deltanet_state_bytes(conv_bytes_per_elem),
+            "max_position_embeddings": self.max_position_embeddings,
+        }
 
     def parameter_count(self) -> dict[str, int]:
         """Parameters of the text decoder, by part (embedding, lm_head, body)."""
@@ -203,15 +207,18 @@ class ModelSpec:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise DeltashipError(
                 f"{where}: model_type {model_type!r} is not supported; supported: "
-                + ", ".join(SUPPORTED_MODEL_TYPES) + " (Qwen3.5 text and multimodal checkpoints)",
+                + ", ".join(SUPPORTED_MODEL_TYPES)
+                + " (Qwen3.5 text and multimodal checkpoints)",
                 "point --model at a Qwen3.5 checkpoint directory or use a preset such as qwen3.5-tiny",
             )
         archs = config.get("architectures") or []
         if model_type == "qwen3_5":
             text = config.get("text_config")
             if not isinstance(text, dict):
-                raise DeltashipError(f"{where}: a multimodal qwen3_5 config needs a 'text_config' object",
-                                     "the checkpoint's config.json is incomplete; re-save it with transformers")
+                raise DeltashipError(
+                    f"{where}: a multimodal qwen3_5 config needs a 'text_config' object",
+                    "the checkpoint's config.json is incomplete; re-save it with transformers",
+                )
             architecture = "Qwen3_5ForConditionalGeneration"
             # The composite model ties its head according to its own top-level flag.
             tie = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
@@ -226,14 +233,19 @@ class ModelSpec:
 
         def need(key: str, typ: type = int) -> Any:
             if key not in src or src[key] is None:
-                raise DeltashipError(f"{where}: required field {key!r} is missing",
-                                     "the checkpoint's config.json is incomplete; re-save it with transformers")
+                raise DeltashipError(
+                    f"{where}: required field {key!r} is missing",
+                    "the checkpoint's config.json is incomplete; re-save it with transformers",
+                )
             val = src[key]
             if typ is int and (not isinstance(val, int) or isinstance(val, bool) or val <= 0):
-                raise DeltashipError(f"{where}: field {key!r} must be a positive integer, got {val!r}",
-                                     "fix the value in config.json")
+                raise DeltashipError(
+                    f"{where}: field {key!r} must be a positive integer, got {val!r}", "fix the value in config.json"
+                )
             if typ is float and not isinstance(val, (int, float)):
-                raise DeltashipError(f"{where}: field {key!r} must be a number, got {val!r}", "fix the value in config.json")
+                raise DeltashipError(
+                    f"{where}: field {key!r} must be a number, got {val!r}", "fix the value in config.json"
+                )
             return val
 
         n_layers = need("num_hidden_layers")
@@ -244,31 +256,40 @@ class ModelSpec:
         if not isinstance(layer_types, list) or len(layer_types) != n_layers:
             raise DeltashipError(
                 f"{where}: layer_types has {len(layer_types) if isinstance(layer_types, list) else 'no'} entries "
-                f"but num_hidden_layers is {n_layers}", "make layer_types list one kind per layer")
+                f"but num_hidden_layers is {n_layers}",
+                "make layer_types list one kind per layer",
+            )
         bad = sorted({t for t in layer_types if t not in LAYER_KINDS})
         if bad:
-            raise DeltashipError(f"{where}: unknown layer kind(s) {bad} in layer_types; supported: {list(LAYER_KINDS)}",
-                                 "this checkpoint is not a Qwen3.5 text model")
+            raise DeltashipError(
+                f"{where}: unknown layer kind(s) {bad} in layer_types; supported: {list(LAYER_KINDS)}",
+                "this checkpoint is not a Qwen3.5 text model",
+            )
 
         # transformers lets a (legacy) rope_scaling block win over rope_parameters
         rope_key = "rope_scaling" if src.get("rope_scaling") else "rope_parameters"
         rope = src.get(rope_key) or {}
         if not isinstance(rope, dict):
-            raise DeltashipError(f"{where}: {rope_key} must be an object, got {rope!r}",
-                                 f"fix {rope_key} in config.json")
+            raise DeltashipError(
+                f"{where}: {rope_key} must be an object, got {rope!r}", f"fix {rope_key} in config.json"
+            )
         scaling = _rope_scaling(rope, rope_key, src, where)
         theta = rope.get("rope_theta", src.get("rope_theta"))
         if theta is None:
-            raise DeltashipError(f"{where}: rope_theta is missing (neither rope_parameters.rope_theta nor rope_theta)",
-                                 "add rope_parameters to config.json")
+            raise DeltashipError(
+                f"{where}: rope_theta is missing (neither rope_parameters.rope_theta nor rope_theta)",
+                "add rope_parameters to config.json",
+            )
         prf = rope.get("partial_rotary_factor", src.get("partial_rotary_factor", 0.25))
         mrope = rope.get("mrope_section")
         eos = src.get("eos_token_id")
         eos_t = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         act = src.get("hidden_act", "silu")
         if act != "silu":
-            raise DeltashipError(f"{where}: hidden_act {act!r} is not supported (Qwen3.5 uses silu)",
-                                 "this checkpoint is not a Qwen3.5 text model")
+            raise DeltashipError(
+                f"{where}: hidden_act {act!r} is not supported (Qwen3.5 uses silu)",
+                "this checkpoint is not a Qwen3.5 text model",
+            )
 
         spec = cls(
             vocab_size=need("vocab_size"),
@@ -305,15 +326,21 @@ class ModelSpec:
         if self.attention_layers and self.num_attention_heads % self.num_key_value_heads:
             raise DeltashipError(
                 f"qwen3_5: layer {self.attention_layers[0]} (full_attention) has {self.num_key_value_heads} KV heads "
-                f"but {self.num_attention_heads} query heads are not a multiple; this checkpoint is not a Qwen3.5 text model")
+                f"but {self.num_attention_heads} query heads are not a multiple; this checkpoint is not a Qwen3.5 "
+                "text model"
+            )
         if self.deltanet_layers and self.linear_num_value_heads % self.linear_num_key_heads:
             raise DeltashipError(
                 f"qwen3_5: layer {self.deltanet_layers[0]} (linear_attention) has {self.linear_num_value_heads} value "
-                f"heads, not a multiple of its {self.linear_num_key_heads} key heads; this checkpoint is not a Qwen3.5 text model")
+                f"heads, not a multiple of its {self.linear_num_key_heads} key heads; this checkpoint is not a "
+                "Qwen3.5 text model"
+            )
         if self.rotary_dim % 2 or self.rotary_dim <= 0 or self.rotary_dim > self.head_dim:
             raise DeltashipError(
                 f"{where}: partial_rotary_factor {self.partial_rotary_factor} gives a rotary dim of {self.rotary_dim} "
-                f"for head_dim {self.head_dim}; it must be even and in (0, head_dim]", "fix partial_rotary_factor")
+                f"for head_dim {self.head_dim}; it must be even and in (0, head_dim]",
+                "fix partial_rotary_factor",
+            )
         if self.linear_conv_kernel_dim < 2:
             raise DeltashipError(f"{where}: linear_conv_kernel_dim must be at least 2", "fix linear_conv_kernel_dim")
 
@@ -331,7 +358,8 @@ def _rope_scaling(rope: dict[str, Any], key: str, src: dict[str, Any], where: st
         raise DeltashipError(
             f"{where}: {key}.rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
             f"remove the scaling from {key} (the model then runs up to max_position_embeddings) or use "
-            f"rope_type \"yarn\"")
+            f'rope_type "yarn"',
+        )
     if rope_type == "default":
         return {}
 
@@ -340,35 +368,50 @@ def _rope_scaling(rope: dict[str, Any], key: str, src: dict[str, Any], where: st
         if val is None:
             return default
         if not isinstance(val, (int, float)) or isinstance(val, bool) or val <= 0:
-            raise DeltashipError(f"{where}: {key}.{name} must be a positive number, got {val!r}",
-                                 f"fix {key}.{name} in config.json")
+            raise DeltashipError(
+                f"{where}: {key}.{name} must be a positive number, got {val!r}", f"fix {key}.{name} in config.json"
+            )
         return float(val)
 
     max_pos = src.get("max_position_embeddings", 262144)
     # transformers: a top-level original_max_position_embeddings wins, else the block's, else max_position_embeddings
     original = src.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", max_pos))
     if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
-        raise DeltashipError(f"{where}: {key}.original_max_position_embeddings must be a positive integer, got "
-                             f"{original!r}", "set it to the context the model was pretrained with")
+        raise DeltashipError(
+            f"{where}: {key}.original_max_position_embeddings must be a positive integer, got {original!r}",
+            "set it to the context the model was pretrained with",
+        )
     factor = number("factor", None)
     if factor is None:  # transformers: the ratio of the extended to the pretrained context
         factor = max_pos / original
     if factor < 1.0:
-        raise DeltashipError(f"{where}: {key}.factor must be at least 1, got {factor}",
-                             f"fix {key}.factor (extended context / original_max_position_embeddings)")
+        raise DeltashipError(
+            f"{where}: {key}.factor must be at least 1, got {factor}",
+            f"fix {key}.factor (extended context / original_max_position_embeddings)",
+        )
     attention = number("attention_factor", None)
     if attention is None:
         mscale, mscale_all = number("mscale", None), number("mscale_all_dim", None)
-        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
-                     else _yarn_mscale(factor))
+        attention = (
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+            if mscale and mscale_all
+            else _yarn_mscale(factor)
+        )
     beta_fast, beta_slow = number("beta_fast", 32.0), number("beta_slow", 1.0)
     truncate = rope.get("truncate", True)
     if not isinstance(truncate, bool):
-        raise DeltashipError(f"{where}: {key}.truncate must be true or false, got {truncate!r}",
-                             f"fix {key}.truncate in config.json")
-    return {"rope_type": "yarn", "rope_factor": float(factor), "rope_original_max_position_embeddings": original,
-            "rope_beta_fast": beta_fast, "rope_beta_slow": beta_slow, "rope_attention_factor": float(attention),
-            "rope_truncate": truncate}
+        raise DeltashipError(
+            f"{where}: {key}.truncate must be true or false, got {truncate!r}", f"fix {key}.truncate in config.json"
+        )
+    return {
+        "rope_type": "yarn",
+        "rope_factor": float(factor),
+        "rope_original_max_position_embeddings": original,
+        "rope_beta_fast": beta_fast,
+        "rope_beta_slow": beta_slow,
+        "rope_attention_factor": float(attention),
+        "rope_truncate": truncate,
+    }
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -385,6 +428,8 @@ def _prod(shape: tuple[int, ...]) -> int:
 def read_config(path: Path) -> dict[str, Any]:
     """Parse config.json with errors that name the file."""
     if not path.is_file():
-        raise DeltashipError(f"{path.parent}: no config.json in this directory",
-                             "point --model at a Hugging Face checkpoint directory (config.json + *.safetensors) or a preset")
+        raise DeltashipError(
+            f"{path.parent}: no config.json in this directory",
+            "point --model at a Hugging Face checkpoint directory (config.json + *.safetensors) or a preset",
+        )
     return read_json_object(path, "config.json", "restore config.json from the original checkpoint")

@@ -71,7 +71,7 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 def _canonical_name(name: str, multimodal: bool) -> str:
     if multimodal and name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
+        return "model." + name[len("model.language_model.") :]
     return name
 
 
@@ -105,13 +105,17 @@ class CheckpointWeights:
             try:
                 wm = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise DeltashipError(f"{index}: not a valid safetensors index (no weight_map)",
-                                     "restore the index file from the original checkpoint") from None
+                raise DeltashipError(
+                    f"{index}: not a valid safetensors index (no weight_map)",
+                    "restore the index file from the original checkpoint",
+                ) from None
             names = sorted(set(wm.values()))
             missing = [n for n in names if not (d / n).is_file()]
             if missing:
-                raise DeltashipError(f"{d}: the safetensors index names shard(s) that are missing: {', '.join(missing)}",
-                                     "copy the missing shards into the checkpoint directory")
+                raise DeltashipError(
+                    f"{d}: the safetensors index names shard(s) that are missing: {', '.join(missing)}",
+                    "copy the missing shards into the checkpoint directory",
+                )
             return [d / n for n in names]
         files = sorted(d.glob("*.safetensors"))
         if files:
@@ -120,10 +124,14 @@ class CheckpointWeights:
         if pickled:
             raise DeltashipError(
                 f"{d}: only pickled weights found ({', '.join(pickled)}); deltaship never loads pickles, which can "
-                "execute code", "convert the checkpoint to safetensors (e.g. save_pretrained(..., safe_serialization=True)) "
-                "on a machine you trust")
-        raise DeltashipError(f"{d}: no *.safetensors weights in this directory",
-                             "point --model at a Hugging Face checkpoint directory with safetensors weights")
+                "execute code",
+                "convert the checkpoint to safetensors (e.g. save_pretrained(..., safe_serialization=True)) "
+                "on a machine you trust",
+            )
+        raise DeltashipError(
+            f"{d}: no *.safetensors weights in this directory",
+            "point --model at a Hugging Face checkpoint directory with safetensors weights",
+        )
 
     def _check(self, sf_names: list[str]) -> None:
         expected = expected_tensors(self.spec)
@@ -145,8 +153,10 @@ class CheckpointWeights:
         if wrong:
             problems.append(f"{len(wrong)} tensor(s) with the wrong shape or dtype: {_names(wrong)}")
         if problems:
-            raise DeltashipError(f"{self.directory}: the weights do not match config.json: " + "; ".join(problems),
-                                 "use the config.json that came with these weights (or weights that match it)")
+            raise DeltashipError(
+                f"{self.directory}: the weights do not match config.json: " + "; ".join(problems),
+                "use the config.json that came with these weights (or weights that match it)",
+            )
 
     def names(self) -> list[str]:
         return sorted(self._where)
@@ -225,9 +235,10 @@ class RandomWeights:
             lo = b * self.ROW_BLOCK
             n = min(self.ROW_BLOCK, shape[0] - lo)
             blk = self._block(name, b, n, shape[1:])
-            parts.append(blk[max(start - lo, 0):max(min(stop - lo, n), 0)])
+            parts.append(blk[max(start - lo, 0) : max(min(stop - lo, n), 0)])
         return np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps({"random": self.seed, "std": self.std, "spec": self.spec.to_dict()},
-                                         sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(
+            json.dumps({"random": self.seed, "std": self.std, "spec": self.spec.to_dict()}, sort_keys=True).encode()
+        ).hexdigest()

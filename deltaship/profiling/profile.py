@@ -29,22 +29,33 @@ DEFAULTS = dict(prompt_lengths=[128, 512], gen=64, contexts=[128, 1024, 4096], w
 
 
 def bundle_summary(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
-    return {"name": path.name, "target": manifest["target"], "precision": manifest["precision"],
-            "source": manifest["source"]["model"], "max_context": manifest["max_context"],
-            "prefill_chunk": manifest["prefill_chunk"], "bundle_bytes": manifest.get("bundle_bytes"),
-            "state_bytes": manifest.get("state_bytes"), "layers": manifest["model"]["num_layers"],
-            "layer_types": manifest["model"]["layer_types"]}
+    return {
+        "name": path.name,
+        "target": manifest["target"],
+        "precision": manifest["precision"],
+        "source": manifest["source"]["model"],
+        "max_context": manifest["max_context"],
+        "prefill_chunk": manifest["prefill_chunk"],
+        "bundle_bytes": manifest.get("bundle_bytes"),
+        "state_bytes": manifest.get("state_bytes"),
+        "layers": manifest["model"]["num_layers"],
+        "layer_types": manifest["model"]["layer_types"],
+    }
 
 
 def check_workload(manifest: dict[str, Any], prompt_lengths: list[int], gen: int, contexts: list[int]) -> None:
     mc = manifest["max_context"]
     over = [c for c in contexts if c >= mc] + [p for p in prompt_lengths if p + gen > mc]
     if over:
-        raise DeltashipError(f"context(s) {over} do not fit this bundle's max context of {mc} (prompt + "
-                             f"--gen {gen} must too)", f"use contexts below {mc}, or export with a larger --max-context")
+        raise DeltashipError(
+            f"context(s) {over} do not fit this bundle's max context of {mc} (prompt + --gen {gen} must too)",
+            f"use contexts below {mc}, or export with a larger --max-context",
+        )
     if any(p < 1 for p in prompt_lengths) or gen < 2 or any(c < 1 for c in contexts):
-        raise DeltashipError("prompt lengths and contexts must be positive and --gen at least 2",
-                             "e.g. --prompt-lengths 128,512 --gen 64 --contexts 128,1024")
+        raise DeltashipError(
+            "prompt lengths and contexts must be positive and --gen at least 2",
+            "e.g. --prompt-lengths 128,512 --gen 64 --contexts 128,1024",
+        )
 
 
 # ---- memory caps ------------------------------------------------------------------------------
@@ -58,7 +69,9 @@ class MemoryCap:
         if Path("/sys/fs/cgroup/cgroup.controllers").exists():
             candidates.append((Path("/sys/fs/cgroup"), "memory.max", "cgroup v2 memory.max"))
         if Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
-            candidates.append((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "cgroup v1 memory.limit_in_bytes"))
+            candidates.append(
+                (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "cgroup v1 memory.limit_in_bytes")
+            )
         for root, limit_file, mech in candidates:
             d = root / name
             try:
@@ -100,21 +113,42 @@ def _died(rc: int, stderr: str) -> dict[str, Any]:
         sig = None
         oom = any(s in stderr for s in ("MemoryError", "bad_alloc", "Failed to allocate", "out of memory"))
         why = "out of memory" if oom else f"exited with status {rc}"
-    return {"metric": "run", "status": "died", "reason": why, "signal": sig, "exit_status": rc,
-            "stderr_tail": stderr.strip()[-2000:], "samples": [], "flags": ["died"]}
+    return {
+        "metric": "run",
+        "status": "died",
+        "reason": why,
+        "signal": sig,
+        "exit_status": rc,
+        "stderr_tail": stderr.strip()[-2000:],
+        "samples": [],
+        "flags": ["died"],
+    }
 
 
-def run_worker(cfg: dict[str, Any], cap: MemoryCap | None = None, timeout: float = 3600) -> tuple[dict | None, dict | None]:
+def run_worker(
+    cfg: dict[str, Any], cap: MemoryCap | None = None, timeout: float = 3600
+) -> tuple[dict | None, dict | None]:
     """(worker output, None) or (None, a 'died' record)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.get("threads") or ""), TOKENIZERS_PARALLELISM="false")
     if not cfg.get("threads"):
         env.pop("OMP_NUM_THREADS")
     try:
-        r = subprocess.run([sys.executable, "-m", "deltaship.profiling.worker", json.dumps(cfg)], capture_output=True,
-                           text=True, env=env, timeout=timeout, preexec_fn=cap.join if cap and cap.procs else None)
+        r = subprocess.run(
+            [sys.executable, "-m", "deltaship.profiling.worker", json.dumps(cfg)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            preexec_fn=cap.join if cap and cap.procs else None,
+        )
     except subprocess.TimeoutExpired:
-        return None, {"metric": "run", "status": "died", "reason": f"timed out after {timeout:.0f}s", "samples": [],
-                      "flags": ["died", "timeout"]}
+        return None, {
+            "metric": "run",
+            "status": "died",
+            "reason": f"timed out after {timeout:.0f}s",
+            "samples": [],
+            "flags": ["died", "timeout"],
+        }
     if r.returncode != 0:
         return None, _died(r.returncode, r.stderr)
     try:
@@ -123,20 +157,35 @@ def run_worker(cfg: dict[str, Any], cap: MemoryCap | None = None, timeout: float
         return None, _died(1, "worker printed no JSON: " + r.stdout[-500:] + r.stderr[-500:])
 
 
-def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] | None = None, gen: int | None = None,
-            contexts: list[int] | None = None, threads: int | None = None, warmups: int | None = None,
-            reps: int | None = None, min_seconds: float | None = None, tier: str | None = None,
-            tiers_file: str | None = None, breakdown: bool = True, json_out: str | Path | None = None,
-            report: str | Path | None = None, ssh_options: list[str] | None = None,
-            remote_deltaship: str = "deltaship", runner: str | None = None, runner_args: str | None = None,
-            progress: Callable[[str], None] | None = None, provider: str = "cpu",
-            runtime: str | None = None) -> dict[str, Any]:
+def profile(
+    bundle: str | Path,
+    device: str = "host",
+    prompt_lengths: list[int] | None = None,
+    gen: int | None = None,
+    contexts: list[int] | None = None,
+    threads: int | None = None,
+    warmups: int | None = None,
+    reps: int | None = None,
+    min_seconds: float | None = None,
+    tier: str | None = None,
+    tiers_file: str | None = None,
+    breakdown: bool = True,
+    json_out: str | Path | None = None,
+    report: str | Path | None = None,
+    ssh_options: list[str] | None = None,
+    remote_deltaship: str = "deltaship",
+    runner: str | None = None,
+    runner_args: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    provider: str = "cpu",
+    runtime: str | None = None,
+) -> dict[str, Any]:
     """Profile a bundle on a device; return (and optionally write) the versioned JSON document."""
+    from deltaship.bundle.reader import read_manifest, require_intact
     from deltaship.devices.catalog import get_tier
     from deltaship.devices.discovery import fingerprint
-    from deltaship.bundle.reader import read_manifest, require_intact
-
     from deltaship.runtimes import PROVIDERS
+
     if provider not in PROVIDERS:
         raise DeltashipError(f"unknown provider {provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
     if provider != "cpu" and device != "host":
@@ -145,42 +194,65 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
     path = Path(bundle)
     manifest = read_manifest(path)
     require_intact(path, manifest, hashes=True)
-    cfg = {k: v for k, v in dict(prompt_lengths=prompt_lengths, gen=gen, contexts=contexts, warmups=warmups,
-                                 reps=reps, min_seconds=min_seconds).items() if v is not None}
+    cfg = {
+        k: v
+        for k, v in dict(
+            prompt_lengths=prompt_lengths,
+            gen=gen,
+            contexts=contexts,
+            warmups=warmups,
+            reps=reps,
+            min_seconds=min_seconds,
+        ).items()
+        if v is not None
+    }
     cfg = {**DEFAULTS, **cfg}
     if contexts is None:  # the default depths, the deepest clipped to what the bundle's KV cache holds
         mc = int(manifest["max_context"])
         cfg["contexts"] = sorted({min(c, mc - 1) for c in cfg["contexts"]})
     check_workload(manifest, cfg["prompt_lengths"], cfg["gen"], cfg["contexts"])
     t = get_tier(tier, tiers_file) if tier else None
-    doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           "bundle": bundle_summary(manifest, path), "config": cfg, "emulation": None}
+    doc: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "bundle": bundle_summary(manifest, path),
+        "config": cfg,
+        "emulation": None,
+    }
     if device.startswith("ssh://"):
         from deltaship.profiling.remote import profile_ssh
+
         doc = profile_ssh(path, device, cfg, threads, tier, ssh_options, remote_deltaship, say)
     elif device.startswith("adb:"):
         from deltaship.devices.android import profile_adb
+
         doc.update(profile_adb(path, manifest, device[4:], cfg, runner, runner_args, say))
     elif device == "host":
         from deltaship.targets import get_target
+
         target = manifest["target"]
         if get_target(target).host_runtime is None:
-            raise DeltashipError(f"this host has no runtime for {target} bundles (Core ML runs only on Apple devices)",
-                                 "profile a Core ML bundle on a Mac, or export for onnx/executorch")
+            raise DeltashipError(
+                f"this host has no runtime for {target} bundles (Core ML runs only on Apple devices)",
+                "profile a Core ML bundle on a Mac, or export for onnx/executorch",
+            )
         from deltaship.runtimes import text_runtime
+
         text = text_runtime(path, runtime)
         if text is not None:  # a runtime that takes text (ExecuTorch's C++ LLM runner): its own stats
             module, spec = text
             doc["device"], doc["results"], doc["threads"] = fingerprint("host"), [], threads
             for p in cfg["prompt_lengths"]:
                 say(f"profiling {path.name} in {runtime}: prompt {p} tokens, {cfg['gen']} new")
-                out = getattr(module, spec.profile)(path, prompt_length=p, gen=cfg["gen"], reps=cfg["reps"],
-                                                    warmups=cfg["warmups"])
+                out = getattr(module, spec.profile)(
+                    path, prompt_length=p, gen=cfg["gen"], reps=cfg["reps"], warmups=cfg["warmups"]
+                )
                 doc["results"] += out["results"]
                 doc["runtime"] = out["runtime"]
             return _finish(doc, t, json_out, report)
         if provider != "cpu" or runtime is not None:
             from deltaship.runtimes import open_bundle
+
             # fails here, clearly, if it cannot run
             open_bundle(path, provider=provider, runtime=runtime, check_hashes=False)
             cfg["provider"], cfg["runtime"] = provider, runtime
@@ -189,10 +261,15 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
         if t is not None:
             threads = min(t.threads, os.cpu_count() or t.threads)
             cap = MemoryCap(t.budget_bytes)
-            doc["emulation"] = {"tier": t.name, "threads": threads, "memory_cap_bytes": t.budget_bytes,
-                                "memory_cap": cap.mechanism if cap.procs else
-                                "not enforceable on this host (no writable cgroup); peak RSS compared after the run",
-                                "emulated": True}
+            doc["emulation"] = {
+                "tier": t.name,
+                "threads": threads,
+                "memory_cap_bytes": t.budget_bytes,
+                "memory_cap": cap.mechanism
+                if cap.procs
+                else "not enforceable on this host (no writable cgroup); peak RSS compared after the run",
+                "emulated": True,
+            }
         try:
             say(f"profiling {path.name} on the host ({threads or 'default'} threads)")
             out, died = run_worker({**cfg, "bundle": str(path), "threads": threads, "breakdown": False}, cap)
@@ -202,10 +279,18 @@ def profile(bundle: str | Path, device: str = "host", prompt_lengths: list[int] 
                 doc["results"], doc["rss_trace"], doc["runtime"] = out["results"], out["rss_trace"], out["runtime"]
                 doc["imported_toolchains"] = out["imported_toolchains"]
                 if breakdown and get_target(target).op_breakdown and cfg["contexts"]:
-                    say("per-op breakdown at each context (separate process: the profiler's own session "
-                        "would inflate the peak RSS)")
-                    bcfg = {**cfg, "bundle": str(path), "threads": threads, "breakdown": True, "prompt_lengths": [],
-                            "gen": 0}
+                    say(
+                        "per-op breakdown at each context (separate process: the profiler's own session "
+                        "would inflate the peak RSS)"
+                    )
+                    bcfg = {
+                        **cfg,
+                        "bundle": str(path),
+                        "threads": threads,
+                        "breakdown": True,
+                        "prompt_lengths": [],
+                        "gen": 0,
+                    }
                     bout, bdied = run_worker(bcfg, None)
                     doc["results"] += [r for r in bout["results"] if r["metric"] == "decode_op_s"] if bout else [bdied]
         finally:
@@ -221,8 +306,12 @@ def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | P
     """The tier verdict, then the JSON and the HTML report where asked."""
     if t is not None:
         peak = next((r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes"), None)
-        doc["fit"] = {"tier": t.name, "budget_bytes": t.budget_bytes, "peak_rss_bytes": peak,
-                      "fits": peak is not None and peak <= t.budget_bytes}
+        doc["fit"] = {
+            "tier": t.name,
+            "budget_bytes": t.budget_bytes,
+            "peak_rss_bytes": peak,
+            "fits": peak is not None and peak <= t.budget_bytes,
+        }
     if json_out is not None:
         text = json.dumps(doc, indent=1)
         if str(json_out) == "-":
@@ -231,6 +320,7 @@ def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | P
             _write(Path(json_out), text)
     if report is not None:
         from deltaship.profiling.report import write_html
+
         write_html(doc, Path(report))
     return doc
 
@@ -249,16 +339,21 @@ def load_records(path: str | Path) -> dict[str, Any]:
     try:
         doc = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise DeltashipError(f"{p}: not a profile JSON ({e})", "pass files written by `deltaship profile --json`") from None
+        raise DeltashipError(
+            f"{p}: not a profile JSON ({e})", "pass files written by `deltaship profile --json`"
+        ) from None
     if doc.get("schema_version") != SCHEMA_VERSION or "results" not in doc:
-        raise DeltashipError(f"{p}: not a deltaship profile (schema_version {doc.get('schema_version')})",
-                             "pass files written by `deltaship profile --json`")
+        raise DeltashipError(
+            f"{p}: not a deltaship profile (schema_version {doc.get('schema_version')})",
+            "pass files written by `deltaship profile --json`",
+        )
     return doc
 
 
 def compare(a: str | Path, b: str | Path) -> list[dict[str, Any]]:
     """B relative to A for every metric both have: ratio of medians with a bootstrap 95% interval."""
     from deltaship.profiling.stats import ratio_ci
+
     da, db = load_records(a), load_records(b)
     key = lambda r: (r["metric"], r.get("prompt_length"), r.get("context"), r.get("op_kind"))  # noqa: E731
     ia = {key(r): r for r in da["results"] if r.get("samples")}
@@ -267,8 +362,18 @@ def compare(a: str | Path, b: str | Path) -> list[dict[str, Any]]:
         k = key(r)
         if k in ia and r.get("samples"):
             rc = ratio_ci(r["samples"], ia[k]["samples"])
-            rows.append({"metric": k[0], "prompt_length": k[1], "context": k[2], "op_kind": k[3], "unit": r["unit"],
-                         "a": ia[k]["median"], "b": r["median"], **rc})
+            rows.append(
+                {
+                    "metric": k[0],
+                    "prompt_length": k[1],
+                    "context": k[2],
+                    "op_kind": k[3],
+                    "unit": r["unit"],
+                    "a": ia[k]["median"],
+                    "b": r["median"],
+                    **rc,
+                }
+            )
     return rows
 
 

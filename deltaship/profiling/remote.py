@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
-from deltaship.devices.discovery import parse_ssh, ssh_base, ssh_run, ssh_fingerprint
+from deltaship.devices.discovery import parse_ssh, ssh_base, ssh_fingerprint, ssh_run
 from deltaship.errors import DeltashipError
 
 
@@ -19,12 +19,22 @@ def copy_bundle(path: Path, target: dict, remote_dir: str, options: list[str] | 
     r = subprocess.run(cmd, stdin=pack.stdout, capture_output=True, text=True, timeout=3600)
     pack.wait()
     if r.returncode != 0 or pack.returncode != 0:
-        raise DeltashipError(f"copying {path.name} to {target['host']} failed: {r.stderr.strip()[-300:]}",
-                             "check free disk space and write access to the remote temp directory")
+        raise DeltashipError(
+            f"copying {path.name} to {target['host']} failed: {r.stderr.strip()[-300:]}",
+            "check free disk space and write access to the remote temp directory",
+        )
 
 
-def profile_ssh(path: Path, device: str, cfg: dict[str, Any], threads: int | None, tier: str | None,
-                options: list[str] | None, remote_deltaship: str, say: Callable[[str], None]) -> dict[str, Any]:
+def profile_ssh(
+    path: Path,
+    device: str,
+    cfg: dict[str, Any],
+    threads: int | None,
+    tier: str | None,
+    options: list[str] | None,
+    remote_deltaship: str,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
     target = parse_ssh(device)
     say(f"{device}: fingerprint")
     ssh_fingerprint(device, options, remote_deltaship)  # fails early and clearly when unreachable
@@ -32,10 +42,28 @@ def profile_ssh(path: Path, device: str, cfg: dict[str, Any], threads: int | Non
     try:
         say(f"{device}: copying {path.name} to {remote_dir}")
         copy_bundle(path, target, remote_dir, options)
-        args = [remote_deltaship, "profile", f"{remote_dir}/{path.name}", "--device", "host", "--json", "-",
-                "--quiet", "--prompt-lengths", ",".join(map(str, cfg["prompt_lengths"])), "--gen", str(cfg["gen"]),
-                "--contexts", ",".join(map(str, cfg["contexts"])), "--warmups", str(cfg["warmups"]),
-                "--reps", str(cfg["reps"]), "--min-seconds", str(cfg["min_seconds"])]
+        args = [
+            remote_deltaship,
+            "profile",
+            f"{remote_dir}/{path.name}",
+            "--device",
+            "host",
+            "--json",
+            "-",
+            "--quiet",
+            "--prompt-lengths",
+            ",".join(map(str, cfg["prompt_lengths"])),
+            "--gen",
+            str(cfg["gen"]),
+            "--contexts",
+            ",".join(map(str, cfg["contexts"])),
+            "--warmups",
+            str(cfg["warmups"]),
+            "--reps",
+            str(cfg["reps"]),
+            "--min-seconds",
+            str(cfg["min_seconds"]),
+        ]
         if threads:
             args += ["--threads", str(threads)]
         if tier:
@@ -50,8 +78,10 @@ def profile_ssh(path: Path, device: str, cfg: dict[str, Any], threads: int | Non
     try:
         doc = json.loads(out)
     except json.JSONDecodeError:
-        raise DeltashipError(f"{device}: the remote profile printed no JSON: {out[-300:]!r}",
-                             "run the same deltaship version on both machines") from None
+        raise DeltashipError(
+            f"{device}: the remote profile printed no JSON: {out[-300:]!r}",
+            "run the same deltaship version on both machines",
+        ) from None
     doc["device"].update(device=device, kind="ssh")
     doc["bundle"]["name"] = path.name
     return doc

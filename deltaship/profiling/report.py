@@ -27,12 +27,16 @@ def _where(r: dict) -> str:
 
 def format_results(doc: dict[str, Any]) -> str:
     dev, b = doc.get("device", {}), doc["bundle"]
-    lines = [f"{b['name']}: {b['target']} / {b['precision']} on {dev.get('device', '?')} ({dev.get('model', '?')}, "
-             f"{dev.get('cores', '?')} cores), {doc.get('runtime', '')}, threads {doc.get('threads')}"]
+    lines = [
+        f"{b['name']}: {b['target']} / {b['precision']} on {dev.get('device', '?')} ({dev.get('model', '?')}, "
+        f"{dev.get('cores', '?')} cores), {doc.get('runtime', '')}, threads {doc.get('threads')}"
+    ]
     if doc.get("emulation"):
         e = doc["emulation"]
-        lines.append(f"emulating tier {e['tier']}: {e['threads']} threads, memory cap {e['memory_cap_bytes'] / 2**30:.2f} "
-                     f"GiB ({e['memory_cap']})")
+        lines.append(
+            f"emulating tier {e['tier']}: {e['threads']} threads, memory cap {e['memory_cap_bytes'] / 2**30:.2f} "
+            f"GiB ({e['memory_cap']})"
+        )
     head = f"{'metric':<18} {'where':<16} {'unit':>6} {'median':>10} {'p90':>10} {'ci95':>23} {'cv':>6} {'n':>4}  flags"
     lines += [head, "-" * len(head)]
     for r in doc["results"]:
@@ -44,21 +48,30 @@ def format_results(doc: dict[str, Any]) -> str:
             continue
         u = r["unit"]
         ci = f"[{_fmt(r['ci95'][0], u)}, {_fmt(r['ci95'][1], u)}]"
-        lines.append(f"{r['metric']:<18} {_where(r):<16} {SHOWN.get(u, u):>6} {_fmt(r['median'], u):>10} "
-                     f"{_fmt(r['p90'], u):>10} {ci:>23} {r['cv']:>6.3f} {r['n']:>4}  {' '.join(r['flags'])}")
+        lines.append(
+            f"{r['metric']:<18} {_where(r):<16} {SHOWN.get(u, u):>6} {_fmt(r['median'], u):>10} "
+            f"{_fmt(r['p90'], u):>10} {ci:>23} {r['cv']:>6.3f} {r['n']:>4}  {' '.join(r['flags'])}"
+        )
     if doc.get("fit"):
         f = doc["fit"]
-        lines.append(f"fit on {f['tier']}: peak RSS {(f['peak_rss_bytes'] or 0) / 2**30:.2f} GiB vs budget "
-                     f"{f['budget_bytes'] / 2**30:.2f} GiB -> {'fits' if f['fits'] else 'DOES NOT FIT'}")
+        lines.append(
+            f"fit on {f['tier']}: peak RSS {(f['peak_rss_bytes'] or 0) / 2**30:.2f} GiB vs budget "
+            f"{f['budget_bytes'] / 2**30:.2f} GiB -> {'fits' if f['fits'] else 'DOES NOT FIT'}"
+        )
     return "\n".join(lines)
 
 
 def format_compare(rows: list[dict[str, Any]], a: str, b: str) -> str:
-    lines = [f"B = {b}\nA = {a}", f"{'metric':<18} {'where':<16} {'A':>10} {'B':>10} {'B/A':>7} {'ci95':>16}  significant"]
+    lines = [
+        f"B = {b}\nA = {a}",
+        f"{'metric':<18} {'where':<16} {'A':>10} {'B':>10} {'B/A':>7} {'ci95':>16}  significant",
+    ]
     for r in rows:
         u = r["unit"]
-        lines.append(f"{r['metric']:<18} {_where(r):<16} {_fmt(r['a'], u):>10} {_fmt(r['b'], u):>10} {r['ratio']:>7.3f} "
-                     f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]  {'yes' if r['significant'] else 'no'}")
+        lines.append(
+            f"{r['metric']:<18} {_where(r):<16} {_fmt(r['a'], u):>10} {_fmt(r['b'], u):>10} {r['ratio']:>7.3f} "
+            f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]  {'yes' if r['significant'] else 'no'}"
+        )
     return "\n".join(lines)
 
 
@@ -67,6 +80,7 @@ def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     import matplotlib.pyplot as plt
+
     plt.close(fig)
     return buf.getvalue()
 
@@ -74,6 +88,7 @@ def _png(fig) -> bytes:
 def plots(doc: dict[str, Any]) -> dict[str, bytes]:
     """PNG plots: decode latency vs context (whole model and per op kind), memory, RSS trace, prefill."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -85,8 +100,13 @@ def plots(doc: dict[str, Any]) -> dict[str, bytes]:
         fig, axes = plt.subplots(1, 2 if kinds else 1, figsize=(11 if kinds else 6, 4), squeeze=False)
         ax = axes[0][0]
         xs = [r["context"] for r in ctx]
-        ax.errorbar(xs, [r["median"] * 1e3 for r in ctx], yerr=[[(r["median"] - r["ci95"][0]) * 1e3 for r in ctx],
-                    [(r["ci95"][1] - r["median"]) * 1e3 for r in ctx]], marker="o", capsize=3)
+        ax.errorbar(
+            xs,
+            [r["median"] * 1e3 for r in ctx],
+            yerr=[[(r["median"] - r["ci95"][0]) * 1e3 for r in ctx], [(r["ci95"][1] - r["median"]) * 1e3 for r in ctx]],
+            marker="o",
+            capsize=3,
+        )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context depth (tokens)")
         ax.set_ylabel("decode step latency (ms), median and 95% CI")
@@ -94,8 +114,9 @@ def plots(doc: dict[str, Any]) -> dict[str, bytes]:
         if kinds:
             ax2 = axes[0][1]
             for k in kinds:
-                rows = sorted((r for r in res if r["metric"] == "decode_op_s" and r["op_kind"] == k),
-                              key=lambda r: r["context"])
+                rows = sorted(
+                    (r for r in res if r["metric"] == "decode_op_s" and r["op_kind"] == k), key=lambda r: r["context"]
+                )
                 ax2.plot([r["context"] for r in rows], [r["median"] * 1e3 for r in rows], marker="o", label=k)
             ax2.set_xscale("log", base=2)
             ax2.set_xlabel("context depth (tokens)")
@@ -130,8 +151,12 @@ def plots(doc: dict[str, Any]) -> dict[str, bytes]:
     pre = sorted((r for r in res if r["metric"] == "prefill_tok_s"), key=lambda r: r["prompt_length"])
     if pre:
         fig, ax = plt.subplots(figsize=(5, 3))
-        ax.bar([str(r["prompt_length"]) for r in pre], [r["median"] for r in pre],
-               yerr=[[r["median"] - r["ci95"][0] for r in pre], [r["ci95"][1] - r["median"] for r in pre]], capsize=3)
+        ax.bar(
+            [str(r["prompt_length"]) for r in pre],
+            [r["median"] for r in pre],
+            yerr=[[r["median"] - r["ci95"][0] for r in pre], [r["ci95"][1] - r["median"] for r in pre]],
+            capsize=3,
+        )
         ax.set_xlabel("prompt length")
         ax.set_ylabel("prefill tokens/s")
         ax.set_title("Prefill throughput")
@@ -152,12 +177,22 @@ def summary(doc: dict[str, Any]) -> list[tuple[str, str]]:
     """The headline numbers, for the top of the report: prefill per prompt length, decode, TTFT, peak memory."""
     out = []
     for r in doc["results"]:
-        if not r.get("samples") or r["metric"] not in ("prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss_bytes",
-                                                        "gpu_peak_bytes", "load_cold_s"):
+        if not r.get("samples") or r["metric"] not in (
+            "prefill_tok_s",
+            "decode_tok_s",
+            "ttft_s",
+            "peak_rss_bytes",
+            "gpu_peak_bytes",
+            "load_cold_s",
+        ):
             continue
         where = _where(r)
-        out.append((f"{r['metric']}{' (' + where + ')' if where else ''}",
-                     f"{_fmt(r['median'], r['unit'])} {SHOWN.get(r['unit'], r['unit'])}"))
+        out.append(
+            (
+                f"{r['metric']}{' (' + where + ')' if where else ''}",
+                f"{_fmt(r['median'], r['unit'])} {SHOWN.get(r['unit'], r['unit'])}",
+            )
+        )
     if doc.get("fit"):
         out.append((f"fits {doc['fit']['tier']}", "yes" if doc["fit"]["fits"] else "no"))
     return out
@@ -176,13 +211,20 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
     #check, how many plots the browser decoded, so a headless browser test can read it."""
     imgs = plots(doc)
     e = html.escape
-    body = [f"<h1>deltaship profile: {e(doc['bundle']['name'])}</h1>",
-            f"<p>{e(doc['bundle']['target'])} / {e(doc['bundle']['precision'])}, created {e(doc.get('created', ''))}</p>",
-            "<h2>Summary</h2><table id='summary'>" + "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>"
-                                                            for k, v in summary(doc)) + "</table>",
-            "<h2>Device</h2><table id='device'>" + "".join(
-                f"<tr><th>{e(str(k))}</th><td>{e(_plain(v))}</td></tr>" for k, v in doc.get("device", {}).items()
-                if v not in (None, "", [], {})) + "</table>"]
+    body = [
+        f"<h1>deltaship profile: {e(doc['bundle']['name'])}</h1>",
+        f"<p>{e(doc['bundle']['target'])} / {e(doc['bundle']['precision'])}, created {e(doc.get('created', ''))}</p>",
+        "<h2>Summary</h2><table id='summary'>"
+        + "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in summary(doc))
+        + "</table>",
+        "<h2>Device</h2><table id='device'>"
+        + "".join(
+            f"<tr><th>{e(str(k))}</th><td>{e(_plain(v))}</td></tr>"
+            for k, v in doc.get("device", {}).items()
+            if v not in (None, "", [], {})
+        )
+        + "</table>",
+    ]
     if doc.get("emulation"):
         body.append("<h2>Tier emulation</h2><pre>" + e(json.dumps(doc["emulation"], indent=1)) + "</pre>")
     if doc.get("fit"):
@@ -191,15 +233,24 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
     body.append("<h2>Plots</h2>")
     for name, data in imgs.items():
         b64 = base64.b64encode(data).decode()
-        body.append(f"<figure><img class='plot' alt='{e(name)}' src='data:image/png;base64,{b64}'>"
-                    f"<figcaption>{e(name)}</figcaption></figure>")
+        body.append(
+            f"<figure><img class='plot' alt='{e(name)}' src='data:image/png;base64,{b64}'>"
+            f"<figcaption>{e(name)}</figcaption></figure>"
+        )
     body.append(f"<p>plots decoded: <span id='check' data-expected='{len(imgs)}'>not run</span></p>")
-    script = ("<script>window.addEventListener('load',()=>{const imgs=[...document.querySelectorAll('img.plot')];"
-              "document.getElementById('check').textContent=imgs.filter(i=>i.complete&&i.naturalWidth>0).length+"
-              "'/'+imgs.length;});</script>")
-    page = ("<!doctype html><html><head><meta charset='utf-8'><title>deltaship profile</title><style>"
-            "body{font-family:sans-serif;max-width:1000px;margin:auto}pre{font-size:12px;overflow-x:auto}"
-            "img{max-width:100%}th{text-align:left;padding-right:1em}</style></head><body>" + "\n".join(body) + script + "</body></html>")
+    script = (
+        "<script>window.addEventListener('load',()=>{const imgs=[...document.querySelectorAll('img.plot')];"
+        "document.getElementById('check').textContent=imgs.filter(i=>i.complete&&i.naturalWidth>0).length+"
+        "'/'+imgs.length;});</script>"
+    )
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>deltaship profile</title><style>"
+        "body{font-family:sans-serif;max-width:1000px;margin:auto}pre{font-size:12px;overflow-x:auto}"
+        "img{max-width:100%}th{text-align:left;padding-right:1em}</style></head><body>"
+        + "\n".join(body)
+        + script
+        + "</body></html>"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page)
     return path

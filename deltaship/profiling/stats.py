@@ -28,8 +28,14 @@ def summarize(samples: Sequence[float], seed: int = 0, resamples: int = 2000) ->
         flags.append("noisy")
     if x.size < 5:
         flags.append("few_samples")
-    return {"median": med, "p90": float(np.percentile(x, 90)), "cv": cv, "ci95": [float(lo), float(hi)],
-            "n": int(x.size), "flags": flags}
+    return {
+        "median": med,
+        "p90": float(np.percentile(x, 90)),
+        "cv": cv,
+        "ci95": [float(lo), float(hi)],
+        "n": int(x.size),
+        "flags": flags,
+    }
 
 
 def ratio_ci(a: Sequence[float], b: Sequence[float], seed: int = 0, resamples: int = 2000) -> dict:
@@ -40,5 +46,8 @@ def ratio_ci(a: Sequence[float], b: Sequence[float], seed: int = 0, resamples: i
     mb = np.median(rng.choice(xb, size=(resamples, xb.size)), axis=1)
     r = ma / mb
     lo, hi = np.percentile(r, [2.5, 97.5])
-    return {"ratio": float(np.median(xa) / np.median(xb)), "ci95": [float(lo), float(hi)],
-            "significant": bool(lo > 1.0 or hi < 1.0)}
+    return {
+        "ratio": float(np.median(xa) / np.median(xb)),
+        "ci95": [float(lo), float(hi)],
+        "significant": bool(lo > 1.0 or hi < 1.0),
+    }

@@ -90,6 +90,7 @@ class GpuMemory:
         self.peak, self.device_peak, self.source, self._stop = 0, 0, None, threading.Event()
         try:
             import pynvml  # type: ignore
+
             pynvml.nvmlInit()
             self._nv = pynvml
             self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
@@ -125,8 +126,10 @@ class GpuMemory:
             self._thread.join()
             if self.peak == 0 and self.device_peak > 0:
                 self.peak = self.device_peak
-                self.source = ("NVML device used memory above its level before the session (no per-process entry; "
-                               "includes any other process's allocations meanwhile)")
+                self.source = (
+                    "NVML device used memory above its level before the session (no per-process entry; "
+                    "includes any other process's allocations meanwhile)"
+                )
             elif self.peak == 0:
                 self.source = None  # nothing seen at all: unmeasured, never 0
 
@@ -149,8 +152,8 @@ def record(metric: str, unit: str, samples: list[float], **where: Any) -> dict[s
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    from deltaship.runtimes import open_bundle
     from deltaship.bundle.reader import read_manifest
+    from deltaship.runtimes import open_bundle
 
     bundle, threads = cfg["bundle"], cfg.get("threads")
     warmups, reps, min_s = cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 1.0)
@@ -177,13 +180,21 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             del again
             gc.collect()
             return dt
+
         results.append(record("load_warm_s", "s", repeat(reopen, 0, max(2, reps // 2), 0)))
         session = open_bundle(bundle, threads=threads, check_hashes=False, provider=provider, runtime=runtime)
 
         for p in cfg.get("prompt_lengths", [128]):
             if p + cfg.get("gen", 0) > session.max_context:
-                results.append({"metric": "prefill_tok_s", "unit": "tok/s", "prompt_length": p, "samples": [],
-                                "flags": ["skipped_over_max_context"]})
+                results.append(
+                    {
+                        "metric": "prefill_tok_s",
+                        "unit": "tok/s",
+                        "prompt_length": p,
+                        "samples": [],
+                        "flags": ["skipped_over_max_context"],
+                    }
+                )
                 continue
             trace.phase = f"prefill_{p}"
             ids = rng.integers(0, vocab, p).tolist()
@@ -198,6 +209,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 ttfts.append(now() - t0)
                 times.append(t1 - t0)
                 return t1 - t0
+
             repeat(prefill, warmups, reps, min_s)
             times, ttfts = times[warmups:], ttfts[warmups:]
             results.append(record("prefill_tok_s", "tok/s", [p / x for x in times], prompt_length=p))
@@ -221,17 +233,32 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 lat = np.diff(stamps).tolist()
                 per_token.extend(lat)
                 return (stamps[-1] - stamps[1]) / (gen - 1)  # tpot = (t_last - t_first) / (N - 1)
+
             tpots = repeat(decode, 1, max(3, reps // 2), min_s)[0:]
             # decode is measured after a fixed 128-token prompt whatever --prompt-lengths: `from_context` says so
-            results.append(record("decode_tok_s", "tok/s", [1 / x for x in tpots], from_context=len(prompt),
-                                  gen=gen))
-            results.append(record("tpot_s", "s", per_token[gen:], from_context=len(prompt), gen=gen,
-                                  note="every per-token latency after the warmup run; p50 = median"))
+            results.append(record("decode_tok_s", "tok/s", [1 / x for x in tpots], from_context=len(prompt), gen=gen))
+            results.append(
+                record(
+                    "tpot_s",
+                    "s",
+                    per_token[gen:],
+                    from_context=len(prompt),
+                    gen=gen,
+                    note="every per-token latency after the warmup run; p50 = median",
+                )
+            )
 
         for c in cfg.get("contexts", []):
             if c >= session.max_context:
-                results.append({"metric": "decode_latency_s", "unit": "s", "context": c, "samples": [],
-                                "flags": ["skipped_over_max_context"]})
+                results.append(
+                    {
+                        "metric": "decode_latency_s",
+                        "unit": "s",
+                        "context": c,
+                        "samples": [],
+                        "flags": ["skipped_over_max_context"],
+                    }
+                )
                 continue
             trace.phase = f"context_{c}"
 
@@ -241,8 +268,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 t0 = now()
                 session.decode(1)
                 return now() - t0
-            results.append(record("decode_latency_s", "s", repeat(step_at, warmups, reps, min_s / 2), context=c,
-                                  note="one decode step at this context depth (reached by seek)"))
+
+            results.append(
+                record(
+                    "decode_latency_s",
+                    "s",
+                    repeat(step_at, warmups, reps, min_s / 2),
+                    context=c,
+                    note="one decode step at this context depth (reached by seek)",
+                )
+            )
         if cfg.get("breakdown") and hasattr(session, "profile_ops"):
             trace.phase = "breakdown"
             for c in cfg.get("contexts", []):
@@ -251,24 +286,43 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                         rec = record("decode_op_s", "s", secs, context=c, op_kind=kind)
                         if kind == "other":  # about a thousand small nodes, each timed by the profiler
                             rec["flags"] = rec["flags"] + ["profiler-inflated"]
-                            rec["note"] = ("under ONNX Runtime's profiler, which adds microseconds to every node: the "
-                                           "~1,000 small nodes of 'other' read several times their real cost")
+                            rec["note"] = (
+                                "under ONNX Runtime's profiler, which adds microseconds to every node: the "
+                                "~1,000 small nodes of 'other' read several times their real cost"
+                            )
                         results.append(rec)
         trace.phase = "end"
-    peak = record("peak_rss_bytes", "bytes", [peak_rss_bytes()],
-                  note="VmHWM (Linux) or getrusage maxrss of this process, which only opened and ran the bundle")
+    peak = record(
+        "peak_rss_bytes",
+        "bytes",
+        [peak_rss_bytes()],
+        note="VmHWM (Linux) or getrusage maxrss of this process, which only opened and ran the bundle",
+    )
     peak["flags"] = []  # one number by definition, not a few samples
     results.append(peak)
     if gpu is not None:
         gpu.stop()
         note = f"peak GPU memory, sampled every 50 ms: {gpu.source}"
-        results.append(dict(record("gpu_peak_bytes", "bytes", [gpu.peak]), flags=[], note=note) if gpu.source else
-                       {"metric": "gpu_peak_bytes", "unit": "bytes", "samples": [], "flags": ["unmeasured"],
-                        "note": "pynvml is not installed, no NVIDIA driver answered, or NVML saw no memory in use: "
-                                "GPU memory was not measured"})
+        results.append(
+            dict(record("gpu_peak_bytes", "bytes", [gpu.peak]), flags=[], note=note)
+            if gpu.source
+            else {
+                "metric": "gpu_peak_bytes",
+                "unit": "bytes",
+                "samples": [],
+                "flags": ["unmeasured"],
+                "note": "pynvml is not installed, no NVIDIA driver answered, or NVML saw no memory in use: "
+                "GPU memory was not measured",
+            }
+        )
     heavy = [m for m in ("torch", "transformers", "coremltools") if m in sys.modules]
-    return {"results": results, "rss_trace": trace.samples, "runtime": session.runtime_name(),
-            "threads": threads, "imported_toolchains": heavy}
+    return {
+        "results": results,
+        "rss_trace": trace.samples,
+        "runtime": session.runtime_name(),
+        "threads": threads,
+        "imported_toolchains": heavy,
+    }
 
 
 def main() -> int:

@@ -8,50 +8,75 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Generation, Session
-from deltaship.bundle.reader import read_manifest, require_intact
 
 PROVIDERS = ("cpu", "cuda")
 
 
-def open_bundle(bundle: str | Path, *, threads: int | None = None, check_hashes: bool = True,
-                prefill_chunk: int | None = None, provider: str = "cpu", runtime: str | None = None,
-                **options: Any) -> Session:
+def open_bundle(
+    bundle: str | Path,
+    *,
+    threads: int | None = None,
+    check_hashes: bool = True,
+    prefill_chunk: int | None = None,
+    provider: str = "cpu",
+    runtime: str | None = None,
+    **options: Any,
+) -> Session:
     """Open a bundle for generation. Files are checked against the manifest's sizes (and sha256).
 
     provider: "cpu", or "cuda" (ONNX bundles on ONNX Runtime's CUDA execution provider).
     runtime: which runtime runs it (the target's `runtimes`, e.g. "genai" for an ONNX bundle in
     onnxruntime-genai, as apps embed it); None: deltaship's own session for the target."""
     from deltaship.targets import all_targets, get_target, target_names
+
     if provider not in PROVIDERS:
         raise DeltashipError(f"unknown provider {provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
     manifest = read_manifest(bundle)
     require_intact(bundle, manifest, hashes=check_hashes)
     name = manifest["target"]
     if name not in target_names():
-        raise DeltashipError(f"{bundle}: unknown target {name!r} in the manifest; known: {', '.join(target_names())}",
-                             "export the bundle again with this version of deltaship")
+        raise DeltashipError(
+            f"{bundle}: unknown target {name!r} in the manifest; known: {', '.join(target_names())}",
+            "export the bundle again with this version of deltaship",
+        )
     target = get_target(name)
     if provider not in target.providers:
-        raise DeltashipError(f"--provider {provider} runs ONNX bundles only; this is a {name} bundle",
-                             "export the model with --target onnx for the GPU tier, or drop --provider")
+        raise DeltashipError(
+            f"--provider {provider} runs ONNX bundles only; this is a {name} bundle",
+            "export the model with --target onnx for the GPU tier, or drop --provider",
+        )
     if runtime in target.text_runtimes:
-        raise DeltashipError(f"--runtime {runtime} takes text, not token ids: it runs `deltaship generate --prompt` "
-                             "and `deltaship profile`, not a session", "pass --prompt, or drop --runtime")
+        raise DeltashipError(
+            f"--runtime {runtime} takes text, not token ids: it runs `deltaship generate --prompt` "
+            "and `deltaship profile`, not a session",
+            "pass --prompt, or drop --runtime",
+        )
     if runtime is not None and runtime not in target.runtimes:
         runs = [t.name for t in all_targets() if runtime in t.runtimes or runtime in t.text_runtimes]
-        raise DeltashipError(f"--runtime {runtime} runs {' or '.join(runs) or 'no'} bundles; this is a {name} bundle "
-                             f"(its runtimes: {', '.join(target.runtimes)})",
-                             f"drop --runtime, pick one of {', '.join(target.runtimes)}, or export with --target "
-                             f"{runs[0] if runs else 'onnx'}")
-    return target.open_session(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk,
-                               provider=provider, runtime=runtime, **options)
+        raise DeltashipError(
+            f"--runtime {runtime} runs {' or '.join(runs) or 'no'} bundles; this is a {name} bundle "
+            f"(its runtimes: {', '.join(target.runtimes)})",
+            f"drop --runtime, pick one of {', '.join(target.runtimes)}, or export with --target "
+            f"{runs[0] if runs else 'onnx'}",
+        )
+    return target.open_session(
+        Path(bundle),
+        manifest,
+        threads=threads,
+        prefill_chunk=prefill_chunk,
+        provider=provider,
+        runtime=runtime,
+        **options,
+    )
 
 
 def runtime_names() -> tuple[str, ...]:
     """Every runtime some target's bundles run in (the choices of `--runtime`)."""
     from deltaship.targets import all_targets
+
     return tuple(dict.fromkeys(r for t in all_targets() for r in (*t.runtimes, *t.text_runtimes)))
 
 
@@ -60,6 +85,7 @@ def text_runtime(bundle: str | Path, runtime: str | None):
     import importlib
 
     from deltaship.targets import get_target
+
     if runtime is None:
         return None
     spec = get_target(read_manifest(bundle)["target"]).text_runtimes.get(runtime)

@@ -62,12 +62,16 @@ class Session(ABC):
             raise DeltashipError("the prompt is empty", "pass at least one token")
         bad = arr[(arr < 0) | (arr >= self.vocab_size)]
         if bad.size:
-            raise DeltashipError(f"token id(s) {sorted(set(bad.tolist()))[:8]} are outside the vocabulary "
-                                 f"(0 .. {self.vocab_size - 1})", "pass ids produced by this model's tokenizer")
+            raise DeltashipError(
+                f"token id(s) {sorted(set(bad.tolist()))[:8]} are outside the vocabulary (0 .. {self.vocab_size - 1})",
+                "pass ids produced by this model's tokenizer",
+            )
         if self.position + arr.size > self.max_context:
             raise DeltashipError(
                 f"{arr.size} token(s) at position {self.position} exceed the bundle's max context of "
-                f"{self.max_context}", "shorten the prompt, reset the session, or export with a larger --max-context")
+                f"{self.max_context}",
+                "shorten the prompt, reset the session, or export with a larger --max-context",
+            )
         return arr
 
     def seek(self, position: int) -> None:
@@ -77,8 +81,10 @@ class Session(ABC):
         context depth without paying for its prefill. Generated tokens after a seek are meaningless.
         """
         if not 0 <= position < self.max_context:
-            raise DeltashipError(f"position {position} is outside 0 .. {self.max_context - 1}",
-                                 "pick a context below the bundle's max context")
+            raise DeltashipError(
+                f"position {position} is outside 0 .. {self.max_context - 1}",
+                "pick a context below the bundle's max context",
+            )
         self.position = position
 
     def _chunks(self, n: int) -> list[int]:
@@ -91,7 +97,7 @@ class Session(ABC):
         logits = None
         start = 0
         for size in self._chunks(arr.size):
-            logits = self._forward(arr[start:start + size])
+            logits = self._forward(arr[start : start + size])
             self.position += size
             start += size
         return logits
@@ -103,9 +109,19 @@ class Session(ABC):
         self.position += 1
         return logits
 
-    def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True, keep_logits: bool = False,
-                 on_token: Callable[[int], None] | None = None) -> Generation:
+    def generate(
+        self,
+        ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+        keep_logits: bool = False,
+        on_token: Callable[[int], None] | None = None,
+    ) -> Generation:
         """Prefill `ids` then produce up to max_new_tokens (greedy unless temperature > 0)."""
         check_sampling(max_new_tokens, temperature, top_k, top_p)
         rng = np.random.default_rng(seed)

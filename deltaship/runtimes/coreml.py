@@ -24,8 +24,10 @@ class _CoreMLBase(Session):
     def __init__(self, bundle: Path, manifest: dict[str, Any], prefill_chunk: int | None = None):
         super().__init__(bundle, manifest, None)
         if prefill_chunk not in (None, manifest["prefill_chunk"]):
-            raise DeltashipError("a Core ML bundle has a fixed prefill chunk of "
-                                 f"{manifest['prefill_chunk']} tokens", "do not override prefill_chunk")
+            raise DeltashipError(
+                f"a Core ML bundle has a fixed prefill chunk of {manifest['prefill_chunk']} tokens",
+                "do not override prefill_chunk",
+            )
         self.io_states = [s for s in manifest["states"] if s["mode"] == "io"]
         self.ml_states = [s for s in manifest["states"] if s["mode"] == "state"]
         by_name = {s["name"]: s for s in manifest["states"]}
@@ -66,16 +68,19 @@ class _CoreMLBase(Session):
 class CoreMLEvalSession(_CoreMLBase):
     """Linux: the converted program, evaluated op by op (deltaship.export.coreml.mil_eval)."""
 
-    def __init__(self, bundle: Path, manifest: dict[str, Any], threads: int | None = None,
-                 prefill_chunk: int | None = None):
+    def __init__(
+        self, bundle: Path, manifest: dict[str, Any], threads: int | None = None, prefill_chunk: int | None = None
+    ):
         super().__init__(bundle, manifest, prefill_chunk)
         from deltaship.export.coreml.mil_eval import Interpreter, load_program
+
         self.interps = [Interpreter(load_program(self.bundle / p["package"])) for p in self.parts]
         self._states = {s["coreml_input"]: np.zeros(s["shape"], np.float16) for s in self.ml_states}
         self._reset_io()
 
     def runtime_name(self) -> str:
         import coremltools as ct
+
         return f"coremltools {ct.__version__} MIL program evaluated with numpy on Linux (not Core ML)"
 
     def _run(self, i: int, fname: str, feeds: dict) -> dict:
@@ -96,17 +101,30 @@ class CoreMLDeviceSession(_CoreMLBase):
     """macOS 15+: Core ML itself (MLModel per function, one MLState shared by both).
     Not run in this project's CI (Linux); written against coremltools 9's documented API."""
 
-    def __init__(self, bundle: Path, manifest: dict[str, Any], threads: int | None = None,
-                 prefill_chunk: int | None = None, compute_units: str = "ALL"):
+    def __init__(
+        self,
+        bundle: Path,
+        manifest: dict[str, Any],
+        threads: int | None = None,
+        prefill_chunk: int | None = None,
+        compute_units: str = "ALL",
+    ):
         super().__init__(bundle, manifest, prefill_chunk)
         import coremltools as ct
+
         cu = getattr(ct.ComputeUnit, compute_units)
-        self.models = [{f: ct.models.MLModel(str(self.bundle / p["package"]), function_name=f, compute_units=cu)
-                        for f in ("prefill", "decode")} for p in self.parts]
+        self.models = [
+            {
+                f: ct.models.MLModel(str(self.bundle / p["package"]), function_name=f, compute_units=cu)
+                for f in ("prefill", "decode")
+            }
+            for p in self.parts
+        ]
         self._reset_states()
 
     def runtime_name(self) -> str:
         import coremltools as ct
+
         return f"Core ML via coremltools {ct.__version__} on macOS {platform.mac_ver()[0]}"
 
     def _run(self, i: int, fname: str, feeds: dict) -> dict:
@@ -117,8 +135,9 @@ class CoreMLDeviceSession(_CoreMLBase):
         self._reset_io()
 
 
-def open_coreml_session(bundle: Path, manifest: dict[str, Any], threads: int | None = None,
-                        prefill_chunk: int | None = None, **options: Any) -> Session:
+def open_coreml_session(
+    bundle: Path, manifest: dict[str, Any], threads: int | None = None, prefill_chunk: int | None = None, **options: Any
+) -> Session:
     if platform.system() == "Darwin" and not options.get("evaluate"):
         return CoreMLDeviceSession(bundle, manifest, threads, prefill_chunk)
     return CoreMLEvalSession(bundle, manifest, threads, prefill_chunk)

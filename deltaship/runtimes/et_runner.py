@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from deltaship.errors import DeltashipError
 from deltaship.bundle.reader import read_manifest, require_intact
+from deltaship.errors import DeltashipError
 from deltaship.runtimes.tokenizer import load_tokenizer
 
 # what bundles exported before the manifest listed its runtime requirements need (both kernel libraries)
@@ -37,7 +37,8 @@ def _open(bundle: str | Path, check_hashes: bool) -> tuple[Path, dict[str, Any]]
     if manifest.get("target") != "executorch":
         raise DeltashipError(
             f"{path}: --runtime et-runner runs ExecuTorch bundles; this is a {manifest.get('target')} bundle",
-            "export with --target executorch, or drop --runtime et-runner to use this bundle's own runtime")
+            "export with --target executorch, or drop --runtime et-runner to use this bundle's own runtime",
+        )
     require_intact(path, manifest, hashes=check_hashes)
     load_tokenizer(path, manifest)  # the runner needs tokenizer.json: fail here, with the fix, if it is missing
     return path, manifest
@@ -51,18 +52,22 @@ def _register_kernels(manifest: dict[str, Any]) -> None:
         try:
             importlib.import_module(module)
         except ImportError as e:
-            raise DeltashipError(f"ExecuTorch's LLM runner needs {module} ({e})",
-                                 f"pip install executorch=={built}") from None
+            raise DeltashipError(
+                f"ExecuTorch's LLM runner needs {module} ({e})", f"pip install executorch=={built}"
+            ) from None
 
 
 def _runner(path: Path, manifest: dict[str, Any]):
     _register_kernels(manifest)
     from executorch.extension.llm.runner import TextLLMRunner
+
     try:
         return TextLLMRunner(str(path / manifest["entry"]), str(path / "tokenizer.json"))
     except RuntimeError as e:
-        raise DeltashipError(f"{path}: ExecuTorch's LLM runner could not load the program ({e})",
-                             "export the bundle again with the installed executorch") from None
+        raise DeltashipError(
+            f"{path}: ExecuTorch's LLM runner could not load the program ({e})",
+            "export the bundle again with the installed executorch",
+        ) from None
 
 
 @contextlib.contextmanager
@@ -73,10 +78,12 @@ def _stdout_to(target: str | None) -> Iterator[None]:
         yield
         return
     import sys
+
     sys.stdout.flush()
     saved = os.dup(1)
     fd = os.open(target, os.O_WRONLY)
     import ctypes
+
     libc_fflush = ctypes.CDLL(None).fflush
     try:
         os.dup2(fd, 1)
@@ -92,16 +99,23 @@ def _stats_dict(s) -> dict[str, Any]:
     ms = s.SCALING_FACTOR_UNITS_PER_SECOND
     prefill_s = (s.prompt_eval_end_ms - s.inference_start_ms) / ms
     decode_s = (s.inference_end_ms - s.prompt_eval_end_ms) / ms
-    return {"prompt_tokens": int(s.num_prompt_tokens), "decode_calls": int(s.num_generated_tokens),
-            "prefill_s": prefill_s, "decode_s": decode_s, "ttft_s": (s.first_token_ms - s.inference_start_ms) / ms,
-            "model_execution_s": s.aggregate_model_execution_time_ms / ms,
-            "prefill_tok_s": s.num_prompt_tokens / prefill_s if prefill_s > 0 else None,
-            "decode_tok_s": s.num_generated_tokens / decode_s if decode_s > 0 else None}
+    return {
+        "prompt_tokens": int(s.num_prompt_tokens),
+        "decode_calls": int(s.num_generated_tokens),
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "ttft_s": (s.first_token_ms - s.inference_start_ms) / ms,
+        "model_execution_s": s.aggregate_model_execution_time_ms / ms,
+        "prefill_tok_s": s.num_prompt_tokens / prefill_s if prefill_s > 0 else None,
+        "decode_tok_s": s.num_generated_tokens / decode_s if decode_s > 0 else None,
+    }
 
 
-def _run(runner, prompt: str, new_tokens: int, temperature: float, on_text: Callable[[str], None] | None,
-         quiet: bool) -> tuple[str, dict[str, Any]]:
+def _run(
+    runner, prompt: str, new_tokens: int, temperature: float, on_text: Callable[[str], None] | None, quiet: bool
+) -> tuple[str, dict[str, Any]]:
     from executorch.extension.llm.runner import GenerationConfig
+
     pieces: list[str] = []
     stats: list[dict[str, Any]] = []
 
@@ -109,15 +123,17 @@ def _run(runner, prompt: str, new_tokens: int, temperature: float, on_text: Call
         pieces.append(text)
         if on_text:
             on_text(text)
+
     runner.reset()  # position 0: the program also drops its DeltaNet state there
     config = GenerationConfig(echo=False, max_new_tokens=new_tokens, temperature=temperature, num_bos=0, num_eos=0)
     try:
         with _stdout_to(os.devnull if quiet else None):
             runner.generate(prompt, config, token_callback=piece, stats_callback=lambda s: stats.append(_stats_dict(s)))
     except RuntimeError as e:
-        raise DeltashipError(f"ExecuTorch's LLM runner failed ({e}); its log on stderr names the cause",
-                             "check the prompt fits the bundle's max context; export again if the program is "
-                             "from another executorch") from None
+        raise DeltashipError(
+            f"ExecuTorch's LLM runner failed ({e}); its log on stderr names the cause",
+            "check the prompt fits the bundle's max context; export again if the program is from another executorch",
+        ) from None
     return "".join(pieces), (stats[0] if stats else {})
 
 
@@ -128,16 +144,24 @@ def _budget(manifest: dict[str, Any], n_prompt: int, max_new_tokens: int) -> tup
     if n_prompt == 0:
         raise DeltashipError("the prompt is empty", "pass a prompt of at least one token")
     if n_prompt >= ctx:  # the runner's own check (text_llm_runner.cpp) is prompt < max_context
-        raise DeltashipError(f"the prompt is {n_prompt} tokens; ExecuTorch's LLM runner needs fewer than the "
-                             f"bundle's max context of {ctx}",
-                             "shorten the prompt, or export with a larger --max-context")
+        raise DeltashipError(
+            f"the prompt is {n_prompt} tokens; ExecuTorch's LLM runner needs fewer than the "
+            f"bundle's max context of {ctx}",
+            "shorten the prompt, or export with a larger --max-context",
+        )
     room = ctx - n_prompt + 1  # the last token is produced from the logits at position ctx - 1, never fed
     return min(max_new_tokens, room), room < max_new_tokens
 
 
-def generate_with_runner(bundle: str | Path, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0,
-                         check_hashes: bool = True, quiet: bool = True,
-                         on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+def generate_with_runner(
+    bundle: str | Path,
+    prompt: str,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    check_hashes: bool = True,
+    quiet: bool = True,
+    on_text: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Generate from `prompt` with ExecuTorch's C++ LLM runner on an ExecuTorch bundle.
 
     Greedy at temperature 0 (the runner's own default is 0.8). Returns text (the new text only), the
@@ -146,8 +170,10 @@ def generate_with_runner(bundle: str | Path, prompt: str, max_new_tokens: int = 
     if max_new_tokens < 1:
         raise DeltashipError("ExecuTorch's LLM runner produces at least one token", "pass --max-new-tokens 1 or more")
     if not 0.0 <= temperature <= 1.0:  # the runner's own range (text_token_generator.h)
-        raise DeltashipError(f"temperature {temperature} is outside ExecuTorch's LLM runner range 0 .. 1",
-                             "pass --temperature between 0 and 1")
+        raise DeltashipError(
+            f"temperature {temperature} is outside ExecuTorch's LLM runner range 0 .. 1",
+            "pass --temperature between 0 and 1",
+        )
     path, manifest = _open(bundle, check_hashes)
     tok = load_tokenizer(path, manifest)
     n_prompt = len(tok.encode(prompt))
@@ -158,9 +184,15 @@ def generate_with_runner(bundle: str | Path, prompt: str, max_new_tokens: int = 
     # the runner ends early only at an EOS id
     stopped = "eos" if produced is not None and produced < budget else ("context" if by_context else "length")
     from importlib import metadata
-    return {"text": text, "prompt_tokens": n_prompt, "new_tokens": produced, "stopped": stopped,
-            "runtime": f"executorch {metadata.version('executorch')} TextLLMRunner (C++ LLM runner)",
-            "stats": stats}
+
+    return {
+        "text": text,
+        "prompt_tokens": n_prompt,
+        "new_tokens": produced,
+        "stopped": stopped,
+        "runtime": f"executorch {metadata.version('executorch')} TextLLMRunner (C++ LLM runner)",
+        "stats": stats,
+    }
 
 
 def prompt_of_length(tok, n: int, source: str) -> str:
@@ -170,15 +202,22 @@ def prompt_of_length(tok, n: int, source: str) -> str:
     while len(ids) < n + 64:
         ids = ids + ids
     for start in range(64):
-        text = tok.decode(ids[start:start + n])
+        text = tok.decode(ids[start : start + n])
         if len(tok.encode(text)) == n:
             return text
-    raise DeltashipError(f"no text of exactly {n} tokens found in the profiling source text",
-                         "pick another --prompt-lengths value")
+    raise DeltashipError(
+        f"no text of exactly {n} tokens found in the profiling source text", "pick another --prompt-lengths value"
+    )
 
 
-def profile_with_runner(bundle: str | Path, prompt_length: int = 128, gen: int = 64, reps: int = 5,
-                        warmups: int = 1, source_text: str | None = None) -> dict[str, Any]:
+def profile_with_runner(
+    bundle: str | Path,
+    prompt_length: int = 128,
+    gen: int = 64,
+    reps: int = 5,
+    warmups: int = 1,
+    source_text: str | None = None,
+) -> dict[str, Any]:
     """Prefill and decode speed as ExecuTorch's C++ LLM runner reports them (its Stats), `reps` times after
     `warmups` runs, on a prompt of `prompt_length` tokens and `gen` new tokens.
 
@@ -193,8 +232,10 @@ def profile_with_runner(bundle: str | Path, prompt_length: int = 128, gen: int =
         raise DeltashipError("reps must be at least 1", "pass --reps 1 or more")
     path, manifest = _open(bundle, check_hashes=True)
     if prompt_length + gen - 1 > int(manifest["max_context"]) or prompt_length >= int(manifest["max_context"]):
-        raise DeltashipError(f"prompt {prompt_length} + {gen} new tokens exceed the bundle's max context of "
-                             f"{manifest['max_context']}", "pick a shorter prompt or fewer new tokens")
+        raise DeltashipError(
+            f"prompt {prompt_length} + {gen} new tokens exceed the bundle's max context of {manifest['max_context']}",
+            "pick a shorter prompt or fewer new tokens",
+        )
     tok = load_tokenizer(path, manifest)
     if source_text is None:  # any real text: the speed does not depend on what the tokens say
         source_text = __doc__
@@ -202,14 +243,23 @@ def profile_with_runner(bundle: str | Path, prompt_length: int = 128, gen: int =
     runner = _runner(path, manifest)
     runs = [_run(runner, prompt, gen, 0.0, None, True)[1] for _ in range(warmups + reps)][warmups:]
     results = []
-    for metric, unit, key in (("prefill_tok_s", "tok/s", "prefill_tok_s"), ("decode_tok_s", "tok/s", "decode_tok_s"),
-                              ("ttft_s", "s", "ttft_s")):
+    for metric, unit, key in (
+        ("prefill_tok_s", "tok/s", "prefill_tok_s"),
+        ("decode_tok_s", "tok/s", "decode_tok_s"),
+        ("ttft_s", "s", "ttft_s"),
+    ):
         samples = [r[key] for r in runs if r.get(key) is not None]
         where = {"prompt_length": prompt_length, "gen": gen, "source": "TextLLMRunner stats (ms clock)"}
         if samples:
             results.append({"metric": metric, "unit": unit, **where, "samples": samples, **summarize(samples)})
         else:  # a phase under one millisecond: the runner's clock cannot time it
-            results.append({"metric": metric, "unit": unit, **where, "samples": [], "flags": ["below_clock_resolution"]})
+            results.append(
+                {"metric": metric, "unit": unit, **where, "samples": [], "flags": ["below_clock_resolution"]}
+            )
     from importlib import metadata
-    return {"runtime": f"executorch {metadata.version('executorch')} TextLLMRunner (C++ LLM runner)",
-            "results": results, "runs": runs}
+
+    return {
+        "runtime": f"executorch {metadata.version('executorch')} TextLLMRunner (C++ LLM runner)",
+        "results": results,
+        "runs": runs,
+    }

@@ -20,20 +20,22 @@ def _installed_executorch() -> str:
 
 
 class ExecuTorchSession(Session):
-    def __init__(self, bundle: Path, manifest: dict[str, Any], threads: int | None = None,
-                 prefill_chunk: int | None = None):
+    def __init__(
+        self, bundle: Path, manifest: dict[str, Any], threads: int | None = None, prefill_chunk: int | None = None
+    ):
         super().__init__(bundle, manifest, prefill_chunk)
         built = manifest.get("tools", {}).get("executorch", "?")
         have = _installed_executorch()
         try:
-            import torch
-            from executorch.runtime import Runtime
-            from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (llama:: kernels)
             import executorch.kernels.quantized  # noqa: F401  (quantized_decomposed:: kernels)
+            import torch
+            from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (llama:: kernels)
             from executorch.extension.pybindings import portable_lib
+            from executorch.runtime import Runtime
         except ImportError as e:
-            raise DeltashipError(f"this bundle needs the ExecuTorch runtime ({e})",
-                                 f"pip install executorch=={built}") from None
+            raise DeltashipError(
+                f"this bundle needs the ExecuTorch runtime ({e})", f"pip install executorch=={built}"
+            ) from None
         self._torch = torch
         if threads:
             portable_lib._unsafe_reset_threadpool(int(threads))
@@ -43,9 +45,14 @@ class ExecuTorchSession(Session):
             self.program = Runtime.get().load_program(str(path))
             self.method = self.program.load_method("forward")
         except RuntimeError as e:
-            hint = (f"the bundle was built with executorch {built} but this runtime is {have}: export it again "
-                    f"with executorch {have}, or install executorch=={built}") if built != have else \
-                "export the bundle again"
+            hint = (
+                (
+                    f"the bundle was built with executorch {built} but this runtime is {have}: export it again "
+                    f"with executorch {have}, or install executorch=={built}"
+                )
+                if built != have
+                else "export the bundle again"
+            )
             raise DeltashipError(f"{path}: ExecuTorch {have} could not load this program ({e})", hint) from None
         self._buffers = [s["buffer"] for s in manifest["states"]]
 
@@ -54,8 +61,9 @@ class ExecuTorchSession(Session):
 
     def _forward(self, ids: np.ndarray) -> np.ndarray:
         t = self._torch
-        out = self.method.execute([t.from_numpy(np.ascontiguousarray(ids).reshape(1, -1)),
-                                   t.tensor([self.position], dtype=t.long)])
+        out = self.method.execute(
+            [t.from_numpy(np.ascontiguousarray(ids).reshape(1, -1)), t.tensor([self.position], dtype=t.long)]
+        )
         return out[0].reshape(-1).float().numpy().copy()
 
     def _state(self, name: str):

@@ -68,18 +68,29 @@ def cuda_provider_options(cuda_graph: bool) -> dict[str, str]:
 
 
 class OnnxSession(Session):
-    def __init__(self, bundle: Path, manifest: dict[str, Any], threads: int | None = None,
-                 providers: list[str] | None = None, prefill_chunk: int | None = None, in_place: bool = True,
-                 profiling: bool = False, provider: str = "cpu", cuda_graph: bool = False):
+    def __init__(
+        self,
+        bundle: Path,
+        manifest: dict[str, Any],
+        threads: int | None = None,
+        providers: list[str] | None = None,
+        prefill_chunk: int | None = None,
+        in_place: bool = True,
+        profiling: bool = False,
+        provider: str = "cpu",
+        cuda_graph: bool = False,
+    ):
         super().__init__(bundle, manifest, prefill_chunk)
         if cuda_graph and (provider != "cuda" or (providers and providers[0] != "CUDAExecutionProvider")):
             raise DeltashipError(
                 f"cuda_graph=True needs the CUDA execution provider; this session was asked for "
                 f"{providers[0] if providers else provider}",
-                "open the bundle with provider='cuda' (onnxruntime-gpu on an NVIDIA GPU), or drop cuda_graph")
+                "open the bundle with provider='cuda' (onnxruntime-gpu on an NVIDIA GPU), or drop cuda_graph",
+            )
         if cuda_graph and not in_place:
-            raise DeltashipError("cuda_graph=True needs in_place=True (the KV cache must stay in one buffer)",
-                                 "drop in_place=False")
+            raise DeltashipError(
+                "cuda_graph=True needs in_place=True (the KV cache must stay in one buffer)", "drop in_place=False"
+            )
         import onnxruntime as ort
 
         if providers is None and provider == "cuda":
@@ -87,19 +98,22 @@ class OnnxSession(Session):
             if "CUDAExecutionProvider" not in have:
                 raise DeltashipError(
                     f"this onnxruntime {ort.__version__} has no CUDA execution provider (it has {', '.join(have)})",
-                    "on a machine with an NVIDIA GPU: pip uninstall onnxruntime && pip install onnxruntime-gpu==1.31.*")
+                    "on a machine with an NVIDIA GPU: pip uninstall onnxruntime && pip install onnxruntime-gpu==1.31.*",
+                )
             providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
         self.cuda_graph = cuda_graph
         self._ort = ort
         prefix = None
         if profiling:
             import tempfile
+
             prefix = str(Path(tempfile.mkdtemp(prefix="deltaship-ortprof-")) / "ort")
         self.threads = threads
         self.providers = providers or ["CPUExecutionProvider"]
         # ORT takes provider options as (name, options) pairs; self.providers keeps the plain names
-        ep_list = [(p, cuda_provider_options(cuda_graph)) if p == "CUDAExecutionProvider" else p
-                   for p in self.providers]
+        ep_list = [
+            (p, cuda_provider_options(cuda_graph)) if p == "CUDAExecutionProvider" else p for p in self.providers
+        ]
         model_path = self.bundle / manifest["entry"]
         self.cpu_fallback = False
         try:
@@ -108,8 +122,9 @@ class OnnxSession(Session):
                 # CPU without a word.
                 accel = [p for p in ep_list if p != "CPUExecutionProvider"]
                 try:  # ORT refuses a CPU provider in the list when CPU fallback is disabled
-                    self.sess = ort.InferenceSession(str(model_path), providers=accel,
-                                                     sess_options=_options(ort, threads, prefix, strict=True))
+                    self.sess = ort.InferenceSession(
+                        str(model_path), providers=accel, sess_options=_options(ort, threads, prefix, strict=True)
+                    )
                 except Exception as e:
                     if "fallback to CPU EP has been explicitly disabled" not in str(e):
                         raise  # not a placement question (no device, out of memory, ...): say so below
@@ -117,20 +132,26 @@ class OnnxSession(Session):
                     # lengths); with fp32 activations attention itself runs there (see runtime_name).
                     self.cpu_fallback = True
             if not hasattr(self, "sess"):
-                self.sess = ort.InferenceSession(str(model_path), sess_options=_options(ort, threads, prefix),
-                                                 providers=ep_list)
+                self.sess = ort.InferenceSession(
+                    str(model_path), sess_options=_options(ort, threads, prefix), providers=ep_list
+                )
         except Exception as e:  # ORT raises its own exception types
             if cuda_graph and "graph capture" in str(e):
                 raise DeltashipError(
                     f"{model_path}: ONNX Runtime {ort.__version__} refused CUDA graph capture for this bundle: {e}",
                     "open it without cuda_graph: this graph still has CPU-placed position nodes that feed the GPU "
-                    "through Memcpy nodes (docs/results/gpu.md, 'CUDA graphs')") from None
-            raise DeltashipError(f"{model_path}: ONNX Runtime {ort.__version__} could not load the model: {e}",
-                                 "export the bundle again with this version of deltaship") from None
+                    "through Memcpy nodes (docs/results/gpu.md, 'CUDA graphs')",
+                ) from None
+            raise DeltashipError(
+                f"{model_path}: ONNX Runtime {ort.__version__} could not load the model: {e}",
+                "export the bundle again with this version of deltaship",
+            ) from None
         got = self.sess.get_providers()[0]
         if got != self.providers[0]:  # ORT fell back to another provider without failing
-            raise DeltashipError(f"{model_path}: ONNX Runtime opened the session on {got}, not {self.providers[0]}",
-                                 "check the GPU driver and CUDA libraries (onnxruntime-gpu 1.31 needs CUDA 13)")
+            raise DeltashipError(
+                f"{model_path}: ONNX Runtime opened the session on {got}, not {self.providers[0]}",
+                "check the GPU driver and CUDA libraries (onnxruntime-gpu 1.31 needs CUDA 13)",
+            )
         self.device = "cuda" if got.startswith("CUDA") else "cpu"
         self.in_place = in_place
         self.states = manifest["states"]
@@ -173,10 +194,15 @@ class OnnxSession(Session):
 
     def runtime_name(self) -> str:
         fallback = ", some nodes on the CPU" if self.cpu_fallback else ""
-        if self.device == "cuda" and self.manifest.get("quantization", {}).get("activations", "float32") != "float16" \
-                and self.manifest["precision"] != "fp16":
-            fallback += (", fp32 activations: attention runs on the CPU (export with --onnx-activations fp16 "
-                         "or --precision fp16 for the GPU)")
+        if (
+            self.device == "cuda"
+            and self.manifest.get("quantization", {}).get("activations", "float32") != "float16"
+            and self.manifest["precision"] != "fp16"
+        ):
+            fallback += (
+                ", fp32 activations: attention runs on the CPU (export with --onnx-activations fp16 "
+                "or --precision fp16 for the GPU)"
+            )
         return f"onnxruntime {self._ort.__version__} ({self.providers[0]}{fallback})"
 
     def _ortvalue(self, arr: np.ndarray):
@@ -213,7 +239,7 @@ class OnnxSession(Session):
             # [[p]] only: the graph reads element 0, and ONNX Runtime keys its memory patterns by the XOR of all
             # input dims, in which input_ids [1, T] and position_ids [1, T] would cancel out (prefill and decode
             # would share a pattern that fits neither)
-            io.bind_cpu_input("position_ids", self._positions[:, self.position:self.position + 1])
+            io.bind_cpu_input("position_ids", self._positions[:, self.position : self.position + 1])
         for s in self.states:
             vals, cur = self._vals[s["name"]], self._cur[s["name"]]
             io.bind_ortvalue_input(s["name"], vals[cur])
@@ -237,13 +263,19 @@ class OnnxSession(Session):
         return out
 
     # Op kinds of the per-op breakdown: DeltaNet's own ops, attention, and the matmuls around them.
-    OP_KINDS = {"LinearAttention": "deltanet", "CausalConvWithState": "deltanet", "GatedRMSNorm": "deltanet",
-                "GroupQueryAttention": "attention", "MatMul": "matmul", "MatMulNBits": "matmul", "Gemm": "matmul"}
+    OP_KINDS = {
+        "LinearAttention": "deltanet",
+        "CausalConvWithState": "deltanet",
+        "GatedRMSNorm": "deltanet",
+        "GroupQueryAttention": "attention",
+        "MatMul": "matmul",
+        "MatMulNBits": "matmul",
+        "Gemm": "matmul",
+    }
 
     def profile_ops(self, context: int, steps: int = 5) -> dict[str, list[float]]:
         """Seconds per decode step spent in each op kind at a context depth (ONNX Runtime's profiler)."""
-        prof = OnnxSession(self.bundle, self.manifest, threads=self.threads, providers=self.providers,
-                           profiling=True)
+        prof = OnnxSession(self.bundle, self.manifest, threads=self.threads, providers=self.providers, profiling=True)
         for _ in range(steps + 1):
             prof.reset()
             prof.seek(context)

@@ -23,6 +23,8 @@ class BundleTokenizer:
 def load_tokenizer(bundle: Path, manifest: dict) -> BundleTokenizer:
     files = manifest.get("tokenizer", {}).get("files", [])
     if "tokenizer.json" not in files:
-        raise DeltashipError(f"{bundle}: this bundle has no tokenizer (the checkpoint had no tokenizer.json)",
-                             "pass token ids with --input-ids 1,2,3 instead of --prompt")
+        raise DeltashipError(
+            f"{bundle}: this bundle has no tokenizer (the checkpoint had no tokenizer.json)",
+            "pass token ids with --input-ids 1,2,3 instead of --prompt",
+        )
     return BundleTokenizer(Path(bundle) / "tokenizer.json")

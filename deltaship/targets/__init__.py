@@ -8,8 +8,17 @@ subclass registered here. See docs/architecture.md.
 from __future__ import annotations
 
 from deltaship.errors import DeltashipError
-from deltaship.targets.base import (DEFAULT_PREFILL_CHUNK, PRECISIONS, Lowered, StorageFormat, Target,
-                                    TargetOptions, TextRuntime, flag, option)
+from deltaship.targets.base import (
+    DEFAULT_PREFILL_CHUNK,
+    PRECISIONS,
+    Lowered,
+    StorageFormat,
+    Target,
+    TargetOptions,
+    TextRuntime,
+    flag,
+    option,
+)
 
 _REGISTRY: dict[str, Target] = {}
 
@@ -37,8 +46,9 @@ def get_target(name: str) -> Target:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise DeltashipError(f"unknown --target {name!r}; targets: {', '.join(_REGISTRY)}",
-                             "pick one of the targets") from None
+        raise DeltashipError(
+            f"unknown --target {name!r}; targets: {', '.join(_REGISTRY)}", "pick one of the targets"
+        ) from None
 
 
 # The built-in targets register themselves, in this order (the order of --help and of `plan`).
@@ -46,5 +56,19 @@ from deltaship.targets import onnx  # noqa: E402,F401,I001
 from deltaship.targets import executorch  # noqa: E402,F401
 from deltaship.targets import coreml  # noqa: E402,F401
 
-__all__ = ["Target", "TargetOptions", "TextRuntime", "Lowered", "StorageFormat", "option", "flag", "register", "unregister",
-           "get_target", "target_names", "all_targets", "PRECISIONS", "DEFAULT_PREFILL_CHUNK"]
+__all__ = [
+    "Target",
+    "TargetOptions",
+    "TextRuntime",
+    "Lowered",
+    "StorageFormat",
+    "option",
+    "flag",
+    "register",
+    "unregister",
+    "get_target",
+    "target_names",
+    "all_targets",
+    "PRECISIONS",
+    "DEFAULT_PREFILL_CHUNK",
+]

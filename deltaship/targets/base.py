@@ -133,8 +133,10 @@ class Target(ABC):
             value = given[f.name]
             choices = f.metadata.get("choices")
             if choices is not None and value is not None and value not in choices:
-                raise DeltashipError(f"{flag(f.name)} must be {_one_of(choices)}, got {value!r}",
-                                     f"pass one of {_one_of(choices)} (default {f.default})")
+                raise DeltashipError(
+                    f"{flag(f.name)} must be {_one_of(choices)}, got {value!r}",
+                    f"pass one of {_one_of(choices)} (default {f.default})",
+                )
             values[f.name] = value
         return self.Options(**values)
 
@@ -156,15 +158,25 @@ class Target(ABC):
     def pipeline(self) -> tuple:
         """The ordered export passes, explicitly (deltaship.export.passes and the target's own)."""
 
-    def lower(self, ctx: "ExportContext", weights: Any, out_dir: Path, progress: Callable[[str], None] | None = None,
-              tokens: dict[str, Any] | None = None) -> Lowered:
+    def lower(
+        self,
+        ctx: "ExportContext",
+        weights: Any,
+        out_dir: Path,
+        progress: Callable[[str], None] | None = None,
+        tokens: dict[str, Any] | None = None,
+    ) -> Lowered:
         """Write the artifact files for the passes' result into out_dir, with `lowering_module`'s `lower()`,
         which returns a dict: the `Lowered` fields `files`, `entry` (and, where it has them, `quantization`,
         `state_in_place`), every other key being a detail for the manifest."""
-        r = importlib.import_module(self.lowering_module).lower(ctx, weights, out_dir, progress=progress,
-                                                                tokens=tokens)
-        return Lowered(files=r.pop("files"), entry=r.pop("entry"), quantization=r.pop("quantization", None),
-                       state_in_place=r.pop("state_in_place", {}), details=r)
+        r = importlib.import_module(self.lowering_module).lower(ctx, weights, out_dir, progress=progress, tokens=tokens)
+        return Lowered(
+            files=r.pop("files"),
+            entry=r.pop("entry"),
+            quantization=r.pop("quantization", None),
+            state_in_place=r.pop("state_in_place", {}),
+            details=r,
+        )
 
     def finish_bundle(self, bundle_dir: Path) -> None:
         """Adjust the bundle's copied files (tokenizer, configs) after the lowering; nothing by default."""
@@ -175,14 +187,29 @@ class Target(ABC):
 
     def io_outputs(self, ctx: "ExportContext") -> list[dict[str, Any]]:
         """The manifest's `outputs` besides the states."""
-        return [{"name": "logits", "shape": [1, ctx.spec.vocab_size], "dtype": "float32", "kind": "logits",
-                 "doc": "logits after the last token of the call"}]
+        return [
+            {
+                "name": "logits",
+                "shape": [1, ctx.spec.vocab_size],
+                "dtype": "float32",
+                "kind": "logits",
+                "doc": "logits after the last token of the call",
+            }
+        ]
 
     # ---- run -----------------------------------------------------------------------------------
     @abstractmethod
-    def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
-                     prefill_chunk: int | None = None, provider: str = "cpu", runtime: str | None = None,
-                     **options: Any) -> "Session":
+    def open_session(
+        self,
+        bundle: Path,
+        manifest: dict[str, Any],
+        *,
+        threads: int | None = None,
+        prefill_chunk: int | None = None,
+        provider: str = "cpu",
+        runtime: str | None = None,
+        **options: Any,
+    ) -> "Session":
         """A session over one of this target's bundles in `runtime` (one of `runtimes`; None: the first)."""
 
     # ---- plan ----------------------------------------------------------------------------------

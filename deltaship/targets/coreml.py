@@ -16,13 +16,24 @@ from deltaship.tolerances import Tolerance
 
 @dataclass(frozen=True)
 class CoreMLOptions(TargetOptions):
-    coreml_states: str = field(default="io", metadata=option(
-        "DeltaNet states as fp32 inputs/outputs (io) or fp16 Core ML states (state)", choices=("io", "state")))
-    coreml_palettize: int | None = field(default=None, metadata=option(
-        "with --precision fp16: palettize weights to BITS-bit look-up tables", choices=(2, 3, 4, 6, 8),
-        metavar="BITS"))
-    coreml_part_gb: float = field(default=1.4, metadata=option(
-        "weights per .mlpackage in GB: larger models are split into consecutive layer ranges"))
+    coreml_states: str = field(
+        default="io",
+        metadata=option(
+            "DeltaNet states as fp32 inputs/outputs (io) or fp16 Core ML states (state)", choices=("io", "state")
+        ),
+    )
+    coreml_palettize: int | None = field(
+        default=None,
+        metadata=option(
+            "with --precision fp16: palettize weights to BITS-bit look-up tables",
+            choices=(2, 3, 4, 6, 8),
+            metavar="BITS",
+        ),
+    )
+    coreml_part_gb: float = field(
+        default=1.4,
+        metadata=option("weights per .mlpackage in GB: larger models are split into consecutive layer ranges"),
+    )
 
 
 @register
@@ -64,12 +75,13 @@ class CoreMLTarget(Target):
     runtimes = ("coreml",)
     app_runtimes = {
         "coreml": "not run (no Mac): the saved ML program is evaluated op by op on Linux against transformers; "
-                  "the Swift kit's names are checked against the package's spec",
+        "the Swift kit's names are checked against the package's spec",
     }
     runtime_base_bytes = 128 << 20
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: CoreMLOptions) -> None:
         from deltaship.export.coreml.package import check_options
+
         check_options(precision, max_context, prefill_chunk, options.as_dict())
 
     def activation_dtype(self, precision: str, options) -> str:
@@ -78,18 +90,48 @@ class CoreMLTarget(Target):
     def pipeline(self) -> tuple:
         from deltaship.export import passes as p
         from deltaship.export.coreml.package import StaticCapture
+
         # Captured with static shapes, one program per package part and function.
-        return (p.LoadStructure(), p.FoldZeroCentredNorms(), p.RewriteDeltaNet(), p.StaticKVCache(),
-                p.FuseProjections(), p.LastTokenLogits(), p.AssignPrecision(), StaticCapture())
+        return (
+            p.LoadStructure(),
+            p.FoldZeroCentredNorms(),
+            p.RewriteDeltaNet(),
+            p.StaticKVCache(),
+            p.FuseProjections(),
+            p.LastTokenLogits(),
+            p.AssignPrecision(),
+            StaticCapture(),
+        )
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
-        return [{"name": "input_ids", "shape": [1, "T"], "dtype": "int32", "kind": "tokens",
-                 "doc": "prefill: exactly prefill_chunk tokens; decode: exactly 1"},
-                {"name": "position", "shape": [1], "dtype": "int32", "kind": "position",
-                 "doc": "tokens already consumed by the state"}]
+        return [
+            {
+                "name": "input_ids",
+                "shape": [1, "T"],
+                "dtype": "int32",
+                "kind": "tokens",
+                "doc": "prefill: exactly prefill_chunk tokens; decode: exactly 1",
+            },
+            {
+                "name": "position",
+                "shape": [1],
+                "dtype": "int32",
+                "kind": "position",
+                "doc": "tokens already consumed by the state",
+            },
+        ]
 
-    def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
-                     prefill_chunk: int | None = None, provider: str = "cpu", runtime: str | None = None,
-                     **options: Any):
+    def open_session(
+        self,
+        bundle: Path,
+        manifest: dict[str, Any],
+        *,
+        threads: int | None = None,
+        prefill_chunk: int | None = None,
+        provider: str = "cpu",
+        runtime: str | None = None,
+        **options: Any,
+    ):
         from deltaship.runtimes.coreml import open_coreml_session
+
         return open_coreml_session(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

@@ -15,8 +15,9 @@ from deltaship.tolerances import Tolerance
 
 @dataclass(frozen=True)
 class ExecuTorchOptions(TargetOptions):
-    allow_portable_fallback: bool = field(default=False, metadata=option(
-        "accept nodes XNNPACK does not take (they run as portable kernels)"))
+    allow_portable_fallback: bool = field(
+        default=False, metadata=option("accept nodes XNNPACK does not take (they run as portable kernels)")
+    )
 
 
 @register
@@ -37,8 +38,8 @@ class ExecuTorchTarget(Target):
         "ExecuTorch's LLM runner (TextLLMRunner; Android LlmModule, iOS ExecuTorchLLMTextRunner) runs model.pte with "
         "tokenizer.json unmodified (temperature 0 for greedy; it adds no BOS unless asked, as deltaship): it feeds "
         "prompts in calls of get_max_seq_len (= prefill_chunk) tokens and checks only prompt < get_max_context_len "
-        "(= max_context), so ask it for at most max_context - prompt + 1 new tokens: a position past the context fails in "
-        "llama::update_cache.",
+        "(= max_context), so ask it for at most max_context - prompt + 1 new tokens: a position past the context "
+        "fails in llama::update_cache.",
         "Method 'forward': tokens int64 [1, T] (T = 1 .. prefill_chunk) and input_pos int64 [1] = tokens already "
         "consumed (input_pos + T <= max_context); returns float32 logits [1, vocab] of the last token.",
         "All state lives in the program (mutable buffers). Calling forward with input_pos 0 starts a new sequence: "
@@ -61,35 +62,67 @@ class ExecuTorchTarget(Target):
     }
     runtimes = ("executorch",)
     # ExecuTorch's C++ LLM runner (TextLLMRunner: what the Android LlmModule and the iOS runner wrap), text in/out
-    text_runtimes = {"et-runner": TextRuntime("deltaship.runtimes.et_runner", "generate_with_runner",
-                                              "profile_with_runner")}
+    text_runtimes = {
+        "et-runner": TextRuntime("deltaship.runtimes.et_runner", "generate_with_runner", "profile_with_runner")
+    }
     app_runtimes = {
         "executorch": "1.5.1 (Python runtime, XNNPACK): export-time verification against transformers",
         "executorch TextLLMRunner": "1.5.1 (its Python binding of the C++ runner the Android/iOS LLM APIs wrap): "
-                                    "same greedy text, prompts shorter and longer than a chunk (tests/test_et_runner.py)",
+        "same greedy text, prompts shorter and longer than a chunk (tests/test_et_runner.py)",
         "executorch-android": "not run (no Android device): the Kotlin kit's names are checked against the program",
     }
     runtime_base_bytes = 48 << 20
     host_runtime = "executorch"
-    android_runner_args = ("--model_path {model} --seq_len {total} --prompt_tokens {prompt_length} "
-                           "--cpu_threads {threads}")  # ExecuTorch's llama_main
+    android_runner_args = (
+        "--model_path {model} --seq_len {total} --prompt_tokens {prompt_length} "
+        "--cpu_threads {threads}"
+    )  # ExecuTorch's llama_main
 
     def pipeline(self) -> tuple:
         from deltaship.export import passes as p
         from deltaship.export.executorch.modules import XnnpackLayout
+
         # No projection fusion (XNNPACK cannot split a dynamic-length result) and no capture (export/executorch
         # captures the eager model with its real, quantized weights); XNNPACK's layer layout instead.
-        return (p.LoadStructure(), p.FoldZeroCentredNorms(), p.RewriteDeltaNet(), p.StaticKVCache(),
-                p.LastTokenLogits(), XnnpackLayout(), p.AssignPrecision(quantize=False))
+        return (
+            p.LoadStructure(),
+            p.FoldZeroCentredNorms(),
+            p.RewriteDeltaNet(),
+            p.StaticKVCache(),
+            p.LastTokenLogits(),
+            XnnpackLayout(),
+            p.AssignPrecision(quantize=False),
+        )
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
-        return [{"name": "tokens", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens",
-                 "doc": "1 to prefill_chunk token ids"},
-                {"name": "input_pos", "shape": [1], "dtype": "int64", "kind": "position",
-                 "doc": "tokens already consumed; 0 starts a new sequence (resets the state in the graph)"}]
+        return [
+            {
+                "name": "tokens",
+                "shape": [1, "tokens"],
+                "dtype": "int64",
+                "kind": "tokens",
+                "doc": "1 to prefill_chunk token ids",
+            },
+            {
+                "name": "input_pos",
+                "shape": [1],
+                "dtype": "int64",
+                "kind": "position",
+                "doc": "tokens already consumed; 0 starts a new sequence (resets the state in the graph)",
+            },
+        ]
 
-    def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
-                     prefill_chunk: int | None = None, provider: str = "cpu", runtime: str | None = None,
-                     **options: Any):
+    def open_session(
+        self,
+        bundle: Path,
+        manifest: dict[str, Any],
+        *,
+        threads: int | None = None,
+        prefill_chunk: int | None = None,
+        provider: str = "cpu",
+        runtime: str | None = None,
+        **options: Any,
+    ):
         from deltaship.runtimes.executorch import ExecuTorchSession
+
         return ExecuTorchSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

@@ -16,17 +16,32 @@ from deltaship.tolerances import Tolerance
 
 @dataclass(frozen=True)
 class OnnxOptions(TargetOptions):
-    onnx_deltanet_ops: str = field(default="standard", metadata=option(
-        "DeltaNet conv and output norm in standard ops (faster on ONNX Runtime's CPU) or ONNX Runtime's "
-        "CausalConvWithState/GatedRMSNorm contrib ops", choices=("standard", "contrib")))
-    onnx_activations: str | None = field(default=None, metadata=option(
-        "int8/int4 weights: activation dtype (fp32 when not given; fp16 for ONNX Runtime's CUDA provider, whose "
-        "GroupQueryAttention takes fp16 only)", choices=("fp32", "fp16")))
-    accuracy_level: int = field(default=4, metadata=option(
-        "int8/int4 weights (MatMulNBits): 4 = int8 activation blocks (fast), 0 = float activations",
-        choices=(0, 1, 2, 3, 4)))
-    external_data: bool = field(default=False, metadata=option(
-        "write the weights to model.onnx.data even when the model is under 2 GB"))
+    onnx_deltanet_ops: str = field(
+        default="standard",
+        metadata=option(
+            "DeltaNet conv and output norm in standard ops (faster on ONNX Runtime's CPU) or ONNX Runtime's "
+            "CausalConvWithState/GatedRMSNorm contrib ops",
+            choices=("standard", "contrib"),
+        ),
+    )
+    onnx_activations: str | None = field(
+        default=None,
+        metadata=option(
+            "int8/int4 weights: activation dtype (fp32 when not given; fp16 for ONNX Runtime's CUDA provider, whose "
+            "GroupQueryAttention takes fp16 only)",
+            choices=("fp32", "fp16"),
+        ),
+    )
+    accuracy_level: int = field(
+        default=4,
+        metadata=option(
+            "int8/int4 weights (MatMulNBits): 4 = int8 activation blocks (fast), 0 = float activations",
+            choices=(0, 1, 2, 3, 4),
+        ),
+    )
+    external_data: bool = field(
+        default=False, metadata=option("write the weights to model.onnx.data even when the model is under 2 GB")
+    )
 
 
 @register
@@ -70,10 +85,10 @@ class OnnxTarget(Target):
     app_runtimes = {
         "onnxruntime": "1.31 (Python, CPU): export-time verification against transformers",
         "onnxruntime-genai": "0.18.0 (Python wheel, the C++ core of its Android/iOS packages): same greedy tokens "
-                             "(tests/test_genai.py)",
+        "(tests/test_genai.py)",
         "onnxruntime-node": "1.30.0: same greedy tokens with deltaship-runtime (tests/test_js.py)",
         "onnxruntime-web": "1.30.0, wasm and WebGPU (SwiftShader) in headless Chromium: same greedy tokens "
-                           "(tests/test_js.py)",
+        "(tests/test_js.py)",
         "onnxruntime-android": "not run (no Android device): the Kotlin kit's names are checked against the graph",
     }
     host_runtime = "onnxruntime"
@@ -82,11 +97,15 @@ class OnnxTarget(Target):
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: OnnxOptions) -> None:
         if options.onnx_activations is not None and precision not in ("int8", "int4"):
-            raise DeltashipError(f"--onnx-activations applies to int8/int4 weights (--precision {precision} already "
-                                 f"sets the activations)", "drop --onnx-activations, or use --precision int8 or int4")
+            raise DeltashipError(
+                f"--onnx-activations applies to int8/int4 weights (--precision {precision} already "
+                f"sets the activations)",
+                "drop --onnx-activations, or use --precision int8 or int4",
+            )
         if options.accuracy_level != 4 and precision not in ("int8", "int4"):
-            raise DeltashipError("--accuracy-level applies to ONNX int8/int4 bundles (MatMulNBits) only",
-                                 "drop --accuracy-level")
+            raise DeltashipError(
+                "--accuracy-level applies to ONNX int8/int4 bundles (MatMulNBits) only", "drop --accuracy-level"
+            )
 
     def activation_dtype(self, precision: str, options) -> str:
         # quantized builds may ask for fp16 activations: ONNX Runtime's CUDA GroupQueryAttention takes fp16 only
@@ -94,27 +113,50 @@ class OnnxTarget(Target):
 
     def pipeline(self) -> tuple:
         from deltaship.export import passes as p
-        return (p.LoadStructure(), p.FoldZeroCentredNorms(), p.RewriteDeltaNet(), p.StaticKVCache(),
-                p.FuseProjections(), p.LastTokenLogits(), p.AssignPrecision(), p.Capture())
+
+        return (
+            p.LoadStructure(),
+            p.FoldZeroCentredNorms(),
+            p.RewriteDeltaNet(),
+            p.StaticKVCache(),
+            p.FuseProjections(),
+            p.LastTokenLogits(),
+            p.AssignPrecision(),
+            p.Capture(),
+        )
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
         from deltaship.export import onnx as impl  # the names live beside the lowering that writes them
+
         return impl.io_inputs(ctx)
 
     def io_outputs(self, ctx) -> list[dict[str, Any]]:
         from deltaship.export import onnx as impl
+
         return impl.io_outputs(ctx)
 
     def finish_bundle(self, bundle_dir: Path) -> None:
         from deltaship.export.onnx.genai import adapt_tokenizer_config
+
         adapt_tokenizer_config(bundle_dir)  # a tokenizer class onnxruntime-genai accepts
 
-    def open_session(self, bundle: Path, manifest: dict[str, Any], *, threads: int | None = None,
-                     prefill_chunk: int | None = None, provider: str = "cpu", runtime: str | None = None,
-                     **options: Any):
+    def open_session(
+        self,
+        bundle: Path,
+        manifest: dict[str, Any],
+        *,
+        threads: int | None = None,
+        prefill_chunk: int | None = None,
+        provider: str = "cpu",
+        runtime: str | None = None,
+        **options: Any,
+    ):
         if runtime == "genai":
             from deltaship.runtimes.genai import GenaiSession
+
             return GenaiSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk)
         from deltaship.runtimes.onnx import OnnxSession
-        return OnnxSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, provider=provider,
-                           **options)
+
+        return OnnxSession(
+            Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, provider=provider, **options
+        )

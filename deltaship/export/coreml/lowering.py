@@ -47,11 +47,17 @@ class Written:
 def _mil():
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types
+
     return mb, types
 
 
-NP = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int32, torch.int32: np.int32,
-      torch.bool: np.bool_}
+NP = {
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.int64: np.int32,
+    torch.int32: np.int32,
+    torch.bool: np.bool_,
+}
 MILDT = {torch.float32: "fp32", torch.float16: "fp16", torch.int64: "int32", torch.int32: "int32", torch.bool: "bool"}
 
 
@@ -97,13 +103,14 @@ class WeightCache:
             shape = self.plan.shape(fqn)
             if q is not None:
                 from coremltools.converters.mil.mil import types
+
                 bits, block = q["bits"], q["block_size"]
                 half = 1 << (bits - 1)
                 data = np.empty(shape, dtype=types.np_int4_dtype if bits == 4 else np.int8)
                 scales = np.empty((shape[0], -(-shape[1] // block)), np.float16)
                 for sl, w in self._row_blocks(fqn):
                     codes, sc = quantize_blocks(w, bits, block)
-                    data[sl] = (codes.reshape(w.shape[0], -1)[:, :shape[1]].astype(np.int16) - half).astype(np.int8)
+                    data[sl] = (codes.reshape(w.shape[0], -1)[:, : shape[1]].astype(np.int16) - half).astype(np.int8)
                     scales[sl] = sc
                 self._arrays[key] = ("quantized", data, scales, bits)
             else:
@@ -129,6 +136,7 @@ def share_across_functions(prog) -> dict[str, int]:
     quantized 248320-row table that is gigabytes. Here consts are matched by identity (WeightCache hands
     every function the same array) and otherwise by dtype, shape and a hash of their bytes."""
     import hashlib
+
     from coremltools.converters.mil.mil import ListVar
 
     groups: dict[tuple, list] = {}
@@ -153,12 +161,19 @@ def share_across_functions(prog) -> dict[str, int]:
 
 
 class MILLowerer:
-    def __init__(self, program: torch.export.ExportedProgram, weights: WeightCache, state_modes: dict[str, str],
-                 name: str, param_prefix: str = ""):
+    def __init__(
+        self,
+        program: torch.export.ExportedProgram,
+        weights: WeightCache,
+        state_modes: dict[str, str],
+        name: str,
+        param_prefix: str = "",
+    ):
         self.ep, self.w, self.state_modes, self.fname = program, weights, state_modes, name
         sig = program.graph_signature
-        self.param_of = {k: v.removeprefix(param_prefix)
-                         for k, v in {**sig.inputs_to_parameters, **sig.inputs_to_buffers}.items()}
+        self.param_of = {
+            k: v.removeprefix(param_prefix) for k, v in {**sig.inputs_to_parameters, **sig.inputs_to_buffers}.items()
+        }
         self.env: dict[str, Any] = {}
         self.mb, self.types = _mil()
         self._n = 0
@@ -205,13 +220,13 @@ class MILLowerer:
         if kind == "dense":  # named after the parameter, so compressed values can be mapped back
             return self.mb.const(val=data, name=self.w.named(fqn, form))
         w = self.mb.constexpr_blockwise_shift_scale(data=data, scale=scales, name=self.uname(fqn.replace(".", "_")))
-        return w if dt == np.float16 else mb.cast(x=w, dtype="fp32")
+        return w if dt == np.float16 else self.mb.cast(x=w, dtype="fp32")
 
     # ---- driver ------------------------------------------------------------------------------
     def build(self, input_names: list[str], state_names: list[str], output_names: list[str]):
         """Build the MIL function; returns (function, output name list actually emitted)."""
-        from coremltools.converters.mil.mil import Function
         import coremltools as ct
+        from coremltools.converters.mil.mil import Function
 
         mb, types = self.mb, self.types
         user = [n for n in self.ep.graph.nodes if n.op == "placeholder" and n.name not in self.param_of]
@@ -243,7 +258,8 @@ class MILLowerer:
                     raise DeltashipError(
                         f"coreml lowering: no lowering for op {node.target} (FX node {node.name!r}, "
                         f"{(node.meta.get('stack_trace') or '').strip().splitlines()[-1:] or 'unknown source'})",
-                        "this model uses an op the Core ML target does not support yet; please report it")
+                        "this model uses an op the Core ML target does not support yet; please report it",
+                    )
                 self.env[node.name] = fn(self, node, *node.args, **node.kwargs)
             flat = torch.utils._pytree.tree_leaves(outputs)
             outs, emitted = [], []
@@ -285,6 +301,7 @@ def _binary(op):
     def fn(L, node, a, b, *args, **kwargs):
         dt = L.meta(node).dtype
         return getattr(L.mb, op)(x=L.tensor(a, dt), y=L.tensor(b, dt))
+
     return fn
 
 
@@ -297,12 +314,19 @@ lowering(aten.div.Tensor)(_binary("real_div"))
 def _unary(op):
     def fn(L, node, x, *args, **kwargs):
         return getattr(L.mb, op)(x=L.tensor(x))
+
     return fn
 
 
-for _t, _op in ((aten.sigmoid.default, "sigmoid"), (aten.cos.default, "cos"), (aten.sin.default, "sin"),
-                (aten.exp.default, "exp"), (aten.softplus.default, "softplus"), (aten.rsqrt.default, "rsqrt"),
-                (aten.silu.default, "silu")):
+for _t, _op in (
+    (aten.sigmoid.default, "sigmoid"),
+    (aten.cos.default, "cos"),
+    (aten.sin.default, "sin"),
+    (aten.exp.default, "exp"),
+    (aten.softplus.default, "softplus"),
+    (aten.rsqrt.default, "rsqrt"),
+    (aten.silu.default, "silu"),
+):
     lowering(_t)(_unary(_op))
 
 
@@ -343,8 +367,9 @@ def _slice(L, node, x, dim=0, start=None, end=None, step=1):
     begin[dim], stop[dim] = s, e
     stride = [1] * len(shape)
     stride[dim] = st
-    return L.mb.slice_by_index(x=L.tensor(x), begin=np.array(begin, np.int32), end=np.array(stop, np.int32),
-                               stride=np.array(stride, np.int32))
+    return L.mb.slice_by_index(
+        x=L.tensor(x), begin=np.array(begin, np.int32), end=np.array(stop, np.int32), stride=np.array(stride, np.int32)
+    )
 
 
 @lowering(aten.select.int)
@@ -356,8 +381,9 @@ def _select(L, node, x, dim, index):
     begin[dim], stop[dim] = index, index + 1
     squeeze = [False] * len(shape)
     squeeze[dim] = True
-    return L.mb.slice_by_index(x=L.tensor(x), begin=np.array(begin, np.int32), end=np.array(stop, np.int32),
-                               squeeze_mask=squeeze)
+    return L.mb.slice_by_index(
+        x=L.tensor(x), begin=np.array(begin, np.int32), end=np.array(stop, np.int32), squeeze_mask=squeeze
+    )
 
 
 @lowering(aten.split_with_sizes.default)
@@ -400,7 +426,9 @@ def _linear(L, node, x, weight, bias=None):
             w = L.mb.const(val=data, name=L.w.named(fqn, "linear", i))
         else:
             mb = L.mb
-            w = mb.constexpr_blockwise_shift_scale(data=data, scale=scales, name=L.uname(f"{fqn}_{i}".replace(".", "_")))
+            w = mb.constexpr_blockwise_shift_scale(
+                data=data, scale=scales, name=L.uname(f"{fqn}_{i}".replace(".", "_"))
+            )
             if dt != np.float16:
                 w = mb.cast(x=w, dtype="fp32")
         outs.append(L.mb.linear(x=xv, weight=w))
@@ -415,8 +443,7 @@ def _rms(L, x, eps: float):
     both = mb.concat(values=[x, mb.mul(x=x, y=np.array(-1, dtype=_np_of(x)))], axis=-1)
     normed = mb.layer_norm(x=both, axes=[-1], epsilon=np.array(eps, dtype=_np_of(x)))
     shape = list(x.shape)
-    return mb.slice_by_index(x=normed, begin=np.zeros(len(shape), np.int32),
-                             end=np.array(shape[:-1] + [d], np.int32))
+    return mb.slice_by_index(x=normed, begin=np.zeros(len(shape), np.int32), end=np.array(shape[:-1] + [d], np.int32))
 
 
 def _np_of(v) -> type:
@@ -447,7 +474,7 @@ def _l2norm(L, node, x):
     if xv.dtype.__name__ != "fp32":
         xv = L.mb.cast(x=xv, dtype="fp32")
     d = int(L.meta(x).shape[-1])
-    return L.mb.mul(x=_rms(L, xv, 1e-6 / d), y=np.array(d ** -0.5, np.float32))
+    return L.mb.mul(x=_rms(L, xv, 1e-6 / d), y=np.array(d**-0.5, np.float32))
 
 
 @lowering(DS.delta_gates.default)
@@ -455,7 +482,10 @@ def _delta_gates(L, node, a, b, dt_bias, decay_scale):
     mb = L.mb
     af = mb.cast(x=L.tensor(a), dtype="fp32") if L.dtype_of(a) != torch.float32 else L.tensor(a)
     bf = mb.cast(x=L.tensor(b), dtype="fp32") if L.dtype_of(b) != torch.float32 else L.tensor(b)
-    g = mb.mul(x=L.tensor(decay_scale).astype(np.float32), y=mb.softplus(x=mb.add(x=af, y=L.tensor(dt_bias).astype(np.float32))))
+    g = mb.mul(
+        x=L.tensor(decay_scale).astype(np.float32),
+        y=mb.softplus(x=mb.add(x=af, y=L.tensor(dt_bias).astype(np.float32))),
+    )
     return [g, mb.sigmoid(x=bf)]
 
 
@@ -526,10 +556,13 @@ def _gated_delta(L, node, q, k, v, g, beta, state):
     def heads_first(x, h, d):  # [1, T, h, d] -> [1, Hv, T, d] (q/k repeated per value head)
         x = mb.transpose(x=x, perm=[0, 2, 1, 3])
         if r > 1 and h == hk:
-            x = mb.reshape(x=mb.tile(x=mb.expand_dims(x=x, axes=[2]), reps=[1, 1, r, 1, 1]),
-                           shape=np.array([1, hv, t, d], np.int32))
+            x = mb.reshape(
+                x=mb.tile(x=mb.expand_dims(x=x, axes=[2]), reps=[1, 1, r, 1, 1]),
+                shape=np.array([1, hv, t, d], np.int32),
+            )
         return x
-    qh = mb.mul(x=heads_first(qv, hk, dk), y=np.float32(dk ** -0.5))
+
+    qh = mb.mul(x=heads_first(qv, hk, dk), y=np.float32(dk**-0.5))
     kh, vh = heads_first(kv, hk, dk), heads_first(vv, hv, dv)
     gh = mb.transpose(x=gv, perm=[0, 2, 1])  # [1, Hv, T]
     bh = mb.transpose(x=bv, perm=[0, 2, 1])
@@ -543,14 +576,19 @@ def _gated_delta(L, node, q, k, v, g, beta, state):
     else:
         c = min(t, 64)
         if t % c or c & (c - 1):
-            raise DeltashipError(f"coreml: the prefill chunk ({t}) must be a power of two up to 64 or a multiple of 64",
-                                 "pass --prefill-chunk 64 (or 16, 32, 128, 256 ...)")
+            raise DeltashipError(
+                f"coreml: the prefill chunk ({t}) must be a power of two up to 64 or a multiple of 64",
+                "pass --prefill-chunk 64 (or 16, 32, 128, 256 ...)",
+            )
         outs = []
         tri = np.tril(np.ones((c, c), np.float32))
         strict_mask = tri - np.eye(c, dtype=np.float32)
         for i in range(t // c):
-            sl = lambda x, d: mb.slice_by_index(x=x, begin=np.array([0, 0, i * c] + [0] * (d - 3), np.int32),  # noqa: E731
-                                                end=np.array([1, hv, (i + 1) * c] + ([x.shape[3]] if d == 4 else []), np.int32))
+            sl = lambda x, d: mb.slice_by_index(  # noqa: E731
+                x=x,
+                begin=np.array([0, 0, i * c] + [0] * (d - 3), np.int32),
+                end=np.array([1, hv, (i + 1) * c] + ([x.shape[3]] if d == 4 else []), np.int32),
+            )
             qc, kc, vc, gc, bc = sl(qh, 4), sl(kh, 4), sl(vh, 4), sl(gh, 3), sl(bh, 3)
             cum = mb.cumsum(x=gc, axis=2)  # [1, Hv, c]
             diff = mb.sub(x=mb.expand_dims(x=cum, axes=[3]), y=mb.expand_dims(x=cum, axes=[2]))  # [.., c, c]
@@ -567,8 +605,10 @@ def _gated_delta(L, node, q, k, v, g, beta, state):
             k_dec = mb.mul(x=kc, y=mb.expand_dims(x=mb.exp(x=mb.sub(x=last, y=cum)), axes=[3]))
             v_new = mb.sub(x=u, y=mb.matmul(x=w, y=s))
             outs.append(mb.add(x=mb.matmul(x=mb.mul(x=qc, y=ecum), y=s), y=mb.matmul(x=attn, y=v_new)))
-            s = mb.add(x=mb.mul(x=s, y=mb.expand_dims(x=mb.exp(x=last), axes=[3])),
-                       y=mb.matmul(x=k_dec, y=v_new, transpose_x=True))
+            s = mb.add(
+                x=mb.mul(x=s, y=mb.expand_dims(x=mb.exp(x=last), axes=[3])),
+                y=mb.matmul(x=k_dec, y=v_new, transpose_x=True),
+            )
         o = outs[0] if len(outs) == 1 else mb.concat(values=outs, axis=2)
     o = mb.transpose(x=o, perm=[0, 2, 1, 3])  # [1, T, Hv, dv]
     if L.dtype_of(node.args[2]) != torch.float32:
@@ -589,8 +629,15 @@ def _attention(L, node, q, k, v, k_cache, v_cache, pos):
     p = L.tensor(pos)  # int32 [1]
     zero = np.array([0], np.int32)
     begin = mb.concat(values=[zero, zero, p, zero], axis=0)
-    end = mb.concat(values=[np.array([1], np.int32), np.array([hkv], np.int32), mb.add(x=p, y=np.int32(t)),
-                            np.array([d], np.int32)], axis=0)
+    end = mb.concat(
+        values=[
+            np.array([1], np.int32),
+            np.array([hkv], np.int32),
+            mb.add(x=p, y=np.int32(t)),
+            np.array([d], np.int32),
+        ],
+        axis=0,
+    )
     cast = lambda x: x if x.dtype.__name__ == cdt else mb.cast(x=x, dtype=cdt)  # noqa: E731
     # each state write directly after the op that produces it (coremltools' canonical in-place order)
     kc = mb.slice_update(x=kc, update=cast(mb.transpose(x=kv, perm=[0, 2, 1, 3])), begin=begin, end=end)
@@ -602,14 +649,15 @@ def _attention(L, node, q, k, v, k_cache, v_cache, pos):
     vca = vc if cdt == adt else mb.cast(x=vc, dtype=adt)
     # query heads grouped by their KV head: [1, Hkv, rep*T, D]
     qg = mb.reshape(x=mb.transpose(x=qv, perm=[0, 2, 1, 3]), shape=np.array([1, hkv, rep * t, d], np.int32))
-    scores = mb.mul(x=mb.matmul(x=qg, y=kca, transpose_y=True), y=np.array(d ** -0.5, dtype=_np_of(qv)))
+    scores = mb.mul(x=mb.matmul(x=qg, y=kca, transpose_y=True), y=np.array(d**-0.5, dtype=_np_of(qv)))
     # key j is visible to new token i when j <= pos + i
     limit = mb.add(x=mb.expand_dims(x=np.tile(np.arange(t, dtype=np.int32), rep), axes=[1]), y=p)  # [rep*T, 1]
     visible = mb.less_equal(x=np.arange(s, dtype=np.int32)[None, :], y=limit)  # [rep*T, S]
     # (visible - 1) * 30000: 0 where visible, a fp16-safe -30000 elsewhere (select with scalar branches
     # gets a scalar type from coremltools' type inference, whatever the condition's shape)
-    bias = mb.mul(x=mb.sub(x=mb.cast(x=visible, dtype=adt), y=np.array(1, dtype=_np_of(qv))),
-                  y=np.array(-NEG, dtype=_np_of(qv)))
+    bias = mb.mul(
+        x=mb.sub(x=mb.cast(x=visible, dtype=adt), y=np.array(1, dtype=_np_of(qv))), y=np.array(-NEG, dtype=_np_of(qv))
+    )
     probs = mb.softmax(x=mb.add(x=scores, y=bias), axis=-1)
     out = mb.matmul(x=probs, y=vca)  # [1, Hkv, rep*T, D]
     out = mb.transpose(x=mb.reshape(x=out, shape=np.array([1, h, t, d], np.int32)), perm=[0, 2, 1, 3])

@@ -35,6 +35,7 @@ def load_program(path: str | Path):
 
 def _np_dtype(var) -> np.dtype:
     from coremltools.converters.mil.mil import types
+
     return np.dtype(types.nptype_from_builtin(var.dtype))
 
 
@@ -94,8 +95,9 @@ class Interpreter:
                 out[op.outputs[0].name] = op.outputs[0].val
             elif t == "constexpr_blockwise_shift_scale":
                 off = op.inputs.get("offset")
-                out[op.outputs[0].name] = blockwise_shift_scale(op.inputs["data"].val, op.inputs["scale"].val,
-                                                                off.val if off is not None else None)
+                out[op.outputs[0].name] = blockwise_shift_scale(
+                    op.inputs["data"].val, op.inputs["scale"].val, off.val if off is not None else None
+                )
             elif t.startswith("constexpr_"):
                 out[op.outputs[0].name] = op.materialized_val_inference()
         self._consts[fname] = out
@@ -136,11 +138,17 @@ class Interpreter:
                 env[o.name] = silu(val(op.inputs["x"]))
             elif t == "linear":
                 b = op.inputs.get("bias")
-                env[o.name] = linear(val(op.inputs["x"]), val(op.inputs["weight"]), val(b) if b is not None else None,
-                                     _np_dtype(o))
+                env[o.name] = linear(
+                    val(op.inputs["x"]), val(op.inputs["weight"]), val(b) if b is not None else None, _np_dtype(o)
+                )
             elif t == "matmul":
-                env[o.name] = matmul(val(op.inputs["x"]), val(op.inputs["y"]), bool(op.inputs["transpose_x"].val),
-                                     bool(op.inputs["transpose_y"].val), _np_dtype(o))
+                env[o.name] = matmul(
+                    val(op.inputs["x"]),
+                    val(op.inputs["y"]),
+                    bool(op.inputs["transpose_x"].val),
+                    bool(op.inputs["transpose_y"].val),
+                    _np_dtype(o),
+                )
             else:
                 self._generic(op, val, env)
         return {v.name: env[v.name] for v in func.outputs}
@@ -150,7 +158,7 @@ class Interpreter:
         """Any other op through coremltools' own value_inference, its inputs made concrete for the call."""
         saved = {}
         for v in op.inputs.values():
-            for vv in (v if isinstance(v, (list, tuple)) else [v]):
+            for vv in v if isinstance(v, (list, tuple)) else [v]:
                 if vv.val is None:
                     saved[vv] = vv._sym_val
                     concrete = vv.sym_type()

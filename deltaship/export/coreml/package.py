@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,7 @@ import numpy as np
 import torch
 
 from deltaship.errors import DeltashipError
-from deltaship.export.passes import PassError, capture
+from deltaship.export.passes import PassError
 
 PACKAGE = "model.mlpackage"
 FUNCTIONS = ("prefill", "decode")
@@ -20,17 +19,24 @@ MAX_STATE_POSITIONS = 16384  # a KV-cache state longer than this has a dimension
 
 def check_options(precision: str, max_context: int, chunk: int, options: dict) -> None:
     if chunk > 64 and chunk % 64 or chunk <= 64 and chunk & (chunk - 1):
-        raise DeltashipError(f"--prefill-chunk {chunk}: the Core ML prefill chunk must be a power of two up to 64 "
-                             "or a multiple of 64 (its DeltaNet recurrence is unrolled in chunks of 64)",
-                             "pass --prefill-chunk 64 (or 16, 32, 128, 256 ...)")
+        raise DeltashipError(
+            f"--prefill-chunk {chunk}: the Core ML prefill chunk must be a power of two up to 64 "
+            "or a multiple of 64 (its DeltaNet recurrence is unrolled in chunks of 64)",
+            "pass --prefill-chunk 64 (or 16, 32, 128, 256 ...)",
+        )
     if max_context > MAX_STATE_POSITIONS:
-        raise DeltashipError(f"--max-context {max_context}: a Core ML KV-cache state of more than "
-                             f"{MAX_STATE_POSITIONS} positions has a dimension over the Neural Engine's limit "
-                             f"({MAX_STATE_POSITIONS})", f"pass --max-context {MAX_STATE_POSITIONS} or less")
+        raise DeltashipError(
+            f"--max-context {max_context}: a Core ML KV-cache state of more than "
+            f"{MAX_STATE_POSITIONS} positions has a dimension over the Neural Engine's limit "
+            f"({MAX_STATE_POSITIONS})",
+            f"pass --max-context {MAX_STATE_POSITIONS} or less",
+        )
     bits = options.get("coreml_palettize")
     if bits is not None and (precision != "fp16" or int(bits) not in (2, 3, 4, 6, 8)):
-        raise DeltashipError(f"--coreml-palettize {bits} needs --precision fp16 and 2, 3, 4, 6 or 8 bits "
-                             f"(got precision {precision})", "e.g. --precision fp16 --coreml-palettize 4")
+        raise DeltashipError(
+            f"--coreml-palettize {bits} needs --precision fp16 and 2, 3, 4, 6 or 8 bits (got precision {precision})",
+            "e.g. --precision fp16 --coreml-palettize 4",
+        )
 
 
 class Part(torch.nn.Module):
@@ -79,7 +85,9 @@ def plan_parts(ctx, budget: int) -> list[tuple[int, int]]:
         if b > budget:
             raise DeltashipError(
                 f"coreml: {what} alone is {b / 1e9:.2f} GB at {ctx.precision}, over the {budget / 1e9:.2f} GB package "
-                "budget", "export at int8 or int4, or raise the budget with --coreml-part-gb")
+                "budget",
+                "export at int8 or int4, or raise the budget with --coreml-part-gb",
+            )
     parts, start, cur = [], 0, embed
     for i, b in enumerate(sizes):
         extra = head if i == layers - 1 else 0
@@ -88,8 +96,10 @@ def plan_parts(ctx, budget: int) -> list[tuple[int, int]]:
             start, cur = i, 0
         cur += b + extra
         if cur > budget:
-            raise DeltashipError(f"coreml: layer {i} needs {cur / 1e9:.2f} GB, over the {budget / 1e9:.2f} GB package "
-                                 "budget", "export at int8 or int4, or raise the budget with --coreml-part-gb")
+            raise DeltashipError(
+                f"coreml: layer {i} needs {cur / 1e9:.2f} GB, over the {budget / 1e9:.2f} GB package budget",
+                "export at int8 or int4, or raise the budget with --coreml-part-gb",
+            )
     parts.append((start, layers))
     return parts
 
@@ -100,6 +110,7 @@ def _part_states(ctx, start: int, stop: int) -> list[dict]:
 
 def _capture_part(part: Part, states: list[dict], tokens: int, hidden: int, dtype) -> torch.export.ExportedProgram:
     from deltaship.export.passes import example_inputs
+
     ids, pos, st = example_inputs(states, tokens)
     inp = ids if part.first else torch.zeros(1, tokens, hidden, dtype=dtype, device="meta")
     return torch.export.export(part, (inp, pos, st), strict=False)
@@ -121,8 +132,10 @@ class StaticCapture:
         ctx.programs = {}
         for i, (a, b) in enumerate(ctx.parts):
             part, st = Part(ctx.model, a, b), _part_states(ctx, a, b)
-            ctx.programs[i] = {f: _capture_part(part, st, chunk if f == "prefill" else 1, ctx.spec.hidden_size,
-                                                ctx.dtype) for f in FUNCTIONS}
+            ctx.programs[i] = {
+                f: _capture_part(part, st, chunk if f == "prefill" else 1, ctx.spec.hidden_size, ctx.dtype)
+                for f in FUNCTIONS
+            }
         return {"functions": 2, "prefill_tokens": chunk, "decode_tokens": 1, "packages": len(ctx.parts)}
 
     def ensures(self, ctx) -> None:
@@ -130,7 +143,6 @@ class StaticCapture:
             for name, ep in ctx.programs[i].items():
                 if len(ep.graph_signature.output_specs) != 1 + len(_part_states(ctx, a, b)):
                     raise PassError(f"part {i} {name}: some state has no output")
-
 
 
 def state_modes(ctx) -> dict[str, str]:
@@ -177,8 +189,9 @@ def build_program(ctx, weights, index: int = 0, wcache=None, progress=None):
     prog = Program()
     emitted = {}
     for fname in FUNCTIONS:
-        func, emitted[fname] = MILLowerer(ctx.programs[index][fname], wcache, mil_modes, fname,
-                                          param_prefix="m.").build(inputs, state_in, outs)
+        func, emitted[fname] = MILLowerer(
+            ctx.programs[index][fname], wcache, mil_modes, fname, param_prefix="m."
+        ).build(inputs, state_in, outs)
         prog.add_function(fname, func)
     share_across_functions(prog)
     prog.default_function_name = "decode"
@@ -193,20 +206,25 @@ def palettize(prog, bits: int) -> dict[str, Any]:
     from coremltools.converters.mil.mil.passes.graph_pass import PassOption
     from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
 
-    op_cfg = cto.coreml.OpPalettizerConfig(nbits=int(bits), mode="uniform", granularity="per_grouped_channel",
-                                           group_size=16, weight_threshold=2048)
+    op_cfg = cto.coreml.OpPalettizerConfig(
+        nbits=int(bits), mode="uniform", granularity="per_grouped_channel", group_size=16, weight_threshold=2048
+    )
     cfg = cto.coreml.OptimizationConfig(op_type_configs={"linear": op_cfg, "gather": op_cfg})
     p = PASS_REGISTRY["compression::palettize_weights"]
     p.set_options([PassOption("config", cfg)])
     p.apply(prog)
-    return {"scheme": f"{bits}-bit palettization (coremltools, uniform LUT per 16 output channels)",
-            "ops": ["linear", "gather"]}
+    return {
+        "scheme": f"{bits}-bit palettization (coremltools, uniform LUT per 16 output channels)",
+        "ops": ["linear", "gather"],
+    }
 
 
-def rounded_from_package(paths: list[Path], names: dict[str, tuple[str, str, int]],
-                         tied: bool = False) -> dict[str, np.ndarray]:
+def rounded_from_package(
+    paths: list[Path], names: dict[str, tuple[str, str, int]], tied: bool = False
+) -> dict[str, np.ndarray]:
     """The weight values the saved packages really hold (decompressed), by canonical parameter name."""
     from deltaship.export.coreml.mil_eval import Interpreter, load_program
+
     pieces: dict[str, list] = {}
     for path in paths:
         prog = load_program(path)
@@ -228,10 +246,15 @@ def ane_report(prog) -> dict[str, Any]:
     """Ops likely to leave the Neural Engine (a heuristic from what the ANE is known not to take:
     fp32 compute, dimensions over 16384, and a few op types)."""
     from deltaship.export.coreml.lowering import ANE_MAX_DIM
+
     likely: dict[str, int] = {}
     reasons: dict[str, str] = {}
-    unsupported = {"cumsum": "cumsum", "slice_update": "dynamic slice_update (KV cache write)",
-                   "gather": "gather (embedding lookup)", "less_equal": "integer mask construction"}
+    unsupported = {
+        "cumsum": "cumsum",
+        "slice_update": "dynamic slice_update (KV cache write)",
+        "gather": "gather (embedding lookup)",
+        "less_equal": "integer mask construction",
+    }
     for f in prog.functions.values():
         for op in f.operations:
             if op.op_type in ("const", "read_state", "coreml_update_state") or op.op_type.startswith("constexpr"):
@@ -248,16 +271,24 @@ def ane_report(prog) -> dict[str, Any]:
                 key = f"{op.op_type}"
                 likely[key] = likely.get(key, 0) + 1
                 reasons[key] = why
-    total = sum(1 for f in prog.functions.values() for op in f.operations
-                if op.op_type != "const" and not op.op_type.startswith("constexpr"))
-    return {"ops": total, "likely_off_ane": sum(likely.values()),
-            "by_op": {k: {"count": v, "reason": reasons[k]} for k, v in sorted(likely.items())},
-            "note": "heuristic: Core ML decides placement on device; MLComputePlan on a Mac gives the real one"}
+    total = sum(
+        1
+        for f in prog.functions.values()
+        for op in f.operations
+        if op.op_type != "const" and not op.op_type.startswith("constexpr")
+    )
+    return {
+        "ops": total,
+        "likely_off_ane": sum(likely.values()),
+        "by_op": {k: {"count": v, "reason": reasons[k]} for k, v in sorted(likely.items())},
+        "note": "heuristic: Core ML decides placement on device; MLComputePlan on a Mac gives the real one",
+    }
 
 
 def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[str]], index: int = 0) -> dict[str, Any]:
     """The saved package against the manifest: deployment target, functions, inputs, states, outputs."""
     import coremltools as ct
+
     spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
     problems = []
     if spec.specificationVersion < 9:
@@ -279,11 +310,18 @@ def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[s
         if outs != emitted[fname]:
             problems.append(f"{fname}: outputs {outs} != {emitted[fname]}")
     if problems:
-        raise DeltashipError("coreml: the saved package does not match the manifest: " + "; ".join(problems),
-                             "this is a deltaship bug; please report it")
-    return {"specification_version": spec.specificationVersion, "deployment_target": "iOS18 / macOS15",
-            "functions": list(FUNCTIONS), "default_function": spec.description.defaultFunctionName,
-            "states": sorted(want_states), "checked": True}
+        raise DeltashipError(
+            "coreml: the saved package does not match the manifest: " + "; ".join(problems),
+            "this is a deltaship bug; please report it",
+        )
+    return {
+        "specification_version": spec.specificationVersion,
+        "deployment_target": "iOS18 / macOS15",
+        "functions": list(FUNCTIONS),
+        "default_function": spec.description.defaultFunctionName,
+        "states": sorted(want_states),
+        "checked": True,
+    }
 
 
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
@@ -304,37 +342,65 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
             pal = palettize(prog, int(ctx.options["coreml_palettize"]))
         reports.append(ane_report(prog))
         say(f"converting part {i + 1}/{n} (coremltools)")
-        model = ct.convert(prog, minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT32,
-                           skip_model_load=True)
+        model = ct.convert(
+            prog,
+            minimum_deployment_target=ct.target.iOS18,
+            compute_precision=ct.precision.FLOAT32,
+            skip_model_load=True,
+        )
         name = PACKAGE if n == 1 else f"model_part{i}.mlpackage"
         model.save(str(out_dir / name))
         del model, prog, wcache
         checks.append(check_spec(out_dir / name, ctx, modes, emitted, i))
         inp, out = part_io(ctx, i)
-        parts.append({"package": name, "layers": [a, b], "input": inp, "output": out,
-                      "states": [s["name"] for s in _part_states(ctx, a, b)], "functions": emitted})
+        parts.append(
+            {
+                "package": name,
+                "layers": [a, b],
+                "input": inp,
+                "output": out,
+                "states": [s["name"] for s in _part_states(ctx, a, b)],
+                "functions": emitted,
+            }
+        )
     if ctx.options.get("coreml_palettize"):  # the matched reference reads the values back from the package
-        ctx.rounded = rounded_from_package([out_dir / p["package"] for p in parts], const_names,
-                                           tied=ctx.spec.tie_word_embeddings)
+        ctx.rounded = rounded_from_package(
+            [out_dir / p["package"] for p in parts], const_names, tied=ctx.spec.tie_word_embeddings
+        )
     for s in ctx.states:
         s["mode"] = modes[s["name"]]
         s["coreml_input"] = mil_name(s["name"])
         s["coreml_output"] = mil_name(s["output"]) if modes[s["name"]] == "io" else None
         if modes[s["name"]] == "state":
             s["dtype"] = "float16"
-    files = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file()
-                   and p.relative_to(out_dir).parts[0].endswith(".mlpackage"))
-    report = {"ops": sum(r["ops"] for r in reports), "likely_off_ane": sum(r["likely_off_ane"] for r in reports),
-              "by_op": {}, "note": reports[0]["note"]}
+    files = sorted(
+        p.relative_to(out_dir).as_posix()
+        for p in out_dir.rglob("*")
+        if p.is_file() and p.relative_to(out_dir).parts[0].endswith(".mlpackage")
+    )
+    report = {
+        "ops": sum(r["ops"] for r in reports),
+        "likely_off_ane": sum(r["likely_off_ane"] for r in reports),
+        "by_op": {},
+        "note": reports[0]["note"],
+    }
     for r in reports:
         for op, v in r["by_op"].items():
             cur = report["by_op"].setdefault(op, {"count": 0, "reason": v["reason"]})
             cur["count"] += v["count"]
-    return {"files": files, "entry": parts[0]["package"], "parts": parts,
-            **({"quantization": pal} if ctx.options.get("coreml_palettize") else {}),
-            "functions": {f: {"tokens": ctx.options["prefill_chunk"] if f == "prefill" else 1} for f in FUNCTIONS},
-            "hidden_states": {"shape": [1, "T", ctx.spec.hidden_size], "dtype": str(ctx.dtype).replace("torch.", ""),
-                              "doc": "part i's output hidden_out is part i+1's input hidden_in"},
-            "state_modes": modes, "spec_check": {**checks[0], "parts_checked": len(checks)}, "ane_report": report,
-            "compute": "fp32" if ctx.precision == "fp32" else "fp16 (DeltaNet recurrence in fp32)"}
-
+    return {
+        "files": files,
+        "entry": parts[0]["package"],
+        "parts": parts,
+        **({"quantization": pal} if ctx.options.get("coreml_palettize") else {}),
+        "functions": {f: {"tokens": ctx.options["prefill_chunk"] if f == "prefill" else 1} for f in FUNCTIONS},
+        "hidden_states": {
+            "shape": [1, "T", ctx.spec.hidden_size],
+            "dtype": str(ctx.dtype).replace("torch.", ""),
+            "doc": "part i's output hidden_out is part i+1's input hidden_in",
+        },
+        "state_modes": modes,
+        "spec_check": {**checks[0], "parts_checked": len(checks)},
+        "ane_report": report,
+        "compute": "fp32" if ctx.precision == "fp32" else "fp16 (DeltaNet recurrence in fp32)",
+    }

@@ -27,14 +27,45 @@ PTE_FILE = "model.pte"
 # Nodes that legitimately run outside XNNPACK (names as get_delegation_info reports them): the
 # canonical stateful kernels (llama::*, the KV-cache write), the (quantized) embedding gather,
 # symbolic-size arithmetic and asserts, and the few scalar/mask ops around positions.
-PORTABLE_OK_PREFIXES = ("llama_", "auto_functionalized", "aten_embedding", "quantized_decomposed_embedding",
-                        "aten_arange", "aten_eq_scalar", "aten_ne_scalar", "aten_add_tensor", "aten_cat_default",
-                        "aten__to_copy", "aten_sym_size", "aten__local_scalar_dense", "aten__assert",
-                        # data movement at partition boundaries (views are free after memory planning)
-                        "aten_view_copy", "aten_slice_copy", "aten_split_with_sizes_copy", "aten_unsqueeze_copy",
-                        "aten_expand_copy", "aten_select_copy", "aten_squeeze_copy", "aten_permute_copy")
-PORTABLE_OK_SYMBOLIC = ("add", "sub", "mul", "ge", "le", "lt", "gt", "eq", "floordiv", "getitem", "sym_size",
-                        "_assert_scalar", "_local_scalar_dense")
+PORTABLE_OK_PREFIXES = (
+    "llama_",
+    "auto_functionalized",
+    "aten_embedding",
+    "quantized_decomposed_embedding",
+    "aten_arange",
+    "aten_eq_scalar",
+    "aten_ne_scalar",
+    "aten_add_tensor",
+    "aten_cat_default",
+    "aten__to_copy",
+    "aten_sym_size",
+    "aten__local_scalar_dense",
+    "aten__assert",
+    # data movement at partition boundaries (views are free after memory planning)
+    "aten_view_copy",
+    "aten_slice_copy",
+    "aten_split_with_sizes_copy",
+    "aten_unsqueeze_copy",
+    "aten_expand_copy",
+    "aten_select_copy",
+    "aten_squeeze_copy",
+    "aten_permute_copy",
+)
+PORTABLE_OK_SYMBOLIC = (
+    "add",
+    "sub",
+    "mul",
+    "ge",
+    "le",
+    "lt",
+    "gt",
+    "eq",
+    "floordiv",
+    "getitem",
+    "sym_size",
+    "_assert_scalar",
+    "_local_scalar_dense",
+)
 
 
 def expected_portable(op: str) -> bool:
@@ -101,8 +132,11 @@ def infer_reshape_dims(ep: torch.export.ExportedProgram) -> int:
     aten = torch.ops.aten
     n = 0
     for node in ep.graph.nodes:
-        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default,
-                                                           aten.reshape.default):
+        if node.op == "call_function" and node.target in (
+            aten.view.default,
+            aten._unsafe_view.default,
+            aten.reshape.default,
+        ):
             shape = list(node.args[1])
             symbolic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
             if len(symbolic) == 1 and -1 not in shape:
@@ -133,15 +167,22 @@ def preprocess_shares_weights():
     name = "copy_exported_program_for_preprocess"
     if not hasattr(BackendDetails, name):  # the hook of executorch 1.5; without it the copies would be back
         from deltaship.bundle.writer import tool_versions
-        raise RuntimeError(f"executorch {tool_versions('executorch')['executorch']} has no BackendDetails.{name}: "
-                           "deltaship's ExecuTorch lowering is written for executorch 1.5.1")
+
+        raise RuntimeError(
+            f"executorch {tool_versions('executorch')['executorch']} has no BackendDetails.{name}: "
+            "deltaship's ExecuTorch lowering is written for executorch 1.5.1"
+        )
     own = vars(XnnpackBackend).get(name)
 
     def share(cls, edge_program, compile_specs):
         # New tensor objects on the same storage: preprocess replaces some entries of its copy (the conv
         # weights' unsqueeze pass puts a view in the copy's state dict), which must stay in the copy.
-        memo = {id(t): _same_storage(t) for table in (edge_program.state_dict, edge_program.constants)
-                for t in table.values() if isinstance(t, torch.Tensor)}
+        memo = {
+            id(t): _same_storage(t)
+            for table in (edge_program.state_dict, edge_program.constants)
+            for t in table.values()
+            if isinstance(t, torch.Tensor)
+        }
         return copy.deepcopy(edge_program, memo)
 
     setattr(XnnpackBackend, name, classmethod(share))
@@ -216,11 +257,17 @@ def metadata(ctx, tokens: dict[str, Any]) -> dict[str, Any]:
     llama::update_cache's bounds check (a program without attention layers has no cache to overflow)."""
     eos = tokens.get("eos") or []
     chunk = int(ctx.options["prefill_chunk"])
-    return {"get_max_seq_len": min(chunk, ctx.max_context), "get_max_context_len": ctx.max_context,
-            "get_vocab_size": ctx.spec.vocab_size, "get_n_layers": ctx.spec.num_layers,
-            "get_bos_id": tokens.get("bos") if tokens.get("bos") is not None else (eos[0] if eos else 0),
-            "get_eos_ids": list(eos), "use_kv_cache": True, "use_sdpa_with_kv_cache": True,
-            "enable_dynamic_shape": True}
+    return {
+        "get_max_seq_len": min(chunk, ctx.max_context),
+        "get_max_context_len": ctx.max_context,
+        "get_vocab_size": ctx.spec.vocab_size,
+        "get_n_layers": ctx.spec.num_layers,
+        "get_bos_id": tokens.get("bos") if tokens.get("bos") is not None else (eos[0] if eos else 0),
+        "get_eos_ids": list(eos),
+        "use_kv_cache": True,
+        "use_sdpa_with_kv_cache": True,
+        "enable_dynamic_shape": True,
+    }
 
 
 def prepare(ctx, weights, say=lambda m: None):
@@ -235,21 +282,30 @@ def prepare(ctx, weights, say=lambda m: None):
     model.to_empty(device="cpu")  # untouched allocations cost no resident memory
     quantized = ctx.precision in ("int8", "int4")
     group = int(ctx.options.get("block_size", 32))
-    quant: dict[str, Any] = q.describe(ctx.precision, group) if quantized else {"scheme": "none", "weights": ctx.precision}
+    quant: dict[str, Any] = (
+        q.describe(ctx.precision, group) if quantized else {"scheme": "none", "weights": ctx.precision}
+    )
     # Fill (and quantize) one part at a time: only one layer is ever held in full precision; the
     # vocabulary tables of a quantized build are quantized from the plan a block of rows at a time.
-    units = ["model.embed_tokens."] + [f"model.layers.{i}." for i in range(ctx.spec.num_layers)] + \
-            ["model.norm.", "model.rotary.", "lm_head."]
+    units = (
+        ["model.embed_tokens."]
+        + [f"model.layers.{i}." for i in range(ctx.spec.num_layers)]
+        + ["model.norm.", "model.rotary.", "lm_head."]
+    )
     for i, unit in enumerate(units):
         say(f"materialising {unit.rstrip('.')} ({i + 1}/{len(units)})")
         table = unit.rstrip(".") + ".weight"
         if quantized and unit == "model.embed_tokens.":
             model.model.embed_tokens, quant["embedding"] = q.quantized_embedding(
-                lambda rows: ctx.plan.tensor(table, weights, rows), ctx.plan.shape(table), ctx.precision)
+                lambda rows: ctx.plan.tensor(table, weights, rows), ctx.plan.shape(table), ctx.precision
+            )
         elif quantized and unit == "lm_head.":  # also unties a tied head: the two uses are quantized apart
-            model.lm_head.weight = nn.Parameter(q.quantized_table_linear(
-                lambda rows: ctx.plan.tensor(table, weights, rows), ctx.plan.shape(table), ctx.precision, group),
-                requires_grad=False)
+            model.lm_head.weight = nn.Parameter(
+                q.quantized_table_linear(
+                    lambda rows: ctx.plan.tensor(table, weights, rows), ctx.plan.shape(table), ctx.precision, group
+                ),
+                requires_grad=False,
+            )
         else:
             materialize(model, ctx.plan, weights, prefix=unit, allocate=False)
             if quantized and unit.startswith("model.layers."):
@@ -263,6 +319,7 @@ def prepare(ctx, weights, say=lambda m: None):
     static_conv_weights(model)
     ctx.states = program_states(ctx.model.state_specs(ctx.dtype))
     from deltaship.export.verify import reference_fits
+
     if quantized and ctx.options.get("verify", True) and reference_fits(ctx.spec):
         ctx.rounded = q.rounded_weights(model)  # only verification needs the dequantized copy
     return model, kernels, quant, swapped
@@ -291,9 +348,11 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         edge = to_edge_transform_and_lower(
             # One partitioner for every precision: ExecuTorch's dynamically-quantized partitioner works op by
             # op, which puts each linear in a delegate call of its own (about 7 per layer).
-            ep, partitioner=[XnnpackPartitioner()],
+            ep,
+            partitioner=[XnnpackPartitioner()],
             compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
-            constant_methods=metadata(ctx, tokens or {}))
+            constant_methods=metadata(ctx, tokens or {}),
+        )
     # The weights now live in the delegates' blobs: drop the eager model, the captured program and the
     # copies of the weights each delegate keeps for debugging.
     del model, wrapper, ep
@@ -308,24 +367,37 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         raise DeltashipError(
             "executorch lowering: XNNPACK does not take these nodes, which would run as slow portable kernels: "
             + ", ".join(f"{op} x{n}" for op, n in sorted(unexpected.items())),
-            "report this; or pass --allow-portable-fallback to accept the portable kernels")
+            "report this; or pass --allow-portable-fallback to accept the portable kernels",
+        )
     say("to_executorch")
-    prog = edge.to_executorch(ExecutorchBackendConfig(
-        extract_delegate_segments=True, do_quant_fusion_and_const_prop=True,
-        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
-        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(), emit_mutable_buffer_names=True))
+    prog = edge.to_executorch(
+        ExecutorchBackendConfig(
+            extract_delegate_segments=True,
+            do_quant_fusion_and_const_prop=True,
+            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+            sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
+            emit_mutable_buffer_names=True,
+        )
+    )
     with open(out_dir / PTE_FILE, "wb") as f:  # segment by segment: no second copy of the program in memory
         prog.write_to_file(f)
     operators, delegates = program_operators(prog.executorch_program)
     from deltaship.bundle.writer import tool_versions
-    n_layers = ctx.spec.num_layers
-    return {"files": [PTE_FILE], "entry": PTE_FILE, "delegate_partitions": int(info.num_delegated_subgraphs),
-            "delegate_partitions_per_layer": round(info.num_delegated_subgraphs / n_layers, 2),
-            "portable_nodes": portable, "kernels_swapped": swapped, "reshapes_inferred": reshapes,
-            "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op; all T tokens in one call, a token loop inside the kernel)",
-            "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]",
-            "quantization": quant, "prefill": f"1 .. {chunk} tokens per call (dynamic shape)",
-            "operators": operators,
-            "runtime_requirements": runtime_requirements(operators, delegates,
-                                                         tool_versions("executorch")["executorch"])}
 
+    n_layers = ctx.spec.num_layers
+    return {
+        "files": [PTE_FILE],
+        "entry": PTE_FILE,
+        "delegate_partitions": int(info.num_delegated_subgraphs),
+        "delegate_partitions_per_layer": round(info.num_delegated_subgraphs / n_layers, 2),
+        "portable_nodes": portable,
+        "kernels_swapped": swapped,
+        "reshapes_inferred": reshapes,
+        "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op; all T tokens in one call, "
+        "a token loop inside the kernel)",
+        "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]",
+        "quantization": quant,
+        "prefill": f"1 .. {chunk} tokens per call (dynamic shape)",
+        "operators": operators,
+        "runtime_requirements": runtime_requirements(operators, delegates, tool_versions("executorch")["executorch"]),
+    }

@@ -39,6 +39,7 @@ class ExecuTorchKernels:
 
     def __init__(self) -> None:
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers torch.ops.llama)
+
         self.position: Tensor | None = None  # set by the wrapper for the in-graph reset
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -70,12 +71,13 @@ class ExecuTorchKernels:
         state = state * self._keep().to(state.dtype)
         full = torch.cat([state.to(x.dtype), x], dim=1)
         y = F.conv1d(full.transpose(1, 2), weight.to(x.dtype), groups=weight.shape[0]).transpose(1, 2)
-        return F.silu(y), full[:, full.shape[1] - (k - 1):].to(state.dtype)
+        return F.silu(y), full[:, full.shape[1] - (k - 1) :].to(state.dtype)
 
     mean_last = staticmethod(_mean_last)
 
-    def gated_delta_rule_heads_first(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                                     state: Tensor) -> tuple[Tensor, Tensor]:
+    def gated_delta_rule_heads_first(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """The kernel on heads-first inputs: q (already scaled by 1/sqrt(d_k)), k [1, Hk, T, d_k], v [1, Hv, T, d_v],
         g, beta [1, T, Hv]. Returns (o [1, T, Hv, d_v], new state)."""
         hv, hk = v.shape[1], k.shape[1]
@@ -85,20 +87,24 @@ class ExecuTorchKernels:
         decay = g.exp()
         first = (torch.arange(decay.shape[1], device=decay.device) == 0).float()  # 1 for the call's first token
         decay = decay * (1 - first * (1 - self._keep())).reshape(1, -1, 1)  # position 0: the old state is dropped
-        o, new_state = torch.ops.llama.gated_delta_rule(q, k, v, decay.transpose(1, 2).contiguous(),
-                                                        beta.transpose(1, 2).contiguous(), state)
+        o, new_state = torch.ops.llama.gated_delta_rule(
+            q, k, v, decay.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous(), state
+        )
         return o.transpose(1, 2), new_state
 
-    def gated_delta_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                         state: Tensor) -> tuple[Tensor, Tensor]:
+    def gated_delta_rule(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """The canonical signature (q, k [B, T, Hk, d_k], v [B, T, Hv, d_v]) over the heads-first kernel."""
         tr = lambda t: t.float().transpose(1, 2).contiguous()  # noqa: E731  [B, T, H, D] -> [B, H, T, D]
-        o, new_state = self.gated_delta_rule_heads_first(tr(q * q.shape[-1] ** -0.5), tr(k), tr(v), g.float(),
-                                                         beta.float(), state)
+        o, new_state = self.gated_delta_rule_heads_first(
+            tr(q * q.shape[-1] ** -0.5), tr(k), tr(v), g.float(), beta.float(), state
+        )
         return o.to(v.dtype), new_state
 
-    def attention_with_kv_cache(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                                pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def attention_with_kv_cache(
+        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         # caches are mutable buffers in the [1, S, Hkv, D] layout; written in place
         t, s = q.shape[1], k_cache.shape[1]
         sp = pos[0].item()

@@ -42,7 +42,7 @@ def full_width_inv_freq(spec: ModelSpec) -> np.ndarray:
     """[d] angular frequencies per head channel: the rotary ones twice (half-split layout), 0 past them."""
     inv = fam.rotary_inv_freq(spec)
     out = np.zeros(spec.head_dim, np.float32)
-    out[: inv.size], out[inv.size: 2 * inv.size] = inv, inv
+    out[: inv.size], out[inv.size : 2 * inv.size] = inv, inv
     return out
 
 
@@ -61,7 +61,7 @@ def qkv_head_scales(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
     """Per conv-output head: (multiplier of the L2 scale, constant term): q heads get 1/sqrt(d_k) * l2,
     k heads l2, v heads 1 (no norm)."""
     hk, hv = spec.linear_num_key_heads, spec.linear_num_value_heads
-    mult = np.array([spec.linear_key_head_dim ** -0.5] * hk + [1.0] * hk + [0.0] * hv, np.float32)
+    mult = np.array([spec.linear_key_head_dim**-0.5] * hk + [1.0] * hk + [0.0] * hv, np.float32)
     const = np.array([0.0] * (2 * hk) + [1.0] * hv, np.float32)
     return mult.reshape(-1, 1), const.reshape(-1, 1)
 
@@ -104,8 +104,14 @@ class XnnpackAttention(nn.Module):
         h, d = s.num_attention_heads, s.head_dim
         q_proj = canonical.qkv.parts["q_proj"]
         make = lambda: nn.Linear(q_proj.in_features, h * d, bias=False, device="meta", dtype=q_proj.weight.dtype)  # noqa: E731
-        self.qkv = fam.Projections({"q": make(), "gate": make(), "k_proj": canonical.qkv.parts["k_proj"],
-                                    "v_proj": canonical.qkv.parts["v_proj"]})
+        self.qkv = fam.Projections(
+            {
+                "q": make(),
+                "gate": make(),
+                "k_proj": canonical.qkv.parts["k_proj"],
+                "v_proj": canonical.qkv.parts["v_proj"],
+            }
+        )
         self.q_norm, self.k_norm, self.o_proj = canonical.q_norm, canonical.k_norm, canonical.o_proj
         self.register_buffer("rotate", torch.empty(d, d, device="meta"))
 
@@ -116,8 +122,9 @@ class XnnpackAttention(nn.Module):
         heads = np.arange(spec.num_attention_heads)[:, None] * 2 * d
         return {"q": (heads + np.arange(d)).reshape(-1), "gate": (heads + d + np.arange(d)).reshape(-1)}
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor, k_cache: Tensor,
-                v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         s = self.spec
         h, hkv, d = s.num_attention_heads, s.num_key_value_heads, s.head_dim
         q, gate, k, v = self.qkv(x)
@@ -125,8 +132,9 @@ class XnnpackAttention(nn.Module):
         k = self.k_norm(k.reshape(1, -1, hkv, d))
         q = q * cos + F.linear(q, self.rotate) * sin  # `rotate` is stored in the model dtype: a static weight
         k = k * cos + F.linear(k, self.rotate) * sin
-        out, k_cache, v_cache = self.kernels.attention_with_kv_cache(q, k, v.reshape(1, -1, hkv, d), k_cache, v_cache,
-                                                                     position)
+        out, k_cache, v_cache = self.kernels.attention_with_kv_cache(
+            q, k, v.reshape(1, -1, hkv, d), k_cache, v_cache, position
+        )
         out = out.reshape(1, -1, h * d) * torch.sigmoid(gate)
         return self.o_proj(out), k_cache, v_cache
 
@@ -146,11 +154,18 @@ class XnnpackGatedDeltaNet(nn.Module):
         self.register_buffer("head_mult", torch.empty(n_heads, 1, device="meta"))
         self.register_buffer("head_const", torch.empty(n_heads, 1, device="meta"))
         if self.spec.linear_num_value_heads != self.spec.linear_num_key_heads:
-            self.register_buffer("head_select", torch.empty(3 * self.spec.linear_num_value_heads, n_heads, device="meta"))
+            self.register_buffer(
+                "head_select", torch.empty(3 * self.spec.linear_num_value_heads, n_heads, device="meta")
+            )
 
     def forward(self, x: Tensor, conv_state: Tensor, rec_state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         s = self.spec
-        hk, hv, dk, dv = s.linear_num_key_heads, s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim
+        hk, hv, dk, dv = (
+            s.linear_num_key_heads,
+            s.linear_num_value_heads,
+            s.linear_key_head_dim,
+            s.linear_value_head_dim,
+        )
         kern = self.kernels
         qkv, z, b, a = self.proj(x)
         y, conv_state = kern.causal_conv_with_state(qkv, conv_state, self.conv_weight)
@@ -165,7 +180,7 @@ class XnnpackGatedDeltaNet(nn.Module):
                 q, k, v = heads.transpose(1, 2).split([hk, hk, hv], dim=1)
         else:  # the split comes first: one more partition boundary, same numbers
             q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
-            q = (kern.l2norm(q.reshape(1, -1, hk, dk)) * dk ** -0.5).transpose(1, 2)
+            q = (kern.l2norm(q.reshape(1, -1, hk, dk)) * dk**-0.5).transpose(1, 2)
             k = kern.l2norm(k.reshape(1, -1, hk, dk)).transpose(1, 2)
             v = v.reshape(1, -1, hv, dv).float().transpose(1, 2)
         g, beta = kern.delta_gates(a, b, self.dt_bias, self.decay_scale)
@@ -193,8 +208,10 @@ class XnnpackLayout:
             if isinstance(layer.mixer, ctx.family.StaticCacheAttention):
                 layer.self_attn = XnnpackAttention(layer.self_attn)
                 rows = XnnpackAttention.q_gate_rows(spec)
-                plan.select_rows(f"{path}.self_attn.qkv.parts.q_proj.weight",
-                                 {f"{path}.self_attn.qkv.parts.{k}.weight": v for k, v in rows.items()})
+                plan.select_rows(
+                    f"{path}.self_attn.qkv.parts.q_proj.weight",
+                    {f"{path}.self_attn.qkv.parts.{k}.weight": v for k, v in rows.items()},
+                )
                 rot = rotate_half_matrix(spec.head_dim, spec.rotary_dim)
                 plan.add_constant(f"{path}.self_attn.rotate", lambda r=rot: r, rot.shape, dtype="model")
                 counts["attention_q_gate_split"] += 1
@@ -219,5 +236,7 @@ class XnnpackLayout:
         missing = names - set(ctx.plan.names())
         extra = {n for n in set(ctx.plan.names()) - names if n != "lm_head.weight"}
         if missing or extra:
-            raise RuntimeError(f"weight plan out of step with the module tree: missing {sorted(missing)[:4]}, "
-                               f"extra {sorted(extra)[:4]}")
+            raise RuntimeError(
+                f"weight plan out of step with the module tree: missing {sorted(missing)[:4]}, "
+                f"extra {sorted(extra)[:4]}"
+            )

@@ -22,8 +22,14 @@ def linear_group(precision: str, group_size: int, in_features: int) -> tuple[int
     """(bits, group) of one linear: int4 groups that are multiples of 32 dividing the row (what XNNPACK
     takes), else 8-bit per output channel (group 0)."""
     if precision == "int4":
-        g = next((x for x in (group_size, group_size // 2, group_size // 4) if x >= 32 and x % 32 == 0
-                  and in_features % x == 0), 0)
+        g = next(
+            (
+                x
+                for x in (group_size, group_size // 2, group_size // 4)
+                if x >= 32 and x % 32 == 0 and in_features % x == 0
+            ),
+            0,
+        )
         return (4, g) if g else (8, 0)
     return 8, 0
 
@@ -31,16 +37,23 @@ def linear_group(precision: str, group_size: int, in_features: int) -> tuple[int
 def linear_config(bits: int, group: int):
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig
     from torchao.quantization.granularity import PerAxis, PerGroup
+
     return Int8DynamicActivationIntxWeightConfig(
-        weight_dtype=torch.int4 if bits == 4 else torch.int8, weight_granularity=PerGroup(group) if group else PerAxis(0),
-        **({"intx_choose_qparams_algorithm": "hqq_scale_only"} if bits == 4 else {}))
+        weight_dtype=torch.int4 if bits == 4 else torch.int8,
+        weight_granularity=PerGroup(group) if group else PerAxis(0),
+        **({"intx_choose_qparams_algorithm": "hqq_scale_only"} if bits == 4 else {}),
+    )
 
 
 def quantize_linears(model: nn.Module, precision: str, group_size: int, prefix: str = "") -> None:
     """8da4w (int8 dynamic activations, int4 weights per group) or 8da8w on every nn.Linear under `prefix`."""
     from torchao.quantization import quantize_
-    linears = {n: m for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and (n.startswith(prefix) or n == prefix.rstrip("."))}
+
+    linears = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and (n.startswith(prefix) or n == prefix.rstrip("."))
+    }
     groups: dict[tuple[int, int], set[str]] = {}
     for name, m in linears.items():
         groups.setdefault(linear_group(precision, group_size, m.in_features), set()).add(name)
@@ -58,6 +71,7 @@ def quantized_table_linear(read: ReadRows, shape: tuple[int, int], precision: st
     returns the torchao tensor to use as the Linear's weight."""
     from torchao.quantization import quantize_
     from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import IntxUnpackedToInt8Tensor
+
     bits, g = linear_group(precision, group_size, shape[1])
     cfg = linear_config(bits, g)
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -68,9 +82,15 @@ def quantized_table_linear(read: ReadRows, shape: tuple[int, int], precision: st
         quantize_(block, cfg)
         w = block.weight
         parts.append((w.qdata, w.scale, w.zero_point))
-    return IntxUnpackedToInt8Tensor(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                                    torch.cat([p[2] for p in parts]), w.target_dtype, w.block_size, w.dtype,
-                                    w.activation_quantization)
+    return IntxUnpackedToInt8Tensor(
+        torch.cat([p[0] for p in parts]),
+        torch.cat([p[1] for p in parts]),
+        torch.cat([p[2] for p in parts]),
+        w.target_dtype,
+        w.block_size,
+        w.dtype,
+        w.activation_quantization,
+    )
 
 
 def embedding_scheme(precision: str, hidden: int) -> tuple[int, int]:
@@ -91,9 +111,11 @@ def quantized_embedding(read: ReadRows, shape: tuple[int, int], precision: str) 
 
     rows, hidden = shape
     bits, group = embedding_scheme(precision, hidden)
-    cfg = IntxWeightOnlyConfig(weight_dtype=getattr(torch, f"int{bits}"),
-                               granularity=PerGroup(group) if group else PerAxis(0),
-                               intx_choose_qparams_algorithm="hqq_scale_only")
+    cfg = IntxWeightOnlyConfig(
+        weight_dtype=getattr(torch, f"int{bits}"),
+        granularity=PerGroup(group) if group else PerAxis(0),
+        intx_choose_qparams_algorithm="hqq_scale_only",
+    )
     packed = bits == 4
     data = torch.empty(rows, hidden // 2 if packed else hidden, dtype=torch.uint8 if packed else torch.int8)
     scales = None
@@ -109,16 +131,26 @@ def quantized_embedding(read: ReadRows, shape: tuple[int, int], precision: str) 
             scales = torch.empty((rows, *s.shape[1:]), dtype=s.dtype)
         data[sl] = q
         scales[sl] = s
-    module = QuantizedGroupEmbedding(device="cpu", vocab_size=rows, embedding_dim=hidden, group_size=group or None,
-                                     dtype=torch.float32, packed=packed, bitwidth=bits)
+    module = QuantizedGroupEmbedding(
+        device="cpu",
+        vocab_size=rows,
+        embedding_dim=hidden,
+        group_size=group or None,
+        dtype=torch.float32,
+        packed=packed,
+        bitwidth=bits,
+    )
     module.weight, module.scales = data, scales  # as load_state_dict(assign=True) would
     return module, f"{bits},{group}"
 
 
 def describe(precision: str, group_size: int) -> dict[str, Any]:
-    return {"scheme": "torchao 8da4w (hqq scales)" if precision == "int4" else "torchao 8da8w per channel",
-            "activations": "int8 dynamic", "group_size": group_size if precision == "int4" else "per channel",
-            "linears": "every Linear, LM head included (8-bit per channel where no group of 32k divides a row)"}
+    return {
+        "scheme": "torchao 8da4w (hqq scales)" if precision == "int4" else "torchao 8da8w per channel",
+        "activations": "int8 dynamic",
+        "group_size": group_size if precision == "int4" else "per channel",
+        "linears": "every Linear, LM head included (8-bit per channel where no group of 32k divides a row)",
+    }
 
 
 @torch.no_grad()

@@ -23,13 +23,18 @@ DATA_FILE = "model.onnx.data"
 # so "standard" is the default (the onnx_deltanet_ops option, deltaship/targets/onnx.py); "contrib" keeps the
 # fused contrib ops, e.g. for an execution provider that implements them better.
 DELTANET_OPS = {
-    "standard": {"recurrence": "com.microsoft::LinearAttention (gated_delta)",
-                 "conv": "K shifted Mul/Add over Concat(state, x); new state = last K-1 rows (Slice)",
-                 "output_norm": "SimplifiedLayerNormalization * SiLU(gate)",
-                 "l2norm": "SimplifiedLayerNormalization (eps/d, scale d^-1/2)"},
-    "contrib": {"recurrence": "com.microsoft::LinearAttention (gated_delta)",
-                "conv": "com.microsoft::CausalConvWithState (fused SiLU)",
-                "output_norm": "com.microsoft::GatedRMSNorm", "l2norm": "SimplifiedLayerNormalization (eps/d, scale d^-1/2)"},
+    "standard": {
+        "recurrence": "com.microsoft::LinearAttention (gated_delta)",
+        "conv": "K shifted Mul/Add over Concat(state, x); new state = last K-1 rows (Slice)",
+        "output_norm": "SimplifiedLayerNormalization * SiLU(gate)",
+        "l2norm": "SimplifiedLayerNormalization (eps/d, scale d^-1/2)",
+    },
+    "contrib": {
+        "recurrence": "com.microsoft::LinearAttention (gated_delta)",
+        "conv": "com.microsoft::CausalConvWithState (fused SiLU)",
+        "output_norm": "com.microsoft::GatedRMSNorm",
+        "l2norm": "SimplifiedLayerNormalization (eps/d, scale d^-1/2)",
+    },
 }
 
 
@@ -37,8 +42,10 @@ DELTANET_OPS = {
 # may share one buffer (no copy of the state per call), by execution provider. GroupQueryAttention is
 # built for a shared KV buffer. LinearAttention's CPU kernel (ORT 1.31) copies the past state into the
 # present one and updates it there; its CUDA kernel was not checked, so it is not listed.
-IN_PLACE_KERNELS = {"GroupQueryAttention": ["CPUExecutionProvider", "CUDAExecutionProvider"],
-                    "LinearAttention": ["CPUExecutionProvider"]}
+IN_PLACE_KERNELS = {
+    "GroupQueryAttention": ["CPUExecutionProvider", "CUDAExecutionProvider"],
+    "LinearAttention": ["CPUExecutionProvider"],
+}
 
 
 def in_place_states(nodes, states: list[dict]) -> dict[str, list[str]]:
@@ -85,8 +92,16 @@ def _genai_io(b: GraphBuilder, vocab: int) -> None:
     # Runtime keys its memory patterns by the XOR of all input dims, and [1, T] twice cancels out, so prefill
     # and decode would share one pattern and fall back to allocating tensor by tensor).
     b.inputs[i] = onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "positions"])
-    first = b.node("Slice", ["position_ids", b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64)),
-                             b.const(np.array([1], np.int64))], name_hint="position_first")[0]
+    first = b.node(
+        "Slice",
+        [
+            "position_ids",
+            b.const(np.array([0], np.int64)),
+            b.const(np.array([1], np.int64)),
+            b.const(np.array([1], np.int64)),
+        ],
+        name_hint="position_first",
+    )[0]
     b.node("Reshape", [first, b.const(np.array([1], np.int64))], outputs=[_PROGRAM_POSITION])
     b.nodes[:] = b.nodes[-2:] + b.nodes[:-2]  # keep the node list topologically sorted
     o = next(k for k, v in enumerate(b.outputs) if v.name == _PROGRAM_LOGITS)
@@ -96,17 +111,36 @@ def _genai_io(b: GraphBuilder, vocab: int) -> None:
 
 def io_inputs(ctx) -> list[dict]:
     """The manifest's `inputs`: the graph inputs other than states."""
-    return [{"name": "input_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens",
-             "doc": "1 to prefill_chunk token ids"},
-            {"name": "position_ids", "shape": [1, "positions"], "dtype": "int64", "kind": "position_ids",
-             "doc": "positions of this call's tokens: p .. p+T-1, p = tokens already consumed by the state; only "
-                    "the first is read, so [1, 1] = [[p]] is enough"}]
+    return [
+        {
+            "name": "input_ids",
+            "shape": [1, "tokens"],
+            "dtype": "int64",
+            "kind": "tokens",
+            "doc": "1 to prefill_chunk token ids",
+        },
+        {
+            "name": "position_ids",
+            "shape": [1, "positions"],
+            "dtype": "int64",
+            "kind": "position_ids",
+            "doc": "positions of this call's tokens: p .. p+T-1, p = tokens already consumed by the state; only "
+            "the first is read, so [1, 1] = [[p]] is enough",
+        },
+    ]
 
 
 def io_outputs(ctx) -> list[dict]:
     """The manifest's `outputs`: the graph outputs other than states."""
-    return [{"name": "logits", "shape": [1, 1, ctx.spec.vocab_size], "dtype": "float32", "kind": "logits",
-             "doc": "logits after the last token of the call"}]
+    return [
+        {
+            "name": "logits",
+            "shape": [1, 1, ctx.spec.vocab_size],
+            "dtype": "float32",
+            "kind": "logits",
+            "doc": "logits after the last token of the call",
+        }
+    ]
 
 
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict:
@@ -119,22 +153,42 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     inputs = ["input_ids", _PROGRAM_POSITION] + [s["name"] for s in ctx.states]
     outputs = [_PROGRAM_LOGITS] + [s["output"] for s in ctx.states]
     deltanet_ops = ctx.options["onnx_deltanet_ops"]
-    lw = Lowerer(ctx.program, ctx.plan, weights, ctx.quant, b, accuracy_level=accuracy_level, progress=progress,
-                 deltanet_ops=deltanet_ops)
+    lw = Lowerer(
+        ctx.program,
+        ctx.plan,
+        weights,
+        ctx.quant,
+        b,
+        accuracy_level=accuracy_level,
+        progress=progress,
+        deltanet_ops=deltanet_ops,
+    )
     lw.run(inputs, outputs)
     _genai_io(b, ctx.spec.vocab_size)
-    b.finish(out_dir / MODEL_FILE, {"": OPSET, "com.microsoft": 1}, IR_VERSION,
-             doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}")
+    b.finish(
+        out_dir / MODEL_FILE,
+        {"": OPSET, "com.microsoft": 1},
+        IR_VERSION,
+        doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}",
+    )
     ops: dict[str, int] = {}
     for n in b.nodes:
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
     in_place = in_place_states(b.nodes, ctx.states)
     genai = write_genai_config(out_dir, ctx, tokens, MODEL_FILE, b.nodes, in_place)
-    return {"files": [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else []), "entry": MODEL_FILE, "onnx_ops": ops,
-            "external_data": external, "opset": OPSET, "ir_version": IR_VERSION,
-            "accuracy_level": accuracy_level, "weight_bytes": b.weight_bytes,
-            "state_in_place": in_place, "genai": genai,
-            "deltanet_ops": {"mode": deltanet_ops, **DELTANET_OPS[deltanet_ops]}}
+    return {
+        "files": [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else []),
+        "entry": MODEL_FILE,
+        "onnx_ops": ops,
+        "external_data": external,
+        "opset": OPSET,
+        "ir_version": IR_VERSION,
+        "accuracy_level": accuracy_level,
+        "weight_bytes": b.weight_bytes,
+        "state_in_place": in_place,
+        "genai": genai,
+        "deltanet_ops": {"mode": deltanet_ops, **DELTANET_OPS[deltanet_ops]},
+    }
 
 
 __all__ = ["lower", "io_inputs", "io_outputs", "adapt_tokenizer_config", "LOWERINGS", "MODEL_FILE"]

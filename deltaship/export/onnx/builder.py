@@ -14,9 +14,12 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 NP_TO_ONNX = {
-    np.dtype("float32"): TensorProto.FLOAT, np.dtype("float16"): TensorProto.FLOAT16,
-    np.dtype("int64"): TensorProto.INT64, np.dtype("int32"): TensorProto.INT32,
-    np.dtype("uint8"): TensorProto.UINT8, np.dtype("bool"): TensorProto.BOOL,
+    np.dtype("float32"): TensorProto.FLOAT,
+    np.dtype("float16"): TensorProto.FLOAT16,
+    np.dtype("int64"): TensorProto.INT64,
+    np.dtype("int32"): TensorProto.INT32,
+    np.dtype("uint8"): TensorProto.UINT8,
+    np.dtype("bool"): TensorProto.BOOL,
 }
 ALIGN = 4096
 
@@ -43,12 +46,21 @@ class GraphBuilder:
         self._names.add(name)
         return name
 
-    def node(self, op: str, inputs: list[str], n_out: int = 1, domain: str = "", name_hint: str | None = None,
-             outputs: list[str] | None = None, **attrs) -> list[str]:
+    def node(
+        self,
+        op: str,
+        inputs: list[str],
+        n_out: int = 1,
+        domain: str = "",
+        name_hint: str | None = None,
+        outputs: list[str] | None = None,
+        **attrs,
+    ) -> list[str]:
         outs = outputs or [self.fresh(name_hint or op.lower()) for _ in range(n_out)]
         self._names.update(outs)
-        self.nodes.append(helper.make_node(op, inputs, outs, name=self.fresh("n_" + op), domain=domain or None,
-                                           **attrs))
+        self.nodes.append(
+            helper.make_node(op, inputs, outs, name=self.fresh("n_" + op), domain=domain or None, **attrs)
+        )
         return outs
 
     def one(self, op: str, inputs: list[str], domain: str = "", **attrs) -> str:
@@ -123,8 +135,12 @@ class GraphBuilder:
         if self._ext_file:
             self._ext_file.close()
         graph = helper.make_graph(self.nodes, "deltaship", self.inputs, self.outputs, self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
-                                  producer_name="deltaship", doc_string=doc)
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
+            producer_name="deltaship",
+            doc_string=doc,
+        )
         model.ir_version = ir_version
         with open(path, "wb") as f:
             f.write(model.SerializeToString())

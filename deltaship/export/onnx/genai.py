@@ -19,8 +19,15 @@ GENAI_CONFIG = "genai_config.json"
 MODEL_TYPE = "qwen3_5_text"  # genai's text-only Qwen3.5 type: its plain decoder-only path, nothing else
 # tokenizer_config.json classes onnxruntime-genai's tokenizer (onnxruntime-extensions) accepts for an HF
 # tokenizer.json; it rejects the others (e.g. transformers 5's Qwen3_5Tokenizer) when it loads the model.
-GENAI_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "PreTrainedTokenizer", "Qwen2Tokenizer", "GPT2Tokenizer",
-                           "LlamaTokenizer", "GemmaTokenizer", "Phi3Tokenizer")
+GENAI_TOKENIZER_CLASSES = (
+    "PreTrainedTokenizerFast",
+    "PreTrainedTokenizer",
+    "Qwen2Tokenizer",
+    "GPT2Tokenizer",
+    "LlamaTokenizer",
+    "GemmaTokenizer",
+    "Phi3Tokenizer",
+)
 GENAI_TOKENIZER_FALLBACK = "PreTrainedTokenizerFast"  # reads tokenizer.json as it is, as transformers does
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
@@ -64,8 +71,15 @@ def deltanet_states_share_in_place(nodes, states: list[dict], in_place: dict[str
     return True
 
 
-def genai_config(spec, states: list[dict], tokens: dict[str, Any] | None, max_context: int, prefill_chunk: int,
-                 model_file: str, share_buffer: bool) -> dict[str, Any]:
+def genai_config(
+    spec,
+    states: list[dict],
+    tokens: dict[str, Any] | None,
+    max_context: int,
+    prefill_chunk: int,
+    model_file: str,
+    share_buffer: bool,
+) -> dict[str, Any]:
     """The genai_config.json of a bundle: counts from the spec, ids from the bundle's tokens, names from
     deltaship's state contract (past.L.kind / present.L.kind). search.chunk_size makes genai feed a prompt
     in the bundle's prefill chunks (as deltaship does) instead of in one call."""
@@ -73,8 +87,11 @@ def genai_config(spec, states: list[dict], tokens: dict[str, Any] | None, max_co
     eos = list(tokens.get("eos") or spec.eos_token_id or [])
     if not eos:
         from deltaship.errors import DeltashipError
-        raise DeltashipError("genai_config.json: the model has no eos token id (config.json eos_token_id, "
-                             "generation_config.json)", "set eos_token_id in the checkpoint's config.json")
+
+        raise DeltashipError(
+            "genai_config.json: the model has no eos token id (config.json eos_token_id, generation_config.json)",
+            "set eos_token_id in the checkpoint's config.json",
+        )
     bos = tokens.get("bos") if tokens.get("bos") is not None else spec.bos_token_id
     pad = tokens.get("pad") if tokens.get("pad") is not None else spec.pad_token_id
     kinds = {s["kind"] for s in states}
@@ -110,20 +127,30 @@ def genai_config(spec, states: list[dict], tokens: dict[str, Any] | None, max_co
             "max_length": max_context,
             "chunk_size": prefill_chunk,
             "past_present_share_buffer": share_buffer,
-            "do_sample": False, "num_beams": 1, "num_return_sequences": 1, "min_length": 0,
-            "temperature": 1.0, "top_k": 1, "top_p": 1.0, "repetition_penalty": 1.0,
-            "early_stopping": True, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
+            "do_sample": False,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "min_length": 0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+            "repetition_penalty": 1.0,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "no_repeat_ngram_size": 0,
             "diversity_penalty": 0.0,
         },
     }
 
 
-def write_genai_config(out_dir: Path, ctx, tokens: dict[str, Any] | None, model_file: str, nodes,
-                       in_place: dict[str, list[str]]) -> dict[str, Any]:
+def write_genai_config(
+    out_dir: Path, ctx, tokens: dict[str, Any] | None, model_file: str, nodes, in_place: dict[str, list[str]]
+) -> dict[str, Any]:
     """Write genai_config.json next to the model; return what the manifest records about it."""
     share = deltanet_states_share_in_place(nodes, ctx.states, in_place)
-    cfg = genai_config(ctx.spec, ctx.states, tokens, ctx.max_context, int(ctx.options["prefill_chunk"]), model_file,
-                       share)
+    cfg = genai_config(
+        ctx.spec, ctx.states, tokens, ctx.max_context, int(ctx.options["prefill_chunk"]), model_file, share
+    )
     (Path(out_dir) / GENAI_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
     return {"config": GENAI_CONFIG, "type": MODEL_TYPE, "past_present_share_buffer": share}
 

@@ -17,8 +17,8 @@ import torch
 from onnx import TensorProto
 
 from deltaship.errors import DeltashipError
-from deltaship.export.onnx.builder import GraphBuilder
 from deltaship.export.lowerings import OpLowerings
+from deltaship.export.onnx.builder import GraphBuilder
 from deltaship.export.onnx.quant import quantize_matmul_weight
 from deltaship.export.weight_plan import WeightPlan
 from deltaship.models import ops as _canonical  # noqa: F401  (registers torch.ops.deltaship.*)
@@ -26,8 +26,13 @@ from deltaship.models import ops as _canonical  # noqa: F401  (registers torch.o
 aten = torch.ops.aten
 DS = torch.ops.deltaship
 MS = "com.microsoft"
-TORCH_TO_ONNX = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
-                 torch.int64: TensorProto.INT64, torch.int32: TensorProto.INT32, torch.bool: TensorProto.BOOL}
+TORCH_TO_ONNX = {
+    torch.float32: TensorProto.FLOAT,
+    torch.float16: TensorProto.FLOAT16,
+    torch.int64: TensorProto.INT64,
+    torch.int32: TensorProto.INT32,
+    torch.bool: TensorProto.BOOL,
+}
 TORCH_TO_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32}
 INT64_MAX = 2**63 - 1
 ROW_BLOCK = 16384  # tensors with more rows (embedding, LM head) are converted and written in blocks of rows
@@ -41,9 +46,17 @@ class Sym:
 
 
 class Lowerer:
-    def __init__(self, program: torch.export.ExportedProgram, plan: WeightPlan, weights, quant: dict,
-                 builder: GraphBuilder, accuracy_level: int = 4, progress: Callable[[str], None] | None = None,
-                 deltanet_ops: str = "standard"):
+    def __init__(
+        self,
+        program: torch.export.ExportedProgram,
+        plan: WeightPlan,
+        weights,
+        quant: dict,
+        builder: GraphBuilder,
+        accuracy_level: int = 4,
+        progress: Callable[[str], None] | None = None,
+        deltanet_ops: str = "standard",
+    ):
         self.ep, self.plan, self.weights, self.quant = program, plan, weights, quant
         self.b = builder
         self.accuracy_level = accuracy_level
@@ -129,16 +142,22 @@ class Lowerer:
                     packed, sc = quantize_matmul_weight(self._rows(fqn, r), q["bits"], q["block_size"])
                     scales.append(sc.reshape(-1, nb))
                     yield packed
-            packed_name = self.b.weight_rows(base + "_q", (shape[0], nb, q["block_size"] * q["bits"] // 8), np.uint8,
-                                             blocks())
+
+            packed_name = self.b.weight_rows(
+                base + "_q", (shape[0], nb, q["block_size"] * q["bits"] // 8), np.uint8, blocks()
+            )
             out = (packed_name, self.b.weight(base + "_scales", np.concatenate(scales).astype(dt)), q, shape)
         elif form == "matmul":
             q = self.quant["linear"].get(fqn)
             w = self.plan.tensor(fqn, self.weights)
             if q:  # scales [N, blocks]: a tied embedding's GatherBlockQuantized can read them as they are
                 packed, scales = quantize_matmul_weight(w, q["bits"], q["block_size"])
-                out = (self.b.weight(base + "_q", packed),
-                       self.b.weight(base + "_scales", scales.reshape(packed.shape[0], -1).astype(dt)), q, w.shape)
+                out = (
+                    self.b.weight(base + "_q", packed),
+                    self.b.weight(base + "_scales", scales.reshape(packed.shape[0], -1).astype(dt)),
+                    q,
+                    w.shape,
+                )
             else:
                 out = self.b.weight(base + "_t", np.ascontiguousarray(w.T).astype(dt))
         elif form == "conv":
@@ -178,7 +197,8 @@ class Lowerer:
                 raise DeltashipError(
                     f"onnx lowering: no lowering for op {node.target} (FX node {node.name!r}, from "
                     f"{node.meta.get('stack_trace', '').strip().splitlines()[-1:] or 'unknown source'})",
-                    "this model uses an op the ONNX target does not support yet; please report it")
+                    "this model uses an op the ONNX target does not support yet; please report it",
+                )
             self.env[node.name] = fn(self, node, *node.args, **node.kwargs)
 
     def _outputs(self, node: torch.fx.Node, names: list[str]) -> None:
@@ -220,6 +240,7 @@ def _binary(op):
     def fn(L: Lowerer, node, a, b, *args, **kwargs):
         dt = L.meta(node).dtype
         return L.b.one(op, [L.as_tensor(a, dt), L.as_tensor(b, dt)])
+
     return fn
 
 
@@ -232,11 +253,18 @@ lowering(aten.div.Tensor)(_binary("Div"))
 def _unary(op):
     def fn(L: Lowerer, node, x, *args, **kwargs):
         return L.b.one(op, [L.as_tensor(x)])
+
     return fn
 
 
-for _t, _op in ((aten.neg.default, "Neg"), (aten.sigmoid.default, "Sigmoid"), (aten.cos.default, "Cos"),
-                (aten.sin.default, "Sin"), (aten.exp.default, "Exp"), (aten.softplus.default, "Softplus")):
+for _t, _op in (
+    (aten.neg.default, "Neg"),
+    (aten.sigmoid.default, "Sigmoid"),
+    (aten.cos.default, "Cos"),
+    (aten.sin.default, "Sin"),
+    (aten.exp.default, "Exp"),
+    (aten.softplus.default, "Softplus"),
+):
     lowering(_t)(_unary(_op))
 
 
@@ -284,8 +312,16 @@ def _slice(L, node, x, dim=0, start=None, end=None, step=1):
     rank = len(L.meta(x).shape)
     start = 0 if start is None else start
     end = INT64_MAX if end is None else end
-    return L.b.one("Slice", [L.as_tensor(x), L.int_list([start]), L.int_list([end]),
-                             L.b.const(np.array([dim % rank], np.int64)), L.b.const(np.array([step], np.int64))])
+    return L.b.one(
+        "Slice",
+        [
+            L.as_tensor(x),
+            L.int_list([start]),
+            L.int_list([end]),
+            L.b.const(np.array([dim % rank], np.int64)),
+            L.b.const(np.array([step], np.int64)),
+        ],
+    )
 
 
 @lowering(aten.select.int)
@@ -297,8 +333,7 @@ def _select(L, node, x, dim, index):
 @lowering(aten.split_with_sizes.default)
 def _split(L, node, x, sizes, dim=0):
     rank = len(L.meta(x).shape)
-    return L.b.node("Split", [L.as_tensor(x), L.b.const(np.array(sizes, np.int64))], n_out=len(sizes),
-                    axis=dim % rank)
+    return L.b.node("Split", [L.as_tensor(x), L.b.const(np.array(sizes, np.int64))], n_out=len(sizes), axis=dim % rank)
 
 
 @lowering(operator.getitem)
@@ -312,17 +347,36 @@ def _embedding(L: Lowerer, node, weight, ids, *args):
     q = L.quant["embedding"].get(name)
     head = L.quant["linear"].get(name)  # set when the table is also the (tied, quantized) LM head
     rows, cols = L.plan.shape(name)
-    if q and head and (head["bits"], head["block_size"]) == (q["bits"], q["block_size"]) and cols % q["block_size"] == 0:
+    if (
+        q
+        and head
+        and (head["bits"], head["block_size"]) == (q["bits"], q["block_size"])
+        and cols % q["block_size"] == 0
+    ):
         # One quantized table for both uses: the gather reads the LM head's MatMulNBits blocks as rows
         # (same codes, same scales, [N, K/block, block*bits/8] viewed as [N, K*bits/8]), as genai's builder does.
         packed, scales, _, _ = L.weight(weight, "matmul")
         data = L.b.one("Reshape", [packed, L.b.const(np.array([rows, cols * q["bits"] // 8], np.int64))])
-        return L.b.one("GatherBlockQuantized", [data, L.as_tensor(ids), scales], domain=MS, bits=q["bits"],
-                       block_size=q["block_size"], gather_axis=0, quantize_axis=1)
+        return L.b.one(
+            "GatherBlockQuantized",
+            [data, L.as_tensor(ids), scales],
+            domain=MS,
+            bits=q["bits"],
+            block_size=q["block_size"],
+            gather_axis=0,
+            quantize_axis=1,
+        )
     if q:
         data, scales = L.weight_gather_quantized(weight, q)
-        return L.b.one("GatherBlockQuantized", [data, L.as_tensor(ids), scales], domain=MS, bits=q["bits"],
-                       block_size=q["block_size"], gather_axis=0, quantize_axis=1)
+        return L.b.one(
+            "GatherBlockQuantized",
+            [data, L.as_tensor(ids), scales],
+            domain=MS,
+            bits=q["bits"],
+            block_size=q["block_size"],
+            gather_axis=0,
+            quantize_axis=1,
+        )
     return L.b.one("Gather", [L.weight(weight), L.as_tensor(ids)], axis=0)
 
 
@@ -333,6 +387,7 @@ def _weight_gather_quantized(L: Lowerer, node, q):
     if key in L._weights:
         return L._weights[key]
     from deltaship.export.onnx.quant import pack, quantize_blocks
+
     if L.progress:
         L.progress(fqn)
     rows, cols = L.plan.shape(fqn)
@@ -343,6 +398,7 @@ def _weight_gather_quantized(L: Lowerer, node, q):
             codes, sc = quantize_blocks(L._rows(fqn, r), q["bits"], q["block_size"])
             scales.append(sc)
             yield pack(codes, q["bits"]).reshape(codes.shape[0], -1)
+
     base = fqn.replace(".", "_")
     data = L.b.weight_rows(base + "_gq", (rows, cols * q["bits"] // 8), np.uint8, blocks())
     out = (data, L.b.weight(base + "_gscales", np.concatenate(scales).astype(L._np_dtype(node))))
@@ -363,8 +419,16 @@ def _linear(L: Lowerer, node, x, weight, bias=None):
     w = L.weight(weight, "matmul")
     if isinstance(w, tuple):
         packed, scales, q, (n, k) = w
-        return L.b.one("MatMulNBits", [L.as_tensor(x), packed, scales], domain=MS, K=k, N=n, bits=q["bits"],
-                       block_size=q["block_size"], accuracy_level=L.accuracy_level)
+        return L.b.one(
+            "MatMulNBits",
+            [L.as_tensor(x), packed, scales],
+            domain=MS,
+            K=k,
+            N=n,
+            bits=q["bits"],
+            block_size=q["block_size"],
+            accuracy_level=L.accuracy_level,
+        )
     return L.b.one("MatMul", [L.as_tensor(x), w])
 
 
@@ -372,8 +436,9 @@ def _linear(L: Lowerer, node, x, weight, bias=None):
 @lowering(DS.rms_norm.default)
 def _rms_norm(L: Lowerer, node, x, weight, eps):
     xdt = L.dtype_of(x)
-    y = L.b.one("SimplifiedLayerNormalization", [L.as_tensor(x), L.weight(weight)], axis=-1, epsilon=float(eps),
-                stash_type=1)
+    y = L.b.one(
+        "SimplifiedLayerNormalization", [L.as_tensor(x), L.weight(weight)], axis=-1, epsilon=float(eps), stash_type=1
+    )
     return y if L.dtype_of(weight) == xdt else L.b.one("Cast", [y], to=TORCH_TO_ONNX[xdt])
 
 
@@ -401,8 +466,15 @@ def _conv(L: Lowerer, node, x, state, weight):
         w = L.weight(weight, "conv")
         if L.dtype_of(weight) != xdt:
             w = L.b.one("Cast", [w], to=TORCH_TO_ONNX[xdt])
-        return L.b.node("CausalConvWithState", [L.as_tensor(x), w, "", L.as_tensor(state)], n_out=2, domain=MS,
-                        activation="silu", channels_last=1, ndim=1)
+        return L.b.node(
+            "CausalConvWithState",
+            [L.as_tensor(x), w, "", L.as_tensor(state)],
+            n_out=2,
+            domain=MS,
+            activation="silu",
+            channels_last=1,
+            ndim=1,
+        )
     # K shifted multiply-adds over concat(state, x) along time (channels last): tap j is rows j .. j+T-1
     taps = L.weight(weight, "taps")
     k = len(taps)
@@ -417,8 +489,9 @@ def _conv(L: Lowerer, node, x, state, weight):
         tap = L.b.one("Slice", [full, L.b.const(np.array([j], np.int64)), L.b.const(end), one])
         term = L.b.one("Mul", [tap, w])
         acc = term if acc is None else L.b.one("Add", [acc, term])
-    new_state = L.b.one("Slice", [full, L.b.const(np.array([-(k - 1)], np.int64)),
-                                  L.b.const(np.array([INT64_MAX], np.int64)), one])
+    new_state = L.b.one(
+        "Slice", [full, L.b.const(np.array([-(k - 1)], np.int64)), L.b.const(np.array([INT64_MAX], np.int64)), one]
+    )
     if L.dtype_of(state) != xdt:
         new_state = L.b.one("Cast", [new_state], to=TORCH_TO_ONNX[L.dtype_of(state)])
     return [_silu_of(L, acc), new_state]
@@ -440,9 +513,17 @@ def _gated_delta(L: Lowerer, node, q, k, v, g, beta, state):
     qp = _packed_heads(L, L.as_tensor(q), hk, dk, r)
     kp = _packed_heads(L, L.as_tensor(k), hk, dk, r)
     vp = _packed_heads(L, L.as_tensor(v), hv, dv, 1)
-    out, new_state = L.b.node("LinearAttention", [qp, kp, vp, L.as_tensor(state), L.as_tensor(g), L.as_tensor(beta)],
-                              n_out=2, domain=MS, q_num_heads=hv, kv_num_heads=hv, update_rule="gated_delta",
-                              scale=float(dk) ** -0.5, chunk_size=64)
+    out, new_state = L.b.node(
+        "LinearAttention",
+        [qp, kp, vp, L.as_tensor(state), L.as_tensor(g), L.as_tensor(beta)],
+        n_out=2,
+        domain=MS,
+        q_num_heads=hv,
+        kv_num_heads=hv,
+        update_rule="gated_delta",
+        scale=float(dk) ** -0.5,
+        chunk_size=64,
+    )
     out = L.b.one("Reshape", [out, L.b.const(np.array([1, -1, hv, dv], np.int64))])
     return [out, new_state]
 
@@ -455,9 +536,15 @@ def _attention(L: Lowerer, node, q, k, v, k_cache, v_cache, pos):
     kp = L.b.one("Reshape", [L.as_tensor(k), L.b.const(np.array([1, -1, hkv * d], np.int64))])
     vp = L.b.one("Reshape", [L.as_tensor(v), L.b.const(np.array([1, -1, hkv * d], np.int64))])
     seqlens_k, total = _attention_lengths(L, L.as_tensor(pos), qp)
-    out, kc, vc = L.b.node("GroupQueryAttention", [qp, kp, vp, L.as_tensor(k_cache), L.as_tensor(v_cache),
-                                                   seqlens_k, total], n_out=3, domain=MS, num_heads=h,
-                           kv_num_heads=hkv, scale=float(d) ** -0.5)
+    out, kc, vc = L.b.node(
+        "GroupQueryAttention",
+        [qp, kp, vp, L.as_tensor(k_cache), L.as_tensor(v_cache), seqlens_k, total],
+        n_out=3,
+        domain=MS,
+        num_heads=h,
+        kv_num_heads=hkv,
+        scale=float(d) ** -0.5,
+    )
     out = L.b.one("Reshape", [out, L.b.const(np.array([1, -1, h, d], np.int64))])
     return [out, kc, vc]
 
@@ -470,8 +557,7 @@ def _attention_lengths(L: Lowerer, pos: str, query: str) -> tuple[str, str]:
     t = L.b.one("Gather", [L.b.one("Shape", [query]), L.b.const(np.array([1], np.int64))], axis=0)
     total64 = L.b.one("Add", [pos, t])
     seqlens = L.b.one("Cast", [L.b.one("Sub", [total64, L.b.const(np.array([1], np.int64))])], to=TensorProto.INT32)
-    total = L.b.one("Cast", [L.b.one("Squeeze", [total64, L.b.const(np.array([0], np.int64))])],
-                    to=TensorProto.INT32)
+    total = L.b.one("Cast", [L.b.one("Squeeze", [total64, L.b.const(np.array([0], np.int64))])], to=TensorProto.INT32)
     L._attn_lengths = (seqlens, total)
     return seqlens, total
 
@@ -485,11 +571,15 @@ def _as_float32(L: Lowerer, a) -> str:
 def _l2norm(L: Lowerer, node, x):
     # x / sqrt(sum(x^2) + 1e-6) == RMSNorm with eps 1e-6/d, scaled by d^-1/2: one fused normalization node
     d = int(L.meta(x).shape[-1])
-    scale = L.b.const(np.full(d, d ** -0.5, np.float32))
+    scale = L.b.const(np.full(d, d**-0.5, np.float32))
     return L.b.one("SimplifiedLayerNormalization", [_as_float32(L, x), scale], axis=-1, epsilon=1e-6 / d, stash_type=1)
 
 
 @lowering(DS.delta_gates.default)
 def _delta_gates(L: Lowerer, node, a, b, dt_bias, decay_scale):
-    return L.b.node("LinearAttentionGate", [_as_float32(L, a), _as_float32(L, dt_bias), _as_float32(L, decay_scale),
-                                            _as_float32(L, b)], n_out=2, domain=MS)
+    return L.b.node(
+        "LinearAttentionGate",
+        [_as_float32(L, a), _as_float32(L, dt_bias), _as_float32(L, decay_scale), _as_float32(L, b)],
+        n_out=2,
+        domain=MS,
+    )

@@ -18,12 +18,16 @@ if TYPE_CHECKING:
 
 
 class DeltashipExportCommand(BaseOptimumCLICommand):
-    COMMAND = CommandInfo(name="deltaship", help="Export a Qwen3.5 hybrid model to an on-device deltaship bundle "
-                                                 "(ONNX, ExecuTorch .pte or Core ML), verified against transformers.")
+    COMMAND = CommandInfo(
+        name="deltaship",
+        help="Export a Qwen3.5 hybrid model to an on-device deltaship bundle "
+        "(ONNX, ExecuTorch .pte or Core ML), verified against transformers.",
+    )
 
     @staticmethod
     def parse_args(parser: "ArgumentParser") -> None:
         from deltaship.cli import add_export_arguments
+
         add_export_arguments(parser, out_positional=True)  # optimum-cli's convention: `export <name> ... OUT`
 
     def run(self) -> None:
@@ -31,6 +35,7 @@ class DeltashipExportCommand(BaseOptimumCLICommand):
 
         from deltaship.cli import run_export
         from deltaship.errors import DeltashipError
+
         try:
             run_export(self.args)
         except DeltashipError as e:

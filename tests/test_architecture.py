@@ -26,7 +26,7 @@ class ToyTarget(Target):
 
     name = "toy"
     description = "a test target (ONNX's lowering and session)"
-    lowering_module = "deltaship.export.onnx"
+    lowering_module = "deltaship.export.onnx.model"
     Options = ToyOptions
     tool_packages = ("onnx", "onnxruntime")
     usage = ("toy usage",)

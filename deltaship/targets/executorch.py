@@ -24,7 +24,7 @@ class ExecuTorchOptions(TargetOptions):
 class ExecuTorchTarget(Target):
     name = "executorch"
     description = "model.pte for the ExecuTorch runtime (XNNPACK), state held in the program"
-    lowering_module = "deltaship.export.executorch"
+    lowering_module = "deltaship.export.executorch.program"
     Options = ExecuTorchOptions
     tool_packages = ("executorch", "torchao")
     usage = (

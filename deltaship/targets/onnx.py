@@ -48,7 +48,7 @@ class OnnxOptions(TargetOptions):
 class OnnxTarget(Target):
     name = "onnx"
     description = "model.onnx for ONNX Runtime (CPU, CUDA)"
-    lowering_module = "deltaship.export.onnx"
+    lowering_module = "deltaship.export.onnx.model"
     Options = OnnxOptions
     tool_packages = ("onnx", "onnxruntime")
     usage = (
@@ -126,12 +126,12 @@ class OnnxTarget(Target):
         )
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
-        from deltaship.export import onnx as impl  # the names live beside the lowering that writes them
+        from deltaship.export.onnx import model as impl  # the names live beside the lowering that writes them
 
         return impl.io_inputs(ctx)
 
     def io_outputs(self, ctx) -> list[dict[str, Any]]:
-        from deltaship.export import onnx as impl
+        from deltaship.export.onnx import model as impl
 
         return impl.io_outputs(ctx)
 

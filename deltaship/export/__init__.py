@@ -177,6 +177,7 @@ def export(
         target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options, kv_cache
     )
     tgt = get_target(target)
+    tgt.require_tools()
     out = Path(out)
     check_destination(out, force)
     if source is None:

@@ -51,6 +51,7 @@ class OnnxTarget(Target):
     lowering_module = "deltaship.export.onnx.model"
     Options = OnnxOptions
     tool_packages = ("onnx", "onnxruntime")
+    extra = "onnx"
     usage = (
         "Open model.onnx with ONNX Runtime (com.microsoft contrib ops: CPU and CUDA execution providers).",
         "Each call: input_ids int64 [1, T] (T = 1 .. prefill_chunk; 1 to decode) and position_ids int64 [1, T] = "
@@ -151,6 +152,7 @@ class OnnxTarget(Target):
         runtime: str | None = None,
         **options: Any,
     ):
+        self.require_tools(("onnxruntime",))  # its runtime, with the pip extra named when missing
         if runtime == "genai":
             from deltaship.runtimes.genai import GenaiSession
 

@@ -29,6 +29,8 @@ def run_export(a: argparse.Namespace) -> int:
         target=a.target,
         precision=a.precision,
         max_context=a.max_context,
+        device=a.device,
+        tiers_file=a.tiers,
         force=a.force,
         verify=not a.no_verify,
         prefill_chunk=a.prefill_chunk,
@@ -227,8 +229,26 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         help=f"checkpoint directory, Hugging Face id (org/name[@revision], read from the local Hugging "
         f"Face cache) or preset ({', '.join(PRESETS)})",
     )
-    e.add_argument("--target", default="onnx", choices=target_names(), help="what to compile for (default onnx)")
-    e.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weight precision (default fp32)")
+    e.add_argument(
+        "--target",
+        default=None,
+        choices=target_names(),
+        help="what to compile for (default onnx, or what --device's plan picks)",
+    )
+    e.add_argument(
+        "--precision",
+        default=None,
+        choices=PRECISIONS,
+        help="weight precision (default fp32, or what --device's plan picks)",
+    )
+    e.add_argument(
+        "--device",
+        default=None,
+        metavar="TIER",
+        help="a device tier (deltaship plan): pick the target, precision and context that fit it, or refuse "
+        "with the plan's numbers",
+    )
+    e.add_argument("--tiers", default=None, help="with --device: a TOML file of extra tiers")
     e.add_argument(
         "--max-context",
         type=int,

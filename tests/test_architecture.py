@@ -26,7 +26,7 @@ class ToyTarget(Target):
 
     name = "toy"
     description = "a test target (ONNX's lowering and session)"
-    lowering_module = "deltaship.export.onnx"
+    lowering_module = "deltaship.export.onnx.model"
     Options = ToyOptions
     tool_packages = ("onnx", "onnxruntime")
     usage = ("toy usage",)
@@ -141,3 +141,21 @@ def test_every_deltaship_import_names_an_existing_module():
             if not found:
                 missing.append(f"{path.relative_to(root)}: {m.group(1)}")
     assert not missing, missing
+
+
+def test_a_missing_toolchain_names_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    from deltaship.export import export
+    from deltaship.runtimes import open_bundle
+
+    bundle = tmp_path / "b"
+    export("qwen3.5-tiny", bundle, max_context=32, verify=False, progress=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real(name, *a))
+    with pytest.raises(DeltashipError, match="needs onnxruntime") as e:
+        open_bundle(bundle)
+    assert e.value.fix == 'pip install "deltaship[onnx]"'
+    with pytest.raises(DeltashipError, match="needs onnxruntime"):
+        export("qwen3.5-tiny", tmp_path / "c", max_context=32, verify=False, progress=False)
+    assert not (tmp_path / "c").exists()

@@ -10,7 +10,7 @@ import pytest
 
 from deltaship.errors import DeltashipError
 from deltaship.export import export
-from deltaship.export.executorch import expected_portable
+from deltaship.export.executorch.program import expected_portable
 from deltaship.runtimes import open_bundle
 
 
@@ -158,7 +158,7 @@ def test_lowered_weights_released_and_program_unchanged(tmp_path):
     from executorch.exir.lowered_backend_module import LoweredBackendModule
     from executorch.runtime import Runtime
 
-    from deltaship.export.executorch import release_lowered_weights
+    from deltaship.export.executorch.program import release_lowered_weights
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 32)).eval()
@@ -243,7 +243,7 @@ def test_xnnpack_preprocess_shares_and_leaves_weights_untouched(checkpoints, tmp
     assert given_ptrs and given_ptrs <= partition_ptrs
     assert not changed, changed
     assert vars(XnnpackBackend).get(hook) is before  # restored after the export
-    from deltaship.export.executorch import preprocess_shares_weights
+    from deltaship.export.executorch.program import preprocess_shares_weights
 
     with pytest.raises(KeyError), preprocess_shares_weights():
         assert vars(XnnpackBackend).get(hook) is not before

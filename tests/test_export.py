@@ -98,8 +98,8 @@ def test_every_canonical_op_has_a_lowering_for_every_target():
 
 
 def test_unknown_op_fails_naming_it(tmp_path):
-    from deltaship.export.onnx import lower
     from deltaship.export.onnx.lowering import LOWERINGS
+    from deltaship.export.onnx.model import lower
 
     ctx = export_context_only(PIPELINE)
     saved = LOWERINGS.pop(torch.ops.aten.sigmoid.default)

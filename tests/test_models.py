@@ -110,7 +110,7 @@ def test_malformed_and_missing_config(checkpoints, tmp_path):
 
 
 def test_unknown_model_or_preset():
-    with pytest.raises(DeltashipError, match="neither a preset nor an existing directory"):
+    with pytest.raises(DeltashipError, match="neither a preset, an existing directory nor a Hub id"):
         load_source("qwen3.5-7b")
 
 

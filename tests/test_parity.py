@@ -160,7 +160,7 @@ def _matched_parity(bundle, ckpt, precision, tol, target="onnx", **opts) -> dict
     ctx = export_context(ckpt, precision, target=target, **opts)
     source = load_source(str(ckpt))
     if target == "executorch" and precision in ("int8", "int4"):  # torchao's rounding, redone (deterministic)
-        from deltaship.export.executorch import prepare
+        from deltaship.export.executorch.program import prepare
 
         prepare(ctx, source.weights)
     ref = matched_reference_model(source, ctx.plan, ctx.quant, precision, rounded=ctx.rounded)

@@ -75,7 +75,8 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
         "runtime": "onnxruntime",
         "vocab_size": int(logits["shape"][-1]),
         "tokens": feature(kinds["tokens"]),
-        "position": feature(kinds["position"]),
+        # the start position [1], or one position per token [1, T] (kind position_ids, what onnxruntime-genai feeds)
+        "position": feature(kinds.get("position") or kinds["position_ids"]),
         "logits": feature(logits),
         "states": [
             {
@@ -88,7 +89,7 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
         ],
         "gradle": [f"com.microsoft.onnxruntime:onnxruntime-android:{tools['onnxruntime']}"],
     }
-    extra = set(kinds) - {"tokens", "position"}
+    extra = set(kinds) - {"tokens", "position", "position_ids"}
     if extra:
         raise DeltashipError(
             f"ONNX bundle inputs of kinds {sorted(extra)}: this kit feeds only tokens and position",

@@ -284,6 +284,43 @@ def recommend(
     return None
 
 
+def choose_for_tier(
+    spec: ModelSpec,
+    tier: str,
+    tiers_file: str | None = None,
+    target: str | None = None,
+    precision: str | None = None,
+    context: int | None = None,
+) -> PlanRow:
+    """What `export --device TIER` builds: the tier's preferred target and most accurate precision that fit
+    (within the target, precision and context the user fixed), at the tier's typical context, halved down to 512
+    when nothing fits there and the user fixed none; refused, with the plan's numbers, when nothing fits."""
+    from deltaship.devices.catalog import get_tier
+
+    t = get_tier(tier, tiers_file)
+    targets, precisions = [target] if target else list(t.targets), [precision] if precision else list(t.precisions)
+    start = context or min(t.context, spec.max_position_embeddings)
+    tried: list[PlanRow] = []
+    ctx = start
+    while True:
+        for tg in targets:
+            for pr in precisions:
+                row = estimate(spec, t, tg, pr, ctx)
+                if row.fits:
+                    return row
+                tried.append(row)
+        if context is not None or ctx // 2 < min(512, start):
+            break
+        ctx //= 2
+    best = min(tried, key=lambda r: r.total_bytes)
+    raise DeltashipError(
+        f"nothing fits tier {t.name} ({t.budget_bytes / GIB:.2f} GiB for the app): the smallest, {best.target} "
+        f"{best.precision} at context {best.context}, needs {best.total_bytes / GIB:.2f} GiB ({_parts(asdict(best))})",
+        f"pick a tier with a larger budget, a shorter --max-context or a smaller model; `deltaship plan --model "
+        f"MODEL --tier {t.name}` shows every option",
+    )
+
+
 def _longest(tier: Tier, rows: list[PlanRow], targets: list[str] | None) -> PlanRow | None:
     """The exportable row reaching the longest context; among equals, the tier's preferred target and precision."""
     order = {tg: i for i, tg in enumerate(targets or tier.targets)}

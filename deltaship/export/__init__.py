@@ -124,8 +124,8 @@ def special_tokens(source, tokenizer_dir_files: list[Path]) -> dict[str, Any]:
 def export(
     model: str,
     out: str | Path,
-    target: str = "onnx",
-    precision: str = "fp32",
+    target: str | None = None,
+    precision: str | None = None,
     max_context: int | None = None,
     force: bool = False,
     verify: bool = True,
@@ -136,6 +136,8 @@ def export(
     progress: bool | Callable = True,
     allow_download: bool = False,
     kv_cache: str | None = None,
+    device: str | None = None,
+    tiers_file: str | None = None,
     **target_options: Any,
 ) -> dict[str, Any]:
     """Compile `model` (a checkpoint directory, a preset, or a Hub id `org/name[@revision]` from the local Hugging
@@ -143,6 +145,9 @@ def export(
 
     `target_options` are the target's own options (deltaship/targets/<target>.py, e.g. onnx_deltanet_ops).
     `kv_cache` asks for a KV-cache dtype (default: the target's own at `precision`); one it cannot store is refused.
+    `device` names a tier (deltaship/devices/tiers.toml, or `tiers_file`): target, precision and context not given
+    are what `deltaship plan` recommends for it; nothing fitting is refused with the plan's numbers. Without a
+    device, target and precision default to onnx and fp32.
     Returns the manifest. Nothing is left at `out` unless the export (and, for fp32, its
     verification) succeeded; an existing `out` is replaced only with force=True.
     """
@@ -153,15 +158,31 @@ def export(
     from deltaship.models.source import load_source
 
     quiet_third_party()
+    say = progress if callable(progress) else Progress(bool(progress))
+    source = None
+    if device is not None:  # the plan for the tier picks what the user did not fix
+        from deltaship.devices.plan import choose_for_tier
+
+        check_destination(Path(out), force)
+        say(f"loading {model}")
+        source = load_source(model, allow_download=allow_download)
+        pick = choose_for_tier(source.spec, device, tiers_file, target, precision, max_context)
+        target, precision, max_context = pick.target, pick.precision, pick.context
+        say(
+            f"device {device}: {target} {precision} at context {max_context} ({pick.total_bytes / 2**30:.2f} of "
+            f"{pick.budget_bytes / 2**30:.2f} GiB, deltaship plan)"
+        )
+    target, precision = target or "onnx", precision or "fp32"
     options = check_options(
         target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options, kv_cache
     )
     tgt = get_target(target)
+    tgt.require_tools()
     out = Path(out)
     check_destination(out, force)
-    say = progress if callable(progress) else Progress(bool(progress))
-    say(f"loading {model}")
-    source = load_source(model, allow_download=allow_download)
+    if source is None:
+        say(f"loading {model}")
+        source = load_source(model, allow_download=allow_download)
     spec = source.spec
     for note in source.notes():
         say(note)

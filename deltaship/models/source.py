@@ -73,7 +73,10 @@ class ModelSource:
         return card
 
     def notes(self) -> list[str]:
-        return [f"ignored {n} tensor(s) of the {what}" for what, n in sorted(self.ignored.items())]
+        notes = [f"ignored {n} tensor(s) of the {what}" for what, n in sorted(self.ignored.items())]
+        if not any(f.name == "tokenizer.json" for f in self.tokenizer_files):
+            notes.append("no tokenizer.json: the bundle takes token ids only (deltaship generate --input-ids)")
+        return notes
 
 
 def hub_cache_origin(path: Path) -> dict[str, str]:

@@ -17,6 +17,7 @@ when the graph needs Memcpy nodes (CPU-placed nodes feeding GPU ones); see docs/
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -280,7 +281,9 @@ class OnnxSession(Session):
             prof.reset()
             prof.seek(context)
             prof.decode(1)
-        trace = json.loads(Path(prof.sess.end_profiling()).read_text())
+        trace_file = Path(prof.sess.end_profiling())
+        trace = json.loads(trace_file.read_text())
+        shutil.rmtree(trace_file.parent, ignore_errors=True)  # the profiler's private temp dir (MBs per run)
         runs = [e for e in trace if e.get("name") == "model_run"][1:]  # the first run is a warmup
         out: dict[str, list[float]] = {}
         for run in runs:

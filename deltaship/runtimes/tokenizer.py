@@ -23,8 +23,15 @@ class BundleTokenizer:
 def load_tokenizer(bundle: Path, manifest: dict) -> BundleTokenizer:
     files = manifest.get("tokenizer", {}).get("files", [])
     if "tokenizer.json" not in files:
+        source = manifest.get("source", {})
+        why = (
+            f"the preset {source.get('model')} has random weights and ships no tokenizer"
+            if source.get("kind") == "preset"
+            else "the checkpoint had no tokenizer.json"
+        )
         raise DeltashipError(
-            f"{bundle}: this bundle has no tokenizer (the checkpoint had no tokenizer.json)",
-            "pass token ids with --input-ids 1,2,3 instead of --prompt",
+            f"{bundle}: this bundle has no tokenizer ({why})",
+            "pass token ids with --input-ids 1,2,3 instead of --prompt (or export a checkpoint "
+            "directory that has tokenizer.json)",
         )
     return BundleTokenizer(Path(bundle) / "tokenizer.json")

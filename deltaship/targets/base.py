@@ -107,7 +107,8 @@ class Target(ABC):
     lowering_module: ClassVar[str]  # the package under deltaship/export/ whose lower() writes the artifact
     Options: ClassVar[type[TargetOptions]] = TargetOptions
     default_prefill_chunk: ClassVar[int] = DEFAULT_PREFILL_CHUNK
-    tool_packages: ClassVar[tuple[str, ...]] = ()
+    tool_packages: ClassVar[tuple[str, ...]] = ()  # the toolchain its export needs (import names)
+    extra: ClassVar[str] = ""  # the pip extra that installs them: pip install "deltaship[<extra>]"
     usage: ClassVar[tuple[str, ...]] = ()  # how an app drives the artifact (goes into the manifest)
     pass_options: ClassVar[Mapping[str, Any]] = {}  # fixed parameters this target's passes read
     tolerances: ClassVar[Mapping[str, Tolerance]]  # precision -> parity tolerance (see deltaship.tolerances)
@@ -139,6 +140,17 @@ class Target(ABC):
                 )
             values[f.name] = value
         return self.Options(**values)
+
+    def require_tools(self, packages: tuple[str, ...] | None = None) -> None:
+        """Refuse, naming the pip extra, when a package of this target's toolchain is not installed."""
+        import importlib.util
+
+        missing = [p for p in (packages or self.tool_packages) if importlib.util.find_spec(p) is None]
+        if missing:
+            raise DeltashipError(
+                f"the {self.name} target needs {', '.join(missing)}, which is not installed",
+                f'pip install "deltaship[{self.extra}]"',
+            )
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: TargetOptions) -> None:
         """Option combinations this target cannot build (raise DeltashipError); called before any work."""

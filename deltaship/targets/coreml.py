@@ -44,6 +44,7 @@ class CoreMLTarget(Target):
     Options = CoreMLOptions
     default_prefill_chunk = 64  # a fixed-shape prefill function; its recurrence is unrolled in chunks of 64
     tool_packages = ("coremltools",)
+    extra = "coreml"
     # int8 per output channel, fp16 scales, blocks that divide each row (what Core ML's int4/int8 take)
     pass_options = {"int8_block": "channel", "scale_dtype": "float16", "block_must_divide": True}
     usage = (
@@ -132,6 +133,7 @@ class CoreMLTarget(Target):
         runtime: str | None = None,
         **options: Any,
     ):
+        self.require_tools(("coremltools",))  # its runtime, with the pip extra named when missing
         from deltaship.runtimes.coreml import open_coreml_session
 
         return open_coreml_session(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

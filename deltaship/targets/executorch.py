@@ -24,9 +24,10 @@ class ExecuTorchOptions(TargetOptions):
 class ExecuTorchTarget(Target):
     name = "executorch"
     description = "model.pte for the ExecuTorch runtime (XNNPACK), state held in the program"
-    lowering_module = "deltaship.export.executorch"
+    lowering_module = "deltaship.export.executorch.program"
     Options = ExecuTorchOptions
     tool_packages = ("executorch", "torchao")
+    extra = "executorch"
     usage = (
         "Load model.pte with the ExecuTorch runtime (XNNPACK backend). The kernel libraries it needs are listed in "
         "manifest lowering.runtime_requirements: in Python import executorch.extension.llm.custom_ops.custom_ops "
@@ -123,6 +124,7 @@ class ExecuTorchTarget(Target):
         runtime: str | None = None,
         **options: Any,
     ):
+        self.require_tools(("executorch",))  # its runtime, with the pip extra named when missing
         from deltaship.runtimes.executorch import ExecuTorchSession
 
         return ExecuTorchSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

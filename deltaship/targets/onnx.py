@@ -48,9 +48,10 @@ class OnnxOptions(TargetOptions):
 class OnnxTarget(Target):
     name = "onnx"
     description = "model.onnx for ONNX Runtime (CPU, CUDA)"
-    lowering_module = "deltaship.export.onnx"
+    lowering_module = "deltaship.export.onnx.model"
     Options = OnnxOptions
     tool_packages = ("onnx", "onnxruntime")
+    extra = "onnx"
     usage = (
         "Open model.onnx with ONNX Runtime (com.microsoft contrib ops: CPU and CUDA execution providers).",
         "Each call: input_ids int64 [1, T] (T = 1 .. prefill_chunk; 1 to decode) and position_ids int64 [1, T] = "
@@ -126,12 +127,12 @@ class OnnxTarget(Target):
         )
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
-        from deltaship.export import onnx as impl  # the names live beside the lowering that writes them
+        from deltaship.export.onnx import model as impl  # the names live beside the lowering that writes them
 
         return impl.io_inputs(ctx)
 
     def io_outputs(self, ctx) -> list[dict[str, Any]]:
-        from deltaship.export import onnx as impl
+        from deltaship.export.onnx import model as impl
 
         return impl.io_outputs(ctx)
 
@@ -151,6 +152,7 @@ class OnnxTarget(Target):
         runtime: str | None = None,
         **options: Any,
     ):
+        self.require_tools(("onnxruntime",))  # its runtime, with the pip extra named when missing
         if runtime == "genai":
             from deltaship.runtimes.genai import GenaiSession
 

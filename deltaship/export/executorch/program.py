@@ -1,0 +1,395 @@
+"""The .pte: the eager model with ExecuTorch's kernels, quantized, exported, lowered to XNNPACK, written."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from deltaship.errors import DeltashipError
+from deltaship.export.executorch.requirements import program_operators, runtime_requirements
+from deltaship.export.passes import materialize
+
+PTE_FILE = "model.pte"
+# Nodes that legitimately run outside XNNPACK (names as get_delegation_info reports them): the
+# canonical stateful kernels (llama::*, the KV-cache write), the (quantized) embedding gather,
+# symbolic-size arithmetic and asserts, and the few scalar/mask ops around positions.
+PORTABLE_OK_PREFIXES = (
+    "llama_",
+    "auto_functionalized",
+    "aten_embedding",
+    "quantized_decomposed_embedding",
+    "aten_arange",
+    "aten_eq_scalar",
+    "aten_ne_scalar",
+    "aten_add_tensor",
+    "aten_cat_default",
+    "aten__to_copy",
+    "aten_sym_size",
+    "aten__local_scalar_dense",
+    "aten__assert",
+    # data movement at partition boundaries (views are free after memory planning)
+    "aten_view_copy",
+    "aten_slice_copy",
+    "aten_split_with_sizes_copy",
+    "aten_unsqueeze_copy",
+    "aten_expand_copy",
+    "aten_select_copy",
+    "aten_squeeze_copy",
+    "aten_permute_copy",
+)
+PORTABLE_OK_SYMBOLIC = (
+    "add",
+    "sub",
+    "mul",
+    "ge",
+    "le",
+    "lt",
+    "gt",
+    "eq",
+    "floordiv",
+    "getitem",
+    "sym_size",
+    "_assert_scalar",
+    "_local_scalar_dense",
+)
+
+
+def expected_portable(op: str) -> bool:
+    return op in PORTABLE_OK_SYMBOLIC or op.startswith(PORTABLE_OK_PREFIXES)
+
+
+class ProgramState(nn.Module):
+    """Holds every state tensor as a buffer and threads them through the canonical model."""
+
+    def __init__(self, model: nn.Module, states: list[dict], kernels):
+        super().__init__()
+        self.model, self.kernels = model, kernels
+        self.names = []
+        for s in states:
+            name = s["name"].replace(".", "_")
+            self.register_buffer(name, torch.zeros(s["shape"], dtype=getattr(torch, s["dtype"])))
+            self.names.append(name)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        self.kernels.position = input_pos
+        bufs = [getattr(self, n) for n in self.names]
+        logits, new = self.model(tokens, input_pos, bufs)
+        with torch.no_grad():
+            for buf, value in zip(bufs, new):
+                if value is not buf:  # the KV cache is written in place by llama::update_cache
+                    buf.copy_(value)
+        return logits
+
+
+def program_states(states: list[dict]) -> list[dict]:
+    """The canonical state contract in ExecuTorch's layouts: KV cache [1, S, Hkv, D], always fp32."""
+    out = []
+    for s in states:
+        s = dict(s, buffer=s["name"].replace(".", "_"))
+        if s["kind"].startswith("kv_cache"):
+            b, h, t, d = s["shape"]
+            s.update(shape=[b, t, h, d], dtype="float32")
+        out.append(s)
+    return out
+
+
+def use_kernels(model: nn.Module, kernels) -> int:
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "kernels"):
+            m.kernels = kernels
+            n += 1
+    return n
+
+
+def static_conv_weights(model: nn.Module) -> None:
+    """[C, K] -> a [C, 1, K] parameter: XNNPACK delegates a depthwise conv only with a static weight."""
+    for m in model.modules():
+        if hasattr(m, "conv_weight") and m.conv_weight.dim() == 2:
+            m.conv_weight = nn.Parameter(m.conv_weight.detach().unsqueeze(1), requires_grad=False)
+
+
+def infer_reshape_dims(ep: torch.export.ExportedProgram) -> int:
+    """Reshapes whose target shape has exactly one symbolic size get -1 there instead.
+
+    torch.export spells a dynamic reshape with the symbolic prompt length; XNNPACK's static_reshape
+    rejects symbolic sizes but takes one inferred (-1) dimension, so without this every reshape on
+    the prompt axis splits the delegate. Returns how many were rewritten."""
+    aten = torch.ops.aten
+    n = 0
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and node.target in (
+            aten.view.default,
+            aten._unsafe_view.default,
+            aten.reshape.default,
+        ):
+            shape = list(node.args[1])
+            symbolic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
+            if len(symbolic) == 1 and -1 not in shape:
+                shape[symbolic[0]] = -1
+                node.args = (node.args[0], shape)
+                n += 1
+    ep.graph_module.graph.eliminate_dead_code()
+    ep.graph_module.recompile()
+    return n
+
+
+@contextlib.contextmanager
+def preprocess_shares_weights():
+    """Within this block, the copy of each partition that ExecuTorch hands to XNNPACK's preprocess shares
+    its weight storage with the partition instead of deep-copying it.
+
+    `lower_all_submodules_to_backend` deep-copies every partition's program, weights included, before the
+    first preprocess and keeps all the copies until the last one is done: one more copy of the quantized
+    model at the peak (4B int4: +4.4 GiB). XNNPACK's preprocess reads the weights to pack its own blobs and
+    writes into none of them (tested: test_xnnpack_preprocess_shares_and_leaves_weights_untouched), so the
+    copy keeps its own graph and tables but not its own storage, as ExecuTorch's CUDA backend does in its
+    low-memory mode (whose copies share the tensor objects themselves; here each copy gets its own tensor
+    objects on the shared storage). It swaps a class attribute of ExecuTorch's XnnpackBackend for the
+    duration: not for concurrent lowerings in threads of one process."""
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+    from executorch.exir.backend.backend_details import BackendDetails
+
+    name = "copy_exported_program_for_preprocess"
+    if not hasattr(BackendDetails, name):  # the hook of executorch 1.5; without it the copies would be back
+        from deltaship.bundle.writer import tool_versions
+
+        raise RuntimeError(
+            f"executorch {tool_versions('executorch')['executorch']} has no BackendDetails.{name}: "
+            "deltaship's ExecuTorch lowering is written for executorch 1.5.1"
+        )
+    own = vars(XnnpackBackend).get(name)
+
+    def share(cls, edge_program, compile_specs):
+        # New tensor objects on the same storage: preprocess replaces some entries of its copy (the conv
+        # weights' unsqueeze pass puts a view in the copy's state dict), which must stay in the copy.
+        memo = {
+            id(t): _same_storage(t)
+            for table in (edge_program.state_dict, edge_program.constants)
+            for t in table.values()
+            if isinstance(t, torch.Tensor)
+        }
+        return copy.deepcopy(edge_program, memo)
+
+    setattr(XnnpackBackend, name, classmethod(share))
+    try:
+        yield
+    finally:
+        if own is None:
+            delattr(XnnpackBackend, name)
+        else:
+            setattr(XnnpackBackend, name, own)
+
+
+def _same_storage(t: torch.Tensor) -> torch.Tensor:
+    return nn.Parameter(t.detach(), requires_grad=False) if isinstance(t, nn.Parameter) else t.detach()
+
+
+def release_lowered_weights(edge) -> int:
+    """Swap the weights each XNNPACK delegate keeps of the program it was lowered from for placeholders.
+
+    A LoweredBackendModule holds its original ExportedProgram, state dict included, so after lowering
+    the quantized weights stay alive beside the delegates' packed copies through to_executorch and the
+    write of the .pte. Serialisation only traces that program with fake tensors (it needs each weight's
+    shape, dtype and device, not its values), so every weight becomes a zero-stride view of one element.
+    Returns the bytes released."""
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    released, seen = 0, set()
+    for node in edge.exported_program().graph_module.modules():
+        if not isinstance(node, LoweredBackendModule):
+            continue
+        original = node.original_module
+        for table in (original._state_dict, original._constants):
+            for name, t in list(table.items()):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                for st in _storages(t):
+                    if st.data_ptr() not in seen:
+                        seen.add(st.data_ptr())
+                        released += st.nbytes()
+                table[name] = _placeholder(t)
+    return released
+
+
+def _storages(t: torch.Tensor) -> list:
+    """The storages behind a tensor, looking through tensor subclasses (torchao's quantized weights)."""
+    if _is_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [s for n in names for s in _storages(getattr(t, n))]
+    return [t.untyped_storage()]
+
+
+def _is_subclass(t: torch.Tensor) -> bool:
+    return hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter)
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    """Same type, shape, dtype and device as t, backed by one element."""
+    if _is_subclass(t):
+        names, meta = t.__tensor_flatten__()
+        return type(t).__tensor_unflatten__({n: _placeholder(getattr(t, n)) for n in names}, meta, t.shape, t.stride())
+    cheap = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+    return nn.Parameter(cheap, requires_grad=False) if isinstance(t, nn.Parameter) else cheap
+
+
+def metadata(ctx, tokens: dict[str, Any]) -> dict[str, Any]:
+    """The constant methods ExecuTorch's LLM runner reads (extension/llm/runner/constants.h).
+
+    The runner splits a prompt into calls of get_max_seq_len tokens (text_prefiller.cpp), so that is the
+    prefill chunk the token dimension is bounded by; get_max_context_len is the KV cache. With
+    seq_len < context the runner checks only the prompt against the context, not position + prompt
+    (text_llm_runner.cpp treats it as a sliding window): past the context the program itself fails, in
+    llama::update_cache's bounds check (a program without attention layers has no cache to overflow)."""
+    eos = tokens.get("eos") or []
+    chunk = int(ctx.options["prefill_chunk"])
+    return {
+        "get_max_seq_len": min(chunk, ctx.max_context),
+        "get_max_context_len": ctx.max_context,
+        "get_vocab_size": ctx.spec.vocab_size,
+        "get_n_layers": ctx.spec.num_layers,
+        "get_bos_id": tokens.get("bos") if tokens.get("bos") is not None else (eos[0] if eos else 0),
+        "get_eos_ids": list(eos),
+        "use_kv_cache": True,
+        "use_sdpa_with_kv_cache": True,
+        "enable_dynamic_shape": True,
+    }
+
+
+def prepare(ctx, weights, say=lambda m: None):
+    """The eager model as the program will hold it: real weights, ExecuTorch kernels, quantized.
+    Sets ctx.states (ExecuTorch layouts) and ctx.rounded (the quantized weights, dequantized)."""
+    from deltaship.export.executorch import quant as q
+    from deltaship.export.executorch.lowering import ExecuTorchKernels
+
+    model = ctx.model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.to_empty(device="cpu")  # untouched allocations cost no resident memory
+    quantized = ctx.precision in ("int8", "int4")
+    group = int(ctx.options.get("block_size", 32))
+    quant: dict[str, Any] = (
+        q.describe(ctx.precision, group) if quantized else {"scheme": "none", "weights": ctx.precision}
+    )
+    # Fill (and quantize) one part at a time: only one layer is ever held in full precision; the
+    # vocabulary tables of a quantized build are quantized from the plan a block of rows at a time.
+    units = (
+        ["model.embed_tokens."]
+        + [f"model.layers.{i}." for i in range(ctx.spec.num_layers)]
+        + ["model.norm.", "model.rotary.", "lm_head."]
+    )
+    for i, unit in enumerate(units):
+        say(f"materialising {unit.rstrip('.')} ({i + 1}/{len(units)})")
+        table = unit.rstrip(".") + ".weight"
+        if quantized and unit == "model.embed_tokens.":
+            model.model.embed_tokens, quant["embedding"] = q.quantized_embedding(
+                lambda rows: ctx.plan.tensor(table, weights, rows), ctx.plan.shape(table), ctx.precision
+            )
+        elif quantized and unit == "lm_head.":  # also unties a tied head: the two uses are quantized apart
+            model.lm_head.weight = nn.Parameter(
+                q.quantized_table_linear(
+                    lambda rows: ctx.plan.tensor(table, weights, rows), ctx.plan.shape(table), ctx.precision, group
+                ),
+                requires_grad=False,
+            )
+        else:
+            materialize(model, ctx.plan, weights, prefix=unit, allocate=False)
+            if quantized and unit.startswith("model.layers."):
+                q.quantize_linears(model, ctx.precision, group, prefix=unit)
+    if quantized:
+        plain = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and type(m.weight) is nn.Parameter]
+        if plain:
+            raise RuntimeError(f"executorch: linears left unquantized at {ctx.precision}: {plain[:5]}")
+    kernels = ExecuTorchKernels()
+    swapped = use_kernels(model, kernels)
+    static_conv_weights(model)
+    ctx.states = program_states(ctx.model.state_specs(ctx.dtype))
+    from deltaship.export.verify import reference_fits
+
+    if quantized and ctx.options.get("verify", True) and reference_fits(ctx.spec):
+        ctx.rounded = q.rounded_weights(model)  # only verification needs the dequantized copy
+    return model, kernels, quant, swapped
+
+
+def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.devtools.backend_debug import get_delegation_info
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
+
+    say = progress or (lambda m: None)
+    model, kernels, quant, swapped = prepare(ctx, weights, say)
+    wrapper = ProgramState(model, ctx.states, kernels).eval()
+    chunk = int(ctx.options["prefill_chunk"])
+    say("torch.export (dynamic prompt length)")
+    t = torch.export.Dim("tokens", min=1, max=chunk)
+    example = (torch.zeros(1, min(2, chunk), dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    with torch.no_grad():
+        ep = torch.export.export(wrapper, example, dynamic_shapes=({1: t} if chunk > 1 else None, None), strict=False)
+        ep = ep.run_decompositions({})
+    reshapes = infer_reshape_dims(ep)
+    say("lowering to XNNPACK")
+    with preprocess_shares_weights():
+        edge = to_edge_transform_and_lower(
+            # One partitioner for every precision: ExecuTorch's dynamically-quantized partitioner works op by
+            # op, which puts each linear in a delegate call of its own (about 7 per layer).
+            ep,
+            partitioner=[XnnpackPartitioner()],
+            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+            constant_methods=metadata(ctx, tokens or {}),
+        )
+    # The weights now live in the delegates' blobs: drop the eager model, the captured program and the
+    # copies of the weights each delegate keeps for debugging.
+    del model, wrapper, ep
+    ctx.model = None
+    released = release_lowered_weights(edge)
+    gc.collect()
+    say(f"released {released / 2**30:.2f} GiB of pre-lowering weights")
+    info = get_delegation_info(edge.exported_program().graph_module)
+    portable = {op: int(v.non_delegated) for op, v in info.delegation_by_operator.items() if v.non_delegated}
+    unexpected = {op: n for op, n in portable.items() if not expected_portable(op)}
+    if unexpected and not ctx.options.get("allow_portable_fallback"):
+        raise DeltashipError(
+            "executorch lowering: XNNPACK does not take these nodes, which would run as slow portable kernels: "
+            + ", ".join(f"{op} x{n}" for op, n in sorted(unexpected.items())),
+            "report this; or pass --allow-portable-fallback to accept the portable kernels",
+        )
+    say("to_executorch")
+    prog = edge.to_executorch(
+        ExecutorchBackendConfig(
+            extract_delegate_segments=True,
+            do_quant_fusion_and_const_prop=True,
+            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+            sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
+            emit_mutable_buffer_names=True,
+        )
+    )
+    with open(out_dir / PTE_FILE, "wb") as f:  # segment by segment: no second copy of the program in memory
+        prog.write_to_file(f)
+    operators, delegates = program_operators(prog.executorch_program)
+    from deltaship.bundle.writer import tool_versions
+
+    n_layers = ctx.spec.num_layers
+    return {
+        "files": [PTE_FILE],
+        "entry": PTE_FILE,
+        "delegate_partitions": int(info.num_delegated_subgraphs),
+        "delegate_partitions_per_layer": round(info.num_delegated_subgraphs / n_layers, 2),
+        "portable_nodes": portable,
+        "kernels_swapped": swapped,
+        "reshapes_inferred": reshapes,
+        "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op; all T tokens in one call, "
+        "a token loop inside the kernel)",
+        "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]",
+        "quantization": quant,
+        "prefill": f"1 .. {chunk} tokens per call (dynamic shape)",
+        "operators": operators,
+        "runtime_requirements": runtime_requirements(operators, delegates, tool_versions("executorch")["executorch"]),
+    }

@@ -1,0 +1,194 @@
+"""model.onnx from a captured program: the lowering's entry point and the graph's I/O contract."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from deltaship.export.onnx.builder import GraphBuilder
+from deltaship.export.onnx.genai import GENAI_CONFIG, adapt_tokenizer_config, write_genai_config
+from deltaship.export.onnx.lowering import LOWERINGS, Lowerer
+
+OPSET = 21
+IR_VERSION = 10  # ONNX Runtime 1.31 reads IR <= 13; onnx 1.23 would write 14 by default
+EXTERNAL_THRESHOLD = 1_800_000_000  # protobuf cannot hold a model over 2 GB
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+# How the DeltaNet ops are written. The recurrence is always ONNX Runtime's LinearAttention. Its CPU
+# CausalConvWithState and GatedRMSNorm kernels (ORT 1.31) measured 3x and 14x slower than the same math
+# in standard ops on a 512-token prefill at 0.8B sizes (and slower at one token too; bench/onnx_ops.py),
+# so "standard" is the default (the onnx_deltanet_ops option, deltaship/targets/onnx.py); "contrib" keeps the
+# fused contrib ops, e.g. for an execution provider that implements them better.
+DELTANET_OPS = {
+    "standard": {
+        "recurrence": "com.microsoft::LinearAttention (gated_delta)",
+        "conv": "K shifted Mul/Add over Concat(state, x); new state = last K-1 rows (Slice)",
+        "output_norm": "SimplifiedLayerNormalization * SiLU(gate)",
+        "l2norm": "SimplifiedLayerNormalization (eps/d, scale d^-1/2)",
+    },
+    "contrib": {
+        "recurrence": "com.microsoft::LinearAttention (gated_delta)",
+        "conv": "com.microsoft::CausalConvWithState (fused SiLU)",
+        "output_norm": "com.microsoft::GatedRMSNorm",
+        "l2norm": "SimplifiedLayerNormalization (eps/d, scale d^-1/2)",
+    },
+}
+
+
+# Kernels that read a state input completely before they write the state output, so past and present
+# may share one buffer (no copy of the state per call), by execution provider. GroupQueryAttention is
+# built for a shared KV buffer. LinearAttention's CPU kernel (ORT 1.31) copies the past state into the
+# present one and updates it there; its CUDA kernel was not checked, so it is not listed.
+IN_PLACE_KERNELS = {
+    "GroupQueryAttention": ["CPUExecutionProvider", "CUDAExecutionProvider"],
+    "LinearAttention": ["CPUExecutionProvider"],
+}
+
+
+def in_place_states(nodes, states: list[dict]) -> dict[str, list[str]]:
+    """{past name: providers} for the states whose past is read by exactly one node, the node that writes
+    their present (through Identity renames), and that node's kernel is in IN_PLACE_KERNELS."""
+    readers: dict[str, set[int]] = {}
+    writer: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for name in n.input:
+            readers.setdefault(name, set()).add(i)
+        for name in n.output:
+            writer[name] = i
+    out = {}
+    for s in states:
+        w = writer.get(s["output"])
+        while w is not None and nodes[w].op_type == "Identity":
+            w = writer.get(nodes[w].input[0])
+        if w is not None and readers.get(s["name"]) == {w} and nodes[w].op_type in IN_PLACE_KERNELS:
+            out[s["name"]] = IN_PLACE_KERNELS[nodes[w].op_type]
+    return out
+
+
+def estimate_bytes(ctx) -> int:
+    """Weight bytes of the lowered model, from shapes and precision (decides external data)."""
+    total = 0
+    per = 2 if ctx.dtype == torch.float16 else 4  # float weights and scales are stored in the activation dtype
+    for name in ctx.plan.names():
+        n = int(np.prod(ctx.plan.shape(name)))
+        q = ctx.quant["linear"].get(name) or ctx.quant["embedding"].get(name)
+        total += n * q["bits"] // 8 + n // q["block_size"] * per if q else n * per
+    return total
+
+
+_PROGRAM_POSITION = "position"  # the captured program's start position [1]: derived from position_ids
+_PROGRAM_LOGITS = "logits_last"  # the program's logits [1, V]: unsqueezed to the graph output [1, 1, V]
+
+
+def _genai_io(b: GraphBuilder, vocab: int) -> None:
+    """Swap the program's I/O for the contract onnxruntime-genai drives: input position_ids int64 [1, T]
+    (its element 0 is the start position the program wants) and output logits float32 [1, 1, V]. genai
+    trims prefill logits to the last token only when the graph declares dim 1 of logits as 1."""
+    i = next(k for k, v in enumerate(b.inputs) if v.name == _PROGRAM_POSITION)
+    # Its own dim name: only element 0 is read, so a caller may pass [1, 1] (deltaship's session does: ONNX
+    # Runtime keys its memory patterns by the XOR of all input dims, and [1, T] twice cancels out, so prefill
+    # and decode would share one pattern and fall back to allocating tensor by tensor).
+    b.inputs[i] = onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "positions"])
+    first = b.node(
+        "Slice",
+        [
+            "position_ids",
+            b.const(np.array([0], np.int64)),
+            b.const(np.array([1], np.int64)),
+            b.const(np.array([1], np.int64)),
+        ],
+        name_hint="position_first",
+    )[0]
+    b.node("Reshape", [first, b.const(np.array([1], np.int64))], outputs=[_PROGRAM_POSITION])
+    b.nodes[:] = b.nodes[-2:] + b.nodes[:-2]  # keep the node list topologically sorted
+    o = next(k for k, v in enumerate(b.outputs) if v.name == _PROGRAM_LOGITS)
+    b.node("Unsqueeze", [_PROGRAM_LOGITS, b.const(np.array([1], np.int64))], outputs=["logits"])
+    b.outputs[o] = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 1, vocab])
+
+
+def io_inputs(ctx) -> list[dict]:
+    """The manifest's `inputs`: the graph inputs other than states."""
+    return [
+        {
+            "name": "input_ids",
+            "shape": [1, "tokens"],
+            "dtype": "int64",
+            "kind": "tokens",
+            "doc": "1 to prefill_chunk token ids",
+        },
+        {
+            "name": "position_ids",
+            "shape": [1, "positions"],
+            "dtype": "int64",
+            "kind": "position_ids",
+            "doc": "positions of this call's tokens: p .. p+T-1, p = tokens already consumed by the state; only "
+            "the first is read, so [1, 1] = [[p]] is enough",
+        },
+    ]
+
+
+def io_outputs(ctx) -> list[dict]:
+    """The manifest's `outputs`: the graph outputs other than states."""
+    return [
+        {
+            "name": "logits",
+            "shape": [1, 1, ctx.spec.vocab_size],
+            "dtype": "float32",
+            "kind": "logits",
+            "doc": "logits after the last token of the call",
+        }
+    ]
+
+
+def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict:
+    """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
+    accuracy_level = int(ctx.options["accuracy_level"])  # MatMulNBits: 4 = int8 activation blocks, 0 = float
+    external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))
+    b = GraphBuilder(out_dir / DATA_FILE if external else None)
+    # The program takes position [1] and returns logits [1, V]; the graph's contract is the one
+    # onnxruntime-genai drives (position_ids [1, T], logits [1, 1, V]), adapted around it below.
+    inputs = ["input_ids", _PROGRAM_POSITION] + [s["name"] for s in ctx.states]
+    outputs = [_PROGRAM_LOGITS] + [s["output"] for s in ctx.states]
+    deltanet_ops = ctx.options["onnx_deltanet_ops"]
+    lw = Lowerer(
+        ctx.program,
+        ctx.plan,
+        weights,
+        ctx.quant,
+        b,
+        accuracy_level=accuracy_level,
+        progress=progress,
+        deltanet_ops=deltanet_ops,
+    )
+    lw.run(inputs, outputs)
+    _genai_io(b, ctx.spec.vocab_size)
+    b.finish(
+        out_dir / MODEL_FILE,
+        {"": OPSET, "com.microsoft": 1},
+        IR_VERSION,
+        doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}",
+    )
+    ops: dict[str, int] = {}
+    for n in b.nodes:
+        ops[n.op_type] = ops.get(n.op_type, 0) + 1
+    in_place = in_place_states(b.nodes, ctx.states)
+    genai = write_genai_config(out_dir, ctx, tokens, MODEL_FILE, b.nodes, in_place)
+    return {
+        "files": [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else []),
+        "entry": MODEL_FILE,
+        "onnx_ops": ops,
+        "external_data": external,
+        "opset": OPSET,
+        "ir_version": IR_VERSION,
+        "accuracy_level": accuracy_level,
+        "weight_bytes": b.weight_bytes,
+        "state_in_place": in_place,
+        "genai": genai,
+        "deltanet_ops": {"mode": deltanet_ops, **DELTANET_OPS[deltanet_ops]},
+    }
+
+
+__all__ = ["lower", "io_inputs", "io_outputs", "adapt_tokenizer_config", "LOWERINGS", "MODEL_FILE"]

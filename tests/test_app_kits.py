@@ -61,6 +61,7 @@ def unbalanced(text: str) -> list[str]:
 def stub_manifest(target: str) -> dict:
     """The least a bundle reader accepts: the schema, its version, a target and no files."""
     from deltaship.bundle import SCHEMA, SCHEMA_VERSION
+
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "target": target, "files": {}}
 
 

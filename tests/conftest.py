@@ -73,8 +73,9 @@ def tiny_pte(tmp_path_factory):
 
 
 # The fast tier (`python -m pytest -m "not slow"`) leaves out what exports through the slow toolchains
-# (ExecuTorch's XNNPACK lowering, Core ML conversion and its op-by-op evaluation), trains, or profiles in
-# subprocesses: these modules, and any test parametrized with one of these targets.
+# (ExecuTorch's XNNPACK lowering, Core ML conversion and its op-by-op evaluation), trains, profiles in
+# subprocesses or drives a browser: these modules, any test parametrized with one of these targets, and any test
+# that needs the session's ExecuTorch export of the tiny preset.
 SLOW_MODULES = {
     "test_executorch",
     "test_coreml",
@@ -90,5 +91,6 @@ SLOW_TARGETS = {"executorch", "coreml"}
 def pytest_collection_modifyitems(items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if item.module.__name__ in SLOW_MODULES or params.get("target") in SLOW_TARGETS:
+        exports_a_pte = "tiny_pte" in item.fixturenames  # the closure of the fixtures it uses
+        if item.module.__name__ in SLOW_MODULES or params.get("target") in SLOW_TARGETS or exports_a_pte:
             item.add_marker(pytest.mark.slow)

@@ -1,0 +1,138 @@
+"""onnxruntime-genai (the runtime apps embed) against deltaship's own ONNX driver, on one bundle.
+
+    python bench/genai_vs_own.py [--model qwen3.5-0.8b] [--precision int4] [--threads 2] \
+        --out docs/results/genai.md --json bench/results/genai-vs-own.json
+
+Exports the model once (ONNX, random weights at the published shapes for the built-in presets), then
+runs `deltaship profile BUNDLE --runtime R` for R = onnxruntime (deltaship's driver) and genai, in the
+order A B B A so that a drift of the machine during the run weighs on both alike. Each metric's
+samples from both runs of a runtime are pooled; the table gives the medians and genai / own. Run it on an
+idle machine: the two runtimes are measured in the same run, but a busy machine makes both noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from statistics import median
+
+RUNTIMES = ("onnxruntime", "genai")
+ORDER = ("onnxruntime", "genai", "genai", "onnxruntime")
+METRICS = ("prefill_tok_s", "decode_tok_s", "tpot_s", "ttft_s", "peak_rss_bytes")
+
+
+def run_profile(bundle: Path, runtime: str, threads: int, out: Path) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "deltaship",
+        "profile",
+        str(bundle),
+        "--runtime",
+        runtime,
+        "--threads",
+        str(threads),
+        "--contexts",
+        "128",
+        "--no-breakdown",
+        "--quiet",
+        "--json",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
+
+
+def pooled(records: list[dict]) -> dict[tuple[str, int | None], list[float]]:
+    samples: dict[tuple[str, int | None], list[float]] = {}
+    for rec in records:
+        for r in rec["results"]:
+            if r["metric"] in METRICS:
+                samples.setdefault((r["metric"], r.get("prompt_length")), []).extend(r["samples"])
+    return samples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen3.5-0.8b")
+    ap.add_argument("--precision", default="int4")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, help="write the markdown table here")
+    ap.add_argument("--json", type=Path, help="write the raw records here")
+    a = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="deltaship-genai-bench-") as tmp:
+        work = Path(tmp)
+        bundle = work / "bundle"
+        subprocess.run(
+            [sys.executable, "-m", "deltaship", "export", "--model", a.model, "--target", "onnx"]
+            + ["--precision", a.precision, "--out", str(bundle), "--quiet"],
+            check=True,
+        )
+        records = {rt: [] for rt in RUNTIMES}
+        for i, rt in enumerate(ORDER):
+            records[rt].append(run_profile(bundle, rt, a.threads, work / f"{i}-{rt}.json"))
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    own, genai = pooled(records["onnxruntime"]), pooled(records["genai"])
+    rows = []
+    for key in own:
+        if key in genai:
+            a_med, b_med = median(own[key]), median(genai[key])
+            rows.append(
+                {"metric": key[0], "prompt_length": key[1], "own": a_med, "genai": b_med, "ratio": b_med / a_med}
+            )
+    command = " ".join(["python", "bench/genai_vs_own.py", *sys.argv[1:]])
+    result = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "commit": commit,
+        "machine": machine(),
+        "command": command,
+        "model": a.model,
+        "precision": a.precision,
+        "threads": a.threads,
+        "order": ORDER,
+        "rows": rows,
+        "records": records,
+    }
+    lines = [
+        "| metric | prompt | deltaship (onnxruntime) | onnxruntime-genai | genai / own |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['metric']} | {r['prompt_length'] or ''} | {r['own']:.4g} | {r['genai']:.4g} | {r['ratio']:.3f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
+    if a.out:
+        a.out.write_text(
+            f"# onnxruntime-genai against deltaship's own ONNX driver\n\n"
+            f"- **Measured:** {result['date']}, commit `{commit}`\n"
+            f"- **Machine:** {result['machine']}, {a.threads} threads\n"
+            f"- **Regenerate:** `{command}`\n\n"
+            f"{a.model} at {a.precision}, random weights at the published shapes, one bundle; profile order "
+            f"{' '.join(ORDER)}, samples of both runs of a runtime pooled, medians.\n\n{table}\n"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -97,6 +97,7 @@ class Lowered:
     details: dict[str, Any] = field(default_factory=dict)
     quantization: dict[str, Any] | None = None
     state_in_place: dict[str, list[str]] = field(default_factory=dict)
+    app_runtimes: dict[str, str] | None = None  # replaces the target's app_runtimes for this artifact
 
 
 class Target(ABC):
@@ -187,6 +188,7 @@ class Target(ABC):
             entry=r.pop("entry"),
             quantization=r.pop("quantization", None),
             state_in_place=r.pop("state_in_place", {}),
+            app_runtimes=r.pop("app_runtimes", None),
             details=r,
         )
 

@@ -449,8 +449,14 @@ def _rms(L: Lowerer, x: str, scale: str, eps: float) -> str:
 
 @lowering(DS.rms_norm.default)
 def _rms_norm(L: Lowerer, node, x, weight, eps):
-    xdt = L.dtype_of(x)
-    y = _rms(L, L.as_tensor(x), L.weight(weight), eps)
+    xdt, wdt = L.dtype_of(x), L.dtype_of(weight)
+    xin = L.as_tensor(x)
+    if L.opset >= STANDARD_OPSET and wdt != xdt:
+        # RMSNormalization with fp16 X and an fp32 scale: onnx 1.23's inference types Y as X and ONNX Runtime 1.32
+        # refuses the model (a Mul of mixed types): normalize in the weight's dtype (fp32), as the canonical op
+        # computes, then cast back
+        xin = L.b.one("Cast", [xin], to=TORCH_TO_ONNX[wdt])
+    y = _rms(L, xin, L.weight(weight), eps)
     return y if L.dtype_of(weight) == xdt else L.b.one("Cast", [y], to=TORCH_TO_ONNX[xdt])
 
 

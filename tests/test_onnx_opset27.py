@@ -26,6 +26,7 @@ from deltaship.runtimes import open_bundle
 from deltaship.runtimes.ort_worker import ENV
 
 ORT_VERSION = "1.32.0"
+GENAI_VERSION = "0.18.0"  # onnxruntime-genai drives the onnxruntime installed beside it
 # pip's words when it cannot reach the package index (the only case in which the ORT 1.32 tests skip)
 OFFLINE = (
     "NewConnectionError",
@@ -38,17 +39,25 @@ OFFLINE = (
 
 @pytest.fixture(scope="session")
 def ort132() -> str:
-    """A Python with onnxruntime 1.32 and numpy: $DELTASHIP_ORT_PYTHON, or a venv made once with pip."""
+    """A Python with onnxruntime 1.32, onnxruntime-genai 0.18 and numpy: $DELTASHIP_ORT_PYTHON, or a venv made
+    once with pip."""
     if os.environ.get(ENV):
         return os.environ[ENV]
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltaship" / f"venv-ort{ORT_VERSION}"
+    root = (
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        / "deltaship"
+        / f"venv-ort{ORT_VERSION}-genai{GENAI_VERSION}"
+    )
     python = root / "bin" / "python"
     marker = root / "deltaship-ready"
     if not marker.is_file():
         shutil.rmtree(root, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
         r = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", f"onnxruntime=={ORT_VERSION}", "numpy"],
+            [
+                *(str(python), "-m", "pip", "install", "-q"),
+                *(f"onnxruntime=={ORT_VERSION}", f"onnxruntime-genai=={GENAI_VERSION}", "numpy"),
+            ],
             capture_output=True,
             text=True,
         )
@@ -114,7 +123,8 @@ def test_opset27_graph_is_standard_onnx(tiny):
     assert all(graph_in[s["name"]] == s["shape"] for s in m["states"])
     assert m["lowering"]["opset"] == 27 and m["lowering"]["runtime_requirements"] == {"onnxruntime": ">=1.32"}
     assert m["lowering"]["conv_state_layout"] == "channels_first"
-    assert "1.32" in m["app_runtimes"]["onnxruntime"] and m["app_runtimes"]["onnxruntime-genai"].startswith("not run")
+    assert "1.32" in m["app_runtimes"]["onnxruntime"] and "1.32" in m["app_runtimes"]["onnxruntime-genai"]
+    assert m["app_runtimes"]["onnxruntime-node"].startswith("not run")
     # the default bundle keeps deltaship's channels-last state and opset 21
     m21 = read_manifest(tiny(21))
     assert m21["lowering"]["opset"] == 21 and "runtime_requirements" not in m21["lowering"]
@@ -194,3 +204,47 @@ def test_opset27_export_verifies_against_transformers_in_onnxruntime_132(tmp_pat
     assert v["runtime"].startswith(f"onnxruntime {ORT_VERSION}") and ort132 in v["runtime"]
     assert v["max_rel_logit_diff"] <= 1e-3 and v["greedy_agreement"] == 1.0
     assert {p["prompt_length"] for p in v["prompts"]} == {1, 7, 11}
+
+
+GENAI_SCRIPT = """
+import json, sys
+import onnxruntime_genai as og
+model = og.Model(sys.argv[1])
+out = []
+for prompt in json.loads(sys.argv[2]):
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + 8, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens([prompt])
+    toks = []
+    while not gen.is_done():
+        gen.generate_next_token()
+        toks.append(int(gen.get_next_tokens()[0]))
+    out.append(toks)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_opset27_in_onnxruntime_genai_on_onnxruntime_132(tiny, ort132, monkeypatch):
+    """onnxruntime-genai 0.18 over onnxruntime 1.32 runs the opset-27 bundle as it is: deltaship's greedy tokens."""
+    monkeypatch.setenv(ENV, ort132)
+    bundle = tiny(27)
+    if subprocess.run([ort132, "-c", "import onnxruntime_genai"], capture_output=True).returncode:
+        pytest.skip(f"{ENV}={ort132} has no onnxruntime_genai")
+    rng = np.random.default_rng(11)
+    session = open_bundle(bundle)
+    prompts = [rng.integers(0, session.vocab_size, n).tolist() for n in (1, 7, 19)]
+    want = []
+    for prompt in prompts:
+        session.reset()
+        logits, toks = session.prefill(prompt), []
+        for _ in range(8):
+            toks.append(int(logits.argmax()))
+            logits = session.decode(toks[-1])
+        want.append(toks)
+    import json
+
+    r = subprocess.run([ort132, "-c", GENAI_SCRIPT, str(bundle), json.dumps(prompts)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == want

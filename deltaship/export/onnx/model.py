@@ -52,8 +52,8 @@ STANDARD_RUNTIME = {"onnxruntime": ">=1.32"}
 STANDARD_APP_RUNTIMES = {
     "onnxruntime": "1.32.0 (Python, CPU, in an isolated environment): the same logits and greedy tokens as the "
     "default opset-21 bundle (tests/test_onnx_opset27.py); ONNX Runtime 1.30 and 1.31 refuse opset 27",
-    "onnxruntime-genai": "not run: 0.18 drives whatever onnxruntime is installed and needs onnxruntime >= 1.32 "
-    "underneath for this bundle",
+    "onnxruntime-genai": "0.18.0 over onnxruntime 1.32.0 (Python wheels, isolated environment): same greedy "
+    "tokens (tests/test_onnx_opset27.py); genai drives the onnxruntime installed beside it, which must be >= 1.32",
     "onnxruntime-node": "not run: 1.30 refuses opset 27 (needs >= 1.32)",
     "onnxruntime-web": "not run: 1.30 refuses opset 27 (needs >= 1.32)",
     "onnxruntime-android": "not run (no Android device); needs onnxruntime-android >= 1.32",

@@ -248,3 +248,14 @@ def test_opset27_in_onnxruntime_genai_on_onnxruntime_132(tiny, ort132, monkeypat
     r = subprocess.run([ort132, "-c", GENAI_SCRIPT, str(bundle), json.dumps(prompts)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == want
+
+
+def test_app_kits_refuse_an_opset27_bundle_their_runtime_cannot_load(tiny, tmp_path):
+    from deltaship.apps import write_kit
+    from deltaship.errors import DeltashipError
+
+    for platform, runtime in (("web", "onnxruntime-web 1.30"), ("android", "onnxruntime-android 1.31")):
+        with pytest.raises(DeltashipError, match=f"needs onnxruntime >= 1.32.*pins {runtime}") as e:
+            write_kit(tiny(27), tmp_path / platform, platform)
+        assert "without --onnx-opset 27" in e.value.fix
+        assert not (tmp_path / platform).exists()

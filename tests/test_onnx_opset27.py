@@ -125,6 +125,10 @@ def test_opset27_graph_is_standard_onnx(tiny):
     assert m["lowering"]["conv_state_layout"] == "channels_first"
     assert "1.32" in m["app_runtimes"]["onnxruntime"] and "1.32" in m["app_runtimes"]["onnxruntime-genai"]
     assert m["app_runtimes"]["onnxruntime-node"].startswith("not run")
+    from deltaship.bundle.inspect import describe, inspect
+
+    text = describe(inspect(bundle))
+    assert "runtime     opset 27: needs onnxruntime >=1.32" in text and "zeros/zeros channels_first" in text
     # the default bundle keeps deltaship's channels-last state and opset 21
     m21 = read_manifest(tiny(21))
     assert m21["lowering"]["opset"] == 21 and "runtime_requirements" not in m21["lowering"]

@@ -90,7 +90,8 @@ class Lowered:
     files: the artifact files it wrote (relative paths); entry: the file a runtime opens first;
     details: target-specific facts for the manifest's `lowering` block; quantization: the scheme as the
     toolchain applied it (None: the passes' own choices are reported); state_in_place: past-state name
-    -> execution providers on which its past and present may share one buffer."""
+    -> execution providers on which its past and present may share one buffer; app_runtimes: the manifest's
+    `app_runtimes` for this artifact when it differs from the target's (e.g. ONNX at opset 27)."""
 
     files: list[str]
     entry: str

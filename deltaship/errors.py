@@ -17,3 +17,8 @@ class DeltashipError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.fix else f"{self.message}\n  fix: {self.fix}"
+
+
+class DeltashipUnavailable(DeltashipError):
+    """The bundle is fine but the runtime installed here cannot run it (e.g. too old for its opset):
+    export-time verification records it as skipped, with this message, instead of failing."""

@@ -64,6 +64,7 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
         raise DeltashipError(
             f"{bundle} is a {target} bundle; the {platform} kit runs {' or '.join(targets)} bundles", fix
         )
+    _check_runtime_version(bundle, manifest, platform)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -92,6 +93,28 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
         return record
 
     return write_dir(out, force, build)
+
+
+def _check_runtime_version(bundle: Path, manifest: dict[str, Any], platform: str) -> None:
+    """Refuse a bundle that needs a newer onnxruntime (an --onnx-opset 27 bundle: >= 1.32) than the kit pins:
+    the JS package's onnxruntime-web/-node, or the Android kit's onnxruntime-android (the export's onnxruntime)."""
+    from deltaship.runtimes.ort_worker import required_onnxruntime, version_tuple
+
+    need = required_onnxruntime(manifest)
+    if not need:
+        return
+    if platform in ("web", "desktop"):
+        package = json.loads((Path(__file__).parent / "js" / "package.json").read_text())
+        runtime = "onnxruntime-web" if platform == "web" else "onnxruntime-node"
+        pinned = package["dependencies"][runtime]
+    else:
+        runtime, pinned = "onnxruntime-android", manifest.get("tools", {}).get("onnxruntime", "0")
+    if version_tuple(pinned) < version_tuple(need):
+        raise DeltashipError(
+            f"{bundle} needs onnxruntime >= {need} (lowering.opset {manifest['lowering'].get('opset')}); the "
+            f"{platform} kit pins {runtime} {pinned}, which refuses it",
+            f"export the bundle without --onnx-opset 27 for the {platform} kit",
+        )
 
 
 def kit_name(manifest: dict[str, Any]) -> str:

@@ -46,7 +46,12 @@ def describe(info: dict[str, Any]) -> str:
     for s in m["states"]:
         lines.append(
             f"  {s['name']:<16} -> {s['output']:<18} L{s['layer']:<3} {s['kind']:<20} {s['dtype']:<8} "
-            f"{s['shape']} {s['init']}/{s['reset']}"
+            f"{s['shape']} {s['init']}/{s['reset']}" + (f" {s['layout']}" if "layout" in s else "")
+        )
+    needs = m.get("lowering", {}).get("runtime_requirements")
+    if needs:
+        lines.append(
+            f"runtime     opset {m['lowering'].get('opset')}: needs " + ", ".join(f"{k} {v}" for k, v in needs.items())
         )
     tok = m.get("tokens", {})
     lines.append("tokens      " + ", ".join(f"{k}={v}" for k, v in tok.items() if v not in (None, [])))

@@ -250,7 +250,7 @@ def export(
             tools=tool_versions("torch", "transformers", *tgt.tool_packages),
         )
         manifest["memory"] = _memory(spec, ctx.states)
-        manifest["app_runtimes"] = dict(tgt.app_runtimes)
+        manifest["app_runtimes"] = dict(lowered.app_runtimes or tgt.app_runtimes)
         if verify:
             from deltaship.export.verify import verify_bundle
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from deltaship.errors import DeltashipUnavailable
 from deltaship.models.source import ModelSource
 from deltaship.tolerances import tolerance
 
@@ -135,7 +136,11 @@ def verify_bundle(
             f"{available_memory() / 2**30:.1f} GiB are available",
         )
         return record
-    session = open_bundle(bundle, threads=threads, check_hashes=False)
+    try:
+        session = open_bundle(bundle, threads=threads, check_hashes=False)
+    except DeltashipUnavailable as e:  # e.g. an opset-27 bundle and onnxruntime < 1.32: nothing ran
+        record.update(status="skipped", reason=str(e))
+        return record
     record["runtime"] = session.runtime_name()
     prompts = prompts or default_prompts(source.spec.vocab_size, session.prefill_chunk, session.max_context, steps)
     if progress:

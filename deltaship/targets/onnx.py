@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deltaship.errors import DeltashipError
+from deltaship.errors import DeltashipError, DeltashipUnavailable
 from deltaship.targets import register
 from deltaship.targets.base import StorageFormat, Target, TargetOptions, option
 from deltaship.tolerances import Tolerance
@@ -42,6 +42,15 @@ class OnnxOptions(TargetOptions):
     external_data: bool = field(
         default=False, metadata=option("write the weights to model.onnx.data even when the model is under 2 GB")
     )
+    onnx_opset: int = field(
+        default=21,
+        metadata=option(
+            "ONNX opset: 21 (ONNX Runtime >= 1.30), or 27 to write DeltaNet as the standard ai.onnx "
+            "LinearAttention and CausalConvWithState ops (onnx 1.23; needs ONNX Runtime >= 1.32; conv states "
+            "channels first [1, C, K-1])",
+            choices=(21, 27),
+        ),
+    )
 
 
 @register
@@ -65,6 +74,9 @@ class OnnxTarget(Target):
         "on them (IOBinding); elsewhere give present its own buffer and swap the two after each call.",
         "logits float32 [1, 1, vocab] are for the last token of the call.",
         "onnxruntime-genai runs the bundle as it is: og.Model(bundle_dir) reads genai_config.json.",
+        "A bundle whose lowering.opset is 27 writes DeltaNet in the standard ai.onnx LinearAttention and "
+        "CausalConvWithState ops and needs ONNX Runtime >= 1.32 (lowering.runtime_requirements); its conv states "
+        "are channels first, [1, C, K-1] (states[].layout).",
     )
     tolerances = {
         "fp32": Tolerance(1e-3, 1.0, 1e-3, True),
@@ -102,6 +114,12 @@ class OnnxTarget(Target):
                 f"--onnx-activations applies to int8/int4 weights (--precision {precision} already "
                 f"sets the activations)",
                 "drop --onnx-activations, or use --precision int8 or int4",
+            )
+        if options.onnx_opset == 27 and options.onnx_deltanet_ops == "contrib":
+            raise DeltashipError(
+                "--onnx-opset 27 writes DeltaNet in the standard LinearAttention/CausalConvWithState ops; "
+                "--onnx-deltanet-ops contrib asks for ONNX Runtime's contrib ops instead",
+                "drop one of --onnx-opset 27 and --onnx-deltanet-ops contrib",
             )
         if options.accuracy_level != 4 and precision not in ("int8", "int4"):
             raise DeltashipError(
@@ -157,8 +175,36 @@ class OnnxTarget(Target):
             from deltaship.runtimes.genai import GenaiSession
 
             return GenaiSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk)
+        need_newer = _needs_newer_onnxruntime(manifest)
+        if need_newer:
+            import os
+
+            from deltaship.runtimes.ort_worker import ENV, RemoteOnnxSession
+
+            if runtime == "genai" or not os.environ.get(ENV) or provider != "cpu" or options:
+                raise DeltashipUnavailable(
+                    f"{bundle}: this bundle needs onnxruntime >= {need_newer[0]} (lowering.opset "
+                    f"{manifest['lowering'].get('opset')}); onnxruntime {need_newer[1]} is installed",
+                    f"pip install 'onnxruntime>={need_newer[0]}', or set {ENV} to a Python that has it (CPU, "
+                    "deltaship's own session only), or export without --onnx-opset 27",
+                )
+            return RemoteOnnxSession(
+                os.environ[ENV], Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk
+            )
         from deltaship.runtimes.onnx import OnnxSession
 
         return OnnxSession(
             Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, provider=provider, **options
         )
+
+
+def _needs_newer_onnxruntime(manifest: dict[str, Any]) -> tuple[str, str] | None:
+    """(required, installed) when the bundle names a newer onnxruntime than the installed one (opset 27)."""
+    import onnxruntime
+
+    from deltaship.runtimes.ort_worker import required_onnxruntime, version_tuple
+
+    need = required_onnxruntime(manifest)
+    if need and version_tuple(onnxruntime.__version__) < version_tuple(need):
+        return need, onnxruntime.__version__
+    return None

@@ -1,7 +1,9 @@
 """Lower a captured program (torch.export FX graph) to ONNX, one FX node at a time.
 
 Canonical ops go to ONNX Runtime's com.microsoft contrib ops (CausalConvWithState,
-LinearAttention, GroupQueryAttention, GatedRMSNorm); aten ops to standard ONNX. Weights come
+LinearAttention, GroupQueryAttention, GatedRMSNorm); aten ops to standard ONNX. At opset 27 the DeltaNet
+ops are the standard ai.onnx LinearAttention and CausalConvWithState (channels-first conv state) and the
+norms the standard RMSNormalization. Weights come
 from the weight plan one at a time, quantized on the fly where the precision asks for it. An FX
 op with no lowering fails the export, naming the op and the node.
 """
@@ -56,11 +58,13 @@ class Lowerer:
         accuracy_level: int = 4,
         progress: Callable[[str], None] | None = None,
         deltanet_ops: str = "standard",
+        opset: int = 21,
     ):
         self.ep, self.plan, self.weights, self.quant = program, plan, weights, quant
         self.b = builder
         self.accuracy_level = accuracy_level
         self.deltanet_ops = deltanet_ops  # "standard" or "contrib" (see DELTANET_OPS in export/onnx)
+        self.opset = opset  # 27: DeltaNet in the standard ai.onnx ops (see STANDARD_OPSET in export/onnx/model.py)
         self.progress = progress
         self.env: dict[str, Any] = {}
         sig = program.graph_signature
@@ -433,12 +437,26 @@ def _linear(L: Lowerer, node, x, weight, bias=None):
 
 
 # ---- canonical ops -------------------------------------------------------------------------
+STANDARD_OPSET = 27  # onnx 1.23: ai.onnx LinearAttention and CausalConvWithState (ONNX Runtime >= 1.32)
+
+
+def _rms(L: Lowerer, x: str, scale: str, eps: float) -> str:
+    """RMSNorm over the last axis in fp32: ONNX Runtime's SimplifiedLayerNormalization (registered in the
+    ai.onnx domain by ONNX Runtime only), or at opset 27 the standard RMSNormalization (ai.onnx 23)."""
+    op = "RMSNormalization" if L.opset >= STANDARD_OPSET else "SimplifiedLayerNormalization"
+    return L.b.one(op, [x, scale], axis=-1, epsilon=float(eps), stash_type=1)
+
+
 @lowering(DS.rms_norm.default)
 def _rms_norm(L: Lowerer, node, x, weight, eps):
-    xdt = L.dtype_of(x)
-    y = L.b.one(
-        "SimplifiedLayerNormalization", [L.as_tensor(x), L.weight(weight)], axis=-1, epsilon=float(eps), stash_type=1
-    )
+    xdt, wdt = L.dtype_of(x), L.dtype_of(weight)
+    xin = L.as_tensor(x)
+    if L.opset >= STANDARD_OPSET and wdt != xdt:
+        # RMSNormalization with fp16 X and an fp32 scale: onnx 1.23's inference types Y as X and ONNX Runtime 1.32
+        # refuses the model (a Mul of mixed types): normalize in the weight's dtype (fp32), as the canonical op
+        # computes, then cast back
+        xin = L.b.one("Cast", [xin], to=TORCH_TO_ONNX[wdt])
+    y = _rms(L, xin, L.weight(weight), eps)
     return y if L.dtype_of(weight) == xdt else L.b.one("Cast", [y], to=TORCH_TO_ONNX[xdt])
 
 
@@ -455,13 +473,27 @@ def _gated_rms_norm(L: Lowerer, node, x, gate, weight, eps):
         # No `activation` attribute: ORT 1.30 (the npm builds apps ship) has none and rejects it; its gate is
         # always SiLU, and 1.31's attribute defaults to "silu", so both compute the same graph.
         return L.b.one("GatedRMSNorm", [L.as_tensor(x), w, L.as_tensor(gate)], domain=MS, epsilon=float(eps))
-    normed = L.b.one("SimplifiedLayerNormalization", [L.as_tensor(x), w], axis=-1, epsilon=float(eps), stash_type=1)
+    normed = _rms(L, L.as_tensor(x), w, eps)
     return L.b.one("Mul", [normed, _silu_of(L, L.as_tensor(gate))])
 
 
 @lowering(DS.causal_conv_with_state.default)
 def _conv(L: Lowerer, node, x, state, weight):
     xdt = L.dtype_of(x)
+    if L.opset >= STANDARD_OPSET:
+        # ai.onnx::CausalConvWithState is channels-first: x [1, T, C] is transposed in and out; the state input
+        # and output are [1, C, K-1] as they are (the manifest's conv state layout at this opset)
+        w = L.weight(weight, "conv")
+        if L.dtype_of(weight) != xdt:
+            w = L.b.one("Cast", [w], to=TORCH_TO_ONNX[xdt])
+        xt = L.b.one("Transpose", [L.as_tensor(x)], perm=[0, 2, 1])
+        st = L.as_tensor(state)
+        if L.dtype_of(state) != xdt:
+            st = L.b.one("Cast", [st], to=TORCH_TO_ONNX[xdt])
+        y, new_state = L.b.node("CausalConvWithState", [xt, w, "", st], n_out=2, activation="silu")
+        if L.dtype_of(state) != xdt:
+            new_state = L.b.one("Cast", [new_state], to=TORCH_TO_ONNX[L.dtype_of(state)])
+        return [L.b.one("Transpose", [y], perm=[0, 2, 1]), new_state]
     if L.deltanet_ops == "contrib":
         w = L.weight(weight, "conv")
         if L.dtype_of(weight) != xdt:
@@ -517,7 +549,7 @@ def _gated_delta(L: Lowerer, node, q, k, v, g, beta, state):
         "LinearAttention",
         [qp, kp, vp, L.as_tensor(state), L.as_tensor(g), L.as_tensor(beta)],
         n_out=2,
-        domain=MS,
+        domain="" if L.opset >= STANDARD_OPSET else MS,  # same attributes and semantics in both domains
         q_num_heads=hv,
         kv_num_heads=hv,
         update_rule="gated_delta",
@@ -572,11 +604,15 @@ def _l2norm(L: Lowerer, node, x):
     # x / sqrt(sum(x^2) + 1e-6) == RMSNorm with eps 1e-6/d, scaled by d^-1/2: one fused normalization node
     d = int(L.meta(x).shape[-1])
     scale = L.b.const(np.full(d, d**-0.5, np.float32))
-    return L.b.one("SimplifiedLayerNormalization", [_as_float32(L, x), scale], axis=-1, epsilon=1e-6 / d, stash_type=1)
+    return _rms(L, _as_float32(L, x), scale, 1e-6 / d)
 
 
 @lowering(DS.delta_gates.default)
 def _delta_gates(L: Lowerer, node, a, b, dt_bias, decay_scale):
+    if L.opset >= STANDARD_OPSET:  # standard ops: g = decay_scale * softplus(a + dt_bias), beta = sigmoid(b)
+        pre = L.b.one("Add", [_as_float32(L, a), _as_float32(L, dt_bias)])
+        g = L.b.one("Mul", [_as_float32(L, decay_scale), L.b.one("Softplus", [pre])])
+        return [g, L.b.one("Sigmoid", [_as_float32(L, b)])]
     return L.b.node(
         "LinearAttentionGate",
         [_as_float32(L, a), _as_float32(L, dt_bias), _as_float32(L, decay_scale), _as_float32(L, b)],

@@ -10,10 +10,11 @@ import torch
 
 from deltaship.export.onnx.builder import GraphBuilder
 from deltaship.export.onnx.genai import GENAI_CONFIG, adapt_tokenizer_config, write_genai_config
-from deltaship.export.onnx.lowering import LOWERINGS, Lowerer
+from deltaship.export.onnx.lowering import LOWERINGS, STANDARD_OPSET, Lowerer
 
 OPSET = 21
 IR_VERSION = 10  # ONNX Runtime 1.31 reads IR <= 13; onnx 1.23 would write 14 by default
+IR_VERSIONS = {OPSET: IR_VERSION, STANDARD_OPSET: 13}  # the IR each opset was released with (onnx VERSION_TABLE)
 EXTERNAL_THRESHOLD = 1_800_000_000  # protobuf cannot hold a model over 2 GB
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -35,6 +36,27 @@ DELTANET_OPS = {
         "output_norm": "com.microsoft::GatedRMSNorm",
         "l2norm": "SimplifiedLayerNormalization (eps/d, scale d^-1/2)",
     },
+    "opset27": {
+        "recurrence": "ai.onnx::LinearAttention (gated_delta), opset 27",
+        "conv": "ai.onnx::CausalConvWithState (fused SiLU), opset 27, channels first: Transpose in and out",
+        "gates": "Softplus/Sigmoid/Mul",
+        "output_norm": "RMSNormalization * SiLU(gate)",
+        "l2norm": "RMSNormalization (eps/d, scale d^-1/2)",
+    },
+}
+# The DeltaNet conv state's layout, by opset: deltaship's canonical state is channels last; the standard
+# CausalConvWithState (opset 27) reads and writes its state channels first.
+CONV_STATE_LAYOUT = {OPSET: "channels_last", STANDARD_OPSET: "channels_first"}
+# What an opset-27 bundle needs from ONNX Runtime (1.30 and 1.31 refuse opset 27), for the manifest.
+STANDARD_RUNTIME = {"onnxruntime": ">=1.32"}
+STANDARD_APP_RUNTIMES = {
+    "onnxruntime": "1.32.0 (Python, CPU, in an isolated environment): the same logits and greedy tokens as the "
+    "default opset-21 bundle (tests/test_onnx_opset27.py); ONNX Runtime 1.30 and 1.31 refuse opset 27",
+    "onnxruntime-genai": "0.18.0 over onnxruntime 1.32.0 (Python wheels, isolated environment): same greedy "
+    "tokens (tests/test_onnx_opset27.py); genai drives the onnxruntime installed beside it, which must be >= 1.32",
+    "onnxruntime-node": "not run: 1.30 refuses opset 27 (needs >= 1.32)",
+    "onnxruntime-web": "not run: 1.30 refuses opset 27 (needs >= 1.32)",
+    "onnxruntime-android": "not run (no Android device); needs onnxruntime-android >= 1.32",
 }
 
 
@@ -46,6 +68,7 @@ IN_PLACE_KERNELS = {
     "GroupQueryAttention": ["CPUExecutionProvider", "CUDAExecutionProvider"],
     "LinearAttention": ["CPUExecutionProvider"],
 }
+IN_PLACE_DOMAINS = ("com.microsoft",)  # the standard (ai.onnx) LinearAttention's kernels were not checked
 
 
 def in_place_states(nodes, states: list[dict]) -> dict[str, list[str]]:
@@ -63,7 +86,12 @@ def in_place_states(nodes, states: list[dict]) -> dict[str, list[str]]:
         w = writer.get(s["output"])
         while w is not None and nodes[w].op_type == "Identity":
             w = writer.get(nodes[w].input[0])
-        if w is not None and readers.get(s["name"]) == {w} and nodes[w].op_type in IN_PLACE_KERNELS:
+        if (
+            w is not None
+            and readers.get(s["name"]) == {w}
+            and nodes[w].op_type in IN_PLACE_KERNELS
+            and nodes[w].domain in IN_PLACE_DOMAINS
+        ):
             out[s["name"]] = IN_PLACE_KERNELS[nodes[w].op_type]
     return out
 
@@ -107,6 +135,28 @@ def _genai_io(b: GraphBuilder, vocab: int) -> None:
     o = next(k for k, v in enumerate(b.outputs) if v.name == _PROGRAM_LOGITS)
     b.node("Unsqueeze", [_PROGRAM_LOGITS, b.const(np.array([1], np.int64))], outputs=["logits"])
     b.outputs[o] = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 1, vocab])
+
+
+def _conv_state_layout(states: list[dict], opset: int) -> None:
+    """Record the conv states' layout in the state contract; at opset 27 make them channels first,
+    [1, K-1, C] -> [1, C, K-1], the layout the standard CausalConvWithState reads and writes."""
+    layout = CONV_STATE_LAYOUT[opset]
+    for s in states:
+        if s["kind"] != "deltanet_conv":
+            continue
+        if layout == "channels_first" and s.get("layout") != layout:
+            s["shape"] = [s["shape"][0], s["shape"][2], s["shape"][1]]
+        s["layout"] = layout
+
+
+def _declare_states(b: GraphBuilder, states: list[dict]) -> None:
+    """Declare every state input and output with its contract shape (the captured program has the canonical
+    channels-last conv state; at opset 27 the lowering reads and writes it channels first)."""
+    shapes = {n: s["shape"] for s in states for n in (s["name"], s["output"])}
+    for values in (b.inputs, b.outputs):
+        for i, v in enumerate(values):
+            if v.name in shapes:
+                values[i] = onnx.helper.make_tensor_value_info(v.name, v.type.tensor_type.elem_type, shapes[v.name])
 
 
 def io_inputs(ctx) -> list[dict]:
@@ -153,6 +203,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     inputs = ["input_ids", _PROGRAM_POSITION] + [s["name"] for s in ctx.states]
     outputs = [_PROGRAM_LOGITS] + [s["output"] for s in ctx.states]
     deltanet_ops = ctx.options["onnx_deltanet_ops"]
+    opset = int(ctx.options.get("onnx_opset") or OPSET)
+    _conv_state_layout(ctx.states, opset)
     lw = Lowerer(
         ctx.program,
         ctx.plan,
@@ -162,13 +214,15 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         accuracy_level=accuracy_level,
         progress=progress,
         deltanet_ops=deltanet_ops,
+        opset=opset,
     )
     lw.run(inputs, outputs)
+    _declare_states(b, ctx.states)
     _genai_io(b, ctx.spec.vocab_size)
     b.finish(
         out_dir / MODEL_FILE,
-        {"": OPSET, "com.microsoft": 1},
-        IR_VERSION,
+        {"": opset, "com.microsoft": 1},
+        IR_VERSIONS[opset],
         doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}",
     )
     ops: dict[str, int] = {}
@@ -176,18 +230,26 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
     in_place = in_place_states(b.nodes, ctx.states)
     genai = write_genai_config(out_dir, ctx, tokens, MODEL_FILE, b.nodes, in_place)
+    standard = opset >= STANDARD_OPSET
+    mode = "opset27" if standard else deltanet_ops
     return {
         "files": [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else []),
         "entry": MODEL_FILE,
         "onnx_ops": ops,
         "external_data": external,
-        "opset": OPSET,
-        "ir_version": IR_VERSION,
+        "opset": opset,
+        "ir_version": IR_VERSIONS[opset],
+        "conv_state_layout": CONV_STATE_LAYOUT[opset],
+        **(
+            {"runtime_requirements": dict(STANDARD_RUNTIME), "app_runtimes": dict(STANDARD_APP_RUNTIMES)}
+            if standard
+            else {}
+        ),
         "accuracy_level": accuracy_level,
         "weight_bytes": b.weight_bytes,
         "state_in_place": in_place,
         "genai": genai,
-        "deltanet_ops": {"mode": deltanet_ops, **DELTANET_OPS[deltanet_ops]},
+        "deltanet_ops": {"mode": mode, **DELTANET_OPS[mode]},
     }
 
 

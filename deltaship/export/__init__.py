@@ -203,6 +203,11 @@ def export(
         ),
     )
     run_pipeline(ctx, tgt.pipeline(), progress=say)
+    kv_record = None
+    if kv_cache in ("int8", "int4"):  # _check_kv_cache let only a target that stores them through
+        from deltaship.export.kv_quant import prepare
+
+        kv_record = prepare(ctx, source, kv_cache, progress=say)
 
     tokens = special_tokens(source, source.tokenizer_files)
 
@@ -250,6 +255,8 @@ def export(
             tools=tool_versions("torch", "transformers", *tgt.tool_packages),
         )
         manifest["memory"] = _memory(spec, ctx.states)
+        if kv_record is not None:
+            manifest["lowering"]["kv_quantization"] = kv_record
         manifest["app_runtimes"] = dict(tgt.app_runtimes)
         if verify:
             from deltaship.export.verify import verify_bundle
@@ -290,8 +297,15 @@ def _memory(spec, states: list[dict]) -> dict[str, Any]:
     """The manifest's memory arithmetic: state bytes = deltanet_state_bytes + context x kv_bytes_per_token[kv_dtype]."""
     short = {"float32": ("fp32", 4), "float16": ("fp16", 2)}
     dtypes = {s["kind"]: s["dtype"] for s in states}
-    kv = short[dtypes.get("kv_cache_key", dtypes.get("deltanet_conv", "float32"))][0]
-    return spec.memory_arithmetic(kv, short[dtypes.get("deltanet_conv", "float32")][1])
+    quant = next((s["quantization"] for s in states if "quantization" in s), None)
+    kv = quant["kv_dtype"] if quant else short[dtypes.get("kv_cache_key", dtypes.get("deltanet_conv", "float32"))][0]
+    out = spec.memory_arithmetic(kv, short[dtypes.get("deltanet_conv", "float32")][1])
+    if quant and "static" in quant["scheme"]:  # the scales live in the graph: no bytes per token
+        out["kv_bytes_per_token"][kv] = spec.kv_bytes_per_token(kv) - len(spec.attention_layers) * 2 * (
+            spec.num_key_value_heads * out["kv_scale_bytes_per_token_head"][kv]
+        )
+        out["kv_scale_bytes_per_token_head"][kv] = 0
+    return out
 
 
 def _report_verification(say, rec: dict) -> None:

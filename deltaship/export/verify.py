@@ -120,7 +120,7 @@ def verify_bundle(
     quiet_third_party()
     import transformers
 
-    tol = tolerance(manifest["target"], manifest["precision"])
+    tol = tolerance(manifest["target"], manifest["precision"], manifest.get("memory", {}).get("kv_dtype"))
     record: dict[str, Any] = {
         "reference": f"transformers {transformers.__version__} Qwen3_5ForCausalLM, fp32 "
         f"compute, weights as stored in the bundle",

@@ -73,6 +73,10 @@ class OnnxTarget(Target):
         # weights, is what these bounds cover (with --accuracy-level 0 the fp32 row applies).
         "int8": Tolerance(2.0, 0.75, 0.1, False),
         "int4": Tolerance(2.0, 0.75, 0.1, False),
+        # fp32 with an int8/int4 KV cache (static per-channel scales, deltaship/export/kv_quant.py): the
+        # cache's rounding, up to half a scale step per key and value element, is what these bounds cover.
+        "fp32+kv-int8": Tolerance(0.1, 0.95, 0.05, True),
+        "fp32+kv-int4": Tolerance(0.5, 0.9, 0.1, False),
     }
     formats = {  # the int8/int4 gather and MatMulNBits share one table
         "fp32": StorageFormat(bits=32, scale=0, block=1, head_copy=False, act=4),
@@ -111,6 +115,12 @@ class OnnxTarget(Target):
     def activation_dtype(self, precision: str, options) -> str:
         # quantized builds may ask for fp16 activations: ONNX Runtime's CUDA GroupQueryAttention takes fp16 only
         return "float16" if precision == "fp16" or options.get("onnx_activations") == "fp16" else "float32"
+
+    def kv_cache_dtypes(self, precision: str, options) -> tuple[str, ...]:
+        # GroupQueryAttention's quantized cache (k/v_quant_type PER_CHANNEL, kv_cache_bit_width 8 or 4) runs
+        # on the CPU EP of ONNX Runtime 1.31 with fp32 activations; with fp16 ones it was not checked.
+        own = super().kv_cache_dtypes(precision, options)
+        return own + ("int8", "int4") if own == ("fp32",) else own
 
     def pipeline(self) -> tuple:
         from deltaship.export import passes as p

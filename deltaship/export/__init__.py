@@ -71,7 +71,7 @@ def _check_kv_cache(tgt: Target, precision: str, kv_cache: str, options: TargetO
     if kv_cache not in can:
         raise DeltashipError(
             f"--kv-cache {kv_cache} is not available for --target {tgt.name} at --precision {precision}: its KV "
-            f"cache is stored as {' or '.join(can)} (the activation dtype); int8/int4 KV caches are planned",
+            f"cache is stored as {' or '.join(can)}; {tgt.kv_cache_note}",
             f"drop --kv-cache, or pass --kv-cache {can[0]}; `deltaship plan --context N` shows what a narrower "
             "KV cache would buy",
         )

@@ -56,19 +56,27 @@ def calibrate(source, max_context: int) -> tuple[dict[int, dict[str, np.ndarray]
     model = reference_model(source)
     out = model(torch.tensor([ids], dtype=torch.long), use_cache=True)
     cache = out.past_key_values
-    half = spec.rotary_dim // 2
-    bounds: dict[int, dict[str, np.ndarray]] = {}
-    for layer in spec.attention_layers:
-        k = cache.layers[layer].keys[0].float()  # [Hkv, T, D]
-        v = cache.layers[layer].values[0].float()
-        kb = k.abs().amax(1)
-        if half:
-            pair = torch.sqrt(k[..., :half] ** 2 + k[..., half : 2 * half] ** 2).amax(1)
-            kb[:, :half] = pair
-            kb[:, half : 2 * half] = pair
-        bounds[layer] = {"key": kb.numpy(), "value": v.abs().amax(1).numpy()}
+    bounds = {
+        layer: {
+            "key": key_bound(cache.layers[layer].keys[0].float(), spec.rotary_dim),
+            "value": cache.layers[layer].values[0].float().abs().amax(1).numpy(),
+        }
+        for layer in spec.attention_layers
+    }
     del model
     return bounds, how
+
+
+def key_bound(k: torch.Tensor, rotary_dim: int) -> np.ndarray:
+    """|k| max per channel of keys [Hkv, T, D]; on RoPE channel pairs (i, i + rotary_dim/2), the pair's largest
+    norm: a rotation to any position keeps each channel within it."""
+    half = rotary_dim // 2
+    kb = k.abs().amax(1)
+    if half:
+        pair = torch.sqrt(k[..., :half] ** 2 + k[..., half : 2 * half] ** 2).amax(1)
+        kb[:, :half] = pair
+        kb[:, half : 2 * half] = pair
+    return kb.numpy()
 
 
 def scales(bound: np.ndarray, bits: int) -> np.ndarray:
@@ -103,7 +111,16 @@ def quantized_states(states: list[dict], kv_cache: str) -> list[dict]:
 def prepare(ctx, source, kv_cache: str, progress=None) -> dict[str, Any]:
     """Calibrate the static scales into ctx.kv_quant and switch the KV states to the quantized dtype;
     returns the manifest's record of the calibration."""
+    from deltaship.errors import DeltashipError
+    from deltaship.export.verify import available_memory, reference_fits, reference_need
+
     bits = BITS[kv_cache]
+    if not reference_fits(source.spec):
+        raise DeltashipError(
+            f"--kv-cache {kv_cache} calibrates its static scales on the fp32 transformers reference, which needs "
+            f"about {reference_need(source.spec) / 2**30:.1f} GiB; {available_memory() / 2**30:.1f} GiB are available",
+            "export on a machine with more memory, or drop --kv-cache",
+        )
     if progress:
         progress(f"calibrating {kv_cache} KV-cache scales on the fp32 reference")
     bounds, how = calibrate(source, ctx.max_context)
@@ -120,3 +137,36 @@ def prepare(ctx, source, kv_cache: str, progress=None) -> dict[str, Any]:
         "key_bound": "per channel: |k| max; RoPE channel pairs: the pair's largest norm",
         "margin": KV_MARGIN,
     }
+
+
+class rounded_cache_attention:
+    """Within this context, transformers' attention (every model whose config names the implementation
+    "deltaship_kv_rounded") sees keys and values rounded as the int8 cache stores them: the reference for
+    what the quantized cache alone should cost. `scales`: {layer: (key scale, value scale)}, as
+    GroupQueryAttention's inputs [1, Hkv, 1, D]."""
+
+    NAME = "deltaship_kv_rounded"
+
+    def __init__(self, model, scales: dict[int, tuple[np.ndarray, np.ndarray]], bits: int = 8):
+        self.model, self.bits = model, bits
+        self.scales = {k: (torch.tensor(np.array(a)), torch.tensor(np.array(b))) for k, (a, b) in scales.items()}
+
+    def __enter__(self):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.impl = self.model.config._attn_implementation
+        inner = ALL_ATTENTION_FUNCTIONS[self.impl]
+        q = QMAX[self.bits]
+
+        def rounded(module, query, key, value, *args, **kwargs):
+            ks, vs = self.scales[module.layer_idx]
+            key = torch.clamp(torch.round(key / ks), -q, q) * ks
+            value = torch.clamp(torch.round(value / vs), -q, q) * vs
+            return inner(module, query, key, value, *args, **kwargs)
+
+        ALL_ATTENTION_FUNCTIONS.register(self.NAME, rounded)
+        self.model.config._attn_implementation = self.NAME
+        return self.model
+
+    def __exit__(self, *exc):
+        self.model.config._attn_implementation = self.impl

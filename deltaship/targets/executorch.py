@@ -73,6 +73,10 @@ class ExecuTorchTarget(Target):
         "executorch-android": "not run (no Android device): the Kotlin kit's names are checked against the program",
     }
     runtime_base_bytes = 48 << 20
+    kv_cache_note = (
+        "ExecuTorch's quantized KV cache (quantized_decomposed.quantize_per_token, llama::update_cache of "
+        "values, scales and zero points, llama::custom_quantized_sdpa) is not wired into deltaship's lowering yet"
+    )
     host_runtime = "executorch"
     android_runner_args = (
         "--model_path {model} --seq_len {total} --prompt_tokens {prompt_length} "

@@ -75,7 +75,7 @@ class OnnxTarget(Target):
         "int4": Tolerance(2.0, 0.75, 0.1, False),
         # fp32 with an int8/int4 KV cache (static per-channel scales, deltaship/export/kv_quant.py): the
         # cache's rounding, up to half a scale step per key and value element, is what these bounds cover.
-        "fp32+kv-int8": Tolerance(0.1, 0.95, 0.05, True),
+        "fp32+kv-int8": Tolerance(0.25, 0.95, 0.05, True),
         "fp32+kv-int4": Tolerance(0.5, 0.9, 0.1, False),
     }
     formats = {  # the int8/int4 gather and MatMulNBits share one table
@@ -85,6 +85,10 @@ class OnnxTarget(Target):
         "int4": StorageFormat(bits=4, scale=4, block=32, head_copy=False, act=4),
     }
     runtime_base_bytes = 96 << 20
+    kv_cache_note = (
+        "int8/int4 KV caches (GroupQueryAttention's quantized cache) are built with fp32 activations only "
+        "(--precision fp32, or int8/int4 weights without --onnx-activations fp16)"
+    )
     providers = ("cpu", "cuda")
     runtimes = ("onnxruntime", "genai")  # deltaship's IOBinding session; onnxruntime-genai, as apps embed it
     app_runtimes = {

@@ -212,7 +212,7 @@ def test_genai_runs_the_int8_kv_bundle_as_deltaship_does(tiny_kv):
     "tgt, precision, options, why",  # not "target": instant checks, not the slow tier's target exports
     [
         ("coreml", "fp16", {}, "Core ML states"),
-        ("executorch", "fp32", {}, "custom_quantized_sdpa"),
+        ("executorch", "fp16", {}, "custom_quantized_sdpa"),
         ("onnx", "fp16", {}, "fp32 activations only"),
         ("onnx", "int4", {"onnx_activations": "fp16"}, "fp32 activations only"),
     ],
@@ -253,3 +253,55 @@ def test_static_scales_bound_every_rope_angle():
         x1, x2 = k[..., :half].numpy(), k[..., half:rot].numpy()
         rotated = np.concatenate([x1 * c - x2 * si, x2 * c + x1 * si, k[..., rot:].numpy()], -1)
         assert (np.abs(rotated) <= s * QMAX[8] + 1e-5).all()
+
+
+# ---- ExecuTorch: an int8 cache with the same static scales (slow: an ExecuTorch export) --------------------
+@pytest.fixture(scope="module")
+def tiny_pte_int8_kv(tmp_path_factory):
+    """The trained tiny preset as an ExecuTorch bundle with an int8 KV cache, verified at export."""
+    from deltaship.export import export
+
+    out = tmp_path_factory.mktemp("tiny-pte-kv") / "int8"
+    export(
+        "qwen3.5-tiny", out, target="executorch", max_context=CTX, prefill_chunk=CHUNK, kv_cache="int8", progress=False
+    )
+    return out
+
+
+@pytest.mark.slow
+def test_executorch_int8_kv_bundle_verifies_and_matches_onnx_int8(tiny_pte_int8_kv, tiny_kv):
+    """Verified at export within the fp32+kv-int8 row; the cache is int8 in the manifest; and with the same
+    calibration (same reference, same prompt, so the same scales) it gives the ONNX int8 bundle's logits."""
+    from deltaship.bundle import read_manifest, schema_problems
+    from deltaship.runtimes import open_bundle
+    from deltaship.tolerances import tolerance
+
+    m = read_manifest(tiny_pte_int8_kv)
+    assert not schema_problems(m)
+    v = m["verification"]
+    assert v["status"] == "passed" and v["tolerance"] == tolerance("executorch", "fp32", "int8").__dict__
+    kv = [s for s in m["states"] if s["kind"].startswith("kv_cache")]
+    assert kv and all(s["dtype"] == "int8" and s["shape"][1] == CTX for s in kv)  # ExecuTorch's [1, S, Hkv, D]
+    assert m["memory"]["kv_dtype"] == "int8"
+    assert m["state_bytes"] == m["memory"]["deltanet_state_bytes"] + CTX * m["memory"]["kv_bytes_per_token"]["int8"]
+    et, ox = open_bundle(tiny_pte_int8_kv), open_bundle(tiny_kv("int8"))
+    text = _text_ids(tiny_kv("int8"), 60)
+    for n in (1, 7, 2 * CHUNK + 5):
+        a = np.stack([et.prefill(text[:n])] + [et.decode(t) for t in text[n : n + 8]])
+        b = np.stack([ox.prefill(text[:n])] + [ox.decode(t) for t in text[n : n + 8]])
+        assert (np.abs(a - b) / b.std(-1, keepdims=True)).max() <= ROUNDED_REFERENCE_REL, n
+
+
+@pytest.mark.slow
+def test_executorch_int8_kv_greedy_tokens_equal_the_fp32_kv_bundle(tiny_pte_int8_kv, tiny_pte):
+    from deltaship.runtimes import open_bundle
+
+    fp, q8 = open_bundle(tiny_pte("fp32")), open_bundle(tiny_pte_int8_kv)
+    from deltaship.bundle import read_manifest
+    from deltaship.bundle.evaluate import eval_tokens
+
+    text, _ = eval_tokens(tiny_pte_int8_kv, read_manifest(tiny_pte_int8_kv), 60)
+    for n in (1, 7, 2 * CHUNK + 5):
+        want = fp.generate(text[:n], 24).output_ids
+        assert len(want) >= 8
+        assert q8.generate(text[:n], 24).output_ids == want, f"prompt of {n} tokens"

@@ -140,6 +140,30 @@ def test_int8_kv_bundle_matches_transformers_within_its_tolerance_row(tiny_kv):
             assert got["max_rel_logit_diff"] <= ROUNDED_REFERENCE_REL < worst["int8"] / 5, (len(prompt), got)
 
 
+@pytest.mark.parametrize("config", ["grouped_values", "odd_heads"])
+def test_int8_kv_bundles_of_other_shapes_verify_and_match_the_rounded_reference(config, bundles, checkpoints):
+    """Checkpoints of other shapes (value heads > key heads, untied head; odd head counts, d_k != d_v,
+    attention first): export-time verification passes within the fp32+kv-int8 row, and the bundle agrees
+    with transformers rounding the cache with its scales."""
+    from helpers import reference
+
+    from deltaship.bundle import read_manifest
+    from deltaship.export.kv_quant import rounded_cache_attention
+    from deltaship.export.verify import compare, default_prompts, reference_continuation, teacher_forced
+    from deltaship.runtimes import open_bundle
+
+    bundle = bundles(config, "onnx", "fp32", kv_cache="int8", verify=True)
+    m = read_manifest(bundle)
+    assert m["verification"]["status"] == "passed", m["verification"]
+    assert m["memory"]["kv_dtype"] == "int8"
+    s = open_bundle(bundle)
+    with rounded_cache_attention(reference(checkpoints[config]), _graph_scales(bundle)) as ref:
+        for prompt in default_prompts(m["model"]["vocab_size"], m["prefill_chunk"], m["max_context"], 8):
+            toks, want = reference_continuation(ref, prompt, 8)
+            got = compare(teacher_forced(s, prompt, toks), want, toks, 0.05)
+            assert got["max_rel_logit_diff"] <= ROUNDED_REFERENCE_REL, (config, len(prompt), got)
+
+
 def test_int8_kv_greedy_tokens_equal_the_fp32_kv_bundle(tiny_kv):
     from deltaship.runtimes import open_bundle
 
@@ -177,6 +201,20 @@ def test_kv_cache_drift_by_depth(tiny_kv):
     std = rows["fp32"].std(-1, keepdims=True)
     mean = {kv: float((np.abs(rows[kv] - rows["fp32"]) / std).max(-1).mean()) for kv in ("int8", "int4")}
     assert mean["int4"] > 2 * mean["int8"] > 0, (mean, drift)
+
+
+def test_eval_reports_what_the_kv_cache_costs_by_depth(tiny_kv):
+    """`deltaship eval` of an int8/int4-KV bundle is the KV cache's cost (fp32 weights): perplexity, KL and
+    KL by depth against the fp32 reference, int4 costing more than int8 and fp32 next to nothing."""
+    from deltaship.bundle.evaluate import evaluate
+
+    res = {kv: evaluate(tiny_kv(kv), tokens=CTX) for kv in ("fp32", "int8", "int4")}
+    for kv, r in res.items():
+        assert r["kv_dtype"] == kv and len(r["kl_by_depth"]) == 4
+        assert list(r["kl_by_depth"])[-1] == str(r["tokens"])
+        assert np.isclose(np.mean(list(r["kl_by_depth"].values())), r["kl_divergence"], rtol=0.05)
+    assert res["fp32"]["kl_divergence"] < 1e-6 < res["int8"]["kl_divergence"] < res["int4"]["kl_divergence"]
+    assert res["int8"]["kl_divergence"] < 0.01 and res["int8"]["top1_agreement"] >= 0.95
 
 
 def test_int4_kv_bundle_packs_two_values_a_byte(tiny_kv):

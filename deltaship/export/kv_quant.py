@@ -155,7 +155,10 @@ class rounded_cache_attention:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         self.impl = self.model.config._attn_implementation
-        inner = ALL_ATTENTION_FUNCTIONS[self.impl]
+        if self.impl in ALL_ATTENTION_FUNCTIONS:
+            inner = ALL_ATTENTION_FUNCTIONS[self.impl]
+        else:  # "eager" is the modeling file's own function, not registered
+            from transformers.models.qwen3_5.modeling_qwen3_5 import eager_attention_forward as inner
         q = QMAX[self.bits]
 
         def rounded(module, query, key, value, *args, **kwargs):

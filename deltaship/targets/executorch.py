@@ -54,8 +54,8 @@ class ExecuTorchTarget(Target):
         "fp16": Tolerance(0.15, 0.95, 0.05, False),
         "int8": Tolerance(2.0, 0.75, 0.1, False),
         "int4": Tolerance(2.0, 0.75, 0.1, False),
-        # fp32 with an int8 KV cache (static per-channel scales, deltaship/export/kv_quant.py): the cache's
-        # rounding, as on ONNX
+        # fp32 with an int8 KV cache (static per-channel scales, deltaship/export/kv_quant.py), against the
+        # reference that rounds the cache the same way: as on ONNX
         "fp32+kv-int8": Tolerance(0.25, 0.95, 0.05, True),
     }
     formats = {  # a tied head is stored twice when quantized: a 4/8-bit gather table and the matmul weight

@@ -73,8 +73,10 @@ class OnnxTarget(Target):
         # weights, is what these bounds cover (with --accuracy-level 0 the fp32 row applies).
         "int8": Tolerance(2.0, 0.75, 0.1, False),
         "int4": Tolerance(2.0, 0.75, 0.1, False),
-        # fp32 with an int8/int4 KV cache (static per-channel scales, deltaship/export/kv_quant.py): the
-        # cache's rounding, up to half a scale step per key and value element, is what these bounds cover.
+        # fp32 with an int8/int4 KV cache (static per-channel scales, deltaship/export/kv_quant.py), against the
+        # reference that rounds keys and values with the same scales: what is left is an element whose
+        # rounding flips with the float order (one scale step), which a random-weights model amplifies (0.12
+        # measured on tests' odd_heads checkpoint; 0.0024 on the trained tiny model).
         "fp32+kv-int8": Tolerance(0.25, 0.95, 0.05, True),
         "fp32+kv-int4": Tolerance(0.5, 0.9, 0.1, False),
     }

@@ -160,17 +160,14 @@ def test_int8_kv_bundles_of_other_shapes_verify_and_match_the_rounded_reference(
     assert v["tolerance"] == tolerance("onnx", "fp32", "int8").__dict__
     assert all("kl_divergence" in r for r in v["prompts"])  # the cache's cost, against the unrounded reference
     assert m["memory"]["kv_dtype"] == "int8"
-    s = open_bundle(bundle)
-    worst = 0.0
-    plain = reference(checkpoints[config])
-    with rounded_cache_attention(reference(checkpoints[config]), _graph_scales(bundle)) as ref:
-        for prompt in default_prompts(m["model"]["vocab_size"], m["prefill_chunk"], m["max_context"], 8):
-            toks, want = reference_continuation(ref, prompt, 8)
-            got = compare(teacher_forced(s, prompt, toks), want, toks, 0.05)
-            assert got["max_rel_logit_diff"] <= tolerance("onnx", "fp32", "int8").max_rel_logit_diff, got
-            toks, want = reference_continuation(plain, prompt, 8)
-            worst = max(worst, compare(teacher_forced(s, prompt, toks), want, toks, 0.05)["max_rel_logit_diff"])
-    assert worst > 1e-3  # against transformers' fp32 cache the rounding shows: the int8 cache really ran
+    # against transformers' fp32 cache the rounding shows (the int8 cache really ran); rounded, it is gone
+    s, ref = open_bundle(bundle), reference(checkpoints[config])
+    prompt = default_prompts(m["model"]["vocab_size"], m["prefill_chunk"], m["max_context"], 8)[-1]
+    toks, want = reference_continuation(ref, prompt, 8)
+    plain = compare(teacher_forced(s, prompt, toks), want, toks, 0.05)["max_rel_logit_diff"]
+    with rounded_cache_attention(ref, _graph_scales(bundle)) as rounded:
+        toks, want = reference_continuation(rounded, prompt, 8)
+        assert compare(teacher_forced(s, prompt, toks), want, toks, 0.05)["max_rel_logit_diff"] < plain / 5
 
 
 def test_int8_kv_greedy_tokens_equal_the_fp32_kv_bundle(tiny_kv):

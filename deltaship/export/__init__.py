@@ -214,6 +214,8 @@ def export(
     def build(tmp: Path) -> dict[str, Any]:
         say(f"lowering to {target}")
         lowered = tgt.lower(ctx, source.weights, tmp, progress=lambda m: say(f"  {m}", inline=True), tokens=tokens)
+        if kv_record is not None:
+            lowered.details["kv_quantization"] = kv_record
         say.done() if isinstance(say, Progress) else None
         tok_files = []
         for f in source.tokenizer_files:
@@ -255,8 +257,6 @@ def export(
             tools=tool_versions("torch", "transformers", *tgt.tool_packages),
         )
         manifest["memory"] = _memory(spec, ctx.states)
-        if kv_record is not None:
-            manifest["lowering"]["kv_quantization"] = kv_record
         manifest["app_runtimes"] = dict(tgt.app_runtimes)
         if verify:
             from deltaship.export.verify import verify_bundle

@@ -177,8 +177,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     )
     lw.kv_quant = ctx.kv_quant
     lw.run(inputs, outputs)
-    _quantized_state_io(b, ctx.states)
     _genai_io(b, ctx.spec.vocab_size)
+    _quantized_state_io(b, ctx.states)
     b.finish(
         out_dir / MODEL_FILE,
         {"": OPSET, "com.microsoft": 1},

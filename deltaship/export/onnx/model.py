@@ -109,18 +109,6 @@ def _genai_io(b: GraphBuilder, vocab: int) -> None:
     b.outputs[o] = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 1, vocab])
 
 
-def _quantized_state_io(b: GraphBuilder, states: list[dict]) -> None:
-    """The program declares the KV caches in the activation dtype; a quantized cache (ctx.kv_quant, which
-    GroupQueryAttention's quantized-cache attributes read) is int8, or uint8 holding two int4 values."""
-    elem = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8}
-    by_name = {n: s for s in states if s["dtype"] in elem for n in (s["name"], s["output"])}
-    for vis in (b.inputs, b.outputs):
-        for i, v in enumerate(vis):
-            if v.name in by_name:
-                s = by_name[v.name]
-                vis[i] = onnx.helper.make_tensor_value_info(v.name, elem[s["dtype"]], s["shape"])
-
-
 def io_inputs(ctx) -> list[dict]:
     """The manifest's `inputs`: the graph inputs other than states."""
     return [
@@ -153,6 +141,18 @@ def io_outputs(ctx) -> list[dict]:
             "doc": "logits after the last token of the call",
         }
     ]
+
+
+def _quantized_state_io(b: GraphBuilder, states: list[dict]) -> None:
+    """The program declares the KV caches in the activation dtype; a quantized cache (ctx.kv_quant, which
+    GroupQueryAttention's quantized-cache attributes read) is int8, or uint8 holding two int4 values."""
+    elem = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8}
+    by_name = {n: s for s in states if s["dtype"] in elem for n in (s["name"], s["output"])}
+    for vis in (b.inputs, b.outputs):
+        for i, v in enumerate(vis):
+            if v.name in by_name:
+                s = by_name[v.name]
+                vis[i] = onnx.helper.make_tensor_value_info(v.name, elem[s["dtype"]], s["shape"])
 
 
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict:

@@ -127,6 +127,9 @@ def _eval(a: argparse.Namespace) -> int:
         print(f"  reference perplexity  {res['reference_perplexity']:.4f}  (transformers fp32)")
         print(f"  KL(reference||bundle) {res['kl_divergence']:.4g} nats/token")
         print(f"  top-1 agreement       {res['top1_agreement']:.4f}")
+        if res.get("kv_dtype"):
+            depths = ", ".join(f"{d}: {v:.3g}" for d, v in res["kl_by_depth"].items())
+            print(f"  KV cache {res['kv_dtype']:<13}KL by depth (to position) {depths}")
         if "note" in res:
             print(f"  note: {res['note']}")
     return 0

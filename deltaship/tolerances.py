@@ -34,7 +34,10 @@ def table() -> dict[tuple[str, str], Tolerance]:
     return {(t.name, precision): tol for t in all_targets() for precision, tol in t.tolerances.items()}
 
 
-def tolerance(target: str, precision: str) -> Tolerance:
+def tolerance(target: str, precision: str, kv_dtype: str | None = None) -> Tolerance:
+    """The row for (target, precision); a bundle with an int8/int4 KV cache at fp32 has its own row,
+    "fp32+kv-int8" (at lower precisions the weights' row, already looser, applies)."""
     from deltaship.targets import get_target
 
-    return get_target(target).tolerances[precision]
+    rows = get_target(target).tolerances
+    return rows.get(f"{precision}+kv-{kv_dtype}", rows[precision]) if kv_dtype in ("int8", "int4") else rows[precision]

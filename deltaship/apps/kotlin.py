@@ -21,7 +21,14 @@ from deltaship.errors import DeltashipError
 TEMPLATES = Path(__file__).parent / "templates" / "kotlin"
 PACKAGE = "ai.deltaship.kit"
 SOURCE_DIR = "src/main/kotlin/ai/deltaship/kit"
-_DTYPES = {"float32": "FLOAT32", "float16": "FLOAT16", "int64": "INT64", "int32": "INT32"}
+_DTYPES = {
+    "float32": "FLOAT32",
+    "float16": "FLOAT16",
+    "int64": "INT64",
+    "int32": "INT32",
+    "int8": "INT8",  # a quantized KV cache (--kv-cache int8); int4 is two values a uint8
+    "uint8": "UINT8",
+}
 # onnxruntime-genai is not a deltaship dependency: a bundle with genai_config.json names its version in
 # manifest["tools"]; this is the release the genai path was checked with (docs: RUNTIMES.md)
 GENAI_CHECKED = "0.18.0"

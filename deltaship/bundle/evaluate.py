@@ -91,11 +91,20 @@ def evaluate(
     del ref
     targets = np.asarray(ids[1:])
     lp, lq = log_softmax(want), log_softmax(got)
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)
     result = {
         "perplexity": float(np.exp(_nll(got, targets).mean())),
         "reference_perplexity": float(np.exp(_nll(want, targets).mean())),
         "top1_agreement": float(np.mean(want.argmax(-1) == got.argmax(-1))),
-        "kl_divergence": float((np.exp(lp) * (lp - lq)).sum(-1).mean()),
+        "kl_divergence": float(kl.mean()),
+        # how the loss grows with context (a quantized KV cache's rounding accumulates with depth): mean KL
+        # over each quarter of the positions, keyed by the quarter's last position
+        "kl_by_depth": {
+            str(int(part[-1]) + 1): float(kl[part].mean())
+            for part in np.array_split(np.arange(len(kl)), 4)
+            if len(part)
+        },
+        "kv_dtype": manifest.get("memory", {}).get("kv_dtype"),
         "tokens": int(len(targets)),
         "text": text,
         "runtime": session.runtime_name(),

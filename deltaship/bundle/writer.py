@@ -116,7 +116,7 @@ def tool_versions(*packages: str) -> dict[str, str]:
 
 def state_bytes(states: list[dict[str, Any]]) -> int:
     """Bytes of one sequence's state (every state tensor at its dtype)."""
-    size = {"float32": 4, "float16": 2}
+    size = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1}
     total = 0
     for s in states:
         n = 1

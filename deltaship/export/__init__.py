@@ -71,7 +71,7 @@ def _check_kv_cache(tgt: Target, precision: str, kv_cache: str, options: TargetO
     if kv_cache not in can:
         raise DeltashipError(
             f"--kv-cache {kv_cache} is not available for --target {tgt.name} at --precision {precision}: its KV "
-            f"cache is stored as {' or '.join(can)} (the activation dtype); int8/int4 KV caches are planned",
+            f"cache is stored as {' or '.join(can)}; {tgt.kv_cache_note}",
             f"drop --kv-cache, or pass --kv-cache {can[0]}; `deltaship plan --context N` shows what a narrower "
             "KV cache would buy",
         )
@@ -203,12 +203,19 @@ def export(
         ),
     )
     run_pipeline(ctx, tgt.pipeline(), progress=say)
+    kv_record = None
+    if kv_cache in ("int8", "int4"):  # _check_kv_cache let only a target that stores them through
+        from deltaship.export.kv_quant import prepare
+
+        kv_record = prepare(ctx, source, kv_cache, progress=say)
 
     tokens = special_tokens(source, source.tokenizer_files)
 
     def build(tmp: Path) -> dict[str, Any]:
         say(f"lowering to {target}")
         lowered = tgt.lower(ctx, source.weights, tmp, progress=lambda m: say(f"  {m}", inline=True), tokens=tokens)
+        if kv_record is not None:
+            lowered.details["kv_quantization"] = kv_record
         say.done() if isinstance(say, Progress) else None
         tok_files = []
         for f in source.tokenizer_files:
@@ -290,8 +297,15 @@ def _memory(spec, states: list[dict]) -> dict[str, Any]:
     """The manifest's memory arithmetic: state bytes = deltanet_state_bytes + context x kv_bytes_per_token[kv_dtype]."""
     short = {"float32": ("fp32", 4), "float16": ("fp16", 2)}
     dtypes = {s["kind"]: s["dtype"] for s in states}
-    kv = short[dtypes.get("kv_cache_key", dtypes.get("deltanet_conv", "float32"))][0]
-    return spec.memory_arithmetic(kv, short[dtypes.get("deltanet_conv", "float32")][1])
+    quant = next((s["quantization"] for s in states if "quantization" in s), None)
+    kv = quant["kv_dtype"] if quant else short[dtypes.get("kv_cache_key", dtypes.get("deltanet_conv", "float32"))][0]
+    out = spec.memory_arithmetic(kv, short[dtypes.get("deltanet_conv", "float32")][1])
+    if quant and "static" in quant["scheme"]:  # the scales live in the graph: no bytes per token
+        out["kv_bytes_per_token"][kv] = spec.kv_bytes_per_token(kv) - len(spec.attention_layers) * 2 * (
+            spec.num_key_value_heads * out["kv_scale_bytes_per_token_head"][kv]
+        )
+        out["kv_scale_bytes_per_token_head"][kv] = 0
+    return out
 
 
 def _report_verification(say, rec: dict) -> None:

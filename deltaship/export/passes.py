@@ -45,6 +45,7 @@ class ExportContext:
     rounded: dict[str, Any] | None = None  # weights as a toolchain quantized them (for the matched reference)
     programs: dict[Any, Any] = field(default_factory=dict)  # fixed-shape programs (Core ML: by part and function)
     parts: list[tuple[int, int]] = field(default_factory=list)  # layer ranges of a target split into packages
+    kv_quant: dict[int, dict[str, Any]] = field(default_factory=dict)  # attention layer -> static KV scales
 
     @property
     def family(self):

@@ -26,7 +26,7 @@ import numpy as np
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Session
 
-_NP = {"float32": np.float32, "float16": np.float16}
+_NP = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
 
 
 def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool = False):

@@ -116,6 +116,8 @@ class Target(ABC):
     tolerances: ClassVar[Mapping[str, Tolerance]]  # precision -> parity tolerance (see deltaship.tolerances)
     formats: ClassVar[Mapping[str, StorageFormat]]  # precision -> how weights are stored
     runtime_base_bytes: ClassVar[int] = 0  # the runtime's own resident memory (planner)
+    # Why the KV dtypes kv_cache_dtypes() leaves out are not built (the --kv-cache refusal says it)
+    kv_cache_note: ClassVar[str] = "int8/int4 KV caches are not built for this target yet"
     providers: ClassVar[tuple[str, ...]] = ("cpu",)  # execution providers its sessions run on
     runtimes: ClassVar[tuple[str, ...]] = ()  # runtimes that run its bundles (`--runtime`); the first is the default
     text_runtimes: ClassVar[Mapping[str, TextRuntime]] = {}  # runtimes that take text only (generate, profile)
@@ -165,7 +167,7 @@ class Target(ABC):
 
     def kv_cache_dtypes(self, precision: str, options: Mapping[str, Any]) -> tuple[str, ...]:
         """The KV-cache dtypes (deltaship.models.spec.KV_DTYPES names) this target exports at `precision`, its
-        default first. Today the cache is stored in the activation dtype only; int8/int4 caches are planned."""
+        default first: the activation dtype, unless the target overrides this with quantized caches."""
         return ({"float32": "fp32", "float16": "fp16"}[self.activation_dtype(precision, options)],)
 
     @abstractmethod

@@ -79,6 +79,10 @@ class CoreMLTarget(Target):
         "the Swift kit's names are checked against the package's spec",
     }
     runtime_base_bytes = 128 << 20
+    kv_cache_note = (
+        "Core ML states (ct.StateType) hold fp16 or fp32 tensors only, so an int8/int4 KV cache would need a "
+        "quantize/dequantize of the whole cache around each call's state read and write, which is not built"
+    )
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: CoreMLOptions) -> None:
         from deltaship.export.coreml.package import check_options

@@ -115,6 +115,33 @@ class ExecuTorchKernels:
         out = torch.ops.llama.custom_sdpa(q.float(), k_cache.float(), v_cache.float(), sp, None, 0.0, True)
         return out.to(q.dtype), k_cache, v_cache
 
+    def attention_with_int8_kv_cache(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        pos: Tensor,
+        k_scale: Tensor,
+        v_scale: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """attention_with_kv_cache over an int8 cache with static per-channel scales [1, 1, Hkv, D]
+        (deltaship/export/kv_quant.py): the new keys and values are rounded into the cache, and the cache
+        up to the current position is dequantized for llama::custom_sdpa (a transient fp32 copy)."""
+        t, s = q.shape[1], k_cache.shape[1]
+        sp = pos[0].item()
+        torch._check(sp >= 0)
+        torch._check(sp + t <= s)
+        kq = torch.clamp(torch.round(k.float() / k_scale), -127, 127).to(torch.int8)
+        vq = torch.clamp(torch.round(v.float() / v_scale), -127, 127).to(torch.int8)
+        torch.ops.llama.update_cache(kq, k_cache, sp)
+        torch.ops.llama.update_cache(vq, v_cache, sp)
+        kd = k_cache[:, : sp + t].float() * k_scale
+        vd = v_cache[:, : sp + t].float() * v_scale
+        out = torch.ops.llama.custom_sdpa(q.float(), kd, vd, sp, None, 0.0, True)
+        return out.to(q.dtype), k_cache, v_cache
+
 
 # ExecuTorch lowers the canonical ops at module level: the canonical modules call these kernel methods
 # instead of the ops (export/executorch swaps them in), so each op's lowering is the method of its name.

@@ -132,9 +132,14 @@ class XnnpackAttention(nn.Module):
         k = self.k_norm(k.reshape(1, -1, hkv, d))
         q = q * cos + F.linear(q, self.rotate) * sin  # `rotate` is stored in the model dtype: a static weight
         k = k * cos + F.linear(k, self.rotate) * sin
-        out, k_cache, v_cache = self.kernels.attention_with_kv_cache(
-            q, k, v.reshape(1, -1, hkv, d), k_cache, v_cache, position
-        )
+        if hasattr(self, "k_scale"):  # an int8 cache (--kv-cache int8): static scales, set by the lowering
+            out, k_cache, v_cache = self.kernels.attention_with_int8_kv_cache(
+                q, k, v.reshape(1, -1, hkv, d), k_cache, v_cache, position, self.k_scale, self.v_scale
+            )
+        else:
+            out, k_cache, v_cache = self.kernels.attention_with_kv_cache(
+                q, k, v.reshape(1, -1, hkv, d), k_cache, v_cache, position
+            )
         out = out.reshape(1, -1, h * d) * torch.sigmoid(gate)
         return self.o_proj(out), k_cache, v_cache
 

@@ -310,6 +310,16 @@ def prepare(ctx, weights, say=lambda m: None):
     swapped = use_kernels(model, kernels)
     static_conv_weights(model)
     ctx.states = program_states(ctx.model.state_specs(ctx.dtype))
+    if ctx.kv_quant:  # --kv-cache int8: the scales deltaship/export/kv_quant.py calibrated, in [1, 1, Hkv, D]
+        from deltaship.export.kv_quant import quantized_states
+
+        ctx.states = quantized_states(ctx.states, "int8")
+        for i, layer in enumerate(model.model.layers):
+            if i in ctx.kv_quant:
+                for kind in ("key", "value"):
+                    s = torch.from_numpy(ctx.kv_quant[i][kind]).transpose(1, 2)
+                    # a fresh tensor: ExecuTorch refuses the zero strides numpy gives the unit axes
+                    layer.mixer.register_buffer(f"{kind[0]}_scale", torch.empty(s.shape).copy_(s))
     from deltaship.export.verify import reference_fits
 
     if quantized and ctx.options.get("verify", True) and reference_fits(ctx.spec):
@@ -354,7 +364,10 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     say(f"released {released / 2**30:.2f} GiB of pre-lowering weights")
     info = get_delegation_info(edge.exported_program().graph_module)
     portable = {op: int(v.non_delegated) for op, v in info.delegation_by_operator.items() if v.non_delegated}
-    unexpected = {op: n for op, n in portable.items() if not expected_portable(op)}
+    # an int8 KV cache rounds the new keys/values and dequantizes the cache outside XNNPACK (one each a layer)
+    kv_ops = {"aten_round_default", "aten_mul_tensor"} if ctx.kv_quant else set()
+    n_kv = 2 * len(ctx.kv_quant)
+    unexpected = {op: n for op, n in portable.items() if not expected_portable(op) and not (op in kv_ops and n <= n_kv)}
     if unexpected and not ctx.options.get("allow_portable_fallback"):
         raise DeltashipError(
             "executorch lowering: XNNPACK does not take these nodes, which would run as slow portable kernels: "
@@ -387,7 +400,13 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "reshapes_inferred": reshapes,
         "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op; all T tokens in one call, "
         "a token loop inside the kernel)",
-        "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]",
+        "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout "
+        + "[1, S, Hkv, D]"
+        + (
+            "; int8 with static per-channel scales, dequantized (one layer at a time) for custom_sdpa"
+            if ctx.kv_quant
+            else ""
+        ),
         "quantization": quant,
         "prefill": f"1 .. {chunk} tokens per call (dynamic shape)",
         "operators": operators,

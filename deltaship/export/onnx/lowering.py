@@ -568,14 +568,21 @@ def _attention(L: Lowerer, node, q, k, v, k_cache, v_cache, pos):
     kp = L.b.one("Reshape", [L.as_tensor(k), L.b.const(np.array([1, -1, hkv * d], np.int64))])
     vp = L.b.one("Reshape", [L.as_tensor(v), L.b.const(np.array([1, -1, hkv * d], np.int64))])
     seqlens_k, total = _attention_lengths(L, L.as_tensor(pos), qp)
+    past_k, past_v = L.as_tensor(k_cache), L.as_tensor(v_cache)
+    inputs, quant = [qp, kp, vp, past_k, past_v, seqlens_k, total], {}
+    kvq = getattr(L, "kv_quant", {}).get(int(past_k.split(".")[1])) if past_k.startswith("past.") else None
+    if kvq:  # int8/int4 cache, static per-channel scales (deltaship/export/kv_quant.py)
+        inputs += ["", "", "", "", "", L.b.const(kvq["key"]), L.b.const(kvq["value"])]
+        quant = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": kvq["bits"]}
     out, kc, vc = L.b.node(
         "GroupQueryAttention",
-        [qp, kp, vp, L.as_tensor(k_cache), L.as_tensor(v_cache), seqlens_k, total],
+        inputs,
         n_out=3,
         domain=MS,
         num_heads=h,
         kv_num_heads=hkv,
         scale=float(d) ** -0.5,
+        **quant,
     )
     out = L.b.one("Reshape", [out, L.b.const(np.array([1, -1, h, d], np.int64))])
     return [out, kc, vc]

@@ -193,6 +193,18 @@ def io_outputs(ctx) -> list[dict]:
     ]
 
 
+def _quantized_state_io(b: GraphBuilder, states: list[dict]) -> None:
+    """The program declares the KV caches in the activation dtype; a quantized cache (ctx.kv_quant, which
+    GroupQueryAttention's quantized-cache attributes read) is int8, or uint8 holding two int4 values."""
+    elem = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8}
+    by_name = {n: s for s in states if s["dtype"] in elem for n in (s["name"], s["output"])}
+    for vis in (b.inputs, b.outputs):
+        for i, v in enumerate(vis):
+            if v.name in by_name:
+                s = by_name[v.name]
+                vis[i] = onnx.helper.make_tensor_value_info(v.name, elem[s["dtype"]], s["shape"])
+
+
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict:
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
     accuracy_level = int(ctx.options["accuracy_level"])  # MatMulNBits: 4 = int8 activation blocks, 0 = float
@@ -216,9 +228,11 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         deltanet_ops=deltanet_ops,
         opset=opset,
     )
+    lw.kv_quant = ctx.kv_quant
     lw.run(inputs, outputs)
     _declare_states(b, ctx.states)
     _genai_io(b, ctx.spec.vocab_size)
+    _quantized_state_io(b, ctx.states)
     b.finish(
         out_dir / MODEL_FILE,
         {"": opset, "com.microsoft": 1},

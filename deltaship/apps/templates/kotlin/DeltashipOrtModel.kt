@@ -13,7 +13,8 @@ import kotlin.math.exp
 
 enum class DType(val bytes: Int, val ort: OnnxJavaType) {
     FLOAT32(4, OnnxJavaType.FLOAT), FLOAT16(2, OnnxJavaType.FLOAT16),
-    INT64(8, OnnxJavaType.INT64), INT32(4, OnnxJavaType.INT32)
+    INT64(8, OnnxJavaType.INT64), INT32(4, OnnxJavaType.INT32),
+    INT8(1, OnnxJavaType.INT8), UINT8(1, OnnxJavaType.UINT8)
 }
 
 /** A graph input or output; -1 in [shape] is the call's token count. */

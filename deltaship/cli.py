@@ -90,6 +90,7 @@ def _generate(a: argparse.Namespace) -> int:
         provider=a.provider,
         runtime=a.runtime,
         cuda_graph=a.cuda_graph,
+        **({"speculative": a.speculative} if a.speculative else {}),
     )
     if res.get("stopped") == "context" and not a.json:
         n = res.get("new_tokens", len(res.get("output_ids", [])))
@@ -127,6 +128,9 @@ def _eval(a: argparse.Namespace) -> int:
         print(f"  reference perplexity  {res['reference_perplexity']:.4f}  (transformers fp32)")
         print(f"  KL(reference||bundle) {res['kl_divergence']:.4g} nats/token")
         print(f"  top-1 agreement       {res['top1_agreement']:.4f}")
+        if "mtp" in res:
+            m = res["mtp"]
+            print(f"  MTP head top-1        {m['top1_vs_greedy']:.4f} vs greedy, {m['top1_vs_text']:.4f} vs the text")
         if "note" in res:
             print(f"  note: {res['note']}")
     return 0
@@ -342,6 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-stop-at-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    g.add_argument(
+        "--speculative",
+        default=None,
+        metavar="mtp[:K]",
+        help="speculative decoding with the bundle's MTP head (export --mtp), K drafts per verify call (default 1); "
+        "same tokens as plain greedy decoding, same distribution when sampling",
+    )
     g.set_defaults(func=_generate)
 
     i = sub.add_parser("inspect", help="show a bundle's manifest and re-check its file hashes")

@@ -225,7 +225,21 @@ def _lower_mtp(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: s
         "duplicated_bytes": duplicated,
         "files": [MTP_FILE] + ([MTP_DATA_FILE] if external else []),
     }
+    for part in (block["draft"], block["verify"]):
+        for t in part["inputs"] + part["outputs"]:
+            t["kind"] = _SPECULATIVE_KINDS[t["name"]]
     return block["files"], block
+
+
+_SPECULATIVE_KINDS = {
+    "hidden_states": "hidden_states",
+    "mtp_hidden_states": "hidden_states",
+    "input_ids": "tokens",
+    "position": "position",
+    "logits": "logits",
+    "logit_rows": "logit_rows",
+    "logits_rows": "logits",
+}
 
 
 def _initializer_bytes(b: GraphBuilder, fqn: str) -> int:

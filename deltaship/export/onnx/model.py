@@ -179,20 +179,17 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         IR_VERSION,
         doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}",
     )
+    # the draft head's own graph (mtp.onnx) and the manifest's `speculative` block
+    drafts = mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress) if speculative else None
     ops: dict[str, int] = {}
     for n in b.nodes:
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
     in_place = in_place_states(b.nodes, ctx.states)
     genai = write_genai_config(out_dir, ctx, tokens, MODEL_FILE, b.nodes, in_place)
-    files = [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else [])
-    extra: dict = {}
-    if speculative:
-        mtp_files, extra["speculative"] = mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress)
-        files += mtp_files
     return {
-        **extra,
-        "files": files,
+        "files": [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else []) + (drafts["files"] if drafts else []),
         "entry": MODEL_FILE,
+        **({"speculative": drafts} if drafts else {}),
         "onnx_ops": ops,
         "external_data": external,
         "opset": OPSET,

@@ -33,9 +33,9 @@ def verify_io(b: GraphBuilder, spec) -> None:
         b.outputs[o] = onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
 
 
-def lower_mtp(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress) -> tuple[list[str], dict]:
+def lower_mtp(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress) -> dict:
     """Write mtp.onnx (the MTP head: draft logits from the trunk's hidden states and the next tokens); return its
-    files and the manifest's `speculative` block."""
+    manifest's `speculative` block (its `files` are mtp.onnx's)."""
     from deltaship.export.onnx.model import EXTERNAL_THRESHOLD, IR_VERSION, MODEL_FILE, OPSET, estimate_bytes
 
     program, states = ctx.programs["mtp"]
@@ -133,7 +133,7 @@ def lower_mtp(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: st
     for part in (block["draft"], block["verify"]):
         for t in part["inputs"] + part["outputs"]:
             t["kind"] = _SPECULATIVE_KINDS[t["name"]]
-    return block["files"], block
+    return block
 
 
 _SPECULATIVE_KINDS = {

@@ -224,3 +224,24 @@ def test_eval_reports_mtp_acceptance(tiny_mtp):
     assert m["positions"] == 94
     assert m["top1_vs_greedy"] > 0.3  # trained: far above chance (1/272)
     assert 0 < m["top1_vs_text"] <= 1
+
+
+def test_genai_runs_an_mtp_bundle_as_a_plain_one(tiny_mtp):
+    """The verify I/O is invisible to a caller that knows nothing of it: onnxruntime-genai's own greedy loop gives
+    deltaship's plain greedy tokens on the --mtp bundle (logit_rows keeps its default)."""
+    og = pytest.importorskip("onnxruntime_genai", reason="optional runtime: pip install onnxruntime-genai==0.18.*")
+    from deltaship.runtimes import open_bundle
+
+    bundle = tiny_mtp("int4")
+    ids = _prompt(20)
+    want = open_bundle(bundle).generate(ids, 16, stop_at_eos=False).output_ids
+    model = og.Model(str(bundle))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + 16, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray(ids, dtype=np.int32))
+    got: list[int] = []
+    while not gen.is_done() and len(got) < 16:
+        gen.generate_next_token()
+        got.append(int(gen.get_next_tokens()[0]))
+    assert got == want

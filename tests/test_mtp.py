@@ -153,7 +153,28 @@ def test_inspect_reports_the_mtp_head(mtp_checkpoint, tiny_mtp):
     from deltaship.bundle.inspect import describe, inspect
 
     text = describe(inspect(tiny_mtp("fp32")))
-    assert "mtp head    1 layer(s)" in text and "mtp.onnx" in text and "MiB duplicated" in text
+    assert "mtp head    1 layer(s)" in text and "mtp.onnx" in text and "MiB read from the decoder's data file" in text
+
+
+def test_mtp_onnx_shares_the_embedding_and_lm_head(tiny_mtp):
+    """mtp.onnx stores no second copy of the embedding / LM head: its initializers point into model.onnx.data."""
+    import onnx
+
+    from deltaship.bundle import read_manifest
+
+    for precision in ("fp32", "int4"):
+        bundle = tiny_mtp(precision)
+        sp = read_manifest(bundle)["speculative"]
+        assert sp["shares_weights"] and sp["duplicated_bytes"] == 0 and sp["shared_tensors"]
+        model = onnx.load(str(bundle / "mtp.onnx"), load_external_data=False)
+        where = {
+            t.name: {e.key: e.value for e in t.external_data}["location"]
+            for t in model.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL
+        }
+        assert {where[n] for n in sp["shared_tensors"]} == {"model.onnx.data"}
+        own = [n for n, loc in where.items() if loc == "mtp.onnx.data"]
+        assert own and all(n.startswith("mtp_") for n in own), own  # only the head's own weights
 
 
 def test_speculative_needs_a_bundle_with_an_mtp_head(bundles):

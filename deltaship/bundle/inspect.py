@@ -33,7 +33,12 @@ def describe(info: dict[str, Any]) -> str:
     ]
     if spec.get("mtp_num_hidden_layers"):
         sp = m.get("speculative")
-        dup = f"no, {sp['duplicated_bytes'] / 2**20:.2f} MiB duplicated" if sp and not sp["shares_weights"] else "yes"
+        shared = sum((sp or {}).get("shared_tensors", {}).values()) / 2**20
+        dup = (
+            f"no, {sp['duplicated_bytes'] / 2**20:.2f} MiB duplicated"
+            if sp and not sp["shares_weights"]
+            else f"yes, {shared:.2f} MiB read from the decoder's data file"
+        )
         lines.append(
             f"mtp head    {spec['mtp_num_hidden_layers']} layer(s) in the checkpoint; "
             + (

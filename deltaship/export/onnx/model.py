@@ -147,6 +147,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
     accuracy_level = int(ctx.options["accuracy_level"])  # MatMulNBits: 4 = int8 activation blocks, 0 = float
     external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))
+    external = external or "mtp" in ctx.programs  # mtp.onnx reads the shared weights from model.onnx.data
     b = GraphBuilder(out_dir / DATA_FILE if external else None)
     # The program takes position [1] and returns logits [1, V]; the graph's contract is the one
     # onnxruntime-genai drives (position_ids [1, T], logits [1, 1, V]), adapted around it below.
@@ -180,7 +181,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}",
     )
     # the draft head's own graph (mtp.onnx) and the manifest's `speculative` block
-    drafts = mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress) if speculative else None
+    drafts = mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b) if speculative else None
     ops: dict[str, int] = {}
     for n in b.nodes:
         ops[n.op_type] = ops.get(n.op_type, 0) + 1

@@ -4,19 +4,83 @@ The contract (the manifest's `speculative` block) is described in docs/speculati
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from deltaship.export.onnx.builder import GraphBuilder
+from deltaship.export.onnx.builder import NP_TO_ONNX, GraphBuilder
 from deltaship.export.onnx.lowering import Lowerer
 
 MTP_FILE = "mtp.onnx"
 MTP_DATA_FILE = "mtp.onnx.data"
-# The tensors both graphs read: written into mtp.onnx again (ONNX Runtime sessions do not share initializers
-# across model files by themselves), so the bundle holds them twice; the manifest says how many bytes that is.
+# The tensors both graphs read (the embedding and the LM head, tied or not). mtp.onnx does not store them
+# again: its initializers point into the decoder's external data file (model.onnx.data) at their offsets.
 MTP_SHARED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _external(t: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in t.external_data}
+
+
+class SharingBuilder(GraphBuilder):
+    """A GraphBuilder that stores no weight the decoder's external data already holds byte for byte: such an
+    initializer points at the decoder's file and offset instead (matched by dtype, shape and sha256)."""
+
+    def __init__(self, external_data: Path, main: GraphBuilder, main_data: Path):
+        super().__init__(external_data)
+        self.index: dict[tuple, onnx.TensorProto] = {}
+        self.shared: dict[str, int] = {}  # initializer -> bytes not stored again
+        with open(main_data, "rb") as f:
+            for t in main.initializers:
+                if t.data_location != onnx.TensorProto.EXTERNAL:
+                    continue
+                ext = _external(t)
+                f.seek(int(ext["offset"]))
+                digest = hashlib.sha256(f.read(int(ext["length"]))).hexdigest()
+                self.index[(t.data_type, tuple(t.dims), digest)] = t
+
+    def _reuse(self, name: str, key: tuple) -> bool:
+        src = self.index.get(key)
+        if src is None:
+            return False
+        t = onnx.TensorProto(name=name, data_type=src.data_type, dims=list(src.dims))
+        t.data_location = onnx.TensorProto.EXTERNAL
+        t.external_data.extend(src.external_data)
+        self.initializers.append(t)
+        self._names.add(name)
+        self.shared[name] = int(_external(src)["length"])
+        return True
+
+    def weight(self, name: str, arr: np.ndarray) -> str:
+        arr = np.ascontiguousarray(arr)
+        if arr.nbytes >= 1024 and arr.dtype in NP_TO_ONNX:
+            key = (NP_TO_ONNX[arr.dtype], tuple(arr.shape), hashlib.sha256(arr.tobytes()).hexdigest())
+            if self._reuse(name, key):
+                return name
+        return super().weight(name, arr)
+
+    def weight_rows(self, name: str, shape: tuple[int, ...], dtype, blocks) -> str:
+        h = hashlib.sha256()
+
+        def hashed():
+            for blk in blocks:
+                blk = np.ascontiguousarray(blk, np.dtype(dtype))
+                h.update(blk.tobytes())
+                yield blk
+
+        f = self._ext_file
+        start = f.tell()
+        super().weight_rows(name, shape, dtype, hashed())  # streamed to this file, hashed on the way
+        written = self.initializers.pop()
+        if self._reuse(name, (NP_TO_ONNX[np.dtype(dtype)], tuple(shape), h.hexdigest())):
+            f.truncate(start)  # the decoder's file has it: take the bytes back
+            f.seek(start)
+            self.weight_bytes -= int(_external(written)["length"])
+        else:
+            self.initializers.append(written)
+        return name
 
 
 def verify_io(b: GraphBuilder, spec) -> None:
@@ -33,14 +97,17 @@ def verify_io(b: GraphBuilder, spec) -> None:
         b.outputs[o] = onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
 
 
-def lower_mtp(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress) -> dict:
+def lower_mtp(
+    ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress, main: GraphBuilder
+) -> dict:
     """Write mtp.onnx (the MTP head: draft logits from the trunk's hidden states and the next tokens); return its
     manifest's `speculative` block (its `files` are mtp.onnx's)."""
-    from deltaship.export.onnx.model import EXTERNAL_THRESHOLD, IR_VERSION, MODEL_FILE, OPSET, estimate_bytes
+    from deltaship.export.onnx.model import DATA_FILE, IR_VERSION, MODEL_FILE, OPSET
 
     program, states = ctx.programs["mtp"]
-    external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))
-    b = GraphBuilder(out_dir / MTP_DATA_FILE if external else None)
+    if main.external is None:
+        raise RuntimeError("--mtp needs the decoder's weights in external data (model.onnx.data) to share them")
+    b = SharingBuilder(out_dir / MTP_DATA_FILE, main, out_dir / DATA_FILE)
     lw = Lowerer(
         program,
         ctx.plan,
@@ -56,8 +123,8 @@ def lower_mtp(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: st
         ["logits", "mtp_hidden_states"] + [s["output"] for s in states],
     )
     b.finish(out_dir / MTP_FILE, {"": OPSET, "com.microsoft": 1}, IR_VERSION, doc="deltaship Qwen3.5 MTP head")
-    shared = sorted({fqn for (fqn, _form) in lw._weights if set(ctx.plan.aliases(fqn)) & set(MTP_SHARED)})
-    duplicated = sum(_initializer_bytes(b, fqn) for fqn in shared)
+    bases = tuple(n.replace(".", "_") for n in MTP_SHARED)  # the Lowerer names a weight's forms base, base_q, ...
+    stored = {t.name: t for t in b.initializers if t.name.startswith(bases) and t.name not in b.shared}
     block = {
         "method": "mtp",
         "mtp_layers": ctx.spec.mtp_num_hidden_layers,
@@ -125,10 +192,11 @@ def lower_mtp(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: st
             "rejected, restore the copy and feed the accepted tokens again at the start of the next verify call "
             "(no per-position states are output yet)",
         },
-        "shares_weights": False,
-        "duplicated_tensors": shared,
-        "duplicated_bytes": duplicated,
-        "files": [MTP_FILE] + ([MTP_DATA_FILE] if external else []),
+        "shares_weights": not stored,
+        "shared_tensors": {n: b.shared[n] for n in sorted(b.shared)},
+        "duplicated_tensors": sorted(stored),
+        "duplicated_bytes": sum(_bytes(t) for t in stored.values()),
+        "files": [MTP_FILE, MTP_DATA_FILE],
     }
     for part in (block["draft"], block["verify"]):
         for t in part["inputs"] + part["outputs"]:
@@ -147,13 +215,7 @@ _SPECULATIVE_KINDS = {
 }
 
 
-def _initializer_bytes(b: GraphBuilder, fqn: str) -> int:
-    base = fqn.replace(".", "_")
-    total = 0
-    for t in b.initializers:
-        if t.name == base or t.name.startswith(base + "_"):
-            if t.data_location == onnx.TensorProto.EXTERNAL:
-                total += int(next(e.value for e in t.external_data if e.key == "length"))
-            else:
-                total += len(t.raw_data) if t.raw_data else onnx.numpy_helper.to_array(t).nbytes
-    return total
+def _bytes(t: onnx.TensorProto) -> int:
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        return int(_external(t)["length"])
+    return len(t.raw_data) if t.raw_data else onnx.numpy_helper.to_array(t).nbytes

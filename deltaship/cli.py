@@ -128,11 +128,11 @@ def _eval(a: argparse.Namespace) -> int:
         print(f"  reference perplexity  {res['reference_perplexity']:.4f}  (transformers fp32)")
         print(f"  KL(reference||bundle) {res['kl_divergence']:.4g} nats/token")
         print(f"  top-1 agreement       {res['top1_agreement']:.4f}")
-        if "mtp" in res:
-            m = res["mtp"]
-            print(f"  MTP head top-1        {m['top1_vs_greedy']:.4f} vs greedy, {m['top1_vs_text']:.4f} vs the text")
         if "note" in res:
             print(f"  note: {res['note']}")
+        if "mtp" in res:  # the MTP head of an --mtp bundle
+            m = res["mtp"]
+            print(f"  MTP head top-1        {m['top1_vs_greedy']:.4f} vs greedy, {m['top1_vs_text']:.4f} vs the text")
     return 0
 
 

@@ -170,18 +170,14 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     )
     lw.run(inputs, outputs)
     _genai_io(b, ctx.spec.vocab_size)
-    if speculative:
-        from deltaship.export.onnx import mtp
-
-        mtp.verify_io(b, ctx.spec)
     b.finish(
         out_dir / MODEL_FILE,
         {"": OPSET, "com.microsoft": 1},
         IR_VERSION,
         doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}",
     )
-    # the draft head's own graph (mtp.onnx) and the manifest's `speculative` block
-    drafts = mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b) if speculative else None
+    # --mtp: the verify I/O of model.onnx, the draft head's own graph (mtp.onnx), the manifest's `speculative` block
+    drafts = _speculative(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b) if speculative else None
     ops: dict[str, int] = {}
     for n in b.nodes:
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
@@ -204,3 +200,10 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
 
 
 __all__ = ["lower", "io_inputs", "io_outputs", "adapt_tokenizer_config", "LOWERINGS", "MODEL_FILE"]
+
+
+def _speculative(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress, b) -> dict:
+    from deltaship.export.onnx import mtp
+
+    mtp.add_verify_io(out_dir / MODEL_FILE, ctx.spec)
+    return mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b)

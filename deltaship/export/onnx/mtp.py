@@ -83,18 +83,23 @@ class SharingBuilder(GraphBuilder):
         return name
 
 
-def verify_io(b: GraphBuilder, spec) -> None:
-    """Name the verify I/O's dims and give logit_rows a default ([-1]: the last row) as an overridable
-    initializer, so a caller that does not know about speculation (onnxruntime-genai) runs the graph as before."""
-    i = next(k for k, v in enumerate(b.inputs) if v.name == "logit_rows")
-    b.inputs[i] = onnx.helper.make_tensor_value_info("logit_rows", onnx.TensorProto.INT64, ["rows"])
-    b.initializers.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), "logit_rows"))
-    for name, shape in (
-        ("logits_rows", [1, "rows", spec.vocab_size]),
-        ("hidden_states", [1, "tokens", spec.hidden_size]),
-    ):
-        o = next(k for k, v in enumerate(b.outputs) if v.name == name)
-        b.outputs[o] = onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
+def add_verify_io(path: Path, spec) -> None:
+    """Name the verify I/O's dims in the written model.onnx and give logit_rows a default ([-1]: the last row) as
+    an overridable initializer, so a caller that does not know about speculation (onnxruntime-genai) runs the
+    graph as before. Done on the file, after the decoder's lowering wrote it (its weights stay where they are)."""
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    shapes = {
+        "logit_rows": (onnx.TensorProto.INT64, ["rows"]),
+        "logits_rows": (onnx.TensorProto.FLOAT, [1, "rows", spec.vocab_size]),
+        "hidden_states": (onnx.TensorProto.FLOAT, [1, "tokens", spec.hidden_size]),
+    }
+    for values in (g.input, g.output):
+        for i, v in enumerate(values):
+            if v.name in shapes:
+                values[i].CopyFrom(onnx.helper.make_tensor_value_info(v.name, *shapes[v.name]))
+    g.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), "logit_rows"))
+    onnx.save(model, str(path))
 
 
 def lower_mtp(

@@ -442,8 +442,8 @@ class Qwen35Model(nn.Module):
             for kind in layer.self_attn.state_kinds:
                 out.append(
                     {
-                        "name": f"past.mtp.{i}.{kind}",
-                        "output": f"present.mtp.{i}.{kind}",
+                        "name": f"mtp.past.{i}.{kind}",
+                        "output": f"mtp.present.{i}.{kind}",
                         "layer": i,
                         "kind": f"kv_cache_{kind}",
                         "shape": list(self.spec.kv_cache_shape(layer.self_attn.max_context)),

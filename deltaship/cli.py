@@ -90,6 +90,7 @@ def _generate(a: argparse.Namespace) -> int:
         provider=a.provider,
         runtime=a.runtime,
         cuda_graph=a.cuda_graph,
+        **({"speculative": a.speculative} if a.speculative else {}),
     )
     if res.get("stopped") == "context" and not a.json:
         n = res.get("new_tokens", len(res.get("output_ids", [])))
@@ -132,6 +133,9 @@ def _eval(a: argparse.Namespace) -> int:
             print(f"  KV cache {res['kv_dtype']:<13}KL by depth (to position) {depths}")
         if "note" in res:
             print(f"  note: {res['note']}")
+        if "mtp" in res:  # the MTP head of an --mtp bundle
+            m = res["mtp"]
+            print(f"  MTP head top-1        {m['top1_vs_greedy']:.4f} vs greedy, {m['top1_vs_text']:.4f} vs the text")
     return 0
 
 
@@ -345,6 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-stop-at-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    g.add_argument(
+        "--speculative",
+        default=None,
+        metavar="mtp[:K]",
+        help="speculative decoding with the bundle's MTP head (export --mtp), K drafts per verify call (default 1); "
+        "same tokens as plain greedy decoding, same distribution when sampling",
+    )
     g.set_defaults(func=_generate)
 
     i = sub.add_parser("inspect", help="show a bundle's manifest and re-check its file hashes")

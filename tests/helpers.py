@@ -183,3 +183,27 @@ def export_context(ckpt: Path, precision: str, max_context: int = 128, target: s
         options=pass_options(tgt, typed, prefill_chunk=8, **common),
     )
     return run_pipeline(ctx, tgt.pipeline()[:-1])
+
+
+def add_mtp_head(directory: Path, seed: int = 0, drop: str | None = None, reshape: str | None = None) -> Path:
+    """Give a checkpoint written by write_checkpoint(..., mtp_num_hidden_layers=1) random `mtp.*` tensors of the
+    published layout (deltaship.models.weights.mtp_tensors). drop/reshape: leave out or misshape one tensor."""
+    from deltaship.models.safetensors_io import SafetensorsFile, write_safetensors
+    from deltaship.models.spec import ModelSpec, read_config
+    from deltaship.models.weights import mtp_tensors
+
+    spec = ModelSpec.from_config(read_config(directory / "config.json"))
+    rng = np.random.default_rng(seed)
+    path = directory / "model.safetensors"
+    sf = SafetensorsFile(path)
+    tensors = [(n, sf.read(n)) for n in sf.entries]
+    del sf
+    for name, shape in mtp_tensors(spec).items():
+        if name == drop:
+            continue
+        if name == reshape:
+            shape = (shape[0] + 1, *shape[1:])
+        scale = 0.2 if len(shape) == 1 else 0.15
+        tensors.append((name, (scale * rng.standard_normal(shape)).astype(np.float32)))
+    write_safetensors(path, tensors, metadata={"format": "pt"})
+    return directory

@@ -1,6 +1,7 @@
 """Train the built-in `qwen3.5-tiny` on the Python standard library's own source, on CPU.
 
     python tools/train_tiny.py --out deltaship/models/data/qwen3.5-tiny
+    python tools/train_tiny.py --out deltaship/models/data/qwen3.5-tiny --mtp-only   # the MTP head alone
 
 The corpus is every .py file of the running Python's standard library (available offline on any
 machine with Python), split by a hash of each file's path: 2% held out. Bytes are the tokens
@@ -161,14 +162,171 @@ def train(
     return meta
 
 
+def train_mtp(
+    out: Path,
+    steps: int = 200,
+    batch: int = 8,
+    pool: int = 192,
+    seq: int = 256,
+    lr: float = 3e-3,
+    seed: int = 0,
+    threads: int = 2,
+    log_every: int = 50,
+) -> dict:
+    """Train the multi-token-prediction head of the checkpoint in `out` (the trunk frozen) on the same split, then
+    re-save its safetensors with the `mtp.*` tensors and `mtp_num_hidden_layers: 1` in config.json.
+
+    The head (deltaship.export.reference.ReferenceMTP: transformers' Qwen3.5 norms and decoder layer) learns to
+    predict the token two positions on from the trunk's final-normed hidden state and the next token."""
+    import logging
+
+    import torch
+
+    for name in ("torchao", "torch.utils._pytree", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from deltaship.export.reference import ReferenceMTP, reference_model
+    from deltaship.models.safetensors_io import SafetensorsFile, write_safetensors
+    from deltaship.models.source import load_source
+
+    t_start = time.monotonic()
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(seed + 1)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("mtp_num_hidden_layers", None)  # the trunk alone, whatever a previous run left
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    source = load_source(str(out))
+    trunk = reference_model(source).eval()
+    for p in trunk.parameters():
+        p.requires_grad_(False)
+    spec = source.spec.from_dict(dict(source.spec.to_dict(), mtp_num_hidden_layers=1))
+    head = ReferenceMTP(trunk, spec)
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            if p.ndim == 1:
+                p.zero_()  # zero-centred norms: scale 1
+            else:
+                p.normal_(0.0, 0.02)
+    tr, he, _ = load_split()
+    opt = torch.optim.AdamW(list(head.parameters()), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = max(1, steps // 20)
+
+    def lr_at(s: int) -> float:
+        return (
+            lr * s / warm
+            if s < warm
+            else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm))))
+        )
+
+    def save_head() -> None:
+        sf = SafetensorsFile(out / "model.safetensors")
+        tensors = [(n, sf.read(n)) for n in sf.entries if not n.startswith("mtp.")]
+        del sf
+        tensors += [(f"mtp.{n}", p.detach().float().numpy()) for n, p in head.state_dict().items()]
+        write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"}, dtype="BF16")
+        cfg_path.write_text(json.dumps(dict(cfg, mtp_num_hidden_layers=1), indent=2))
+
+    # The frozen trunk's hidden states come from deltaship's own fp32 ONNX export of it (transformers' reference
+    # DeltaNet kernels are far slower on CPU); the head is trained in torch on top of them.
+    save_head()
+    import tempfile
+
+    from deltaship.export import export
+    from deltaship.runtimes import open_bundle
+
+    tmp = Path(tempfile.mkdtemp(prefix="deltaship-mtp-train-"))
+    export(
+        str(out),
+        tmp / "b",
+        target="onnx",
+        precision="fp32",
+        max_context=seq,
+        prefill_chunk=seq,
+        mtp=True,
+        verify=False,
+        progress=False,
+    )
+    sess = open_bundle(tmp / "b", threads=threads)
+
+    def trunk_hidden(x: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for ids in x.numpy():
+            sess.reset()
+            rows.append(sess.verify(ids, np.array([ids.size - 1], np.int64))[1])
+        return torch.from_numpy(np.stack(rows))
+
+    # a fixed pool of training windows, their trunk hidden states computed once (the head is what trains)
+    starts = rng.integers(0, tr.size - seq - 1, pool)
+    pool_x = torch.from_numpy(np.stack([tr[s : s + seq] for s in starts]).astype(np.int64))
+    pool_h = trunk_hidden(pool_x)
+
+    def loss_of(x: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
+        logits, _ = head(hidden[:, :-1], x[:, 1:])
+        logits = logits[:, :-1].float()
+        target = x[:, 2:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        return loss, float((logits.argmax(-1) == target).float().mean())
+
+    log, t0 = [], time.monotonic()
+    head.train()
+    for step in range(1, steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        pick = torch.from_numpy(rng.integers(0, pool, batch))
+        loss, _ = loss_of(pool_x[pick], pool_h[pick])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % log_every == 0 or step == steps:
+            entry = {"step": step, "train_loss": round(loss.item(), 4), "seconds": round(time.monotonic() - t0, 1)}
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+    head.eval()
+    with torch.no_grad():
+        x = torch.from_numpy(he[: (min(he.size, 16 * seq) // seq) * seq].astype(np.int64)).reshape(-1, seq)
+        held_loss, held_top1 = loss_of(x, trunk_hidden(x))
+    save_head()
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    meta = json.loads((out / "training.json").read_text()) if (out / "training.json").is_file() else {}
+    meta["mtp"] = {
+        "what": "the MTP head alone (trunk frozen): token t+2 from the trunk's hidden state at t and token t+1",
+        "steps": steps,
+        "batch": batch,
+        "pool_windows": pool,
+        "seq": seq,
+        "lr": lr,
+        "seed": seed,
+        "threads": threads,
+        "train_seconds": round(time.monotonic() - t0, 1),
+        "total_seconds": round(time.monotonic() - t_start, 1),  # with the trunk's export and the pool's hidden states
+        "heldout_loss_nats_per_byte": round(float(held_loss), 4),
+        "heldout_top1_vs_data": round(held_top1, 4),
+        "log": log,
+    }
+    (out / "training.json").write_text(json.dumps(meta, indent=2))
+    return meta["mtp"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=2200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--mtp-only",
+        action="store_true",
+        help="keep the trained trunk in --out and train only its multi-token-prediction head (a few minutes)",
+    )
+    ap.add_argument("--mtp-steps", type=int, default=200)
     a = ap.parse_args(argv)
-    train(a.out, steps=a.steps, threads=a.threads, seed=a.seed)
+    if not a.mtp_only:
+        train(a.out, steps=a.steps, threads=a.threads, seed=a.seed)
+    train_mtp(a.out, steps=a.mtp_steps, threads=a.threads, seed=a.seed)
     return 0
 
 

@@ -111,6 +111,10 @@ def evaluate(
         "target": manifest["target"],
         "precision": manifest["precision"],
     }
+    if manifest.get("speculative"):  # the MTP head: how often its draft is what greedy decoding accepts
+        from deltaship.runtimes.speculative import mtp_acceptance
+
+        result["mtp"] = mtp_acceptance(session, ids)
     if "random" in text:
         result["note"] = "random token ids: perplexity is not a quality measure here"
     return result

@@ -31,6 +31,33 @@ def describe(info: dict[str, Any]) -> str:
         f"context     max {m['max_context']} tokens, prefill chunk {m['prefill_chunk']}",
         f"state       {m['state_bytes'] / 2**20:.2f} MiB per sequence in {len(m['states'])} tensors",
     ]
+    if spec.get("mtp_num_hidden_layers"):
+        sp = m.get("speculative")
+        shared = sum((sp or {}).get("shared_tensors", {}).values()) / 2**20
+        dup = (
+            f"no, {sp['duplicated_bytes'] / 2**20:.2f} MiB duplicated"
+            if sp and not sp["shares_weights"]
+            else f"yes, {shared:.2f} MiB read from the decoder's data file"
+        )
+        lines.append(
+            f"mtp head    {spec['mtp_num_hidden_layers']} layer(s) in the checkpoint; "
+            + (
+                f"exported as {sp['draft']['file']} (generate --speculative mtp[:k]); shares the embedding/LM head: "
+                f"{dup}"
+                if sp
+                else "not exported (export with --mtp to draft with it)"
+            )
+        )
+    if m.get("speculative"):
+        sp = m["speculative"]
+        lines.append(f"speculative draft {sp['draft']['file']}: inputs {[t['name'] for t in sp['draft']['inputs']]}")
+        lines.append(
+            f"            verify {sp['verify']['file']}: + input {[t['name'] for t in sp['verify']['inputs']]}, "
+            f"outputs {[t['name'] for t in sp['verify']['outputs']]}"
+        )
+        lines.append(
+            f"            rollback: DeltaNet {sp['rollback']['deltanet'].split(':')[0]}; KV cache: length pointer"
+        )
     for note in m["source"].get("notes", []):
         lines.append(f"note        {note}")
     q = m.get("quantization", {})

@@ -42,8 +42,15 @@ def generate(
     provider: str = "cpu",
     runtime: str | None = None,
     cuda_graph: bool = False,
+    speculative: str | None = None,
 ) -> dict[str, Any]:
-    """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict."""
+    """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict.
+
+    speculative="mtp[:K]": draft K tokens per step with the bundle's MTP head and verify them in one decoder call
+    (deltaship/runtimes/speculative.py); the result then has a `speculative` block (acceptance and lengths)."""
+    from deltaship.runtimes.speculative import parse_speculative
+
+    depth = parse_speculative(speculative)
     if (prompt is None) == (input_ids is None):
         raise DeltashipError(
             "pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3"
@@ -65,6 +72,8 @@ def generate(
             )
             if v
         ]
+        if depth is not None:
+            given.append("--speculative")
         if given or prompt is None:
             raise DeltashipError(
                 f"--runtime {runtime} takes a text prompt and greedy or temperature sampling only; "
@@ -84,17 +93,35 @@ def generate(
     )
     tok = load_tokenizer(Path(bundle), session.manifest) if prompt is not None else None
     ids = tok.encode(prompt) if tok else (parse_ids(input_ids) if isinstance(input_ids, str) else list(input_ids))
+    if depth is not None and dump_logits is not None:
+        raise DeltashipError("--dump-logits cannot be combined with --speculative", "drop one of them")
     t0 = time.monotonic()
-    gen = session.generate(
-        ids,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        stop_at_eos=stop_at_eos,
-        keep_logits=dump_logits is not None,
-    )
+    spec_stats = None
+    if depth is not None:
+        from deltaship.runtimes.speculative import generate_speculative
+
+        gen, spec_stats = generate_speculative(
+            session,
+            ids,
+            max_new_tokens,
+            depth,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop_at_eos=stop_at_eos,
+        )
+    else:
+        gen = session.generate(
+            ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop_at_eos=stop_at_eos,
+            keep_logits=dump_logits is not None,
+        )
     elapsed = time.monotonic() - t0
     result: dict[str, Any] = {
         "input_ids": gen.input_ids,
@@ -102,6 +129,7 @@ def generate(
         "stopped": gen.stopped,
         "seconds": round(elapsed, 4),
         "runtime": session.runtime_name(),
+        **({"speculative": spec_stats.as_dict()} if spec_stats else {}),
     }
     if tok is None:
         try:

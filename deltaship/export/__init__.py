@@ -191,6 +191,14 @@ def export(
             PRESETS[model].default_max_context if model in PRESETS else min(4096, spec.max_position_embeddings)
         )
     spec.check_context(max_context)  # names max_position_embeddings and, without scaling, YaRN
+    if target_options.get("mtp") and not getattr(source.weights, "has_mtp", False):
+        raise DeltashipError(
+            f"--mtp: {model} has no multi-token-prediction head (config.json mtp_num_hidden_layers is "
+            f"{spec.mtp_num_hidden_layers}"
+            + (", and the weights hold no mtp.* tensors)" if spec.mtp_num_hidden_layers else ")"),
+            "drop --mtp, or export a checkpoint that ships its MTP head (Qwen3.5 checkpoints do; qwen3.5-tiny and "
+            "the published-shape presets carry one)",
+        )
     chunk = min(prefill_chunk or tgt.default_prefill_chunk, max_context)
     tgt.check(precision, max_context, chunk, options)
     ctx = ExportContext(
@@ -256,6 +264,9 @@ def export(
             lowering=lowered.details,
             tools=tool_versions("torch", "transformers", *tgt.tool_packages),
         )
+        if "speculative" in lowered.details:  # --mtp: the draft head and the verify contract
+            manifest["speculative"] = lowered.details.pop("speculative")
+            manifest["lowering"] = lowered.details
         manifest["memory"] = _memory(spec, ctx.states)
         manifest["app_runtimes"] = dict(lowered.app_runtimes or tgt.app_runtimes)
         if verify:

@@ -77,8 +77,11 @@ class LoadStructure:
             raise PassError("a model is already loaded")
 
     def run(self, ctx: ExportContext) -> dict[str, int]:
-        ctx.model = ctx.family.build_source_model(ctx.spec)
-        expected = expected_tensors(ctx.spec)
+        mtp = bool(ctx.options.get("mtp"))  # the multi-token-prediction head too (export option --mtp)
+        ctx.model = (
+            ctx.family.build_source_model(ctx.spec, mtp=True) if mtp else ctx.family.build_source_model(ctx.spec)
+        )
+        expected = expected_tensors(ctx.spec, mtp=mtp)
         for name, p in ctx.model.named_parameters():
             src = ctx.family.checkpoint_name(name)
             if src not in expected:
@@ -91,8 +94,9 @@ class LoadStructure:
         )
         return {
             "layers": ctx.spec.num_layers,
-            "tensors": len(expected_tensors(ctx.spec)),
+            "tensors": len(expected),
             "tied_lm_head": int(ctx.spec.tie_word_embeddings),
+            **({"mtp_layers": ctx.spec.mtp_num_hidden_layers} if mtp else {}),
         }
 
     def ensures(self, ctx: ExportContext) -> None:
@@ -307,7 +311,13 @@ class Capture:
 
     def run(self, ctx: ExportContext) -> dict[str, int]:
         ctx.states = ctx.model.state_specs(ctx.dtype)
-        ctx.program = capture(ctx.model, ctx.states, ctx.max_context)
+        if getattr(ctx.model, "mtp", None) is not None:  # --mtp: the verify-capable decoder and the MTP head
+            ctx.program, mtp_program, mtp_states = capture_speculative(
+                ctx.model, ctx.states, ctx.max_context, ctx.dtype
+            )
+            ctx.programs["mtp"] = (mtp_program, mtp_states)
+        else:
+            ctx.program = capture(ctx.model, ctx.states, ctx.max_context)
         counts: dict[str, int] = {}
         for node in ctx.program.graph.nodes:
             if node.op == "call_function" and str(node.target).startswith("deltaship."):
@@ -319,9 +329,10 @@ class Capture:
     def ensures(self, ctx: ExportContext) -> None:
         sig = ctx.program.graph_signature
         user_in = [s for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
-        if len(user_in) != 2 + len(ctx.states):
+        extra = 1 if "mtp" in ctx.programs else 0  # logit_rows in; the rows' logits and hidden states out
+        if len(user_in) != 2 + len(ctx.states) + extra:
             raise PassError(f"captured program takes {len(user_in)} inputs, expected 2 + {len(ctx.states)} states")
-        if len(sig.output_specs) != 1 + len(ctx.states):
+        if len(sig.output_specs) != 1 + len(ctx.states) + 2 * extra:
             raise PassError(
                 f"captured program returns {len(sig.output_specs)} outputs, expected 1 + "
                 f"{len(ctx.states)} states: some state has no output"
@@ -354,6 +365,31 @@ def capture(
     t = torch.export.Dim("tokens", min=1, max=max_context)
     args = example_inputs(states, 2)
     return torch.export.export(model, args, dynamic_shapes=({1: t}, None, [None] * len(states)), strict=False)
+
+
+def capture_speculative(
+    model: nn.Module, states: list[dict], max_context: int, dtype: torch.dtype
+) -> tuple[torch.export.ExportedProgram, torch.export.ExportedProgram, list[dict]]:
+    """The decoder with verify outputs (logit_rows in; logits of those rows and every position's final-normed
+    hidden state out) and the MTP head's program (hidden [1, T, H], input_ids [1, T], position [1], its KV cache)."""
+    model.speculative = True
+    t = torch.export.Dim("tokens", min=1, max=max_context)
+    rows = torch.export.Dim("rows", min=1, max=max_context)
+    ids, pos, st = example_inputs(states, 3)
+    decoder = torch.export.export(
+        model,
+        (ids, pos, st, torch.arange(1, 3, device="meta")),
+        dynamic_shapes=({1: t}, None, [None] * len(states), {0: rows}),
+        strict=False,
+    )
+    mtp_states = model.mtp_state_specs(dtype)
+    hidden = torch.zeros(1, 3, model.spec.hidden_size, dtype=dtype, device="meta")
+    _, _, mst = example_inputs(mtp_states, 3)
+    prog = model.mtp_program()
+    mtp = torch.export.export(
+        prog, (hidden, ids, pos, mst), dynamic_shapes=({1: t}, {1: t}, None, [None] * len(mtp_states)), strict=False
+    )
+    return decoder, mtp, mtp_states
 
 
 def run_pipeline(ctx: ExportContext, passes: tuple, progress=None) -> ExportContext:

@@ -27,7 +27,11 @@ def reference_model(source: ModelSource, dtype: torch.dtype = torch.float32):
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(cfg)
     model.to_empty(device="cpu")
-    state = {name: torch.from_numpy(np.array(source.weights.read(name))).to(dtype) for name in source.weights.names()}
+    state = {
+        name: torch.from_numpy(np.array(source.weights.read(name))).to(dtype)
+        for name in source.weights.names()
+        if not name.startswith("mtp.")  # the MTP head: reference_mtp()
+    }
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and source.spec.tie_word_embeddings)]
     if missing or unexpected:
@@ -36,6 +40,67 @@ def reference_model(source: ModelSource, dtype: torch.dtype = torch.float32):
         model.lm_head.weight = model.model.embed_tokens.weight
     recompute_rotary(model, cfg)
     return model.to(dtype).eval()
+
+
+class ReferenceMTP(torch.nn.Module):
+    """The Qwen3.5 multi-token-prediction head built from transformers' own classes (Qwen3_5RMSNorm,
+    Qwen3_5DecoderLayer as a full-attention layer) on top of a transformers trunk, whose embedding and LM head it
+    shares. transformers itself ships no MTP module (it ignores `mtp.*` on load); the layout follows the published
+    checkpoints (as vLLM's Qwen3.5 MTP loads them): fc over concat(norm(embed(next token)), norm(trunk hidden))."""
+
+    def __init__(self, trunk, spec):
+        super().__init__()
+        from transformers import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+        cfg = Qwen3_5TextConfig(
+            **dict(
+                family_of_architecture(spec.architecture).hf_config(spec),
+                num_hidden_layers=spec.mtp_num_hidden_layers,
+                layer_types=["full_attention"] * spec.mtp_num_hidden_layers,
+            )
+        )
+        cfg._attn_implementation = "sdpa"  # causal without a mask
+        h, eps = spec.hidden_size, spec.rms_norm_eps
+        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, eps=eps)
+        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, eps=eps)
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.layers = torch.nn.ModuleList([Qwen3_5DecoderLayer(cfg, i) for i in range(spec.mtp_num_hidden_layers)])
+        self.norm = Qwen3_5RMSNorm(h, eps=eps)
+        self._trunk = [trunk]  # not a submodule: its weights stay the trunk's
+
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, start: int = 0):
+        """hidden [1, N, H]: the trunk's final-normed hidden states at positions start .. start+N-1; next_ids
+        [1, N]: the tokens one position later. Returns (logits [1, N, V] for the tokens two positions later, the
+        head's final-normed hidden states), every position attending causally to the ones before it."""
+        trunk = self._trunk[0]
+        emb = self.pre_fc_norm_embedding(trunk.model.embed_tokens(next_ids))
+        x = self.fc(torch.cat([emb, self.pre_fc_norm_hidden(hidden)], dim=-1))
+        pos = torch.arange(start, start + x.shape[1])[None]
+        pe = trunk.model.rotary_emb(x, pos)
+        for layer in self.layers:
+            x = layer(x, position_embeddings=pe, position_ids=pos)
+        out = self.norm(x)
+        return trunk.lm_head(out).float(), out
+
+    def load_from(self, source) -> "ReferenceMTP":
+        state = {
+            name[len("mtp.") :]: torch.from_numpy(np.array(source.weights.read(name))).float()
+            for name in source.weights.names()
+            if name.startswith("mtp.")
+        }
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise RuntimeError(
+                f"MTP reference weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        return self
+
+
+def reference_mtp(source: ModelSource, trunk=None) -> tuple[object, ReferenceMTP]:
+    """(transformers trunk, its MTP head) with the source's weights, fp32, eval."""
+    trunk = trunk if trunk is not None else reference_model(source)
+    return trunk, ReferenceMTP(trunk, source.spec).load_from(source).eval()
 
 
 def recompute_rotary(model, cfg, device: str = "cpu") -> None:

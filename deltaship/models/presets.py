@@ -50,6 +50,7 @@ def _published(hidden: int, mlp: int, layers: int, heads: int, kv: int, v_heads:
         "linear_num_value_heads": v_heads,
         "tie_word_embeddings": tied,
         "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        "mtp_num_hidden_layers": 1,  # the published checkpoints ship a one-layer MTP head (random here too)
     }
 
 
@@ -74,6 +75,7 @@ _TINY = {
     "max_position_embeddings": 4096,
     "eos_token_id": 256,
     "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)],
+    "mtp_num_hidden_layers": 1,  # trained by tools/train_tiny.py --mtp-only
     "dtype": "float32",
 }
 

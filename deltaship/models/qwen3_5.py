@@ -329,6 +329,24 @@ class Rotary(nn.Module):
         return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
 
 
+class MTPHead(nn.Module):
+    """The multi-token-prediction head (`mtp.*`): from the trunk's final-normed hidden state at position t and the
+    embedding of token t+1, the hidden state whose LM-head logits predict token t+2.
+
+    x = fc(concat(pre_fc_norm_embedding(embed(token)), pre_fc_norm_hidden(hidden))); full-attention decoder
+    layer(s) over their own KV cache (positions t, as the trunk's); norm. The embedding and LM head are the
+    trunk's (Qwen35Model.mtp_forward)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h = spec.hidden_size
+        self.pre_fc_norm_embedding: nn.Module = ZeroCentredRMSNorm(h, spec.rms_norm_eps)
+        self.pre_fc_norm_hidden: nn.Module = ZeroCentredRMSNorm(h, spec.rms_norm_eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(spec, "full_attention") for _ in range(spec.mtp_num_hidden_layers)])
+        self.norm: nn.Module = ZeroCentredRMSNorm(h, spec.rms_norm_eps)
+
+
 class Qwen35Model(nn.Module):
     """The whole decoder. forward(input_ids [1, T], position [1], states) -> (logits, states').
 
@@ -336,9 +354,15 @@ class Qwen35Model(nn.Module):
     the last position once the LastTokenLogits pass ran ([1, T, vocab] before).
     """
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, mtp: bool = False):
         super().__init__()
         self.spec = spec
+        if mtp and not spec.mtp_num_hidden_layers:
+            raise ValueError("qwen3_5: the spec declares no MTP layers (mtp_num_hidden_layers is 0)")
+        self.mtp = MTPHead(spec) if mtp else None
+        # speculative=True (the SpeculativeOutputs pass): forward takes `logit_rows` and also returns the
+        # logits of those rows and the final-normed hidden states of every position (what a verify call needs)
+        self.speculative = False
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.model.layers = nn.ModuleList([DecoderLayer(spec, k) for k in spec.layer_types])
@@ -402,9 +426,62 @@ class Qwen35Model(nn.Module):
             x = x[:, -1, :]
         return self.lm_head(x).float()
 
-    def forward(self, input_ids: Tensor, position: Tensor, states: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    def forward(self, input_ids: Tensor, position: Tensor, states: list[Tensor], logit_rows: Tensor | None = None):
         x, new_states = self.run_layers(self.model.embed_tokens(input_ids), position, states)
-        return self.head(x), new_states
+        if not self.speculative:
+            return self.head(x), new_states
+        # one LM-head matmul over the rows asked for (the last only in plain decoding, every row to verify drafts)
+        hidden = self.model.norm(x)
+        rows = self.lm_head(hidden.index_select(1, logit_rows)).float()
+        return rows[:, -1, :], new_states, rows, hidden
+
+    def mtp_state_specs(self, dtype: torch.dtype) -> list[dict]:
+        """The MTP head's states: the KV cache of each of its attention layers."""
+        out = []
+        for i, layer in enumerate(self.mtp.layers):
+            for kind in layer.self_attn.state_kinds:
+                out.append(
+                    {
+                        "name": f"mtp.past.{i}.{kind}",
+                        "output": f"mtp.present.{i}.{kind}",
+                        "layer": i,
+                        "kind": f"kv_cache_{kind}",
+                        "shape": list(self.spec.kv_cache_shape(layer.self_attn.max_context)),
+                        "dtype": str(dtype).replace("torch.", ""),
+                    }
+                )
+        return out
+
+    def mtp_program(self) -> nn.Module:
+        return MTPProgram(self)
+
+    def mtp_forward(self, hidden: Tensor, input_ids: Tensor, position: Tensor, states: list[Tensor]):
+        """hidden [1, T, H] (the trunk's final-normed hidden states at positions p .. p+T-1), input_ids [1, T] (the
+        tokens at p+1 .. p+T) -> (logits [1, V] of the last row: the draft for the token at p+T+1, the head's
+        final-normed hidden states [1, T, H] (fed back for a deeper draft), the head's states')."""
+        m = self.mtp
+        emb = m.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
+        x = m.fc(torch.cat([emb, m.pre_fc_norm_hidden(hidden)], dim=-1))
+        cos, sin = self.model.rotary(position, x.shape[1], x.dtype)
+        new_states: list[Tensor] = []
+        for i, layer in enumerate(m.layers):
+            x, new = layer(x, cos, sin, position, states[2 * i : 2 * i + 2])
+            new_states += new
+        out = m.norm(x)
+        return self.lm_head(out[:, -1, :]).float(), out, new_states
+
+
+class MTPProgram(nn.Module):
+    """Qwen35Model.mtp_forward as a module to capture, holding the model's own submodules under their own names
+    (model.*, mtp.*, lm_head), so the captured program's parameters are the weight plan's names."""
+
+    def __init__(self, full: Qwen35Model):
+        super().__init__()
+        self.model, self.mtp, self.lm_head = full.model, full.mtp, full.lm_head
+        self._full = [full]  # not a submodule: its parameters are the ones above
+
+    def forward(self, hidden: Tensor, input_ids: Tensor, position: Tensor, states: list[Tensor]):
+        return self._full[0].mtp_forward(hidden, input_ids, position, states)
 
 
 def checkpoint_name(param: str) -> str:
@@ -412,10 +489,11 @@ def checkpoint_name(param: str) -> str:
     return param.replace(".mlp.gate_up.parts.", ".mlp.")
 
 
-def build_source_model(spec: ModelSpec) -> Qwen35Model:
-    """The checkpoint's structure on the meta device: parameter names are the HF names."""
+def build_source_model(spec: ModelSpec, mtp: bool = False) -> Qwen35Model:
+    """The checkpoint's structure on the meta device: parameter names are the HF names (with mtp=True, the
+    multi-token-prediction head's `mtp.*` too)."""
     with torch.device("meta"):
-        return Qwen35Model(spec)
+        return Qwen35Model(spec, mtp=mtp)
 
 
 def hf_config(spec: ModelSpec) -> dict:

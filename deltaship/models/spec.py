@@ -71,6 +71,9 @@ class ModelSpec:
     rope_beta_slow: float = 1.0
     rope_attention_factor: float = 1.0  # resolved (transformers infers it from factor / mscale when absent)
     rope_truncate: bool = True
+    # Multi-token-prediction head (`mtp.*` tensors): decoder layers after the trunk that draft the token after next
+    # from the last hidden state and the next token's embedding (0: the checkpoint's config declares none).
+    mtp_num_hidden_layers: int = 0
 
     # ---- derived sizes -------------------------------------------------------------
     @property
@@ -315,6 +318,7 @@ class ModelSpec:
             eos_token_id=eos_t,
             bos_token_id=src.get("bos_token_id"),
             pad_token_id=src.get("pad_token_id"),
+            mtp_num_hidden_layers=_mtp_layers(src, where),
             torch_dtype=str(src.get("dtype", src.get("torch_dtype", config.get("dtype", "float32"))) or "float32"),
             **scaling,
         )
@@ -412,6 +416,16 @@ def _rope_scaling(rope: dict[str, Any], key: str, src: dict[str, Any], where: st
         "rope_attention_factor": float(attention),
         "rope_truncate": truncate,
     }
+
+
+def _mtp_layers(src: dict[str, Any], where: str) -> int:
+    n = src.get("mtp_num_hidden_layers", 0) or 0
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise DeltashipError(
+            f"{where}: field 'mtp_num_hidden_layers' must be a non-negative integer, got {n!r}",
+            "fix the value in config.json (0 when the checkpoint has no mtp.* tensors)",
+        )
+    return n
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

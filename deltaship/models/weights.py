@@ -34,38 +34,65 @@ class WeightSource(Protocol):
     def read(self, name: str, rows: slice | None = None) -> np.ndarray: ...
 
 
-def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen3_5ForCausalLM checkpoint of this spec holds, with its shape."""
+def mtp_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The multi-token-prediction head's tensors (`mtp.*`, as Qwen3.5 checkpoints store them), with their shapes:
+    two zero-centred norms on the embedding of the next token and on the trunk's last hidden state, `fc`
+    (2H -> H over their concatenation, embedding first), `mtp_num_hidden_layers` full-attention decoder layers
+    and a final norm. The embedding and the LM head are the trunk's."""
+    h = spec.hidden_size
+    out: dict[str, tuple[int, ...]] = {}
+    if not spec.mtp_num_hidden_layers:
+        return out
+    out["mtp.pre_fc_norm_embedding.weight"] = (h,)
+    out["mtp.pre_fc_norm_hidden.weight"] = (h,)
+    out["mtp.fc.weight"] = (h, 2 * h)
+    out["mtp.norm.weight"] = (h,)
+    for i in range(spec.mtp_num_hidden_layers):
+        out.update(_layer_tensors(spec, f"mtp.layers.{i}.", "full_attention"))
+    return out
+
+
+def _layer_tensors(spec: ModelSpec, p: str, kind: str) -> dict[str, tuple[int, ...]]:
+    h = spec.hidden_size
+    out: dict[str, tuple[int, ...]] = {}
+    out[p + "input_layernorm.weight"] = (h,)
+    out[p + "post_attention_layernorm.weight"] = (h,)
+    out[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
+    out[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
+    out[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
+    if kind == "linear_attention":
+        a, hv = p + "linear_attn.", spec.linear_num_value_heads
+        out[a + "in_proj_qkv.weight"] = (spec.conv_dim, h)
+        out[a + "in_proj_z.weight"] = (spec.linear_value_dim, h)
+        out[a + "in_proj_b.weight"] = (hv, h)
+        out[a + "in_proj_a.weight"] = (hv, h)
+        out[a + "conv1d.weight"] = (spec.conv_dim, 1, spec.linear_conv_kernel_dim)
+        out[a + "dt_bias"] = (hv,)
+        out[a + "A_log"] = (hv,)
+        out[a + "norm.weight"] = (spec.linear_value_head_dim,)
+        out[a + "out_proj.weight"] = (h, spec.linear_value_dim)
+    else:
+        a, d = p + "self_attn.", spec.head_dim
+        out[a + "q_proj.weight"] = (2 * spec.num_attention_heads * d, h)
+        out[a + "k_proj.weight"] = (spec.num_key_value_heads * d, h)
+        out[a + "v_proj.weight"] = (spec.num_key_value_heads * d, h)
+        out[a + "o_proj.weight"] = (h, spec.num_attention_heads * d)
+        out[a + "q_norm.weight"] = (d,)
+        out[a + "k_norm.weight"] = (d,)
+    return out
+
+
+def expected_tensors(spec: ModelSpec, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Qwen3_5ForCausalLM checkpoint of this spec holds, with its shape (and, with mtp=True,
+    the multi-token-prediction head's)."""
     h = spec.hidden_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = (spec.vocab_size, h)
     for i, kind in enumerate(spec.layer_types):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (h,)
-        out[p + "post_attention_layernorm.weight"] = (h,)
-        out[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
-        out[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
-        out[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
-        if kind == "linear_attention":
-            a, hv = p + "linear_attn.", spec.linear_num_value_heads
-            out[a + "in_proj_qkv.weight"] = (spec.conv_dim, h)
-            out[a + "in_proj_z.weight"] = (spec.linear_value_dim, h)
-            out[a + "in_proj_b.weight"] = (hv, h)
-            out[a + "in_proj_a.weight"] = (hv, h)
-            out[a + "conv1d.weight"] = (spec.conv_dim, 1, spec.linear_conv_kernel_dim)
-            out[a + "dt_bias"] = (hv,)
-            out[a + "A_log"] = (hv,)
-            out[a + "norm.weight"] = (spec.linear_value_head_dim,)
-            out[a + "out_proj.weight"] = (h, spec.linear_value_dim)
-        else:
-            a, d = p + "self_attn.", spec.head_dim
-            out[a + "q_proj.weight"] = (2 * spec.num_attention_heads * d, h)
-            out[a + "k_proj.weight"] = (spec.num_key_value_heads * d, h)
-            out[a + "v_proj.weight"] = (spec.num_key_value_heads * d, h)
-            out[a + "o_proj.weight"] = (h, spec.num_attention_heads * d)
-            out[a + "q_norm.weight"] = (d,)
-            out[a + "k_norm.weight"] = (d,)
+        out.update(_layer_tensors(spec, f"model.layers.{i}.", kind))
+    if mtp:
+        out.update(mtp_tensors(spec))
     return out
 
 
@@ -85,8 +112,16 @@ class CheckpointWeights:
         self.files = {f.name: SafetensorsFile(f) for f in files}
         self._where: dict[str, tuple[SafetensorsFile, str]] = {}
         self.ignored: dict[str, int] = {}
+        # The MTP head is kept when config.json declares it (mtp_num_hidden_layers) and the checkpoint holds it.
+        keep_mtp = spec.mtp_num_hidden_layers > 0 and any(
+            raw.startswith("mtp.") for sf in self.files.values() for raw in sf.entries
+        )
+        self.has_mtp = keep_mtp
         for sf in self.files.values():
             for raw in sf.entries:
+                if keep_mtp and raw.startswith("mtp."):
+                    self._where[raw] = (sf, raw)
+                    continue
                 ignored = next((what for pre, what in IGNORED_PREFIXES.items() if raw.startswith(pre)), None)
                 if ignored:
                     self.ignored[ignored] = self.ignored.get(ignored, 0) + 1
@@ -134,7 +169,7 @@ class CheckpointWeights:
         )
 
     def _check(self, sf_names: list[str]) -> None:
-        expected = expected_tensors(self.spec)
+        expected = expected_tensors(self.spec, mtp=self.has_mtp)
         missing = sorted(set(expected) - set(self._where))
         extra = sorted(set(self._where) - set(expected))
         wrong = []
@@ -203,7 +238,9 @@ class RandomWeights:
 
     def __init__(self, spec: ModelSpec, seed: int = 0, std: float = 0.02):
         self.spec, self.seed, self.std = spec, seed, std
-        self._shapes = expected_tensors(spec)
+        # a random MTP head of the spec's shape whenever the spec declares one (mtp_num_hidden_layers)
+        self.has_mtp = spec.mtp_num_hidden_layers > 0
+        self._shapes = expected_tensors(spec, mtp=self.has_mtp)
         self.ignored: dict[str, int] = {}
 
     def names(self) -> list[str]:

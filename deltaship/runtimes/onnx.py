@@ -25,6 +25,7 @@ import numpy as np
 
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Session
+from deltaship.runtimes.onnx_speculative import OnnxSpeculation
 
 _NP = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
 
@@ -68,7 +69,7 @@ def cuda_provider_options(cuda_graph: bool) -> dict[str, str]:
     return {"enable_cuda_graph": "1"} if cuda_graph else {}
 
 
-class OnnxSession(Session):
+class OnnxSession(OnnxSpeculation, Session):
     def __init__(
         self,
         bundle: Path,

@@ -39,6 +39,13 @@ class OnnxOptions(TargetOptions):
             choices=(0, 1, 2, 3, 4),
         ),
     )
+    mtp: bool = field(
+        default=False,
+        metadata=option(
+            "export the checkpoint's multi-token-prediction head (mtp.onnx) and a decoder that verifies drafts, for "
+            "`generate --speculative mtp`",
+        ),
+    )
     external_data: bool = field(
         default=False, metadata=option("write the weights to model.onnx.data even when the model is under 2 GB")
     )

@@ -328,6 +328,11 @@ def _slice(L, node, x, dim=0, start=None, end=None, step=1):
     )
 
 
+@lowering(aten.index_select.default)
+def _index_select(L, node, x, dim, index):
+    return L.b.one("Gather", [L.as_tensor(x), L.as_tensor(index)], axis=dim)
+
+
 @lowering(aten.select.int)
 def _select(L, node, x, dim, index):
     rank = len(L.meta(x).shape)

@@ -209,11 +209,16 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
     accuracy_level = int(ctx.options["accuracy_level"])  # MatMulNBits: 4 = int8 activation blocks, 0 = float
     external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))
+    external = external or "mtp" in ctx.programs  # mtp.onnx reads the shared weights from model.onnx.data
     b = GraphBuilder(out_dir / DATA_FILE if external else None)
     # The program takes position [1] and returns logits [1, V]; the graph's contract is the one
     # onnxruntime-genai drives (position_ids [1, T], logits [1, 1, V]), adapted around it below.
-    inputs = ["input_ids", _PROGRAM_POSITION] + [s["name"] for s in ctx.states]
+    speculative = "mtp" in ctx.programs  # --mtp: the decoder also verifies drafts; mtp.onnx drafts them
+    inputs = (
+        ["input_ids", _PROGRAM_POSITION] + [s["name"] for s in ctx.states] + (["logit_rows"] if speculative else [])
+    )
     outputs = [_PROGRAM_LOGITS] + [s["output"] for s in ctx.states]
+    outputs += ["logits_rows", "hidden_states"] if speculative else []
     deltanet_ops = ctx.options["onnx_deltanet_ops"]
     opset = int(ctx.options.get("onnx_opset") or OPSET)
     _conv_state_layout(ctx.states, opset)
@@ -239,6 +244,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         IR_VERSIONS[opset],
         doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}",
     )
+    # --mtp: the verify I/O of model.onnx, the draft head's own graph (mtp.onnx), the manifest's `speculative` block
+    drafts = _speculative(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b) if speculative else None
     ops: dict[str, int] = {}
     for n in b.nodes:
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
@@ -247,8 +254,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     standard = opset >= STANDARD_OPSET
     mode = "opset27" if standard else deltanet_ops
     return {
-        "files": [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else []),
+        "files": [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else []) + (drafts["files"] if drafts else []),
         "entry": MODEL_FILE,
+        **({"speculative": drafts} if drafts else {}),
         "onnx_ops": ops,
         "external_data": external,
         "opset": opset,
@@ -268,3 +276,10 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
 
 
 __all__ = ["lower", "io_inputs", "io_outputs", "adapt_tokenizer_config", "LOWERINGS", "MODEL_FILE"]
+
+
+def _speculative(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress, b) -> dict:
+    from deltaship.export.onnx import mtp
+
+    mtp.add_verify_io(out_dir / MODEL_FILE, ctx.spec)
+    return mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b)

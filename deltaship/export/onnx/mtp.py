@@ -1,0 +1,226 @@
+"""mtp.onnx, the MTP head as a draft model, and the verify I/O of the decoder graph (export option --mtp).
+
+The contract (the manifest's `speculative` block) is described in docs/speculative.md."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from deltaship.export.onnx.builder import NP_TO_ONNX, GraphBuilder
+from deltaship.export.onnx.lowering import Lowerer
+
+MTP_FILE = "mtp.onnx"
+MTP_DATA_FILE = "mtp.onnx.data"
+# The tensors both graphs read (the embedding and the LM head, tied or not). mtp.onnx does not store them
+# again: its initializers point into the decoder's external data file (model.onnx.data) at their offsets.
+MTP_SHARED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _external(t: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in t.external_data}
+
+
+class SharingBuilder(GraphBuilder):
+    """A GraphBuilder that stores no weight the decoder's external data already holds byte for byte: such an
+    initializer points at the decoder's file and offset instead (matched by dtype, shape and sha256)."""
+
+    def __init__(self, external_data: Path, main: GraphBuilder, main_data: Path):
+        super().__init__(external_data)
+        self.index: dict[tuple, onnx.TensorProto] = {}
+        self.shared: dict[str, int] = {}  # initializer -> bytes not stored again
+        with open(main_data, "rb") as f:
+            for t in main.initializers:
+                if t.data_location != onnx.TensorProto.EXTERNAL:
+                    continue
+                ext = _external(t)
+                f.seek(int(ext["offset"]))
+                digest = hashlib.sha256(f.read(int(ext["length"]))).hexdigest()
+                self.index[(t.data_type, tuple(t.dims), digest)] = t
+
+    def _reuse(self, name: str, key: tuple) -> bool:
+        src = self.index.get(key)
+        if src is None:
+            return False
+        t = onnx.TensorProto(name=name, data_type=src.data_type, dims=list(src.dims))
+        t.data_location = onnx.TensorProto.EXTERNAL
+        t.external_data.extend(src.external_data)
+        self.initializers.append(t)
+        self._names.add(name)
+        self.shared[name] = int(_external(src)["length"])
+        return True
+
+    def weight(self, name: str, arr: np.ndarray) -> str:
+        arr = np.ascontiguousarray(arr)
+        if arr.nbytes >= 1024 and arr.dtype in NP_TO_ONNX:
+            key = (NP_TO_ONNX[arr.dtype], tuple(arr.shape), hashlib.sha256(arr.tobytes()).hexdigest())
+            if self._reuse(name, key):
+                return name
+        return super().weight(name, arr)
+
+    def weight_rows(self, name: str, shape: tuple[int, ...], dtype, blocks) -> str:
+        h = hashlib.sha256()
+
+        def hashed():
+            for blk in blocks:
+                blk = np.ascontiguousarray(blk, np.dtype(dtype))
+                h.update(blk.tobytes())
+                yield blk
+
+        f = self._ext_file
+        start = f.tell()
+        super().weight_rows(name, shape, dtype, hashed())  # streamed to this file, hashed on the way
+        written = self.initializers.pop()
+        if self._reuse(name, (NP_TO_ONNX[np.dtype(dtype)], tuple(shape), h.hexdigest())):
+            f.truncate(start)  # the decoder's file has it: take the bytes back
+            f.seek(start)
+            self.weight_bytes -= int(_external(written)["length"])
+        else:
+            self.initializers.append(written)
+        return name
+
+
+def add_verify_io(path: Path, spec) -> None:
+    """Name the verify I/O's dims in the written model.onnx and give logit_rows a default ([-1]: the last row) as
+    an overridable initializer, so a caller that does not know about speculation (onnxruntime-genai) runs the
+    graph as before. Done on the file, after the decoder's lowering wrote it (its weights stay where they are)."""
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    shapes = {
+        "logit_rows": (onnx.TensorProto.INT64, ["rows"]),
+        "logits_rows": (onnx.TensorProto.FLOAT, [1, "rows", spec.vocab_size]),
+        "hidden_states": (onnx.TensorProto.FLOAT, [1, "tokens", spec.hidden_size]),
+    }
+    for values in (g.input, g.output):
+        for i, v in enumerate(values):
+            if v.name in shapes:
+                values[i].CopyFrom(onnx.helper.make_tensor_value_info(v.name, *shapes[v.name]))
+    g.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), "logit_rows"))
+    onnx.save(model, str(path))
+
+
+def lower_mtp(
+    ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress, main: GraphBuilder
+) -> dict:
+    """Write mtp.onnx (the MTP head: draft logits from the trunk's hidden states and the next tokens); return its
+    manifest's `speculative` block (its `files` are mtp.onnx's)."""
+    from deltaship.export.onnx.model import DATA_FILE, IR_VERSION, MODEL_FILE, OPSET
+
+    program, states = ctx.programs["mtp"]
+    if main.external is None:
+        raise RuntimeError("--mtp needs the decoder's weights in external data (model.onnx.data) to share them")
+    b = SharingBuilder(out_dir / MTP_DATA_FILE, main, out_dir / DATA_FILE)
+    lw = Lowerer(
+        program,
+        ctx.plan,
+        weights,
+        ctx.quant,
+        b,
+        accuracy_level=accuracy_level,
+        progress=progress,
+        deltanet_ops=deltanet_ops,
+    )
+    lw.run(
+        ["hidden_states", "input_ids", "position"] + [s["name"] for s in states],
+        ["logits", "mtp_hidden_states"] + [s["output"] for s in states],
+    )
+    b.finish(out_dir / MTP_FILE, {"": OPSET, "com.microsoft": 1}, IR_VERSION, doc="deltaship Qwen3.5 MTP head")
+    bases = tuple(n.replace(".", "_") for n in MTP_SHARED)  # the Lowerer names a weight's forms base, base_q, ...
+    stored = {t.name: t for t in b.initializers if t.name.startswith(bases) and t.name not in b.shared}
+    block = {
+        "method": "mtp",
+        "mtp_layers": ctx.spec.mtp_num_hidden_layers,
+        "draft": {
+            "file": MTP_FILE,
+            "inputs": [
+                {
+                    "name": "hidden_states",
+                    "shape": [1, "tokens", ctx.spec.hidden_size],
+                    "dtype": "float32",
+                    "doc": "the decoder's hidden_states at positions q .. q+T-1",
+                },
+                {
+                    "name": "input_ids",
+                    "shape": [1, "tokens"],
+                    "dtype": "int64",
+                    "doc": "the tokens at positions q+1 .. q+T (each one after its hidden state)",
+                },
+                {"name": "position", "shape": [1], "dtype": "int64", "doc": "q"},
+            ],
+            "outputs": [
+                {
+                    "name": "logits",
+                    "shape": [1, ctx.spec.vocab_size],
+                    "dtype": "float32",
+                    "doc": "draft logits for the token at q+T+1",
+                },
+                {
+                    "name": "mtp_hidden_states",
+                    "shape": [1, "tokens", ctx.spec.hidden_size],
+                    "dtype": "float32",
+                    "doc": "the head's hidden states; the last row, with the drafted token, drafts one more",
+                },
+            ],
+            "states": [dict(s, init="zeros", reset="zeros") for s in states],
+        },
+        "verify": {
+            "file": MODEL_FILE,
+            "inputs": [
+                {
+                    "name": "logit_rows",
+                    "shape": ["rows"],
+                    "dtype": "int64",
+                    "doc": "rows of this call whose logits come back in logits_rows; default [-1] (the last)",
+                }
+            ],
+            "outputs": [
+                {
+                    "name": "logits_rows",
+                    "shape": [1, "rows", ctx.spec.vocab_size],
+                    "dtype": "float32",
+                    "doc": "logits after each row in logit_rows (one LM-head matmul; `logits` is its last row)",
+                },
+                {
+                    "name": "hidden_states",
+                    "shape": [1, "tokens", ctx.spec.hidden_size],
+                    "dtype": "float32",
+                    "doc": "final-normed hidden state of every position of the call (the MTP head's input)",
+                },
+            ],
+        },
+        "rollback": {
+            "kv_cache": "keep the length pointer: positions past the accepted ones are overwritten by later calls",
+            "deltanet": "snapshot: copy the DeltaNet conv and recurrent states before a verify call; when a draft is "
+            "rejected, restore the copy and feed the accepted tokens again at the start of the next verify call "
+            "(no per-position states are output yet)",
+        },
+        "shares_weights": not stored,
+        "shared_tensors": {n: b.shared[n] for n in sorted(b.shared)},
+        "duplicated_tensors": sorted(stored),
+        "duplicated_bytes": sum(_bytes(t) for t in stored.values()),
+        "files": [MTP_FILE, MTP_DATA_FILE],
+    }
+    for part in (block["draft"], block["verify"]):
+        for t in part["inputs"] + part["outputs"]:
+            t["kind"] = _SPECULATIVE_KINDS[t["name"]]
+    return block
+
+
+_SPECULATIVE_KINDS = {
+    "hidden_states": "hidden_states",
+    "mtp_hidden_states": "hidden_states",
+    "input_ids": "tokens",
+    "position": "position",
+    "logits": "logits",
+    "logit_rows": "logit_rows",
+    "logits_rows": "logits",
+}
+
+
+def _bytes(t: onnx.TensorProto) -> int:
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        return int(_external(t)["length"])
+    return len(t.raw_data) if t.raw_data else onnx.numpy_helper.to_array(t).nbytes

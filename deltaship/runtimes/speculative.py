@@ -1,0 +1,305 @@
+"""Speculative decoding with a bundle's draft head (`speculative` block of the manifest), for any runtime.
+
+A session that supports it (`SpeculativeSession`) adds to the plain prefill/decode calls:
+- `verify(ids, rows)`: run ids [T] at the session's position like a prefill chunk, returning the logits after
+  each of `rows` and the final-normed hidden state of every position (the draft head's input);
+- `snapshot()` / `restore(snap)`: copy the DeltaNet states and the position, and put them back. The KV caches
+  are not copied: a restored session overwrites the rejected positions on its next call (their length pointer
+  is the position);
+- `draft(hidden, ids, position)`: the MTP head over hidden [T, H] at positions position .. position+T-1 and the
+  tokens one position later, returning the logits of the token after the last one and the head's hidden states;
+- `reset_draft()`: zero the head's own KV cache.
+
+The driver keeps the lossless contract: every emitted token is chosen from the decoder's own logits (greedy:
+its argmax; sampling: the standard accept/reject rule of Leviathan et al. / Chen et al., so the output
+distribution is the decoder's). Rollback is by snapshot: a verify call whose drafts are not all accepted is
+undone and its accepted tokens are fed again at the start of the next verify call, which costs no extra call
+(the verify chunk is just longer); after `MAX_PENDING` such tokens they are committed with a call of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from deltaship.errors import DeltashipError
+from deltaship.runtimes.base import Generation, Session, check_sampling
+
+
+@runtime_checkable
+class SpeculativeSession(Protocol):
+    def verify(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def snapshot(self) -> Any: ...
+
+    def restore(self, snap: Any) -> None: ...
+
+    def draft(self, hidden: np.ndarray, ids: np.ndarray, position: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def reset_draft(self) -> None: ...
+
+
+@dataclass
+class SpeculativeStats:
+    depth: int
+    verify_calls: int = 0
+    draft_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    commit_calls: int = 0  # extra calls that committed re-fed tokens (see MAX_PENDING)
+    emitted_per_verify: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        n = max(self.verify_calls, 1)
+        return {
+            "method": "mtp",
+            "depth": self.depth,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "mean_accepted_length": round(self.accepted / n, 4),  # drafts accepted per verify call
+            "tokens_per_verify": round(sum(self.emitted_per_verify) / n, 4),  # accepted + the decoder's own token
+            "verify_calls": self.verify_calls,
+            "draft_calls": self.draft_calls,
+            "commit_calls": self.commit_calls,
+        }
+
+
+def parse_speculative(value: str | None) -> int | None:
+    """`mtp` or `mtp:K` -> K (draft depth, default 1); None -> None."""
+    if value is None:
+        return None
+    method, _, depth = value.partition(":")
+    if method != "mtp":
+        raise DeltashipError(
+            f"--speculative {value!r}: unknown method {method!r}; methods: mtp", "pass --speculative mtp or mtp:K"
+        )
+    try:
+        k = int(depth) if depth else 1
+    except ValueError:
+        k = 0
+    if not 1 <= k <= 8:
+        raise DeltashipError(
+            f"--speculative {value!r}: the draft depth must be an integer from 1 to 8", "pass e.g. mtp or mtp:2"
+        )
+    return k
+
+
+def require_speculative(session: Session) -> None:
+    """The bundle must carry a draft head and the session must drive it, or say which export option adds it."""
+    block = session.manifest.get("speculative")
+    if not block:
+        from deltaship.targets import all_targets
+
+        target = session.manifest["target"]
+        can = [t.name for t in all_targets() if any(f.name == "mtp" for f in t.Options.fields())]
+        how = (
+            f"export it again with --mtp (deltaship export --model ... --target {target} --mtp)"
+            if target in can
+            else f"{target} bundles cannot carry the head yet: export for --target {' or '.join(can)} with --mtp"
+        )
+        raise DeltashipError(
+            f"{session.bundle}: this bundle has no multi-token-prediction head, so --speculative mtp has nothing "
+            "to draft with",
+            f"{how}; the checkpoint must ship its mtp.* tensors (qwen3.5-tiny and the published-shape presets do)",
+        )
+    if not isinstance(session, SpeculativeSession):
+        raise DeltashipError(
+            f"the {session.runtime_name()} session cannot drive speculative decoding yet",
+            "drop --speculative, or use deltaship's own runtime for this target (no --runtime)",
+        )
+
+
+MAX_PENDING = 8  # re-fed tokens allowed to ride along with the next verify call before they get a call of their own
+
+
+def probabilities(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The sampling distribution base.sample draws from (temperature > 0), as float64 probabilities."""
+    z = logits.astype(np.float64) / temperature
+    if top_k > 0 and top_k < z.size:
+        cut = np.partition(z, -top_k)[-top_k]
+        z = np.where(z < cut, -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p)
+        keep = np.cumsum(p[order]) - p[order] < top_p
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def accept_or_resample(p: np.ndarray, q: np.ndarray, d: int, rng: np.random.Generator) -> int | None:
+    """The standard speculative-sampling step: keep draft d (drawn from q) with probability min(1, p[d]/q[d]),
+    returning None; otherwise return a token drawn from the residual max(0, p - q), normalised. The token that
+    comes out (d or the replacement) is distributed exactly as p."""
+    if rng.random() < min(1.0, p[d] / q[d]):
+        return None
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    return int(rng.choice(p.size, p=residual / total)) if total > 0 else int(rng.choice(p.size, p=p))
+
+
+def generate_speculative(
+    session: Session,
+    ids: Sequence[int],
+    max_new_tokens: int,
+    depth: int = 1,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_at_eos: bool = True,
+    on_token: Callable[[int], None] | None = None,
+) -> tuple[Generation, SpeculativeStats]:
+    """Prefill `ids`, then produce up to max_new_tokens with `depth` drafts per verify call."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    require_speculative(session)
+    s: Any = session
+    rng = np.random.default_rng(seed)
+    greedy = temperature <= 0
+    stats = SpeculativeStats(depth)
+    session.reset()  # a fresh sequence: the draft head's cache must see every position the decoder sees
+    s.reset_draft()
+    prompt = session._check([int(i) for i in ids])
+    gen = Generation(input_ids=prompt.tolist(), output_ids=[])
+    # prefill: the hidden states of every prompt position feed the draft head
+    hidden: list[np.ndarray] = []
+    logits = None
+    start = 0
+    for size in session._chunks(prompt.size):
+        rows_logits, h = s.verify(prompt[start : start + size], np.array([size - 1], np.int64))
+        logits = rows_logits[-1]
+        hidden.extend(h)
+        session.position += size
+        start += size
+    if max_new_tokens == 0:
+        return gen, stats
+
+    def pick(row: np.ndarray) -> int:
+        if greedy:
+            return int(np.argmax(row))
+        p = probabilities(row, temperature, top_k, top_p)
+        return int(rng.choice(p.size, p=p))
+
+    tokens = prompt.tolist() + [pick(logits)]
+    committed = prompt.size  # tokens the decoder's state holds (== session.position)
+    drafted_upto = 0  # the draft head's KV cache holds positions < drafted_upto
+    emitted = 1
+
+    def emit(tok: int) -> bool:
+        """Record one output token; True when generation must stop."""
+        gen.output_ids.append(tok)
+        if on_token:
+            on_token(tok)
+        if stop_at_eos and tok in session.eos_ids:
+            gen.stopped = "eos"
+            return True
+        return len(gen.output_ids) >= max_new_tokens
+
+    if emit(tokens[-1]):
+        return gen, stats
+    while True:
+        n = len(tokens)  # tokens[n-1] is the newest; hidden states are known for positions < n-1
+        if n > session.max_context:
+            gen.stopped = "context"
+            return gen, stats
+        k = min(depth, session.max_context - n, max_new_tokens - len(gen.output_ids))
+        drafts: list[int] = []
+        draft_probs: list[np.ndarray] = []
+        if k > 0:
+            # the head over positions drafted_upto .. n-2, then deeper on its own hidden state and draft
+            h = np.stack(hidden[drafted_upto : n - 1])
+            d_logits, d_hidden = s.draft(h, np.asarray(tokens[drafted_upto + 1 : n], np.int64), drafted_upto)
+            stats.draft_calls += 1
+            for i in range(k):
+                if greedy:
+                    drafts.append(int(np.argmax(d_logits)))
+                else:
+                    q = probabilities(d_logits, temperature, top_k, top_p)
+                    draft_probs.append(q)
+                    drafts.append(int(rng.choice(q.size, p=q)))
+                if i + 1 < k:
+                    d_logits, d_hidden = s.draft(d_hidden[-1:], np.asarray(drafts[-1:], np.int64), n - 1 + i)
+                    stats.draft_calls += 1
+            drafted_upto = n - 1
+        # verify the pending tokens and the drafts in one call, every row's logits back
+        feed = np.asarray(tokens[committed:] + drafts, np.int64)
+        snap = s.snapshot() if drafts else None
+        rows_logits, h = s.verify(feed, np.arange(feed.size, dtype=np.int64))
+        stats.verify_calls += 1
+        stats.drafted += len(drafts)
+        base = n - 1 - committed  # the row whose logits choose the token at position n
+        accepted, new = 0, None
+        for i, d in enumerate(drafts):
+            row = rows_logits[base + i]
+            if greedy:
+                t = int(np.argmax(row))
+                if t == d:
+                    accepted += 1
+                    continue
+                new = t
+            else:
+                new = accept_or_resample(probabilities(row, temperature, top_k, top_p), draft_probs[i], d, rng)
+                if new is None:
+                    accepted += 1
+                    continue
+            break
+        if new is None:  # every draft accepted: the decoder's next token comes free
+            new = pick(rows_logits[base + len(drafts)])
+        stats.accepted += accepted
+        stats.emitted_per_verify.append(accepted + 1)
+        # hidden states of the positions whose tokens are now known to be right
+        known = n - committed + accepted  # rows of this call fed with accepted tokens
+        del hidden[committed:]
+        hidden.extend(h[:known])
+        if accepted == len(drafts):
+            session.position = committed + feed.size
+            committed += feed.size
+        else:
+            s.restore(snap)  # back to `committed`; the accepted tokens ride along with the next verify call
+        tokens += drafts[:accepted] + [new]
+        for tok in drafts[:accepted] + [new]:
+            emitted += 1
+            if emit(tok):
+                return gen, stats
+        if len(tokens) - 1 - committed > MAX_PENDING:  # commit the re-fed tokens (all but the newest)
+            pending = np.asarray(tokens[committed:-1], np.int64)
+            s.verify(pending, np.array([pending.size - 1], np.int64))
+            session.position += pending.size
+            committed += pending.size
+            stats.commit_calls += 1
+
+
+def mtp_acceptance(session: Session, ids: Sequence[int]) -> dict[str, Any]:
+    """Teacher-forced quality of the draft head over a token sequence: at each position t, the head's top-1 (from
+    the decoder's hidden state at t and the true token at t+1) against the decoder's own greedy token at t+2
+    (what greedy speculative decoding accepts at depth 1) and against the true token at t+2."""
+    require_speculative(session)
+    s: Any = session
+    session.reset()
+    s.reset_draft()
+    arr = session._check([int(i) for i in ids])
+    if arr.size < 3:
+        raise DeltashipError("MTP acceptance needs at least 3 tokens", "pass --tokens 3 or more")
+    logits, hidden, start = [], [], 0
+    for size in session._chunks(arr.size):
+        rows, h = s.verify(arr[start : start + size], np.arange(size, dtype=np.int64))
+        logits.append(rows)
+        hidden.append(h)
+        session.position += size
+        start += size
+    greedy = np.concatenate(logits).argmax(-1)  # greedy[t]: the decoder's token for position t+1
+    h = np.concatenate(hidden)
+    draft = np.array([int(np.argmax(s.draft(h[t : t + 1], arr[t + 1 : t + 2], t)[0])) for t in range(arr.size - 2)])
+    session.reset()
+    return {
+        "positions": int(draft.size),
+        "top1_vs_greedy": round(float(np.mean(draft == greedy[1:-1])), 4),
+        "top1_vs_text": round(float(np.mean(draft == arr[2:])), 4),
+    }

@@ -1,0 +1,268 @@
+"""Speculative decoding with the MTP head (issue 19): the head's parity with a transformers-built reference, the
+lossless contract of `generate --speculative mtp` on the trained tiny preset, the sampling rule, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import add_mtp_head, write_checkpoint
+
+from deltaship.errors import DeltashipError
+
+TINY_CHUNK = 16  # prefill chunk of the tiny bundles here: the long prompt spans several chunks
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp(tmp_path_factory):
+    """The trained tiny preset exported for ONNX with its MTP head, by precision (built on first use)."""
+    from deltaship.export import export
+
+    root = tmp_path_factory.mktemp("tiny-mtp")
+    cache = {}
+
+    def get(precision: str):
+        if precision not in cache:
+            out = root / precision
+            export(
+                "qwen3.5-tiny",
+                out,
+                target="onnx",
+                precision=precision,
+                max_context=256,
+                prefill_chunk=TINY_CHUNK,
+                mtp=True,
+                verify=False,
+                progress=False,
+            )
+            cache[precision] = out
+        return cache[precision]
+
+    return get
+
+
+def _prompt(n: int) -> list[int]:
+    text = b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    return list(text[:n])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_speculative_greedy_equals_plain_greedy(tiny_mtp, precision):
+    from deltaship.bundle import read_manifest, schema_problems
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.speculative import generate_speculative
+
+    bundle = tiny_mtp(precision)
+    assert not schema_problems(read_manifest(bundle))
+    session = open_bundle(bundle)
+    accepted = drafted = 0
+    for n in (1, 7, 3 * TINY_CHUNK + 5):
+        prompt = _prompt(n)
+        session.reset()
+        plain = session.generate(prompt, 64, stop_at_eos=False).output_ids
+        for depth in (1, 2):
+            gen, stats = generate_speculative(session, prompt, 64, depth, stop_at_eos=False)
+            assert gen.output_ids == plain, (n, depth)
+            assert stats.verify_calls < 64  # drafts were accepted: fewer decoder calls than tokens
+            accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+    assert accepted / drafted > 0.3  # the trained head drafts well (a random head is accepted ~1/vocab)
+
+
+def test_generate_cli_reports_acceptance(tiny_mtp):
+    from deltaship.commands import generate
+
+    bundle = tiny_mtp("fp32")
+    plain = generate(bundle, prompt="import os\n", max_new_tokens=24, stop_at_eos=False)
+    res = generate(bundle, prompt="import os\n", max_new_tokens=24, stop_at_eos=False, speculative="mtp:2")
+    assert res["output_ids"] == plain["output_ids"]
+    sp = res["speculative"]
+    assert sp["depth"] == 2 and sp["drafted"] > 0
+    assert 0 < sp["acceptance_rate"] <= 1
+    assert sp["tokens_per_verify"] == pytest.approx(24 / sp["verify_calls"], rel=0.1)
+
+
+def test_speculative_sampling_runs_and_is_seeded(tiny_mtp):
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.speculative import generate_speculative
+
+    session = open_bundle(tiny_mtp("fp32"))
+    a, _ = generate_speculative(session, _prompt(7), 32, 2, temperature=0.8, top_k=20, seed=3, stop_at_eos=False)
+    b, _ = generate_speculative(session, _prompt(7), 32, 2, temperature=0.8, top_k=20, seed=3, stop_at_eos=False)
+    assert a.output_ids == b.output_ids and len(a.output_ids) == 32
+
+
+def test_accept_or_resample_keeps_the_target_distribution():
+    """Whatever the draft distribution q, the token that comes out of the accept/reject step is distributed as p."""
+    from deltaship.runtimes.speculative import accept_or_resample
+
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    q = np.array([0.1, 0.1, 0.4, 0.4])
+    n = 40000
+    counts = np.zeros(4)
+    for _ in range(n):
+        d = int(rng.choice(4, p=q))
+        new = accept_or_resample(p, q, d, rng)
+        counts[d if new is None else new] += 1
+    assert np.abs(counts / n - p).max() < 0.01
+    assert np.abs(q - p).max() > 0.3  # not trivially equal: the rule does the work
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """A hidden-shape checkpoint (odd head counts, d_k != d_v) with a random MTP head of the published layout."""
+    d = tmp_path_factory.mktemp("mtp-ckpt") / "odd_heads"
+    write_checkpoint("odd_heads", d, seed=5, mtp_num_hidden_layers=1)
+    return add_mtp_head(d, seed=5)
+
+
+def test_mtp_head_matches_transformers_reference(mtp_checkpoint, tmp_path):
+    """mtp.onnx fed the reference trunk's hidden states (in two calls, so its KV cache carries over) against the
+    head built from transformers' Qwen3.5 decoder layer: fp32 logits within 2e-3 of the logit std."""
+    import torch
+
+    from deltaship.export import export
+    from deltaship.export.reference import reference_mtp
+    from deltaship.models.source import load_source
+    from deltaship.runtimes import open_bundle
+
+    out = tmp_path / "b"
+    export(str(mtp_checkpoint), out, target="onnx", max_context=64, prefill_chunk=8, mtp=True, progress=False)
+    trunk, head = reference_mtp(load_source(str(mtp_checkpoint)))
+    ids = torch.tensor([[(7 * i + 3) % 150 for i in range(21)]])
+    with torch.no_grad():
+        hidden = trunk.model(ids, use_cache=False).last_hidden_state
+        ref, _ = head(hidden[:, :-1], ids[:, 1:])
+    ref = ref[0].numpy()
+    session = open_bundle(out)
+    session.reset_draft()
+    h = hidden[0].numpy()
+    got_a, _ = session.draft(h[:9], ids[0, 1:10].numpy(), 0)
+    got_b, _ = session.draft(h[9:20], ids[0, 10:21].numpy(), 9)
+    for got, want in ((got_a, ref[8]), (got_b, ref[19])):
+        assert np.abs(got - want).max() / want.std() <= 2e-3
+    # and the decoder's verify outputs: every row's logits and hidden states as transformers computes them
+    session.reset()
+    rows, hid = session.verify(ids[0].numpy(), np.arange(21))
+    with torch.no_grad():
+        logits = trunk(ids, use_cache=False).logits[0].numpy()
+    assert np.abs(rows - logits).max() / logits.std() <= 2e-3
+    assert np.abs(hid - h).max() / h.std() <= 2e-3
+
+
+def test_inspect_reports_the_mtp_head(mtp_checkpoint, tiny_mtp):
+    from deltaship.bundle.inspect import describe, inspect
+
+    text = describe(inspect(tiny_mtp("fp32")))
+    assert "mtp head    1 layer(s)" in text and "mtp.onnx" in text and "MiB read from the decoder's data file" in text
+
+
+def test_mtp_onnx_shares_the_embedding_and_lm_head(tiny_mtp):
+    """mtp.onnx stores no second copy of the embedding / LM head: its initializers point into model.onnx.data."""
+    import onnx
+
+    from deltaship.bundle import read_manifest
+
+    for precision in ("fp32", "int4"):
+        bundle = tiny_mtp(precision)
+        sp = read_manifest(bundle)["speculative"]
+        assert sp["shares_weights"] and sp["duplicated_bytes"] == 0 and sp["shared_tensors"]
+        model = onnx.load(str(bundle / "mtp.onnx"), load_external_data=False)
+        where = {
+            t.name: {e.key: e.value for e in t.external_data}["location"]
+            for t in model.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL
+        }
+        assert {where[n] for n in sp["shared_tensors"]} == {"model.onnx.data"}
+        own = [n for n, loc in where.items() if loc == "mtp.onnx.data"]
+        assert own and all(n.startswith("mtp_") for n in own), own  # only the head's own weights
+
+
+def test_speculative_needs_a_bundle_with_an_mtp_head(bundles):
+    from deltaship.commands import generate
+
+    with pytest.raises(DeltashipError) as e:
+        generate(bundles("base"), input_ids="1,2,3", max_new_tokens=4, speculative="mtp")
+    assert "no multi-token-prediction head" in e.value.message and "--mtp" in e.value.fix
+
+
+def test_bad_speculative_value():
+    from deltaship.runtimes.speculative import parse_speculative
+
+    assert parse_speculative("mtp") == 1 and parse_speculative("mtp:3") == 3
+    for bad in ("eagle", "mtp:0", "mtp:x"):
+        with pytest.raises(DeltashipError):
+            parse_speculative(bad)
+
+
+def test_export_mtp_without_a_head_names_the_option(checkpoints, tmp_path):
+    from deltaship.export import export
+
+    with pytest.raises(DeltashipError) as e:
+        export(str(checkpoints["base"]), tmp_path / "b", mtp=True, max_context=32, progress=False)
+    assert "--mtp" in e.value.message and "mtp_num_hidden_layers is 0" in e.value.message
+
+
+@pytest.mark.parametrize("bad", [("reshape", "mtp.fc.weight"), ("reshape", "mtp.layers.0.self_attn.k_proj.weight")])
+def test_misshapen_mtp_tensor_names_it(tmp_path, bad):
+    from deltaship.models.source import load_source
+
+    d = tmp_path / "ck"
+    write_checkpoint("base", d, mtp_num_hidden_layers=1)
+    add_mtp_head(d, **{bad[0]: bad[1]})
+    with pytest.raises(DeltashipError) as e:
+        load_source(str(d))
+    assert bad[1] in e.value.message and "wrong shape" in e.value.message
+
+
+def test_missing_mtp_tensor_names_it(tmp_path):
+    from deltaship.models.source import load_source
+
+    d = tmp_path / "ck"
+    write_checkpoint("base", d, mtp_num_hidden_layers=1)
+    add_mtp_head(d, drop="mtp.pre_fc_norm_hidden.weight")
+    with pytest.raises(DeltashipError) as e:
+        load_source(str(d))
+    assert "mtp.pre_fc_norm_hidden.weight" in e.value.message
+
+
+def test_published_presets_carry_a_random_mtp_head():
+    from deltaship.models.source import load_source
+    from deltaship.models.weights import mtp_tensors
+
+    src = load_source("qwen3.5-0.8b")
+    assert src.spec.mtp_num_hidden_layers == 1
+    shapes = mtp_tensors(src.spec)
+    assert shapes["mtp.fc.weight"] == (1024, 2048)
+    assert src.weights.shape("mtp.layers.0.self_attn.q_proj.weight") == (2 * 8 * 256, 1024)
+    assert src.weights.read("mtp.norm.weight").shape == (1024,)
+
+
+def test_eval_reports_mtp_acceptance(tiny_mtp):
+    from deltaship.bundle.evaluate import evaluate
+
+    res = evaluate(tiny_mtp("fp32"), tokens=96)
+    m = res["mtp"]
+    assert m["positions"] == 94
+    assert m["top1_vs_greedy"] > 0.3  # trained: far above chance (1/272)
+    assert 0 < m["top1_vs_text"] <= 1
+
+
+def test_genai_runs_an_mtp_bundle_as_a_plain_one(tiny_mtp):
+    """The verify I/O is invisible to a caller that knows nothing of it: onnxruntime-genai's own greedy loop gives
+    deltaship's plain greedy tokens on the --mtp bundle (logit_rows keeps its default)."""
+    og = pytest.importorskip("onnxruntime_genai", reason="optional runtime: pip install onnxruntime-genai==0.18.*")
+    from deltaship.runtimes import open_bundle
+
+    bundle = tiny_mtp("int4")
+    ids = _prompt(20)
+    want = open_bundle(bundle).generate(ids, 16, stop_at_eos=False).output_ids
+    model = og.Model(str(bundle))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + 16, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray(ids, dtype=np.int32))
+    got: list[int] = []
+    while not gen.is_done() and len(got) < 16:
+        gen.generate_next_token()
+        got.append(int(gen.get_next_tokens()[0]))
+    assert got == want

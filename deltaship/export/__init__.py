@@ -138,12 +138,15 @@ def export(
     kv_cache: str | None = None,
     device: str | None = None,
     tiers_file: str | None = None,
+    vision: bool = False,
     **target_options: Any,
 ) -> dict[str, Any]:
     """Compile `model` (a checkpoint directory, a preset, or a Hub id `org/name[@revision]` from the local Hugging
     Face cache, downloaded only with allow_download=True) for `target` at `precision` into bundle `out`.
 
     `target_options` are the target's own options (deltaship/targets/<target>.py, e.g. onnx_deltanet_ops).
+    `vision` also exports the checkpoint's vision tower (ONNX only: vision.onnx, embedding.onnx, decoder_mm.onnx;
+    export/onnx/vision.py); off by default, so text-only bundles and their export time stay as they were.
     `kv_cache` asks for a KV-cache dtype (default: the target's own at `precision`); one it cannot store is refused.
     `device` names a tier (deltaship/devices/tiers.toml, or `tiers_file`): target, precision and context not given
     are what `deltaship plan` recommends for it; nothing fitting is refused with the plan's numbers. Without a
@@ -184,8 +187,15 @@ def export(
         say(f"loading {model}")
         source = load_source(model, allow_download=allow_download)
     spec = source.spec
+    if vision and target != "onnx":
+        raise DeltashipError(
+            f"--vision exports ONNX bundles only so far (asked: --target {target})",
+            "use --target onnx, or drop --vision",
+        )
     for note in source.notes():
         say(note)
+    if spec.is_multimodal and not vision:
+        say("the checkpoint has a vision tower: exporting the text decoder only (add --vision for image input)")
     if max_context is None:
         max_context = (
             PRESETS[model].default_max_context if model in PRESETS else min(4096, spec.max_position_embeddings)
@@ -210,6 +220,12 @@ def export(
         say(f"lowering to {target}")
         lowered = tgt.lower(ctx, source.weights, tmp, progress=lambda m: say(f"  {m}", inline=True), tokens=tokens)
         say.done() if isinstance(say, Progress) else None
+        vision_block = None
+        if vision:
+            from deltaship.export.onnx.vision import lower_vision
+
+            say("lowering the vision tower")
+            vision_block = lower_vision(tmp, source, ctx)
         tok_files = []
         for f in source.tokenizer_files:
             shutil.copy(f, tmp / f.name)
@@ -250,6 +266,8 @@ def export(
             tools=tool_versions("torch", "transformers", *tgt.tool_packages),
         )
         manifest["memory"] = _memory(spec, ctx.states)
+        if vision_block is not None:
+            manifest["vision"] = vision_block
         manifest["app_runtimes"] = dict(tgt.app_runtimes)
         if verify:
             from deltaship.export.verify import verify_bundle

@@ -42,14 +42,23 @@ def generate(
     provider: str = "cpu",
     runtime: str | None = None,
     cuda_graph: bool = False,
+    images: list[str | Path] | None = None,
 ) -> dict[str, Any]:
-    """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict."""
+    """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict.
+
+    images: image files for the prompt (a bundle exported with --vision; runtimes/vision.py). A text prompt
+    gets one vision span per image before it (unless it has <|image_pad|> markers) and, when the tokenizer has
+    them, Qwen3.5's chat markers; token ids must hold one image token per image."""
     if (prompt is None) == (input_ids is None):
         raise DeltashipError(
             "pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3"
         )
     check_sampling(max_new_tokens, temperature, top_k, top_p)  # before the bundle is opened
     text = text_runtime(bundle, runtime)
+    if images and runtime is not None:
+        raise DeltashipError(
+            f"--image runs in deltaship's own ONNX session only so far, not --runtime {runtime}", "drop --runtime"
+        )
     if text is not None:  # a runtime that takes text (ExecuTorch's C++ LLM runner)
         given = [
             flag
@@ -82,12 +91,18 @@ def generate(
     session = open_bundle(
         bundle, threads=threads, provider=provider, runtime=runtime, **({"cuda_graph": True} if cuda_graph else {})
     )
+    mm, notices, loaded = None, [], []
+    if images:
+        from deltaship.runtimes.vision import Multimodal, image_prompt
+
+        mm = Multimodal(session)  # refuses a bundle without a vision tower
+        loaded = mm.load(images, notices)
+        if prompt is not None:
+            prompt = image_prompt(prompt, len(images), chat="im_start" in session.manifest.get("tokens", {}))
     tok = load_tokenizer(Path(bundle), session.manifest) if prompt is not None else None
     ids = tok.encode(prompt) if tok else (parse_ids(input_ids) if isinstance(input_ids, str) else list(input_ids))
     t0 = time.monotonic()
-    gen = session.generate(
-        ids,
-        max_new_tokens,
+    kw = dict(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -95,6 +110,7 @@ def generate(
         stop_at_eos=stop_at_eos,
         keep_logits=dump_logits is not None,
     )
+    gen = mm.generate(ids, loaded, max_new_tokens, **kw) if mm else session.generate(ids, max_new_tokens, **kw)
     elapsed = time.monotonic() - t0
     result: dict[str, Any] = {
         "input_ids": gen.input_ids,
@@ -103,6 +119,11 @@ def generate(
         "seconds": round(elapsed, 4),
         "runtime": session.runtime_name(),
     }
+    if mm is not None:
+        merge = mm.spec.spatial_merge_size
+        result["image_tokens"] = [im.tokens(merge) for im in loaded]
+        result["images"] = [{"grid_thw": list(im.grid), "resized": list(im.resized)} for im in loaded]
+        result["notices"] = notices
     if tok is None:
         try:
             tok = load_tokenizer(Path(bundle), session.manifest)

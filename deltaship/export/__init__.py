@@ -187,7 +187,7 @@ def export(
         say(f"loading {model}")
         source = load_source(model, allow_download=allow_download)
     spec = source.spec
-    if vision and target != "onnx":
+    if vision and get_target(target).vision_module is None:
         raise DeltashipError(
             f"--vision exports ONNX bundles only so far (asked: --target {target})",
             "use --target onnx, or drop --vision",
@@ -222,10 +222,10 @@ def export(
         say.done() if isinstance(say, Progress) else None
         vision_block = None
         if vision:
-            from deltaship.export.onnx.vision import lower_vision
+            import importlib
 
             say("lowering the vision tower")
-            vision_block = lower_vision(tmp, source, ctx)
+            vision_block = importlib.import_module(tgt.vision_module).lower_vision(tmp, source, ctx)
         tok_files = []
         for f in source.tokenizer_files:
             shutil.copy(f, tmp / f.name)
@@ -268,6 +268,12 @@ def export(
         manifest["memory"] = _memory(spec, ctx.states)
         if vision_block is not None:
             manifest["vision"] = vision_block
+            manifest["usage"] += [
+                "Images (the `vision` block, docs/bundle-format.md 'Images'): encode each image with "
+                f"{vision_block['graphs']['vision']}, splice its features into the token embeddings with "
+                f"{vision_block['graphs']['embedding']}, and run {vision_block['graphs']['decoder']} on them with "
+                "3-row M-RoPE rope_position_ids; prompts without images keep using the entry graph.",
+            ]
         manifest["app_runtimes"] = dict(tgt.app_runtimes)
         if verify:
             from deltaship.export.verify import verify_bundle

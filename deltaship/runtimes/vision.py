@@ -39,7 +39,9 @@ def vision_block(manifest: dict[str, Any], bundle: Path) -> dict[str, Any]:
             f"{bundle}: this bundle has no vision tower (text only), so it cannot take --image",
             "export a Qwen3.5 vision-language checkpoint with `deltaship export --vision`, or drop --image",
         )
-    if manifest["target"] != "onnx":
+    from deltaship.targets import get_target
+
+    if get_target(manifest["target"]).vision_module is None:
         raise DeltashipError(
             f"--image runs ONNX bundles only so far; this is a {manifest['target']} bundle",
             "export with --target onnx --vision",

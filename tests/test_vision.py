@@ -324,3 +324,54 @@ def test_cli_image_errors(vl_bundle, bundles, tmp_path):
     assert r.returncode != 0 and "0 image placeholder span" in r.stderr and "Traceback" not in r.stderr
     r = _cli("generate", str(bundles("base")), "--image", str(good), "--input-ids", "1,2,3")
     assert r.returncode != 0 and "no vision tower" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- the canonical torch tower and ExecuTorch's vision_encoder ---------------------------------------------
+def _tower_cases(ckpt: Path):
+    from deltaship.models.source import load_source
+    from deltaship.models.vision import VisionWeights, encoder_inputs
+
+    spec = _spec(ckpt)
+    weights = VisionWeights(load_source(str(ckpt)).weights.files, spec, str(ckpt))
+    pre = Preprocessor.from_config(PRE)
+    images = [preprocess_image(_image(h, w, seed=h), pre) for h, w in ((96, 160), (64, 64), (256, 256))]
+    return spec, weights, [(im.grid, encoder_inputs(spec, im)) for im in images]
+
+
+def _hf_tower(hf_model, grid, inputs):
+    import torch
+
+    with torch.no_grad():
+        px = torch.from_numpy(inputs["pixel_values"])
+        return hf_model.model.visual(px, grid_thw=torch.tensor([grid])).pooler_output.numpy()
+
+
+def test_torch_tower_matches_transformers(vl_checkpoint, hf_model):
+    """The canonical module (patch embed as a Linear, host grid tensors) against transformers' tower."""
+    import torch
+
+    from deltaship.models.qwen3_5_vision import load_tower
+
+    spec, weights, cases = _tower_cases(vl_checkpoint)
+    tower = load_tower(spec, weights)
+    for grid, inputs in cases:
+        with torch.no_grad():
+            got = tower(**{k: torch.from_numpy(v) for k, v in inputs.items()}).numpy()
+        np.testing.assert_allclose(got, _hf_tower(hf_model, grid, inputs), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_executorch_vision_encoder(vl_checkpoint, hf_model, tmp_path):
+    """One .pte method `vision_encoder`, dynamic patch count: three image sizes through one program."""
+    import torch
+    from executorch.runtime import Runtime
+
+    from deltaship.export.executorch.vision import INPUTS, METHOD, lower_vision_pte
+
+    spec, weights, cases = _tower_cases(vl_checkpoint)
+    info = lower_vision_pte(spec, weights, tmp_path / "vision.pte", max_patches=256)
+    assert info["max_patches"] == 256
+    method = Runtime.get().load_program(str(tmp_path / "vision.pte")).load_method(METHOD)
+    for grid, inputs in cases:
+        got = method.execute([torch.from_numpy(inputs[n]) for n in INPUTS])[0].numpy()
+        np.testing.assert_allclose(got, _hf_tower(hf_model, grid, inputs), atol=1e-4)

@@ -92,6 +92,7 @@ def _generate(a: argparse.Namespace) -> int:
         runtime=a.runtime,
         cuda_graph=a.cuda_graph,
         **({"images": a.image} if a.image else {}),
+        **({"videos": a.video} if a.video else {}),
     )
     for note in res.get("notices", []) if not a.json else []:
         print(f"deltaship generate: {note}", file=sys.stderr)
@@ -332,6 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="an image for the prompt (repeatable; bundles exported with --vision): one vision span per image is "
         "put before the prompt unless it has <|image_pad|> markers",
+    )
+    g.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="FRAMES",
+        help="a video as comma-separated frame image files, in time order (2 frames so far; repeatable; after the "
+        "images)",
     )
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--json", action="store_true", help="print one JSON object (input_ids, output_ids, ...)")

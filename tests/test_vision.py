@@ -261,6 +261,43 @@ def test_image_generation_matches_transformers(case, vl_bundle, hf_model):
     assert np.abs(logits - ref_logits).max() / ref_logits.std() < 1e-3
 
 
+def test_two_frame_video_matches_transformers(vl_bundle, hf_model):
+    """A 2-frame video (one temporal patch: grid t = 1) between text, against transformers' video path."""
+    import torch
+
+    from deltaship.models.vision import preprocess_frames
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.vision import Multimodal
+
+    mm = Multimodal(open_bundle(vl_bundle))
+    frames = [_image(64, 96, seed=5), _image(64, 96, seed=6)]
+    video = preprocess_frames(frames, mm.pre)
+    assert video.grid == (1, 4, 6) and video.video
+    # the patch row is (channel, frame, row, col): frame 0 then frame 1 of each channel
+    still = preprocess_image(frames[0], mm.pre).patches.reshape(-1, 3, 2, 256)
+    np.testing.assert_array_equal(video.patches.reshape(-1, 3, 2, 256)[:, :, 0], still[:, :, 0])
+    assert not np.array_equal(video.patches.reshape(-1, 3, 2, 256)[:, :, 1], still[:, :, 1])
+    gen = mm.generate([5, START, VIDEO, END, 7, 8], [video], 16, keep_logits=True, stop_at_eos=False)
+    assert gen.input_ids.count(VIDEO) == 6
+    t = torch.tensor([gen.input_ids])
+    with torch.no_grad():
+        out = hf_model.generate(
+            input_ids=t,
+            pixel_values_videos=torch.from_numpy(video.patches),
+            video_grid_thw=torch.tensor([video.grid]),
+            mm_token_type_ids=(t == VIDEO).int() * 2,
+            max_new_tokens=16,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ref, ref_logits = out.sequences[0, t.shape[1] :].tolist(), torch.cat(out.logits).numpy()
+    assert len(set(ref)) > 3 and gen.output_ids == ref
+    assert np.abs(np.stack(gen.logits) - ref_logits).max() / ref_logits.std() < 1e-3
+    with pytest.raises(DeltashipError, match="only 2 frames"):
+        mm.generate([5, START, VIDEO, END], [preprocess_frames(frames * 2, mm.pre)], 4)
+
+
 def test_mrope_positions_matter(vl_bundle, monkeypatch):
     """Feeding the image span 1-D positions changes the logits far past the tolerance: the 3-row path is live."""
     from deltaship.runtimes import open_bundle
@@ -321,7 +358,9 @@ def test_cli_image_errors(vl_bundle, bundles, tmp_path):
     r = _cli("generate", str(vl_bundle), "--image", str(bad), "--input-ids", f"1,{IMAGE},2")
     assert r.returncode != 0 and "not a readable image" in r.stderr and "Traceback" not in r.stderr
     r = _cli("generate", str(vl_bundle), "--image", str(good), "--input-ids", "1,2,3")
-    assert r.returncode != 0 and "0 image placeholder span" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "0 image/video placeholder span" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("generate", str(vl_bundle), "--video", f"{good},{good}", "--input-ids", f"1,{IMAGE},2")
+    assert r.returncode != 0 and "is for an image but the input in its place is a video" in r.stderr
     r = _cli("generate", str(bundles("base")), "--image", str(good), "--input-ids", "1,2,3")
     assert r.returncode != 0 and "no vision tower" in r.stderr and "Traceback" not in r.stderr
 
@@ -375,3 +414,27 @@ def test_executorch_vision_encoder(vl_checkpoint, hf_model, tmp_path):
     for grid, inputs in cases:
         got = method.execute([torch.from_numpy(inputs[n]) for n in INPUTS])[0].numpy()
         np.testing.assert_allclose(got, _hf_tower(hf_model, grid, inputs), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_executorch_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_path):
+    """An ExecuTorch bundle with --vision: vision.pte's vision_encoder, token_embedding and text_decoder give
+    transformers' greedy tokens for two images, with prefill chunk boundaries inside the second image's span."""
+    from deltaship.export import export
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.vision import ExecuTorchMultimodal, Multimodal
+
+    out = tmp_path / "et"
+    export(str(vl_checkpoint), out, target="executorch", max_context=128, prefill_chunk=8, verify=False,
+           progress=False, vision=True)  # fmt: skip
+    mm = Multimodal(open_bundle(out))
+    assert isinstance(mm, ExecuTorchMultimodal)
+    images = [_image(64, 96, seed=0), _image(160, 96, seed=1)]
+    ims = [preprocess_image(im, mm.pre) for im in images]
+    prompt = [5, START, IMAGE, END, 6, START, IMAGE, END, 7, 8]
+    gen = mm.generate(prompt, ims, 16, keep_logits=True, stop_at_eos=False)
+    ref, ref_logits = _reference(hf_model, gen.input_ids, images, 16)
+    assert len(set(ref)) > 3 and gen.output_ids == ref
+    assert np.abs(np.stack(gen.logits) - ref_logits).max() / ref_logits.std() < 1e-3
+    text = open_bundle(out).generate([5, 6, 7], 8).output_ids  # model.pte: the text-only path
+    assert Multimodal(open_bundle(out)).generate([5, 6, 7], [], 8).output_ids == text

@@ -43,19 +43,21 @@ def generate(
     runtime: str | None = None,
     cuda_graph: bool = False,
     images: list[str | Path] | None = None,
+    videos: list[str] | None = None,
 ) -> dict[str, Any]:
     """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict.
 
     images: image files for the prompt (a bundle exported with --vision; runtimes/vision.py). A text prompt
     gets one vision span per image before it (unless it has <|image_pad|> markers) and, when the tokenizer has
-    them, Qwen3.5's chat markers; token ids must hold one image token per image."""
+    them, Qwen3.5's chat markers; token ids must hold one image token per image. videos: each a comma-separated
+    list of frame image files (2 frames: one temporal patch), after the images."""
     if (prompt is None) == (input_ids is None):
         raise DeltashipError(
             "pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3"
         )
     check_sampling(max_new_tokens, temperature, top_k, top_p)  # before the bundle is opened
     text = text_runtime(bundle, runtime)
-    if images and runtime is not None:
+    if (images or videos) and runtime is not None:
         raise DeltashipError(
             f"--image runs in deltaship's own ONNX session only so far, not --runtime {runtime}", "drop --runtime"
         )
@@ -92,13 +94,15 @@ def generate(
         bundle, threads=threads, provider=provider, runtime=runtime, **({"cuda_graph": True} if cuda_graph else {})
     )
     mm, notices, loaded = None, [], []
-    if images:
+    if images or videos:
         from deltaship.runtimes.vision import Multimodal, image_prompt
 
         mm = Multimodal(session)  # refuses a bundle without a vision tower
-        loaded = mm.load(images, notices)
+        loaded = mm.load(images or [], notices)
+        loaded += [mm.load_video([f for f in v.split(",") if f]) for v in videos or []]
         if prompt is not None:
-            prompt = image_prompt(prompt, len(images), chat="im_start" in session.manifest.get("tokens", {}))
+            chat = "im_start" in session.manifest.get("tokens", {})
+            prompt = image_prompt(prompt, len(images or []), chat, n_videos=len(videos or []))
     tok = load_tokenizer(Path(bundle), session.manifest) if prompt is not None else None
     ids = tok.encode(prompt) if tok else (parse_ids(input_ids) if isinstance(input_ids, str) else list(input_ids))
     t0 = time.monotonic()

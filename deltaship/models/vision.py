@@ -311,10 +311,20 @@ class ImageInput:
     grid: tuple[int, int, int]
     resized: tuple[int, int]  # (height, width) in pixels
     original: tuple[int, int]
+    video: bool = False  # frames of a video: its span is video tokens
 
     def tokens(self, merge: int) -> int:
         t, h, w = self.grid
         return t * h * w // merge**2
+
+    def groups(self) -> list["ImageInput"]:
+        """One input per temporal patch group (the tower attends within each: transformers' cu_seqlens)."""
+        t, h, w = self.grid
+        n = h * w
+        return [
+            ImageInput(self.patches[g * n : (g + 1) * n], (1, h, w), self.resized, self.original, self.video)
+            for g in range(t)
+        ]
 
 
 def preprocess_image(image, pre: Preprocessor) -> ImageInput:
@@ -335,6 +345,30 @@ def preprocess_image(image, pre: Preprocessor) -> ImageInput:
     arr = (arr - mean) / std
     patches, gh, gw = _patchify(arr[None], pre)
     return ImageInput(patches, (1, gh, gw), (h, w), (h0, w0))
+
+
+def preprocess_frames(frames, pre: Preprocessor) -> ImageInput:
+    """Video frames (PIL images, in time order) as one input: every frame resized to the first frame's smart
+    size, frames padded to a multiple of the temporal patch by repeating the last; grid t = frames / 2."""
+    from PIL import Image
+
+    if not frames:
+        raise DeltashipError("--video has no frames", "pass two or more frame images, comma-separated")
+    first = frames[0].convert("RGB")
+    w0, h0 = first.size
+    h, w = smart_resize(h0, w0, pre.factor, pre.min_pixels, pre.max_pixels)
+    arrs = []
+    for f in frames:
+        f = f.convert("RGB")
+        if f.size != (w, h):
+            f = f.resize((w, h), resample=Image.Resampling.BICUBIC)
+        arrs.append(np.asarray(f, dtype=np.float32).transpose(2, 0, 1) * np.float32(pre.rescale_factor))
+    while len(arrs) % pre.temporal_patch_size:
+        arrs.append(arrs[-1])
+    mean = np.asarray(pre.image_mean, np.float32)[None, :, None, None]
+    std = np.asarray(pre.image_std, np.float32)[None, :, None, None]
+    patches, gh, gw = _patchify((np.stack(arrs) - mean) / std, pre)
+    return ImageInput(patches, (len(arrs) // pre.temporal_patch_size, gh, gw), (h, w), (h0, w0), video=True)
 
 
 def _patchify(frames: np.ndarray, pre: Preprocessor) -> tuple[np.ndarray, int, int]:
@@ -467,3 +501,63 @@ def interleave_mask(mrope_section: tuple[int, ...], half: int) -> np.ndarray:
     mask = np.zeros((3, half), dtype=np.float32)
     mask[row, np.arange(half)] = 1
     return mask
+
+
+# ---- export-time checks shared by the targets --------------------------------------------------------------
+def preprocessor_config(source) -> dict[str, Any]:
+    """The checkpoint's preprocessor_config.json, or Qwen3.5's published one when it has none."""
+    import json
+
+    path = source.path / PREPROCESSOR_CONFIG if source.path is not None else None
+    if path is not None and path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise DeltashipError(f"{path}: not valid JSON ({e})", "restore it from the original checkpoint") from None
+    return dict(DEFAULT_PREPROCESSOR)
+
+
+def write_preprocessor(bundle: Path, source, cfg: dict[str, Any]) -> None:
+    """Copy the checkpoint's preprocessor_config.json into the bundle (or write the default one)."""
+    import json
+    import shutil
+
+    if source.path is not None and (source.path / PREPROCESSOR_CONFIG).is_file():
+        shutil.copy(source.path / PREPROCESSOR_CONFIG, bundle / PREPROCESSOR_CONFIG)
+    else:
+        (bundle / PREPROCESSOR_CONFIG).write_text(json.dumps(cfg, indent=2))
+
+
+def check_vision(source, ctx) -> tuple[VisionSpec, Preprocessor, dict[str, Any], tuple[int, ...]]:
+    """What `export --vision` needs from the checkpoint, each problem named: the vision spec, the
+    preprocessor (and its config) and the M-RoPE sections."""
+    from deltaship.models.spec import read_config
+
+    if source.path is None:
+        raise DeltashipError(
+            f"--vision: {source.name} is a preset with no vision tower",
+            "export a Qwen3.5 vision-language checkpoint directory (Qwen3_5ForConditionalGeneration) with --vision",
+        )
+    vspec = VisionSpec.from_config(read_config(source.path / "config.json"), str(source.path / "config.json"))
+    if vspec is None:
+        raise DeltashipError(
+            f"--vision: {source.path} is a text-only checkpoint (no vision_config)",
+            "drop --vision, or export a Qwen3.5 vision-language checkpoint",
+        )
+    spec = ctx.spec
+    if vspec.out_hidden_size != spec.hidden_size:
+        raise DeltashipError(
+            f"vision_config.out_hidden_size {vspec.out_hidden_size} != text hidden_size {spec.hidden_size}",
+            "fix config.json",
+        )
+    if ctx.precision != "fp32":
+        raise DeltashipError(
+            f"--vision is exported at fp32 only so far (asked: --precision {ctx.precision})",
+            "export with --precision fp32, or drop --vision",
+        )
+    mrope = tuple(spec.mrope_section or (11, 11, 10))
+    interleave_mask(mrope, spec.rotary_dim // 2)  # a section that does not fit the rotary is refused first
+    cfg = preprocessor_config(source)
+    pre = Preprocessor.from_config(cfg)
+    pre.check(vspec, PREPROCESSOR_CONFIG)
+    return vspec, pre, cfg, mrope

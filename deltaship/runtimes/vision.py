@@ -30,6 +30,7 @@ from deltaship.models.vision import (
 from deltaship.runtimes.base import Generation, check_sampling, sample
 
 IMAGE_MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+VIDEO_PAD = "<|video_pad|>"
 
 
 def vision_block(manifest: dict[str, Any], bundle: Path) -> dict[str, Any]:
@@ -39,41 +40,38 @@ def vision_block(manifest: dict[str, Any], bundle: Path) -> dict[str, Any]:
             f"{bundle}: this bundle has no vision tower (text only), so it cannot take --image",
             "export a Qwen3.5 vision-language checkpoint with `deltaship export --vision`, or drop --image",
         )
-    from deltaship.targets import get_target
-
-    if get_target(manifest["target"]).vision_module is None:
-        raise DeltashipError(
-            f"--image runs ONNX bundles only so far; this is a {manifest['target']} bundle",
-            "export with --target onnx --vision",
-        )
     return block
 
 
 class Multimodal:
-    """Image + text generation on an OnnxSession of a --vision bundle."""
+    """Image + text generation beside an open text session of a --vision bundle, on the backend's three parts:
+    encode (one image -> features), _embed (a call's ids + its image feature rows -> embeddings), _run (the
+    multimodal decoder on embeddings + 3-row positions, on states it owns)."""
 
     def __init__(self, session):
         self.session = session
         bundle, manifest = session.bundle, session.manifest
         block = vision_block(manifest, bundle)
+        self.block = block
         self.spec = VisionSpec(**block["spec"])
         self.pre = Preprocessor.from_config(json.loads((bundle / block["preprocessor"]).read_text()))
         self.max_image_tokens = int(block["max_image_tokens"])
-        ort = session._ort
-        from deltaship.runtimes.onnx import _options
-
-        def open_graph(name: str):
-            return ort.InferenceSession(
-                str(bundle / block["graphs"][name]),
-                sess_options=_options(ort, session.threads, None),
-                providers=session.providers,
-            )
-
-        self.vision = open_graph("vision")
-        self.embedding = open_graph("embedding")
-        self.decoder = open_graph("decoder")
         self.hidden = int(manifest["model"]["hidden_size"])
         self.delta = 0
+        self._open()
+
+    def __new__(cls, session):
+        if cls is Multimodal:  # pick the backend by the session's kind
+            from deltaship.runtimes.onnx import OnnxSession
+
+            cls = OnnxMultimodal if isinstance(session, OnnxSession) else ExecuTorchMultimodal
+        return super().__new__(cls)
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        self.session.reset()
 
     # ---- images ----------------------------------------------------------------------------------
     def load(self, paths: Sequence[str | Path], notices: list[str] | None = None) -> list[ImageInput]:
@@ -91,73 +89,65 @@ class Multimodal:
             out.append(im)
         return out
 
-    def encode(self, image: ImageInput) -> np.ndarray:
-        """Merged features [tokens, hidden] of one image."""
-        return self.vision.run(["image_features"], encoder_inputs(self.spec, image))[0]
+    def load_video(self, frames: Sequence[str | Path], notices: list[str] | None = None) -> ImageInput:
+        """Frame image files (time order) as one video input."""
+        from deltaship.models.vision import preprocess_frames
+
+        return preprocess_frames([load_image(f) for f in frames], self.pre)
 
     def expand(self, ids: Sequence[int], images: Sequence[ImageInput]) -> list[int]:
-        """One image token per image in `ids` becomes that image's t*h*w/4 tokens; an already expanded prompt
-        (each span as long as its image needs) is kept."""
-        tok, m = self.spec.image_token_id, self.spec.spatial_merge_size
+        """One image (video) token per image (video) in `ids` becomes its t*h*w/4 tokens; an already expanded
+        prompt (each span as long as its input needs) is kept. `images` are in prompt order."""
+        sp, m = self.spec, self.spec.spatial_merge_size
+        kinds = (sp.image_token_id, sp.video_token_id)
         spans, i, ids = [], 0, list(ids)
         while i < len(ids):
-            if ids[i] == tok:
+            if ids[i] in kinds:
                 j = i
-                while j < len(ids) and ids[j] == tok:
+                while j < len(ids) and ids[j] == ids[i]:
                     j += 1
-                spans.append((i, j))
+                spans.append((i, j, ids[i]))
                 i = j
             else:
                 i += 1
-        need = [im.tokens(m) for im in images]
         if len(spans) != len(images):
             raise DeltashipError(
-                f"the prompt has {len(spans)} image placeholder span(s) but {len(images)} image(s) were given",
-                "put one <|vision_start|><|image_pad|><|vision_end|> in the prompt per --image (deltaship generate "
-                "adds them for a plain --prompt)",
+                f"the prompt has {len(spans)} image/video placeholder span(s) but {len(images)} image(s)/video(s) "
+                "were given",
+                "put one <|vision_start|><|image_pad|><|vision_end|> in the prompt per --image (<|video_pad|> per "
+                "--video; deltaship generate adds them for a plain --prompt)",
             )
         out, prev = [], 0
-        for (a, z), n in zip(spans, need):
+        for (a, z, tok), im in zip(spans, images):
+            want = sp.video_token_id if im.video else sp.image_token_id
+            if tok != want:
+                raise DeltashipError(
+                    f"the placeholder span at token {a} is for {'a video' if tok == sp.video_token_id else 'an image'}"
+                    f" but the input in its place is {'a video' if im.video else 'an image'}",
+                    "give the images and videos in the order their placeholders appear in the prompt",
+                )
+            n = im.tokens(m)
             out += ids[prev:a]
             if z - a not in (1, n):
                 raise DeltashipError(
-                    f"an image placeholder span has {z - a} tokens; its image needs {n} (or 1, expanded here)",
-                    "use one <|image_pad|> per image",
+                    f"a placeholder span has {z - a} tokens; its input needs {n} (or 1, expanded here)",
+                    "use one <|image_pad|> (<|video_pad|>) per image (video)",
                 )
             out += [tok] * n
             prev = z
         return out + ids[prev:]
 
-    # ---- the decoder ---------------------------------------------------------------------------------
-    def _run(self, embeds: np.ndarray, rope: np.ndarray) -> np.ndarray:
-        s = self.session
-        io = self.decoder.io_binding()
-        io.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds))
-        io.bind_cpu_input("rope_position_ids", np.ascontiguousarray(rope.reshape(3, 1, -1)))
-        io.bind_cpu_input("position_ids", s._positions[:, s.position : s.position + 1])
-        for st in s.states:
-            vals, cur = s._vals[st["name"]], s._cur[st["name"]]
-            io.bind_ortvalue_input(st["name"], vals[cur])
-            io.bind_ortvalue_output(st["output"], vals[(cur + 1) % len(vals)])
-        io.bind_ortvalue_output("logits", s._logits_val)
-        self.decoder.run_with_iobinding(io)
-        for st in s.states:
-            s._cur[st["name"]] = (s._cur[st["name"]] + 1) % len(s._vals[st["name"]])
-        s.position += embeds.shape[1]
-        if s.device == "cuda":
-            return s._logits_val.numpy().reshape(-1).copy()
-        return s._logits.reshape(-1).copy()
-
-    def _embed(self, ids: np.ndarray, features: np.ndarray) -> np.ndarray:
-        return self.embedding.run(["inputs_embeds"], {"input_ids": ids.reshape(1, -1), "image_features": features})[0]
+    def encode_input(self, image: ImageInput) -> np.ndarray:
+        """Merged features [tokens, hidden] of one image or video (each temporal group encoded on its own)."""
+        return np.concatenate([self.encode(g) for g in image.groups()])
 
     def prefill(self, ids: Sequence[int], images: Sequence[ImageInput]) -> np.ndarray:
         """Feed a prompt with (expanded) image spans from the start of the sequence; logits after its last token."""
         s = self.session
-        s.reset()
+        self._reset()
         arr = s._check(ids)
         rope, self.delta = rope_positions(arr, [im.grid for im in images], self.spec)
-        feats = [self.encode(im) for im in images]
+        feats = [self.encode_input(im) for im in images]
         features = np.concatenate(feats) if feats else np.zeros((0, self.hidden), np.float32)
         is_img = np.isin(arr, (self.spec.image_token_id, self.spec.video_token_id))
         if int(is_img.sum()) != features.shape[0]:
@@ -197,6 +187,13 @@ class Multimodal:
         """As Session.generate, for a prompt with images (ids: one image token per image, or expanded spans)."""
         check_sampling(max_new_tokens, temperature, top_k, top_p)
         for im in images:
+            if im.video and im.grid[0] > 1:
+                raise DeltashipError(
+                    f"a video of {im.grid[0] * self.pre.temporal_patch_size} frames: only "
+                    f"{self.pre.temporal_patch_size} frames (one temporal patch) are supported so far (longer videos "
+                    "need one timestamped span per frame pair)",
+                    f"pass {self.pre.temporal_patch_size} frames to --video",
+                )
             n = im.tokens(self.spec.spatial_merge_size)
             if n > self.max_image_tokens:
                 raise DeltashipError(
@@ -227,12 +224,106 @@ class Multimodal:
         return gen
 
 
-def image_prompt(prompt: str, n_images: int, chat: bool) -> str:
-    """The prompt with one vision span per image before the text (unless it already has them), in Qwen3.5's
-    chat template when `chat` (the tokenizer has <|im_start|>)."""
+class OnnxMultimodal(Multimodal):
+    """vision.onnx, embedding.onnx (the splice in the graph) and decoder_mm.onnx, on the OnnxSession's state
+    buffers."""
+
+    def _open(self) -> None:
+        s, block = self.session, self.block
+        ort = s._ort
+        from deltaship.runtimes.onnx import _options
+
+        def open_graph(name: str):
+            return ort.InferenceSession(
+                str(s.bundle / block["graphs"][name]),
+                sess_options=_options(ort, s.threads, None),
+                providers=s.providers,
+            )
+
+        self.vision = open_graph("vision")
+        self.embedding = open_graph("embedding")
+        self.decoder = open_graph("decoder")
+
+    def encode(self, image: ImageInput) -> np.ndarray:
+        """Merged features [tokens, hidden] of one image."""
+        return self.vision.run(["image_features"], encoder_inputs(self.spec, image))[0]
+
+    def _run(self, embeds: np.ndarray, rope: np.ndarray) -> np.ndarray:
+        s = self.session
+        io = self.decoder.io_binding()
+        io.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds))
+        io.bind_cpu_input("rope_position_ids", np.ascontiguousarray(rope.reshape(3, 1, -1)))
+        io.bind_cpu_input("position_ids", s._positions[:, s.position : s.position + 1])
+        for st in s.states:
+            vals, cur = s._vals[st["name"]], s._cur[st["name"]]
+            io.bind_ortvalue_input(st["name"], vals[cur])
+            io.bind_ortvalue_output(st["output"], vals[(cur + 1) % len(vals)])
+        io.bind_ortvalue_output("logits", s._logits_val)
+        self.decoder.run_with_iobinding(io)
+        for st in s.states:
+            s._cur[st["name"]] = (s._cur[st["name"]] + 1) % len(s._vals[st["name"]])
+        s.position += embeds.shape[1]
+        if s.device == "cuda":
+            return s._logits_val.numpy().reshape(-1).copy()
+        return s._logits.reshape(-1).copy()
+
+    def _embed(self, ids: np.ndarray, features: np.ndarray) -> np.ndarray:
+        return self.embedding.run(["inputs_embeds"], {"input_ids": ids.reshape(1, -1), "image_features": features})[0]
+
+
+class ExecuTorchMultimodal(Multimodal):
+    """vision.pte's methods vision_encoder and token_embedding (the splice on the host), and decoder_mm.pte's
+    text_decoder (its own state buffers: the text-only model.pte keeps its own)."""
+
+    def _open(self) -> None:
+        from executorch.runtime import Runtime
+
+        graphs, rt = self.block["graphs"], Runtime.get()
+        program = rt.load_program(str(self.session.bundle / graphs["program"]))
+        self._t = self.session._torch
+        self.vision = program.load_method(graphs["vision"])
+        self.embedding = program.load_method(graphs["embedding"])
+        self._decoder_program = rt.load_program(str(self.session.bundle / graphs["decoder_program"]))
+        self.decoder = self._decoder_program.load_method(graphs["decoder"])
+        self._buffers = list(self.block["decoder_states"])
+
+    def _reset(self) -> None:
+        self.session.position = 0
+        for name in self._buffers:
+            self.decoder._method.get_attribute(name).zero_()
+
+    def encode(self, image: ImageInput) -> np.ndarray:
+        from deltaship.export.executorch.vision import INPUTS
+
+        inputs = encoder_inputs(self.spec, image)
+        return self.vision.execute([self._t.from_numpy(inputs[n]) for n in INPUTS])[0].numpy().copy()
+
+    def _embed(self, ids: np.ndarray, features: np.ndarray) -> np.ndarray:
+        out = self.embedding.execute([self._t.from_numpy(np.ascontiguousarray(ids).reshape(1, -1))])[0]
+        out = out.numpy().copy()
+        rows = np.flatnonzero(np.isin(ids, (self.spec.image_token_id, self.spec.video_token_id)))[: len(features)]
+        out[0, rows] = features[: len(rows)]
+        return out
+
+    def _run(self, embeds: np.ndarray, rope: np.ndarray) -> np.ndarray:
+        s, t = self.session, self._t
+        out = self.decoder.execute(
+            [
+                t.from_numpy(np.ascontiguousarray(embeds)),
+                t.from_numpy(np.ascontiguousarray(rope.reshape(3, 1, -1))),
+                t.tensor([s.position], dtype=t.long),
+            ]
+        )
+        s.position += embeds.shape[1]
+        return out[0].reshape(-1).float().numpy().copy()
+
+
+def image_prompt(prompt: str, n_images: int, chat: bool, n_videos: int = 0) -> str:
+    """The prompt with one vision span per image (then per video) before the text (unless it already has
+    placeholders), in Qwen3.5's chat template when `chat` (the tokenizer has <|im_start|>)."""
     start, pad, end = IMAGE_MARKERS
-    if pad not in prompt:
-        prompt = (start + pad + end) * n_images + prompt
+    if pad not in prompt and VIDEO_PAD not in prompt:
+        prompt = (start + pad + end) * n_images + (start + VIDEO_PAD + end) * n_videos + prompt
     if chat:
         return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
     return prompt

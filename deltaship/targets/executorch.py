@@ -79,6 +79,8 @@ class ExecuTorchTarget(Target):
         "--cpu_threads {threads}"
     )  # ExecuTorch's llama_main
 
+    vision_module = "deltaship.export.executorch.vision"  # vision.pte: vision_encoder, token_embedding, text_decoder
+
     def pipeline(self) -> tuple:
         from deltaship.export import passes as p
         from deltaship.export.executorch.modules import XnnpackLayout

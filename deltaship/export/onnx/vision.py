@@ -16,8 +16,6 @@ model.onnx itself is untouched: text-only prompts keep the text-only fast path.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +26,13 @@ from onnx import TensorProto, helper
 from deltaship.errors import DeltashipError
 from deltaship.export.onnx.builder import GraphBuilder
 from deltaship.models.vision import (
-    DEFAULT_PREPROCESSOR,
     GELU_APPROXIMATION,
     PREPROCESSOR_CONFIG,
-    Preprocessor,
     VisionSpec,
     VisionWeights,
+    check_vision,
     interleave_mask,
+    write_preprocessor,
 )
 
 VISION_FILE = "vision.onnx"
@@ -270,60 +268,19 @@ def build_embedding(bundle: Path, image_token_ids: list[int], hidden: int, elem:
     onnx.save(m, str(bundle / EMBEDDING_FILE))
 
 
-def preprocessor_config(source) -> dict[str, Any]:
-    """The checkpoint's preprocessor_config.json, or Qwen3.5's published one when it has none."""
-    path = source.path / PREPROCESSOR_CONFIG if source.path is not None else None
-    if path is not None and path.is_file():
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise DeltashipError(f"{path}: not valid JSON ({e})", "restore it from the original checkpoint") from None
-    return dict(DEFAULT_PREPROCESSOR)
-
-
 def lower_vision(bundle: Path, source, ctx) -> dict[str, Any]:
     """Write the multimodal graphs and preprocessor_config.json into the bundle; return the manifest's
     `vision` block."""
     from deltaship.models.qwen3_5 import rotary_inv_freq
-    from deltaship.models.spec import read_config
 
-    if source.path is None:
-        raise DeltashipError(
-            f"--vision: {source.name} is a preset with no vision tower",
-            "export a Qwen3.5 vision-language checkpoint directory (Qwen3_5ForConditionalGeneration) with --vision",
-        )
-    vspec = VisionSpec.from_config(read_config(source.path / "config.json"), str(source.path / "config.json"))
-    if vspec is None:
-        raise DeltashipError(
-            f"--vision: {source.path} is a text-only checkpoint (no vision_config)",
-            "drop --vision, or export a Qwen3.5 vision-language checkpoint",
-        )
+    vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
     spec = ctx.spec
-    if vspec.out_hidden_size != spec.hidden_size:
-        raise DeltashipError(
-            f"vision_config.out_hidden_size {vspec.out_hidden_size} != text hidden_size {spec.hidden_size}",
-            "fix config.json",
-        )
-    if ctx.precision != "fp32":
-        raise DeltashipError(
-            f"--vision is exported at fp32 only so far (asked: --precision {ctx.precision})",
-            "export with --precision fp32, or drop --vision",
-        )
-    mrope = spec.mrope_section or (11, 11, 10)
-    half = spec.rotary_dim // 2
-    interleave_mask(mrope, half)  # a section that does not fit the rotary is refused before any work
-    pre_cfg = preprocessor_config(source)
-    pre = Preprocessor.from_config(pre_cfg)
-    pre.check(vspec, PREPROCESSOR_CONFIG)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
     build_vision(vspec, weights, bundle / VISION_FILE)
     elem = TensorProto.FLOAT
     build_embedding(bundle, [vspec.image_token_id, vspec.video_token_id], spec.hidden_size, elem)
     build_decoder_mm(bundle, tuple(mrope), rotary_inv_freq(spec), spec.hidden_size, elem)
-    if source.path is not None and (source.path / PREPROCESSOR_CONFIG).is_file():
-        shutil.copy(source.path / PREPROCESSOR_CONFIG, bundle / PREPROCESSOR_CONFIG)
-    else:
-        (bundle / PREPROCESSOR_CONFIG).write_text(json.dumps(pre_cfg, indent=2))
+    write_preprocessor(bundle, source, pre_cfg)
     return {
         "spec": vspec.to_dict(),
         "mrope_section": list(mrope),

@@ -123,7 +123,8 @@ def vl_bundle(vl_checkpoint, tmp_path_factory) -> Path:
     from deltaship.export import export
 
     out = tmp_path_factory.mktemp("vlb") / "bundle"
-    export(str(vl_checkpoint), out, max_context=128, prefill_chunk=8, verify=False, progress=False, vision=True)
+    # verified at export: the text path, then image + text prompts against transformers (vision.verification)
+    export(str(vl_checkpoint), out, max_context=128, prefill_chunk=8, progress=False, vision=True)
     assert not schema_problems(read_manifest(out))
     return out
 
@@ -321,6 +322,9 @@ def test_text_prompt_on_vision_bundle_takes_the_text_graph(vl_bundle, bundles):
     m = read_manifest(vl_bundle)
     assert m["entry"] == "model.onnx" and m["vision"]["graphs"]["decoder"] == "decoder_mm.onnx"
     assert m["vision"]["max_image_tokens"] == 64 and m["vision"]["min_image_tokens"] == 4
+    rec = m["vision"]["verification"]
+    assert rec["status"] == "passed" and len(rec["images"]) == 3 and rec["greedy_agreement"] == 1.0
+    assert {r["grid_thw"][2] // 2 for r in rec["images"]} >= {2, 3}  # square and odd merged widths
     assert (vl_bundle / "preprocessor_config.json").is_file()
     s = open_bundle(vl_bundle)
     a = s.generate([5, 6, 7], 8).output_ids

@@ -290,6 +290,16 @@ def export(
                     f"{rec['tie_aware_agreement']:.3f}; tolerance {rec['tolerance']}); nothing was written",
                     "this is a deltaship bug: please report it with the model's config.json",
                 )
+            if vision_block is not None and rec["status"] != "skipped":
+                from deltaship.export.verify_vision import verify_vision
+
+                say("verifying image + text prompts against transformers")
+                vrec = verify_vision(tmp, provisional, source)
+                manifest["vision"]["verification"] = vrec
+                say(
+                    f"vision verification {vrec['status']}: max |logit diff| {vrec['max_rel_logit_diff']:.3g} of the "
+                    f"logit std, greedy agreement {vrec['greedy_agreement']:.3f} over {len(vrec['images'])} images"
+                )
             if rec["status"] != "skipped":
                 from deltaship.bundle.evaluate import evaluate
 

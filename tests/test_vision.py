@@ -201,6 +201,22 @@ def test_mrope_section_must_fit_the_rotary():
         interleave_mask((11, 11, 10), 8)
 
 
+def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
+    from deltaship.export import export
+
+    with pytest.raises(DeltashipError, match="preset with no vision tower"):
+        export("qwen3.5-0.8b", tmp_path / "a", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="text-only checkpoint"):
+        export("qwen3.5-tiny", tmp_path / "a", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="text-only checkpoint"):
+        export(str(checkpoints["base"]), tmp_path / "b", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="fp32 only"):
+        export(str(vl_checkpoint), tmp_path / "c", precision="fp16", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="ONNX and ExecuTorch"):
+        export(str(vl_checkpoint), tmp_path / "d", target="coreml", vision=True, verify=False, progress=False)
+    assert not any(tmp_path.iterdir())
+
+
 def test_tiny_preset_mrope_section_fits():
     from deltaship.models.source import load_source
 

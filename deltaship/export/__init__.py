@@ -189,8 +189,8 @@ def export(
     spec = source.spec
     if vision and get_target(target).vision_module is None:
         raise DeltashipError(
-            f"--vision exports ONNX bundles only so far (asked: --target {target})",
-            "use --target onnx, or drop --vision",
+            f"--vision exports ONNX and ExecuTorch bundles only so far (asked: --target {target})",
+            "use --target onnx or executorch, or drop --vision",
         )
     for note in source.notes():
         say(note)
@@ -212,6 +212,10 @@ def export(
             tgt, options, prefill_chunk=chunk, block_size=block_size, deltanet_int8=deltanet_int8, verify=verify
         ),
     )
+    if vision:  # the checkpoint's vision side is checked before any work
+        from deltaship.models.vision import check_vision
+
+        check_vision(source, ctx)
     run_pipeline(ctx, tgt.pipeline(), progress=say)
 
     tokens = special_tokens(source, source.tokenizer_files)

@@ -370,6 +370,18 @@ def test_cli_generate_with_images(vl_bundle, tmp_path):
     assert len(res["output_ids"]) == 4
 
 
+def test_image_generation_on_onnx_imports_no_torch(vl_bundle, tmp_path):
+    a = tmp_path / "a.png"
+    _image(64, 96, 0).save(a)
+    code = (
+        "import sys; from deltaship.commands import generate; "
+        f"r = generate({str(vl_bundle)!r}, input_ids=[5, {START}, {IMAGE}, {END}], images=[{str(a)!r}], "
+        "max_new_tokens=2); assert r['image_tokens'] == [6], r; assert 'torch' not in sys.modules"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 def test_cli_image_errors(vl_bundle, bundles, tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not an image")

@@ -11,6 +11,7 @@ text-only graph (model.onnx) as before.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -54,7 +55,9 @@ class Multimodal:
         block = vision_block(manifest, bundle)
         self.block = block
         self.spec = VisionSpec(**block["spec"])
-        self.pre = Preprocessor.from_config(json.loads((bundle / block["preprocessor"]).read_text()))
+        pre = Preprocessor.from_config(json.loads((bundle / block["preprocessor"]).read_text()))
+        # a bundle may cap images below the preprocessor's limit (ExecuTorch plans memory for its largest image)
+        self.pre = dataclasses.replace(pre, max_pixels=min(pre.max_pixels, int(block["max_pixels"])))
         self.max_image_tokens = int(block["max_image_tokens"])
         self.hidden = int(manifest["model"]["hidden_size"])
         self.delta = 0

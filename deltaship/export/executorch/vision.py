@@ -3,8 +3,8 @@
 The canonical tower (models/qwen3_5_vision.py: patch embed as a Linear, host-computed grid tensors) is
 captured with one dynamic size, the patch count N = 4k, up to `max_patches`. ExecuTorch plans memory for the
 upper bound (ConstraintBasedSymShapeEvalPass), and attention holds heads x N x N scores: the bound is a real
-memory cost, so it comes from the preprocessor's max_pixels (or a tier's cap), not from the 16,384-token limit.
-Not yet wired into ExecuTorch bundles (no text_decoder on inputs_embeds with 3-row positions there yet).
+memory cost, so a bundle caps an image at MAX_IMAGE_TOKENS merged tokens (or the preprocessor's max_pixels when
+lower; the manifest's vision.max_pixels, which the runtime resizes into), not at Qwen3.5's 16,384.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from deltaship.models.qwen3_5_vision import load_tower
 from deltaship.models.vision import VisionSpec, VisionWeights
 
 METHOD = "vision_encoder"
+# merged tokens per image an ExecuTorch bundle plans for: 4,096 patches (a 1024 x 1024 image at patch 16, merge 2);
+# attention scores of one block at that bound: heads x 4096^2 floats (0.8 GiB at 12 heads)
+MAX_IMAGE_TOKENS = 1024
 INPUTS = ("pixel_values", "pos_indices", "pos_weights", "rope_cos", "rope_sin")
 
 
@@ -160,7 +163,9 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
     n = min(2, chunk)
     decoder = TextDecoder(model, ctx2.states, kernels).eval()
     tower = load_tower(vspec, weights)
-    max_patches = pre.max_image_tokens() * vspec.merge_unit
+    max_tokens = min(pre.max_image_tokens(), MAX_IMAGE_TOKENS)
+    max_pixels = min(pre.max_pixels, max_tokens * pre.factor**2)
+    max_patches = max_tokens * vspec.merge_unit
     k = torch.export.Dim("merged", min=1, max=max(1, max_patches // 4))
     with torch.no_grad():
         programs = {
@@ -212,8 +217,8 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
         },
         "preprocessor": PREPROCESSOR_CONFIG,
         "min_image_tokens": pre.min_image_tokens(),
-        "max_image_tokens": pre.max_image_tokens(),
-        "max_pixels": pre.max_pixels,
+        "max_image_tokens": max_tokens,
+        "max_pixels": max_pixels,
         "min_pixels": pre.min_pixels,
         "images_per_call": 1,
         "dtype": "float32",

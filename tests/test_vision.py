@@ -457,8 +457,10 @@ def test_executorch_bundle_images_match_transformers(vl_checkpoint, hf_model, tm
     from deltaship.runtimes.vision import ExecuTorchMultimodal, Multimodal
 
     out = tmp_path / "et"
-    export(str(vl_checkpoint), out, target="executorch", max_context=128, prefill_chunk=8, verify=False,
-           progress=False, vision=True)  # fmt: skip
+    m = export(str(vl_checkpoint), out, target="executorch", max_context=128, prefill_chunk=8, progress=False,
+               vision=True)  # fmt: skip
+    assert m["vision"]["verification"]["status"] == "passed"  # checked at export, as the ONNX bundle
+    assert {"vision.pte", "decoder_mm.pte", "model.pte"} <= set(m["files"])
     mm = Multimodal(open_bundle(out))
     assert isinstance(mm, ExecuTorchMultimodal)
     images = [_image(64, 96, seed=0), _image(160, 96, seed=1)]

@@ -269,7 +269,6 @@ def export(
             lowering=lowered.details,
             tools=tool_versions("torch", "transformers", *tgt.tool_packages),
         )
-        manifest["memory"] = _memory(spec, ctx.states)
         if vision_block is not None:
             manifest["vision"] = vision_block
             manifest["usage"] += [
@@ -278,6 +277,7 @@ def export(
                 f"{vision_block['graphs']['embedding']}, and run {vision_block['graphs']['decoder']} on them with "
                 "3-row M-RoPE rope_position_ids; prompts without images keep using the entry graph.",
             ]
+        manifest["memory"] = _memory(spec, ctx.states)
         manifest["app_runtimes"] = dict(tgt.app_runtimes)
         if verify:
             from deltaship.export.verify import verify_bundle

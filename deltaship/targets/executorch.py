@@ -62,6 +62,7 @@ class ExecuTorchTarget(Target):
         "int4": StorageFormat(bits=4, scale=4, block=32, head_copy=True, act=4),
     }
     runtimes = ("executorch",)
+    vision_module = "deltaship.export.executorch.vision"  # vision.pte + decoder_mm.pte (export --vision)
     # ExecuTorch's C++ LLM runner (TextLLMRunner: what the Android LlmModule and the iOS runner wrap), text in/out
     text_runtimes = {
         "et-runner": TextRuntime("deltaship.runtimes.et_runner", "generate_with_runner", "profile_with_runner")
@@ -78,8 +79,6 @@ class ExecuTorchTarget(Target):
         "--model_path {model} --seq_len {total} --prompt_tokens {prompt_length} "
         "--cpu_threads {threads}"
     )  # ExecuTorch's llama_main
-
-    vision_module = "deltaship.export.executorch.vision"  # vision.pte: vision_encoder, token_embedding, text_decoder
 
     def pipeline(self) -> tuple:
         from deltaship.export import passes as p

@@ -9,6 +9,7 @@ lower; the manifest's vision.max_pixels, which the runtime resizes into), not at
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -115,8 +116,15 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
     vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
     # the text program consumed ctx's model: build the decoder again for the multimodal program
-    ctx2 = ExportContext(
-        spec=ctx.spec, precision=ctx.precision, max_context=ctx.max_context, target=ctx.target, options=ctx.options
+    # (the same settings, whatever fields ExportContext grows; the passes' products start empty)
+    produced = ("model", "plan", "quant", "program", "states", "report", "rounded", "programs", "parts")
+    ctx2 = dataclasses.replace(
+        ctx,
+        **{
+            f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            for f in dataclasses.fields(ExportContext)
+            if f.name in produced
+        },
     )
     run_pipeline(ctx2, get_target(ctx.target).pipeline())
     model, kernels, _, _ = prepare(ctx2, source.weights)

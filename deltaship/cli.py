@@ -40,6 +40,7 @@ def run_export(a: argparse.Namespace) -> int:
         progress=not a.quiet,
         allow_download=a.allow_download,
         kv_cache=a.kv_cache,
+        **({"vision": True} if getattr(a, "vision", False) else {}),
         **given,
     )
     return 0
@@ -91,7 +92,11 @@ def _generate(a: argparse.Namespace) -> int:
         runtime=a.runtime,
         cuda_graph=a.cuda_graph,
         **({"speculative": a.speculative} if a.speculative else {}),
+        **({"images": a.image} if a.image else {}),
+        **({"videos": a.video} if a.video else {}),
     )
+    for note in res.get("notices", []) if not a.json else []:
+        print(f"deltaship generate: {note}", file=sys.stderr)
     if res.get("stopped") == "context" and not a.json:
         n = res.get("new_tokens", len(res.get("output_ids", [])))
         print(
@@ -293,6 +298,12 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     )
     e.add_argument("--threads", type=int, default=None, help="threads for verification")
     e.add_argument("--quiet", action="store_true", help="no progress display")
+    e.add_argument(
+        "--vision",
+        action="store_true",
+        help="also export the checkpoint's vision tower for image and 2-frame video input (ONNX and ExecuTorch, "
+        "fp32; docs/bundle-format.md 'Images'); off by default: text-only bundles stay as they are",
+    )
     _add_target_options(e)
 
 
@@ -322,6 +333,22 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text prompt (needs the bundle's tokenizer)")
     src.add_argument("--input-ids", help="comma-separated token ids, e.g. 1,2,3")
+    g.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image for the prompt (repeatable; bundles exported with --vision): one vision span per image is "
+        "put before the prompt unless it has <|image_pad|> markers",
+    )
+    g.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="FRAMES",
+        help="a video as comma-separated frame image files, in time order (2 frames so far; repeatable; after the "
+        "images)",
+    )
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--json", action="store_true", help="print one JSON object (input_ids, output_ids, ...)")
     g.add_argument("--dump-logits", default=None, help="save the logits of each new token as float32 [N, vocab] .npy")

@@ -43,20 +43,35 @@ def generate(
     runtime: str | None = None,
     cuda_graph: bool = False,
     speculative: str | None = None,
+    images: list[str | Path] | None = None,
+    videos: list[str] | None = None,
 ) -> dict[str, Any]:
     """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict.
 
     speculative="mtp[:K]": draft K tokens per step with the bundle's MTP head and verify them in one decoder call
-    (deltaship/runtimes/speculative.py); the result then has a `speculative` block (acceptance and lengths)."""
+    (deltaship/runtimes/speculative.py); the result then has a `speculative` block (acceptance and lengths).
+    images: image files for the prompt (a bundle exported with --vision; runtimes/vision.py). A text prompt
+    gets one vision span per image before it (unless it has <|image_pad|> markers) and, when the tokenizer has
+    them, Qwen3.5's chat markers; token ids must hold one image token per image. videos: each a comma-separated
+    list of frame image files (2 frames: one temporal patch), after the images."""
     from deltaship.runtimes.speculative import parse_speculative
 
     depth = parse_speculative(speculative)
+    if depth is not None and (images or videos):
+        raise DeltashipError(
+            "--speculative is not available with --image/--video yet (the multimodal decoder has no verify call)",
+            "drop --speculative for image prompts",
+        )
     if (prompt is None) == (input_ids is None):
         raise DeltashipError(
             "pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3"
         )
     check_sampling(max_new_tokens, temperature, top_k, top_p)  # before the bundle is opened
     text = text_runtime(bundle, runtime)
+    if (images or videos) and runtime is not None:
+        raise DeltashipError(
+            f"--image runs in deltaship's own ONNX session only so far, not --runtime {runtime}", "drop --runtime"
+        )
     if text is not None:  # a runtime that takes text (ExecuTorch's C++ LLM runner)
         given = [
             flag
@@ -91,37 +106,37 @@ def generate(
     session = open_bundle(
         bundle, threads=threads, provider=provider, runtime=runtime, **({"cuda_graph": True} if cuda_graph else {})
     )
+    mm, notices, loaded = None, [], []
+    if images or videos:
+        from deltaship.runtimes.vision import Multimodal, image_prompt
+
+        mm = Multimodal(session)  # refuses a bundle without a vision tower
+        loaded = mm.load(images or [], notices)
+        loaded += [mm.load_video([f for f in v.split(",") if f]) for v in videos or []]
+        if prompt is not None:
+            chat = "im_start" in session.manifest.get("tokens", {})
+            prompt = image_prompt(prompt, len(images or []), chat, n_videos=len(videos or []))
     tok = load_tokenizer(Path(bundle), session.manifest) if prompt is not None else None
     ids = tok.encode(prompt) if tok else (parse_ids(input_ids) if isinstance(input_ids, str) else list(input_ids))
     if depth is not None and dump_logits is not None:
         raise DeltashipError("--dump-logits cannot be combined with --speculative", "drop one of them")
     t0 = time.monotonic()
+    kw = dict(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop_at_eos=stop_at_eos,
+    )
     spec_stats = None
     if depth is not None:
         from deltaship.runtimes.speculative import generate_speculative
 
-        gen, spec_stats = generate_speculative(
-            session,
-            ids,
-            max_new_tokens,
-            depth,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            stop_at_eos=stop_at_eos,
-        )
+        gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, **kw)
+    elif mm:
+        gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=dump_logits is not None, **kw)
     else:
-        gen = session.generate(
-            ids,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            stop_at_eos=stop_at_eos,
-            keep_logits=dump_logits is not None,
-        )
+        gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, **kw)
     elapsed = time.monotonic() - t0
     result: dict[str, Any] = {
         "input_ids": gen.input_ids,
@@ -131,6 +146,11 @@ def generate(
         "runtime": session.runtime_name(),
         **({"speculative": spec_stats.as_dict()} if spec_stats else {}),
     }
+    if mm is not None:
+        merge = mm.spec.spatial_merge_size
+        result["image_tokens"] = [im.tokens(merge) for im in loaded]
+        result["images"] = [{"grid_thw": list(im.grid), "resized": list(im.resized)} for im in loaded]
+        result["notices"] = notices
     if tok is None:
         try:
             tok = load_tokenizer(Path(bundle), session.manifest)

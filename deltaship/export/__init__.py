@@ -138,12 +138,15 @@ def export(
     kv_cache: str | None = None,
     device: str | None = None,
     tiers_file: str | None = None,
+    vision: bool = False,
     **target_options: Any,
 ) -> dict[str, Any]:
     """Compile `model` (a checkpoint directory, a preset, or a Hub id `org/name[@revision]` from the local Hugging
     Face cache, downloaded only with allow_download=True) for `target` at `precision` into bundle `out`.
 
     `target_options` are the target's own options (deltaship/targets/<target>.py, e.g. onnx_deltanet_ops).
+    `vision` also exports the checkpoint's vision tower (ONNX only: vision.onnx, embedding.onnx, decoder_mm.onnx;
+    export/onnx/vision.py); off by default, so text-only bundles and their export time stay as they were.
     `kv_cache` asks for a KV-cache dtype (default: the target's own at `precision`); one it cannot store is refused.
     `device` names a tier (deltaship/devices/tiers.toml, or `tiers_file`): target, precision and context not given
     are what `deltaship plan` recommends for it; nothing fitting is refused with the plan's numbers. Without a
@@ -184,8 +187,15 @@ def export(
         say(f"loading {model}")
         source = load_source(model, allow_download=allow_download)
     spec = source.spec
+    if vision and get_target(target).vision_module is None:
+        raise DeltashipError(
+            f"--vision exports ONNX and ExecuTorch bundles only so far (asked: --target {target})",
+            "use --target onnx or executorch, or drop --vision",
+        )
     for note in source.notes():
         say(note)
+    if spec.is_multimodal and not vision:
+        say("the checkpoint has a vision tower: exporting the text decoder only (add --vision for image input)")
     if max_context is None:
         max_context = (
             PRESETS[model].default_max_context if model in PRESETS else min(4096, spec.max_position_embeddings)
@@ -210,6 +220,10 @@ def export(
             tgt, options, prefill_chunk=chunk, block_size=block_size, deltanet_int8=deltanet_int8, verify=verify
         ),
     )
+    if vision:  # the checkpoint's vision side is checked before any work
+        from deltaship.models.vision import check_vision
+
+        check_vision(source, ctx)
     run_pipeline(ctx, tgt.pipeline(), progress=say)
     kv_record = None
     if kv_cache in ("int8", "int4"):  # _check_kv_cache let only a target that stores them through
@@ -225,6 +239,12 @@ def export(
         if kv_record is not None:
             lowered.details["kv_quantization"] = kv_record
         say.done() if isinstance(say, Progress) else None
+        vision_block = None
+        if vision:
+            import importlib
+
+            say("lowering the vision tower")
+            vision_block = importlib.import_module(tgt.vision_module).lower_vision(tmp, source, ctx)
         tok_files = []
         for f in source.tokenizer_files:
             shutil.copy(f, tmp / f.name)
@@ -267,6 +287,14 @@ def export(
         if "speculative" in lowered.details:  # --mtp: the draft head and the verify contract
             manifest["speculative"] = lowered.details.pop("speculative")
             manifest["lowering"] = lowered.details
+        if vision_block is not None:
+            manifest["vision"] = vision_block
+            manifest["usage"] += [
+                "Images (the `vision` block, docs/bundle-format.md 'Images'): encode each image with "
+                f"{vision_block['graphs']['vision']}, splice its features into the token embeddings with "
+                f"{vision_block['graphs']['embedding']}, and run {vision_block['graphs']['decoder']} on them with "
+                "3-row M-RoPE rope_position_ids; prompts without images keep using the entry graph.",
+            ]
         manifest["memory"] = _memory(spec, ctx.states)
         manifest["app_runtimes"] = dict(lowered.app_runtimes or tgt.app_runtimes)
         if verify:
@@ -283,6 +311,16 @@ def export(
                     f"(max relative logit difference {rec['max_rel_logit_diff']:.3g}, tie-aware greedy agreement "
                     f"{rec['tie_aware_agreement']:.3f}; tolerance {rec['tolerance']}); nothing was written",
                     "this is a deltaship bug: please report it with the model's config.json",
+                )
+            if vision_block is not None and rec["status"] != "skipped":
+                from deltaship.export.verify_vision import verify_vision
+
+                say("verifying image + text prompts against transformers")
+                vrec = verify_vision(tmp, provisional, source)
+                manifest["vision"]["verification"] = vrec
+                say(
+                    f"vision verification {vrec['status']}: max |logit diff| {vrec['max_rel_logit_diff']:.3g} of the "
+                    f"logit std, greedy agreement {vrec['greedy_agreement']:.3f} over {len(vrec['images'])} images"
                 )
             if rec["status"] != "skipped":
                 from deltaship.bundle.evaluate import evaluate

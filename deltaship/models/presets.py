@@ -76,6 +76,9 @@ _TINY = {
     "eos_token_id": 256,
     "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)],
     "mtp_num_hidden_layers": 1,  # trained by tools/train_tiny.py --mtp-only
+    # M-RoPE's T/H/W sections split rotary_dim / 2 = 64 * 0.25 / 2 = 8 frequencies (the published [11, 11, 10]
+    # split the 0.8B's 32); text-only positions do not depend on it
+    "rope_parameters": {**_COMMON["rope_parameters"], "mrope_section": [3, 3, 2]},
     "dtype": "float32",
 }
 

@@ -127,6 +127,8 @@ class Target(ABC):
     host_runtime: ClassVar[str | None] = None  # the package that runs its bundles on this host (profiling)
     op_breakdown: ClassVar[bool] = False  # its session times each op kind (Session.profile_ops)
     android_runner_args: ClassVar[str | None] = None  # default argument line of its Android runner binary
+    # the module whose lower_vision() adds the vision tower (export --vision; generate --image); None: text only
+    vision_module: ClassVar[str | None] = None
 
     # ---- options -------------------------------------------------------------------------------
     def parse_options(self, given: Mapping[str, Any]) -> TargetOptions:

@@ -65,6 +65,7 @@ class ExecuTorchTarget(Target):
         "int4": StorageFormat(bits=4, scale=4, block=32, head_copy=True, act=4),
     }
     runtimes = ("executorch",)
+    vision_module = "deltaship.export.executorch.vision"  # vision.pte + decoder_mm.pte (export --vision)
     # ExecuTorch's C++ LLM runner (TextLLMRunner: what the Android LlmModule and the iOS runner wrap), text in/out
     text_runtimes = {
         "et-runner": TextRuntime("deltaship.runtimes.et_runner", "generate_with_runner", "profile_with_runner")

@@ -124,6 +124,7 @@ class OnnxTarget(Target):
     host_runtime = "onnxruntime"
     op_breakdown = True  # ONNX Runtime's profiler
     android_runner_args = "-e cpu -x {threads} -r {reps} {model}"  # onnxruntime_perf_test
+    vision_module = "deltaship.export.onnx.vision"  # vision.onnx, embedding.onnx, decoder_mm.onnx
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: OnnxOptions) -> None:
         if options.onnx_activations is not None and precision not in ("int8", "int4"):

@@ -1,0 +1,97 @@
+"""Export-time verification of the image side: image + text prompts through the bundle's multimodal parts
+against transformers' Qwen3_5ForConditionalGeneration (greedy tokens and logits), recorded in the manifest's
+`vision.verification`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deltaship.errors import DeltashipError
+from deltaship.tolerances import tolerance
+
+
+def test_images(pre) -> list[tuple[int, int]]:
+    """(height, width) of the fixed test images: square, wide with an odd merged width, tall; in pixels that
+    smart_resize keeps (multiples of patch x merge within the preprocessor's limits)."""
+    from deltaship.models.vision import smart_resize
+
+    f = pre.factor
+    sizes = [(2 * f, 2 * f), (2 * f, 3 * f), (5 * f, 3 * f)]
+    return [smart_resize(h, w, f, pre.min_pixels, pre.max_pixels) for h, w in sizes]
+
+
+def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8) -> dict[str, Any]:
+    """Each test image (seeded noise) in `<|vision_start|><|image_pad|><|vision_end|>` between a few text
+    tokens, one prompt per image, generated greedily by the bundle and by transformers (cached generate)."""
+    import torch
+    from PIL import Image
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from deltaship.export.reference import quiet_third_party
+    from deltaship.models.vision import preprocess_image
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.vision import Multimodal
+
+    quiet_third_party()
+    tol = tolerance(manifest["target"], manifest["precision"])
+    mm = Multimodal(open_bundle(bundle, check_hashes=False))
+    sp = mm.spec
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(source.path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # every step, an EOS token included
+    rng = np.random.default_rng(0)
+    text = [i for i in range(1, 64) if i not in (sp.image_token_id, sp.video_token_id)][:4]
+    rows = []
+    for h, w in test_images(mm.pre):
+        im = preprocess_image(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)), mm.pre)
+        prompt = text[:2] + [sp.vision_start_token_id, sp.image_token_id, sp.vision_end_token_id] + text[2:]
+        gen = mm.generate(prompt, [im], steps, keep_logits=True, stop_at_eos=False)
+        ids = torch.tensor([gen.input_ids])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                pixel_values=torch.from_numpy(im.patches),
+                image_grid_thw=torch.tensor([im.grid]),
+                mm_token_type_ids=(ids == sp.image_token_id).int(),
+                max_new_tokens=steps,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        ref = out.sequences[0, ids.shape[1] :].tolist()
+        ref_logits = torch.cat(out.logits).float().numpy()
+        got = np.stack(gen.logits)
+        diff = float(np.abs(got - ref_logits).max())
+        rows.append(
+            {
+                "image": [h, w],
+                "grid_thw": list(im.grid),
+                "image_tokens": im.tokens(sp.spatial_merge_size),
+                "max_abs_logit_diff": diff,
+                "max_rel_logit_diff": diff / float(ref_logits.std()),
+                "greedy_agreement": float(np.mean([a == b for a, b in zip(gen.output_ids, ref)])),
+            }
+        )
+    worst = max(r["max_rel_logit_diff"] for r in rows)
+    agree = min(r["greedy_agreement"] for r in rows)
+    ok = worst <= tol.max_rel_logit_diff and agree >= tol.min_greedy_agreement
+    import transformers
+
+    record = {
+        "status": "passed" if ok else "failed",
+        "reference": f"transformers {transformers.__version__} Qwen3_5ForConditionalGeneration, fp32",
+        "steps": steps,
+        "images": rows,
+        "max_rel_logit_diff": worst,
+        "greedy_agreement": agree,
+        "tolerance": tol.__dict__,
+    }
+    if not ok and tol.fails_export:
+        raise DeltashipError(
+            f"vision verification failed: image + text logits differ from transformers by {worst:.3g} of the "
+            f"logit std (greedy agreement {agree:.3f}; tolerance {tol.__dict__}); nothing was written",
+            "this is a deltaship bug: please report it with the model's config.json",
+        )
+    return record

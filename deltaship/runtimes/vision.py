@@ -1,0 +1,332 @@
+"""Images through an ONNX bundle exported with --vision (no torch import).
+
+`Multimodal(session)` drives the bundle's vision.onnx, embedding.onnx and decoder_mm.onnx beside an open
+OnnxSession, on the session's own state buffers: each image is encoded on its own (full attention within it),
+the prompt's image placeholder rows of the token embedding are replaced by the image features (a prefill chunk
+may start or end inside an image span: each call gets the feature rows of its own placeholders), and the
+decoder gets 3-row M-RoPE positions: T/H/W over each image's merged grid, then, for every later token (decode
+included), its cache position plus the prompt's rope delta. A prompt without images takes the session's
+text-only graph (model.onnx) as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from deltaship.errors import DeltashipError
+from deltaship.models.vision import (
+    ImageInput,
+    Preprocessor,
+    VisionSpec,
+    encoder_inputs,
+    load_image,
+    preprocess_image,
+    rope_positions,
+)
+from deltaship.runtimes.base import Generation, check_sampling, sample
+
+IMAGE_MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+VIDEO_PAD = "<|video_pad|>"
+
+
+def vision_block(manifest: dict[str, Any], bundle: Path) -> dict[str, Any]:
+    block = manifest.get("vision")
+    if not block:
+        raise DeltashipError(
+            f"{bundle}: this bundle has no vision tower (text only), so it cannot take --image",
+            "export a Qwen3.5 vision-language checkpoint with `deltaship export --vision`, or drop --image",
+        )
+    return block
+
+
+class Multimodal:
+    """Image + text generation beside an open text session of a --vision bundle, on the backend's three parts:
+    encode (one image -> features), _embed (a call's ids + its image feature rows -> embeddings), _run (the
+    multimodal decoder on embeddings + 3-row positions, on states it owns)."""
+
+    def __init__(self, session):
+        self.session = session
+        bundle, manifest = session.bundle, session.manifest
+        block = vision_block(manifest, bundle)
+        self.block = block
+        self.spec = VisionSpec(**block["spec"])
+        pre = Preprocessor.from_config(json.loads((bundle / block["preprocessor"]).read_text()))
+        # a bundle may cap images below the preprocessor's limit (ExecuTorch plans memory for its largest image)
+        self.pre = dataclasses.replace(pre, max_pixels=min(pre.max_pixels, int(block["max_pixels"])))
+        self.max_image_tokens = int(block["max_image_tokens"])
+        self.hidden = int(manifest["model"]["hidden_size"])
+        self.delta = 0
+        self._open()
+
+    def __new__(cls, session):
+        if cls is Multimodal:  # pick the backend by the session's kind
+            from deltaship.runtimes.onnx import OnnxSession
+
+            cls = OnnxMultimodal if isinstance(session, OnnxSession) else ExecuTorchMultimodal
+        return super().__new__(cls)
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        self.session.reset()
+
+    # ---- images ----------------------------------------------------------------------------------
+    def load(self, paths: Sequence[str | Path], notices: list[str] | None = None) -> list[ImageInput]:
+        out = []
+        for p in paths:
+            img = load_image(p)
+            im = preprocess_image(img, self.pre)
+            if im.resized != im.original and notices is not None:
+                h0, w0 = im.original
+                h, w = im.resized
+                notices.append(
+                    f"--image {p}: resized from {w0}x{h0} to {w}x{h} pixels ({im.tokens(self.spec.spatial_merge_size)}"
+                    f" image tokens; limits {self.pre.min_pixels} .. {self.pre.max_pixels} pixels)"
+                )
+            out.append(im)
+        return out
+
+    def load_video(self, frames: Sequence[str | Path], notices: list[str] | None = None) -> ImageInput:
+        """Frame image files (time order) as one video input."""
+        from deltaship.models.vision import preprocess_frames
+
+        return preprocess_frames([load_image(f) for f in frames], self.pre)
+
+    def expand(self, ids: Sequence[int], images: Sequence[ImageInput]) -> list[int]:
+        """One image (video) token per image (video) in `ids` becomes its t*h*w/4 tokens; an already expanded
+        prompt (each span as long as its input needs) is kept. `images` are in prompt order."""
+        sp, m = self.spec, self.spec.spatial_merge_size
+        kinds = (sp.image_token_id, sp.video_token_id)
+        spans, i, ids = [], 0, list(ids)
+        while i < len(ids):
+            if ids[i] in kinds:
+                j = i
+                while j < len(ids) and ids[j] == ids[i]:
+                    j += 1
+                spans.append((i, j, ids[i]))
+                i = j
+            else:
+                i += 1
+        if len(spans) != len(images):
+            raise DeltashipError(
+                f"the prompt has {len(spans)} image/video placeholder span(s) but {len(images)} image(s)/video(s) "
+                "were given",
+                "put one <|vision_start|><|image_pad|><|vision_end|> in the prompt per --image (<|video_pad|> per "
+                "--video; deltaship generate adds them for a plain --prompt)",
+            )
+        out, prev = [], 0
+        for (a, z, tok), im in zip(spans, images):
+            want = sp.video_token_id if im.video else sp.image_token_id
+            if tok != want:
+                raise DeltashipError(
+                    f"the placeholder span at token {a} is for {'a video' if tok == sp.video_token_id else 'an image'}"
+                    f" but the input in its place is {'a video' if im.video else 'an image'}",
+                    "give the images and videos in the order their placeholders appear in the prompt",
+                )
+            n = im.tokens(m)
+            out += ids[prev:a]
+            if z - a not in (1, n):
+                raise DeltashipError(
+                    f"a placeholder span has {z - a} tokens; its input needs {n} (or 1, expanded here)",
+                    "use one <|image_pad|> (<|video_pad|>) per image (video)",
+                )
+            out += [tok] * n
+            prev = z
+        return out + ids[prev:]
+
+    def encode_input(self, image: ImageInput) -> np.ndarray:
+        """Merged features [tokens, hidden] of one image or video (each temporal group encoded on its own)."""
+        return np.concatenate([self.encode(g) for g in image.groups()])
+
+    def prefill(self, ids: Sequence[int], images: Sequence[ImageInput]) -> np.ndarray:
+        """Feed a prompt with (expanded) image spans from the start of the sequence; logits after its last token."""
+        s = self.session
+        self._reset()
+        arr = s._check(ids)
+        rope, self.delta = rope_positions(arr, [im.grid for im in images], self.spec)
+        feats = [self.encode_input(im) for im in images]
+        features = np.concatenate(feats) if feats else np.zeros((0, self.hidden), np.float32)
+        is_img = np.isin(arr, (self.spec.image_token_id, self.spec.video_token_id))
+        if int(is_img.sum()) != features.shape[0]:
+            raise DeltashipError(
+                f"the prompt has {int(is_img.sum())} image tokens, the images give {features.shape[0]} features",
+                "use one <|image_pad|> per image and let deltaship expand it",
+            )
+        row, start, logits = 0, 0, None
+        for size in s._chunks(arr.size):
+            chunk = arr[start : start + size]
+            n = int(is_img[start : start + size].sum())
+            logits = self._run(self._embed(chunk, features[row : row + n]), rope[:, start : start + size])
+            row += n
+            start += size
+        return logits
+
+    def decode(self, token: int) -> np.ndarray:
+        s = self.session
+        arr = s._check([token])
+        rope = np.full((3, 1), s.position + self.delta, dtype=np.int64)
+        return self._run(self._embed(arr, np.zeros((0, self.hidden), np.float32)), rope)
+
+    def generate(
+        self,
+        ids: Sequence[int],
+        images: Sequence[ImageInput],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+        keep_logits: bool = False,
+        on_token: Callable[[int], None] | None = None,
+    ) -> Generation:
+        """As Session.generate, for a prompt with images (ids: one image token per image, or expanded spans)."""
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
+        for im in images:
+            if im.video and im.grid[0] > 1:
+                raise DeltashipError(
+                    f"a video of {im.grid[0] * self.pre.temporal_patch_size} frames: only "
+                    f"{self.pre.temporal_patch_size} frames (one temporal patch) are supported so far (longer videos "
+                    "need one timestamped span per frame pair)",
+                    f"pass {self.pre.temporal_patch_size} frames to --video",
+                )
+            n = im.tokens(self.spec.spatial_merge_size)
+            if n > self.max_image_tokens:
+                raise DeltashipError(
+                    f"an image of {n} tokens is over the bundle's limit of {self.max_image_tokens}",
+                    "resize the image (the preprocessor's max_pixels)",
+                )
+        ids = self.expand([int(i) for i in ids], images)
+        s = self.session
+        rng = np.random.default_rng(seed)
+        gen = Generation(input_ids=ids, output_ids=[])
+        logits = self.prefill(ids, images)
+        while max_new_tokens:
+            tok = sample(logits, temperature, top_k, top_p, rng)
+            gen.output_ids.append(tok)
+            if keep_logits:
+                gen.logits.append(logits.copy())
+            if on_token:
+                on_token(tok)
+            if stop_at_eos and tok in s.eos_ids:
+                gen.stopped = "eos"
+                break
+            if len(gen.output_ids) >= max_new_tokens:
+                break
+            if s.position >= s.max_context:
+                gen.stopped = "context"
+                break
+            logits = self.decode(tok)
+        return gen
+
+
+class OnnxMultimodal(Multimodal):
+    """vision.onnx, embedding.onnx (the splice in the graph) and decoder_mm.onnx, on the OnnxSession's state
+    buffers."""
+
+    def _open(self) -> None:
+        s, block = self.session, self.block
+        ort = s._ort
+        from deltaship.runtimes.onnx import _options
+
+        def open_graph(name: str):
+            return ort.InferenceSession(
+                str(s.bundle / block["graphs"][name]),
+                sess_options=_options(ort, s.threads, None),
+                providers=s.providers,
+            )
+
+        self.vision = open_graph("vision")
+        self.embedding = open_graph("embedding")
+        self.decoder = open_graph("decoder")
+
+    def encode(self, image: ImageInput) -> np.ndarray:
+        """Merged features [tokens, hidden] of one image."""
+        return self.vision.run(["image_features"], encoder_inputs(self.spec, image))[0]
+
+    def _run(self, embeds: np.ndarray, rope: np.ndarray) -> np.ndarray:
+        s = self.session
+        io = self.decoder.io_binding()
+        io.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds))
+        io.bind_cpu_input("rope_position_ids", np.ascontiguousarray(rope.reshape(3, 1, -1)))
+        io.bind_cpu_input("position_ids", s._positions[:, s.position : s.position + 1])
+        for st in s.states:
+            vals, cur = s._vals[st["name"]], s._cur[st["name"]]
+            io.bind_ortvalue_input(st["name"], vals[cur])
+            io.bind_ortvalue_output(st["output"], vals[(cur + 1) % len(vals)])
+        io.bind_ortvalue_output("logits", s._logits_val)
+        self.decoder.run_with_iobinding(io)
+        for st in s.states:
+            s._cur[st["name"]] = (s._cur[st["name"]] + 1) % len(s._vals[st["name"]])
+        s.position += embeds.shape[1]
+        if s.device == "cuda":
+            return s._logits_val.numpy().reshape(-1).copy()
+        return s._logits.reshape(-1).copy()
+
+    def _embed(self, ids: np.ndarray, features: np.ndarray) -> np.ndarray:
+        return self.embedding.run(["inputs_embeds"], {"input_ids": ids.reshape(1, -1), "image_features": features})[0]
+
+
+class ExecuTorchMultimodal(Multimodal):
+    """vision.pte's methods vision_encoder and token_embedding (the splice on the host), and decoder_mm.pte's
+    text_decoder (its own state buffers: the text-only model.pte keeps its own)."""
+
+    def _open(self) -> None:
+        from executorch.runtime import Runtime
+
+        graphs, rt = self.block["graphs"], Runtime.get()
+        program = rt.load_program(str(self.session.bundle / graphs["program"]))
+        self._t = self.session._torch
+        self.vision = program.load_method(graphs["vision"])
+        self.embedding = program.load_method(graphs["embedding"])
+        self._decoder_program = rt.load_program(str(self.session.bundle / graphs["decoder_program"]))
+        self.decoder = self._decoder_program.load_method(graphs["decoder"])
+        self._buffers = list(self.block["decoder_states"])
+
+    def _reset(self) -> None:
+        self.session.position = 0
+        for name in self._buffers:
+            self.decoder._method.get_attribute(name).zero_()
+
+    def encode(self, image: ImageInput) -> np.ndarray:
+        from deltaship.export.executorch.vision import INPUTS
+
+        inputs = encoder_inputs(self.spec, image)
+        return self.vision.execute([self._t.from_numpy(inputs[n]) for n in INPUTS])[0].numpy().copy()
+
+    def _embed(self, ids: np.ndarray, features: np.ndarray) -> np.ndarray:
+        out = self.embedding.execute([self._t.from_numpy(np.ascontiguousarray(ids).reshape(1, -1))])[0]
+        out = out.numpy().copy()
+        rows = np.flatnonzero(np.isin(ids, (self.spec.image_token_id, self.spec.video_token_id)))[: len(features)]
+        out[0, rows] = features[: len(rows)]
+        return out
+
+    def _run(self, embeds: np.ndarray, rope: np.ndarray) -> np.ndarray:
+        s, t = self.session, self._t
+        out = self.decoder.execute(
+            [
+                t.from_numpy(np.ascontiguousarray(embeds)),
+                t.from_numpy(np.ascontiguousarray(rope.reshape(3, 1, -1))),
+                t.tensor([s.position], dtype=t.long),
+            ]
+        )
+        s.position += embeds.shape[1]
+        return out[0].reshape(-1).float().numpy().copy()
+
+
+def image_prompt(prompt: str, n_images: int, chat: bool, n_videos: int = 0) -> str:
+    """The prompt with one vision span per image (then per video) before the text (unless it already has
+    placeholders), in Qwen3.5's chat template when `chat` (the tokenizer has <|im_start|>)."""
+    start, pad, end = IMAGE_MARKERS
+    if pad not in prompt and VIDEO_PAD not in prompt:
+        prompt = (start + pad + end) * n_images + (start + VIDEO_PAD + end) * n_videos + prompt
+    if chat:
+        return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    return prompt

@@ -1,0 +1,474 @@
+"""Images through Qwen3.5's vision tower: host preprocessing and positions against transformers, and an ONNX
+bundle exported with --vision against transformers' Qwen3_5ForConditionalGeneration (greedy tokens, logits)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deltaship.errors import DeltashipError
+from deltaship.models.vision import (
+    DEFAULT_PREPROCESSOR,
+    Preprocessor,
+    VisionSpec,
+    interleave_mask,
+    position_interpolation,
+    preprocess_image,
+    rope_positions,
+    rotary_cos_sin,
+)
+
+L, F = "linear_attention", "full_attention"
+VOCAB = 160
+IMAGE, VIDEO, START, END, IM_START, IM_END, EOS = 150, 151, 152, 153, 154, 155, 159
+# small pixel limits: 4 .. 64 merged tokens per image (32 x 32 pixels each)
+PRE = DEFAULT_PREPROCESSOR | {"size": {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 64}}
+TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    layer_types=[L, F, L, F],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    eos_token_id=EOS,
+    tie_word_embeddings=True,
+    # rotary_dim 16: 8 frequencies, split T/H/W 3/3/2
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [3, 3, 2],
+        "mrope_interleaved": True,
+    },
+)
+# other shapes than the published ones: 2 blocks, 2 heads of 16, an 8 x 8 position table
+VISION = dict(
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=64
+)
+TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+
+
+def _image(h: int, w: int, seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def _hf_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(**{k: v for k, v in PRE.items() if k != "image_processor_type"})
+
+
+def _write_tokenizer(d: Path) -> None:
+    """A word-level tokenizer with Qwen3.5's vision and chat markers at this vocabulary's ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = "describe the image what is in it two images compare and".split()
+    vocab = {"[UNK]": 0} | {w: i + 1 for i, w in enumerate(words)}
+    special = {
+        "<|image_pad|>": IMAGE,
+        "<|video_pad|>": VIDEO,
+        "<|vision_start|>": START,
+        "<|vision_end|>": END,
+        "<|im_start|>": IM_START,
+        "<|im_end|>": IM_END,
+        "<|endoftext|>": EOS,
+        "user": 156,
+        "assistant": 157,
+    }
+    tok = Tokenizer(models.WordLevel(vocab | special, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([k for k in special if k.startswith("<|")])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+@pytest.fixture(scope="module")
+def vl_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Qwen3_5ForConditionalGeneration with a larger init (std 0.15) so greedy tokens differ."""
+    import torch
+    from helpers import randomize
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5Config(text_config=TEXT, vision_config=VISION, tie_word_embeddings=True, **TOKENS)
+    model = Qwen3_5ForConditionalGeneration(cfg)
+    randomize(model, 3)
+    d = tmp_path_factory.mktemp("vl")
+    model.save_pretrained(d)
+    (d / "preprocessor_config.json").write_text(json.dumps(PRE))
+    _write_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def vl_bundle(vl_checkpoint, tmp_path_factory) -> Path:
+    from deltaship.bundle import read_manifest, schema_problems
+    from deltaship.export import export
+
+    out = tmp_path_factory.mktemp("vlb") / "bundle"
+    # verified at export: the text path, then image + text prompts against transformers (vision.verification)
+    export(str(vl_checkpoint), out, max_context=128, prefill_chunk=8, progress=False, vision=True)
+    assert not schema_problems(read_manifest(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_model(vl_checkpoint):
+    import torch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(vl_checkpoint, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run all the steps, EOS included as a plain token
+    return model
+
+
+def _spec(ckpt: Path) -> VisionSpec:
+    return VisionSpec.from_config(json.loads((ckpt / "config.json").read_text()))
+
+
+# ---- host side ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("h, w", [(64, 64), (70, 100), (150, 90), (500, 300), (20, 30)])
+def test_preprocessing_matches_transformers(h, w):
+    """Resize (incl. down to max_pixels and up to min_pixels), normalize, merge-block patch order, grid."""
+    img = _image(h, w, seed=h * w)
+    mine = preprocess_image(img, Preprocessor.from_config(PRE))
+    ref = _hf_processor()(images=[img], return_tensors="np")
+    assert [list(mine.grid)] == ref["image_grid_thw"].tolist()
+    assert mine.patches.shape == ref["pixel_values"].shape
+    np.testing.assert_allclose(mine.patches, ref["pixel_values"], atol=1e-6)
+
+
+@pytest.mark.parametrize("grid", [(1, 4, 6), (1, 10, 6), (2, 4, 4), (1, 60, 2)])
+def test_grid_tensors_match_transformers(grid):
+    """Position-table interpolation and the 2-D rotary, as transformers computes them from grid_thw."""
+    import torch
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionRotaryEmbedding
+    from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
+
+    spec = VisionSpec.from_config({"model_type": "qwen3_5", "vision_config": VISION} | TOKENS)
+    g = torch.tensor([grid])
+    idx, wts = get_vision_interpolation_indices_and_weights(
+        g, spec.grid_side, mode="bilinear", align_corners=True, spatial_merge_size=2
+    )
+    my_idx, my_wts = position_interpolation(spec, grid)
+    np.testing.assert_array_equal(my_idx, idx.numpy())
+    np.testing.assert_allclose(my_wts, wts.numpy(), atol=1e-6)
+    rot = Qwen3_5VisionRotaryEmbedding(Qwen3_5VisionConfig(**VISION))
+    cos, sin = rot(torch.zeros(1), get_vision_position_ids(g, 2))
+    my_cos, my_sin = rotary_cos_sin(spec, grid)
+    np.testing.assert_allclose(my_cos, cos.numpy(), atol=1e-6)
+    np.testing.assert_allclose(my_sin, sin.numpy(), atol=1e-6)
+
+
+def test_rope_positions_match_get_rope_index(vl_checkpoint, hf_model):
+    import torch
+
+    spec = _spec(vl_checkpoint)
+    grids = [(1, 4, 6), (1, 10, 6)]
+    ids = [1, 2, START] + [IMAGE] * 6 + [END, 3, START] + [IMAGE] * 15 + [END, 4, 5, 6]
+    t = torch.tensor([ids])
+    ref, delta = hf_model.model.get_rope_index(
+        t, ((t == IMAGE) | (t == VIDEO)).int(), image_grid_thw=torch.tensor(grids)
+    )
+    mine, my_delta = rope_positions(ids, grids, spec)
+    np.testing.assert_array_equal(mine, ref[:, 0].numpy())
+    assert my_delta == int(delta) and my_delta < 0  # later tokens sit at cache position + delta
+    with pytest.raises(DeltashipError, match="placeholders for 2 image"):
+        rope_positions(ids, grids + [(1, 4, 4)], spec)
+
+
+def test_mrope_section_must_fit_the_rotary():
+    assert interleave_mask((3, 3, 2), 8)[:, :4].tolist() == [[1, 0, 0, 1], [0, 1, 0, 0], [0, 0, 1, 0]]
+    with pytest.raises(DeltashipError, match="summing to 8"):
+        interleave_mask((11, 11, 10), 8)
+
+
+def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
+    from deltaship.export import export
+
+    with pytest.raises(DeltashipError, match="preset with no vision tower"):
+        export("qwen3.5-0.8b", tmp_path / "a", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="text-only checkpoint"):
+        export("qwen3.5-tiny", tmp_path / "a", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="text-only checkpoint"):
+        export(str(checkpoints["base"]), tmp_path / "b", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="fp32 only"):
+        export(str(vl_checkpoint), tmp_path / "c", precision="fp16", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="ONNX and ExecuTorch"):
+        export(str(vl_checkpoint), tmp_path / "d", target="coreml", vision=True, verify=False, progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_tiny_preset_mrope_section_fits():
+    from deltaship.models.source import load_source
+
+    spec = load_source("qwen3.5-tiny").spec
+    assert sum(spec.mrope_section) == spec.rotary_dim // 2
+
+
+# ---- the bundle against transformers ---------------------------------------------------------------
+def _reference(hf_model, ids: list[int], images, steps: int) -> tuple[list[int], np.ndarray]:
+    """transformers' own cached greedy generation (prefill with the pixels, M-RoPE decode by rope delta)."""
+    import torch
+
+    px = _hf_processor()(images=images, return_tensors="pt")
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf_model.generate(
+            input_ids=t,
+            pixel_values=px["pixel_values"],
+            image_grid_thw=px["image_grid_thw"],
+            mm_token_type_ids=((t == IMAGE) | (t == VIDEO)).int(),
+            max_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float().numpy()
+
+
+CASES = {
+    "square": [(64, 64)],  # 2 x 2 merged tokens
+    "odd_width": [(64, 96)],  # merged grid 2 x 3
+    "tall_chunk_boundary": [(160, 96)],  # 5 x 3 = 15 tokens from position 4: prefill chunks of 8 cut it twice
+    "two_images": [(64, 96), (96, 64)],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_image_generation_matches_transformers(case, vl_bundle, hf_model):
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.vision import Multimodal
+
+    images = [_image(h, w, seed=i + h) for i, (h, w) in enumerate(CASES[case])]
+    mm = Multimodal(open_bundle(vl_bundle))
+    ims = [preprocess_image(im, mm.pre) for im in images]
+    prompt = [5, 6]
+    for _ in images:
+        prompt += [START, IMAGE, END]
+    prompt += [7, 8, 9]
+    gen = mm.generate(prompt, ims, 16, keep_logits=True, stop_at_eos=False)
+    n_img = sum(im.tokens(2) for im in ims)
+    assert len(gen.input_ids) == len(prompt) - len(images) + n_img
+    if case == "tall_chunk_boundary":
+        first = gen.input_ids.index(IMAGE)
+        assert first % 8 != 0 and (first + n_img) // 8 > first // 8 + 1  # boundaries inside the span
+    ref, ref_logits = _reference(hf_model, gen.input_ids, images, 16)
+    assert len(set(ref)) > 3, f"degenerate reference {ref}: the test would prove nothing"
+    assert gen.output_ids == ref
+    logits = np.stack(gen.logits)
+    assert np.abs(logits - ref_logits).max() / ref_logits.std() < 1e-3
+
+
+def test_two_frame_video_matches_transformers(vl_bundle, hf_model):
+    """A 2-frame video (one temporal patch: grid t = 1) between text, against transformers' video path."""
+    import torch
+
+    from deltaship.models.vision import preprocess_frames
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.vision import Multimodal
+
+    mm = Multimodal(open_bundle(vl_bundle))
+    frames = [_image(64, 96, seed=5), _image(64, 96, seed=6)]
+    video = preprocess_frames(frames, mm.pre)
+    assert video.grid == (1, 4, 6) and video.video
+    # the patch row is (channel, frame, row, col): frame 0 then frame 1 of each channel
+    still = preprocess_image(frames[0], mm.pre).patches.reshape(-1, 3, 2, 256)
+    np.testing.assert_array_equal(video.patches.reshape(-1, 3, 2, 256)[:, :, 0], still[:, :, 0])
+    assert not np.array_equal(video.patches.reshape(-1, 3, 2, 256)[:, :, 1], still[:, :, 1])
+    gen = mm.generate([5, START, VIDEO, END, 7, 8], [video], 16, keep_logits=True, stop_at_eos=False)
+    assert gen.input_ids.count(VIDEO) == 6
+    t = torch.tensor([gen.input_ids])
+    with torch.no_grad():
+        out = hf_model.generate(
+            input_ids=t,
+            pixel_values_videos=torch.from_numpy(video.patches),
+            video_grid_thw=torch.tensor([video.grid]),
+            mm_token_type_ids=(t == VIDEO).int() * 2,
+            max_new_tokens=16,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ref, ref_logits = out.sequences[0, t.shape[1] :].tolist(), torch.cat(out.logits).numpy()
+    assert len(set(ref)) > 3 and gen.output_ids == ref
+    assert np.abs(np.stack(gen.logits) - ref_logits).max() / ref_logits.std() < 1e-3
+    with pytest.raises(DeltashipError, match="only 2 frames"):
+        mm.generate([5, START, VIDEO, END], [preprocess_frames(frames * 2, mm.pre)], 4)
+
+
+def test_mrope_positions_matter(vl_bundle, monkeypatch):
+    """Feeding the image span 1-D positions changes the logits far past the tolerance: the 3-row path is live."""
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.vision import Multimodal
+
+    mm = Multimodal(open_bundle(vl_bundle))
+    im = preprocess_image(_image(160, 96, seed=1), mm.pre)
+    ids = mm.expand([5, START, IMAGE, END, 7], [im])
+    right = mm.prefill(ids, [im])
+    monkeypatch.setattr(
+        "deltaship.runtimes.vision.rope_positions", lambda ids, grids, spec: (np.tile(np.arange(len(ids)), (3, 1)), 0)
+    )
+    wrong = mm.prefill(ids, [im])
+    assert np.abs(right - wrong).max() > 100 * 1e-3 * right.std()
+
+
+def test_text_prompt_on_vision_bundle_takes_the_text_graph(vl_bundle, bundles):
+    from deltaship.bundle import read_manifest
+    from deltaship.runtimes import open_bundle
+
+    m = read_manifest(vl_bundle)
+    assert m["entry"] == "model.onnx" and m["vision"]["graphs"]["decoder"] == "decoder_mm.onnx"
+    assert m["vision"]["max_image_tokens"] == 64 and m["vision"]["min_image_tokens"] == 4
+    rec = m["vision"]["verification"]
+    assert rec["status"] == "passed" and len(rec["images"]) == 3 and rec["greedy_agreement"] == 1.0
+    assert {r["grid_thw"][2] // 2 for r in rec["images"]} >= {2, 3}  # square and odd merged widths
+    assert (vl_bundle / "preprocessor_config.json").is_file()
+    s = open_bundle(vl_bundle)
+    a = s.generate([5, 6, 7], 8).output_ids
+    from deltaship.runtimes.vision import Multimodal
+
+    b = Multimodal(open_bundle(vl_bundle)).generate([5, 6, 7], [], 8).output_ids
+    assert a == b  # with no image, M-RoPE is 1-D RoPE: both graphs agree
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deltaship", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_generate_with_images(vl_bundle, tmp_path):
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    _image(64, 96, 0).save(a)
+    _image(600, 400, 1).save(b)  # over max_pixels: resized, with a notice
+    r = _cli("generate", str(vl_bundle), "--image", str(a), "--image", str(b), "--prompt", "compare the two images",
+             "--max-new-tokens", "4", "--json", "--no-stop-at-eos")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["image_tokens"][0] == 6 and res["image_tokens"][1] <= 64
+    assert any("resized" in n for n in res["notices"])
+    ids = res["input_ids"]
+    assert ids[:3] == [IM_START, 156, START] and ids.count(IMAGE) == sum(res["image_tokens"])
+    assert len(res["output_ids"]) == 4
+
+
+def test_image_generation_on_onnx_imports_no_torch(vl_bundle, tmp_path):
+    a = tmp_path / "a.png"
+    _image(64, 96, 0).save(a)
+    code = (
+        "import sys; from deltaship.commands import generate; "
+        f"r = generate({str(vl_bundle)!r}, input_ids=[5, {START}, {IMAGE}, {END}], images=[{str(a)!r}], "
+        "max_new_tokens=2); assert r['image_tokens'] == [6], r; assert 'torch' not in sys.modules"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_cli_image_errors(vl_bundle, bundles, tmp_path):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    good = tmp_path / "good.png"
+    _image(64, 64, 0).save(good)
+    r = _cli("generate", str(vl_bundle), "--image", str(bad), "--input-ids", f"1,{IMAGE},2")
+    assert r.returncode != 0 and "not a readable image" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("generate", str(vl_bundle), "--image", str(good), "--input-ids", "1,2,3")
+    assert r.returncode != 0 and "0 image/video placeholder span" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("generate", str(vl_bundle), "--video", f"{good},{good}", "--input-ids", f"1,{IMAGE},2")
+    assert r.returncode != 0 and "is for an image but the input in its place is a video" in r.stderr
+    r = _cli("generate", str(bundles("base")), "--image", str(good), "--input-ids", "1,2,3")
+    assert r.returncode != 0 and "no vision tower" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- the canonical torch tower and ExecuTorch's vision_encoder ---------------------------------------------
+def _tower_cases(ckpt: Path):
+    from deltaship.models.source import load_source
+    from deltaship.models.vision import VisionWeights, encoder_inputs
+
+    spec = _spec(ckpt)
+    weights = VisionWeights(load_source(str(ckpt)).weights.files, spec, str(ckpt))
+    pre = Preprocessor.from_config(PRE)
+    images = [preprocess_image(_image(h, w, seed=h), pre) for h, w in ((96, 160), (64, 64), (256, 256))]
+    return spec, weights, [(im.grid, encoder_inputs(spec, im)) for im in images]
+
+
+def _hf_tower(hf_model, grid, inputs):
+    import torch
+
+    with torch.no_grad():
+        px = torch.from_numpy(inputs["pixel_values"])
+        return hf_model.model.visual(px, grid_thw=torch.tensor([grid])).pooler_output.numpy()
+
+
+def test_torch_tower_matches_transformers(vl_checkpoint, hf_model):
+    """The canonical module (patch embed as a Linear, host grid tensors) against transformers' tower."""
+    import torch
+
+    from deltaship.models.qwen3_5_vision import load_tower
+
+    spec, weights, cases = _tower_cases(vl_checkpoint)
+    tower = load_tower(spec, weights)
+    for grid, inputs in cases:
+        with torch.no_grad():
+            got = tower(**{k: torch.from_numpy(v) for k, v in inputs.items()}).numpy()
+        np.testing.assert_allclose(got, _hf_tower(hf_model, grid, inputs), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_executorch_vision_encoder(vl_checkpoint, hf_model, tmp_path):
+    """One .pte method `vision_encoder`, dynamic patch count: three image sizes through one program."""
+    import torch
+    from executorch.runtime import Runtime
+
+    from deltaship.export.executorch.vision import INPUTS, METHOD, lower_vision_pte
+
+    spec, weights, cases = _tower_cases(vl_checkpoint)
+    info = lower_vision_pte(spec, weights, tmp_path / "vision.pte", max_patches=256)
+    assert info["max_patches"] == 256
+    method = Runtime.get().load_program(str(tmp_path / "vision.pte")).load_method(METHOD)
+    for grid, inputs in cases:
+        got = method.execute([torch.from_numpy(inputs[n]) for n in INPUTS])[0].numpy()
+        np.testing.assert_allclose(got, _hf_tower(hf_model, grid, inputs), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_executorch_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_path):
+    """An ExecuTorch bundle with --vision: vision.pte's vision_encoder, token_embedding and text_decoder give
+    transformers' greedy tokens for two images, with prefill chunk boundaries inside the second image's span."""
+    from deltaship.export import export
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.vision import ExecuTorchMultimodal, Multimodal
+
+    out = tmp_path / "et"
+    m = export(str(vl_checkpoint), out, target="executorch", max_context=128, prefill_chunk=8, progress=False,
+               vision=True)  # fmt: skip
+    assert m["vision"]["verification"]["status"] == "passed"  # checked at export, as the ONNX bundle
+    assert {"vision.pte", "decoder_mm.pte", "model.pte"} <= set(m["files"])
+    mm = Multimodal(open_bundle(out))
+    assert isinstance(mm, ExecuTorchMultimodal)
+    images = [_image(64, 96, seed=0), _image(160, 96, seed=1)]
+    ims = [preprocess_image(im, mm.pre) for im in images]
+    prompt = [5, START, IMAGE, END, 6, START, IMAGE, END, 7, 8]
+    gen = mm.generate(prompt, ims, 16, keep_logits=True, stop_at_eos=False)
+    ref, ref_logits = _reference(hf_model, gen.input_ids, images, 16)
+    assert len(set(ref)) > 3 and gen.output_ids == ref
+    assert np.abs(np.stack(gen.logits) - ref_logits).max() / ref_logits.std() < 1e-3
+    text = open_bundle(out).generate([5, 6, 7], 8).output_ids  # model.pte: the text-only path
+    assert Multimodal(open_bundle(out)).generate([5, 6, 7], [], 8).output_ids == text

@@ -104,6 +104,9 @@ def test_et_generate_cli_reports_acceptance(tiny_mtp_pte):
     res = generate(tiny_mtp_pte, prompt="import os\n", max_new_tokens=24, stop_at_eos=False, speculative="mtp:2")
     assert res["output_ids"] == plain["output_ids"]
     assert res["speculative"]["drafted"] > 0 and 0 < res["speculative"]["acceptance_rate"] <= 1
+    # ExecuTorch's C++ LLM runner still runs 'forward' of the three-method program (shared state arena) as before
+    runner = generate(tiny_mtp_pte, prompt="import os\n", max_new_tokens=24, runtime="et-runner")
+    assert runner["text"] == generate(tiny_mtp_pte, prompt="import os\n", max_new_tokens=24)["text"]
 
 
 def test_mtp_is_refused_on_coreml_naming_the_targets_that_take_it():

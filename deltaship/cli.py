@@ -50,12 +50,21 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     """One flag per field of each target's options dataclass (deltaship/targets), with its help and default."""
     from deltaship.targets import all_targets, flag
 
+    added: set[str] = set()  # an option several targets take (--mtp) is one flag, under the first of them
+    takers: dict[str, list[str]] = {}
+    for t in all_targets():
+        for f in t.Options.fields():
+            takers.setdefault(f.name, []).append(t.name)
     for t in all_targets():
         group = parser.add_argument_group(f"{t.name} options", t.description)
         for f in t.Options.fields():
+            if f.name in added:
+                continue
+            added.add(f.name)
             meta = f.metadata
             default = "" if f.default in (None, False) else f" (default {f.default})"
-            kwargs: dict = {"help": f"{meta.get('help', '')}{default}", "default": None}
+            shared = f" (--target {' or '.join(takers[f.name])})" if len(takers[f.name]) > 1 else ""
+            kwargs: dict = {"help": f"{meta.get('help', '')}{default}{shared}", "default": None}
             if f.type in (bool, "bool"):
                 kwargs.update(action="store_true", default=False)
             else:

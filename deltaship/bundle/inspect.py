@@ -37,12 +37,14 @@ def describe(info: dict[str, Any]) -> str:
         dup = (
             f"no, {sp['duplicated_bytes'] / 2**20:.2f} MiB duplicated"
             if sp and not sp["shares_weights"]
+            else "yes, methods of one program (its constants are stored once)"
+            if sp and "program_method" in sp["draft"]
             else f"yes, {shared:.2f} MiB read from the decoder's data file"
         )
         lines.append(
             f"mtp head    {spec['mtp_num_hidden_layers']} layer(s) in the checkpoint; "
             + (
-                f"exported as {sp['draft']['file']} (generate --speculative mtp[:k]); shares the embedding/LM head: "
+                f"exported as {_part(sp['draft'])} (generate --speculative mtp[:k]); shares the embedding/LM head: "
                 f"{dup}"
                 if sp
                 else "not exported (export with --mtp to draft with it)"
@@ -50,9 +52,9 @@ def describe(info: dict[str, Any]) -> str:
         )
     if m.get("speculative"):
         sp = m["speculative"]
-        lines.append(f"speculative draft {sp['draft']['file']}: inputs {[t['name'] for t in sp['draft']['inputs']]}")
+        lines.append(f"speculative draft {_part(sp['draft'])}: inputs {[t['name'] for t in sp['draft']['inputs']]}")
         lines.append(
-            f"            verify {sp['verify']['file']}: + input {[t['name'] for t in sp['verify']['inputs']]}, "
+            f"            verify {_part(sp['verify'])}: + input {[t['name'] for t in sp['verify']['inputs']]}, "
             f"outputs {[t['name'] for t in sp['verify']['outputs']]}"
         )
         lines.append(
@@ -113,3 +115,8 @@ def describe(info: dict[str, Any]) -> str:
     else:
         lines.append("integrity   FAILED: " + "; ".join(info["problems"]))
     return "\n".join(lines)
+
+
+def _part(part: dict) -> str:
+    """mtp.onnx, or model.pte:mtp_draft (a method of an ExecuTorch program)."""
+    return part["file"] + (f":{part['program_method']}" if "program_method" in part else "")

@@ -30,14 +30,19 @@ def check_options(
     """Every option combination is checked once, here, before any work starts; returns the target's typed
     options. (The target's own combinations, which need the context and chunk, are checked by export().)"""
     tgt = get_target(target)
-    owners = {f.name: t.name for t in all_targets() for f in t.Options.fields()}
+    owners: dict[str, list[str]] = {}  # option -> the targets that take it (--mtp: onnx and executorch)
+    for t in all_targets():
+        for f in t.Options.fields():
+            owners.setdefault(f.name, []).append(t.name)
     for key in target_options or {}:
         if key not in owners:
             raise DeltashipError(
                 f"unknown export option {key!r}; options: {', '.join(owners)}", "check the option's spelling"
             )
-        if owners[key] != target:
-            raise DeltashipError(f"{flag(key)} applies to --target {owners[key]}, not {target}", f"drop {flag(key)}")
+        if target not in owners[key]:
+            raise DeltashipError(
+                f"{flag(key)} applies to --target {' or '.join(owners[key])}, not {target}", f"drop {flag(key)}"
+            )
     options = tgt.parse_options(target_options or {})
     if precision not in PRECISIONS:
         raise DeltashipError(

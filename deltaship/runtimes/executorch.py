@@ -10,6 +10,7 @@ import numpy as np
 
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Session
+from deltaship.runtimes.executorch_speculative import ExecuTorchSpeculation
 
 
 def _installed_executorch() -> str:
@@ -19,7 +20,7 @@ def _installed_executorch() -> str:
         return "not installed"
 
 
-class ExecuTorchSession(Session):
+class ExecuTorchSession(ExecuTorchSpeculation, Session):
     def __init__(
         self, bundle: Path, manifest: dict[str, Any], threads: int | None = None, prefill_chunk: int | None = None
     ):

@@ -18,6 +18,13 @@ class ExecuTorchOptions(TargetOptions):
     allow_portable_fallback: bool = field(
         default=False, metadata=option("accept nodes XNNPACK does not take (they run as portable kernels)")
     )
+    mtp: bool = field(
+        default=False,
+        metadata=option(
+            "export the checkpoint's multi-token-prediction head as the program's method 'mtp_draft', and a method "
+            "'verify' (every row's logits), for `generate --speculative mtp`",
+        ),
+    )
 
 
 @register

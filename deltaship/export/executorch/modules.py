@@ -229,6 +229,18 @@ class XnnpackLayout:
                     sel = head_selection(spec)
                     plan.add_constant(f"{path}.linear_attn.head_select", lambda m=sel: m, sel.shape)
                 counts["deltanet_heads_first"] += int(spec.linear_key_head_dim == spec.linear_value_head_dim)
+        mtp = getattr(model, "mtp", None)
+        for i, layer in enumerate(mtp.layers if mtp is not None else []):
+            path = f"mtp.layers.{i}"  # --mtp: the draft head's attention layer(s), laid out as the trunk's
+            layer.self_attn = XnnpackAttention(layer.self_attn)
+            rows = XnnpackAttention.q_gate_rows(spec)
+            plan.select_rows(
+                f"{path}.self_attn.qkv.parts.q_proj.weight",
+                {f"{path}.self_attn.qkv.parts.{k}.weight": v for k, v in rows.items()},
+            )
+            rot = rotate_half_matrix(spec.head_dim, spec.rotary_dim)
+            plan.add_constant(f"{path}.self_attn.rotate", lambda r=rot: r, rot.shape, dtype="model")
+            counts["mtp_attention_q_gate_split"] = i + 1
         model.model.rotary = XnnpackRotary(spec)
         plan.add_constant("model.rotary.inv_freq_full", lambda: full_width_inv_freq(spec), (spec.head_dim,))
         if model.model.rotary.scaled:

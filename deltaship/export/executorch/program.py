@@ -87,6 +87,40 @@ class ProgramState(nn.Module):
         return logits
 
 
+class VerifyState(ProgramState):
+    """Method 'verify' (--mtp): the decoder over the same buffers (the same names: the program shares them with
+    'forward', share_mutable_buffers), returning the logits after each of `logit_rows` ([1, rows, V], one LM-head
+    matmul) and the final-normed hidden state of every position ([1, T, H]: the draft head's input)."""
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, logit_rows: torch.Tensor):
+        self.kernels.position = input_pos
+        bufs = [getattr(self, n) for n in self.names]
+        m = self.model
+        x, new = m.run_layers(m.model.embed_tokens(tokens), input_pos, bufs)
+        hidden = m.model.norm(x)
+        rows = m.lm_head(hidden.index_select(1, logit_rows)).float()
+        with torch.no_grad():
+            for buf, value in zip(bufs, new):
+                if value is not buf:
+                    buf.copy_(value)
+        return rows, hidden.float()
+
+
+class DraftState(ProgramState):
+    """Method 'mtp_draft' (--mtp): the MTP head over its own KV cache buffers (mtp_past_*), reading the decoder's
+    embedding and LM head (the same parameters: the program stores them once)."""
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, input_pos: torch.Tensor):
+        self.kernels.position = input_pos
+        bufs = [getattr(self, n) for n in self.names]
+        logits, out, new = self.model.mtp_forward(hidden.to(self.dtype), tokens, input_pos, bufs)
+        with torch.no_grad():
+            for buf, value in zip(bufs, new):
+                if value is not buf:
+                    buf.copy_(value)
+        return logits, out.float()
+
+
 def program_states(states: list[dict]) -> list[dict]:
     """The canonical state contract in ExecuTorch's layouts: KV cache [1, S, Hkv, D], always fp32."""
     out = []
@@ -283,6 +317,7 @@ def prepare(ctx, weights, say=lambda m: None):
         ["model.embed_tokens."]
         + [f"model.layers.{i}." for i in range(ctx.spec.num_layers)]
         + ["model.norm.", "model.rotary.", "lm_head."]
+        + (["mtp."] if getattr(model, "mtp", None) is not None else [])  # --mtp: the draft head's own weights
     )
     for i, unit in enumerate(units):
         say(f"materialising {unit.rstrip('.')} ({i + 1}/{len(units)})")
@@ -300,7 +335,7 @@ def prepare(ctx, weights, say=lambda m: None):
             )
         else:
             materialize(model, ctx.plan, weights, prefix=unit, allocate=False)
-            if quantized and unit.startswith("model.layers."):
+            if quantized and unit.startswith(("model.layers.", "mtp.")):
                 q.quantize_linears(model, ctx.precision, group, prefix=unit)
     if quantized:
         plain = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and type(m.weight) is nn.Parameter]
@@ -310,6 +345,8 @@ def prepare(ctx, weights, say=lambda m: None):
     swapped = use_kernels(model, kernels)
     static_conv_weights(model)
     ctx.states = program_states(ctx.model.state_specs(ctx.dtype))
+    if getattr(model, "mtp", None) is not None:  # --mtp: the draft head's own KV cache (fp32, never quantized)
+        ctx.programs["mtp_states"] = program_states(model.mtp_state_specs(ctx.dtype))
     if ctx.kv_quant:  # --kv-cache int8: the scales deltaship/export/kv_quant.py calibrated, in [1, 1, Hkv, D]
         from deltaship.export.kv_quant import quantized_states
 
@@ -345,25 +382,37 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         ep = torch.export.export(wrapper, example, dynamic_shapes=({1: t} if chunk > 1 else None, None), strict=False)
         ep = ep.run_decompositions({})
     reshapes = infer_reshape_dims(ep)
+    programs: Any = ep
+    speculative = "mtp_states" in ctx.programs
+    if speculative:  # --mtp: methods 'verify' and 'mtp_draft' beside 'forward', one set of weights and states
+        programs = {"forward": ep, **export_speculative(ctx, model, kernels, chunk, say)}
+        for other in ("verify", "mtp_draft"):
+            reshapes += infer_reshape_dims(programs[other])
     say("lowering to XNNPACK")
     with preprocess_shares_weights():
         edge = to_edge_transform_and_lower(
             # One partitioner for every precision: ExecuTorch's dynamically-quantized partitioner works op by
             # op, which puts each linear in a delegate call of its own (about 7 per layer).
-            ep,
+            programs,
             partitioner=[XnnpackPartitioner()],
             compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
             constant_methods=metadata(ctx, tokens or {}),
         )
     # The weights now live in the delegates' blobs: drop the eager model, the captured program and the
     # copies of the weights each delegate keeps for debugging.
-    del model, wrapper, ep
+    del model, wrapper, ep, programs
     ctx.model = None
     released = release_lowered_weights(edge)
     gc.collect()
     say(f"released {released / 2**30:.2f} GiB of pre-lowering weights")
     info = get_delegation_info(edge.exported_program().graph_module)
     portable = {op: int(v.non_delegated) for op, v in info.delegation_by_operator.items() if v.non_delegated}
+    if speculative:  # the other methods' nodes must pass the same check; index_select picks verify's rows
+        for other in ("verify", "mtp_draft"):
+            more = get_delegation_info(edge.exported_program(other).graph_module)
+            for op, v in more.delegation_by_operator.items():
+                if v.non_delegated and op != "aten_index_select_default":
+                    portable[op] = max(portable.get(op, 0), int(v.non_delegated))
     # an int8 KV cache rounds the new keys/values and dequantizes the cache outside XNNPACK (one each a layer)
     kv_ops = {"aten_round_default", "aten_mul_tensor"} if ctx.kv_quant else set()
     n_kv = 2 * len(ctx.kv_quant)
@@ -379,7 +428,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         ExecutorchBackendConfig(
             extract_delegate_segments=True,
             do_quant_fusion_and_const_prop=True,
-            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+            # --mtp: 'verify' reads and writes the very buffers 'forward' does (shared by name)
+            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=speculative),
             sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
             emit_mutable_buffer_names=True,
         )
@@ -390,7 +440,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     from deltaship.bundle.writer import tool_versions
 
     n_layers = ctx.spec.num_layers
+    extra = {"speculative": speculative_block(ctx)} if speculative else {}
     return {
+        **extra,
         "files": [PTE_FILE],
         "entry": PTE_FILE,
         "delegate_partitions": int(info.num_delegated_subgraphs),
@@ -411,4 +463,115 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "prefill": f"1 .. {chunk} tokens per call (dynamic shape)",
         "operators": operators,
         "runtime_requirements": runtime_requirements(operators, delegates, tool_versions("executorch")["executorch"]),
+    }
+
+
+def export_speculative(ctx, model: nn.Module, kernels, chunk: int, say) -> dict[str, torch.export.ExportedProgram]:
+    """torch.export of the methods 'verify' and 'mtp_draft' (--mtp), over the same eager model as 'forward'."""
+    t = torch.export.Dim("tokens", min=1, max=chunk)
+    rows = torch.export.Dim("rows", min=1, max=chunk)
+    dyn = {1: t} if chunk > 1 else None
+    n = min(2, chunk)
+    verify = VerifyState(model, ctx.states, kernels).eval()
+    draft = DraftState(model, ctx.programs["mtp_states"], kernels).eval()
+    draft.dtype = ctx.dtype
+    ids = torch.zeros(1, n, dtype=torch.long)
+    pos = torch.zeros(1, dtype=torch.long)
+    hidden = torch.zeros(1, n, ctx.spec.hidden_size)
+    out = {}
+    with torch.no_grad():
+        say("torch.export: method verify")
+        out["verify"] = torch.export.export(
+            verify,
+            (ids, pos, torch.arange(n, dtype=torch.long)),
+            dynamic_shapes=(dyn, None, {0: rows} if chunk > 1 else None),
+            strict=False,
+        ).run_decompositions({})
+        say("torch.export: method mtp_draft")
+        out["mtp_draft"] = torch.export.export(
+            draft, (hidden, ids, pos), dynamic_shapes=(dyn, dyn, None), strict=False
+        ).run_decompositions({})
+    return out
+
+
+def speculative_block(ctx) -> dict[str, Any]:
+    """The manifest's `speculative` block of a .pte exported with --mtp (docs/speculative.md)."""
+    h, v = ctx.spec.hidden_size, ctx.spec.vocab_size
+    tokens = {"name": "tokens", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens"}
+    return {
+        "method": "mtp",
+        "mtp_layers": ctx.spec.mtp_num_hidden_layers,
+        "draft": {
+            "file": PTE_FILE,
+            "program_method": "mtp_draft",
+            "inputs": [
+                {
+                    "name": "hidden_states",
+                    "shape": [1, "tokens", h],
+                    "dtype": "float32",
+                    "kind": "hidden_states",
+                    "doc": "verify's hidden_states at positions q .. q+T-1",
+                },
+                dict(tokens, doc="the tokens at positions q+1 .. q+T (each one after its hidden state)"),
+                {"name": "input_pos", "shape": [1], "dtype": "int64", "kind": "position", "doc": "q"},
+            ],
+            "outputs": [
+                {
+                    "name": "logits",
+                    "shape": [1, v],
+                    "dtype": "float32",
+                    "kind": "logits",
+                    "doc": "draft logits for the token at q+T+1",
+                },
+                {
+                    "name": "mtp_hidden_states",
+                    "shape": [1, "tokens", h],
+                    "dtype": "float32",
+                    "kind": "hidden_states",
+                    "doc": "the head's hidden states; the last row, with the drafted token, drafts one more",
+                },
+            ],
+            # mutable buffers of the program, used by mtp_draft only
+            "states": [dict(s, init="zeros", reset="zeros") for s in ctx.programs["mtp_states"]],
+        },
+        "verify": {
+            "file": PTE_FILE,
+            "program_method": "verify",
+            "inputs": [
+                dict(tokens, doc="1 to prefill_chunk token ids, as forward"),
+                {"name": "input_pos", "shape": [1], "dtype": "int64", "kind": "position", "doc": "as forward"},
+                {
+                    "name": "logit_rows",
+                    "shape": ["rows"],
+                    "dtype": "int64",
+                    "kind": "logit_rows",
+                    "doc": "rows of this call whose logits come back",
+                },
+            ],
+            "outputs": [
+                {
+                    "name": "logits_rows",
+                    "shape": [1, "rows", v],
+                    "dtype": "float32",
+                    "kind": "logits",
+                    "doc": "logits after each row in logit_rows (one LM-head matmul)",
+                },
+                {
+                    "name": "hidden_states",
+                    "shape": [1, "tokens", h],
+                    "dtype": "float32",
+                    "kind": "hidden_states",
+                    "doc": "final-normed hidden state of every position of the call (the MTP head's input)",
+                },
+            ],
+        },
+        "rollback": {
+            "kv_cache": "keep the length pointer: positions past the accepted ones are overwritten by later calls",
+            "deltanet": "snapshot: copy the DeltaNet conv and recurrent buffers (the program's mutable buffers, "
+            "shared by forward and verify) before a verify call; when a draft is rejected, copy them back and feed "
+            "the accepted tokens again at the start of the next verify call",
+        },
+        "shares_weights": True,  # one program: XNNPACK's weights and the program's constants are stored by hash
+        "duplicated_bytes": 0,
+        "files": [PTE_FILE],
     }

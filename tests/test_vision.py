@@ -204,8 +204,8 @@ def test_mrope_section_must_fit_the_rotary():
 def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
     from deltaship.export import export
 
-    with pytest.raises(DeltashipError, match="preset with no vision tower"):
-        export("qwen3.5-0.8b", tmp_path / "a", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="fp32 only"):  # the published-shape preset's tower is found first
+        export("qwen3.5-0.8b", tmp_path / "a", precision="fp16", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="text-only checkpoint"):
         export("qwen3.5-tiny", tmp_path / "a", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="text-only checkpoint"):
@@ -215,6 +215,33 @@ def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
     with pytest.raises(DeltashipError, match="ONNX and ExecuTorch"):
         export(str(vl_checkpoint), tmp_path / "d", target="coreml", vision=True, verify=False, progress=False)
     assert not any(tmp_path.iterdir())
+
+
+def test_published_presets_carry_their_vision_tower():
+    """Random towers at the published shapes, beside (not inside) the text weights, read like a checkpoint's."""
+    from deltaship.models.source import load_source
+    from deltaship.models.vision import VisionWeights, vision_spec_of
+
+    shapes = {"qwen3.5-0.8b": (12, 768, 12), "qwen3.5-2b": (24, 1024, 16), "qwen3.5-9b": (27, 1152, 16)}
+    for name, (depth, width, heads) in shapes.items():
+        src = load_source(name)
+        vs = vision_spec_of(src)
+        assert (vs.depth, vs.hidden_size, vs.num_heads, vs.patch_size, vs.num_position_embeddings) == (
+            depth,
+            width,
+            heads,
+            16,
+            2304,
+        )
+        assert vs.out_hidden_size == src.spec.hidden_size and not src.spec.is_multimodal
+        assert not any(n.startswith("model.visual.") for n in src.weights.names())  # the text path is unchanged
+    weights = VisionWeights(src.weights.files, vs, name)  # every tensor at its vision_config shape
+    qkv = weights.read("model.visual.blocks.3.attn.qkv.weight")
+    assert qkv.shape == (3 * 1152, 1152) and abs(float(qkv.std()) - 0.02) < 1e-3
+    assert np.array_equal(qkv, weights.read("model.visual.blocks.3.attn.qkv.weight"))  # seeded
+    assert not np.array_equal(qkv, weights.read("model.visual.blocks.4.attn.qkv.weight"))
+    assert (weights.read("model.visual.merger.norm.weight") == 1).all()
+    assert (weights.read("model.visual.blocks.0.mlp.linear_fc1.bias") == 0).all()
 
 
 def test_tiny_preset_mrope_section_fits():

@@ -219,8 +219,13 @@ def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
 
 def test_published_presets_carry_their_vision_tower():
     """Random towers at the published shapes, beside (not inside) the text weights, read like a checkpoint's."""
+    import torch
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    from deltaship.models.presets import PRESETS
     from deltaship.models.source import load_source
-    from deltaship.models.vision import VisionWeights, vision_spec_of
+    from deltaship.models.vision import VisionWeights, vision_spec_of, vision_tensors
 
     shapes = {"qwen3.5-0.8b": (12, 768, 12), "qwen3.5-2b": (24, 1024, 16), "qwen3.5-9b": (27, 1152, 16)}
     for name, (depth, width, heads) in shapes.items():
@@ -233,8 +238,9 @@ def test_published_presets_carry_their_vision_tower():
             16,
             2304,
         )
-        assert vs.out_hidden_size == src.spec.hidden_size and not src.spec.is_multimodal
+        assert not src.spec.is_multimodal
         assert not any(n.startswith("model.visual.") for n in src.weights.names())  # the text path is unchanged
+        assert vs.out_hidden_size == src.spec.hidden_size
     weights = VisionWeights(src.weights.files, vs, name)  # every tensor at its vision_config shape
     qkv = weights.read("model.visual.blocks.3.attn.qkv.weight")
     assert qkv.shape == (3 * 1152, 1152) and abs(float(qkv.std()) - 0.02) < 1e-3
@@ -242,6 +248,13 @@ def test_published_presets_carry_their_vision_tower():
     assert not np.array_equal(qkv, weights.read("model.visual.blocks.4.attn.qkv.weight"))
     assert (weights.read("model.visual.merger.norm.weight") == 1).all()
     assert (weights.read("model.visual.blocks.0.mlp.linear_fc1.bias") == 0).all()
+
+    for preset in ("qwen3.5-0.8b", "qwen3.5-4b"):  # transformers' tower at that vision_config: the same tensors
+        vc = {k: v for k, v in PRESETS[preset].multimodal_config()["vision_config"].items() if k != "model_type"}
+        with torch.device("meta"):
+            hf = Qwen3_5VisionModel(Qwen3_5VisionConfig(**vc))
+        got = {"model.visual." + n: tuple(p.shape) for n, p in hf.named_parameters()}
+        assert got == vision_tensors(vision_spec_of(load_source(preset)))
 
 
 def test_tiny_preset_mrope_section_fits():

@@ -180,13 +180,13 @@ def _plan(a: argparse.Namespace) -> int:
         kv_dtypes=a.kv_dtypes.split(",") if a.kv_dtypes else None,
         prefill_chunk=a.prefill_chunk,
     )
+    if a.json:  # the rows, as ever (the vision tower's plan: deltaship.devices.plan.vision_plan)
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(format_table(rows) + "\n\n" + "\n".join(verdicts(rows, a.tiers)))
     vp = vision_plan(a.model)  # None for a text-only model: the output is the text plan alone
-    if a.json:
-        print(json.dumps(rows if vp is None else {"rows": rows, "vision": vp}, indent=1))
-    else:
-        print(format_table(rows) + "\n\n" + "\n".join(verdicts(rows, a.tiers)))
-        if vp is not None:
-            print("\n" + format_vision(vp))
+    if vp is not None:
+        print("\n" + format_vision(vp))
     return 0
 
 

@@ -62,3 +62,17 @@ def test_vision_tower_in_the_plan():
     peaks = [r["activation_peak_bytes"] for r in vp["images"]]
     assert peaks == sorted(peaks) and by["896"]["attention_scores_bytes"] == 2 * 12 * 3136**2 * 4
     assert "100.6M parameters" in format_vision(vp)
+
+
+def test_plan_prints_the_vision_table_only_for_a_tower(capsys):
+    import json
+
+    from deltaship.cli import main
+
+    assert main(["plan", "--model", "qwen3.5-0.8b", "--tier", "phone-4gb"]) == 0
+    out = capsys.readouterr().out
+    assert "vision tower: 12 blocks x 768" in out and "896x896" in out and "4096x4096" in out
+    assert main(["plan", "--model", "qwen3.5-0.8b", "--tier", "phone-4gb", "--json"]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out), list)  # --json: the rows, as for a text-only model
+    assert main(["plan", "--model", "qwen3.5-tiny", "--tier", "phone-4gb"]) == 0
+    assert "vision tower" not in capsys.readouterr().out

@@ -178,7 +178,7 @@ def _devices(a: argparse.Namespace) -> int:
 
 
 def _plan(a: argparse.Namespace) -> int:
-    from deltaship.devices.plan import format_table, plan, verdicts
+    from deltaship.devices.plan import format_table, format_vision, plan, verdicts, vision_plan
 
     rows = plan(
         a.model,
@@ -189,7 +189,13 @@ def _plan(a: argparse.Namespace) -> int:
         kv_dtypes=a.kv_dtypes.split(",") if a.kv_dtypes else None,
         prefill_chunk=a.prefill_chunk,
     )
-    print(json.dumps(rows, indent=1) if a.json else format_table(rows) + "\n\n" + "\n".join(verdicts(rows, a.tiers)))
+    if a.json:  # the rows, as ever (the vision tower's plan: deltaship.devices.plan.vision_plan)
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(format_table(rows) + "\n\n" + "\n".join(verdicts(rows, a.tiers)))
+    vp = vision_plan(a.model)  # None for a text-only model: the output is the text plan alone
+    if vp is not None:
+        print("\n" + format_vision(vp))
     return 0
 
 

@@ -42,3 +42,37 @@ def test_export_for_a_device_uses_the_pick(tmp_path):
 
     m = export("qwen3.5-tiny", tmp_path / "b", device="laptop-16gb", target="onnx", verify=False, progress=False)
     assert m["target"] == "onnx" and m["precision"] == "fp16" and m["max_context"] == 4096
+
+
+def test_vision_tower_in_the_plan():
+    import math
+
+    from deltaship.devices.plan import format_vision, vision_plan
+    from deltaship.models.presets import PRESETS
+    from deltaship.models.vision import VisionSpec, vision_tensors
+
+    assert vision_plan("qwen3.5-tiny") is None  # text only: `plan` prints the text table alone
+    vp = vision_plan("qwen3.5-0.8b")
+    vs = VisionSpec.from_config(PRESETS["qwen3.5-0.8b"].multimodal_config())
+    assert vp["weights_bytes"] == 4 * sum(math.prod(s) for s in vision_tensors(vs).values())
+    by = {r["image"]: r for r in vp["images"]}
+    # 224 px is below min_pixels (256 x 256): upscaled; 896 px: 56 x 56 patches, 784 tokens; max: 4096 x 4096
+    assert by["224"]["resized"] == [256, 256] and by["896"]["patches"] == 3136 and by["896"]["tokens"] == 784
+    assert by["max"]["resized"] == [4096, 4096]
+    peaks = [r["activation_peak_bytes"] for r in vp["images"]]
+    assert peaks == sorted(peaks) and by["896"]["attention_scores_bytes"] == 2 * 12 * 3136**2 * 4
+    assert "100.6M parameters" in format_vision(vp)
+
+
+def test_plan_prints_the_vision_table_only_for_a_tower(capsys):
+    import json
+
+    from deltaship.cli import main
+
+    assert main(["plan", "--model", "qwen3.5-0.8b", "--tier", "phone-4gb"]) == 0
+    out = capsys.readouterr().out
+    assert "vision tower: 12 blocks x 768" in out and "896x896" in out and "4096x4096" in out
+    assert main(["plan", "--model", "qwen3.5-0.8b", "--tier", "phone-4gb", "--json"]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out), list)  # --json: the rows, as for a text-only model
+    assert main(["plan", "--model", "qwen3.5-tiny", "--tier", "phone-4gb"]) == 0
+    assert "vision tower" not in capsys.readouterr().out

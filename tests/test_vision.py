@@ -204,8 +204,8 @@ def test_mrope_section_must_fit_the_rotary():
 def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
     from deltaship.export import export
 
-    with pytest.raises(DeltashipError, match="preset with no vision tower"):
-        export("qwen3.5-0.8b", tmp_path / "a", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="fp32 only"):  # the published-shape preset's tower is found first
+        export("qwen3.5-0.8b", tmp_path / "a", precision="fp16", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="text-only checkpoint"):
         export("qwen3.5-tiny", tmp_path / "a", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="text-only checkpoint"):
@@ -215,6 +215,46 @@ def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
     with pytest.raises(DeltashipError, match="ONNX and ExecuTorch"):
         export(str(vl_checkpoint), tmp_path / "d", target="coreml", vision=True, verify=False, progress=False)
     assert not any(tmp_path.iterdir())
+
+
+def test_published_presets_carry_their_vision_tower():
+    """Random towers at the published shapes, beside (not inside) the text weights, read like a checkpoint's."""
+    import torch
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    from deltaship.models.presets import PRESETS
+    from deltaship.models.source import load_source
+    from deltaship.models.vision import VisionWeights, vision_spec_of, vision_tensors
+
+    shapes = {"qwen3.5-0.8b": (12, 768, 12), "qwen3.5-2b": (24, 1024, 16), "qwen3.5-9b": (27, 1152, 16)}
+    for name, (depth, width, heads) in shapes.items():
+        src = load_source(name)
+        vs = vision_spec_of(src)
+        assert (vs.depth, vs.hidden_size, vs.num_heads, vs.patch_size, vs.num_position_embeddings) == (
+            depth,
+            width,
+            heads,
+            16,
+            2304,
+        )
+        assert not src.spec.is_multimodal
+        assert not any(n.startswith("model.visual.") for n in src.weights.names())  # the text path is unchanged
+        assert vs.out_hidden_size == src.spec.hidden_size
+    weights = VisionWeights(src.weights.files, vs, name)  # every tensor at its vision_config shape
+    qkv = weights.read("model.visual.blocks.3.attn.qkv.weight")
+    assert qkv.shape == (3 * 1152, 1152) and abs(float(qkv.std()) - 0.02) < 1e-3
+    assert np.array_equal(qkv, weights.read("model.visual.blocks.3.attn.qkv.weight"))  # seeded
+    assert not np.array_equal(qkv, weights.read("model.visual.blocks.4.attn.qkv.weight"))
+    assert (weights.read("model.visual.merger.norm.weight") == 1).all()
+    assert (weights.read("model.visual.blocks.0.mlp.linear_fc1.bias") == 0).all()
+
+    for preset in ("qwen3.5-0.8b", "qwen3.5-4b"):  # transformers' tower at that vision_config: the same tensors
+        vc = {k: v for k, v in PRESETS[preset].multimodal_config()["vision_config"].items() if k != "model_type"}
+        with torch.device("meta"):
+            hf = Qwen3_5VisionModel(Qwen3_5VisionConfig(**vc))
+        got = {"model.visual." + n: tuple(p.shape) for n, p in hf.named_parameters()}
+        assert got == vision_tensors(vision_spec_of(load_source(preset)))
 
 
 def test_tiny_preset_mrope_section_fits():
@@ -472,3 +512,50 @@ def test_executorch_bundle_images_match_transformers(vl_checkpoint, hf_model, tm
     assert np.abs(np.stack(gen.logits) - ref_logits).max() / ref_logits.std() < 1e-3
     text = open_bundle(out).generate([5, 6, 7], 8).output_ids  # model.pte: the text-only path
     assert Multimodal(open_bundle(out)).generate([5, 6, 7], [], 8).output_ids == text
+
+
+@pytest.fixture
+def tiny_vl_preset(monkeypatch):
+    """A random-weights preset at the tiny text shape with a two-block tower (the published presets' code path,
+    at a size a test can export)."""
+    from deltaship.models.presets import _TINY, PRESETS, Preset, _vision
+
+    markers = {"image_token_id": 259, "video_token_id": 260, "vision_start_token_id": 261, "vision_end_token_id": 262}
+    cfg = {**_TINY, "vision_config": _vision(2, 64, 4, 128, _TINY["hidden_size"]), **markers}
+    monkeypatch.setitem(PRESETS, "tiny-vl-test", Preset("tiny-vl-test", cfg, 256, "test preset"))
+    return "tiny-vl-test"
+
+
+def test_preset_reference_holds_the_preset_tower(tiny_vl_preset):
+    """The transformers reference built for a random preset (verification's oracle) runs the same tower as
+    the canonical module on the preset's random vision weights."""
+    import torch
+
+    from deltaship.export.verify_vision import preset_reference
+    from deltaship.models.qwen3_5_vision import load_tower
+    from deltaship.models.source import load_source
+    from deltaship.models.vision import VisionWeights, encoder_inputs, vision_spec_of
+
+    src = load_source(tiny_vl_preset)
+    vs = vision_spec_of(src)
+    tower = load_tower(vs, VisionWeights(src.weights.files, vs, tiny_vl_preset))
+    ref = preset_reference(src)
+    im = preprocess_image(_image(64, 96, seed=3), Preprocessor.from_config(PRE))
+    inputs = encoder_inputs(vs, im)
+    with torch.no_grad():
+        got = tower(**{k: torch.from_numpy(v) for k, v in inputs.items()}).numpy()
+    np.testing.assert_allclose(got, _hf_tower(ref, im.grid, inputs), atol=1e-5)
+    assert float(np.abs(got).std()) > 1e-3  # random weights, not a degenerate tower
+
+
+@pytest.mark.slow
+def test_random_preset_exports_and_verifies_with_vision(tiny_vl_preset, tmp_path):
+    """export --vision from a random-weights preset (no checkpoint directory): preprocessor synthesized, the
+    image prompts verified against transformers holding the same random weights."""
+    from deltaship.export import export
+
+    manifest = export(tiny_vl_preset, tmp_path / "b", vision=True, progress=False)
+    assert manifest["vision"]["verification"]["status"] == "passed"
+    pre = json.loads((tmp_path / "b" / "preprocessor_config.json").read_text())
+    assert (pre["patch_size"], pre["merge_size"], pre["temporal_patch_size"]) == (16, 2, 2)
+    assert pre["image_mean"] == pre["image_std"] == [0.5] * 3

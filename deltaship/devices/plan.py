@@ -471,3 +471,72 @@ __all__ = [
     "parse_context",
     "fits_at_chunk",
 ]
+
+
+# ---- the vision tower (a model with one: `export --vision`) --------------------------------------------
+VISION_SIDES = (224, 448, 896)  # square test images, in pixels; plus the preprocessor's largest image
+
+
+def vision_plan(model: str) -> dict | None:
+    """The vision tower's weights and its activation peak per image size, or None for a text-only model.
+
+    The tower is exported at fp32 only, for one image per call, with full bidirectional attention over the
+    image's N patches: the peak is one block's attention scores and their softmax (2 x heads x N x N) plus
+    the patch-wide tensors of that block (input rows, QKV, MLP, residual), all fp32. Each image becomes N / 4
+    tokens of the text decoder's context (its KV cost is the text plan's). "max" is the largest image the
+    preprocessor produces (max_pixels, as a square)."""
+    import math
+
+    from deltaship.models.source import load_source
+    from deltaship.models.vision import Preprocessor, preprocessor_config, smart_resize, vision_spec_of, vision_tensors
+
+    source = load_source(model)
+    vs = vision_spec_of(source)
+    if vs is None:
+        return None
+    pre = Preprocessor.from_config(preprocessor_config(source))
+    params = sum(math.prod(s) for s in vision_tensors(vs).values())
+    sides = [(str(s), s) for s in VISION_SIDES] + [("max", math.isqrt(pre.max_pixels))]
+    images = []
+    for label, side in sides:
+        h, w = smart_resize(side, side, pre.factor, pre.min_pixels, pre.max_pixels)
+        n = (h // vs.patch_size) * (w // vs.patch_size)
+        scores = 2 * vs.num_heads * n * n * 4
+        rows = n * (vs.patch_dim + 3 * vs.hidden_size + vs.intermediate_size + 2 * vs.hidden_size) * 4
+        images.append(
+            {
+                "image": label,
+                "resized": [h, w],
+                "patches": n,
+                "tokens": n // vs.merge_unit,
+                "attention_scores_bytes": scores,
+                "activation_peak_bytes": scores + rows,
+            }
+        )
+    return {
+        "depth": vs.depth,
+        "hidden_size": vs.hidden_size,
+        "parameters": params,
+        "weights_bytes": params * 4,
+        "dtype": "float32",
+        "images": images,
+    }
+
+
+def format_vision(vp: dict) -> str:
+    lines = [
+        f"vision tower: {vp['depth']} blocks x {vp['hidden_size']}, {vp['parameters'] / 1e6:.1f}M parameters, "
+        f"{vp['weights_bytes'] / GIB:.2f} GiB of {vp['dtype']} weights; activation peak per image (one call):",
+        f"{'image':<8} {'resized':>11} {'patches':>8} {'tokens':>7} {'attention':>11} {'peak':>11}",
+    ]
+    for r in vp["images"]:
+        h, w = r["resized"]
+        lines.append(
+            f"{r['image']:<8} {f'{w}x{h}':>11} {r['patches']:>8} {r['tokens']:>7} "
+            f"{_gib(r['attention_scores_bytes']):>11} {_gib(r['activation_peak_bytes']):>11}"
+        )
+    return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"

@@ -39,7 +39,11 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
     tol = tolerance(manifest["target"], manifest["precision"])
     mm = Multimodal(open_bundle(bundle, check_hashes=False))
     sp = mm.spec
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(source.path, dtype=torch.float32).eval()
+    model = (
+        Qwen3_5ForConditionalGeneration.from_pretrained(source.path, dtype=torch.float32).eval()
+        if source.path is not None
+        else preset_reference(source)
+    )
     model.generation_config.eos_token_id = None  # every step, an EOS token included
     rng = np.random.default_rng(0)
     text = [i for i in range(1, 64) if i not in (sp.image_token_id, sp.video_token_id)][:4]
@@ -95,3 +99,48 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
             "this is a deltaship bug: please report it with the model's config.json",
         )
     return record
+
+
+def preset_reference(source):
+    """transformers' Qwen3_5ForConditionalGeneration holding a published-shape preset's random weights (text,
+    as RandomWeights reads them, and the vision tower beside them), fp32."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        Qwen3_5TextRotaryEmbedding,
+        Qwen3_5VisionRotaryEmbedding,
+    )
+
+    from deltaship.models.families import family_of_architecture
+    from deltaship.models.presets import get_preset
+
+    mm = get_preset(source.name).multimodal_config()
+    spec = source.spec
+    vision = {k: v for k, v in mm["vision_config"].items() if k != "model_type"}
+    cfg = Qwen3_5Config(
+        text_config=family_of_architecture(spec.architecture).hf_config(spec),
+        vision_config=vision,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **{k: mm[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")},
+    )
+    with torch.device("meta"):
+        model = Qwen3_5ForConditionalGeneration(cfg)
+    model.to_empty(device="cpu")
+    state = {}
+    for name in source.weights.names():
+        if name.startswith("mtp."):
+            continue
+        key = "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
+        state[key] = torch.from_numpy(np.array(source.weights.read(name)))
+    for sf in source.weights.files.values():
+        state |= {name: torch.from_numpy(sf.read(name)) for name in sf.entries}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and spec.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"reference model weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.model.language_model.embed_tokens.weight
+    # rotary inverse frequencies are buffers, left empty by to_empty: build those two modules afresh
+    model.model.language_model.rotary_emb = Qwen3_5TextRotaryEmbedding(cfg.text_config)
+    model.model.visual.rotary_pos_emb = Qwen3_5VisionRotaryEmbedding(cfg.vision_config)
+    return model.float().eval()

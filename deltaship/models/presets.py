@@ -39,7 +39,43 @@ _COMMON = {
 }
 
 
-def _published(hidden: int, mlp: int, layers: int, heads: int, kv: int, v_heads: int, tied: bool) -> dict[str, Any]:
+# The published checkpoints' vision towers (config.json `vision_config`, Qwen3_5ForConditionalGeneration).
+# Values as the published config.json files spell them, read from public copies of those files (no download here):
+# 0.8B 12 x 768 (12 heads, MLP 3072) and 4B 24 x 1024 (16 heads, MLP 4096) agree across several independent
+# copies; 9B 27 x 1152 (16 heads, MLP 4304) is also transformers' Qwen3_5VisionConfig default; the 2B's
+# 24 x 1024 follows issue 18 and the 4B's tower (no copy of the 2B's own config.json was found: approximate).
+# Every tower: patch 16, temporal patch 2, merge 2, 3 channels, a 48 x 48 position table (2304), gelu (tanh),
+# out_hidden_size = the text hidden size; the marker ids are transformers' Qwen3_5Config defaults, which the
+# published configs repeat.
+_VISION_TOKENS = {
+    "image_token_id": 248056,
+    "video_token_id": 248057,
+    "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054,
+}
+
+
+def _vision(depth: int, hidden: int, heads: int, mlp: int, out: int) -> dict[str, Any]:
+    return {
+        "model_type": "qwen3_5",
+        "depth": depth,
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "intermediate_size": mlp,
+        "out_hidden_size": out,
+        "hidden_act": "gelu_pytorch_tanh",
+        "in_channels": 3,
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [],
+    }
+
+
+def _published(
+    hidden: int, mlp: int, layers: int, heads: int, kv: int, v_heads: int, tied: bool, vision: dict[str, Any]
+) -> dict[str, Any]:
     return {
         **_COMMON,
         "hidden_size": hidden,
@@ -51,6 +87,9 @@ def _published(hidden: int, mlp: int, layers: int, heads: int, kv: int, v_heads:
         "tie_word_embeddings": tied,
         "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
         "mtp_num_hidden_layers": 1,  # the published checkpoints ship a one-layer MTP head (random here too)
+        # the vision tower (random here too): `export --vision`; the text decoder reads none of it
+        "vision_config": vision,
+        **_VISION_TOKENS,
     }
 
 
@@ -96,6 +135,13 @@ class Preset:
     def spec(self) -> ModelSpec:
         return ModelSpec.from_config(self.config, where=f"preset {self.name}")
 
+    def multimodal_config(self) -> dict[str, Any] | None:
+        """The preset's vision side as a multimodal (`qwen3_5`) config.json would hold it (VisionSpec.from_config
+        reads it); None for a text-only preset."""
+        if "vision_config" not in self.config:
+            return None
+        return {**self.config, "model_type": "qwen3_5"}
+
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -109,28 +155,28 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "qwen3.5-0.8b",
-            _published(1024, 3584, 24, 8, 2, 16, True),
+            _published(1024, 3584, 24, 8, 2, 16, True, _vision(12, 768, 12, 3072, 1024)),
             4096,
             "published 0.8B shape, random weights",
             base_model="Qwen/Qwen3.5-0.8B",
         ),
         Preset(
             "qwen3.5-2b",
-            _published(2048, 6144, 24, 8, 2, 16, True),
+            _published(2048, 6144, 24, 8, 2, 16, True, _vision(24, 1024, 16, 4096, 2048)),
             4096,
             "published 2B shape, random weights",
             base_model="Qwen/Qwen3.5-2B",
         ),
         Preset(
             "qwen3.5-4b",
-            _published(2560, 9216, 32, 16, 4, 32, True),
+            _published(2560, 9216, 32, 16, 4, 32, True, _vision(24, 1024, 16, 4096, 2560)),
             4096,
             "published 4B shape, random weights",
             base_model="Qwen/Qwen3.5-4B",
         ),
         Preset(
             "qwen3.5-9b",
-            _published(4096, 12288, 32, 16, 4, 32, False),
+            _published(4096, 12288, 32, 16, 4, 32, False, _vision(27, 1152, 16, 4304, 4096)),
             4096,
             "published 9B shape, random weights",
             base_model="Qwen/Qwen3.5-9B",

@@ -108,9 +108,12 @@ def load_source(model: str | Path, *, allow_download: bool = False) -> ModelSour
         if text == "qwen3.5-tiny":
             tdir = Path(tempfile.mkdtemp(prefix="deltaship-tok-"))
             files = [tdir / f for f in write_tiny_tokenizer(tdir)]
-        return ModelSource(
-            name=text, kind="preset", spec=spec, weights=RandomWeights(spec, seed=preset.seed), tokenizer_files=files
-        )
+        from deltaship.models.vision import VisionSpec
+
+        mm = preset.multimodal_config()
+        vision = VisionSpec.from_config(mm, where=f"preset {text}") if mm is not None else None
+        weights = RandomWeights(spec, seed=preset.seed, vision=vision)
+        return ModelSource(name=text, kind="preset", spec=spec, weights=weights, tokenizer_files=files)
     path = Path(text).expanduser()
     if not path.exists():
         from deltaship.models.hub import parse_hub_id

@@ -528,17 +528,28 @@ def write_preprocessor(bundle: Path, source, cfg: dict[str, Any]) -> None:
         (bundle / PREPROCESSOR_CONFIG).write_text(json.dumps(cfg, indent=2))
 
 
-def check_vision(source, ctx) -> tuple[VisionSpec, Preprocessor, dict[str, Any], tuple[int, ...]]:
-    """What `export --vision` needs from the checkpoint, each problem named: the vision spec, the
-    preprocessor (and its config) and the M-RoPE sections."""
+def vision_spec_of(source) -> VisionSpec | None:
+    """The source's vision tower: a checkpoint's config.json vision_config, or a published-shape preset's
+    (random weights); None for a text-only model."""
+    from deltaship.models.presets import get_preset
     from deltaship.models.spec import read_config
 
     if source.path is None:
+        mm = get_preset(source.name).multimodal_config()
+        return VisionSpec.from_config(mm, where=f"preset {source.name}") if mm is not None else None
+    return VisionSpec.from_config(read_config(source.path / "config.json"), str(source.path / "config.json"))
+
+
+def check_vision(source, ctx) -> tuple[VisionSpec, Preprocessor, dict[str, Any], tuple[int, ...]]:
+    """What `export --vision` needs from the checkpoint, each problem named: the vision spec, the
+    preprocessor (and its config) and the M-RoPE sections."""
+    if source.path is None and vision_spec_of(source) is None:
         raise DeltashipError(
             f"--vision: {source.name} is a preset with no vision tower",
-            "export a Qwen3.5 vision-language checkpoint directory (Qwen3_5ForConditionalGeneration) with --vision",
+            "export a Qwen3.5 vision-language checkpoint directory (Qwen3_5ForConditionalGeneration), or a "
+            "published-shape preset (qwen3.5-0.8b, -2b, -4b, -9b), with --vision",
         )
-    vspec = VisionSpec.from_config(read_config(source.path / "config.json"), str(source.path / "config.json"))
+    vspec = vision_spec_of(source)
     if vspec is None:
         raise DeltashipError(
             f"--vision: {source.path} is a text-only checkpoint (no vision_config)",

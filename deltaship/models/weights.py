@@ -236,12 +236,16 @@ class RandomWeights:
 
     ROW_BLOCK = 4096
 
-    def __init__(self, spec: ModelSpec, seed: int = 0, std: float = 0.02):
+    def __init__(self, spec: ModelSpec, seed: int = 0, std: float = 0.02, vision=None):
         self.spec, self.seed, self.std = spec, seed, std
         # a random MTP head of the spec's shape whenever the spec declares one (mtp_num_hidden_layers)
         self.has_mtp = spec.mtp_num_hidden_layers > 0
         self._shapes = expected_tensors(spec, mtp=self.has_mtp)
         self.ignored: dict[str, int] = {}
+        # A random vision tower (a VisionSpec: the published-shape presets) is laid out as a checkpoint holds
+        # it, one more safetensors-like file of `model.visual.*` tensors beside the text weights, which the
+        # text decoder never reads (names() lists the text tensors only); VisionWeights reads it from `files`.
+        self.files = {} if vision is None else {"random vision tower": RandomVisionFile(vision, seed, std)}
 
     def names(self) -> list[str]:
         return sorted(self._shapes)
@@ -279,3 +283,30 @@ class RandomWeights:
         return hashlib.sha256(
             json.dumps({"random": self.seed, "std": self.std, "spec": self.spec.to_dict()}, sort_keys=True).encode()
         ).hexdigest()
+
+
+class RandomVisionFile:
+    """Seeded random weights of a vision tower (`model.visual.*`), read like one safetensors file
+    (`entries`, `shape`, `read`), one whole tensor at a time (the largest, the 9B's merger fc1, is 85 MB).
+    Values follow transformers' initialisation: normal std 0.02 for the linear, patch and position weights,
+    LayerNorms at weight 1 and bias 0, the other biases 0."""
+
+    def __init__(self, vision, seed: int = 0, std: float = 0.02):
+        from deltaship.models.vision import vision_tensors
+
+        self.seed, self.std = seed, std
+        self._shapes = vision_tensors(vision)
+        self.entries = sorted(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def read(self, name: str) -> np.ndarray:
+        shape = self._shapes[name]
+        if "norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight"):  # norm1, norm2, merger.norm
+            return np.ones(shape, np.float32)
+        if name.endswith(".bias"):
+            return np.zeros(shape, np.float32)
+        digest = hashlib.sha256(f"{self.seed}:{name}:0".encode()).digest()
+        rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+        return (self.std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)

@@ -87,7 +87,9 @@ def main() -> None:
         )
         records = {rt: [] for rt in RUNTIMES}
         for i, rt in enumerate(ORDER):
-            records[rt].append(run_profile(bundle, rt, a.threads, work / f"{i}-{rt}.json"))
+            rec = run_profile(bundle, rt, a.threads, work / f"{i}-{rt}.json")
+            rec.pop("rss_trace", None)  # the memory trace is long and not compared here (peak_rss_bytes is)
+            records[rt].append(rec)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     own, genai = pooled(records["onnxruntime"]), pooled(records["genai"])

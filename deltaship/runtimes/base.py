@@ -131,23 +131,54 @@ class Session(ABC):
             self.prefill(ids)
             return gen
         logits = self.prefill(ids)
-        while True:
-            tok = sample(logits, temperature, top_k, top_p, rng)
-            gen.output_ids.append(tok)
-            if keep_logits:
-                gen.logits.append(logits.copy())
-            if on_token:
-                on_token(tok)
-            if stop_at_eos and tok in self.eos_ids:
-                gen.stopped = "eos"
-                break
-            if len(gen.output_ids) >= max_new_tokens:
-                break
-            if self.position >= self.max_context:
-                gen.stopped = "context"
-                break
-            logits = self.decode(tok)
-        return gen
+        return decode_loop(
+            self,
+            gen,
+            logits,
+            max_new_tokens,
+            self.decode,
+            temperature,
+            top_k,
+            top_p,
+            rng,
+            stop_at_eos,
+            keep_logits,
+            on_token,
+        )
+
+
+def decode_loop(
+    session: Session,
+    gen: Generation,
+    logits: np.ndarray,
+    max_new_tokens: int,
+    decode: Callable[[int], np.ndarray],
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    rng: np.random.Generator,
+    stop_at_eos: bool,
+    keep_logits: bool,
+    on_token: Callable[[int], None] | None,
+) -> Generation:
+    """From the logits after the prompt: sample, record, stop (eos, max_new_tokens, context) or decode the token."""
+    while max_new_tokens:
+        tok = sample(logits, temperature, top_k, top_p, rng)
+        gen.output_ids.append(tok)
+        if keep_logits:
+            gen.logits.append(logits.copy())
+        if on_token:
+            on_token(tok)
+        if stop_at_eos and tok in session.eos_ids:
+            gen.stopped = "eos"
+            break
+        if len(gen.output_ids) >= max_new_tokens:
+            break
+        if session.position >= session.max_context:
+            gen.stopped = "context"
+            break
+        logits = decode(tok)
+    return gen
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
@@ -166,6 +197,12 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng
     """Greedy when temperature == 0; else temperature / top-k / top-p sampling."""
     if temperature <= 0:
         return int(np.argmax(logits))
+    p = probabilities(logits, temperature, top_k, top_p)
+    return int(rng.choice(p.size, p=p))
+
+
+def probabilities(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The distribution `sample` draws from when temperature > 0, as float64 probabilities."""
     z = logits.astype(np.float64) / temperature
     if top_k > 0 and top_k < z.size:
         cut = np.partition(z, -top_k)[-top_k]
@@ -179,4 +216,4 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng
         mask[order[keep]] = True
         p = np.where(mask, p, 0.0)
         p /= p.sum()
-    return int(rng.choice(p.size, p=p))
+    return p

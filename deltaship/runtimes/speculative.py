@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from deltaship.errors import DeltashipError
-from deltaship.runtimes.base import Generation, Session, check_sampling
+from deltaship.runtimes.base import Generation, Session, check_sampling, probabilities
 
 
 @runtime_checkable
@@ -113,24 +113,6 @@ def require_speculative(session: Session) -> None:
 
 
 MAX_PENDING = 8  # re-fed tokens allowed to ride along with the next verify call before they get a call of their own
-
-
-def probabilities(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """The sampling distribution base.sample draws from (temperature > 0), as float64 probabilities."""
-    z = logits.astype(np.float64) / temperature
-    if top_k > 0 and top_k < z.size:
-        cut = np.partition(z, -top_k)[-top_k]
-        z = np.where(z < cut, -np.inf, z)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p)
-        keep = np.cumsum(p[order]) - p[order] < top_p
-        mask = np.zeros_like(p, dtype=bool)
-        mask[order[keep]] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
-    return p
 
 
 def accept_or_resample(p: np.ndarray, q: np.ndarray, d: int, rng: np.random.Generator) -> int | None:

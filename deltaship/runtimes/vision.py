@@ -28,7 +28,7 @@ from deltaship.models.vision import (
     preprocess_image,
     rope_positions,
 )
-from deltaship.runtimes.base import Generation, check_sampling, sample
+from deltaship.runtimes.base import Generation, check_sampling, decode_loop
 
 IMAGE_MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 VIDEO_PAD = "<|video_pad|>"
@@ -204,27 +204,23 @@ class Multimodal:
                     "resize the image (the preprocessor's max_pixels)",
                 )
         ids = self.expand([int(i) for i in ids], images)
-        s = self.session
         rng = np.random.default_rng(seed)
         gen = Generation(input_ids=ids, output_ids=[])
         logits = self.prefill(ids, images)
-        while max_new_tokens:
-            tok = sample(logits, temperature, top_k, top_p, rng)
-            gen.output_ids.append(tok)
-            if keep_logits:
-                gen.logits.append(logits.copy())
-            if on_token:
-                on_token(tok)
-            if stop_at_eos and tok in s.eos_ids:
-                gen.stopped = "eos"
-                break
-            if len(gen.output_ids) >= max_new_tokens:
-                break
-            if s.position >= s.max_context:
-                gen.stopped = "context"
-                break
-            logits = self.decode(tok)
-        return gen
+        return decode_loop(
+            self.session,
+            gen,
+            logits,
+            max_new_tokens,
+            self.decode,
+            temperature,
+            top_k,
+            top_p,
+            rng,
+            stop_at_eos,
+            keep_logits,
+            on_token,
+        )
 
 
 class OnnxMultimodal(Multimodal):

@@ -46,6 +46,16 @@ def run_export(a: argparse.Namespace) -> int:
     return 0
 
 
+def _max_context(value: str) -> int | str:
+    """--max-context: a number of tokens, or max (with --device)."""
+    if value == "max":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or max, got {value!r}") from None
+
+
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
     """One flag per field of each target's options dataclass (deltaship/targets), with its help and default."""
     from deltaship.targets import all_targets, flag
@@ -278,9 +288,10 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     e.add_argument("--tiers", default=None, help="with --device: a TOML file of extra tiers")
     e.add_argument(
         "--max-context",
-        type=int,
+        type=_max_context,
         default=None,
-        help="KV-cache length in tokens (default: the preset's, else min(4096, the model's))",
+        help="KV-cache length in tokens (default: the preset's, else min(4096, the model's)); with --device, max: "
+        "the longest context that fits the tier (with a quantized KV cache when that reaches further)",
     )
     if out_positional:
         e.add_argument("out", metavar="OUT", help="bundle directory to write")

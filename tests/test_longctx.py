@@ -387,7 +387,14 @@ def test_plan_at_262144_has_a_row_per_kv_dtype_and_says_why_the_phone_does_not_f
             got = {r["kv_dtype"] for r in rows if (r["target"], r["precision"], r["context"]) == (tg, pr, 262144)}
             assert got == {"fp32", "fp16", "int8", "int4"}, (tg, pr, got)
     int8 = [r for r in rows if r["kv_dtype"] == "int8" and r["context"] == 262144]
-    assert int8 and not any(r["fits"] for r in int8) and not any(r["kv_exportable"] for r in int8)
+    assert int8 and not any(r["fits"] for r in int8)
+    # ONNX and ExecuTorch export an int8 cache at fp32 activations (static scales: no bytes per token for them);
+    # at fp16 activations it is planned, and counted with a scale per token and head
+    exportable = {(r["target"], r["precision"]) for r in int8 if r["kv_exportable"]}
+    assert {("onnx", "int4"), ("executorch", "int4"), ("onnx", "fp32")} <= exportable
+    assert not any(r["kv_exportable"] for r in int8 if r["precision"] == "fp16")
+    per_token = {r["kv_exportable"]: r["kv_bytes"] // 262144 for r in int8}
+    assert per_token[False] - per_token[True] == 6 * 2 * 2 * 4  # 6 layers x K,V x 2 KV heads x an fp32 scale
     for r in rows:
         assert (
             r["total_bytes"]
@@ -398,8 +405,10 @@ def test_plan_at_262144_has_a_row_per_kv_dtype_and_says_why_the_phone_does_not_f
     assert all(r["kv_bytes"] > r["budget_bytes"] for r in int8)
     (line,) = verdicts(rows)
     assert line.startswith("phone-4gb: nothing fits at context 262144") and "KV cache" in line
-    assert "Recommended instead" in line
-    assert "int8*" in format_table(rows)
+    # why not, in numbers: the smallest exportable row (int4 weights, int4 KV) and its parts
+    assert "The smallest, onnx int4 with an int4 KV cache at context 262144" in line and "attention scores" in line
+    assert "Recommended instead: onnx int4 with an int4 KV cache at context" in line
+    assert "int8*" in format_table(rows)  # fp16 activations with an int8 cache: planned
 
 
 def test_plan_max_context_per_tier_and_the_9b_on_a_12gb_gpu():
@@ -414,7 +423,8 @@ def test_plan_max_context_per_tier_and_the_9b_on_a_12gb_gpu():
     by_kv = {r["kv_dtype"]: r["context"] for r in rows if r["precision"] == "int4"}
     assert by_kv["fp32"] < by_kv["fp16"] < by_kv["int8"] < by_kv["int4"]
     (line,) = verdicts(rows)
-    assert line.startswith(f"gpu-12gb: onnx int4 at context {best}") and "planned" in line
+    assert line.startswith(f"gpu-12gb: onnx int4 with an {pick[0]['kv_dtype']} KV cache at context {best}")
+    assert pick[0]["kv_dtype"] == "int4"  # the narrowest exported cache reaches furthest
     rows = plan("qwen3.5-9b", tier="gpu-12gb", context="262144")  # the CLI passes a string
     int8 = [r for r in rows if (r["precision"], r["kv_dtype"]) == ("int4", "int8") and r["context"] == 262144]
     assert len(int8) == 1 and not int8[0]["fits"] and int8[0]["fits_at_chunk"] > 0  # fits with a smaller chunk

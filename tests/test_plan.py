@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from deltaship.devices.plan import plan, verdicts
+from deltaship.errors import DeltashipError
 
 
 def test_nothing_fits_is_said_with_numbers():
@@ -76,3 +79,90 @@ def test_plan_prints_the_vision_table_only_for_a_tower(capsys):
     assert isinstance(json.loads(capsys.readouterr().out), list)  # --json: the rows, as for a text-only model
     assert main(["plan", "--model", "qwen3.5-tiny", "--tier", "phone-4gb"]) == 0
     assert "vision tower" not in capsys.readouterr().out
+
+
+def _tiers_file(tmp_path, budget_bytes: int, context: int, targets=("onnx",), precisions=("int4",)) -> str:
+    f = tmp_path / "tiers.toml"
+    f.write_text(
+        f'[tiers.t]\nkind = "phone"\nram_gib = 64\nbudget_gib = {budget_bytes / 2**30!r}\n'
+        f"targets = {list(targets)!r}\nprecisions = {list(precisions)!r}\ncontext = {context}\nthreads = 2\n".replace(
+            "'", '"'
+        )
+    )
+    return str(f)
+
+
+def test_a_device_tier_takes_a_quantized_kv_cache_only_when_the_own_one_does_not_fit(tmp_path):
+    from deltaship.devices.catalog import get_tier
+    from deltaship.devices.plan import choose_for_tier, estimate
+    from deltaship.models.presets import PRESETS
+
+    spec = PRESETS["qwen3.5-0.8b"].spec()
+    probe = get_tier("phone-4gb")
+    own = estimate(spec, probe, "onnx", "int4", 65536).total_bytes  # fp32 KV: ONNX int4 keeps fp32 activations
+    int8 = estimate(spec, probe, "onnx", "int4", 65536, "int8").total_bytes
+    int4 = estimate(spec, probe, "onnx", "int4", 65536, "int4").total_bytes
+    assert int4 < int8 < own
+    tight = _tiers_file(tmp_path, (int8 + own) // 2, 65536)
+    pick = choose_for_tier(spec, "t", tight)
+    assert (pick.target, pick.precision, pick.context, pick.kv_dtype) == ("onnx", "int4", 65536, "int8")
+    assert pick.fits and pick.kv_exportable
+    roomy = _tiers_file(tmp_path, own + 2**30, 65536)
+    assert choose_for_tier(spec, "t", roomy).kv_dtype == "fp32"  # the own cache, when it fits
+    # the user's --kv-cache is kept, and one the tier's targets cannot store is refused naming the flag
+    assert choose_for_tier(spec, "t", roomy, kv_dtype="int4").kv_dtype == "int4"
+    try:
+        choose_for_tier(spec, "phone-8gb", target="coreml", kv_dtype="int8")
+    except DeltashipError as e:
+        assert "--kv-cache int8" in e.message and "drop --kv-cache" in e.fix
+    else:
+        raise AssertionError("Core ML took an int8 KV cache")
+
+
+def test_device_max_context_is_the_longest_that_fits(tmp_path):
+    from deltaship.devices.catalog import get_tier
+    from deltaship.devices.plan import choose_for_tier, estimate
+    from deltaship.models.presets import PRESETS
+
+    spec = PRESETS["qwen3.5-0.8b"].spec()
+    pick = choose_for_tier(spec, "gpu-12gb", context="max")
+    rec = next(r for r in plan("qwen3.5-0.8b", tier="gpu-12gb", context="max") if r["recommended"])
+    assert (pick.target, pick.precision, pick.context, pick.kv_dtype) == (
+        rec["target"],
+        rec["precision"],
+        rec["context"],
+        rec["kv_dtype"],
+    )
+    tier = get_tier("gpu-12gb")
+    assert pick.fits and (
+        pick.context == spec.max_position_embeddings
+        or not estimate(spec, tier, pick.target, pick.precision, pick.context + 1, pick.kv_dtype).fits
+    )
+
+
+def test_export_for_a_device_writes_the_quantized_kv_cache_the_plan_picked(tmp_path):
+    from deltaship.devices.catalog import get_tier
+    from deltaship.devices.plan import estimate
+    from deltaship.export import export
+    from deltaship.models.presets import PRESETS
+
+    spec = PRESETS["qwen3.5-tiny"].spec()
+    ctx = spec.max_position_embeddings
+    probe = get_tier("phone-4gb")
+    own = estimate(spec, probe, "onnx", "fp32", ctx).total_bytes
+    int8 = estimate(spec, probe, "onnx", "fp32", ctx, "int8").total_bytes
+    tiers = _tiers_file(tmp_path, (own + int8) // 2, ctx, precisions=("fp32",))
+    m = export("qwen3.5-tiny", tmp_path / "b", device="t", tiers_file=tiers, verify=False, progress=False)
+    assert (m["target"], m["precision"], m["max_context"], m["memory"]["kv_dtype"]) == ("onnx", "fp32", ctx, "int8")
+
+
+def test_max_context_max_needs_a_device(tmp_path):
+    from deltaship.cli import main
+
+    with pytest.raises(DeltashipError, match="--max-context max needs --device"):
+        from deltaship.export import export
+
+        export("qwen3.5-tiny", tmp_path / "b", max_context="max", verify=False, progress=False)
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(SystemExit):  # argparse: neither a number nor max
+        main(["export", "--model", "qwen3.5-tiny", "--out", str(tmp_path / "c"), "--max-context", "long"])

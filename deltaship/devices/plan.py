@@ -32,7 +32,7 @@ class PlanRow:
     fits: bool
     recommended: bool = False
     kv_dtype: str = ""
-    kv_exportable: bool = True  # the target's bundles store this KV dtype today (int8/int4 KV: planned)
+    kv_exportable: bool = True  # the target exports this KV dtype (Target.kv_cache_dtypes); else planned
     kv_bytes: int = 0
     deltanet_bytes: int = 0
     activation_bytes: int = 0
@@ -72,11 +72,22 @@ def kv_dtypes_for(target: str, precision: str) -> tuple[str, ...]:
     return KV_ORDER[KV_ORDER.index(default_kv_dtype(target, precision)) :]
 
 
+def exportable_kv_dtypes(target: str, precision: str) -> tuple[str, ...]:
+    """The KV dtypes the target's bundles store at `precision` (its own first), as `export --kv-cache` takes them."""
+    return get_target(target).kv_cache_dtypes(precision, {})
+
+
+def kv_bytes_per_token(spec: ModelSpec, target: str, precision: str, kv_dtype: str) -> int:
+    """A context token's KV bytes as the target stores it: the exported int8/int4 caches keep static scales in
+    the graph (no bytes per token); a planned one is counted with a per-token-per-head scale."""
+    return spec.kv_bytes_per_token(kv_dtype, static_scales=kv_dtype in exportable_kv_dtypes(target, precision))
+
+
 def state_bytes(spec: ModelSpec, target: str, precision: str, context: int, kv_dtype: str | None = None) -> int:
     """Per-sequence state: the fixed DeltaNet states plus context x the KV cache's bytes per token."""
     act = get_target(target).storage_format(precision).act
-    return spec.deltanet_state_bytes(act) + context * spec.kv_bytes_per_token(
-        kv_dtype or default_kv_dtype(target, precision)
+    return spec.deltanet_state_bytes(act) + context * kv_bytes_per_token(
+        spec, target, precision, kv_dtype or default_kv_dtype(target, precision)
     )
 
 
@@ -123,7 +134,7 @@ def estimate(
     kv = kv_dtype or default_kv_dtype(target, precision)
     w = weight_bytes(spec, target, precision)
     dn = spec.deltanet_state_bytes(get_target(target).storage_format(precision).act)
-    kvb = context * spec.kv_bytes_per_token(kv)
+    kvb = context * kv_bytes_per_token(spec, target, precision, kv)
     a = activation_bytes(spec, target, precision, context, prefill_chunk)
     rt = get_target(target).runtime_base_bytes
     total = w + dn + kvb + a + rt
@@ -139,7 +150,7 @@ def estimate(
         tier.budget_bytes,
         total <= tier.budget_bytes,
         kv_dtype=kv,
-        kv_exportable=kv == default_kv_dtype(target, precision),
+        kv_exportable=kv in exportable_kv_dtypes(target, precision),
         kv_bytes=kvb,
         deltanet_bytes=dn,
         activation_bytes=a,
@@ -218,7 +229,7 @@ def plan(
     context: tokens, "max" (per row, the longest context that fits, capped at max_position_embeddings) or None
     (each tier's typical context). kv_dtypes: the KV-cache dtypes to plan; by default the target's own when
     no context is asked for (the table as before), and with a context its own then every narrower one
-    (int8/int4 KV caches are planned, not exportable yet: such rows have kv_exportable False and are never the
+    (a KV dtype the target does not export yet, e.g. Core ML's int8, is planned: kv_exportable False, never the
     pick). prefill_chunk: tokens per prefill call (default: the target's), which sizes the attention scores.
     """
     from deltaship.models.source import load_source
@@ -271,17 +282,41 @@ def plan(
 def recommend(
     spec: ModelSpec, tier: Tier, context: int, targets: list[str] | None = None, prefill_chunk: int | None = None
 ) -> PlanRow | None:
-    """The tier's most preferred target at the best of its precisions that fits (with the KV dtype its bundles
-    use); the context is halved (down to 512) when nothing fits at the tier's typical context."""
+    """The tier's pick at `context` (halved down to 512 when nothing fits there): see _first_fit."""
+    return _first_fit(spec, tier, list(targets or tier.targets), list(tier.precisions), context, True, prefill_chunk)
+
+
+def _first_fit(
+    spec: ModelSpec,
+    tier: Tier,
+    targets: list[str],
+    precisions: list[str],
+    context: int,
+    halve: bool,
+    prefill_chunk: int | None = None,
+    kv_dtype: str | None = None,
+) -> PlanRow | None:
+    """The first row that fits, in the tier's order of targets then precisions (most accurate first), with the
+    target's own KV dtype; only when none fits at that context, the same again with each quantized KV cache the
+    target exports (int8, then int4: a narrower cache costs accuracy, so it is the price of the context, not a
+    default). With halve, the context is then halved down to 512 (or `context` when shorter)."""
     ctx = context
-    while ctx >= min(512, context):
-        for tg in targets or tier.targets:
-            for pr in tier.precisions:
-                row = estimate(spec, tier, tg, pr, ctx, prefill_chunk=prefill_chunk)
-                if row.fits:
-                    return row
+    while True:
+        for quantized in (False, True):
+            for tg in targets:
+                for pr in precisions:
+                    own = default_kv_dtype(tg, pr)
+                    if kv_dtype is not None:
+                        kvs = [kv_dtype] if (kv_dtype == own) != quantized else []
+                    else:
+                        kvs = [k for k in exportable_kv_dtypes(tg, pr) if k != own] if quantized else [own]
+                    for kv in kvs:
+                        row = estimate(spec, tier, tg, pr, ctx, kv, prefill_chunk)
+                        if row.fits and row.kv_exportable:
+                            return row
+        if not halve or ctx // 2 < min(512, context):
+            return None
         ctx //= 2
-    return None
 
 
 def choose_for_tier(
@@ -290,43 +325,71 @@ def choose_for_tier(
     tiers_file: str | None = None,
     target: str | None = None,
     precision: str | None = None,
-    context: int | None = None,
+    context: int | str | None = None,
+    kv_dtype: str | None = None,
 ) -> PlanRow:
     """What `export --device TIER` builds: the tier's preferred target and most accurate precision that fit
-    (within the target, precision and context the user fixed), at the tier's typical context, halved down to 512
-    when nothing fits there and the user fixed none; refused, with the plan's numbers, when nothing fits."""
+    (within the target, precision, context and KV dtype the user fixed), with the target's own KV cache or, when
+    only a quantized one fits, that; at the tier's typical context, halved down to 512 when nothing fits there
+    and the user fixed none. context "max": the longest context any exportable combination reaches (see
+    _longest). Refused, with the plan's numbers, when nothing fits."""
     from deltaship.devices.catalog import get_tier
 
     t = get_tier(tier, tiers_file)
+    context = parse_context(context)
     targets, precisions = [target] if target else list(t.targets), [precision] if precision else list(t.precisions)
-    start = context or min(t.context, spec.max_position_embeddings)
-    tried: list[PlanRow] = []
-    ctx = start
-    while True:
-        for tg in targets:
-            for pr in precisions:
-                row = estimate(spec, t, tg, pr, ctx)
-                if row.fits:
-                    return row
-                tried.append(row)
-        if context is not None or ctx // 2 < min(512, start):
-            break
-        ctx //= 2
+    if kv_dtype is not None:
+        can = [(tg, pr) for tg in targets for pr in precisions if kv_dtype in exportable_kv_dtypes(tg, pr)]
+        if not can:
+            raise DeltashipError(
+                f"--kv-cache {kv_dtype}: none of {', '.join(targets)} at {', '.join(precisions)} (tier {t.name}'s "
+                "choice, or yours) stores that KV dtype",
+                "drop --kv-cache to let the plan pick, or fix a --target/--precision that stores it "
+                "(ONNX: int8/int4 at fp32 activations; ExecuTorch: int8)",
+            )
+        targets = list(dict.fromkeys(tg for tg, _ in can))
+        precisions = list(dict.fromkeys(pr for _, pr in can))
+    if context == "max":
+        rows = [
+            longest_context(spec, t, tg, pr, kv)
+            for tg in targets
+            for pr in precisions
+            for kv in ([kv_dtype] if kv_dtype else exportable_kv_dtypes(tg, pr))
+        ]
+        pick = _longest(t, rows, targets)
+        tried = rows
+    else:
+        start = context or min(t.context, spec.max_position_embeddings)
+        pick = _first_fit(spec, t, targets, precisions, start, context is None, kv_dtype=kv_dtype)
+        tried = [
+            estimate(spec, t, tg, pr, start, kv)
+            for tg in targets
+            for pr in precisions
+            for kv in ([kv_dtype] if kv_dtype else exportable_kv_dtypes(tg, pr))
+        ]
+    if pick is not None:
+        return pick
     best = min(tried, key=lambda r: r.total_bytes)
     raise DeltashipError(
         f"nothing fits tier {t.name} ({t.budget_bytes / GIB:.2f} GiB for the app): the smallest, {best.target} "
-        f"{best.precision} at context {best.context}, needs {best.total_bytes / GIB:.2f} GiB ({_parts(asdict(best))})",
+        f"{best.precision} with an {best.kv_dtype} KV cache at context {best.context}, needs "
+        f"{best.total_bytes / GIB:.2f} GiB ({_parts(asdict(best))})",
         f"pick a tier with a larger budget, a shorter --max-context or a smaller model; `deltaship plan --model "
         f"MODEL --tier {t.name}` shows every option",
     )
 
 
 def _longest(tier: Tier, rows: list[PlanRow], targets: list[str] | None) -> PlanRow | None:
-    """The exportable row reaching the longest context; among equals, the tier's preferred target and precision."""
+    """The exportable row reaching the longest context; among equals, the tier's preferred target, then the
+    widest KV cache, then the most accurate precision."""
     order = {tg: i for i, tg in enumerate(targets or tier.targets)}
     prec = {p: i for i, p in enumerate(tier.precisions)}
     ok = [r for r in rows if r.fits and r.kv_exportable and r.precision in prec]
-    return min(ok, key=lambda r: (-r.context, order.get(r.target, len(order)), prec[r.precision]), default=None)
+    return min(
+        ok,
+        key=lambda r: (-r.context, order.get(r.target, len(order)), KV_ORDER.index(r.kv_dtype), prec[r.precision]),
+        default=None,
+    )
 
 
 def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
@@ -343,7 +406,7 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
         asked = max(r["context"] for r in tier_rows)
         if pick is not None and (pick["context"] == asked or pick.get("longest")):
             line = (
-                f"{name}: {pick['target']} {pick['precision']} at context {pick['context']} "
+                f"{name}: {pick['target']} {pick['precision']}{_kv_note(pick, tier_rows)} at context {pick['context']} "
                 f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB): the tier prefers "
                 f"{' > '.join(tier.targets)} and {' > '.join(tier.precisions)} (most accurate first)"
             )
@@ -364,7 +427,7 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
             lines.append(line + _planned_kv(tier_rows, pick))
             continue
         at_asked = [r for r in tier_rows if r["context"] == asked]
-        best = min(at_asked, key=lambda r: r["total_bytes"])
+        best = min([r for r in at_asked if r.get("kv_exportable", True)] or at_asked, key=lambda r: r["total_bytes"])
         line = (
             f"{name}: nothing fits{f' at context {asked}' if pick else ''}. The smallest, {best['target']} "
             f"{best['precision']}{_kv_note(best, at_asked)} at context {best['context']}, needs "
@@ -382,9 +445,11 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
                 f"; {r['target']} {r['precision']}{_kv_note(r, at_asked)} would fit with --prefill-chunk "
                 f"{r['fits_at_chunk']} (fewer attention scores per chunk)"
             )
+        line += _planned_kv(at_asked, None)
         if pick is not None:
             line += (
-                f". Recommended instead: {pick['target']} {pick['precision']} at context {pick['context']} "
+                f". Recommended instead: {pick['target']} {pick['precision']}{_kv_note(pick, tier_rows)} at context "
+                f"{pick['context']} "
                 f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB)"
             )
         else:
@@ -415,25 +480,16 @@ def _parts(r: dict) -> str:
 
 
 def _planned_kv(tier_rows: list[dict], pick: dict | None) -> str:
-    """What a narrower (planned) KV cache would add: a longer context that fits, or why even it does not."""
-    planned = [r for r in tier_rows if not r.get("kv_exportable", True)]
-    if not planned:
-        return ""
+    """What a KV dtype the target does not export yet (planned) would add: a longer context that fits."""
     reach = pick["context"] if pick else 0
-    better = [r for r in planned if r["fits"] and r["context"] > reach]
-    if better:
-        b = max(better, key=lambda r: (r["context"], -r["total_bytes"]))
-        return (
-            f". With an {b['kv_dtype']} KV cache (planned, not exportable yet) {b['target']} {b['precision']} "
-            f"fits at context {b['context']} in {b['total_bytes'] / GIB:.2f} GiB ({_parts(b)})"
-        )
-    if pick is None:
-        b = min(planned, key=lambda r: r["total_bytes"])
-        return (
-            f". Even with an {b['kv_dtype']} KV cache (planned), {b['target']} {b['precision']} at context "
-            f"{b['context']} needs {b['total_bytes'] / GIB:.2f} GiB ({_parts(b)})"
-        )
-    return ""
+    better = [r for r in tier_rows if not r.get("kv_exportable", True) and r["fits"] and r["context"] > reach]
+    if not better:
+        return ""
+    b = max(better, key=lambda r: (r["context"], -r["total_bytes"]))
+    return (
+        f". With an {b['kv_dtype']} KV cache (planned, not exportable yet) {b['target']} {b['precision']} "
+        f"fits at context {b['context']} in {b['total_bytes'] / GIB:.2f} GiB ({_parts(b)})"
+    )
 
 
 def format_table(rows: list[dict]) -> str:
@@ -454,7 +510,7 @@ def format_table(rows: list[dict]) -> str:
             f"{g(r['budget_bytes'])}  {mark}"
         )
     if any(not r.get("kv_exportable", True) for r in rows):
-        lines.append("* a KV-cache dtype the target cannot export yet (planned: int8/int4 KV caches)")
+        lines.append("* a KV-cache dtype the target cannot export yet (planned)")
     return "\n".join(lines)
 
 
@@ -467,6 +523,7 @@ __all__ = [
     "estimate",
     "longest_context",
     "kv_dtypes_for",
+    "exportable_kv_dtypes",
     "default_kv_dtype",
     "parse_context",
     "fits_at_chunk",

@@ -131,7 +131,7 @@ def export(
     out: str | Path,
     target: str | None = None,
     precision: str | None = None,
-    max_context: int | None = None,
+    max_context: int | str | None = None,
     force: bool = False,
     verify: bool = True,
     prefill_chunk: int | None = None,
@@ -154,7 +154,8 @@ def export(
     export/onnx/vision.py); off by default, so text-only bundles and their export time stay as they were.
     `kv_cache` asks for a KV-cache dtype (default: the target's own at `precision`); one it cannot store is refused.
     `device` names a tier (deltaship/devices/tiers.toml, or `tiers_file`): target, precision and context not given
-    are what `deltaship plan` recommends for it; nothing fitting is refused with the plan's numbers. Without a
+    are what `deltaship plan` recommends for it (a quantized KV cache when only that fits; max_context "max": the
+    longest context that fits the tier); nothing fitting is refused with the plan's numbers. Without a
     device, target and precision default to onnx and fp32.
     Returns the manifest. Nothing is left at `out` unless the export (and, for fp32, its
     verification) succeeded; an existing `out` is replaced only with force=True.
@@ -169,16 +170,23 @@ def export(
     say = progress if callable(progress) else Progress(bool(progress))
     source = None
     if device is not None:  # the plan for the tier picks what the user did not fix
-        from deltaship.devices.plan import choose_for_tier
+        from deltaship.devices.plan import choose_for_tier, default_kv_dtype
 
         check_destination(Path(out), force)
         say(f"loading {model}")
         source = load_source(model, allow_download=allow_download)
-        pick = choose_for_tier(source.spec, device, tiers_file, target, precision, max_context)
+        pick = choose_for_tier(source.spec, device, tiers_file, target, precision, max_context, kv_cache)
         target, precision, max_context = pick.target, pick.precision, pick.context
+        if pick.kv_dtype != default_kv_dtype(target, precision):
+            kv_cache = pick.kv_dtype  # only a quantized cache made it fit
         say(
-            f"device {device}: {target} {precision} at context {max_context} ({pick.total_bytes / 2**30:.2f} of "
-            f"{pick.budget_bytes / 2**30:.2f} GiB, deltaship plan)"
+            f"device {device}: {target} {precision} with an {pick.kv_dtype} KV cache at context {max_context} "
+            f"({pick.total_bytes / 2**30:.2f} of {pick.budget_bytes / 2**30:.2f} GiB, deltaship plan)"
+        )
+    elif max_context == "max":
+        raise DeltashipError(
+            "--max-context max needs --device: the longest context that fits is the tier's",
+            "add --device TIER, or pass a number of tokens (the model's max_position_embeddings at most)",
         )
     target, precision = target or "onnx", precision or "fp32"
     options = check_options(
@@ -355,9 +363,7 @@ def _memory(spec, states: list[dict]) -> dict[str, Any]:
     kv = quant["kv_dtype"] if quant else short[dtypes.get("kv_cache_key", dtypes.get("deltanet_conv", "float32"))][0]
     out = spec.memory_arithmetic(kv, short[dtypes.get("deltanet_conv", "float32")][1])
     if quant and "static" in quant["scheme"]:  # the scales live in the graph: no bytes per token
-        out["kv_bytes_per_token"][kv] = spec.kv_bytes_per_token(kv) - len(spec.attention_layers) * 2 * (
-            spec.num_key_value_heads * out["kv_scale_bytes_per_token_head"][kv]
-        )
+        out["kv_bytes_per_token"][kv] = spec.kv_bytes_per_token(kv, static_scales=True)
         out["kv_scale_bytes_per_token_head"][kv] = 0
     return out
 

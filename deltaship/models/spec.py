@@ -147,14 +147,17 @@ class ModelSpec:
         kv = n_at * 2 * _prod(self.kv_cache_shape(max_context)) * kv_bytes_per_elem
         return {"deltanet_recurrent": recurrent, "deltanet_conv": conv, "kv_cache": kv, "total": recurrent + conv + kv}
 
-    def kv_bytes_per_token(self, kv_dtype: str = "fp16") -> int:
-        """KV-cache bytes one more token of context costs (K and V of every attention layer, scales included)."""
+    def kv_bytes_per_token(self, kv_dtype: str = "fp16", static_scales: bool = False) -> int:
+        """KV-cache bytes one more token of context costs (K and V of every attention layer, scales included).
+
+        static_scales: the quantized cache's scales are constants of the graph (deltaship's int8/int4 KV caches:
+        per KV head and channel, calibrated at export), not stored per token."""
         if kv_dtype not in KV_DTYPES:
             raise DeltashipError(
                 f"unknown KV dtype {kv_dtype!r}; KV dtypes: {', '.join(KV_DTYPES)}", "pick one of the KV dtypes"
             )
         f = KV_DTYPES[kv_dtype]
-        per_head = self.head_dim * f.bits // 8 + f.token_head_bytes
+        per_head = self.head_dim * f.bits // 8 + (0 if static_scales else f.token_head_bytes)
         return len(self.attention_layers) * 2 * self.num_key_value_heads * per_head
 
     def deltanet_state_bytes(self, conv_bytes_per_elem: int = 4) -> int:

@@ -39,7 +39,12 @@ class GenaiSession(Session):
     """One sequence of an ONNX bundle in onnxruntime-genai (CPU)."""
 
     def __init__(
-        self, bundle: Path, manifest: dict[str, Any], threads: int | None = None, prefill_chunk: int | None = None
+        self,
+        bundle: Path,
+        manifest: dict[str, Any],
+        threads: int | None = None,
+        prefill_chunk: int | None = None,
+        prime_decode: bool = True,
     ):
         super().__init__(bundle, manifest, prefill_chunk)
         if manifest.get("target") != "onnx":
@@ -79,6 +84,22 @@ class GenaiSession(Session):
             ) from None
         self._gen = None
         self._looped = False  # the sequence came from genai's loop (timed_generate): it cannot continue
+        if prime_decode:
+            self._prime_decode()
+
+    def _prime_decode(self) -> None:
+        """One throwaway one-token call at load, so that decode steps run on an exact memory pattern.
+
+        ONNX Runtime caches the memory pattern of a session's runs under a key built from the input shapes (an
+        XOR of their dimensions, onnxruntime's CalculateMemoryPatternsKey), and the first pattern stored under a
+        key is kept. genai feeds input_ids and position_ids both [1, T], so T cancels and every call shares one
+        key: without this, the pattern is the first prompt's prefill and every decode step misses it ("fall
+        back to default allocation behavior" in ORT's verbose log: hundreds of allocations a step). After a
+        one-token call, decode steps reuse its pattern and prefills fall back (small next to their compute).
+        deltaship's own driver avoids the collision by feeding decode's position as [[p]]; the app kits that
+        drive genai do this same call (docs/ship.md)."""
+        g = self._generator(max_length=2)
+        g.append_tokens(np.zeros(1, dtype=np.int32))
 
     def runtime_name(self) -> str:
         return f"onnxruntime-genai {getattr(self._og, '__version__', '?')} (CPU)"
@@ -183,11 +204,17 @@ class GenaiSession(Session):
 
 
 def open_genai(
-    bundle: str | Path, *, threads: int | None = None, check_hashes: bool = True, prefill_chunk: int | None = None
+    bundle: str | Path,
+    *,
+    threads: int | None = None,
+    check_hashes: bool = True,
+    prefill_chunk: int | None = None,
+    prime_decode: bool = True,
 ) -> GenaiSession:
-    """Open an ONNX bundle in onnxruntime-genai (files checked against the manifest first)."""
+    """Open an ONNX bundle in onnxruntime-genai (files checked against the manifest first); prime_decode: see
+    GenaiSession._prime_decode (off only to measure what it saves)."""
     from deltaship.bundle.reader import read_manifest, require_intact
 
     manifest = read_manifest(bundle)
     require_intact(bundle, manifest, hashes=check_hashes)
-    return GenaiSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk)
+    return GenaiSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, prime_decode=prime_decode)

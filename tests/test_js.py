@@ -61,13 +61,16 @@ def node() -> str:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, Path]:
-    """The trained tiny preset, prefill chunk 8: fp32, int4, fp32 with external data, contrib DeltaNet ops."""
+    """The trained tiny preset, prefill chunk 8: fp32, int4, fp32 with external data, contrib DeltaNet ops,
+    int8 and int4 KV caches."""
     root = tmp_path_factory.mktemp("js-bundles")
     variants = {
         "fp32": {},
         "int4": {"precision": "int4"},
         "external": {"external_data": True},
         "contrib": {"onnx_deltanet_ops": "contrib"},
+        "kv-int8": {"kv_cache": "int8"},  # int8 KV states
+        "kv-int4": {"kv_cache": "int4"},  # uint8 KV states, two values a byte
     }
     out = {}
     for name, opts in variants.items():
@@ -109,7 +112,7 @@ def test_js_unit(node):
     assert "# fail 0" in run.stdout and "# pass 0" not in run.stdout
 
 
-@pytest.mark.parametrize("variant", ["fp32", "int4", "external", "contrib"])
+@pytest.mark.parametrize("variant", ["fp32", "int4", "external", "contrib", "kv-int8", "kv-int4"])
 def test_node_matches_deltaship_generate(node, tiny, variant):
     bundle = tiny[variant]
     if variant == "external":

@@ -123,7 +123,10 @@ function zeros(ort, state) {
   const n = state.shape.reduce((a, b) => a * b, 1);
   if (state.dtype === 'float32') return new ort.Tensor('float32', new Float32Array(n), state.shape);
   if (state.dtype === 'float16') return new ort.Tensor('float16', new Uint16Array(n), state.shape);
-  throw new DeltashipError(`state ${state.name} has dtype ${state.dtype}; this driver knows float32 and float16`,
+  // quantized KV caches (--kv-cache int8: int8; int4: uint8, two values a byte); unwritten rows are masked
+  if (state.dtype === 'int8') return new ort.Tensor('int8', new Int8Array(n), state.shape);
+  if (state.dtype === 'uint8') return new ort.Tensor('uint8', new Uint8Array(n), state.shape);
+  throw new DeltashipError(`state ${state.name} has dtype ${state.dtype}; this driver knows float32, float16, int8 and uint8`,
     'export the bundle again with this deltaship');
 }
 

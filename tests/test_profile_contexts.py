@@ -55,13 +55,14 @@ def test_fill_reaches_the_depth_the_decode_step_sees(tiny_long):
     assert np.abs(other.decode(1) - logits).max() > 1e-4
 
 
+@pytest.mark.slow  # profiles (load, warm loads, decode, the sweep): ~20 s on 2 shared cores
 def test_worker_records_latency_and_memory_per_depth(tiny_long):
     """The worker's context sweep: the synthetic fill is said, and the resident set grows with the depth as the
     manifest's bytes per token say (the KV buffers' pages are released first, so only written rows count)."""
     from deltaship.bundle.reader import read_manifest
     from deltaship.profiling import worker
 
-    cfg = dict(bundle=str(tiny_long), threads=1, prompt_lengths=[16], gen=4, contexts=[64, CTX - 1, CTX + 5])
+    cfg = dict(bundle=str(tiny_long), threads=1, prompt_lengths=[], gen=4, contexts=[64, CTX - 1, CTX + 5])
     doc = worker.run(dict(cfg, reps=3, warmups=1, min_seconds=0.05))
     lat = {r["context"]: r for r in doc["results"] if r["metric"] == "decode_latency_s"}
     mem = {r["context"]: r for r in doc["results"] if r["metric"] == "rss_bytes"}
@@ -75,3 +76,12 @@ def test_worker_records_latency_and_memory_per_depth(tiny_long):
     grew = mem[CTX - 1]["median"] - mem[64]["median"]
     expect = (CTX - 1 - 64) * per_token  # 7.9 MiB
     assert 0.9 * expect < grew < 1.3 * expect, (grew, expect)
+
+    # the HTML report plots both against the context and says the fill is synthetic
+    from deltaship.profiling.profile import bundle_summary
+    from deltaship.profiling.report import plots, write_html
+
+    report = {"bundle": bundle_summary(read_manifest(tiny_long), tiny_long), "results": doc["results"]}
+    assert plots(report)["memory_vs_context.png"].startswith(b"\x89PNG")
+    page = write_html(report, tiny_long.parent / "report.html").read_text()
+    assert "id='fill'" in page and "synthetic fill, not a prefill" in page

@@ -96,6 +96,16 @@ def measure(bundle: Path, contexts: list[int], threads: int | None, reps: int) -
     }
 
 
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3.5-0.8b")
@@ -114,7 +124,7 @@ def main() -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": "python bench/longctx.py " + " ".join(sys.argv[1:]),
         "commit": commit.stdout.strip(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "machine": f"{platform.system()} {platform.machine()}, {_cpu()}",
         "cpus": __import__("os").cpu_count(),
         "preset": a.preset,
         "weights": "int4 (random weights, the published shape)",

@@ -25,11 +25,19 @@ def _kv(manifest):
 
 
 def test_fill_reaches_the_depth_the_decode_step_sees(tiny_long):
+    _fill_reaches_the_depth(tiny_long, 3000)
+
+
+def test_fill_reaches_the_depth_in_executorch(tiny_pte):
+    """The ExecuTorch session: the fill writes the program's own KV buffers (ExecuTorch's [1, S, Hkv, D] layout)."""
+    _fill_reaches_the_depth(tiny_pte("fp32"), 100)
+
+
+def _fill_reaches_the_depth(bundle, depth: int, prefix: int = 16) -> None:
     from deltaship.profiling.longctx import SyntheticFill
     from deltaship.runtimes import open_bundle
 
-    depth, prefix = 3000, 16
-    session = open_bundle(tiny_long, threads=1, check_hashes=False)
+    session = open_bundle(bundle, threads=1, check_hashes=False)
     fill = SyntheticFill(session, prefix)
     real = {k: v[:, :, :prefix].copy() for k, v in session.state_arrays().items() if ".key" in k or ".value" in k}
     assert fill.fill_to(depth) == depth - prefix
@@ -49,7 +57,7 @@ def test_fill_reaches_the_depth_the_decode_step_sees(tiny_long):
             for d in (0, kv.shape[3] - 1):
                 assert np.isin(synth[0, h, :, d], src[0, h, :, d]).all(), (s["name"], h, d)
     # attention reads the filled rows: another draw of the fill changes the logits at the same depth
-    other = open_bundle(tiny_long, threads=1, check_hashes=False)
+    other = open_bundle(bundle, threads=1, check_hashes=False)
     SyntheticFill(other, prefix, seed=1).fill_to(depth)
     other.seek(depth)
     assert np.abs(other.decode(1) - logits).max() > 1e-4

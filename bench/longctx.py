@@ -2,6 +2,7 @@
 
     python bench/longctx.py [--preset qwen3.5-0.8b] [--contexts 4096,32768,131072,262143] [--kv fp32,fp16,int8,int4]
                             [--work DIR] [--reuse] [--executorch int8,fp32] [--json bench/results/longctx.json]
+    python bench/longctx.py --table bench/results/longctx.json     # the markdown table of docs/results/longctx.md
 
 For each KV dtype: an ONNX bundle (int4 weights; fp16 KV needs --onnx-activations fp16, the others fp32
 activations) exported at --max-context 262144 (the KV cache is the app's input: the export allocates none of it),
@@ -106,7 +107,31 @@ def _cpu() -> str:
     return platform.processor() or "?"
 
 
+def table(doc: dict) -> str:
+    """The results as a markdown table (docs/results/longctx.md)."""
+    lines = [
+        "| target | KV | context | decode ms (median) | CV | RSS MiB | RSS growth past the prefix MiB | "
+        "manifest KV past the prefix MiB | growth / arithmetic |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in doc["runs"]:
+        if "rows" not in run:
+            why = run.get("error") or run.get("died", {}).get("reason")
+            lines.append(f"| {run['target']} | {run['kv']} | - | failed: {str(why)[-120:]} | | | | | |")
+            continue
+        for r in run["rows"]:
+            lines.append(
+                f"| {run['target']} | {run['kv']} | {r['context']:,} | {r['decode_ms_median']:,.1f} | "
+                f"{r['decode_cv']:.2f} | {r['rss_bytes'] / 2**20:,.0f} | {r['rss_growth_bytes'] / 2**20:,.0f} | "
+                f"{r['manifest_kv_bytes_past_prefix'] / 2**20:,.0f} | {r['growth_over_arithmetic']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--table"]:
+        print(table(json.loads(Path(sys.argv[2]).read_text())))
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3.5-0.8b")
     ap.add_argument("--contexts", default="4096,32768,131072,262143")
@@ -117,6 +142,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path, default=ROOT / "bench/results/longctx.json")
+    ap.add_argument("--append", action="store_true", help="add these runs to the runs already in --json")
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -132,6 +158,10 @@ def main() -> int:
         "contexts": contexts,
         "runs": [],
     }
+    if a.append and a.json.is_file():
+        before = json.loads(a.json.read_text())
+        doc["runs"] = before["runs"]
+        doc["earlier"] = [{k: before[k] for k in ("created", "command", "commit")}] + before.get("earlier", [])
     jobs = [("onnx", kv) for kv in a.kv.split(",") if kv] + [("executorch", kv) for kv in a.executorch.split(",") if kv]
     for target, kv in jobs:
         out = a.work / f"{target}-{kv}"

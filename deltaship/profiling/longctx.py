@@ -85,12 +85,16 @@ class StateAccess:
         # ONNX: the canonical [1, Hkv, S, D]; ExecuTorch: its buffers are [1, S, Hkv, D]
         return 2 if self.kind == "OnnxSession" else 1
 
-    def read(self, state: dict[str, Any]) -> np.ndarray:
-        """The state's current value (a copy)."""
-        s = self.session
+    def read_rows(self, state: dict[str, Any], rows: int) -> np.ndarray:
+        """A copy of the state's first `rows` rows (only those: a whole 262K cache would be copied otherwise)."""
+        s, ax = self.session, self.seq_axis()
+        idx = [slice(None)] * len(state["shape"])
+        idx[ax] = slice(0, rows)
         if self.kind == "OnnxSession":
-            return s._vals[state["name"]][s._cur[state["name"]]].numpy().copy()
-        return s._state(state["buffer"]).numpy().copy()
+            if s.device == "cpu":
+                return s._bufs[state["name"]][s._cur[state["name"]]][tuple(idx)].copy()
+            return s._vals[state["name"]][s._cur[state["name"]]].numpy()[tuple(idx)].copy()
+        return s._state(state["buffer"])[tuple(idx)].numpy().copy()
 
     def write_rows(self, state: dict[str, Any], start: int, block: np.ndarray) -> None:
         """Write `block` (the state's layout, `block.shape[axis]` rows) at rows start.. of the state, in place."""
@@ -129,7 +133,7 @@ class SyntheticFill:
         ax = self.access.seq_axis()
         self.blocks = {}
         for st in self.access.kv:
-            real = np.take(self.access.read(st), np.arange(prefix), axis=ax)  # the real rows
+            real = self.access.read_rows(st, prefix)  # the real rows
             self.blocks[st["name"]] = self._bootstrap(real, ax, min(BLOCK, session.max_context))
 
     def _bootstrap(self, real: np.ndarray, ax: int, rows: int) -> np.ndarray:

@@ -449,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument(
         "--contexts",
         default=None,
-        help="context depths of the decode sweep (default 128,1024,4096, each clipped to the bundle's max context - 1)",
+        help="context depths of the decode sweep (default 128,1024,4096, each clipped to the bundle's max context "
+        "- 1); reached by a synthetic fill of the KV cache, not a prefill (docs/profiling.md), with RSS per depth",
     )
     pr.add_argument("--threads", type=int, default=None)
     pr.add_argument(

@@ -124,6 +124,9 @@ def plots(doc: dict[str, Any]) -> dict[str, bytes]:
             ax2.set_title("Per op kind (ONNX Runtime profiler, adds overhead)")
             ax2.legend(fontsize=8)
         out["latency_vs_context.png"] = _png(fig)
+    depth_rss = sorted((r for r in res if r["metric"] == "rss_bytes" and r.get("context")), key=lambda r: r["context"])
+    if depth_rss:
+        out["memory_vs_context.png"] = _memory_vs_context(plt, ctx, depth_rss)
     peak = next((r["median"] for r in res if r["metric"] in ("peak_rss_bytes", "peak_pss_bytes")), None)
     b = doc["bundle"]
     if peak:
@@ -162,6 +165,33 @@ def plots(doc: dict[str, Any]) -> dict[str, bytes]:
         ax.set_title("Prefill throughput")
         out["prefill.png"] = _png(fig)
     return out
+
+
+def _memory_vs_context(plt, ctx: list[dict], mem: list[dict]) -> bytes:
+    """Decode latency and resident memory against the context depth (the synthetic fill), with the manifest's
+    arithmetic: the RSS after the real prefix plus the KV bytes of the rows past it."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot([r["context"] for r in ctx], [r["median"] * 1e3 for r in ctx], marker="o")
+    a1.set_ylabel("decode step latency (ms, median)")
+    a1.set_title("Decode latency vs context")
+    xs = [r["context"] for r in mem]
+    a2.plot(xs, [r["median"] / 2**20 for r in mem], marker="o", label="measured RSS")
+    if all("manifest_kv_bytes_past_prefix" in r for r in mem):
+        a2.plot(
+            xs,
+            [(r["rss_after_prefix_bytes"] + r["manifest_kv_bytes_past_prefix"]) / 2**20 for r in mem],
+            linestyle="--",
+            label="RSS after prefix + manifest KV bytes",
+        )
+    a2.set_ylabel("MiB")
+    a2.set_title("Resident memory vs context")
+    a2.legend(fontsize=8)
+    for ax in (a1, a2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context depth (tokens)")
+    synthetic = any(r.get("fill") == "synthetic" for r in mem)
+    fig.suptitle("KV cache and DeltaNet states filled synthetically (no prefill)" if synthetic else "", fontsize=9)
+    return _png(fig)
 
 
 def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
@@ -230,6 +260,9 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
     if doc.get("fit"):
         body.append(f"<p id='fit'>fits {e(doc['fit']['tier'])}: {'yes' if doc['fit']['fits'] else 'no'}</p>")
     body.append("<h2>Results</h2><pre id='table'>" + e(format_results(doc)) + "</pre>")
+    fill = next((r for r in doc["results"] if r.get("fill") == "synthetic"), None)
+    if fill is not None:
+        body.append(f"<p id='fill'>Context depths: {e(fill['note'])}.</p>")
     body.append("<h2>Plots</h2>")
     for name, data in imgs.items():
         b64 = base64.b64encode(data).decode()

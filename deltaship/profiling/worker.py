@@ -248,36 +248,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 )
             )
 
-        for c in cfg.get("contexts", []):
-            if c >= session.max_context:
-                results.append(
-                    {
-                        "metric": "decode_latency_s",
-                        "unit": "s",
-                        "context": c,
-                        "samples": [],
-                        "flags": ["skipped_over_max_context"],
-                    }
-                )
-                continue
-            trace.phase = f"context_{c}"
+        if cfg.get("contexts") and not cfg.get("breakdown"):
+            from deltaship.profiling.longctx import sweep
 
-            def step_at() -> float:
-                session.reset()
-                session.seek(c)  # decode cost depends on the depth, not on the state's values
-                t0 = now()
-                session.decode(1)
-                return now() - t0
+            def phase(p: str) -> None:
+                trace.phase = p
 
-            results.append(
-                record(
-                    "decode_latency_s",
-                    "s",
-                    repeat(step_at, warmups, reps, min_s / 2),
-                    context=c,
-                    note="one decode step at this context depth (reached by seek)",
-                )
-            )
+            results += sweep(session, cfg["contexts"], repeat, warmups, reps, min_s / 2, rss_bytes, now, phase)
         if cfg.get("breakdown") and hasattr(session, "profile_ops"):
             trace.phase = "breakdown"
             for c in cfg.get("contexts", []):

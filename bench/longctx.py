@@ -1,0 +1,181 @@
+"""Decode latency and resident memory at long context, per KV dtype, at a published shape (random weights).
+
+    python bench/longctx.py [--preset qwen3.5-0.8b] [--contexts 4096,32768,131072,262143] [--kv fp32,fp16,int8,int4]
+                            [--work DIR] [--reuse] [--executorch int8,fp32] [--json bench/results/longctx.json]
+    python bench/longctx.py --table bench/results/longctx.json     # the markdown table of docs/results/longctx.md
+
+For each KV dtype: an ONNX bundle (int4 weights; fp16 KV needs --onnx-activations fp16, the others fp32
+activations) exported at --max-context 262144 (the KV cache is the app's input: the export allocates none of it),
+then one profiling worker process (deltaship/profiling/worker.py, as `deltaship profile` runs it) that sweeps the
+depths in increasing order with the synthetic fill of deltaship/profiling/longctx.py: a real 256-token prefix,
+then KV rows bootstrapped from it, then single decode steps timed at the depth and the process's RSS read.
+Memory is compared with the manifest's arithmetic: the RSS above the level after the real prefix against
+(depth + 1 - prefix) x kv_bytes_per_token[kv_dtype]. The depths are 262,143 rather than 262,144 at the top:
+the decode step at depth c writes row c, and the cache holds 262,144 rows.
+
+--executorch KV,...: also ExecuTorch bundles (KV fp32 or int8) at the same shape; a 0.8B export at 262K holds the
+fp32 cache (6 GiB) in the exporting process, so it is off by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MAX_CONTEXT = 262144
+
+
+def export(preset: str, target: str, kv: str, out: Path, reuse: bool) -> dict:
+    if reuse and (out / "manifest.json").is_file():
+        return {"bundle": str(out), "export_s": None, "reused": True}
+    args = ["--model", preset, "--target", target, "--precision", "int4", "--max-context", str(MAX_CONTEXT)]
+    args += ["--no-verify", "--out", str(out), "--force", "--quiet"]
+    if target == "onnx" and kv == "fp16":
+        args += ["--onnx-activations", "fp16"]  # ONNX Runtime's GroupQueryAttention keeps its cache in its dtype
+    elif kv != "fp32" or target == "executorch":
+        args += ["--kv-cache", kv]
+    t = time.time()
+    r = subprocess.run([sys.executable, "-m", "deltaship.cli", "export", *args], capture_output=True, text=True)
+    if r.returncode:
+        return {"bundle": str(out), "error": (r.stdout + r.stderr)[-2000:], "export_s": time.time() - t}
+    return {"bundle": str(out), "export_s": round(time.time() - t, 1), "command": "deltaship export " + " ".join(args)}
+
+
+def measure(bundle: Path, contexts: list[int], threads: int | None, reps: int) -> dict:
+    from deltaship.profiling.profile import run_worker
+
+    cfg = dict(bundle=str(bundle), threads=threads, prompt_lengths=[], gen=0, contexts=contexts, reps=reps)
+    cfg.update(warmups=1, min_seconds=0.0, breakdown=False)
+    out, died = run_worker(cfg, None, timeout=3600)
+    if died:
+        return {"died": died}
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    mem = manifest["memory"]
+    per_token = mem["kv_bytes_per_token"][mem["kv_dtype"]]
+    rows = []
+    lat = {r["context"]: r for r in out["results"] if r["metric"] == "decode_latency_s" and r.get("samples")}
+    rss = {r["context"]: r for r in out["results"] if r["metric"] == "rss_bytes"}
+    for c in sorted(rss):
+        m, d = rss[c], lat[c]
+        arith = m["manifest_kv_bytes_past_prefix"]
+        grew = m["median"] - m["rss_after_prefix_bytes"]
+        rows.append(
+            {
+                "context": c,
+                "decode_ms_median": round(d["median"] * 1e3, 2),
+                "decode_ms_samples": [round(x * 1e3, 2) for x in d["samples"]],
+                "decode_cv": round(d["cv"], 3),
+                "rss_bytes": int(m["median"]),
+                "rss_after_prefix_bytes": int(m["rss_after_prefix_bytes"]),
+                "rss_growth_bytes": int(grew),
+                "manifest_kv_bytes_past_prefix": arith,
+                "growth_over_arithmetic": round(grew / arith, 4) if arith else None,
+                "manifest_state_bytes": m["manifest_state_bytes"],
+                "fill_s": round(d["fill_s"], 2),
+                "position_seen": d["position_seen"],
+            }
+        )
+    peak = next(r["median"] for r in out["results"] if r["metric"] == "peak_rss_bytes")
+    return {
+        "runtime": out["runtime"],
+        "kv_dtype": mem["kv_dtype"],
+        "kv_bytes_per_token": per_token,
+        "deltanet_state_bytes": mem["deltanet_state_bytes"],
+        "bundle_bytes": manifest.get("bundle_bytes"),
+        "fill": lat[min(lat)]["note"] if lat else None,
+        "fill_prefix_tokens": next(iter(lat.values()))["fill_prefix_tokens"] if lat else None,
+        "peak_rss_bytes": int(peak),
+        "rows": rows,
+    }
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def table(doc: dict) -> str:
+    """The results as a markdown table (docs/results/longctx.md)."""
+    lines = [
+        "| target | KV | context | decode ms (median) | CV | RSS MiB | RSS growth past the prefix MiB | "
+        "manifest KV past the prefix MiB | growth / arithmetic |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in doc["runs"]:
+        if "rows" not in run:
+            why = run.get("error") or run.get("died", {}).get("reason")
+            lines.append(f"| {run['target']} | {run['kv']} | - | failed: {str(why)[-120:]} | | | | | |")
+            continue
+        for r in run["rows"]:
+            lines.append(
+                f"| {run['target']} | {run['kv']} | {r['context']:,} | {r['decode_ms_median']:,.1f} | "
+                f"{r['decode_cv']:.2f} | {r['rss_bytes'] / 2**20:,.0f} | {r['rss_growth_bytes'] / 2**20:,.0f} | "
+                f"{r['manifest_kv_bytes_past_prefix'] / 2**20:,.0f} | {r['growth_over_arithmetic']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--table"]:
+        print(table(json.loads(Path(sys.argv[2]).read_text())))
+        return 0
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3.5-0.8b")
+    ap.add_argument("--contexts", default="4096,32768,131072,262143")
+    ap.add_argument("--kv", default="fp32,fp16,int8,int4", help="ONNX KV dtypes")
+    ap.add_argument("--executorch", default="", help="ExecuTorch KV dtypes (fp32, int8); off by default")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/deltaship-longctx"))
+    ap.add_argument("--reuse", action="store_true", help="reuse bundles already exported in --work")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=ROOT / "bench/results/longctx.json")
+    ap.add_argument("--append", action="store_true", help="add these runs to the runs already in --json")
+    a = ap.parse_args()
+    contexts = [int(x) for x in a.contexts.split(",")]
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    doc = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "python bench/longctx.py " + " ".join(sys.argv[1:]),
+        "commit": commit.stdout.strip(),
+        "machine": f"{platform.system()} {platform.machine()}, {_cpu()}",
+        "cpus": __import__("os").cpu_count(),
+        "preset": a.preset,
+        "weights": "int4 (random weights, the published shape)",
+        "max_context": MAX_CONTEXT,
+        "contexts": contexts,
+        "runs": [],
+    }
+    if a.append and a.json.is_file():
+        before = json.loads(a.json.read_text())
+        doc["runs"] = before["runs"]
+        doc["earlier"] = [{k: before[k] for k in ("created", "command", "commit")}] + before.get("earlier", [])
+    jobs = [("onnx", kv) for kv in a.kv.split(",") if kv] + [("executorch", kv) for kv in a.executorch.split(",") if kv]
+    for target, kv in jobs:
+        out = a.work / f"{target}-{kv}"
+        print(f"[{time.strftime('%H:%M:%S')}] {target} kv {kv}: export", file=sys.stderr, flush=True)
+        run = {"target": target, "kv": kv, **export(a.preset, target, kv, out, a.reuse)}
+        if "error" not in run:
+            print(f"[{time.strftime('%H:%M:%S')}] {target} kv {kv}: measure", file=sys.stderr, flush=True)
+            run.update(measure(out, contexts, a.threads, a.reps))
+        doc["runs"].append(run)
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(doc, indent=1) + "\n")  # after each run: a cut-short bench keeps what it has
+    print(json.dumps([{k: r.get(k) for k in ("target", "kv", "peak_rss_bytes")} for r in doc["runs"]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

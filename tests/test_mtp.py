@@ -328,3 +328,29 @@ def test_profile_speculative_needs_an_mtp_head(bundles):
     assert "no multi-token-prediction head" in e.value.message and "--mtp" in e.value.fix
     with pytest.raises(DeltashipError):
         profile(bundles("base"), speculative="mtp:0")
+
+
+def test_onnx_rollback_without_copies(tiny_mtp):
+    """The ONNX session's snapshot copies nothing: a verify call writes the DeltaNet states out of place, and the
+    restore puts the states before it back bit for bit; a restore across other calls is refused."""
+    from deltaship.runtimes import open_bundle
+
+    s = open_bundle(tiny_mtp("fp32"))
+    deltanet = [st["name"] for st in s.manifest["states"] if st["kind"].startswith("deltanet")]
+    s.prefill(_prompt(7))
+    before = s.state_arrays()
+    snap = s.snapshot()
+    s.verify(np.array([5, 6, 7], np.int64), np.arange(3, dtype=np.int64))
+    assert all(not np.array_equal(before[k], s.state_arrays()[k]) for k in deltanet)
+    s.restore(snap)
+    after = s.state_arrays()
+    assert all(np.array_equal(before[k], after[k]) for k in deltanet) and s.position == 7
+    want = s.decode(5)  # the restored session goes on as if the verify call never ran
+    s.reset()
+    s.prefill(_prompt(7))
+    np.testing.assert_array_equal(s.decode(5), want)
+    snap = s.snapshot()
+    s.verify(np.array([5, 6], np.int64), np.arange(2, dtype=np.int64))
+    s.decode(9)
+    with pytest.raises(DeltashipError, match="only the one verify call"):
+        s.restore(snap)

@@ -193,9 +193,6 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         results.append(
             record("verify_s", "s", samples, context=c, tokens=t, note="one verify call: every row's logits")
         )
-    session.reset()
-    session.seek(c)
-    snap = session.snapshot()
 
     def timed(fn):
         def run_once() -> float:
@@ -205,22 +202,31 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
         return run_once
 
+    # the snapshot before a verify call of K+1 tokens, and the restore that undoes it (each timed alone)
+    snap_s: list[float] = []
+    ids, rows = np.full(depth + 1, 7, np.int64), np.arange(depth + 1, dtype=np.int64)
+
+    def rollback() -> float:
+        session.reset()
+        session.seek(c)
+        t0 = now()
+        snap = session.snapshot()
+        snap_s.append(now() - t0)
+        session.verify(ids, rows)
+        t0 = now()
+        session.restore(snap)
+        return now() - t0
+
+    restore_s = repeat(rollback, warmups, reps, min_s)
     results.append(
         record(
             "snapshot_s",
             "s",
-            repeat(timed(session.snapshot), warmups, reps, min_s),
-            note="host copy of the DeltaNet states (the KV caches keep their length pointer)",
+            snap_s[warmups:],
+            note="what the runtime keeps before a verify call to undo it (the KV caches keep their length pointer)",
         )
     )
-    results.append(
-        record(
-            "restore_s",
-            "s",
-            repeat(timed(lambda: session.restore(snap)), warmups, reps, min_s),
-            note="the copy put back after a rejection",
-        )
-    )
+    results.append(record("restore_s", "s", restore_s, note="undoing the verify call after a rejection"))
     session.reset_draft()
     hid = rng.standard_normal((depth + 1, h)).astype(np.float32)
     for p in range(1, depth + 2):

@@ -55,8 +55,9 @@ def pairs(values: list[str]) -> dict[str, Path]:
 
 
 def main() -> int:
-    from deltaship.profiling.profile import profile
     from peers import bandwidth
+
+    from deltaship.profiling.profile import profile
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--big", action="append", default=[], help="TARGET=BUNDLE: the 0.8B int4 --mtp bundle")
@@ -74,8 +75,9 @@ def main() -> int:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res: dict = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
-        .stdout.strip(),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+        ).stdout.strip(),
         "machine": f"{platform.machine()}, {platform.processor() or platform.platform()}",
         "command": " ".join(["python", "bench/mtp_costs.py", *sys.argv[1:]]),
         "depth": a.depth,

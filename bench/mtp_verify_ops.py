@@ -20,15 +20,19 @@ from pathlib import Path
 import numpy as np
 
 
-def by_op(bundle: Path, context: int, steps: int, threads: int, calls: dict) -> dict[str, dict[str, float]]:
+def by_op(
+    bundle: Path, context: int, steps: int, threads: int, calls: dict, in_place: bool = False
+) -> dict[str, dict[str, float]]:
+    import onnx
+
     from deltaship.bundle.reader import read_manifest
     from deltaship.runtimes.onnx import OnnxSession
-
-    import onnx
 
     graph = onnx.load(str(bundle / "model.onnx"), load_external_data=False).graph
     lm_head = {n.name for n in graph.node if n.op_type == "MatMulNBits" and "lm_head" in n.input[1]}
     s = OnnxSession(bundle, read_manifest(bundle), threads=threads, profiling=True)
+    if in_place:  # verify updates the recurrent states in place, as plain calls do (no spare: no rollback)
+        s._spare = {}
     order = []
     for _ in range(steps + 1):
         for name, fn in calls.items():
@@ -59,6 +63,28 @@ def by_op(bundle: Path, context: int, steps: int, threads: int, calls: dict) -> 
     return {n: {op: statistics.median(v) for op, v in d.items()} for n, d in per.items()}
 
 
+def wall(bundle: Path, context: int, rounds: int, threads: int, calls: dict, in_place: bool) -> dict[str, float]:
+    """Median wall ms per call without the profiler, the calls interleaved round by round (load drifts cancel)."""
+    import time
+
+    from deltaship.bundle.reader import read_manifest
+    from deltaship.runtimes.onnx import OnnxSession
+
+    s = OnnxSession(bundle, read_manifest(bundle), threads=threads)
+    if in_place:
+        s._spare = {}
+    out: dict[str, list[float]] = {n: [] for n in calls}
+    for r in range(rounds + 1):
+        for name, fn in calls.items():
+            s.reset()
+            s.seek(context)
+            t0 = time.perf_counter()
+            fn(s)
+            if r:
+                out[name].append(1e3 * (time.perf_counter() - t0))
+    return {n: statistics.median(v) for n, v in out.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle", type=Path)
@@ -66,18 +92,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", default="1,2,3")
+    ap.add_argument("--rounds", type=int, default=20, help="rounds of the wall-clock comparison")
+    ap.add_argument(
+        "--in-place",
+        action="store_true",
+        help="verify updates the DeltaNet recurrent states in place (as before the out-of-place rollback)",
+    )
     a = ap.parse_args()
     ts = [int(t) for t in a.tokens.split(",")]
     calls = {"decode": lambda s: s.decode(7)}
     for t in ts:
         calls[f"verify {t}"] = lambda s, t=t: s.verify(np.full(t, 7, np.int64), np.arange(t, dtype=np.int64))
     calls["verify last row"] = lambda s: s.verify(np.full(ts[-1], 7, np.int64), np.array([ts[-1] - 1], np.int64))
-    res = by_op(a.bundle, a.context, a.steps, a.threads, calls)
+    res = by_op(a.bundle, a.context, a.steps, a.threads, calls, a.in_place)
     ops = sorted({op for d in res.values() for op in d}, key=lambda op: -res["decode"].get(op, 0.0))
     print(f"{'op (ms per call, median)':<28}" + "".join(f"{n:>16}" for n in res))
     for op in ops:
         print(f"{op:<28}" + "".join(f"{res[n].get(op, 0.0):>16.2f}" for n in res))
-    print(json.dumps(res))
+    w = wall(a.bundle, a.context, a.rounds, a.threads, calls, a.in_place)
+    print(f"{'wall ms per call, median':<28}" + "".join(f"{w[n]:>16.2f}" for n in res))
+    print(f"{'x decode':<28}" + "".join(f"{w[n] / w['decode']:>16.3f}" for n in res))
+    print(json.dumps({"by_op": res, "wall_ms": w}))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 A session that supports it (`SpeculativeSession`) adds to the plain prefill/decode calls:
 - `verify(ids, rows)`: run ids [T] at the session's position like a prefill chunk, returning the logits after
   each of `rows` and the final-normed hidden state of every position (the draft head's input);
-- `snapshot()` / `restore(snap)`: copy the DeltaNet states and the position, and put them back. The KV caches
-  are not copied: a restored session overwrites the rejected positions on its next call (their length pointer
-  is the position);
+- `snapshot()` / `restore(snap)`: keep the DeltaNet states and the position from before the next verify call
+  (a copy, or, on ONNX, the buffers that verify call leaves untouched), and undo that call. The KV caches are not
+  copied: a restored session overwrites the rejected positions on its next call (their length pointer is the
+  position);
 - `draft(hidden, ids, position)`: the MTP head over hidden [T, H] at positions position .. position+T-1 and the
   tokens one position later, returning the logits of the token after the last one and the head's hidden states;
 - `reset_draft()`: zero the head's own KV cache.

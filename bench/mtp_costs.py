@@ -1,124 +1,134 @@
-"""What speculative decoding with the MTP head costs on an ONNX bundle exported with --mtp, per call.
+"""Speculative decoding with the MTP head, per target, in one run: what each call costs at 0.8B int4 (random
+weights), the acceptance the trained tiny head gets on the same target, and what the two give against plain
+decoding and the one-token bandwidth roofline.
 
-    python bench/mtp_costs.py BUNDLE [--threads 2] [--runs 20] [--context 128] [--acceptance 0.75]
+    deltaship export --model qwen3.5-0.8b --target onnx --precision int4 --mtp --max-context 512 --no-verify --out B08
+    deltaship export --model qwen3.5-0.8b --target executorch --precision int4 --mtp --max-context 512 --no-verify \
+        --out B08ET
+    deltaship export --model qwen3.5-tiny --target onnx --precision int4 --mtp --max-context 1024 --out TINY
+    deltaship export --model qwen3.5-tiny --target executorch --precision int4 --mtp --max-context 1024 --out TINYET
+    python bench/mtp_costs.py --big onnx=B08 --big executorch=B08ET --tiny onnx=TINY --tiny executorch=TINYET \
+        --out bench/results/mtp.json
 
-Times (median of --runs, after a warmup, at --context tokens of context): one plain decode step; a verify call
-of T = 2, 3, 4 tokens (every row's logits); the DeltaNet snapshot and its restore; a draft call of the MTP head
-over 1 and 2 positions. Then the decode speed-up that depth-1 speculation would give at an acceptance rate
-`--acceptance` (a projection from the measured costs, not a measured speed: say where the rate comes from),
-and, when the bundle's head is trained, the measured wall clock of plain vs speculative greedy generation.
+Every bundle is profiled by `deltaship profile BUNDLE --speculative mtp:K` (deltaship/profiling/speculative.py, a
+fresh process each): one plain decode step, verify calls of 1 .. K+2 tokens, draft calls, the DeltaNet snapshot and
+restore, then greedy decode tokens/s without and with the head over 8 fixed prompts, and the acceptance.
+
+- tiny (trained head): the acceptance is real; its measured rate on a target is the rate the 0.8B projection of the
+  same target assumes (a projection, labelled so: the 0.8B's random head accepts nothing).
+- 0.8B: the costs, and decode tokens/s without the head measured (and with it, at a random head's ~0 acceptance);
+  the projected speculative tokens/s at the tiny's acceptance; the one-token roofline: the machine's read bandwidth
+  (a multi-threaded sum over 1 GiB, best of 5, as bench/peers.py) over the bytes of the decoder's weight files
+  (ONNX: model.onnx + model.onnx.data, the head's mtp.onnx.data left out; ExecuTorch: the whole model.pte, the
+  head's own weights included, since they share one file), i.e. every stored weight read once per token.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from deltaship.runtimes import open_bundle
-
-
-def median_ms(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
 
-def measure(bundle: Path, threads: int, runs: int, context: int, acceptance: float) -> dict:
-    s = open_bundle(bundle, threads=threads)
-    h = s.manifest["model"]["hidden_size"]
-    rng = np.random.default_rng(0)
-    s.reset()
-    s.prefill(rng.integers(0, 200, context).tolist())
-    snap = s.snapshot()
+def decoder_bytes(bundle: Path) -> int:
+    from deltaship.bundle.reader import read_manifest
 
-    def at_context(fn):
-        def run():
-            s.restore(snap)
-            fn()
+    m = read_manifest(bundle)
+    if m["target"] == "onnx":
+        return sum((bundle / f).stat().st_size for f in ("model.onnx", "model.onnx.data") if (bundle / f).exists())
+    return sum(f.stat().st_size for f in bundle.glob("*.pte"))
 
-        return run
 
-    out: dict = {"bundle": str(bundle), "threads": threads, "context": context, "runs": runs}
-    out["decode_ms"] = median_ms(at_context(lambda: s.decode(7)), runs)
-    for t in (2, 3, 4):
-        ids = np.full(t, 7, np.int64)
-        out[f"verify_{t}_ms"] = median_ms(at_context(lambda ids=ids: s.verify(ids, np.arange(ids.size))), runs)
-    out["snapshot_ms"] = median_ms(s.snapshot, runs)
-    out["restore_ms"] = median_ms(lambda: s.restore(snap), runs)
-    s.reset_draft()
-    hid = rng.standard_normal((2, h)).astype(np.float32)
-    for t in (1, 2):
-        out[f"draft_{t}_ms"] = median_ms(lambda t=t: s.draft(hid[:t], np.full(t, 7, np.int64), context), runs)
-    # depth 1: per verify call, a draft over ~1 new position, a verify of 2 tokens (3 after a rejection re-feeds
-    # the accepted token), a snapshot, and a restore when the draft is rejected; 1 + acceptance tokens come out
-    a = acceptance
-    step = (
-        out["draft_1_ms"]
-        + a * out["verify_2_ms"]
-        + (1 - a) * out["verify_3_ms"]
-        + out["snapshot_ms"]
-        + (1 - a) * out["restore_ms"]
-    )
-    out["projection"] = {
-        "acceptance": a,
-        "ms_per_token_plain": round(out["decode_ms"], 3),
-        "ms_per_token_speculative": round(step / (1 + a), 3),
-        "speedup": round(out["decode_ms"] * (1 + a) / step, 3),
-    }
+def pairs(values: list[str]) -> dict[str, Path]:
+    out = {}
+    for v in values:
+        target, _, path = v.partition("=")
+        out[target] = Path(path)
     return out
 
 
-def measured(bundle: Path, threads: int, tokens: int) -> dict:
-    from deltaship.runtimes.speculative import generate_speculative
+def main() -> int:
+    from peers import bandwidth
 
-    s = open_bundle(bundle, threads=threads)
-    text = (Path(__file__).parent.parent / "deltaship/models/data/qwen3.5-tiny/heldout.txt").read_bytes()
-    prompts = [list(text[o : o + 64]) for o in range(0, 4000, 500)]
-    plain_s = spec_s = 0.0
-    acc = drafted = same = 0
-    for p in prompts:
-        s.reset()
-        t = time.perf_counter()
-        plain = s.generate(p, tokens, stop_at_eos=False).output_ids
-        plain_s += time.perf_counter() - t
-        t = time.perf_counter()
-        g, st = generate_speculative(s, p, tokens, 1, stop_at_eos=False)
-        spec_s += time.perf_counter() - t
-        acc, drafted, same = acc + st.accepted, drafted + st.drafted, same + (g.output_ids == plain)
-    n = len(prompts) * tokens
-    return {
-        "prompts": len(prompts),
-        "new_tokens": tokens,
-        "acceptance": round(acc / drafted, 4),
-        "identical_to_plain": f"{same}/{len(prompts)}",
-        "tokens_per_s_plain": round(n / plain_s, 1),
-        "tokens_per_s_speculative": round(n / spec_s, 1),
-    }
+    from deltaship.profiling.profile import profile
 
-
-def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("bundle", type=Path)
+    ap.add_argument("--big", action="append", default=[], help="TARGET=BUNDLE: the 0.8B int4 --mtp bundle")
+    ap.add_argument("--tiny", action="append", default=[], help="TARGET=BUNDLE: the trained tiny --mtp bundle")
+    ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--acceptance", type=float, default=0.75)
-    ap.add_argument("--generate", type=int, default=0, help="also time plain vs speculative generation (tokens)")
+    ap.add_argument("--gen", type=int, default=32, help="new tokens per prompt (8 prompts)")
+    ap.add_argument("--tiny-gen", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--min-seconds", type=float, default=2.0)
+    ap.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     a = ap.parse_args()
-    res = measure(a.bundle, a.threads, a.runs, a.context, a.acceptance)
-    if a.generate:
-        res["generation"] = measured(a.bundle, a.threads, a.generate)
-    print(json.dumps(res, indent=2))
+    big, tiny = pairs(a.big), pairs(a.tiny)
+    spec = f"mtp:{a.depth}"
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    res: dict = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+        ).stdout.strip(),
+        "machine": f"{platform.machine()}, {platform.processor() or platform.platform()}",
+        "command": " ".join(["python", "bench/mtp_costs.py", *sys.argv[1:]]),
+        "depth": a.depth,
+        "threads": a.threads,
+        "targets": {},
+    }
+    bw = [bandwidth(a.threads)]
+    for target in dict.fromkeys([*tiny, *big]):
+        row: dict = {}
+        acceptance = None
+        if target in tiny:
+            doc = profile(
+                tiny[target], speculative=spec, threads=a.threads, gen=a.tiny_gen, reps=a.reps,
+                min_seconds=a.min_seconds, progress=say,
+            )  # fmt: skip
+            row["tiny"] = {"bundle": str(tiny[target]), **doc["speculative"]}
+            acceptance = doc["speculative"]["acceptance"]["acceptance_rate"]
+        if target in big:
+            doc = profile(
+                big[target], speculative=spec, threads=a.threads, gen=a.gen, reps=a.reps,
+                min_seconds=a.min_seconds, progress=say, acceptance=acceptance,
+            )  # fmt: skip
+            s = doc["speculative"]
+            if acceptance is not None:
+                s["projection"]["source"] = (
+                    f"measured in this run on qwen3.5-tiny ({target}, {row['tiny']['acceptance']['prompts']} prompts "
+                    f"x {row['tiny']['acceptance']['new_tokens']} greedy tokens): {acceptance}"
+                )
+            bw.append(bandwidth(a.threads))
+            size = decoder_bytes(big[target])
+            roof = max(bw) * 1e9 / size  # the best read bandwidth seen in the run: the roofline is an upper bound
+            plain = 1e3 / s["costs_ms"]["decode_step"]
+            row["big"] = {"bundle": str(big[target]), **s}
+            row["roofline"] = {
+                "bandwidth_gbs": [round(x, 2) for x in bw],
+                "decoder_bytes": size,
+                "tokens_per_s": round(roof, 2),
+                "plain_decode_step_tok_s": round(plain, 2),
+                "plain_percent_of_roofline": round(100 * plain / roof, 1),
+                "projected_speculative_tok_s": s["projection"]["tokens_per_s"],
+                "projected_percent_of_roofline": round(100 * s["projection"]["tokens_per_s"] / roof, 1),
+            }
+        res["targets"][target] = row
+        say(json.dumps(row.get("roofline", {})))
+    text = json.dumps(res, indent=1)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    print(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

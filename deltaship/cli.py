@@ -243,6 +243,8 @@ def _profile(a: argparse.Namespace) -> int:
         progress=say,
         provider=a.provider,
         runtime=a.runtime,
+        speculative=a.speculative,
+        acceptance=a.acceptance,
     )
     if a.plots:
         from deltaship.profiling.report import write_plots
@@ -479,6 +481,19 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--remote-deltaship", default="deltaship", help="the deltaship command on an ssh host")
     pr.add_argument("--runner", default=None, help="Android: the runner binary to push and run")
     pr.add_argument("--runner-args", default=None, help="Android: runner arguments ({model}, {prompt_length}, ...)")
+    pr.add_argument(
+        "--speculative",
+        metavar="mtp[:K]",
+        default=None,
+        help="profile speculative decoding with the bundle's MTP head (export --mtp) instead: verify/draft/snapshot "
+        "costs, acceptance, decode tok/s with and without, and a projection (docs/speculative.md)",
+    )
+    pr.add_argument(
+        "--acceptance",
+        type=float,
+        default=None,
+        help="with --speculative: the acceptance rate the projection assumes (default: the trained tiny head's 0.75)",
+    )
     pr.add_argument("--quiet", action="store_true")
     pr.set_defaults(func=_profile)
 

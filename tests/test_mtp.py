@@ -266,3 +266,91 @@ def test_genai_runs_an_mtp_bundle_as_a_plain_one(tiny_mtp):
         gen.generate_next_token()
         got.append(int(gen.get_next_tokens()[0]))
     assert got == want
+
+
+@pytest.mark.slow  # a profile in a fresh process: ~40 s with the export on 2 shared cores
+def test_profile_speculative_measures_costs_acceptance_and_speed(tiny_mtp, tmp_path):
+    """`deltaship profile --speculative mtp`: per-call costs, acceptance and decode speed with and without the head,
+    measured in one fresh process, with the projection labelled as one; JSON, text and HTML carry it."""
+    import json
+
+    from deltaship.profiling.profile import profile
+    from deltaship.profiling.report import format_results
+
+    out, page = tmp_path / "spec.json", tmp_path / "spec.html"
+    doc = profile(
+        tiny_mtp("fp32"), speculative="mtp", gen=24, warmups=1, reps=3, min_seconds=0, json_out=out, report=page
+    )
+    assert json.loads(out.read_text())["speculative"] == doc["speculative"]
+    s = doc["speculative"]
+    assert s["depth"] == 1 and s["context"] == 128 and not s["random_weights"]
+    assert set(s["costs_ms"]["verify"]) == {"1", "2", "3"} and set(s["costs_ms"]["draft"]) == {"1", "2"}
+    rel = s["relative_to_decode_step"]
+    assert all(v > 0 for v in [*rel["verify"].values(), *rel["draft"].values(), rel["snapshot"], rel["restore"]])
+    a = s["acceptance"]
+    assert a["meaningful"] and a["acceptance_rate"] > 0.3  # the trained head (a random one: ~1/vocab)
+    assert a["identical_to_plain"] == a["prompts"] == 8  # fp32: the lossless contract, prompt by prompt
+    assert 1 < a["tokens_per_verify"] == pytest.approx(1 + a["mean_accepted_length"])
+    d = s["decode_tok_s"]
+    assert (
+        d["plain"] > 0 and d["speculative"] > 0 and d["speedup"] == pytest.approx(d["speculative"] / d["plain"], 1e-2)
+    )
+    pr = s["projection"]
+    assert pr["label"].startswith("projection") and "0.75" in pr["source"] and pr["acceptance"] == 0.75
+    metrics = {(r["metric"], r.get("tokens"), r.get("positions")) for r in doc["results"]}
+    assert {("verify_s", 2, None), ("draft_s", None, 1), ("plain_decode_tok_s", None, None)} <= metrics
+    text = format_results(doc)
+    assert "PROJECTION at acceptance 0.75" in text and "verify  2 tokens" in text
+    html = page.read_text()
+    assert "id='speculative'" in html and "speculative.png" in html
+
+
+def test_speculative_projection_from_costs():
+    """At acceptance 1 every call emits depth + 1 tokens for a draft over depth + 1 positions, depth - 1 deeper
+    drafts, a verify of depth + 1 tokens and a snapshot; at acceptance 0, one token per call."""
+    from deltaship.profiling.speculative import project
+
+    costs = {"decode": 10.0, "verify": {1: 10, 2: 11, 3: 12, 4: 14}, "draft": {1: 2, 2: 2.5, 3: 3}, "snapshot": 1}
+    costs["restore"] = 0.5
+    p = project(costs, 1, 1.0, calls=100)
+    assert p["tokens_per_verify"] == 2 and p["speedup"] == pytest.approx(10 * 2 / (2.5 + 11 + 1), 1e-3)
+    p = project(costs, 2, 1.0, calls=100)
+    assert p["tokens_per_verify"] == 3 and p["speedup"] == pytest.approx(10 * 3 / (3 + 2 + 12 + 1), 1e-3)
+    assert project(costs, 1, 0.0, calls=100)["tokens_per_verify"] == 1
+    assert project(costs, 1, 0.0)["speedup"] < project(costs, 1, 0.5)["speedup"] < p["speedup"]
+
+
+def test_profile_speculative_needs_an_mtp_head(bundles):
+    from deltaship.profiling.profile import profile
+
+    with pytest.raises(DeltashipError) as e:
+        profile(bundles("base"), speculative="mtp")
+    assert "no multi-token-prediction head" in e.value.message and "--mtp" in e.value.fix
+    with pytest.raises(DeltashipError):
+        profile(bundles("base"), speculative="mtp:0")
+
+
+def test_onnx_rollback_without_copies(tiny_mtp):
+    """The ONNX session's snapshot copies nothing: a verify call writes the DeltaNet states out of place, and the
+    restore puts the states before it back bit for bit; a restore across other calls is refused."""
+    from deltaship.runtimes import open_bundle
+
+    s = open_bundle(tiny_mtp("fp32"))
+    deltanet = [st["name"] for st in s.manifest["states"] if st["kind"].startswith("deltanet")]
+    s.prefill(_prompt(7))
+    before = s.state_arrays()
+    snap = s.snapshot()
+    s.verify(np.array([5, 6, 7], np.int64), np.arange(3, dtype=np.int64))
+    assert all(not np.array_equal(before[k], s.state_arrays()[k]) for k in deltanet)
+    s.restore(snap)
+    after = s.state_arrays()
+    assert all(np.array_equal(before[k], after[k]) for k in deltanet) and s.position == 7
+    want = s.decode(5)  # the restored session goes on as if the verify call never ran
+    s.reset()
+    s.prefill(_prompt(7))
+    np.testing.assert_array_equal(s.decode(5), want)
+    snap = s.snapshot()
+    s.verify(np.array([5, 6], np.int64), np.arange(2, dtype=np.int64))
+    s.decode(9)
+    with pytest.raises(DeltashipError, match="only the one verify call"):
+        s.restore(snap)

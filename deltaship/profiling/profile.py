@@ -126,15 +126,15 @@ def _died(rc: int, stderr: str) -> dict[str, Any]:
 
 
 def run_worker(
-    cfg: dict[str, Any], cap: MemoryCap | None = None, timeout: float = 3600
+    cfg: dict[str, Any], cap: MemoryCap | None = None, timeout: float = 3600, module: str = "deltaship.profiling.worker"
 ) -> tuple[dict | None, dict | None]:
-    """(worker output, None) or (None, a 'died' record)."""
+    """(worker output, None) or (None, a 'died' record). module: the measuring process's module."""
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.get("threads") or ""), TOKENIZERS_PARALLELISM="false")
     if not cfg.get("threads"):
         env.pop("OMP_NUM_THREADS")
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "deltaship.profiling.worker", json.dumps(cfg)],
+            [sys.executable, "-m", module, json.dumps(cfg)],
             capture_output=True,
             text=True,
             env=env,
@@ -179,8 +179,14 @@ def profile(
     progress: Callable[[str], None] | None = None,
     provider: str = "cpu",
     runtime: str | None = None,
+    speculative: str | None = None,
+    acceptance: float | None = None,
 ) -> dict[str, Any]:
-    """Profile a bundle on a device; return (and optionally write) the versioned JSON document."""
+    """Profile a bundle on a device; return (and optionally write) the versioned JSON document.
+
+    speculative="mtp[:K]": profile speculative decoding with the bundle's MTP head instead of the plain workload
+    (deltaship/profiling/speculative.py); acceptance: the rate its projection assumes (default: the trained tiny
+    head's measured one)."""
     from deltaship.bundle.reader import read_manifest, require_intact
     from deltaship.devices.catalog import get_tier
     from deltaship.devices.discovery import fingerprint
@@ -210,6 +216,16 @@ def profile(
     if contexts is None:  # the default depths, the deepest clipped to what the bundle's KV cache holds
         mc = int(manifest["max_context"])
         cfg["contexts"] = sorted({min(c, mc - 1) for c in cfg["contexts"]})
+    if speculative is not None:
+        from deltaship.profiling import speculative as spec
+        from deltaship.runtimes.speculative import parse_speculative
+
+        depth = parse_speculative(speculative)
+        spec.check(path, manifest, cfg, depth, device=device, runtime=runtime, provider=provider, tier=tier)
+        doc = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        doc.update(bundle=bundle_summary(manifest, path), config={**cfg, "speculative": speculative}, emulation=None)
+        doc.update(spec.profile_speculative(path, cfg, depth, threads, say, acceptance))
+        return _finish(doc, None, json_out, report)
     check_workload(manifest, cfg["prompt_lengths"], cfg["gen"], cfg["contexts"])
     t = get_tier(tier, tiers_file) if tier else None
     doc: dict[str, Any] = {
@@ -355,7 +371,16 @@ def compare(a: str | Path, b: str | Path) -> list[dict[str, Any]]:
     from deltaship.profiling.stats import ratio_ci
 
     da, db = load_records(a), load_records(b)
-    key = lambda r: (r["metric"], r.get("prompt_length"), r.get("context"), r.get("op_kind"))  # noqa: E731
+
+    def key(r: dict) -> tuple:  # speculative profiles: verify and draft calls apart by their length
+        return (
+            r["metric"],
+            r.get("prompt_length"),
+            r.get("context"),
+            r.get("op_kind"),
+            r.get("tokens", r.get("positions")),
+        )
+
     ia = {key(r): r for r in da["results"] if r.get("samples")}
     rows = []
     for r in db["results"]:

@@ -19,13 +19,21 @@ def _fmt(value: float, unit: str) -> str:
 
 def _where(r: dict) -> str:
     parts = []
-    for k, label in (("prompt_length", "P="), ("from_context", "from ctx "), ("context", "ctx="), ("op_kind", "op=")):
+    for k, label in (
+        ("prompt_length", "P="),
+        ("from_context", "from ctx "),
+        ("context", "ctx="),
+        ("op_kind", "op="),
+        ("tokens", "T="),
+        ("positions", "pos="),
+        ("prompts", "prompts="),
+    ):
         if r.get(k) is not None:
             parts.append(f"{label}{r[k]}")
     return " ".join(parts)
 
 
-def format_results(doc: dict[str, Any]) -> str:
+def format_results(doc: dict[str, Any], speculative: bool = True) -> str:
     dev, b = doc.get("device", {}), doc["bundle"]
     lines = [
         f"{b['name']}: {b['target']} / {b['precision']} on {dev.get('device', '?')} ({dev.get('model', '?')}, "
@@ -52,6 +60,10 @@ def format_results(doc: dict[str, Any]) -> str:
             f"{r['metric']:<18} {_where(r):<16} {SHOWN.get(u, u):>6} {_fmt(r['median'], u):>10} "
             f"{_fmt(r['p90'], u):>10} {ci:>23} {r['cv']:>6.3f} {r['n']:>4}  {' '.join(r['flags'])}"
         )
+    if speculative and doc.get("speculative"):
+        from deltaship.profiling.speculative import format_speculative
+
+        lines += ["", format_speculative(doc["speculative"])]
     if doc.get("fit"):
         f = doc["fit"]
         lines.append(
@@ -164,6 +176,10 @@ def plots(doc: dict[str, Any]) -> dict[str, bytes]:
         ax.set_ylabel("prefill tokens/s")
         ax.set_title("Prefill throughput")
         out["prefill.png"] = _png(fig)
+    if doc.get("speculative"):
+        from deltaship.profiling.speculative import plot_speculative
+
+        out["speculative.png"] = _png(plot_speculative(doc["speculative"], plt))
     return out
 
 
@@ -225,6 +241,10 @@ def summary(doc: dict[str, Any]) -> list[tuple[str, str]]:
         )
     if doc.get("fit"):
         out.append((f"fits {doc['fit']['tier']}", "yes" if doc["fit"]["fits"] else "no"))
+    if doc.get("speculative"):
+        from deltaship.profiling.speculative import headline
+
+        out += headline(doc["speculative"])
     return out
 
 
@@ -259,7 +279,12 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
         body.append("<h2>Tier emulation</h2><pre>" + e(json.dumps(doc["emulation"], indent=1)) + "</pre>")
     if doc.get("fit"):
         body.append(f"<p id='fit'>fits {e(doc['fit']['tier'])}: {'yes' if doc['fit']['fits'] else 'no'}</p>")
-    body.append("<h2>Results</h2><pre id='table'>" + e(format_results(doc)) + "</pre>")
+    if doc.get("speculative"):
+        from deltaship.profiling.speculative import format_speculative
+
+        spec = format_speculative(doc["speculative"])
+        body.append("<h2>Speculative decoding</h2><pre id='speculative'>" + e(spec) + "</pre>")
+    body.append("<h2>Results</h2><pre id='table'>" + e(format_results(doc, speculative=False)) + "</pre>")
     fill = next((r for r in doc["results"] if r.get("fill") == "synthetic"), None)
     if fill is not None:
         body.append(f"<p id='fill'>Context depths: {e(fill['note'])}.</p>")

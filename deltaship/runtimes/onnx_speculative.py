@@ -18,6 +18,8 @@ class OnnxSpeculation:
 
     _draft_sess: Any = None
     _verify_positions: np.ndarray | None = None
+    _spare: dict[str, tuple[np.ndarray, Any]] | None = None
+    _verify_serial = 0
 
     def verify(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Run ids [T] at self.position (the position is not advanced): logits [len(rows), V] after each row and
@@ -37,35 +39,80 @@ class OnnxSpeculation:
         # an overridable initializer (default [-1]): bind_cpu_input does not find it, an OrtValue binds
         rows_value = self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(rows, np.int64))
         io.bind_ortvalue_input("logit_rows", rows_value)
+        spares = self._spares()
         for s in self.states:
-            vals, cur = self._vals[s["name"]], self._cur[s["name"]]
-            io.bind_ortvalue_input(s["name"], vals[cur])
-            io.bind_ortvalue_output(s["output"], vals[(cur + 1) % len(vals)])
+            name = s["name"]
+            vals, cur = self._vals[name], self._cur[name]
+            io.bind_ortvalue_input(name, vals[cur])
+            # an in-place DeltaNet state is written out of place here, into its spare: the state before the call
+            # stays where it was, for a restore (see snapshot)
+            io.bind_ortvalue_output(s["output"], spares[name][1] if name in spares else vals[(cur + 1) % len(vals)])
         io.bind_output("logits_rows")
         io.bind_output("hidden_states")
         self.sess.run_with_iobinding(io)
         for s in self.states:
-            self._cur[s["name"]] = (self._cur[s["name"]] + 1) % len(self._vals[s["name"]])
+            name = s["name"]
+            if name in spares:  # the new state becomes current, the old one the spare
+                spares[name], (self._bufs[name][0], self._vals[name][0]) = (
+                    (self._bufs[name][0], self._vals[name][0]),
+                    spares[name],
+                )
+            else:
+                self._cur[name] = (self._cur[name] + 1) % len(self._vals[name])
+        self._verify_serial += 1
         values = io.get_outputs()  # in binding order: the states, then logits_rows and hidden_states
         return values[-2].numpy()[0], values[-1].numpy()[0]
 
+    def _spares(self) -> dict[str, tuple[np.ndarray, Any]]:
+        """A second buffer for each DeltaNet state the session updates in place (one buffer), made on first use."""
+        if self._spare is None:
+            self._spare = {}
+            for s in self.states:
+                if s["kind"].startswith("deltanet") and len(self._vals[s["name"]]) == 1:
+                    a = np.zeros_like(self._bufs[s["name"]][0])
+                    self._spare[s["name"]] = (a, self._ortvalue(a))
+        return self._spare
+
     def snapshot(self) -> dict[str, Any]:
-        """Copies of the DeltaNet states (the KV caches keep their buffers) and the position."""
+        """What it takes to undo the next verify call, without copying the DeltaNet states: a verify call writes
+        every DeltaNet state out of place (the double-buffered ones into their other buffer, the in-place ones into
+        a spare), so the states before it stay intact until the call after it. `restore` therefore undoes at most
+        the one verify call made since the snapshot; any other call in between (decode, prefill, a second verify)
+        makes it refuse. The KV caches keep their buffers (their length pointer is the position)."""
         if self.device != "cpu":
             raise DeltashipError(
-                f"speculative decoding snapshots the DeltaNet states on the host; this session runs on {self.device}",
+                f"speculative decoding keeps the DeltaNet states on the host; this session runs on {self.device}",
                 "use the CPU provider for --speculative",
             )
-        snap = {"position": self.position}
-        for s in self.states:
-            if s["kind"].startswith("deltanet"):
-                snap[s["name"]] = self._bufs[s["name"]][self._cur[s["name"]]].copy()
-        return snap
+        self._spares()
+        return {"position": self.position, "serial": self._verify_serial, "forward": self._forward_marker()}
+
+    def _forward_marker(self) -> tuple:
+        """Changes with every call that moves the double-buffered states (each call flips them)."""
+        return tuple(self._cur[s["name"]] for s in self.states if len(self._vals[s["name"]]) == 2)
 
     def restore(self, snap: dict[str, Any]) -> None:
+        calls, marker = self._verify_serial - snap["serial"], self._forward_marker()
+        if calls == 0 and marker == snap["forward"] and self.position == snap["position"]:  # nothing ran since
+            return
+        # exactly one verify and no other call: one flip of the double-buffered states, the position unmoved
+        # (decode and prefill advance it; verify does not)
+        if calls != 1 or marker != tuple(1 - c for c in snap["forward"]) or self.position != snap["position"]:
+            raise DeltashipError(
+                "restore undoes only the one verify call made since its snapshot; other calls ran in between",
+                "take the snapshot right before the verify call to undo",
+            )
+        spares = self._spares()
         for s in self.states:
-            if s["name"] in snap:
-                self._bufs[s["name"]][self._cur[s["name"]]][...] = snap[s["name"]]
+            name = s["name"]
+            if name in spares:
+                spares[name], (self._bufs[name][0], self._vals[name][0]) = (
+                    (self._bufs[name][0], self._vals[name][0]),
+                    spares[name],
+                )
+            elif s["kind"].startswith("deltanet"):
+                self._cur[name] = (self._cur[name] - 1) % len(self._vals[name])
+        self._verify_serial -= 1
         self.position = snap["position"]
 
     def _draft_session(self):

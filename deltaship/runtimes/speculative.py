@@ -3,9 +3,10 @@
 A session that supports it (`SpeculativeSession`) adds to the plain prefill/decode calls:
 - `verify(ids, rows)`: run ids [T] at the session's position like a prefill chunk, returning the logits after
   each of `rows` and the final-normed hidden state of every position (the draft head's input);
-- `snapshot()` / `restore(snap)`: copy the DeltaNet states and the position, and put them back. The KV caches
-  are not copied: a restored session overwrites the rejected positions on its next call (their length pointer
-  is the position);
+- `snapshot()` / `restore(snap)`: keep the DeltaNet states and the position from before the next verify call
+  (a copy, or, on ONNX, the buffers that verify call leaves untouched), and undo that call. The KV caches are not
+  copied: a restored session overwrites the rejected positions on its next call (their length pointer is the
+  position);
 - `draft(hidden, ids, position)`: the MTP head over hidden [T, H] at positions position .. position+T-1 and the
   tokens one position later, returning the logits of the token after the last one and the head's hidden states;
 - `reset_draft()`: zero the head's own KV cache.
@@ -87,24 +88,28 @@ def parse_speculative(value: str | None) -> int | None:
     return k
 
 
+def require_head(bundle: Any, manifest: dict[str, Any]) -> None:
+    """The bundle must carry a draft head (the manifest's `speculative` block), or say which export option adds it."""
+    if manifest.get("speculative"):
+        return
+    from deltaship.targets import all_targets
+
+    target = manifest["target"]
+    can = [t.name for t in all_targets() if any(f.name == "mtp" for f in t.Options.fields())]
+    how = (
+        f"export it again with --mtp (deltaship export --model ... --target {target} --mtp)"
+        if target in can
+        else f"{target} bundles cannot carry the head yet: export for --target {' or '.join(can)} with --mtp"
+    )
+    raise DeltashipError(
+        f"{bundle}: this bundle has no multi-token-prediction head, so --speculative mtp has nothing to draft with",
+        f"{how}; the checkpoint must ship its mtp.* tensors (qwen3.5-tiny and the published-shape presets do)",
+    )
+
+
 def require_speculative(session: Session) -> None:
     """The bundle must carry a draft head and the session must drive it, or say which export option adds it."""
-    block = session.manifest.get("speculative")
-    if not block:
-        from deltaship.targets import all_targets
-
-        target = session.manifest["target"]
-        can = [t.name for t in all_targets() if any(f.name == "mtp" for f in t.Options.fields())]
-        how = (
-            f"export it again with --mtp (deltaship export --model ... --target {target} --mtp)"
-            if target in can
-            else f"{target} bundles cannot carry the head yet: export for --target {' or '.join(can)} with --mtp"
-        )
-        raise DeltashipError(
-            f"{session.bundle}: this bundle has no multi-token-prediction head, so --speculative mtp has nothing "
-            "to draft with",
-            f"{how}; the checkpoint must ship its mtp.* tensors (qwen3.5-tiny and the published-shape presets do)",
-        )
+    require_head(session.bundle, session.manifest)
     if not isinstance(session, SpeculativeSession):
         raise DeltashipError(
             f"the {session.runtime_name()} session cannot drive speculative decoding yet",

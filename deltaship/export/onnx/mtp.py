@@ -193,9 +193,10 @@ def lower_mtp(
         },
         "rollback": {
             "kv_cache": "keep the length pointer: positions past the accepted ones are overwritten by later calls",
-            "deltanet": "snapshot: copy the DeltaNet conv and recurrent states before a verify call; when a draft is "
-            "rejected, restore the copy and feed the accepted tokens again at the start of the next verify call "
-            "(no per-position states are output yet)",
+            "deltanet": "snapshot: keep the DeltaNet conv and recurrent states from before a verify call (bind the "
+            "call's DeltaNet state outputs to other buffers than its inputs, so nothing is copied, or copy them); "
+            "when a draft is rejected, go back to those states and feed the accepted tokens again at the start of "
+            "the next verify call (no per-position states are output yet)",
         },
         "shares_weights": not stored,
         "shared_tensors": {n: b.shared[n] for n in sorted(b.shared)},

@@ -103,6 +103,7 @@ def _generate(a: argparse.Namespace) -> int:
         **({"speculative": a.speculative} if a.speculative else {}),
         **({"images": a.image} if a.image else {}),
         **({"videos": a.video} if a.video else {}),
+        **({"fps": a.fps} if a.fps is not None else {}),
     )
     for note in res.get("notices", []) if not a.json else []:
         print(f"deltaship generate: {note}", file=sys.stderr)
@@ -360,9 +361,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--video",
         action="append",
         default=[],
-        metavar="FRAMES",
-        help="a video as comma-separated frame image files, in time order (2 frames so far; repeatable; after the "
-        "images)",
+        metavar="PATH_OR_FRAMES",
+        help="a video file (MP4/WebM/... with the `video` extra, or an animated GIF), or comma-separated frame "
+        "image files in time order (repeatable; after the images); frames go in pairs, one timestamped span each",
+    )
+    g.add_argument(
+        "--fps",
+        type=float,
+        default=None,
+        help="frames per second to sample from a --video file (frame files: how far apart they were taken); "
+        "default: the bundle's video_preprocessor_config.json fps (2)",
     )
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--json", action="store_true", help="print one JSON object (input_ids, output_ids, ...)")

@@ -14,6 +14,7 @@ import pytest
 from deltaship.errors import DeltashipError
 from deltaship.models.vision import (
     DEFAULT_PREPROCESSOR,
+    DEFAULT_VIDEO_PREPROCESSOR,
     Preprocessor,
     VisionSpec,
     interleave_mask,
@@ -28,6 +29,8 @@ VOCAB = 160
 IMAGE, VIDEO, START, END, IM_START, IM_END, EOS = 150, 151, 152, 153, 154, 155, 159
 # small pixel limits: 4 .. 64 merged tokens per image (32 x 32 pixels each)
 PRE = DEFAULT_PREPROCESSOR | {"size": {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 64}}
+# video: pixel limits over a whole clip (frames x height x width), 2 frames per second
+VIDEO_PRE = DEFAULT_VIDEO_PREPROCESSOR | {"size": {"shortest_edge": 32 * 32 * 8, "longest_edge": 32 * 32 * 256}}
 TEXT = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -113,6 +116,7 @@ def vl_checkpoint(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("vl")
     model.save_pretrained(d)
     (d / "preprocessor_config.json").write_text(json.dumps(PRE))
+    (d / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PRE))
     _write_tokenizer(d)
     return d
 
@@ -318,8 +322,10 @@ def test_image_generation_matches_transformers(case, vl_bundle, hf_model):
     assert np.abs(logits - ref_logits).max() / ref_logits.std() < 1e-3
 
 
-def test_two_frame_video_matches_transformers(vl_bundle, hf_model):
-    """A 2-frame video (one temporal patch: grid t = 1) between text, against transformers' video path."""
+@pytest.mark.parametrize("n_frames", [2, 3, 4])
+def test_video_matches_transformers(n_frames, vl_bundle, hf_model):
+    """A video of 2, 3 (padded with its last frame) or 4 frames between text: one timestamped span per frame
+    pair, against transformers' video path (its get_rope_index splits video_grid_thw per temporal patch)."""
     import torch
 
     from deltaship.models.vision import preprocess_frames
@@ -327,15 +333,24 @@ def test_two_frame_video_matches_transformers(vl_bundle, hf_model):
     from deltaship.runtimes.vision import Multimodal
 
     mm = Multimodal(open_bundle(vl_bundle))
-    frames = [_image(64, 96, seed=5), _image(64, 96, seed=6)]
-    video = preprocess_frames(frames, mm.pre)
-    assert video.grid == (1, 4, 6) and video.video
+    frames = [np.asarray(_image(64, 96, seed=5 + i)) for i in range(n_frames)]
+    video = preprocess_frames(frames, mm.pre, mm.video_pre)
+    groups = (n_frames + 1) // 2
+    assert video.grid == (groups, 4, 6) and video.video
+    assert video.timestamps == [(2 * g + min(2 * g + 1, n_frames - 1)) / 2 / 2 for g in range(groups)]
+    rows = video.patches.reshape(groups, -1, 3, 2, 256)  # (group, patch, channel, frame, pixels)
     # the patch row is (channel, frame, row, col): frame 0 then frame 1 of each channel
     still = preprocess_image(frames[0], mm.pre).patches.reshape(-1, 3, 2, 256)
-    np.testing.assert_array_equal(video.patches.reshape(-1, 3, 2, 256)[:, :, 0], still[:, :, 0])
-    assert not np.array_equal(video.patches.reshape(-1, 3, 2, 256)[:, :, 1], still[:, :, 1])
-    gen = mm.generate([5, START, VIDEO, END, 7, 8], [video], 16, keep_logits=True, stop_at_eos=False)
-    assert gen.input_ids.count(VIDEO) == 6
+    np.testing.assert_array_equal(rows[0, :, :, 0], still[:, :, 0])
+    assert not np.array_equal(rows[0, :, :, 1], still[:, :, 1])
+    if n_frames % 2:  # the odd frame count is padded with the last frame
+        np.testing.assert_array_equal(rows[-1, :, :, 1], rows[-1, :, :, 0])
+    prompt = [5]
+    for g in range(groups):
+        prompt += [10 + g, START, VIDEO, END]  # a text token where the timestamp text goes
+    prompt += [7, 8]
+    gen = mm.generate(prompt, [video], 16, keep_logits=True, stop_at_eos=False)
+    assert gen.input_ids.count(VIDEO) == 6 * groups
     t = torch.tensor([gen.input_ids])
     with torch.no_grad():
         out = hf_model.generate(
@@ -351,8 +366,127 @@ def test_two_frame_video_matches_transformers(vl_bundle, hf_model):
     ref, ref_logits = out.sequences[0, t.shape[1] :].tolist(), torch.cat(out.logits).numpy()
     assert len(set(ref)) > 3 and gen.output_ids == ref
     assert np.abs(np.stack(gen.logits) - ref_logits).max() / ref_logits.std() < 1e-3
-    with pytest.raises(DeltashipError, match="only 2 frames"):
-        mm.generate([5, START, VIDEO, END], [preprocess_frames(frames * 2, mm.pre)], 4)
+    if groups > 1:  # one span for a whole multi-pair video is refused, naming the layout
+        with pytest.raises(DeltashipError, match="placeholder span"):
+            mm.generate([5, START, VIDEO, END], [video], 4)
+
+
+def _transformers_video_functions() -> dict:
+    """smart_resize, and Qwen3VLVideoProcessor's sample_frames and patchify, compiled from transformers' own
+    source: the module refuses to import without torchvision, which does not import with the pinned torch."""
+    import ast
+    import math
+
+    import torch
+    import transformers.models.qwen3_vl as pkg
+
+    src = (Path(pkg.__file__).parent / "video_processing_qwen3_vl.py").read_text()
+    tree = ast.parse(src)
+    keep = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "smart_resize"]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Qwen3VLVideoProcessor")
+    keep += [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("sample_frames", "patchify")]
+    for fn in keep:
+        fn.decorator_list = []
+        for a in fn.args.args + fn.args.kwonlyargs:
+            a.annotation = None
+        fn.returns = None
+    ns = {"math": math, "np": np, "torch": torch, "logger": None}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), "video_processing_qwen3_vl.py", "exec"), ns)
+    assert {"smart_resize", "sample_frames", "patchify"} <= set(ns)
+    return ns
+
+
+def test_video_preprocessing_matches_transformers():
+    """Resize rule, pair padding + patch layout, frame sampling and timestamps against transformers' own
+    Qwen3VLVideoProcessor / Qwen3VLProcessor code."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers.models.qwen3_vl import processing_qwen3_vl as proc
+
+    fns = _transformers_video_functions()
+    vp = SimpleNamespace(
+        smart_resize=fns["smart_resize"],
+        Qwen3VLVideoProcessor=SimpleNamespace(sample_frames=fns["sample_frames"], patchify=fns["patchify"]),
+    )
+
+    from deltaship.models.vision import (
+        VideoPreprocessor,
+        frame_timestamps,
+        preprocess_frames,
+        sample_indices,
+        video_smart_resize,
+    )
+
+    for frames, h, w, lo, hi in ((3, 64, 96, 8192, 262144), (5, 300, 500, 4096, 200000), (2, 40, 20, 65536, 10**6)):
+        assert video_smart_resize(frames, h, w, 2, 32, lo, hi) == vp.smart_resize(frames, h, w, 2, 32, lo, hi)
+    pre = Preprocessor.from_config(PRE)
+    vpre = VideoPreprocessor.from_config(VIDEO_PRE)
+    frames = [np.asarray(_image(64, 96, seed=i)) for i in range(3)]
+    ours = preprocess_frames(frames, pre, vpre)
+    x = torch.from_numpy(np.stack(frames).astype(np.float32).transpose(0, 3, 1, 2) / 255 - 0.5) / 0.5
+    theirs, *grid = vp.Qwen3VLVideoProcessor.patchify(None, x[None], 16, 2, 2)
+    assert tuple(grid) == ours.grid
+    np.testing.assert_allclose(ours.patches, theirs[0].numpy(), atol=1e-6)
+    stub = SimpleNamespace(fps=2, min_frames=vpre.min_frames, max_frames=vpre.max_frames)
+    for total, video_fps, fps in ((24, 8.0, 2.0), (300, 30.0, 1.0), (5, 25.0, 2.0), (2000, 24.0, 12.0)):
+        meta = SimpleNamespace(total_num_frames=total, fps=video_fps)
+        want = vp.Qwen3VLVideoProcessor.sample_frames(stub, meta, fps=fps)
+        idx = sample_indices(total, video_fps, fps, vpre)
+        np.testing.assert_array_equal(idx, want)
+        assert frame_timestamps(idx, video_fps, 2) == proc.Qwen3VLProcessor._calculate_timestamps(
+            None, list(want), video_fps, 2
+        )
+
+
+def _solid_frames(n: int, h: int = 64, w: int = 96) -> list[np.ndarray]:
+    """Frame i is one flat grey of level 10 * i: which frame a sample is can be read back after lossy coding."""
+    return [np.full((h, w, 3), 10 * i, dtype=np.uint8) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind,rate,fps", [("mp4", 8, 2.0), ("gif", 4, 1.0)])  # GIF delays are in 1/100 s
+def test_video_file_frame_sampling(kind, rate, fps, tmp_path):
+    """A 24-frame clip (3 s at 8 fps, 6 s at 4 fps) sampled at 2 (1) fps keeps transformers' 6 evenly spaced
+    frames, each temporal patch stamped with its frames' mean time."""
+    from deltaship.models.vision import VideoPreprocessor, load_video
+
+    frames = _solid_frames(24)
+    path = tmp_path / f"clip.{kind}"
+    if kind == "mp4":
+        av = pytest.importorskip("av", reason="the `video` extra (PyAV) decodes MP4")
+        with av.open(str(path), "w") as out:
+            stream = out.add_stream("mpeg4", rate=rate)
+            stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+            stream.options = {"qscale": "2"}
+            for f in frames:
+                out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+            out.mux(stream.encode())
+    else:
+        from PIL import Image
+
+        ims = [Image.fromarray(f) for f in frames]
+        ims[0].save(path, save_all=True, append_images=ims[1:], duration=1000 // rate, loop=0)
+    got, stamps = load_video(path, fps, VideoPreprocessor.from_config(VIDEO_PRE))
+    picked = [round(float(np.asarray(f, dtype=np.float32).mean()) / 10) for f in got]
+    assert picked == [0, 5, 9, 14, 18, 23]
+    assert stamps == pytest.approx([(0 + 5) / 2 / rate, (9 + 14) / 2 / rate, (18 + 23) / 2 / rate])
+
+
+def test_cli_generate_with_video_file(vl_bundle, tmp_path):
+    """--video FILE --fps through the CLI: timestamped spans, one per frame pair, in the prompt."""
+    from PIL import Image
+
+    path = tmp_path / "clip.gif"
+    ims = [Image.fromarray(np.asarray(_image(64, 96, seed=i))) for i in range(8)]
+    ims[0].save(path, save_all=True, append_images=ims[1:], duration=250, loop=0)  # 4 fps, 2 s
+    r = _cli("generate", str(vl_bundle), "--video", str(path), "--fps", "2", "--prompt", "describe",
+             "--max-new-tokens", "3", "--json", "--no-stop-at-eos")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    # int(8 / 4 * 2) = 4 frames (0, 2, 5, 7 at 4 fps): 2 temporal patches of 2 x 3 merged tokens
+    assert res["images"][0]["grid_thw"] == [2, 4, 6] and res["images"][0]["timestamps"] == [0.25, 1.5]
+    ids = res["input_ids"]
+    assert ids.count(START) == 2 and ids.count(VIDEO) == 12 and len(res["output_ids"]) == 3
 
 
 def test_mrope_positions_matter(vl_bundle, monkeypatch):

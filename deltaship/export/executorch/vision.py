@@ -110,7 +110,12 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
 
     from deltaship.export.executorch.program import ProgramState, prepare
     from deltaship.export.passes import ExportContext, run_pipeline
-    from deltaship.models.vision import PREPROCESSOR_CONFIG, check_vision, write_preprocessor
+    from deltaship.models.vision import (
+        PREPROCESSOR_CONFIG,
+        VIDEO_PREPROCESSOR_CONFIG,
+        check_vision,
+        write_preprocessor,
+    )
     from deltaship.targets import get_target
 
     vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
@@ -224,6 +229,7 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
             "decoder": "text_decoder",
         },
         "preprocessor": PREPROCESSOR_CONFIG,
+        "video_preprocessor": VIDEO_PREPROCESSOR_CONFIG,
         "min_image_tokens": pre.min_image_tokens(),
         "max_image_tokens": max_tokens,
         "max_pixels": max_pixels,

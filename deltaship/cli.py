@@ -234,6 +234,7 @@ def _profile(a: argparse.Namespace) -> int:
         progress=say,
         provider=a.provider,
         runtime=a.runtime,
+        image_sizes=a.image_sizes,
     )
     if a.plots:
         from deltaship.profiling.report import write_plots
@@ -317,8 +318,8 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     e.add_argument(
         "--vision",
         action="store_true",
-        help="also export the checkpoint's vision tower for image and 2-frame video input (ONNX and ExecuTorch, "
-        "fp32; docs/bundle-format.md 'Images'); off by default: text-only bundles stay as they are",
+        help="also export the checkpoint's vision tower for image and video input (ONNX and ExecuTorch, "
+        "fp32 or fp16; docs/bundle-format.md 'Images'); off by default: text-only bundles stay as they are",
     )
     _add_target_options(e)
 
@@ -467,6 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tier", default=None, help="run under this tier's limits (threads, memory cap)")
     pr.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
     pr.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown (ONNX)")
+    pr.add_argument(
+        "--image-sizes",
+        default=None,
+        help="a --vision bundle: image sizes for encode latency, memory and image+question TTFT (WxH, N or page; "
+        "default 224,448,896,page on the host; 'none' to skip)",
+    )
     pr.add_argument("--json", default=None, help="write the JSON records here ('-' for stdout)")
     pr.add_argument("--report", default=None, help="write a self-contained HTML report here")
     pr.add_argument("--plots", default=None, help="write the PNG plots into this directory")

@@ -3,6 +3,7 @@ bundle exported with --vision against transformers' Qwen3_5ForConditionalGenerat
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -489,6 +490,57 @@ def test_cli_generate_with_video_file(vl_bundle, tmp_path):
     assert ids.count(START) == 2 and ids.count(VIDEO) == 12 and len(res["output_ids"]) == 3
 
 
+@pytest.mark.slow  # ~40 s on ONNX (a second export with its text verification), minutes on ExecuTorch
+@pytest.mark.parametrize("target", ["onnx", "executorch"])
+def test_fp16_vision_bundle_verifies(target, vl_checkpoint, hf_model, tmp_path):
+    """export --vision --precision fp16: the tower, splice and decoder in fp16, verified at export against
+    transformers with the weights rounded to fp16, within the target's fp16 tolerance row; greedy tokens of a
+    4-frame video prompt match that reference."""
+    import torch
+
+    from deltaship.bundle import read_manifest, schema_problems
+    from deltaship.export import export
+    from deltaship.export.verify_vision import round_to_fp16
+    from deltaship.models.vision import preprocess_frames
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.vision import Multimodal
+    from deltaship.tolerances import tolerance
+
+    out = tmp_path / "fp16"
+    if target == "executorch":
+        pytest.importorskip("executorch")
+    export(str(vl_checkpoint), out, target=target, max_context=128, prefill_chunk=8, progress=False, vision=True,
+           precision="fp16")  # fmt: skip
+    m = read_manifest(out)
+    assert not schema_problems(m)
+    v, tol = m["vision"], tolerance(target, "fp16")
+    assert v["dtype"] == "float16" and "rounded to fp16" in v["verification"]["reference"]
+    assert v["verification"]["status"] == "passed", v["verification"]
+    assert 0 < v["verification"]["max_rel_logit_diff"] <= tol.max_rel_logit_diff
+    mm = Multimodal(open_bundle(out))
+    video = preprocess_frames([np.asarray(_image(64, 96, seed=20 + i)) for i in range(4)], mm.pre, mm.video_pre)
+    prompt = [5, 10, START, VIDEO, END, 11, START, VIDEO, END, 7, 8]
+    gen = mm.generate(prompt, [video], 16, keep_logits=True, stop_at_eos=False)
+    ref_model = copy.deepcopy(hf_model)
+    round_to_fp16(ref_model, None, tied=True)
+    t = torch.tensor([gen.input_ids])
+    with torch.no_grad():
+        ref = ref_model.generate(
+            input_ids=t,
+            pixel_values_videos=torch.from_numpy(video.patches),
+            video_grid_thw=torch.tensor([video.grid]),
+            mm_token_type_ids=(t == VIDEO).int() * 2,
+            max_new_tokens=16,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ref_logits = torch.cat(ref.logits).numpy()
+    assert gen.output_ids == ref.sequences[0, t.shape[1] :].tolist()
+    rel = np.abs(np.stack(gen.logits).astype(np.float32) - ref_logits).max() / ref_logits.std()
+    assert rel <= tol.max_rel_logit_diff
+
+
 def test_mrope_positions_matter(vl_bundle, monkeypatch):
     """Feeding the image span 1-D positions changes the logits far past the tolerance: the 3-row path is live."""
     from deltaship.runtimes import open_bundle
@@ -693,3 +745,38 @@ def test_random_preset_exports_and_verifies_with_vision(tiny_vl_preset, tmp_path
     pre = json.loads((tmp_path / "b" / "preprocessor_config.json").read_text())
     assert (pre["patch_size"], pre["merge_size"], pre["temporal_patch_size"]) == (16, 2, 2)
     assert pre["image_mean"] == pre["image_std"] == [0.5] * 3
+
+
+# ---- profiling: image encode, memory and image + question TTFT per image size ------------------------------
+def test_profile_image_sizes(vl_bundle, tmp_path):
+    """`deltaship profile` on a --vision bundle adds per-image-size records (one fresh worker per size) to the
+    JSON, the text table and the HTML report; a page-sized image is resized into the bundle's limit first."""
+    from deltaship.profiling.profile import profile
+    from deltaship.profiling.report import format_results
+    from deltaship.profiling.vision import check_sizes, parse_sizes
+
+    assert parse_sizes("64,96x64,page") == ["64x64", "96x64", "page"] and parse_sizes("none") == []
+    with pytest.raises(DeltashipError, match="not an image size"):
+        parse_sizes("64x")
+    report = tmp_path / "r.html"
+    doc = profile(vl_bundle, prompt_lengths=[8], gen=2, contexts=[16], warmups=0, reps=2, min_seconds=0,
+                  breakdown=False, image_sizes="64,page", report=report, json_out=tmp_path / "p.json")  # fmt: skip
+    rows = {(r["metric"], r.get("image")): r for r in doc["results"]}
+    assert not any(r.get("status") == "died" for r in doc["results"]), doc["results"]
+    small, page = rows[("image_encode_s", "64x64")], rows[("image_encode_s", "page")]
+    assert small["image_tokens"] == 4 and small["resized"] == [64, 64] and small["n"] >= 2
+    assert page["image_tokens"] <= 64 and page["resized"] != [2200, 1700]  # resized into max_pixels
+    for name in ("64x64", "page"):
+        ttft, enc = rows[("image_ttft_s", name)], rows[("image_encode_s", name)]
+        assert ttft["median"] > enc["median"] > 0  # TTFT = preprocess + encode + prefill
+        assert rows[("image_peak_rss_bytes", name)]["median"] >= rows[("image_rss_growth_bytes", name)]["median"]
+    assert ("prefill_tok_s", None) in rows  # the text records are still there
+    text = format_results(doc)
+    assert "image_ttft_s" in text and "img page" in text
+    page_html = report.read_text()
+    assert "images.png" in page_html and "image_encode_s (img 64x64 (4 tok))" in page_html
+    assert json.loads((tmp_path / "p.json").read_text())["results"] == json.loads(json.dumps(doc["results"]))
+    # a text-only bundle: none by default, refused when asked for
+    with pytest.raises(DeltashipError, match="no vision tower"):
+        check_sizes({}, "224", "host", "cpu", None)
+    assert check_sizes({}, None, "host", "cpu", None) == []

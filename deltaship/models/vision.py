@@ -715,7 +715,7 @@ def vision_spec_of(source) -> VisionSpec | None:
 
 # the precisions `export --vision` builds and verifies per target (the tower, the embedding splice and the
 # multimodal decoder all at the text decoder's activation dtype)
-VISION_PRECISIONS = {"onnx": ("fp32", "fp16"), "executorch": ("fp32",)}
+VISION_PRECISIONS = {"onnx": ("fp32", "fp16"), "executorch": ("fp32", "fp16")}
 
 
 def check_vision(source, ctx) -> tuple[VisionSpec, Preprocessor, dict[str, Any], tuple[int, ...]]:
@@ -744,7 +744,7 @@ def check_vision(source, ctx) -> tuple[VisionSpec, Preprocessor, dict[str, Any],
             f"--vision on {ctx.target} is exported at {' or '.join(VISION_PRECISIONS.get(ctx.target, ('fp32',)))} "
             f"only so far (asked: --precision {ctx.precision}; int8/int4 vision bundles are not verified against a "
             "reference with the same rounding yet)",
-            "export with --precision fp32 (or fp16 on ONNX), or drop --vision",
+            "export with --precision fp32 or fp16, or drop --vision",
         )
     mrope = tuple(spec.mrope_section or (11, 11, 10))
     interleave_mask(mrope, spec.rotary_dim // 2)  # a section that does not fit the rotary is refused first

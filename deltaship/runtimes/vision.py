@@ -326,6 +326,8 @@ class ExecuTorchMultimodal(Multimodal):
         from deltaship.export.executorch.vision import INPUTS
 
         inputs = encoder_inputs(self.spec, image)
+        if self.dtype != np.float32:
+            inputs = {k: v.astype(self.dtype) if v.dtype == np.float32 else v for k, v in inputs.items()}
         return self.vision.execute([self._t.from_numpy(inputs[n]) for n in INPUTS])[0].numpy().copy()
 
     def _embed(self, ids: np.ndarray, features: np.ndarray) -> np.ndarray:

@@ -209,14 +209,14 @@ def test_mrope_section_must_fit_the_rotary():
 def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
     from deltaship.export import export
 
-    with pytest.raises(DeltashipError, match="fp32 only"):  # the published-shape preset's tower is found first
-        export("qwen3.5-0.8b", tmp_path / "a", precision="fp16", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="fp32 or fp16 only"):  # the published-shape preset's tower is found
+        export("qwen3.5-0.8b", tmp_path / "a", precision="int8", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="text-only checkpoint"):
         export("qwen3.5-tiny", tmp_path / "a", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="text-only checkpoint"):
         export(str(checkpoints["base"]), tmp_path / "b", vision=True, verify=False, progress=False)
-    with pytest.raises(DeltashipError, match="fp32 only"):
-        export(str(vl_checkpoint), tmp_path / "c", precision="fp16", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="int8/int4 vision bundles are not verified"):
+        export(str(vl_checkpoint), tmp_path / "c", precision="int4", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="ONNX and ExecuTorch"):
         export(str(vl_checkpoint), tmp_path / "d", target="coreml", vision=True, verify=False, progress=False)
     assert not any(tmp_path.iterdir())

@@ -397,6 +397,27 @@ def _transformers_video_functions() -> dict:
     return ns
 
 
+def test_video_prompt_text():
+    """A video in a text prompt: per temporal patch its time (one decimal, as Qwen3VLProcessor writes it) then
+    its span; a user's own <|video_pad|> marker (bare or in its vision span) is replaced in place."""
+    from deltaship.models.vision import ImageInput
+    from deltaship.runtimes.vision import image_prompt
+
+    clip = ImageInput(np.zeros((48, 1)), (2, 4, 6), (64, 96), (64, 96), video=True, timestamps=[0.25, 1.5])
+    spans = "<0.2 seconds><|vision_start|><|video_pad|><|vision_end|><1.5 seconds><|vision_start|><|video_pad|>" \
+        "<|vision_end|>"  # fmt: skip
+    assert image_prompt("what happens", 1, False, [clip]) == (
+        "<|vision_start|><|image_pad|><|vision_end|>" + spans + "what happens"
+    )
+    for marked in ("in <|vision_start|><|video_pad|><|vision_end|> what", "in <|video_pad|> what"):
+        assert (
+            image_prompt(marked, 0, True, [clip])
+            == f"<|im_start|>user\nin {spans} what<|im_end|>\n<|im_start|>assistant\n"
+        )
+    with pytest.raises(DeltashipError, match="1 <|video_pad|> marker"):
+        image_prompt("<|video_pad|>", 0, False, [clip, clip])
+
+
 def test_video_preprocessing_matches_transformers():
     """Resize rule, pair padding + patch layout, frame sampling and timestamps against transformers' own
     Qwen3VLVideoProcessor / Qwen3VLProcessor code."""

@@ -113,6 +113,7 @@ def _generate(a: argparse.Namespace) -> int:
         **({"speculative": a.speculative} if a.speculative else {}),
         **({"images": a.image} if a.image else {}),
         **({"videos": a.video} if a.video else {}),
+        **({"fps": a.fps} if a.fps is not None else {}),
     )
     for note in res.get("notices", []) if not a.json else []:
         print(f"deltaship generate: {note}", file=sys.stderr)
@@ -245,6 +246,7 @@ def _profile(a: argparse.Namespace) -> int:
         runtime=a.runtime,
         speculative=a.speculative,
         acceptance=a.acceptance,
+        image_sizes=a.image_sizes,
     )
     if a.plots:
         from deltaship.profiling.report import write_plots
@@ -329,8 +331,8 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     e.add_argument(
         "--vision",
         action="store_true",
-        help="also export the checkpoint's vision tower for image and 2-frame video input (ONNX and ExecuTorch, "
-        "fp32; docs/bundle-format.md 'Images'); off by default: text-only bundles stay as they are",
+        help="also export the checkpoint's vision tower for image and video input (ONNX and ExecuTorch, "
+        "fp32 or fp16; docs/bundle-format.md 'Images'); off by default: text-only bundles stay as they are",
     )
     _add_target_options(e)
 
@@ -373,9 +375,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--video",
         action="append",
         default=[],
-        metavar="FRAMES",
-        help="a video as comma-separated frame image files, in time order (2 frames so far; repeatable; after the "
-        "images)",
+        metavar="PATH_OR_FRAMES",
+        help="a video file (MP4/WebM/... with the `video` extra, or an animated GIF), or comma-separated frame "
+        "image files in time order (repeatable; after the images); frames go in pairs, one timestamped span each",
+    )
+    g.add_argument(
+        "--fps",
+        type=float,
+        default=None,
+        help="frames per second to sample from a --video file (frame files: how far apart they were taken); "
+        "default: the bundle's video_preprocessor_config.json fps (2)",
     )
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--json", action="store_true", help="print one JSON object (input_ids, output_ids, ...)")
@@ -473,6 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tier", default=None, help="run under this tier's limits (threads, memory cap)")
     pr.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
     pr.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown (ONNX)")
+    pr.add_argument(
+        "--image-sizes",
+        default=None,
+        help="a --vision bundle: image sizes for encode latency, memory and image+question TTFT (WxH, N or page; "
+        "default 224,448,896,page on the host; 'none' to skip)",
+    )
     pr.add_argument("--json", default=None, help="write the JSON records here ('-' for stdout)")
     pr.add_argument("--report", default=None, help="write a self-contained HTML report here")
     pr.add_argument("--plots", default=None, help="write the PNG plots into this directory")

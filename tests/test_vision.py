@@ -3,6 +3,7 @@ bundle exported with --vision against transformers' Qwen3_5ForConditionalGenerat
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from deltaship.errors import DeltashipError
 from deltaship.models.vision import (
     DEFAULT_PREPROCESSOR,
+    DEFAULT_VIDEO_PREPROCESSOR,
     Preprocessor,
     VisionSpec,
     interleave_mask,
@@ -28,6 +30,8 @@ VOCAB = 160
 IMAGE, VIDEO, START, END, IM_START, IM_END, EOS = 150, 151, 152, 153, 154, 155, 159
 # small pixel limits: 4 .. 64 merged tokens per image (32 x 32 pixels each)
 PRE = DEFAULT_PREPROCESSOR | {"size": {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 64}}
+# video: pixel limits over a whole clip (frames x height x width), 2 frames per second
+VIDEO_PRE = DEFAULT_VIDEO_PREPROCESSOR | {"size": {"shortest_edge": 32 * 32 * 8, "longest_edge": 32 * 32 * 256}}
 TEXT = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -113,6 +117,7 @@ def vl_checkpoint(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("vl")
     model.save_pretrained(d)
     (d / "preprocessor_config.json").write_text(json.dumps(PRE))
+    (d / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PRE))
     _write_tokenizer(d)
     return d
 
@@ -204,14 +209,14 @@ def test_mrope_section_must_fit_the_rotary():
 def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
     from deltaship.export import export
 
-    with pytest.raises(DeltashipError, match="fp32 only"):  # the published-shape preset's tower is found first
-        export("qwen3.5-0.8b", tmp_path / "a", precision="fp16", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="fp32 or fp16 only"):  # the published-shape preset's tower is found
+        export("qwen3.5-0.8b", tmp_path / "a", precision="int8", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="text-only checkpoint"):
         export("qwen3.5-tiny", tmp_path / "a", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="text-only checkpoint"):
         export(str(checkpoints["base"]), tmp_path / "b", vision=True, verify=False, progress=False)
-    with pytest.raises(DeltashipError, match="fp32 only"):
-        export(str(vl_checkpoint), tmp_path / "c", precision="fp16", vision=True, verify=False, progress=False)
+    with pytest.raises(DeltashipError, match="int8/int4 vision bundles are not verified"):
+        export(str(vl_checkpoint), tmp_path / "c", precision="int4", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="ONNX and ExecuTorch"):
         export(str(vl_checkpoint), tmp_path / "d", target="coreml", vision=True, verify=False, progress=False)
     assert not any(tmp_path.iterdir())
@@ -318,8 +323,10 @@ def test_image_generation_matches_transformers(case, vl_bundle, hf_model):
     assert np.abs(logits - ref_logits).max() / ref_logits.std() < 1e-3
 
 
-def test_two_frame_video_matches_transformers(vl_bundle, hf_model):
-    """A 2-frame video (one temporal patch: grid t = 1) between text, against transformers' video path."""
+@pytest.mark.parametrize("n_frames", [2, 3, 4])
+def test_video_matches_transformers(n_frames, vl_bundle, hf_model):
+    """A video of 2, 3 (padded with its last frame) or 4 frames between text: one timestamped span per frame
+    pair, against transformers' video path (its get_rope_index splits video_grid_thw per temporal patch)."""
     import torch
 
     from deltaship.models.vision import preprocess_frames
@@ -327,15 +334,24 @@ def test_two_frame_video_matches_transformers(vl_bundle, hf_model):
     from deltaship.runtimes.vision import Multimodal
 
     mm = Multimodal(open_bundle(vl_bundle))
-    frames = [_image(64, 96, seed=5), _image(64, 96, seed=6)]
-    video = preprocess_frames(frames, mm.pre)
-    assert video.grid == (1, 4, 6) and video.video
+    frames = [np.asarray(_image(64, 96, seed=5 + i)) for i in range(n_frames)]
+    video = preprocess_frames(frames, mm.pre, mm.video_pre)
+    groups = (n_frames + 1) // 2
+    assert video.grid == (groups, 4, 6) and video.video
+    assert video.timestamps == [(2 * g + min(2 * g + 1, n_frames - 1)) / 2 / 2 for g in range(groups)]
+    rows = video.patches.reshape(groups, -1, 3, 2, 256)  # (group, patch, channel, frame, pixels)
     # the patch row is (channel, frame, row, col): frame 0 then frame 1 of each channel
     still = preprocess_image(frames[0], mm.pre).patches.reshape(-1, 3, 2, 256)
-    np.testing.assert_array_equal(video.patches.reshape(-1, 3, 2, 256)[:, :, 0], still[:, :, 0])
-    assert not np.array_equal(video.patches.reshape(-1, 3, 2, 256)[:, :, 1], still[:, :, 1])
-    gen = mm.generate([5, START, VIDEO, END, 7, 8], [video], 16, keep_logits=True, stop_at_eos=False)
-    assert gen.input_ids.count(VIDEO) == 6
+    np.testing.assert_array_equal(rows[0, :, :, 0], still[:, :, 0])
+    assert not np.array_equal(rows[0, :, :, 1], still[:, :, 1])
+    if n_frames % 2:  # the odd frame count is padded with the last frame
+        np.testing.assert_array_equal(rows[-1, :, :, 1], rows[-1, :, :, 0])
+    prompt = [5]
+    for g in range(groups):
+        prompt += [10 + g, START, VIDEO, END]  # a text token where the timestamp text goes
+    prompt += [7, 8]
+    gen = mm.generate(prompt, [video], 16, keep_logits=True, stop_at_eos=False)
+    assert gen.input_ids.count(VIDEO) == 6 * groups
     t = torch.tensor([gen.input_ids])
     with torch.no_grad():
         out = hf_model.generate(
@@ -351,8 +367,199 @@ def test_two_frame_video_matches_transformers(vl_bundle, hf_model):
     ref, ref_logits = out.sequences[0, t.shape[1] :].tolist(), torch.cat(out.logits).numpy()
     assert len(set(ref)) > 3 and gen.output_ids == ref
     assert np.abs(np.stack(gen.logits) - ref_logits).max() / ref_logits.std() < 1e-3
-    with pytest.raises(DeltashipError, match="only 2 frames"):
-        mm.generate([5, START, VIDEO, END], [preprocess_frames(frames * 2, mm.pre)], 4)
+    if groups > 1:  # one span for a whole multi-pair video is refused, naming the layout
+        with pytest.raises(DeltashipError, match="placeholder span"):
+            mm.generate([5, START, VIDEO, END], [video], 4)
+
+
+def _transformers_video_functions() -> dict:
+    """smart_resize, and Qwen3VLVideoProcessor's sample_frames and patchify, compiled from transformers' own
+    source: the module refuses to import without torchvision, which does not import with the pinned torch."""
+    import ast
+    import math
+
+    import torch
+    import transformers.models.qwen3_vl as pkg
+
+    src = (Path(pkg.__file__).parent / "video_processing_qwen3_vl.py").read_text()
+    tree = ast.parse(src)
+    keep = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "smart_resize"]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Qwen3VLVideoProcessor")
+    keep += [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("sample_frames", "patchify")]
+    for fn in keep:
+        fn.decorator_list = []
+        for a in fn.args.args + fn.args.kwonlyargs:
+            a.annotation = None
+        fn.returns = None
+    ns = {"math": math, "np": np, "torch": torch, "logger": None}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), "video_processing_qwen3_vl.py", "exec"), ns)
+    assert {"smart_resize", "sample_frames", "patchify"} <= set(ns)
+    return ns
+
+
+def test_video_prompt_text():
+    """A video in a text prompt: per temporal patch its time (one decimal, as Qwen3VLProcessor writes it) then
+    its span; a user's own <|video_pad|> marker (bare or in its vision span) is replaced in place."""
+    from deltaship.models.vision import ImageInput
+    from deltaship.runtimes.vision import image_prompt
+
+    clip = ImageInput(np.zeros((48, 1)), (2, 4, 6), (64, 96), (64, 96), video=True, timestamps=[0.25, 1.5])
+    spans = "<0.2 seconds><|vision_start|><|video_pad|><|vision_end|><1.5 seconds><|vision_start|><|video_pad|>" \
+        "<|vision_end|>"  # fmt: skip
+    assert image_prompt("what happens", 1, False, [clip]) == (
+        "<|vision_start|><|image_pad|><|vision_end|>" + spans + "what happens"
+    )
+    for marked in ("in <|vision_start|><|video_pad|><|vision_end|> what", "in <|video_pad|> what"):
+        assert (
+            image_prompt(marked, 0, True, [clip])
+            == f"<|im_start|>user\nin {spans} what<|im_end|>\n<|im_start|>assistant\n"
+        )
+    with pytest.raises(DeltashipError, match="1 <|video_pad|> marker"):
+        image_prompt("<|video_pad|>", 0, False, [clip, clip])
+
+
+def test_video_preprocessing_matches_transformers():
+    """Resize rule, pair padding + patch layout, frame sampling and timestamps against transformers' own
+    Qwen3VLVideoProcessor / Qwen3VLProcessor code."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers.models.qwen3_vl import processing_qwen3_vl as proc
+
+    fns = _transformers_video_functions()
+    vp = SimpleNamespace(
+        smart_resize=fns["smart_resize"],
+        Qwen3VLVideoProcessor=SimpleNamespace(sample_frames=fns["sample_frames"], patchify=fns["patchify"]),
+    )
+
+    from deltaship.models.vision import (
+        VideoPreprocessor,
+        frame_timestamps,
+        preprocess_frames,
+        sample_indices,
+        video_smart_resize,
+    )
+
+    for frames, h, w, lo, hi in ((3, 64, 96, 8192, 262144), (5, 300, 500, 4096, 200000), (2, 40, 20, 65536, 10**6)):
+        assert video_smart_resize(frames, h, w, 2, 32, lo, hi) == vp.smart_resize(frames, h, w, 2, 32, lo, hi)
+    pre = Preprocessor.from_config(PRE)
+    vpre = VideoPreprocessor.from_config(VIDEO_PRE)
+    frames = [np.asarray(_image(64, 96, seed=i)) for i in range(3)]
+    ours = preprocess_frames(frames, pre, vpre)
+    x = torch.from_numpy(np.stack(frames).astype(np.float32).transpose(0, 3, 1, 2) / 255 - 0.5) / 0.5
+    theirs, *grid = vp.Qwen3VLVideoProcessor.patchify(None, x[None], 16, 2, 2)
+    assert tuple(grid) == ours.grid
+    np.testing.assert_allclose(ours.patches, theirs[0].numpy(), atol=1e-6)
+    stub = SimpleNamespace(fps=2, min_frames=vpre.min_frames, max_frames=vpre.max_frames)
+    for total, video_fps, fps in ((24, 8.0, 2.0), (300, 30.0, 1.0), (5, 25.0, 2.0), (2000, 24.0, 12.0)):
+        meta = SimpleNamespace(total_num_frames=total, fps=video_fps)
+        want = vp.Qwen3VLVideoProcessor.sample_frames(stub, meta, fps=fps)
+        idx = sample_indices(total, video_fps, fps, vpre)
+        np.testing.assert_array_equal(idx, want)
+        assert frame_timestamps(idx, video_fps, 2) == proc.Qwen3VLProcessor._calculate_timestamps(
+            None, list(want), video_fps, 2
+        )
+
+
+def _solid_frames(n: int, h: int = 64, w: int = 96) -> list[np.ndarray]:
+    """Frame i is one flat grey of level 10 * i: which frame a sample is can be read back after lossy coding."""
+    return [np.full((h, w, 3), 10 * i, dtype=np.uint8) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind,rate,fps", [("mp4", 8, 2.0), ("gif", 4, 1.0)])  # GIF delays are in 1/100 s
+def test_video_file_frame_sampling(kind, rate, fps, tmp_path):
+    """A 24-frame clip (3 s at 8 fps, 6 s at 4 fps) sampled at 2 (1) fps keeps transformers' 6 evenly spaced
+    frames, each temporal patch stamped with its frames' mean time."""
+    from deltaship.models.vision import VideoPreprocessor, load_video
+
+    frames = _solid_frames(24)
+    path = tmp_path / f"clip.{kind}"
+    if kind == "mp4":
+        av = pytest.importorskip("av", reason="the `video` extra (PyAV) decodes MP4")
+        with av.open(str(path), "w") as out:
+            stream = out.add_stream("mpeg4", rate=rate)
+            stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+            stream.options = {"qscale": "2"}
+            for f in frames:
+                out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+            out.mux(stream.encode())
+    else:
+        from PIL import Image
+
+        ims = [Image.fromarray(f) for f in frames]
+        ims[0].save(path, save_all=True, append_images=ims[1:], duration=1000 // rate, loop=0)
+    got, stamps = load_video(path, fps, VideoPreprocessor.from_config(VIDEO_PRE))
+    picked = [round(float(np.asarray(f, dtype=np.float32).mean()) / 10) for f in got]
+    assert picked == [0, 5, 9, 14, 18, 23]
+    assert stamps == pytest.approx([(0 + 5) / 2 / rate, (9 + 14) / 2 / rate, (18 + 23) / 2 / rate])
+
+
+def test_cli_generate_with_video_file(vl_bundle, tmp_path):
+    """--video FILE --fps through the CLI: timestamped spans, one per frame pair, in the prompt."""
+    from PIL import Image
+
+    path = tmp_path / "clip.gif"
+    ims = [Image.fromarray(np.asarray(_image(64, 96, seed=i))) for i in range(8)]
+    ims[0].save(path, save_all=True, append_images=ims[1:], duration=250, loop=0)  # 4 fps, 2 s
+    r = _cli("generate", str(vl_bundle), "--video", str(path), "--fps", "2", "--prompt", "describe",
+             "--max-new-tokens", "3", "--json", "--no-stop-at-eos")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    # int(8 / 4 * 2) = 4 frames (0, 2, 5, 7 at 4 fps): 2 temporal patches of 2 x 3 merged tokens
+    assert res["images"][0]["grid_thw"] == [2, 4, 6] and res["images"][0]["timestamps"] == [0.25, 1.5]
+    ids = res["input_ids"]
+    assert ids.count(START) == 2 and ids.count(VIDEO) == 12 and len(res["output_ids"]) == 3
+
+
+@pytest.mark.slow  # ~40 s on ONNX (a second export with its text verification), minutes on ExecuTorch
+@pytest.mark.parametrize("target", ["onnx", "executorch"])
+def test_fp16_vision_bundle_verifies(target, vl_checkpoint, hf_model, tmp_path):
+    """export --vision --precision fp16: the tower, splice and decoder in fp16, verified at export against
+    transformers with the weights rounded to fp16, within the target's fp16 tolerance row; greedy tokens of a
+    4-frame video prompt match that reference."""
+    import torch
+
+    from deltaship.bundle import read_manifest, schema_problems
+    from deltaship.export import export
+    from deltaship.export.verify_vision import round_to_fp16
+    from deltaship.models.vision import preprocess_frames
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.vision import Multimodal
+    from deltaship.tolerances import tolerance
+
+    out = tmp_path / "fp16"
+    if target == "executorch":
+        pytest.importorskip("executorch")
+    export(str(vl_checkpoint), out, target=target, max_context=128, prefill_chunk=8, progress=False, vision=True,
+           precision="fp16")  # fmt: skip
+    m = read_manifest(out)
+    assert not schema_problems(m)
+    v, tol = m["vision"], tolerance(target, "fp16")
+    assert v["dtype"] == "float16" and "rounded to fp16" in v["verification"]["reference"]
+    assert v["verification"]["status"] == "passed", v["verification"]
+    assert 0 < v["verification"]["max_rel_logit_diff"] <= tol.max_rel_logit_diff
+    mm = Multimodal(open_bundle(out))
+    video = preprocess_frames([np.asarray(_image(64, 96, seed=20 + i)) for i in range(4)], mm.pre, mm.video_pre)
+    prompt = [5, 10, START, VIDEO, END, 11, START, VIDEO, END, 7, 8]
+    gen = mm.generate(prompt, [video], 16, keep_logits=True, stop_at_eos=False)
+    ref_model = copy.deepcopy(hf_model)
+    round_to_fp16(ref_model, None, tied=True)
+    t = torch.tensor([gen.input_ids])
+    with torch.no_grad():
+        ref = ref_model.generate(
+            input_ids=t,
+            pixel_values_videos=torch.from_numpy(video.patches),
+            video_grid_thw=torch.tensor([video.grid]),
+            mm_token_type_ids=(t == VIDEO).int() * 2,
+            max_new_tokens=16,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ref_logits = torch.cat(ref.logits).numpy()
+    assert gen.output_ids == ref.sequences[0, t.shape[1] :].tolist()
+    rel = np.abs(np.stack(gen.logits).astype(np.float32) - ref_logits).max() / ref_logits.std()
+    assert rel <= tol.max_rel_logit_diff
 
 
 def test_mrope_positions_matter(vl_bundle, monkeypatch):
@@ -559,3 +766,38 @@ def test_random_preset_exports_and_verifies_with_vision(tiny_vl_preset, tmp_path
     pre = json.loads((tmp_path / "b" / "preprocessor_config.json").read_text())
     assert (pre["patch_size"], pre["merge_size"], pre["temporal_patch_size"]) == (16, 2, 2)
     assert pre["image_mean"] == pre["image_std"] == [0.5] * 3
+
+
+# ---- profiling: image encode, memory and image + question TTFT per image size ------------------------------
+def test_profile_image_sizes(vl_bundle, tmp_path):
+    """`deltaship profile` on a --vision bundle adds per-image-size records (one fresh worker per size) to the
+    JSON, the text table and the HTML report; a page-sized image is resized into the bundle's limit first."""
+    from deltaship.profiling.profile import profile
+    from deltaship.profiling.report import format_results
+    from deltaship.profiling.vision import check_sizes, parse_sizes
+
+    assert parse_sizes("64,96x64,page") == ["64x64", "96x64", "page"] and parse_sizes("none") == []
+    with pytest.raises(DeltashipError, match="not an image size"):
+        parse_sizes("64x")
+    report = tmp_path / "r.html"
+    doc = profile(vl_bundle, prompt_lengths=[8], gen=2, contexts=[16], warmups=0, reps=2, min_seconds=0,
+                  breakdown=False, image_sizes="64,page", report=report, json_out=tmp_path / "p.json")  # fmt: skip
+    rows = {(r["metric"], r.get("image")): r for r in doc["results"]}
+    assert not any(r.get("status") == "died" for r in doc["results"]), doc["results"]
+    small, page = rows[("image_encode_s", "64x64")], rows[("image_encode_s", "page")]
+    assert small["image_tokens"] == 4 and small["resized"] == [64, 64] and small["n"] >= 2
+    assert page["image_tokens"] <= 64 and page["resized"] != [2200, 1700]  # resized into max_pixels
+    for name in ("64x64", "page"):
+        ttft, enc = rows[("image_ttft_s", name)], rows[("image_encode_s", name)]
+        assert ttft["median"] > enc["median"] > 0  # TTFT = preprocess + encode + prefill
+        assert rows[("image_peak_rss_bytes", name)]["median"] >= rows[("image_rss_growth_bytes", name)]["median"]
+    assert ("prefill_tok_s", None) in rows  # the text records are still there
+    text = format_results(doc)
+    assert "image_ttft_s" in text and "img page" in text
+    page_html = report.read_text()
+    assert "images.png" in page_html and "image_encode_s (img 64x64 (4 tok))" in page_html
+    assert json.loads((tmp_path / "p.json").read_text())["results"] == json.loads(json.dumps(doc["results"]))
+    # a text-only bundle: none by default, refused when asked for
+    with pytest.raises(DeltashipError, match="no vision tower"):
+        check_sizes({}, "224", "host", "cpu", None)
+    assert check_sizes({}, None, "host", "cpu", None) == []

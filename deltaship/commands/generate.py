@@ -45,6 +45,7 @@ def generate(
     speculative: str | None = None,
     images: list[str | Path] | None = None,
     videos: list[str] | None = None,
+    fps: float | None = None,
 ) -> dict[str, Any]:
     """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict.
 
@@ -52,8 +53,10 @@ def generate(
     (deltaship/runtimes/speculative.py); the result then has a `speculative` block (acceptance and lengths).
     images: image files for the prompt (a bundle exported with --vision; runtimes/vision.py). A text prompt
     gets one vision span per image before it (unless it has <|image_pad|> markers) and, when the tokenizer has
-    them, Qwen3.5's chat markers; token ids must hold one image token per image. videos: each a comma-separated
-    list of frame image files (2 frames: one temporal patch), after the images."""
+    them, Qwen3.5's chat markers; token ids must hold one image token per image. videos: each a video file
+    (frames sampled at `fps` per second) or a comma-separated list of frame image files (taken `fps` apart),
+    after the images; a text prompt gets each video's timestamped spans (one per 2 frames), token ids must hold
+    one video token per 2 frames."""
     from deltaship.runtimes.speculative import parse_speculative
 
     depth = parse_speculative(speculative)
@@ -112,10 +115,11 @@ def generate(
 
         mm = Multimodal(session)  # refuses a bundle without a vision tower
         loaded = mm.load(images or [], notices)
-        loaded += [mm.load_video([f for f in v.split(",") if f]) for v in videos or []]
+        clips = [mm.load_video(v, notices, fps) for v in videos or []]
+        loaded += clips
         if prompt is not None:
             chat = "im_start" in session.manifest.get("tokens", {})
-            prompt = image_prompt(prompt, len(images or []), chat, n_videos=len(videos or []))
+            prompt = image_prompt(prompt, len(images or []), chat, videos=clips)
     tok = load_tokenizer(Path(bundle), session.manifest) if prompt is not None else None
     ids = tok.encode(prompt) if tok else (parse_ids(input_ids) if isinstance(input_ids, str) else list(input_ids))
     if depth is not None and dump_logits is not None:
@@ -149,7 +153,11 @@ def generate(
     if mm is not None:
         merge = mm.spec.spatial_merge_size
         result["image_tokens"] = [im.tokens(merge) for im in loaded]
-        result["images"] = [{"grid_thw": list(im.grid), "resized": list(im.resized)} for im in loaded]
+        result["images"] = [
+            {"grid_thw": list(im.grid), "resized": list(im.resized)}
+            | ({"video": True, "timestamps": im.timestamps} if im.video else {})
+            for im in loaded
+        ]
         result["notices"] = notices
     if tok is None:
         try:

@@ -537,7 +537,7 @@ VISION_SIDES = (224, 448, 896)  # square test images, in pixels; plus the prepro
 def vision_plan(model: str) -> dict | None:
     """The vision tower's weights and its activation peak per image size, or None for a text-only model.
 
-    The tower is exported at fp32 only, for one image per call, with full bidirectional attention over the
+    Counted at fp32 (an fp16 bundle halves it), for one image per call, with full bidirectional attention over the
     image's N patches: the peak is one block's attention scores and their softmax (2 x heads x N x N) plus
     the patch-wide tensors of that block (input rows, QKV, MLP, residual), all fp32. Each image becomes N / 4
     tokens of the text decoder's context (its KV cost is the text plan's). "max" is the largest image the

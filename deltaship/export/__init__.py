@@ -329,7 +329,7 @@ def export(
                 from deltaship.export.verify_vision import verify_vision
 
                 say("verifying image + text prompts against transformers")
-                vrec = verify_vision(tmp, provisional, source)
+                vrec = verify_vision(tmp, provisional, source, ctx=ctx)
                 manifest["vision"]["verification"] = vrec
                 say(
                     f"vision verification {vrec['status']}: max |logit diff| {vrec['max_rel_logit_diff']:.3g} of the "

@@ -23,9 +23,12 @@ def test_images(pre) -> list[tuple[int, int]]:
     return [smart_resize(h, w, f, pre.min_pixels, pre.max_pixels) for h, w in sizes]
 
 
-def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8) -> dict[str, Any]:
+def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8, ctx=None) -> dict[str, Any]:
     """Each test image (seeded noise) in `<|vision_start|><|image_pad|><|vision_end|>` between a few text
-    tokens, one prompt per image, generated greedily by the bundle and by transformers (cached generate)."""
+    tokens, one prompt per image, generated greedily by the bundle and by transformers (cached generate).
+    An fp16 bundle is checked against the matched reference: transformers in fp32 with every weight rounded to
+    fp16 as the bundle stores it (the whole tower; the text weights the export's plan keeps in the model dtype),
+    at the target's fp16 tolerance row."""
     import torch
     from PIL import Image
     from transformers import Qwen3_5ForConditionalGeneration
@@ -44,6 +47,8 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
         if source.path is not None
         else preset_reference(source)
     )
+    if manifest["precision"] == "fp16":
+        round_to_fp16(model, ctx, source.spec.tie_word_embeddings)
     model.generation_config.eos_token_id = None  # every step, an EOS token included
     rng = np.random.default_rng(0)
     text = [i for i in range(1, 64) if i not in (sp.image_token_id, sp.video_token_id)][:4]
@@ -85,7 +90,8 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
 
     record = {
         "status": "passed" if ok else "failed",
-        "reference": f"transformers {transformers.__version__} Qwen3_5ForConditionalGeneration, fp32",
+        "reference": f"transformers {transformers.__version__} Qwen3_5ForConditionalGeneration, fp32"
+        + (", weights rounded to fp16 as the bundle stores them" if manifest["precision"] == "fp16" else ""),
         "steps": steps,
         "images": rows,
         "max_rel_logit_diff": worst,
@@ -99,6 +105,26 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
             "this is a deltaship bug: please report it with the model's config.json",
         )
     return record
+
+
+def round_to_fp16(model, ctx, tied: bool) -> None:
+    """Round the reference's weights as an fp16 bundle stores them: every vision tower tensor, and each text
+    tensor whose weight-plan recipe is in the model dtype (ctx.plan; all of them without a plan)."""
+    import torch
+
+    half = None
+    if ctx is not None and getattr(ctx, "plan", None) is not None:
+        half = {s for r in ctx.plan.recipes.values() if r.dtype == "model" for s in r.sources}
+    with torch.no_grad():
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if name.startswith("model.language_model."):
+                src = "model." + name.removeprefix("model.language_model.")
+            elif name == "lm_head.weight" and tied:
+                src = "model.embed_tokens.weight"
+            else:
+                src = name
+            if name.startswith("model.visual.") or half is None or src in half:
+                p.data = p.data.half().float()
 
 
 def preset_reference(source):

@@ -33,6 +33,21 @@ DEFAULT_PREPROCESSOR = {
     "do_convert_rgb": True,
     "size": {"shortest_edge": 65536, "longest_edge": 16777216},
 }
+VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
+# Qwen3-VL's published video_preprocessor_config.json (Qwen3VLVideoProcessor; Qwen3.5 uses the same processor):
+# pixel limits over all frames of a clip (t * h * w), frames sampled at `fps`, between min_frames and max_frames
+DEFAULT_VIDEO_PREPROCESSOR = {
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "size": {"shortest_edge": 4096, "longest_edge": 25165824},
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 768,
+}
 
 
 @dataclass(frozen=True)
@@ -312,6 +327,7 @@ class ImageInput:
     resized: tuple[int, int]  # (height, width) in pixels
     original: tuple[int, int]
     video: bool = False  # frames of a video: its span is video tokens
+    timestamps: list[float] | None = None  # a video's seconds per temporal patch (one span each in the prompt)
 
     def tokens(self, merge: int) -> int:
         t, h, w = self.grid
@@ -322,7 +338,14 @@ class ImageInput:
         t, h, w = self.grid
         n = h * w
         return [
-            ImageInput(self.patches[g * n : (g + 1) * n], (1, h, w), self.resized, self.original, self.video)
+            ImageInput(
+                self.patches[g * n : (g + 1) * n],
+                (1, h, w),
+                self.resized,
+                self.original,
+                self.video,
+                self.timestamps[g : g + 1] if self.timestamps else None,
+            )
             for g in range(t)
         ]
 
@@ -347,28 +370,175 @@ def preprocess_image(image, pre: Preprocessor) -> ImageInput:
     return ImageInput(patches, (1, gh, gw), (h, w), (h0, w0))
 
 
-def preprocess_frames(frames, pre: Preprocessor) -> ImageInput:
-    """Video frames (PIL images, in time order) as one input: every frame resized to the first frame's smart
-    size, frames padded to a multiple of the temporal patch by repeating the last; grid t = frames / 2."""
+@dataclass(frozen=True)
+class VideoPreprocessor:
+    """The checkpoint's video_preprocessor_config.json (Qwen3VLVideoProcessor): the pixel limits over a whole
+    clip (frames x height x width), the sampling rate and the frame-count limits."""
+
+    min_pixels: int
+    max_pixels: int
+    fps: float
+    min_frames: int
+    max_frames: int
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], where: str = VIDEO_PREPROCESSOR_CONFIG) -> "VideoPreprocessor":
+        size = cfg.get("size") or {}
+        vals = {
+            "min_pixels (size.shortest_edge)": cfg.get("min_pixels", size.get("shortest_edge")),
+            "max_pixels (size.longest_edge)": cfg.get("max_pixels", size.get("longest_edge")),
+            "min_frames": cfg.get("min_frames", 4),
+            "max_frames": cfg.get("max_frames", 768),
+        }
+        for key, val in vals.items():
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise DeltashipError(f"{where}: {key} must be a positive integer, got {val!r}", f"fix {where}")
+        fps = cfg.get("fps", 2)
+        if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
+            raise DeltashipError(f"{where}: fps must be a positive number, got {fps!r}", f"fix {where}")
+        mn, mx, fmin, fmax = vals.values()
+        return cls(min_pixels=mn, max_pixels=mx, fps=float(fps), min_frames=fmin, max_frames=fmax)
+
+
+def video_smart_resize(
+    frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """transformers' qwen3_vl video smart_resize: multiples of `factor` with the clip's pixels (frames rounded
+    to the temporal patch x height x width) within [min, max], aspect kept."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise DeltashipError(
+            f"video of {width}x{height} pixels: aspect ratio {max(height, width) / min(height, width):.0f} is over 200",
+            "crop the video to a less extreme aspect ratio",
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def sample_indices(total: int, video_fps: float, fps: float, vpre: VideoPreprocessor) -> np.ndarray:
+    """Which of a video's `total` frames (decoded at `video_fps`) to keep for `fps` frames per second:
+    transformers' Qwen3VLVideoProcessor.sample_frames (evenly spaced, min_frames .. max_frames, at most all)."""
+    n = int(total / video_fps * fps)
+    n = min(max(n, vpre.min_frames), vpre.max_frames, total)
+    return np.linspace(0, total - 1, n).round().astype(int)
+
+
+def frame_timestamps(indices, video_fps: float, temporal: int) -> list[float]:
+    """Seconds of each temporal patch: the mean of its first and last frame's time (the last frame repeated to
+    fill the patch), as transformers' Qwen3VLProcessor writes them before each frame group."""
+    idx = [int(i) for i in indices]
+    while len(idx) % temporal:
+        idx.append(idx[-1])
+    secs = [i / video_fps for i in idx]
+    return [(secs[i] + secs[i + temporal - 1]) / 2 for i in range(0, len(secs), temporal)]
+
+
+def preprocess_frames(
+    frames,
+    pre: Preprocessor,
+    vpre: VideoPreprocessor | None = None,
+    timestamps: list[float] | None = None,
+    max_frame_pixels: int | None = None,
+) -> ImageInput:
+    """Video frames (PIL images or HxWx3 uint8 arrays, in time order) as one input, as transformers'
+    Qwen3VLVideoProcessor: every frame resized (bicubic) to the clip's smart size (pixel limits over the whole
+    clip; `max_frame_pixels` caps one frame, a bundle's image limit), frames padded to a multiple of the
+    temporal patch by repeating the last; grid t = frames / 2. timestamps: seconds of each temporal patch
+    (default: frames taken at the preprocessor's fps)."""
     from PIL import Image
 
-    if not frames:
-        raise DeltashipError("--video has no frames", "pass two or more frame images, comma-separated")
+    if not len(frames):
+        raise DeltashipError("--video has no frames", "pass frame image files (comma-separated) or a video file")
+    vpre = vpre or VideoPreprocessor.from_config(DEFAULT_VIDEO_PREPROCESSOR)
+    frames = [f if isinstance(f, Image.Image) else Image.fromarray(np.asarray(f, dtype=np.uint8)) for f in frames]
     first = frames[0].convert("RGB")
     w0, h0 = first.size
-    h, w = smart_resize(h0, w0, pre.factor, pre.min_pixels, pre.max_pixels)
+    tp = pre.temporal_patch_size
+    max_px = vpre.max_pixels
+    if max_frame_pixels is not None:
+        max_px = min(max_px, max_frame_pixels * max(tp, round(len(frames) / tp) * tp))
+    h, w = video_smart_resize(max(len(frames), tp), h0, w0, tp, pre.factor, vpre.min_pixels, max_px)
     arrs = []
     for f in frames:
         f = f.convert("RGB")
         if f.size != (w, h):
             f = f.resize((w, h), resample=Image.Resampling.BICUBIC)
         arrs.append(np.asarray(f, dtype=np.float32).transpose(2, 0, 1) * np.float32(pre.rescale_factor))
-    while len(arrs) % pre.temporal_patch_size:
+    n = len(arrs)
+    while len(arrs) % tp:
         arrs.append(arrs[-1])
     mean = np.asarray(pre.image_mean, np.float32)[None, :, None, None]
     std = np.asarray(pre.image_std, np.float32)[None, :, None, None]
     patches, gh, gw = _patchify((np.stack(arrs) - mean) / std, pre)
-    return ImageInput(patches, (len(arrs) // pre.temporal_patch_size, gh, gw), (h, w), (h0, w0), video=True)
+    gt = len(arrs) // tp
+    if timestamps is None:
+        timestamps = frame_timestamps(range(n), vpre.fps, tp)
+    if len(timestamps) != gt:
+        raise ValueError(f"{len(timestamps)} timestamps for {gt} temporal patches")
+    return ImageInput(patches, (gt, gh, gw), (h, w), (h0, w0), video=True, timestamps=list(timestamps))
+
+
+def load_video(path: str | Path, fps: float, vpre: VideoPreprocessor) -> tuple[list, list[float]]:
+    """Frames of a video file sampled at `fps` frames per second (transformers' rule: evenly spaced over the
+    whole clip, min_frames .. max_frames) and the seconds of each temporal patch. Animated GIF/WebP/PNG through
+    PIL; other containers (MP4, WebM, MKV, ...) through PyAV (the `video` extra)."""
+    from PIL import Image, UnidentifiedImageError
+
+    p = Path(path)
+    if not p.is_file():
+        raise DeltashipError(f"--video {path}: no such file", "pass a video file or comma-separated frame images")
+    if not (isinstance(fps, (int, float)) and fps > 0):
+        raise DeltashipError(f"--fps {fps!r} must be a positive number", "e.g. --fps 2")
+    frames: list | None = None
+    try:
+        with Image.open(p) as im:
+            if getattr(im, "n_frames", 1) > 1:  # an animated image: frame durations in milliseconds
+                frames, durations = [], []
+                for i in range(im.n_frames):
+                    im.seek(i)
+                    frames.append(im.convert("RGB"))
+                    durations.append(float(im.info.get("duration") or 100))
+                video_fps = 1000.0 / (sum(durations) / len(durations))
+    except (UnidentifiedImageError, OSError, ValueError):
+        frames = None
+    if frames is None:
+        frames, video_fps = _decode_av(p)
+    if not frames:
+        raise DeltashipError(f"--video {path}: no frames could be decoded", "pass a non-empty video file")
+    idx = sample_indices(len(frames), video_fps, fps, vpre)
+    return [frames[i] for i in idx], frame_timestamps(idx, video_fps, 2)
+
+
+def _decode_av(p: Path) -> tuple[list, float]:
+    try:
+        import av
+    except ImportError:
+        raise DeltashipError(
+            f"--video {p}: decoding video files needs PyAV, which is not installed",
+            "pip install 'deltaship[video]' (or pass an animated GIF, or the frames as comma-separated image files)",
+        ) from None
+    try:
+        with av.open(str(p)) as container:
+            if not container.streams.video:
+                raise DeltashipError(f"--video {p}: the file has no video stream", "pass a video file")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+            frames = [f.to_image() for f in container.decode(stream)]
+    except av.error.FFmpegError as e:
+        raise DeltashipError(f"--video {p}: not a readable video ({e})", "pass an MP4, WebM, MKV or GIF file") from None
+    return frames, float(rate) if rate else 24.0
 
 
 def _patchify(frames: np.ndarray, pre: Preprocessor) -> tuple[np.ndarray, int, int]:
@@ -504,28 +674,31 @@ def interleave_mask(mrope_section: tuple[int, ...], half: int) -> np.ndarray:
 
 
 # ---- export-time checks shared by the targets --------------------------------------------------------------
-def preprocessor_config(source) -> dict[str, Any]:
-    """The checkpoint's preprocessor_config.json, or Qwen3.5's published one when it has none."""
+def preprocessor_config(source, name: str = PREPROCESSOR_CONFIG) -> dict[str, Any]:
+    """The checkpoint's preprocessor_config.json (or video_preprocessor_config.json), or Qwen3.5's published
+    one when it has none."""
     import json
 
-    path = source.path / PREPROCESSOR_CONFIG if source.path is not None else None
+    path = source.path / name if source.path is not None else None
     if path is not None and path.is_file():
         try:
             return json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise DeltashipError(f"{path}: not valid JSON ({e})", "restore it from the original checkpoint") from None
-    return dict(DEFAULT_PREPROCESSOR)
+    return dict(DEFAULT_PREPROCESSOR if name == PREPROCESSOR_CONFIG else DEFAULT_VIDEO_PREPROCESSOR)
 
 
 def write_preprocessor(bundle: Path, source, cfg: dict[str, Any]) -> None:
-    """Copy the checkpoint's preprocessor_config.json into the bundle (or write the default one)."""
+    """Copy the checkpoint's preprocessor_config.json and video_preprocessor_config.json into the bundle (or
+    write the default ones)."""
     import json
     import shutil
 
-    if source.path is not None and (source.path / PREPROCESSOR_CONFIG).is_file():
-        shutil.copy(source.path / PREPROCESSOR_CONFIG, bundle / PREPROCESSOR_CONFIG)
-    else:
-        (bundle / PREPROCESSOR_CONFIG).write_text(json.dumps(cfg, indent=2))
+    for name, default in ((PREPROCESSOR_CONFIG, cfg), (VIDEO_PREPROCESSOR_CONFIG, None)):
+        if source.path is not None and (source.path / name).is_file():
+            shutil.copy(source.path / name, bundle / name)
+        else:
+            (bundle / name).write_text(json.dumps(default or preprocessor_config(source, name), indent=2))
 
 
 def vision_spec_of(source) -> VisionSpec | None:
@@ -538,6 +711,11 @@ def vision_spec_of(source) -> VisionSpec | None:
         mm = get_preset(source.name).multimodal_config()
         return VisionSpec.from_config(mm, where=f"preset {source.name}") if mm is not None else None
     return VisionSpec.from_config(read_config(source.path / "config.json"), str(source.path / "config.json"))
+
+
+# the precisions `export --vision` builds and verifies per target (the tower, the embedding splice and the
+# multimodal decoder all at the text decoder's activation dtype)
+VISION_PRECISIONS = {"onnx": ("fp32", "fp16"), "executorch": ("fp32", "fp16")}
 
 
 def check_vision(source, ctx) -> tuple[VisionSpec, Preprocessor, dict[str, Any], tuple[int, ...]]:
@@ -561,14 +739,24 @@ def check_vision(source, ctx) -> tuple[VisionSpec, Preprocessor, dict[str, Any],
             f"vision_config.out_hidden_size {vspec.out_hidden_size} != text hidden_size {spec.hidden_size}",
             "fix config.json",
         )
-    if ctx.precision != "fp32":
+    if ctx.precision not in VISION_PRECISIONS.get(ctx.target, ("fp32",)):
         raise DeltashipError(
-            f"--vision is exported at fp32 only so far (asked: --precision {ctx.precision})",
-            "export with --precision fp32, or drop --vision",
+            f"--vision on {ctx.target} is exported at {' or '.join(VISION_PRECISIONS.get(ctx.target, ('fp32',)))} "
+            f"only so far (asked: --precision {ctx.precision}; int8/int4 vision bundles are not verified against a "
+            "reference with the same rounding yet)",
+            "export with --precision fp32 or fp16, or drop --vision",
         )
     mrope = tuple(spec.mrope_section or (11, 11, 10))
     interleave_mask(mrope, spec.rotary_dim // 2)  # a section that does not fit the rotary is refused first
     cfg = preprocessor_config(source)
     pre = Preprocessor.from_config(cfg)
     pre.check(vspec, PREPROCESSOR_CONFIG)
+    vcfg = preprocessor_config(source, VIDEO_PREPROCESSOR_CONFIG)
+    VideoPreprocessor.from_config(vcfg)
+    vsizes = tuple(vcfg.get(k, d) for k, d in (("patch_size", 16), ("temporal_patch_size", 2), ("merge_size", 2)))
+    if vsizes != (pre.patch_size, pre.temporal_patch_size, pre.merge_size):
+        raise DeltashipError(
+            f"{VIDEO_PREPROCESSOR_CONFIG}: patch/temporal/merge sizes {vsizes} disagree with {PREPROCESSOR_CONFIG}'s",
+            "use the video_preprocessor_config.json that came with the checkpoint",
+        )
     return vspec, pre, cfg, mrope

@@ -128,7 +128,7 @@ def _died(rc: int, stderr: str) -> dict[str, Any]:
 def run_worker(
     cfg: dict[str, Any], cap: MemoryCap | None = None, timeout: float = 3600, module: str = "deltaship.profiling.worker"
 ) -> tuple[dict | None, dict | None]:
-    """(worker output, None) or (None, a 'died' record). module: the measuring process's module."""
+    """(worker output, None) or (None, a 'died' record). module: the worker (profiling/vision.py has one too)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.get("threads") or ""), TOKENIZERS_PARALLELISM="false")
     if not cfg.get("threads"):
         env.pop("OMP_NUM_THREADS")
@@ -181,12 +181,15 @@ def profile(
     runtime: str | None = None,
     speculative: str | None = None,
     acceptance: float | None = None,
+    image_sizes: str | list[str] | None = None,
 ) -> dict[str, Any]:
     """Profile a bundle on a device; return (and optionally write) the versioned JSON document.
 
     speculative="mtp[:K]": profile speculative decoding with the bundle's MTP head instead of the plain workload
     (deltaship/profiling/speculative.py); acceptance: the rate its projection assumes (default: the trained tiny
-    head's measured one)."""
+    head's measured one). image_sizes: for a bundle exported with --vision (host), the image sizes to profile
+    encode latency, memory and image+question TTFT at (profiling/vision.py; default 224, 448, 896 and a document
+    page; 'none': skip)."""
     from deltaship.bundle.reader import read_manifest, require_intact
     from deltaship.devices.catalog import get_tier
     from deltaship.devices.discovery import fingerprint
@@ -227,6 +230,9 @@ def profile(
         doc.update(spec.profile_speculative(path, cfg, depth, threads, say, acceptance))
         return _finish(doc, None, json_out, report)
     check_workload(manifest, cfg["prompt_lengths"], cfg["gen"], cfg["contexts"])
+    from deltaship.profiling.vision import check_sizes
+
+    sizes = check_sizes(manifest, image_sizes, device, provider, runtime)
     t = get_tier(tier, tiers_file) if tier else None
     doc: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -309,6 +315,11 @@ def profile(
                     }
                     bout, bdied = run_worker(bcfg, None)
                     doc["results"] += [r for r in bout["results"] if r["metric"] == "decode_op_s"] if bout else [bdied]
+            if sizes:
+                from deltaship.profiling.vision import profile_images
+
+                run = lambda c: run_worker(c, cap, module="deltaship.profiling.vision")  # noqa: E731
+                doc["results"] += profile_images(path, sizes, cfg, threads, run, say)
         finally:
             if cap:
                 cap.close()

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 UNITS = {"s": 1e3, "tok/s": 1.0, "bytes": 1 / 2**20}
 SHOWN = {"s": "ms", "tok/s": "tok/s", "bytes": "MiB"}
 
@@ -30,6 +32,8 @@ def _where(r: dict) -> str:
     ):
         if r.get(k) is not None:
             parts.append(f"{label}{r[k]}")
+    if r.get("image") is not None:  # profiling/vision.py: the image size, and its tokens after resizing
+        parts.append(f"img {r['image']}" + (f" ({r['image_tokens']} tok)" if r.get("image_tokens") else ""))
     return " ".join(parts)
 
 
@@ -163,6 +167,9 @@ def plots(doc: dict[str, Any]) -> dict[str, bytes]:
         ax.set_ylabel("RSS (MiB)")
         ax.set_title("RSS trace")
         out["rss_trace.png"] = _png(fig)
+    images = _image_plot(res)
+    if images:
+        out["images.png"] = images
     pre = sorted((r for r in res if r["metric"] == "prefill_tok_s"), key=lambda r: r["prompt_length"])
     if pre:
         fig, ax = plt.subplots(figsize=(5, 3))
@@ -210,6 +217,42 @@ def _memory_vs_context(plt, ctx: list[dict], mem: list[dict]) -> bytes:
     return _png(fig)
 
 
+def _image_plot(res: list[dict[str, Any]]) -> bytes | None:
+    """Per image size (profiling/vision.py): encode latency and image+question TTFT, and the peak RSS."""
+    import matplotlib.pyplot as plt
+
+    by = {m: {r["image"]: r for r in res if r["metric"] == m} for m in ("image_encode_s", "image_ttft_s")}
+    rss = {r["image"]: r for r in res if r["metric"] == "image_peak_rss_bytes"}
+    names = list(by["image_encode_s"])
+    if not names:
+        return None
+    labels = [f"{n}\n{by['image_encode_s'][n].get('image_tokens', '?')} tok" for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+    x = np.arange(len(names))
+    for i, (m, label) in enumerate((("image_encode_s", "encode"), ("image_ttft_s", "TTFT (image + question)"))):
+        rows = [by[m].get(n) for n in names]
+        axes[0].bar(
+            x + (i - 0.5) * 0.4,
+            [r["median"] * 1e3 if r else 0 for r in rows],
+            width=0.4,
+            yerr=[
+                [(r["median"] - r["ci95"][0]) * 1e3 if r else 0 for r in rows],
+                [(r["ci95"][1] - r["median"]) * 1e3 if r else 0 for r in rows],
+            ],
+            capsize=3,
+            label=label,
+        )
+    axes[0].set_xticks(x, labels, fontsize=8)
+    axes[0].set_ylabel("ms, median and 95% CI")
+    axes[0].set_title("Image encode and TTFT per image size")
+    axes[0].legend(fontsize=8)
+    axes[1].bar(x, [rss[n]["median"] / 2**20 if n in rss else 0 for n in names])
+    axes[1].set_xticks(x, labels, fontsize=8)
+    axes[1].set_ylabel("MiB")
+    axes[1].set_title("Peak RSS of a session encoding that size")
+    return _png(fig)
+
+
 def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -230,6 +273,8 @@ def summary(doc: dict[str, Any]) -> list[tuple[str, str]]:
             "peak_rss_bytes",
             "gpu_peak_bytes",
             "load_cold_s",
+            "image_encode_s",
+            "image_ttft_s",
         ):
             continue
         where = _where(r)

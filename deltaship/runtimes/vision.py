@@ -20,10 +20,13 @@ import numpy as np
 
 from deltaship.errors import DeltashipError
 from deltaship.models.vision import (
+    DEFAULT_VIDEO_PREPROCESSOR,
     ImageInput,
     Preprocessor,
+    VideoPreprocessor,
     VisionSpec,
     encoder_inputs,
+    frame_timestamps,
     load_image,
     preprocess_image,
     rope_positions,
@@ -59,7 +62,12 @@ class Multimodal:
         # a bundle may cap images below the preprocessor's limit (ExecuTorch plans memory for its largest image)
         self.pre = dataclasses.replace(pre, max_pixels=min(pre.max_pixels, int(block["max_pixels"])))
         self.max_image_tokens = int(block["max_image_tokens"])
+        video_cfg = block.get("video_preprocessor")  # bundles before multi-frame video have none
+        self.video_pre = VideoPreprocessor.from_config(
+            json.loads((bundle / video_cfg).read_text()) if video_cfg else DEFAULT_VIDEO_PREPROCESSOR
+        )
         self.hidden = int(manifest["model"]["hidden_size"])
+        self.dtype = np.dtype(block.get("dtype", "float32"))  # image features and embeddings (fp16 bundles)
         self.delta = 0
         self._open()
 
@@ -92,15 +100,37 @@ class Multimodal:
             out.append(im)
         return out
 
-    def load_video(self, frames: Sequence[str | Path], notices: list[str] | None = None) -> ImageInput:
-        """Frame image files (time order) as one video input."""
-        from deltaship.models.vision import preprocess_frames
+    def load_video(
+        self, source: str | Path | Sequence[str | Path], notices: list[str] | None = None, fps: float | None = None
+    ) -> ImageInput:
+        """One video input: a video file (frames sampled at `fps` per second, default the video preprocessor's),
+        or frame image files in time order (a list, or one comma-separated string; taken `fps` apart)."""
+        from deltaship.models.vision import load_video, preprocess_frames
 
-        return preprocess_frames([load_image(f) for f in frames], self.pre)
+        fps = self.video_pre.fps if fps is None else fps
+        if not (isinstance(fps, (int, float)) and fps > 0):
+            raise DeltashipError(f"--fps {fps!r} must be a positive number", "e.g. --fps 2")
+        tp = self.pre.temporal_patch_size
+        if isinstance(source, (str, Path)) and "," not in str(source):
+            frames, stamps = load_video(source, fps, self.video_pre)
+        else:
+            files = [f for f in str(source).split(",") if f] if isinstance(source, (str, Path)) else list(source)
+            frames = [load_image(f) for f in files]
+            stamps = frame_timestamps(range(len(frames)), fps, tp)
+        video = preprocess_frames(frames, self.pre, self.video_pre, stamps, max_frame_pixels=self.pre.max_pixels)
+        if notices is not None:
+            h0, w0 = video.original
+            h, w = video.resized
+            notices.append(
+                f"--video {source}: {len(frames)} frame(s) at {w}x{h} pixels (from {w0}x{h0}), {video.grid[0]} "
+                f"temporal patch(es) of {video.tokens(self.spec.spatial_merge_size) // video.grid[0]} tokens"
+            )
+        return video
 
     def expand(self, ids: Sequence[int], images: Sequence[ImageInput]) -> list[int]:
-        """One image (video) token per image (video) in `ids` becomes its t*h*w/4 tokens; an already expanded
-        prompt (each span as long as its input needs) is kept. `images` are in prompt order."""
+        """One image (video) token per image (video frame group) in `ids` becomes its h*w/4 tokens; an already
+        expanded prompt (each span as long as its input needs) is kept. `images` are in prompt order, a video
+        as its temporal groups (one span each)."""
         sp, m = self.spec, self.spec.spatial_merge_size
         kinds = (sp.image_token_id, sp.video_token_id)
         spans, i, ids = [], 0, list(ids)
@@ -117,8 +147,9 @@ class Multimodal:
             raise DeltashipError(
                 f"the prompt has {len(spans)} image/video placeholder span(s) but {len(images)} image(s)/video(s) "
                 "were given",
-                "put one <|vision_start|><|image_pad|><|vision_end|> in the prompt per --image (<|video_pad|> per "
-                "--video; deltaship generate adds them for a plain --prompt)",
+                "put one <|vision_start|><|image_pad|><|vision_end|> in the prompt per --image and one "
+                "<timestamp><|vision_start|><|video_pad|><|vision_end|> per 2 frames of a --video (deltaship "
+                "generate writes them for a --prompt)",
             )
         out, prev = [], 0
         for (a, z, tok), im in zip(spans, images):
@@ -151,7 +182,7 @@ class Multimodal:
         arr = s._check(ids)
         rope, self.delta = rope_positions(arr, [im.grid for im in images], self.spec)
         feats = [self.encode_input(im) for im in images]
-        features = np.concatenate(feats) if feats else np.zeros((0, self.hidden), np.float32)
+        features = np.concatenate(feats) if feats else np.zeros((0, self.hidden), self.dtype)
         is_img = np.isin(arr, (self.spec.image_token_id, self.spec.video_token_id))
         if int(is_img.sum()) != features.shape[0]:
             raise DeltashipError(
@@ -171,7 +202,7 @@ class Multimodal:
         s = self.session
         arr = s._check([token])
         rope = np.full((3, 1), s.position + self.delta, dtype=np.int64)
-        return self._run(self._embed(arr, np.zeros((0, self.hidden), np.float32)), rope)
+        return self._run(self._embed(arr, np.zeros((0, self.hidden), self.dtype)), rope)
 
     def generate(
         self,
@@ -187,20 +218,17 @@ class Multimodal:
         keep_logits: bool = False,
         on_token: Callable[[int], None] | None = None,
     ) -> Generation:
-        """As Session.generate, for a prompt with images (ids: one image token per image, or expanded spans)."""
+        """As Session.generate, for a prompt with images and videos (ids: one image token per image and one video
+        token per temporal patch of a video, or expanded spans)."""
         check_sampling(max_new_tokens, temperature, top_k, top_p)
+        # a video is one span per temporal patch (each after its timestamp text; transformers' get_rope_index
+        # splits video_grid_thw the same way): from here on each group is an input of its own
+        images = [g for im in images for g in (im.groups() if im.video else [im])]
         for im in images:
-            if im.video and im.grid[0] > 1:
-                raise DeltashipError(
-                    f"a video of {im.grid[0] * self.pre.temporal_patch_size} frames: only "
-                    f"{self.pre.temporal_patch_size} frames (one temporal patch) are supported so far (longer videos "
-                    "need one timestamped span per frame pair)",
-                    f"pass {self.pre.temporal_patch_size} frames to --video",
-                )
             n = im.tokens(self.spec.spatial_merge_size)
             if n > self.max_image_tokens:
                 raise DeltashipError(
-                    f"an image of {n} tokens is over the bundle's limit of {self.max_image_tokens}",
+                    f"an image (video frame pair) of {n} tokens is over the bundle's limit of {self.max_image_tokens}",
                     "resize the image (the preprocessor's max_pixels)",
                 )
         ids = self.expand([int(i) for i in ids], images)
@@ -245,7 +273,10 @@ class OnnxMultimodal(Multimodal):
 
     def encode(self, image: ImageInput) -> np.ndarray:
         """Merged features [tokens, hidden] of one image."""
-        return self.vision.run(["image_features"], encoder_inputs(self.spec, image))[0]
+        inputs = encoder_inputs(self.spec, image)
+        if self.dtype != np.float32:  # an fp16 bundle: the tower's float inputs in its dtype
+            inputs = {k: v.astype(self.dtype) if v.dtype == np.float32 else v for k, v in inputs.items()}
+        return self.vision.run(["image_features"], inputs)[0]
 
     def _run(self, embeds: np.ndarray, rope: np.ndarray) -> np.ndarray:
         s = self.session
@@ -295,6 +326,8 @@ class ExecuTorchMultimodal(Multimodal):
         from deltaship.export.executorch.vision import INPUTS
 
         inputs = encoder_inputs(self.spec, image)
+        if self.dtype != np.float32:
+            inputs = {k: v.astype(self.dtype) if v.dtype == np.float32 else v for k, v in inputs.items()}
         return self.vision.execute([self._t.from_numpy(inputs[n]) for n in INPUTS])[0].numpy().copy()
 
     def _embed(self, ids: np.ndarray, features: np.ndarray) -> np.ndarray:
@@ -317,12 +350,30 @@ class ExecuTorchMultimodal(Multimodal):
         return out[0].reshape(-1).float().numpy().copy()
 
 
-def image_prompt(prompt: str, n_images: int, chat: bool, n_videos: int = 0) -> str:
-    """The prompt with one vision span per image (then per video) before the text (unless it already has
-    placeholders), in Qwen3.5's chat template when `chat` (the tokenizer has <|im_start|>)."""
+def video_placeholder(video: ImageInput) -> str:
+    """A video's prompt text as Qwen3.5's processor writes it: per temporal patch, its time then its span
+    (`<0.5 seconds><|vision_start|><|video_pad|><|vision_end|>...`; one pad each, expanded later)."""
+    start, _, end = IMAGE_MARKERS
+    stamps = video.timestamps or [float(i) for i in range(video.grid[0])]
+    return "".join(f"<{t:.1f} seconds>{start}{VIDEO_PAD}{end}" for t in stamps)
+
+
+def image_prompt(prompt: str, n_images: int, chat: bool, videos: Sequence[ImageInput] = ()) -> str:
+    """The prompt with one vision span per image (then the timestamped spans of each video) before the text
+    (unless it already has placeholders: each `<|vision_start|><|video_pad|><|vision_end|>` or bare
+    `<|video_pad|>` becomes its video's timestamped spans, in order), in Qwen3.5's chat template when `chat`
+    (the tokenizer has <|im_start|>)."""
     start, pad, end = IMAGE_MARKERS
     if pad not in prompt and VIDEO_PAD not in prompt:
-        prompt = (start + pad + end) * n_images + (start + VIDEO_PAD + end) * n_videos + prompt
+        prompt = (start + pad + end) * n_images + "".join(video_placeholder(v) for v in videos) + prompt
+    elif VIDEO_PAD in prompt:
+        parts = prompt.replace(start + VIDEO_PAD + end, VIDEO_PAD).split(VIDEO_PAD)
+        if len(parts) - 1 != len(videos):
+            raise DeltashipError(
+                f"the prompt has {len(parts) - 1} <|video_pad|> marker(s) but {len(videos)} video(s) were given",
+                "put one <|video_pad|> in the prompt per --video",
+            )
+        prompt = parts[0] + "".join(video_placeholder(v) + rest for v, rest in zip(videos, parts[1:]))
     if chat:
         return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
     return prompt

@@ -26,13 +26,13 @@ MAX_IMAGE_TOKENS = 1024
 INPUTS = ("pixel_values", "pos_indices", "pos_weights", "rope_cos", "rope_sin")
 
 
-def example_inputs(spec: VisionSpec, patches: int) -> tuple[torch.Tensor, ...]:
+def example_inputs(spec: VisionSpec, patches: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     return (
-        torch.zeros(patches, spec.patch_dim),
+        torch.zeros(patches, spec.patch_dim, dtype=dtype),
         torch.zeros(patches, 4, dtype=torch.long),
-        torch.zeros(patches, 4),
-        torch.ones(patches, spec.head_dim),
-        torch.zeros(patches, spec.head_dim),
+        torch.zeros(patches, 4, dtype=dtype),
+        torch.ones(patches, spec.head_dim, dtype=dtype),
+        torch.zeros(patches, spec.head_dim, dtype=dtype),
     )
 
 
@@ -110,7 +110,12 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
 
     from deltaship.export.executorch.program import ProgramState, prepare
     from deltaship.export.passes import ExportContext, run_pipeline
-    from deltaship.models.vision import PREPROCESSOR_CONFIG, check_vision, write_preprocessor
+    from deltaship.models.vision import (
+        PREPROCESSOR_CONFIG,
+        VIDEO_PREPROCESSOR_CONFIG,
+        check_vision,
+        write_preprocessor,
+    )
     from deltaship.targets import get_target
 
     vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
@@ -170,7 +175,8 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
     h = ctx.spec.hidden_size
     n = min(2, chunk)
     decoder = TextDecoder(model, ctx2.states, kernels).eval()
-    tower = load_tower(vspec, weights)
+    dt = ctx.dtype  # the text decoder's activation dtype (fp16 at --precision fp16): the tower's too
+    tower = load_tower(vspec, weights, dt)
     max_tokens = min(pre.max_image_tokens(), MAX_IMAGE_TOKENS)
     max_pixels = min(pre.max_pixels, max_tokens * pre.factor**2)
     max_patches = max_tokens * vspec.merge_unit
@@ -179,7 +185,11 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
         programs = {
             "text_decoder": torch.export.export(
                 decoder,
-                (torch.zeros(1, n, h), torch.zeros(3, 1, n, dtype=torch.long), torch.zeros(1, dtype=torch.long)),
+                (
+                    torch.zeros(1, n, h, dtype=dt),
+                    torch.zeros(3, 1, n, dtype=torch.long),
+                    torch.zeros(1, dtype=torch.long),
+                ),
                 dynamic_shapes=({1: t} if chunk > 1 else None, {2: t} if chunk > 1 else None, None),
                 strict=False,
             ),
@@ -190,7 +200,7 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
                 strict=False,
             ),
             METHOD: torch.export.export(
-                tower, example_inputs(vspec, 8), dynamic_shapes=tuple({0: 4 * k} for _ in INPUTS), strict=False
+                tower, example_inputs(vspec, 8, dt), dynamic_shapes=tuple({0: 4 * k} for _ in INPUTS), strict=False
             ),
         }
         programs = {name: ep.run_decompositions({}) for name, ep in programs.items()}
@@ -224,11 +234,12 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
             "decoder": "text_decoder",
         },
         "preprocessor": PREPROCESSOR_CONFIG,
+        "video_preprocessor": VIDEO_PREPROCESSOR_CONFIG,
         "min_image_tokens": pre.min_image_tokens(),
         "max_image_tokens": max_tokens,
         "max_pixels": max_pixels,
         "min_pixels": pre.min_pixels,
         "images_per_call": 1,
-        "dtype": "float32",
+        "dtype": str(dt).removeprefix("torch."),
         "decoder_states": [s["buffer"] for s in ctx2.states],
     }

@@ -28,6 +28,7 @@ from deltaship.export.onnx.builder import GraphBuilder
 from deltaship.models.vision import (
     GELU_APPROXIMATION,
     PREPROCESSOR_CONFIG,
+    VIDEO_PREPROCESSOR_CONFIG,
     VisionSpec,
     VisionWeights,
     check_vision,
@@ -239,7 +240,7 @@ def build_embedding(bundle: Path, image_token_ids: list[int], hidden: int, elem:
         is_img = eq
     # row r of the call's image tokens takes image_features[r]; an image token past the rows given (a generated
     # one, or a call with no rows: image_features [0, hidden]) keeps its token embedding
-    zero_row = c("zero_row", np.zeros((1, hidden), np.float32))
+    zero_row = c("zero_row", np.zeros((1, hidden), {v: k for k, v in _ONNX.items()}[elem]))
     out += [
         helper.make_node("Cast", [is_img], ["image_count"], to=TensorProto.INT64),
         helper.make_node("CumSum", ["image_count", c("axis1", np.array(1, np.int64))], ["image_rank"]),
@@ -276,8 +277,9 @@ def lower_vision(bundle: Path, source, ctx) -> dict[str, Any]:
     vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
     spec = ctx.spec
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
-    build_vision(vspec, weights, bundle / VISION_FILE)
-    elem = TensorProto.FLOAT
+    dtype = np.float16 if ctx.precision == "fp16" else np.float32  # as model.onnx's activations
+    build_vision(vspec, weights, bundle / VISION_FILE, dtype)
+    elem = _ONNX[dtype]
     build_embedding(bundle, [vspec.image_token_id, vspec.video_token_id], spec.hidden_size, elem)
     build_decoder_mm(bundle, tuple(mrope), rotary_inv_freq(spec), spec.hidden_size, elem)
     write_preprocessor(bundle, source, pre_cfg)
@@ -286,10 +288,11 @@ def lower_vision(bundle: Path, source, ctx) -> dict[str, Any]:
         "mrope_section": list(mrope),
         "graphs": {"vision": VISION_FILE, "embedding": EMBEDDING_FILE, "decoder": DECODER_FILE},
         "preprocessor": PREPROCESSOR_CONFIG,
+        "video_preprocessor": VIDEO_PREPROCESSOR_CONFIG,
         "min_image_tokens": pre.min_image_tokens(),
         "max_image_tokens": pre.max_image_tokens(),
         "max_pixels": pre.max_pixels,
         "min_pixels": pre.min_pixels,
         "images_per_call": 1,
-        "dtype": "float32",
+        "dtype": np.dtype(dtype).name,
     }

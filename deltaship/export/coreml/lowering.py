@@ -531,12 +531,13 @@ def _conv(L, node, x, state, weight):
 
 
 def _unit_lower_inverse(mb, strict, c: int):
-    """(I + L)^-1 for strictly lower-triangular L [..., c, c]: (I - L)(I + L^2)(I + L^4)..."""
+    """(I + L)^-1 for strictly lower-triangular L [..., c, c]: (I - L)(I + L^2)(I + L^4)... up to the first
+    power L^(2^m) with 2^m >= c (L^c = 0), so any c works."""
     eye = np.eye(c, dtype=np.float32)
     n = mb.mul(x=strict, y=np.float32(-1))
     inv = mb.add(x=n, y=eye)
     p = n
-    for _ in range(int(math.log2(c)) - 1):
+    for _ in range(math.ceil(math.log2(c)) - 1):
         p = mb.matmul(x=p, y=p)
         inv = mb.matmul(x=inv, y=mb.add(x=p, y=eye))
     return inv
@@ -574,8 +575,8 @@ def _gated_delta(L, node, q, k, v, g, beta, state):
         s = mb.add(x=s, y=mb.matmul(x=kh, y=delta, transpose_x=True))
         o = mb.matmul(x=qh, y=s)
     else:
-        c = min(t, 64)
-        if t % c or c & (c - 1):
+        c = min(t, 64)  # any length up to 64 (the verify functions' 2 and 3); longer: multiples of 64
+        if t % c:
             raise DeltashipError(
                 f"coreml: the prefill chunk ({t}) must be a power of two up to 64 or a multiple of 64",
                 "pass --prefill-chunk 64 (or 16, 32, 128, 256 ...)",

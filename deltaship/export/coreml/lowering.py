@@ -392,6 +392,59 @@ def _split(L, node, x, sizes, dim=0):
     return list(L.mb.split(x=L.tensor(x), split_sizes=np.array(sizes, np.int32), axis=dim % rank))
 
 
+@lowering(aten.chunk.default)
+def _chunk(L, node, x, chunks, dim=0):
+    shape = list(L.meta(x).shape)
+    dim %= len(shape)
+    size = -(-shape[dim] // chunks)
+    sizes = [min(size, shape[dim] - i) for i in range(0, shape[dim], size)]
+    return list(L.mb.split(x=L.tensor(x), split_sizes=np.array(sizes, np.int32), axis=dim))
+
+
+@lowering(aten.unbind.int)
+def _unbind(L, node, x, dim=0):
+    shape = list(L.meta(x).shape)
+    dim %= len(shape)
+    parts = L.mb.split(x=L.tensor(x), num_splits=shape[dim], axis=dim)
+    return [L.mb.squeeze(x=p, axes=[dim]) for p in (parts if isinstance(parts, (list, tuple)) else [parts])]
+
+
+@lowering(aten.transpose.int)
+def _transpose(L, node, x, dim0, dim1):
+    rank = len(L.meta(x).shape)
+    perm = list(range(rank))
+    perm[dim0 % rank], perm[dim1 % rank] = perm[dim1 % rank], perm[dim0 % rank]
+    return L.mb.transpose(x=L.tensor(x), perm=perm)
+
+
+@lowering(aten.matmul.default)
+def _matmul(L, node, x, y):
+    return L.mb.matmul(x=L.tensor(x), y=L.tensor(y))
+
+
+@lowering(aten.softmax.int, aten._softmax.default)
+def _softmax(L, node, x, dim, *args):
+    return L.mb.softmax(x=L.tensor(x), axis=dim)
+
+
+@lowering(aten.gelu.default)
+def _gelu(L, node, x, approximate="none"):
+    mode = {"none": "EXACT", "tanh": "TANH_APPROXIMATION"}[approximate]
+    return L.mb.gelu(x=L.tensor(x), mode=mode)
+
+
+@lowering(aten.layer_norm.default)
+def _layer_norm(L, node, x, shape, weight=None, bias=None, eps=1e-5, *args):
+    xv = L.tensor(x)
+    axes = list(range(-len(shape), 0))
+    kw = {}
+    if weight is not None:
+        kw["gamma"] = L.tensor(weight)
+    if bias is not None:
+        kw["beta"] = L.tensor(bias)
+    return L.mb.layer_norm(x=xv, axes=axes, epsilon=np.array(eps, dtype=_np_of(xv)), **kw)
+
+
 @lowering(operator.getitem)
 def _getitem(L, node, seq, i):
     return L.val(seq)[i]
@@ -411,6 +464,13 @@ def _embedding(L, node, weight, ids, *args):
 def _linear(L, node, x, weight, bias=None):
     xv = L.tensor(x)
     n = L.meta(weight).shape[0]
+    if bias is not None:  # the vision tower's linears (the decoder's have none)
+        if n > ANE_MAX_DIM:
+            raise DeltashipError(
+                f"coreml lowering: a linear with a bias and {n} outputs (over {ANE_MAX_DIM})",
+                "this model uses a layer the Core ML target does not split yet; please report it",
+            )
+        return L.mb.linear(x=xv, weight=L.weight_for(weight, "linear"), bias=L.tensor(bias))
     if n <= ANE_MAX_DIM:
         return L.mb.linear(x=xv, weight=L.weight_for(weight, "linear"))
     # Split a wide projection (the 248320-wide LM head) so no dimension exceeds the Neural Engine's.

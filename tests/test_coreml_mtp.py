@@ -21,9 +21,12 @@ def tiny_coreml_mtp(tmp_path_factory):
     root = tmp_path_factory.mktemp("coreml-mtp")
     cache = {}
 
-    def get(precision: str):
-        if precision not in cache:
-            out = root / precision
+    def get(build: str):
+        """fp32 (every state an io tensor), int4, or fp16-state (the DeltaNet states and both KV caches as
+        Core ML states, which the snapshot copies out of the state buffers)."""
+        if build not in cache:
+            precision, _, states = build.partition("-")
+            out = root / build
             export(
                 "qwen3.5-tiny",
                 out,
@@ -34,9 +37,10 @@ def tiny_coreml_mtp(tmp_path_factory):
                 mtp=True,
                 verify=False,
                 progress=False,
+                **({"coreml_states": states} if states else {}),
             )
-            cache[precision] = out
-        return cache[precision]
+            cache[build] = out
+        return cache[build]
 
     return get
 
@@ -135,16 +139,20 @@ def test_mtp_head_matches_transformers_reference(tmp_path):
     assert np.abs(hid - h).max() / h.std() <= 2e-3
 
 
-def test_snapshot_restore_rolls_the_deltanet_states_back(tiny_coreml_mtp):
-    """A verify call undone by restore leaves the session where it was: the next call gives the same logits."""
+@pytest.mark.parametrize("build", ["fp32", "fp16-state"])
+def test_snapshot_restore_rolls_the_deltanet_states_back(tiny_coreml_mtp, build):
+    """A verify call undone by restore leaves the session where it was: the next call gives the same logits
+    (io states: host arrays; Core ML states: the state buffers, copied out and back)."""
     from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.speculative import generate_speculative
 
-    session = open_bundle(tiny_coreml_mtp("fp32"))
+    session = open_bundle(tiny_coreml_mtp(build))
     session.reset()
     prompt = np.asarray(_prompt(7), np.int64)
     session.verify(prompt, np.array([6]))
     session.position = 7
     snap = session.snapshot()
+    assert snap["state" if build == "fp16-state" else "io"]  # where this build's DeltaNet states live
     first, _ = session.verify(np.array([40, 41, 42]), np.arange(3))
     session.restore(snap)
     assert session.position == 7
@@ -154,6 +162,11 @@ def test_snapshot_restore_rolls_the_deltanet_states_back(tiny_coreml_mtp):
     other, _ = session.verify(np.array([40, 99]), np.arange(2))
     np.testing.assert_array_equal(other[0], first[0])  # same prefix, same row
     assert np.abs(other[1] - first[1]).max() > 1e-3  # a different token: the states really moved
+    if build == "fp16-state":  # and the lossless contract with every state a Core ML state
+        session.reset()
+        plain = session.generate(_prompt(2 * CHUNK + 5), 32, stop_at_eos=False).output_ids
+        gen, stats = generate_speculative(session, _prompt(2 * CHUNK + 5), 32, 1, stop_at_eos=False)
+        assert gen.output_ids == plain and stats.accepted < stats.drafted  # rejections: restores happened
 
 
 def test_generate_cli_reports_acceptance(tiny_coreml_mtp):

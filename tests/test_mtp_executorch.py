@@ -7,8 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deltaship.errors import DeltashipError
-
 TINY_CHUNK = 16  # the long prompt spans several chunks (and the head's first call too)
 
 
@@ -109,11 +107,8 @@ def test_et_generate_cli_reports_acceptance(tiny_mtp_pte):
     assert runner["text"] == generate(tiny_mtp_pte, prompt="import os\n", max_new_tokens=24)["text"]
 
 
-def test_mtp_is_refused_on_coreml_naming_the_targets_that_take_it():
+def test_every_target_takes_mtp():
     from deltaship.export import check_options
 
-    with pytest.raises(DeltashipError) as e:
-        check_options("coreml", "fp16", 256, 32, False, None, {"mtp": True})
-    assert "--mtp applies to --target onnx or executorch, not coreml" in e.value.message
-    for target in ("onnx", "executorch"):  # both take it
+    for target in ("onnx", "executorch", "coreml"):  # Core ML: tests/test_coreml_mtp.py
         assert check_options(target, "fp32", 256, 32, False, None, {"mtp": True}).mtp

@@ -39,6 +39,8 @@ def describe(info: dict[str, Any]) -> str:
             if sp and not sp["shares_weights"]
             else "yes, methods of one program (its constants are stored once)"
             if sp and "program_method" in sp["draft"]
+            else "yes, functions of one package (its weight blob stores them once)"
+            if sp and "function" in sp["draft"]
             else f"yes, {shared:.2f} MiB read from the decoder's data file"
         )
         lines.append(
@@ -118,5 +120,12 @@ def describe(info: dict[str, Any]) -> str:
 
 
 def _part(part: dict) -> str:
-    """mtp.onnx, or model.pte:mtp_draft (a method of an ExecuTorch program)."""
-    return part["file"] + (f":{part['program_method']}" if "program_method" in part else "")
+    """mtp.onnx, model.pte:mtp_draft (a method of an ExecuTorch program), model.mlpackage:mtp_draft or
+    model.mlpackage:verify_1|verify_2|... (functions of a Core ML package)."""
+    if "program_method" in part:
+        return f"{part['file']}:{part['program_method']}"
+    if "function" in part:
+        return f"{part['file']}:{part['function']}"
+    if "functions" in part:
+        return f"{part['file']}:{'|'.join(part['functions'].values())}"
+    return part["file"]

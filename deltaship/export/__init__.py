@@ -30,7 +30,7 @@ def check_options(
     """Every option combination is checked once, here, before any work starts; returns the target's typed
     options. (The target's own combinations, which need the context and chunk, are checked by export().)"""
     tgt = get_target(target)
-    owners: dict[str, list[str]] = {}  # option -> the targets that take it (--mtp: onnx and executorch)
+    owners: dict[str, list[str]] = {}  # option -> the targets that take it (e.g. --mtp: onnx, executorch, coreml)
     for t in all_targets():
         for f in t.Options.fields():
             owners.setdefault(f.name, []).append(t.name)

@@ -14,11 +14,12 @@ import numpy as np
 
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Session
+from deltaship.runtimes.coreml_speculative import CoreMLSpeculation
 
 _NP = {"float32": np.float32, "float16": np.float16}
 
 
-class _CoreMLBase(Session):
+class _CoreMLBase(CoreMLSpeculation, Session):
     fixed_shapes = True
 
     def __init__(self, bundle: Path, manifest: dict[str, Any], prefill_chunk: int | None = None):
@@ -76,6 +77,10 @@ class CoreMLEvalSession(_CoreMLBase):
 
         self.interps = [Interpreter(load_program(self.bundle / p["package"])) for p in self.parts]
         self._states = {s["coreml_input"]: np.zeros(s["shape"], np.float16) for s in self.ml_states}
+        draft = (manifest.get("speculative") or {}).get("draft", {"states": []})["states"]
+        self._states.update(
+            {s["coreml_input"]: np.zeros(s["shape"], np.float16) for s in draft if s["mode"] == "state"}
+        )
         self._reset_io()
 
     def runtime_name(self) -> str:
@@ -86,9 +91,25 @@ class CoreMLEvalSession(_CoreMLBase):
     def _run(self, i: int, fname: str, feeds: dict) -> dict:
         return self.interps[i].run(fname, feeds, self._states)
 
+    def _run_draft(self, fname: str, feeds: dict) -> dict:
+        return self.interps[0].run(fname, feeds, self._states)
+
+    def _read_state(self, name: str) -> np.ndarray:
+        return self._states[name].copy()
+
+    def _write_state(self, name: str, value: np.ndarray) -> None:
+        self._states[name][...] = value
+
+    def _reset_draft_states(self) -> None:
+        for s in self._block()["draft"]["states"]:
+            if s["mode"] == "state":
+                self._states[s["coreml_input"]][...] = 0
+
     def _reset_states(self) -> None:
-        for a in self._states.values():
-            a[...] = 0
+        trunk = {s["coreml_input"] for s in self.ml_states}
+        for name, a in self._states.items():
+            if name in trunk:
+                a[...] = 0
         self._reset_io()
 
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -112,7 +133,7 @@ class CoreMLDeviceSession(_CoreMLBase):
         super().__init__(bundle, manifest, prefill_chunk)
         import coremltools as ct
 
-        cu = getattr(ct.ComputeUnit, compute_units)
+        cu = self._compute_units = getattr(ct.ComputeUnit, compute_units)
         self.models = [
             {
                 f: ct.models.MLModel(str(self.bundle / p["package"]), function_name=f, compute_units=cu)
@@ -128,7 +149,30 @@ class CoreMLDeviceSession(_CoreMLBase):
         return f"Core ML via coremltools {ct.__version__} on macOS {platform.mac_ver()[0]}"
 
     def _run(self, i: int, fname: str, feeds: dict) -> dict:
+        if fname not in self.models[i]:  # a verify function, loaded on first use; it shares decode's MLState
+            self.models[i][fname] = self._load(self.parts[i], fname)
         return self.models[i][fname].predict(feeds, state=self.state[i])
+
+    def _load(self, part: dict, fname: str):
+        import coremltools as ct
+
+        return ct.models.MLModel(
+            str(self.bundle / part["package"]), function_name=fname, compute_units=self._compute_units
+        )
+
+    def _run_draft(self, fname: str, feeds: dict) -> dict:
+        return self._draft_model.predict(feeds, state=self._draft_state)
+
+    def _read_state(self, name: str) -> np.ndarray:
+        return np.array(self.state[0].read_state(name), copy=True)
+
+    def _write_state(self, name: str, value: np.ndarray) -> None:
+        self.state[0].write_state(name, value)
+
+    def _reset_draft_states(self) -> None:
+        if not hasattr(self, "_draft_model"):  # the draft head's KV cache is its own MLState
+            self._draft_model = self._load(self.parts[0], self._block()["draft"]["function"])
+        self._draft_state = self._draft_model.make_state()
 
     def _reset_states(self) -> None:
         self.state = [m["decode"].make_state() for m in self.models]  # a new state is a reset

@@ -30,6 +30,13 @@ class CoreMLOptions(TargetOptions):
             metavar="BITS",
         ),
     )
+    mtp: bool = field(
+        default=False,
+        metadata=option(
+            "export the checkpoint's multi-token-prediction head as the function 'mtp_draft', and functions "
+            "'verify_T' (every row's logits and hidden states), for `generate --speculative mtp`",
+        ),
+    )
     coreml_part_gb: float = field(
         default=1.4,
         metadata=option("weights per .mlpackage in GB: larger models are split into consecutive layer ranges"),

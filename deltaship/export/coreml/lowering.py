@@ -392,6 +392,59 @@ def _split(L, node, x, sizes, dim=0):
     return list(L.mb.split(x=L.tensor(x), split_sizes=np.array(sizes, np.int32), axis=dim % rank))
 
 
+@lowering(aten.chunk.default)
+def _chunk(L, node, x, chunks, dim=0):
+    shape = list(L.meta(x).shape)
+    dim %= len(shape)
+    size = -(-shape[dim] // chunks)
+    sizes = [min(size, shape[dim] - i) for i in range(0, shape[dim], size)]
+    return list(L.mb.split(x=L.tensor(x), split_sizes=np.array(sizes, np.int32), axis=dim))
+
+
+@lowering(aten.unbind.int)
+def _unbind(L, node, x, dim=0):
+    shape = list(L.meta(x).shape)
+    dim %= len(shape)
+    parts = L.mb.split(x=L.tensor(x), num_splits=shape[dim], axis=dim)
+    return [L.mb.squeeze(x=p, axes=[dim]) for p in (parts if isinstance(parts, (list, tuple)) else [parts])]
+
+
+@lowering(aten.transpose.int)
+def _transpose(L, node, x, dim0, dim1):
+    rank = len(L.meta(x).shape)
+    perm = list(range(rank))
+    perm[dim0 % rank], perm[dim1 % rank] = perm[dim1 % rank], perm[dim0 % rank]
+    return L.mb.transpose(x=L.tensor(x), perm=perm)
+
+
+@lowering(aten.matmul.default)
+def _matmul(L, node, x, y):
+    return L.mb.matmul(x=L.tensor(x), y=L.tensor(y))
+
+
+@lowering(aten.softmax.int, aten._softmax.default)
+def _softmax(L, node, x, dim, *args):
+    return L.mb.softmax(x=L.tensor(x), axis=dim)
+
+
+@lowering(aten.gelu.default)
+def _gelu(L, node, x, approximate="none"):
+    mode = {"none": "EXACT", "tanh": "TANH_APPROXIMATION"}[approximate]
+    return L.mb.gelu(x=L.tensor(x), mode=mode)
+
+
+@lowering(aten.layer_norm.default)
+def _layer_norm(L, node, x, shape, weight=None, bias=None, eps=1e-5, *args):
+    xv = L.tensor(x)
+    axes = list(range(-len(shape), 0))
+    kw = {}
+    if weight is not None:
+        kw["gamma"] = L.tensor(weight)
+    if bias is not None:
+        kw["beta"] = L.tensor(bias)
+    return L.mb.layer_norm(x=xv, axes=axes, epsilon=np.array(eps, dtype=_np_of(xv)), **kw)
+
+
 @lowering(operator.getitem)
 def _getitem(L, node, seq, i):
     return L.val(seq)[i]
@@ -411,6 +464,13 @@ def _embedding(L, node, weight, ids, *args):
 def _linear(L, node, x, weight, bias=None):
     xv = L.tensor(x)
     n = L.meta(weight).shape[0]
+    if bias is not None:  # the vision tower's linears (the decoder's have none)
+        if n > ANE_MAX_DIM:
+            raise DeltashipError(
+                f"coreml lowering: a linear with a bias and {n} outputs (over {ANE_MAX_DIM})",
+                "this model uses a layer the Core ML target does not split yet; please report it",
+            )
+        return L.mb.linear(x=xv, weight=L.weight_for(weight, "linear"), bias=L.tensor(bias))
     if n <= ANE_MAX_DIM:
         return L.mb.linear(x=xv, weight=L.weight_for(weight, "linear"))
     # Split a wide projection (the 248320-wide LM head) so no dimension exceeds the Neural Engine's.
@@ -531,12 +591,13 @@ def _conv(L, node, x, state, weight):
 
 
 def _unit_lower_inverse(mb, strict, c: int):
-    """(I + L)^-1 for strictly lower-triangular L [..., c, c]: (I - L)(I + L^2)(I + L^4)..."""
+    """(I + L)^-1 for strictly lower-triangular L [..., c, c]: (I - L)(I + L^2)(I + L^4)... up to the first
+    power L^(2^m) with 2^m >= c (L^c = 0), so any c works."""
     eye = np.eye(c, dtype=np.float32)
     n = mb.mul(x=strict, y=np.float32(-1))
     inv = mb.add(x=n, y=eye)
     p = n
-    for _ in range(int(math.log2(c)) - 1):
+    for _ in range(math.ceil(math.log2(c)) - 1):
         p = mb.matmul(x=p, y=p)
         inv = mb.matmul(x=inv, y=mb.add(x=p, y=eye))
     return inv
@@ -574,8 +635,8 @@ def _gated_delta(L, node, q, k, v, g, beta, state):
         s = mb.add(x=s, y=mb.matmul(x=kh, y=delta, transpose_x=True))
         o = mb.matmul(x=qh, y=s)
     else:
-        c = min(t, 64)
-        if t % c or c & (c - 1):
+        c = min(t, 64)  # any length up to 64 (the verify functions' 2 and 3); longer: multiples of 64
+        if t % c:
             raise DeltashipError(
                 f"coreml: the prefill chunk ({t}) must be a power of two up to 64 or a multiple of 64",
                 "pass --prefill-chunk 64 (or 16, 32, 128, 256 ...)",

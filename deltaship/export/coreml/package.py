@@ -13,6 +13,18 @@ from deltaship.export.passes import PassError
 
 PACKAGE = "model.mlpackage"
 FUNCTIONS = ("prefill", "decode")
+DRAFT_FUNCTION = "mtp_draft"  # --mtp: the MTP head over one position, its own KV cache
+
+
+def verify_sizes(chunk: int) -> tuple[int, ...]:
+    """--mtp: token counts of the verify functions (fixed shapes): a call of any length runs as a sum of them,
+    largest first. 2 and 3 are what depth 1 and 2 feed in steady state; the chunk takes the prompt."""
+    return tuple(sorted({1, 2, 3, chunk}))
+
+
+def verify_function(tokens: int) -> str:
+    return f"verify_{tokens}"
+
 
 MAX_STATE_POSITIONS = 16384  # a KV-cache state longer than this has a dimension the Neural Engine rejects
 
@@ -37,6 +49,21 @@ def check_options(precision: str, max_context: int, chunk: int, options: dict) -
             f"--coreml-palettize {bits} needs --precision fp16 and 2, 3, 4, 6 or 8 bits (got precision {precision})",
             "e.g. --precision fp16 --coreml-palettize 4",
         )
+
+
+class VerifyPart(torch.nn.Module):
+    """--mtp: the whole decoder over T tokens, returning every row's logits and every position's final-normed
+    hidden state (the draft head's input) besides the states."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def forward(self, inp, position, states):
+        m = self.m
+        x, new = m.run_layers(m.model.embed_tokens(inp), position, states)
+        hidden = m.model.norm(x)
+        return m.lm_head(hidden).float(), hidden, new
 
 
 class Part(torch.nn.Module):
@@ -136,12 +163,38 @@ class StaticCapture:
                 f: _capture_part(part, st, chunk if f == "prefill" else 1, ctx.spec.hidden_size, ctx.dtype)
                 for f in FUNCTIONS
             }
-        return {"functions": 2, "prefill_tokens": chunk, "decode_tokens": 1, "packages": len(ctx.parts)}
+        counts = {"functions": 2, "prefill_tokens": chunk, "decode_tokens": 1, "packages": len(ctx.parts)}
+        if getattr(ctx.model, "mtp", None) is not None:  # --mtp: verify functions and the draft head
+            if len(ctx.parts) > 1:
+                raise DeltashipError(
+                    f"--mtp: the model's weights need {len(ctx.parts)} Core ML packages; speculative decoding is "
+                    "built for a single package",
+                    "raise --coreml-part-gb, export at int8/int4, or drop --mtp",
+                )
+            from deltaship.export.passes import example_inputs
+
+            verify = VerifyPart(ctx.model)
+            for t in verify_sizes(chunk):
+                ctx.programs[0][verify_function(t)] = torch.export.export(
+                    verify, example_inputs(ctx.states, t), strict=False
+                )
+            ctx.mtp_states = ctx.model.mtp_state_specs(ctx.dtype)
+            _, pos, mst = example_inputs(ctx.mtp_states, 1)
+            ids = torch.zeros(1, 1, dtype=torch.long, device="meta")
+            hidden = torch.zeros(1, 1, ctx.spec.hidden_size, dtype=ctx.dtype, device="meta")
+            ctx.programs[0][DRAFT_FUNCTION] = torch.export.export(
+                ctx.model.mtp_program(), (hidden, ids, pos, mst), strict=False
+            )
+            counts["functions"] = len(ctx.programs[0])
+            counts["verify_tokens"] = max(verify_sizes(chunk))
+        return counts
 
     def ensures(self, ctx) -> None:
         for i, (a, b) in enumerate(ctx.parts):
             for name, ep in ctx.programs[i].items():
-                if len(ep.graph_signature.output_specs) != 1 + len(_part_states(ctx, a, b)):
+                states = ctx.mtp_states if name == DRAFT_FUNCTION else _part_states(ctx, a, b)
+                extra = 0 if name in FUNCTIONS else 1  # verify and draft also return hidden states
+                if len(ep.graph_signature.output_specs) != 1 + extra + len(states):
                     raise PassError(f"part {i} {name}: some state has no output")
 
 
@@ -151,7 +204,7 @@ def state_modes(ctx) -> dict[str, str]:
     if deltanet not in ("io", "state"):
         raise DeltashipError(f"coreml_states must be 'io' or 'state', got {deltanet!r}", "use io or state")
     modes = {}
-    for s in ctx.states:
+    for s in ctx.states + getattr(ctx, "mtp_states", []):
         if ctx.precision == "fp32":
             modes[s["name"]] = "io"  # Core ML states are fp16 only: an fp32 build keeps everything exact
         elif s["kind"].startswith("kv_cache"):
@@ -188,10 +241,19 @@ def build_program(ctx, weights, index: int = 0, wcache=None, progress=None):
     mil_modes = {mil_name(k): v for k, v in modes.items()}
     prog = Program()
     emitted = {}
-    for fname in FUNCTIONS:
-        func, emitted[fname] = MILLowerer(
-            ctx.programs[index][fname], wcache, mil_modes, fname, param_prefix="m."
-        ).build(inputs, state_in, outs)
+    for fname, ep in ctx.programs[index].items():
+        if fname == DRAFT_FUNCTION:
+            mst = ctx.mtp_states
+            func, emitted[fname] = MILLowerer(ep, wcache, mil_modes, fname).build(
+                ["hidden_states", "input_ids", "position"],
+                [mil_name(s["name"]) for s in mst],
+                ["logits", "mtp_hidden_states"] + [mil_name(s["output"]) for s in mst],
+            )
+        else:
+            func_outs = outs if fname in FUNCTIONS else [outs[0], "hidden_states"] + outs[1:]
+            func, emitted[fname] = MILLowerer(ep, wcache, mil_modes, fname, param_prefix="m.").build(
+                inputs, state_in, func_outs
+            )
         prog.add_function(fname, func)
     share_across_functions(prog)
     prog.default_function_name = "decode"
@@ -294,17 +356,21 @@ def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[s
     if spec.specificationVersion < 9:
         problems.append(f"specification version {spec.specificationVersion} < 9 (iOS 18)")
     funcs = {f.name: f for f in spec.description.functions}
-    if set(funcs) != set(FUNCTIONS):
-        problems.append(f"functions {sorted(funcs)} != {list(FUNCTIONS)}")
+    if set(funcs) != set(emitted):
+        problems.append(f"functions {sorted(funcs)} != {sorted(emitted)}")
     part_states = _part_states(ctx, *ctx.parts[index])
+    draft_states = getattr(ctx, "mtp_states", [])
     want_states = {mil_name(s["name"]): s for s in part_states if modes[s["name"]] == "state"}
-    want_io = [mil_name(s["name"]) for s in part_states if modes[s["name"]] == "io"]
     for fname, f in funcs.items():
+        states_of = draft_states if fname == DRAFT_FUNCTION else part_states
+        first = ["hidden_states", "input_ids", "position"] if fname == DRAFT_FUNCTION else None
+        want_io = [mil_name(s["name"]) for s in states_of if modes[s["name"]] == "io"]
+        want = {mil_name(s["name"]): s for s in states_of if modes[s["name"]] == "state"}
         ins = [i.name for i in f.input]
-        if ins != [part_io(ctx, index)[0], "position"] + want_io:
+        if ins != (first or [part_io(ctx, index)[0], "position"]) + want_io:
             problems.append(f"{fname}: inputs {ins}")
         states = {st.name: list(st.type.stateType.arrayType.shape) for st in f.state}
-        if set(states) != set(want_states) or any(states[n] != want_states[n]["shape"] for n in states):
+        if set(states) != set(want) or any(states[n] != want[n]["shape"] for n in states):
             problems.append(f"{fname}: states {states}")
         outs = [o.name for o in f.output]
         if outs != emitted[fname]:
@@ -317,7 +383,7 @@ def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[s
     return {
         "specification_version": spec.specificationVersion,
         "deployment_target": "iOS18 / macOS15",
-        "functions": list(FUNCTIONS),
+        "functions": sorted(funcs),
         "default_function": spec.description.defaultFunctionName,
         "states": sorted(want_states),
         "checked": True,
@@ -403,4 +469,154 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "spec_check": {**checks[0], "parts_checked": len(checks)},
         "ane_report": report,
         "compute": "fp32" if ctx.precision == "fp32" else "fp16 (DeltaNet recurrence in fp32)",
+        **({"speculative": speculative_block(ctx, modes, out_dir / PACKAGE)} if _has_mtp(ctx) else {}),
+    }
+
+
+def _has_mtp(ctx) -> bool:
+    return bool(getattr(ctx, "mtp_states", None))
+
+
+def blob_sharing(path: Path) -> dict[str, int]:
+    """How the package's weight blob is shared: its size, the entries any function's const points at, those
+    read by more than one function, and bytes stored twice (distinct entries with identical contents)."""
+    import hashlib
+    import struct
+
+    import coremltools as ct
+
+    spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
+    users: dict[int, set[str]] = {}
+    for fname, f in spec.mlProgram.functions.items():
+        for block in f.block_specializations.values():
+            for op in block.operations:
+                if op.type != "const" or "val" not in op.attributes:
+                    continue
+                val = op.attributes["val"]
+                if val.WhichOneof("value") == "blobFileValue":
+                    users.setdefault(val.blobFileValue.offset, set()).add(fname)
+    blob = (path / "Data" / "com.apple.CoreML" / "weights" / "weight.bin").read_bytes()
+    by_digest: dict[str, list[int]] = {}
+    for off in users:
+        sentinel, _dtype, size, data_off = struct.unpack_from("<IIQQ", blob, off)
+        if sentinel != 0xDEADBEEF:
+            raise DeltashipError(f"coreml: no blob entry at offset {off} of {path}", "this is a deltaship bug")
+        by_digest.setdefault(hashlib.sha1(blob[data_off : data_off + size]).hexdigest(), []).append(size)
+    twice = [size for sizes in by_digest.values() for size in sizes[1:]]
+    return {
+        "blob_bytes": len(blob),
+        "entries": len(users),
+        "entries_read_by_several_functions": sum(1 for u in users.values() if len(u) > 1),
+        # weights (entries of 1 KiB or more) stored twice; coremltools' constant folding makes a few small
+        # per-function constants (masks) after the functions' weights were shared: counted apart
+        "duplicated_bytes": sum(s for s in twice if s >= 1024),
+        "small_constants_duplicated_bytes": sum(s for s in twice if s < 1024),
+    }
+
+
+def speculative_block(ctx, modes: dict[str, str], package: Path) -> dict[str, Any]:
+    """The manifest's `speculative` block of a package exported with --mtp (docs/speculative.md)."""
+    h, v = ctx.spec.hidden_size, ctx.spec.vocab_size
+    hdt = str(ctx.dtype).replace("torch.", "")
+    sizes = verify_sizes(int(ctx.options["prefill_chunk"]))
+    sharing = blob_sharing(package)
+    draft_states = [
+        dict(
+            s,
+            init="zeros",
+            reset="zeros",
+            mode=modes[s["name"]],
+            coreml_input=mil_name(s["name"]),
+            coreml_output=mil_name(s["output"]) if modes[s["name"]] == "io" else None,
+            **({"dtype": "float16"} if modes[s["name"]] == "state" else {}),
+        )
+        for s in ctx.mtp_states
+    ]
+    return {
+        "method": "mtp",
+        "mtp_layers": ctx.spec.mtp_num_hidden_layers,
+        "draft": {
+            "file": PACKAGE,
+            "function": DRAFT_FUNCTION,
+            "tokens": 1,
+            "inputs": [
+                {
+                    "name": "hidden_states",
+                    "shape": [1, 1, h],
+                    "dtype": hdt,
+                    "kind": "hidden_states",
+                    "doc": "a verify function's hidden_states row at position q",
+                },
+                {
+                    "name": "input_ids",
+                    "shape": [1, 1],
+                    "dtype": "int32",
+                    "kind": "tokens",
+                    "doc": "the token at position q+1",
+                },
+                {"name": "position", "shape": [1], "dtype": "int32", "kind": "position", "doc": "q"},
+            ],
+            "outputs": [
+                {
+                    "name": "logits",
+                    "shape": [1, v],
+                    "dtype": "float32",
+                    "kind": "logits",
+                    "doc": "draft logits for the token at q+2",
+                },
+                {
+                    "name": "mtp_hidden_states",
+                    "shape": [1, 1, h],
+                    "dtype": hdt,
+                    "kind": "hidden_states",
+                    "doc": "the head's hidden state; with the drafted token at q+2, it drafts one more (position q+1)",
+                },
+            ],
+            # its own KV cache: Core ML states in their own MLState (make it from the mtp_draft function), or
+            # io tensors in an fp32 build
+            "states": draft_states,
+        },
+        "verify": {
+            "file": PACKAGE,
+            "functions": {str(t): verify_function(t) for t in sizes},
+            "inputs": [
+                {
+                    "name": "input_ids",
+                    "shape": [1, "T"],
+                    "dtype": "int32",
+                    "kind": "tokens",
+                    "doc": f"exactly T tokens for function verify_T, T in {list(sizes)}: a longer call runs as a "
+                    "sum of them, largest first",
+                },
+                {"name": "position", "shape": [1], "dtype": "int32", "kind": "position", "doc": "as decode"},
+            ],
+            "outputs": [
+                {
+                    "name": "logits",
+                    "shape": [1, "T", v],
+                    "dtype": "float32",
+                    "kind": "logits",
+                    "doc": "logits after every row of the call",
+                },
+                {
+                    "name": "hidden_states",
+                    "shape": [1, "T", h],
+                    "dtype": hdt,
+                    "kind": "hidden_states",
+                    "doc": "final-normed hidden state of every position of the call (the MTP head's input)",
+                },
+            ],
+            "states": "the decoder's (the same MLState as prefill and decode; io states as decode)",
+        },
+        "rollback": {
+            "kv_cache": "keep the length pointer: positions past the accepted ones are overwritten by later calls",
+            "deltanet": "snapshot: before a verify call copy the DeltaNet conv and recurrent states (io states: the "
+            "arrays the app holds; Core ML states: MLState.withMultiArray(for:) on iOS 18 / macOS 15); when a "
+            "draft is rejected, copy them back and feed the accepted tokens again at the start of the next verify "
+            "call",
+        },
+        "shares_weights": sharing["duplicated_bytes"] == 0,
+        "duplicated_bytes": sharing["duplicated_bytes"],
+        "weight_blob": sharing,
+        "files": [PACKAGE],
     }

@@ -1,0 +1,187 @@
+"""Qwen3.5's vision tower as Core ML functions: one fixed-shape function per enumerated patch count, with a mask.
+
+Core ML (and the Neural Engine) wants fixed shapes, so the tower (models/qwen3_5_vision.py: patch embed as a
+Linear, every grid-dependent tensor computed on the host) is captured once per patch count N in
+`patch_counts` (multiples of 4) and lowered to MIL by the decoder's lowerer (lowering.py). An image of n <= N
+patches is padded to N rows: zero pixels, zero position weights, the identity rotation, and `key_bias` 0 for
+its n patches and -30000 for the padding, added to every attention score row so no real patch attends to a
+padded one. Padding comes in whole merge groups (n and N are multiples of 4), so the first n/4 rows of the
+merged features are the image's and the rest are dropped. Each function is named `vision_N`; all share the
+tower's weights (one blob entry each).
+
+Status: the encoder functions only (issue 18 item B, first piece). The token embedding + splice and the
+decoder over inputs_embeds with 3-row M-RoPE positions are not built for Core ML yet.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deltaship.errors import DeltashipError
+from deltaship.models.qwen3_5_vision import _rotate, load_tower
+from deltaship.models.vision import VisionSpec, VisionWeights
+
+INPUTS = ("pixel_values", "pos_indices", "pos_weights", "rope_cos", "rope_sin", "key_bias")
+PAD_BIAS = -30000.0  # a fp16-safe "minus infinity" (lowering.NEG)
+
+
+def function_name(patches: int) -> str:
+    return f"vision_{patches}"
+
+
+class MaskedTower(nn.Module):
+    """VisionTower.forward with an additive key bias [N] on every attention score row (0: a patch of the image,
+    PAD_BIAS: padding); attention written as matmul / softmax / matmul."""
+
+    def __init__(self, tower: nn.Module):
+        super().__init__()
+        self.t = tower
+
+    def forward(self, pixel_values, pos_indices, pos_weights, rope_cos, rope_sin, key_bias) -> Tensor:
+        t = self.t
+        x = t.patch_embed(pixel_values)
+        x = x + (t.pos_embed(pos_indices) * pos_weights.unsqueeze(2)).sum(1)
+        cos, sin = rope_cos.unsqueeze(1), rope_sin.unsqueeze(1)
+        for blk in t.blocks:
+            n = x.shape[0]
+            q, k, v = blk.qkv(blk.norm1(x)).reshape(n, 3, blk.heads, blk.head_dim).unbind(1)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, N, hd]
+            scores = torch.matmul(q, k.transpose(1, 2)) * blk.head_dim**-0.5 + key_bias
+            att = torch.matmul(torch.softmax(scores, dim=-1), v)
+            x = x + blk.proj(att.transpose(0, 1).reshape(n, -1))
+            x = x + blk.fc2(F.gelu(blk.fc1(blk.norm2(x)), approximate=blk.approximate))
+        x = t.merger_norm(x).reshape(-1, t.spec.hidden_size * t.spec.merge_unit)
+        return t.merger_fc2(F.gelu(t.merger_fc1(x)))
+
+
+class ModuleWeights:
+    """The lowerer's weight source (lowering.WeightCache's interface) over a module's own parameters, dense: one
+    array per (parameter, dtype), so every function's const is the same array and shares one blob entry."""
+
+    def __init__(self, module: nn.Module):
+        self.params = {n: p.detach().float().numpy() for n, p in module.named_parameters()}
+        self._arrays: dict[tuple, np.ndarray] = {}
+        self.const_names: dict[str, tuple[str, str, int]] = {}
+
+    def named(self, fqn: str, form: str, piece: int | None = None) -> str:
+        from deltaship.export.coreml.lowering import weight_const_name
+
+        name = weight_const_name("visual." + fqn, form, piece)
+        self.const_names[name] = (fqn, form, piece or 0)
+        return name
+
+    def get(self, fqn: str, form: str, dtype) -> tuple:
+        key = (fqn, np.dtype(dtype).str)
+        if key not in self._arrays:
+            self._arrays[key] = self.params[fqn].astype(dtype)
+        return ("dense", self._arrays[key], None, None)
+
+    def piece(self, fqn: str, form: str, dtype, rows: slice) -> tuple:
+        key = (fqn, np.dtype(dtype).str, rows.start, rows.stop)
+        if key not in self._arrays:
+            self._arrays[key] = self.get(fqn, form, dtype)[1][rows]
+        return ("dense", self._arrays[key], None, None)
+
+
+def check_patch_counts(counts: tuple[int, ...]) -> tuple[int, ...]:
+    bad = [n for n in counts if n < 4 or n % 4]
+    if bad or not counts:
+        raise DeltashipError(
+            f"Core ML vision patch counts {list(counts)}: each must be a positive multiple of 4 (whole 2x2 merge "
+            "groups)",
+            "e.g. 256, 1024, 4096",
+        )
+    return tuple(sorted(set(counts)))
+
+
+def example_inputs(spec: VisionSpec, patches: int) -> tuple[Tensor, ...]:
+    return (
+        torch.zeros(patches, spec.patch_dim),
+        torch.zeros(patches, 4, dtype=torch.long),
+        torch.zeros(patches, 4),
+        torch.ones(patches, spec.head_dim),
+        torch.zeros(patches, spec.head_dim),
+        torch.zeros(patches),
+    )
+
+
+def build_program(spec: VisionSpec, weights: VisionWeights, patch_counts: tuple[int, ...]):
+    """The MIL program: one function per patch count (fp32)."""
+    from coremltools.converters.mil.mil import Program
+
+    from deltaship.export.coreml.lowering import MILLowerer, share_across_functions
+
+    counts = check_patch_counts(patch_counts)
+    tower = MaskedTower(load_tower(spec, weights)).eval()
+    cache = ModuleWeights(tower.t)
+    prog = Program()
+    for n in counts:
+        with torch.no_grad():
+            ep = torch.export.export(tower, example_inputs(spec, n), strict=False)
+        func, _ = MILLowerer(ep, cache, {}, function_name(n), param_prefix="t.").build(
+            list(INPUTS), [], ["image_features"]
+        )
+        prog.add_function(function_name(n), func)
+    share_across_functions(prog)
+    prog.default_function_name = function_name(counts[0])
+    prog.export_as_multifunction = True
+    return prog
+
+
+def lower_vision_package(spec: VisionSpec, weights: VisionWeights, path: Path, patch_counts: tuple[int, ...]) -> dict:
+    """Write a .mlpackage with functions vision_N (one image of up to N patches each); returns its description."""
+    import coremltools as ct
+
+    prog = build_program(spec, weights, patch_counts)
+    model = ct.convert(
+        prog, minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT32, skip_model_load=True
+    )
+    model.save(str(path))
+    counts = check_patch_counts(patch_counts)
+    return {
+        "file": Path(path).name,
+        "functions": {str(n): function_name(n) for n in counts},
+        "inputs": list(INPUTS),
+        "max_patches": counts[-1],
+    }
+
+
+def padded_inputs(inputs: dict[str, np.ndarray], patch_counts: tuple[int, ...]) -> tuple[str, dict[str, np.ndarray]]:
+    """One image's encoder inputs (models/vision.py encoder_inputs) padded to the smallest enumerated count that
+    holds it: (function name, feeds)."""
+    n = int(inputs["pixel_values"].shape[0])
+    fits = [c for c in check_patch_counts(patch_counts) if c >= n]
+    if not fits:
+        raise DeltashipError(
+            f"an image of {n} patches is over the largest Core ML vision function ({max(patch_counts)} patches)",
+            "resize the image smaller (max_pixels), or export with a larger patch count",
+        )
+    big = fits[0]
+    pad = big - n
+
+    def grow(a: np.ndarray, fill: float) -> np.ndarray:
+        return np.concatenate([a, np.full((pad,) + a.shape[1:], fill, a.dtype)]) if pad else a
+
+    feeds = {
+        "pixel_values": grow(np.asarray(inputs["pixel_values"], np.float32), 0.0),
+        "pos_indices": grow(np.asarray(inputs["pos_indices"], np.int32), 0),
+        "pos_weights": grow(np.asarray(inputs["pos_weights"], np.float32), 0.0),
+        "rope_cos": grow(np.asarray(inputs["rope_cos"], np.float32), 1.0),
+        "rope_sin": grow(np.asarray(inputs["rope_sin"], np.float32), 0.0),
+        "key_bias": np.where(np.arange(big) < n, 0.0, PAD_BIAS).astype(np.float32),
+    }
+    return function_name(big), feeds
+
+
+def encode(interp: Any, inputs: dict[str, np.ndarray], patch_counts: tuple[int, ...]) -> np.ndarray:
+    """Run one image through an evaluated (or Core ML) vision package: merged features [n/4, text hidden]."""
+    fname, feeds = padded_inputs(inputs, patch_counts)
+    out = interp.run(fname, feeds, {})["image_features"]
+    return np.asarray(out, np.float32)[: inputs["pixel_values"].shape[0] // 4]

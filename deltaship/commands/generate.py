@@ -65,6 +65,8 @@ def generate(
             "--speculative is not available with --image/--video yet (the multimodal decoder has no verify call)",
             "drop --speculative for image prompts",
         )
+    if fps is not None and not videos:
+        raise DeltashipError("--fps applies to --video only", "drop --fps, or pass a --video")
     if (prompt is None) == (input_ids is None):
         raise DeltashipError(
             "pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3"

@@ -493,7 +493,8 @@ def preprocess_frames(
 def load_video(path: str | Path, fps: float, vpre: VideoPreprocessor) -> tuple[list, list[float]]:
     """Frames of a video file sampled at `fps` frames per second (transformers' rule: evenly spaced over the
     whole clip, min_frames .. max_frames) and the seconds of each temporal patch. Animated GIF/WebP/PNG through
-    PIL; other containers (MP4, WebM, MKV, ...) through PyAV (the `video` extra)."""
+    PIL; other containers (MP4, WebM, MKV, ...) through PyAV (the `video` extra). Only the sampled frames are
+    kept in memory (a first pass counts the frames when the container does not say)."""
     from PIL import Image, UnidentifiedImageError
 
     p = Path(path)
@@ -501,27 +502,27 @@ def load_video(path: str | Path, fps: float, vpre: VideoPreprocessor) -> tuple[l
         raise DeltashipError(f"--video {path}: no such file", "pass a video file or comma-separated frame images")
     if not (isinstance(fps, (int, float)) and fps > 0):
         raise DeltashipError(f"--fps {fps!r} must be a positive number", "e.g. --fps 2")
-    frames: list | None = None
     try:
         with Image.open(p) as im:
-            if getattr(im, "n_frames", 1) > 1:  # an animated image: frame durations in milliseconds
-                frames, durations = [], []
-                for i in range(im.n_frames):
+            total = getattr(im, "n_frames", 1)
+            if total > 1:  # an animated image: frame delays in milliseconds
+                durations = []
+                for i in range(total):
                     im.seek(i)
-                    frames.append(im.convert("RGB"))
                     durations.append(float(im.info.get("duration") or 100))
-                video_fps = 1000.0 / (sum(durations) / len(durations))
+                video_fps = 1000.0 / (sum(durations) / total)
+                idx = sample_indices(total, video_fps, fps, vpre)
+                frames = []
+                for i in idx:
+                    im.seek(int(i))
+                    frames.append(im.convert("RGB"))
+                return frames, frame_timestamps(idx, video_fps, 2)
     except (UnidentifiedImageError, OSError, ValueError):
-        frames = None
-    if frames is None:
-        frames, video_fps = _decode_av(p)
-    if not frames:
-        raise DeltashipError(f"--video {path}: no frames could be decoded", "pass a non-empty video file")
-    idx = sample_indices(len(frames), video_fps, fps, vpre)
-    return [frames[i] for i in idx], frame_timestamps(idx, video_fps, 2)
+        pass
+    return _decode_av(p, fps, vpre)
 
 
-def _decode_av(p: Path) -> tuple[list, float]:
+def _decode_av(p: Path, fps: float, vpre: VideoPreprocessor) -> tuple[list, list[float]]:
     try:
         import av
     except ImportError:
@@ -535,10 +536,24 @@ def _decode_av(p: Path) -> tuple[list, float]:
                 raise DeltashipError(f"--video {p}: the file has no video stream", "pass a video file")
             stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate or stream.base_rate
-            frames = [f.to_image() for f in container.decode(stream)]
+            video_fps = float(rate) if rate else 24.0
+            total = int(stream.frames or 0)
+            if total <= 0:  # the container does not say: count them
+                total = sum(1 for _ in container.decode(stream))
+                container.seek(0)
+            if total <= 0:
+                raise DeltashipError(f"--video {p}: no frames could be decoded", "pass a non-empty video file")
+            idx = sample_indices(total, video_fps, fps, vpre)
+            want, frames, last = {int(i) for i in idx}, {}, None
+            for i, frame in enumerate(container.decode(stream)):
+                if i in want:
+                    frames[i] = last = frame.to_image()
+                if i >= idx[-1]:
+                    break
     except av.error.FFmpegError as e:
         raise DeltashipError(f"--video {p}: not a readable video ({e})", "pass an MP4, WebM, MKV or GIF file") from None
-    return frames, float(rate) if rate else 24.0
+    # a container may state more frames than it decodes: the missing tail repeats the last frame decoded
+    return [frames.get(int(i), last) for i in idx], frame_timestamps(idx, video_fps, 2)
 
 
 def _patchify(frames: np.ndarray, pre: Preprocessor) -> tuple[np.ndarray, int, int]:

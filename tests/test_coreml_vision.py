@@ -16,6 +16,7 @@ from test_vision import (  # noqa: F401  (module fixtures)
     _reference,
     _tower_cases,
     hf_model,
+    tiny_vl_preset,
     vl_checkpoint,
 )
 
@@ -111,3 +112,18 @@ def test_coreml_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_pa
     assert len(set(ref)) > 3 and gen.output_ids == ref
     text = open_bundle(out).generate([5, 6, 7], 8).output_ids  # model.mlpackage: the text-only path
     assert Multimodal(open_bundle(out)).generate([5, 6, 7], [], 8).output_ids == text
+
+
+@pytest.mark.slow
+def test_coreml_random_preset_with_other_vision_shapes_verifies(tiny_vl_preset, tmp_path):  # noqa: F811
+    """Other vision shapes (a two-block 64-wide tower with 4 heads, the published preprocessor): export --vision
+    for Core ML verifies its image prompts against transformers holding the same random weights; the image
+    limit (1,024 merged tokens) gives the enumerated patch counts up to 4,096."""
+    from deltaship.export import export
+
+    m = export(tiny_vl_preset, tmp_path / "b", target="coreml", max_context=128, prefill_chunk=8, vision=True,
+               progress=False)  # fmt: skip
+    v = m["vision"]
+    assert v["verification"]["status"] == "passed"
+    assert v["functions"]["vision"] == {str(n): f"vision_{n}" for n in (64, 256, 1024, 4096)}
+    assert v["max_image_tokens"] == 1024

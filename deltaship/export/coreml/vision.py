@@ -9,8 +9,8 @@ padded one. Padding comes in whole merge groups (n and N are multiples of 4), so
 merged features are the image's and the rest are dropped. Each function is named `vision_N`; all share the
 tower's weights (one blob entry each).
 
-Status: the encoder functions only (issue 18 item B, first piece). The token embedding + splice and the
-decoder over inputs_embeds with 3-row M-RoPE positions are not built for Core ML yet.
+`lower_vision` (export --vision) puts these functions in multimodal.mlpackage beside the token embedding and
+the decoder over embeddings with 3-row M-RoPE positions (docs/bundle-format.md "Images").
 """
 
 from __future__ import annotations

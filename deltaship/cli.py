@@ -331,8 +331,8 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     e.add_argument(
         "--vision",
         action="store_true",
-        help="also export the checkpoint's vision tower for image and video input (ONNX and ExecuTorch, "
-        "fp32 or fp16; docs/bundle-format.md 'Images'); off by default: text-only bundles stay as they are",
+        help="also export the checkpoint's vision tower for image and video input (ONNX and ExecuTorch at fp32 or "
+        "fp16, Core ML at fp32; docs/bundle-format.md 'Images'); off by default: text-only bundles stay as they are",
     )
     _add_target_options(e)
 

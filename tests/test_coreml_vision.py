@@ -1,11 +1,24 @@
-"""Core ML vision encoder (issue 18, first piece): the tower as fixed-shape functions vision_N with a padding
-mask, evaluated op by op on Linux against transformers' own tower."""
+"""Core ML images (issue 18): the vision tower as fixed-shape functions vision_N with a padding mask, and the
+bundle's multimodal.mlpackage (vision, token embedding, M-RoPE decoder), evaluated op by op on Linux against
+transformers."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_vision import _hf_tower, _tower_cases, hf_model, vl_checkpoint  # noqa: F401  (module fixtures)
+from test_vision import (  # noqa: F401  (module fixtures)
+    END,
+    IMAGE,
+    START,
+    VIDEO,
+    _hf_tower,
+    _image,
+    _reference,
+    _tower_cases,
+    hf_model,
+    tiny_vl_preset,
+    vl_checkpoint,
+)
 
 from deltaship.errors import DeltashipError
 
@@ -48,3 +61,69 @@ def test_coreml_vision_refusals():
         check_patch_counts((64, 30))
     with pytest.raises(DeltashipError, match="over the largest"):
         padded_inputs({"pixel_values": np.zeros((300, 8), np.float32)}, (64, 256))
+
+
+@pytest.mark.slow
+def test_coreml_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_path):  # noqa: F811
+    """A Core ML bundle with --vision: multimodal.mlpackage's vision_N, token_embedding_T and text_decoder_T give
+    transformers' greedy tokens for two images (the second with prefill chunk boundaries inside its span, both
+    padded to an enumerated patch count) and for a 2-frame video; the text path stays model.mlpackage."""
+    import torch
+
+    from deltaship.export import export
+    from deltaship.models.vision import preprocess_frames, preprocess_image
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.vision import CoreMLMultimodal, Multimodal
+
+    out = tmp_path / "cm"
+    m = export(str(vl_checkpoint), out, target="coreml", max_context=128, prefill_chunk=8, progress=False,
+               vision=True)  # fmt: skip
+    v = m["vision"]
+    assert v["verification"]["status"] == "passed"  # checked at export, as the ONNX and ExecuTorch bundles
+    assert v["functions"]["decoder"] == {"1": "text_decoder_1", "8": "text_decoder_8"}
+    assert any(f.startswith("multimodal.mlpackage/") for f in m["files"]) and "model.mlpackage" in m["entry"]
+    mm = Multimodal(open_bundle(out))
+    assert isinstance(mm, CoreMLMultimodal)
+    images = [_image(64, 96, seed=0), _image(160, 96, seed=1)]
+    ims = [preprocess_image(im, mm.pre) for im in images]
+    prompt = [5, START, IMAGE, END, 6, START, IMAGE, END, 7, 8]
+    gen = mm.generate(prompt, ims, 16, keep_logits=True, stop_at_eos=False)
+    second = gen.input_ids.index(IMAGE) + 6 + 3  # the second span: 6 tokens of the first image, END, 6, START
+    assert gen.input_ids[second] == IMAGE and second % 8 and (second + 15) // 8 > second // 8 + 1
+    ref, ref_logits = _reference(hf_model, gen.input_ids, images, 16)
+    assert len(set(ref)) > 3 and gen.output_ids == ref
+    assert np.abs(np.stack(gen.logits) - ref_logits).max() / ref_logits.std() < 1e-3
+    # a 2-frame video (grid t = 1)
+    video = preprocess_frames([_image(64, 96, seed=5), _image(64, 96, seed=6)], mm.pre)
+    gen = mm.generate([5, START, VIDEO, END, 7, 8], [video], 16, keep_logits=True, stop_at_eos=False)
+    t = torch.tensor([gen.input_ids])
+    with torch.no_grad():
+        out_v = hf_model.generate(
+            input_ids=t,
+            pixel_values_videos=torch.from_numpy(video.patches),
+            video_grid_thw=torch.tensor([video.grid]),
+            mm_token_type_ids=(t == VIDEO).int() * 2,
+            max_new_tokens=16,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ref = out_v.sequences[0, t.shape[1] :].tolist()
+    assert len(set(ref)) > 3 and gen.output_ids == ref
+    text = open_bundle(out).generate([5, 6, 7], 8).output_ids  # model.mlpackage: the text-only path
+    assert Multimodal(open_bundle(out)).generate([5, 6, 7], [], 8).output_ids == text
+
+
+@pytest.mark.slow
+def test_coreml_random_preset_with_other_vision_shapes_verifies(tiny_vl_preset, tmp_path):  # noqa: F811
+    """Other vision shapes (a two-block 64-wide tower with 4 heads, the published preprocessor): export --vision
+    for Core ML verifies its image prompts against transformers holding the same random weights; the image
+    limit (1,024 merged tokens) gives the enumerated patch counts up to 4,096."""
+    from deltaship.export import export
+
+    m = export(tiny_vl_preset, tmp_path / "b", target="coreml", max_context=128, prefill_chunk=8, vision=True,
+               progress=False)  # fmt: skip
+    v = m["vision"]
+    assert v["verification"]["status"] == "passed"
+    assert v["functions"]["vision"] == {str(n): f"vision_{n}" for n in (64, 256, 1024, 4096)}
+    assert v["max_image_tokens"] == 1024

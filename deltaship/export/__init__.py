@@ -150,8 +150,9 @@ def export(
     Face cache, downloaded only with allow_download=True) for `target` at `precision` into bundle `out`.
 
     `target_options` are the target's own options (deltaship/targets/<target>.py, e.g. onnx_deltanet_ops).
-    `vision` also exports the checkpoint's vision tower (ONNX only: vision.onnx, embedding.onnx, decoder_mm.onnx;
-    export/onnx/vision.py); off by default, so text-only bundles and their export time stay as they were.
+    `vision` also exports the checkpoint's vision tower (the target's `vision_module`: ONNX vision.onnx,
+    embedding.onnx, decoder_mm.onnx; ExecuTorch vision.pte, decoder_mm.pte; Core ML multimodal.mlpackage); off by
+    default, so text-only bundles and their export time stay as they were.
     `kv_cache` asks for a KV-cache dtype (default: the target's own at `precision`); one it cannot store is refused.
     `device` names a tier (deltaship/devices/tiers.toml, or `tiers_file`): target, precision and context not given
     are what `deltaship plan` recommends for it (a quantized KV cache when only that fits; max_context "max": the
@@ -202,8 +203,8 @@ def export(
     spec = source.spec
     if vision and get_target(target).vision_module is None:
         raise DeltashipError(
-            f"--vision exports ONNX and ExecuTorch bundles only so far (asked: --target {target})",
-            "use --target onnx or executorch, or drop --vision",
+            f"--vision: --target {target} has no vision lowering",
+            "use --target " + " or ".join(t.name for t in all_targets() if t.vision_module) + ", or drop --vision",
         )
     for note in source.notes():
         say(note)

@@ -728,11 +728,6 @@ def vision_spec_of(source) -> VisionSpec | None:
     return VisionSpec.from_config(read_config(source.path / "config.json"), str(source.path / "config.json"))
 
 
-# the precisions `export --vision` builds and verifies per target (the tower, the embedding splice and the
-# multimodal decoder all at the text decoder's activation dtype)
-VISION_PRECISIONS = {"onnx": ("fp32", "fp16"), "executorch": ("fp32", "fp16")}
-
-
 def check_vision(source, ctx) -> tuple[VisionSpec, Preprocessor, dict[str, Any], tuple[int, ...]]:
     """What `export --vision` needs from the checkpoint, each problem named: the vision spec, the
     preprocessor (and its config) and the M-RoPE sections."""
@@ -754,12 +749,14 @@ def check_vision(source, ctx) -> tuple[VisionSpec, Preprocessor, dict[str, Any],
             f"vision_config.out_hidden_size {vspec.out_hidden_size} != text hidden_size {spec.hidden_size}",
             "fix config.json",
         )
-    if ctx.precision not in VISION_PRECISIONS.get(ctx.target, ("fp32",)):
+    from deltaship.targets import get_target
+
+    can = get_target(ctx.target).vision_precisions
+    if ctx.precision not in can:
         raise DeltashipError(
-            f"--vision on {ctx.target} is exported at {' or '.join(VISION_PRECISIONS.get(ctx.target, ('fp32',)))} "
-            f"only so far (asked: --precision {ctx.precision}; int8/int4 vision bundles are not verified against a "
-            "reference with the same rounding yet)",
-            "export with --precision fp32 or fp16, or drop --vision",
+            f"--vision on {ctx.target} is exported at {' or '.join(can)} only so far (asked: --precision "
+            f"{ctx.precision}; other vision bundles are not verified against a reference with the same rounding yet)",
+            f"export with --precision {' or '.join(can)}, or drop --vision",
         )
     mrope = tuple(spec.mrope_section or (11, 11, 10))
     interleave_mask(mrope, spec.rotary_dim // 2)  # a section that does not fit the rotary is refused first

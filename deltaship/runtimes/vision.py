@@ -73,9 +73,15 @@ class Multimodal:
 
     def __new__(cls, session):
         if cls is Multimodal:  # pick the backend by the session's kind
+            from deltaship.runtimes.coreml import CoreMLEvalSession
             from deltaship.runtimes.onnx import OnnxSession
 
-            cls = OnnxMultimodal if isinstance(session, OnnxSession) else ExecuTorchMultimodal
+            if isinstance(session, OnnxSession):
+                cls = OnnxMultimodal
+            elif isinstance(session, CoreMLEvalSession):
+                cls = CoreMLMultimodal
+            else:
+                cls = ExecuTorchMultimodal
         return super().__new__(cls)
 
     def _open(self) -> None:
@@ -348,6 +354,53 @@ class ExecuTorchMultimodal(Multimodal):
         )
         s.position += embeds.shape[1]
         return out[0].reshape(-1).float().numpy().copy()
+
+
+class CoreMLMultimodal(Multimodal):
+    """multimodal.mlpackage's functions (evaluated op by op on Linux, like the text session): vision_N (the image
+    padded to the smallest enumerated patch count, masked), token_embedding_T (the splice on the host) and
+    text_decoder_T, T = the prefill chunk or 1, on io states of its own (model.mlpackage keeps the text path's)."""
+
+    def _open(self) -> None:
+        from deltaship.export.coreml.mil_eval import Interpreter, load_program
+
+        self.functions = self.block["functions"]
+        self.counts = tuple(int(n) for n in self.functions["vision"])
+        self.interp = Interpreter(load_program(self.session.bundle / self.block["graphs"]["package"]))
+        self._reset()
+
+    def _reset(self) -> None:
+        self.session.position = 0
+        self._io = {s["name"]: np.zeros(s["shape"], np.float32) for s in self.block["decoder_states"]}
+
+    def encode(self, image: ImageInput) -> np.ndarray:
+        from deltaship.export.coreml.vision import encode
+
+        return encode(self.interp, encoder_inputs(self.spec, image), self.counts)
+
+    def _embed(self, ids: np.ndarray, features: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids).reshape(1, -1)
+        fname = self.functions["embedding"][str(ids.shape[1])]
+        out = np.array(self.interp.run(fname, {"input_ids": ids.astype(np.int32)}, {})["inputs_embeds"], np.float32)
+        rows = np.flatnonzero(np.isin(ids[0], (self.spec.image_token_id, self.spec.video_token_id)))[: len(features)]
+        out[0, rows] = features[: len(rows)]
+        return out
+
+    def _run(self, embeds: np.ndarray, rope: np.ndarray) -> np.ndarray:
+        s = self.session
+        t = embeds.shape[1]
+        feeds = {
+            "inputs_embeds": np.asarray(embeds, np.float32),
+            "rope_positions": np.asarray(rope, np.int32).reshape(3, 1, -1),
+            "position": np.array([s.position], np.int32),
+        }
+        for st in self.block["decoder_states"]:
+            feeds[st["coreml_input"]] = self._io[st["name"]]
+        out = self.interp.run(self.functions["decoder"][str(t)], feeds, {})
+        for st in self.block["decoder_states"]:
+            self._io[st["name"]] = np.asarray(out[st["coreml_output"]], np.float32)
+        s.position += t
+        return np.asarray(out["logits"], np.float32).reshape(-1)
 
 
 def video_placeholder(video: ImageInput) -> str:

@@ -129,6 +129,9 @@ class Target(ABC):
     android_runner_args: ClassVar[str | None] = None  # default argument line of its Android runner binary
     # the module whose lower_vision() adds the vision tower (export --vision; generate --image); None: text only
     vision_module: ClassVar[str | None] = None
+    # the precisions `export --vision` builds and verifies (tower, splice and multimodal decoder at the text
+    # decoder's activation dtype)
+    vision_precisions: ClassVar[tuple[str, ...]] = ("fp32",)
 
     # ---- options -------------------------------------------------------------------------------
     def parse_options(self, given: Mapping[str, Any]) -> TargetOptions:

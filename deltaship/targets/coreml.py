@@ -80,6 +80,7 @@ class CoreMLTarget(Target):
         "int8": StorageFormat(bits=8, scale=2, block=4096, head_copy=True, act=2),
         "int4": StorageFormat(bits=4, scale=2, block=32, head_copy=True, act=2),
     }
+    vision_module = "deltaship.export.coreml.vision"  # multimodal.mlpackage (export --vision)
     runtimes = ("coreml",)
     app_runtimes = {
         "coreml": "not run (no Mac): the saved ML program is evaluated op by op on Linux against transformers; "

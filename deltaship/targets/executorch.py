@@ -73,6 +73,7 @@ class ExecuTorchTarget(Target):
     }
     runtimes = ("executorch",)
     vision_module = "deltaship.export.executorch.vision"  # vision.pte + decoder_mm.pte (export --vision)
+    vision_precisions = ("fp32", "fp16")
     # ExecuTorch's C++ LLM runner (TextLLMRunner: what the Android LlmModule and the iOS runner wrap), text in/out
     text_runtimes = {
         "et-runner": TextRuntime("deltaship.runtimes.et_runner", "generate_with_runner", "profile_with_runner")

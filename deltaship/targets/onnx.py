@@ -125,6 +125,7 @@ class OnnxTarget(Target):
     op_breakdown = True  # ONNX Runtime's profiler
     android_runner_args = "-e cpu -x {threads} -r {reps} {model}"  # onnxruntime_perf_test
     vision_module = "deltaship.export.onnx.vision"  # vision.onnx, embedding.onnx, decoder_mm.onnx
+    vision_precisions = ("fp32", "fp16")
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: OnnxOptions) -> None:
         if options.onnx_activations is not None and precision not in ("int8", "int4"):

@@ -383,7 +383,7 @@ def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[s
     return {
         "specification_version": spec.specificationVersion,
         "deployment_target": "iOS18 / macOS15",
-        "functions": sorted(funcs),
+        "functions": list(emitted),
         "default_function": spec.description.defaultFunctionName,
         "states": sorted(want_states),
         "checked": True,

@@ -215,7 +215,7 @@ def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
         export("qwen3.5-tiny", tmp_path / "a", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="text-only checkpoint"):
         export(str(checkpoints["base"]), tmp_path / "b", vision=True, verify=False, progress=False)
-    with pytest.raises(DeltashipError, match="int8/int4 vision bundles are not verified"):
+    with pytest.raises(DeltashipError, match="int4; other vision bundles are not verified"):
         export(str(vl_checkpoint), tmp_path / "c", precision="int4", vision=True, verify=False, progress=False)
     with pytest.raises(DeltashipError, match="fp32 only"):  # Core ML too (tests/test_coreml_vision.py)
         export(str(vl_checkpoint), tmp_path / "d", target="coreml", precision="fp16", vision=True, progress=False)

@@ -96,24 +96,29 @@ class StateAccess:
             return s._vals[state["name"]][s._cur[state["name"]]].numpy()[tuple(idx)].copy()
         return s._state(state["buffer"])[tuple(idx)].numpy().copy()
 
-    def write_rows(self, state: dict[str, Any], start: int, block: np.ndarray) -> None:
-        """Write `block` (the state's layout, `block.shape[axis]` rows) at rows start.. of the state, in place."""
+    def write_span(self, state: dict[str, Any], start: int, stop: int, block: np.ndarray) -> None:
+        """Write rows [start, stop) of the state, in place, with `block` (the state's layout) repeated."""
         s, ax = self.session, self.seq_axis()
-        n = block.shape[ax]
-        idx = [slice(None)] * block.ndim
-        idx[ax] = slice(start, start + n)
+        on_gpu = self.kind == "OnnxSession" and s.device != "cpu"
         if self.kind == "OnnxSession":
             val = s._vals[state["name"]][s._cur[state["name"]]]
-            if s.device == "cpu":  # the OrtValue wraps this numpy buffer: write it where it is
-                s._bufs[state["name"]][s._cur[state["name"]]][tuple(idx)] = block
-            else:
-                host = val.numpy()
-                host[tuple(idx)] = block
-                val.update_inplace(host)
+            # CPU: the OrtValue wraps this numpy buffer, written where it is; GPU: one host copy, written back once
+            dest = val.numpy() if on_gpu else s._bufs[state["name"]][s._cur[state["name"]]]
         else:
             import torch
 
-            s._state(state["buffer"])[tuple(idx)].copy_(torch.from_numpy(np.ascontiguousarray(block)))
+            dest = s._state(state["buffer"])
+        for at in range(start, stop, block.shape[ax]):
+            n = min(block.shape[ax], stop - at)
+            idx = [slice(None)] * block.ndim
+            idx[ax] = slice(at, at + n)
+            part = np.take(block, np.arange(n), axis=ax)
+            if self.kind == "OnnxSession":
+                dest[tuple(idx)] = part
+            else:
+                dest[tuple(idx)].copy_(torch.from_numpy(part))
+        if on_gpu:
+            val.update_inplace(dest)
 
 
 class SyntheticFill:
@@ -150,12 +155,10 @@ class SyntheticFill:
                 f"depth {depth} is past the bundle's max context of {self.session.max_context}",
                 "pick a context below the bundle's max context",
             )
-        ax, start = self.access.seq_axis(), self.filled
+        start = self.filled
         for st in self.access.kv:
-            block = self.blocks[st["name"]]
-            for at in range(start, depth, block.shape[ax]):
-                n = min(block.shape[ax], depth - at)
-                self.access.write_rows(st, at, np.take(block, np.arange(n), axis=ax))
+            if depth > start:
+                self.access.write_span(st, start, depth, self.blocks[st["name"]])
         self.filled = max(self.filled, depth)
         return max(0, depth - start)
 

@@ -330,6 +330,17 @@ def test_profile_speculative_needs_an_mtp_head(bundles):
         profile(bundles("base"), speculative="mtp:0")
 
 
+def test_profile_speculative_bad_input(tiny_mtp):
+    from deltaship.profiling.profile import profile
+
+    with pytest.raises(DeltashipError, match="--acceptance"):
+        profile(tiny_mtp("fp32"), speculative="mtp", acceptance=1.5)
+    with pytest.raises(DeltashipError, match="max context"):
+        profile(tiny_mtp("fp32"), speculative="mtp", gen=250)
+    with pytest.raises(DeltashipError, match="on this host"):
+        profile(tiny_mtp("fp32"), speculative="mtp", runtime="genai")
+
+
 def test_onnx_rollback_without_copies(tiny_mtp):
     """The ONNX session's snapshot copies nothing: a verify call writes the DeltaNet states out of place, and the
     restore puts the states before it back bit for bit; a restore across other calls is refused."""

@@ -224,7 +224,17 @@ def profile(
         from deltaship.runtimes.speculative import parse_speculative
 
         depth = parse_speculative(speculative)
-        spec.check(path, manifest, cfg, depth, device=device, runtime=runtime, provider=provider, tier=tier)
+        spec.check(
+            path,
+            manifest,
+            cfg,
+            depth,
+            device=device,
+            runtime=runtime,
+            provider=provider,
+            tier=tier,
+            acceptance=acceptance,
+        )
         doc = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         doc.update(bundle=bundle_summary(manifest, path), config={**cfg, "speculative": speculative}, emulation=None)
         doc.update(spec.profile_speculative(path, cfg, depth, threads, say, acceptance))

@@ -72,11 +72,16 @@ def check(
     runtime: str | None = None,
     provider: str = "cpu",
     tier: str | None = None,
+    acceptance: float | None = None,
 ) -> None:
     """Refuse what cannot be profiled speculatively, before any work."""
     from deltaship.runtimes.speculative import require_head
 
     require_head(bundle, manifest)
+    if acceptance is not None and not 0 < acceptance <= 1:
+        raise DeltashipError(
+            f"--acceptance {acceptance}: an acceptance rate is a fraction above 0, at most 1", "e.g. --acceptance 0.75"
+        )
     if device != "host" or runtime is not None or provider != "cpu" or tier is not None:
         raise DeltashipError(
             "--speculative profiles on this host, in deltaship's own runtime on the CPU (no --tier yet)",

@@ -412,6 +412,26 @@ def run_pipeline(ctx: ExportContext, passes: tuple, progress=None) -> ExportCont
     return ctx
 
 
+# the ExportContext fields the passes fill in (the rest are the export's settings)
+PRODUCTS = ("model", "plan", "quant", "program", "states", "report", "rounded", "programs", "parts")
+
+
+def rerun_pipeline(ctx: ExportContext) -> ExportContext:
+    """A second context with ctx's settings (whatever fields ExportContext grows) and the products empty, through
+    the target's pipeline again: a second decoder, e.g. the multimodal one that export --vision wraps after the
+    text lowering consumed ctx's."""
+    import dataclasses
+
+    from deltaship.targets import get_target
+
+    fresh = {
+        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        for f in dataclasses.fields(ExportContext)
+        if f.name in PRODUCTS
+    }
+    return run_pipeline(dataclasses.replace(ctx, **fresh), get_target(ctx.target).pipeline())
+
+
 def materialize(
     model: nn.Module, plan: WeightPlan, weights, prefix: str | None = None, allocate: bool = True
 ) -> nn.Module:

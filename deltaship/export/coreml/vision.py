@@ -263,30 +263,19 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
     image, enumerated patch counts, masked), token_embedding_T (ids -> embeddings; the host splices the image
     features in) and text_decoder_T (embeddings + 3-row M-RoPE positions + position -> logits of the last token)
     for T = the prefill chunk and 1, on io states of its own (an fp32 build); the manifest's `vision` block."""
-    import dataclasses
 
     import coremltools as ct
     from coremltools.converters.mil.mil import Program
 
     from deltaship.export.coreml.lowering import MILLowerer, WeightCache, share_across_functions
     from deltaship.export.coreml.package import mil_name, state_modes
-    from deltaship.export.passes import ExportContext, run_pipeline
     from deltaship.export.passes import example_inputs as state_inputs
+    from deltaship.export.passes import rerun_pipeline
     from deltaship.models.vision import PREPROCESSOR_CONFIG, check_vision, interleave_mask, write_preprocessor
-    from deltaship.targets import get_target
 
     vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
-    produced = ("model", "plan", "quant", "program", "states", "report", "rounded", "programs", "parts")
-    ctx2 = dataclasses.replace(
-        ctx,
-        **{
-            f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            for f in dataclasses.fields(ExportContext)
-            if f.name in produced
-        },
-    )
-    run_pipeline(ctx2, get_target(ctx.target).pipeline())  # the text pipeline again: the decoder to wrap
+    ctx2 = rerun_pipeline(ctx)  # the text pipeline again: the decoder to wrap
     if len(ctx2.parts) > 1:
         raise DeltashipError(
             "--vision on Core ML: the decoder needs several packages", "raise --coreml-part-gb or drop --vision"

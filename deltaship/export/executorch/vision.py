@@ -9,7 +9,6 @@ lower; the manifest's vision.max_pixels, which the runtime resizes into), not at
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -109,29 +108,18 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
     from deltaship.export.executorch.program import ProgramState, prepare
-    from deltaship.export.passes import ExportContext, run_pipeline
+    from deltaship.export.passes import rerun_pipeline
     from deltaship.models.vision import (
         PREPROCESSOR_CONFIG,
         VIDEO_PREPROCESSOR_CONFIG,
         check_vision,
         write_preprocessor,
     )
-    from deltaship.targets import get_target
 
     vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
     # the text program consumed ctx's model: build the decoder again for the multimodal program
-    # (the same settings, whatever fields ExportContext grows; the passes' products start empty)
-    produced = ("model", "plan", "quant", "program", "states", "report", "rounded", "programs", "parts")
-    ctx2 = dataclasses.replace(
-        ctx,
-        **{
-            f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            for f in dataclasses.fields(ExportContext)
-            if f.name in produced
-        },
-    )
-    run_pipeline(ctx2, get_target(ctx.target).pipeline())
+    ctx2 = rerun_pipeline(ctx)  # the text pipeline again: the decoder to wrap
     model, kernels, _, _ = prepare(ctx2, source.weights)
     if getattr(model.model.rotary, "scaled", False):
         raise DeltashipError(

@@ -15,6 +15,7 @@ from test_vision import (  # noqa: F401  (module fixtures)
     _image,
     _reference,
     _tower_cases,
+    _video_reference,
     hf_model,
     tiny_vl_preset,
     vl_checkpoint,
@@ -68,7 +69,6 @@ def test_coreml_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_pa
     """A Core ML bundle with --vision: multimodal.mlpackage's vision_N, token_embedding_T and text_decoder_T give
     transformers' greedy tokens for two images (the second with prefill chunk boundaries inside its span, both
     padded to an enumerated patch count) and for a 2-frame video; the text path stays model.mlpackage."""
-    import torch
 
     from deltaship.export import export
     from deltaship.models.vision import preprocess_frames, preprocess_image
@@ -96,19 +96,7 @@ def test_coreml_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_pa
     # a 2-frame video (grid t = 1)
     video = preprocess_frames([_image(64, 96, seed=5), _image(64, 96, seed=6)], mm.pre)
     gen = mm.generate([5, START, VIDEO, END, 7, 8], [video], 16, keep_logits=True, stop_at_eos=False)
-    t = torch.tensor([gen.input_ids])
-    with torch.no_grad():
-        out_v = hf_model.generate(
-            input_ids=t,
-            pixel_values_videos=torch.from_numpy(video.patches),
-            video_grid_thw=torch.tensor([video.grid]),
-            mm_token_type_ids=(t == VIDEO).int() * 2,
-            max_new_tokens=16,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    ref = out_v.sequences[0, t.shape[1] :].tolist()
+    ref, _ = _video_reference(hf_model, gen.input_ids, video, 16)
     assert len(set(ref)) > 3 and gen.output_ids == ref
     text = open_bundle(out).generate([5, 6, 7], 8).output_ids  # model.mlpackage: the text-only path
     assert Multimodal(open_bundle(out)).generate([5, 6, 7], [], 8).output_ids == text

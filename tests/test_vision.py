@@ -290,6 +290,25 @@ def _reference(hf_model, ids: list[int], images, steps: int) -> tuple[list[int],
     return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float().numpy()
 
 
+def _video_reference(hf_model, ids: list[int], video, steps: int) -> tuple[list[int], np.ndarray]:
+    """_reference for one preprocessed video (its patches and grid as deltaship made them)."""
+    import torch
+
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf_model.generate(
+            input_ids=t,
+            pixel_values_videos=torch.from_numpy(video.patches),
+            video_grid_thw=torch.tensor([video.grid]),
+            mm_token_type_ids=(t == VIDEO).int() * 2,
+            max_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float().numpy()
+
+
 CASES = {
     "square": [(64, 64)],  # 2 x 2 merged tokens
     "odd_width": [(64, 96)],  # merged grid 2 x 3
@@ -327,7 +346,6 @@ def test_image_generation_matches_transformers(case, vl_bundle, hf_model):
 def test_video_matches_transformers(n_frames, vl_bundle, hf_model):
     """A video of 2, 3 (padded with its last frame) or 4 frames between text: one timestamped span per frame
     pair, against transformers' video path (its get_rope_index splits video_grid_thw per temporal patch)."""
-    import torch
 
     from deltaship.models.vision import preprocess_frames
     from deltaship.runtimes import open_bundle
@@ -352,19 +370,7 @@ def test_video_matches_transformers(n_frames, vl_bundle, hf_model):
     prompt += [7, 8]
     gen = mm.generate(prompt, [video], 16, keep_logits=True, stop_at_eos=False)
     assert gen.input_ids.count(VIDEO) == 6 * groups
-    t = torch.tensor([gen.input_ids])
-    with torch.no_grad():
-        out = hf_model.generate(
-            input_ids=t,
-            pixel_values_videos=torch.from_numpy(video.patches),
-            video_grid_thw=torch.tensor([video.grid]),
-            mm_token_type_ids=(t == VIDEO).int() * 2,
-            max_new_tokens=16,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    ref, ref_logits = out.sequences[0, t.shape[1] :].tolist(), torch.cat(out.logits).numpy()
+    ref, ref_logits = _video_reference(hf_model, gen.input_ids, video, 16)
     assert len(set(ref)) > 3 and gen.output_ids == ref
     assert np.abs(np.stack(gen.logits) - ref_logits).max() / ref_logits.std() < 1e-3
     if groups > 1:  # one span for a whole multi-pair video is refused, naming the layout
@@ -517,7 +523,6 @@ def test_fp16_vision_bundle_verifies(target, vl_checkpoint, hf_model, tmp_path):
     """export --vision --precision fp16: the tower, splice and decoder in fp16, verified at export against
     transformers with the weights rounded to fp16, within the target's fp16 tolerance row; greedy tokens of a
     4-frame video prompt match that reference."""
-    import torch
 
     from deltaship.bundle import read_manifest, schema_problems
     from deltaship.export import export
@@ -544,20 +549,8 @@ def test_fp16_vision_bundle_verifies(target, vl_checkpoint, hf_model, tmp_path):
     gen = mm.generate(prompt, [video], 16, keep_logits=True, stop_at_eos=False)
     ref_model = copy.deepcopy(hf_model)
     round_to_fp16(ref_model, None, tied=True)
-    t = torch.tensor([gen.input_ids])
-    with torch.no_grad():
-        ref = ref_model.generate(
-            input_ids=t,
-            pixel_values_videos=torch.from_numpy(video.patches),
-            video_grid_thw=torch.tensor([video.grid]),
-            mm_token_type_ids=(t == VIDEO).int() * 2,
-            max_new_tokens=16,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    ref_logits = torch.cat(ref.logits).numpy()
-    assert gen.output_ids == ref.sequences[0, t.shape[1] :].tolist()
+    ref, ref_logits = _video_reference(ref_model, gen.input_ids, video, 16)
+    assert gen.output_ids == ref
     rel = np.abs(np.stack(gen.logits).astype(np.float32) - ref_logits).max() / ref_logits.std()
     assert rel <= tol.max_rel_logit_diff
 

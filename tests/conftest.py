@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -19,27 +20,43 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {name: write_checkpoint(name, root / name, seed=i) for i, name in enumerate(ALL_CONFIGS)}
 
 
+def _shared_root(tmp_path_factory, name: str) -> Path:
+    """A directory every pytest-xdist worker of this run sees (the workers' common base temp), else the session's."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def _build_once(out: Path, build) -> Path:
+    """Build `out` once per test run, whichever worker asks first; the others wait on the lock, then reuse it.
+    (pytest-xdist runs session fixtures once per worker: an export shared this way is paid once.)"""
+    with FileLock(str(out) + ".lock"):
+        done = out.with_name(out.name + ".built")  # beside the bundle: nothing foreign inside it
+        if not done.exists():
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def bundles(tmp_path_factory, checkpoints):
     """Exported bundles, built on first use and shared: bundles(config, target, precision)."""
     from deltaship.bundle import read_manifest, schema_problems
     from deltaship.export import export
 
-    root = tmp_path_factory.mktemp("bundles")
-    cache: dict[tuple, Path] = {}
+    root = _shared_root(tmp_path_factory, "bundles")
 
     def get(config: str, target: str = "onnx", precision: str = "fp32", **opts) -> Path:
-        key = (config, target, precision, tuple(sorted(opts.items())))
-        if key not in cache:
-            out = root / "-".join([config, target, precision] + [f"{k}{v}" for k, v in sorted(opts.items())])
-            opts.setdefault("max_context", 128)
-            opts.setdefault("prefill_chunk", 8)
-            opts.setdefault("verify", False)  # the tests make their own comparisons
-            export(str(checkpoints[config]), out, target=target, precision=precision, progress=False, **opts)
+        out = root / "-".join([config, target, precision] + [f"{k}{v}" for k, v in sorted(opts.items())])
+
+        def build(out: Path) -> None:
+            kw = {"max_context": 128, "prefill_chunk": 8, "verify": False, **opts}  # tests make their own checks
+            export(str(checkpoints[config]), out, target=target, precision=precision, progress=False, **kw)
             problems = schema_problems(read_manifest(out))  # every test bundle against the bundle's JSON Schema
             assert not problems, problems
-            cache[key] = out
-        return cache[key]
+
+        return _build_once(out, build)
 
     return get
 
@@ -50,24 +67,14 @@ def tiny_pte(tmp_path_factory):
     session and precision for every test that needs a .pte of it: an ExecuTorch export takes minutes."""
     from deltaship.export import export
 
-    root = tmp_path_factory.mktemp("tiny-pte")
-    cache: dict[str, Path] = {}
+    root = _shared_root(tmp_path_factory, "tiny-pte")
 
     def get(precision: str = "fp32") -> Path:
-        if precision not in cache:
-            out = root / precision
-            export(
-                "qwen3.5-tiny",
-                out,
-                target="executorch",
-                precision=precision,
-                max_context=128,
-                prefill_chunk=16,
-                verify=False,
-                progress=False,
-            )
-            cache[precision] = out
-        return cache[precision]
+        def build(out: Path) -> None:
+            export("qwen3.5-tiny", out, target="executorch", precision=precision, max_context=128, prefill_chunk=16,
+                   verify=False, progress=False)  # fmt: skip
+
+        return _build_once(root / precision, build)
 
     return get
 
@@ -88,9 +95,18 @@ SLOW_MODULES = {
 SLOW_TARGETS = {"executorch", "coreml"}
 
 
+# Under pytest-xdist (what CI runs: `-n auto`, with `--dist loadgroup` from pyproject.toml) a module's tests stay
+# on one worker, so its module-scoped fixtures (exports, references) are built once; test_parity's rows share only
+# session fixtures and spread over the workers one by one. Session exports are shared across workers (_build_once).
+SPREAD_MODULES = {"test_parity"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         exports_a_pte = "tiny_pte" in item.fixturenames  # the closure of the fixtures it uses
         if item.module.__name__ in SLOW_MODULES or params.get("target") in SLOW_TARGETS or exports_a_pte:
             item.add_marker(pytest.mark.slow)
+        if item.module.__name__ not in SPREAD_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

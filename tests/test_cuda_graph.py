@@ -131,3 +131,28 @@ def test_graph_buffers_give_the_same_tokens_on_the_cpu(tiny_onnx):
         graph._logits_val.data_ptr(),
     ) == ptrs
     assert graph._decode_in.position_ids.numpy().tolist() == [[len(prompt) + 12 - 2]]  # the last decode call's
+
+
+def test_decode_reuses_one_binding_per_parity_with_the_same_results(tiny_onnx):
+    # a plain CPU session binds a one-token call once per parity of the alternating states and then only writes
+    # the token and position; the results equal those of a session that binds every decode step afresh
+    from deltaship.runtimes import open_bundle
+
+    kept, fresh = open_bundle(tiny_onnx), open_bundle(tiny_onnx)
+    prompt = [5, 17, 99, 3, 250, 8, 8, 1, 42, 7]
+    a = kept.generate(prompt, 10, stop_at_eos=False, keep_logits=True)
+    bindings = {k: id(v[0]) for k, v in kept._decode_io.items()}
+    assert sorted(bindings) == [(0,) * len(kept._alternating), (1,) * len(kept._alternating)]
+    kept.decode(3)
+    assert {k: id(v[0]) for k, v in kept._decode_io.items()} == bindings  # reused, not made again
+    fresh._decode_io = _Forgetful()
+    b = fresh.generate(prompt, 10, stop_at_eos=False, keep_logits=True)
+    assert a.output_ids == b.output_ids
+    np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
+
+
+class _Forgetful(dict):
+    """A binding cache that never keeps anything: every decode step binds afresh."""
+
+    def __setitem__(self, key, value):
+        pass

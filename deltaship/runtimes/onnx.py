@@ -47,17 +47,25 @@ def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool 
 class DecodeInputs:
     """input_ids and position_ids of a one-token call, each a preallocated [1, 1] int64 OrtValue on `device`.
 
-    set() writes the values in place (OrtValue.update_inplace), so the buffers keep their addresses: a captured
-    CUDA graph reads its inputs from the addresses it was captured with."""
+    set() writes the values in place, so the buffers keep their addresses: a decode IOBinding made once keeps
+    reading them, and a captured CUDA graph reads its inputs from the addresses it was captured with. On the CPU
+    the OrtValues wrap numpy arrays (ortvalue_from_numpy shares host memory), which set() writes directly; on a
+    device it copies through a host staging row (OrtValue.update_inplace)."""
 
     def __init__(self, ort, device: str = "cpu"):
         self.device = device
         self._host = np.zeros((1, 1), dtype=np.int64)  # staging row for the host-to-device copy
         args = ("cuda", 0) if device == "cuda" else ()
-        self.input_ids = ort.OrtValue.ortvalue_from_numpy(self._host.copy(), *args)
-        self.position_ids = ort.OrtValue.ortvalue_from_numpy(self._host.copy(), *args)
+        self._ids = np.zeros((1, 1), dtype=np.int64)
+        self._pos = np.zeros((1, 1), dtype=np.int64)
+        self.input_ids = ort.OrtValue.ortvalue_from_numpy(self._ids, *args)
+        self.position_ids = ort.OrtValue.ortvalue_from_numpy(self._pos, *args)
 
     def set(self, token: int, position: int) -> None:
+        if self.device == "cpu":
+            self._ids[0, 0] = token
+            self._pos[0, 0] = position
+            return
         self._host[0, 0] = token
         self.input_ids.update_inplace(self._host)
         self._host[0, 0] = position
@@ -168,6 +176,12 @@ class OnnxSession(OnnxSpeculation, Session):
             self._cur[s["name"]] = 0
         self._logits = np.zeros((1, 1, self.vocab_size), dtype=np.float32)
         self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits)
+        # one-token calls reuse one IOBinding per parity of the alternating states (made on first use): a decode
+        # step writes two numbers and runs, instead of binding every state again
+        self._alternating = [s["name"] for s in self.states if len(self._vals[s["name"]]) == 2]
+        self._decode_io: dict[tuple[int, ...], tuple[Any, Any]] = {}
+        self._decode_in = DecodeInputs(ort, self.device)
+        self._run_opts: dict[str, Any] = {}
         if cuda_graph:
             self._graph_buffers("cuda")
         # position_ids of a call are a slice (a view, no copy) of one preallocated row
@@ -180,6 +194,7 @@ class OnnxSession(OnnxSpeculation, Session):
         args = ("cuda", 0) if device == "cuda" else ()
         self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits, *args)
         self._decode_in = DecodeInputs(ort, device)
+        self._decode_io.clear()
         self._run_opts = {}
         for gid in ("-1", "1", "2"):  # -1: no capture (prefill); 1, 2: decode on either buffer parity
             ro = ort.RunOptions()
@@ -226,33 +241,48 @@ class OnnxSession(OnnxSpeculation, Session):
         parity, so that each captured graph always sees the same buffer addresses."""
         if ids.size != 1:
             return "-1"
-        alternating = [s["name"] for s in self.states if len(self._vals[s["name"]]) == 2]
-        return str(1 + (self._cur[alternating[0]] if alternating else 0))
+        return str(1 + (self._cur[self._alternating[0]] if self._alternating else 0))
 
-    def _forward(self, ids: np.ndarray) -> np.ndarray:
-        io = self.sess.io_binding()
-        gid = self._graph_id(ids) if self.cuda_graph else None
-        if gid not in (None, "-1"):
-            self._decode_in.set(int(ids[0]), self.position)
-            io.bind_ortvalue_input("input_ids", self._decode_in.input_ids)
-            io.bind_ortvalue_input("position_ids", self._decode_in.position_ids)
-        else:
-            io.bind_cpu_input("input_ids", ids.reshape(1, -1))
-            # [[p]] only: the graph reads element 0, and ONNX Runtime keys its memory patterns by the XOR of all
-            # input dims, in which input_ids [1, T] and position_ids [1, T] would cancel out (prefill and decode
-            # would share a pattern that fits neither)
-            io.bind_cpu_input("position_ids", self._positions[:, self.position : self.position + 1])
+    def _bind_states(self, io) -> None:
         for s in self.states:
             vals, cur = self._vals[s["name"]], self._cur[s["name"]]
             io.bind_ortvalue_input(s["name"], vals[cur])
             io.bind_ortvalue_output(s["output"], vals[(cur + 1) % len(vals)])
         io.bind_ortvalue_output("logits", self._logits_val)
-        if gid is None:
+
+    def _decode_binding(self) -> tuple[Any, Any]:
+        """The IOBinding of a one-token call at the states' current parity, and its run options: made once per
+        parity (the alternating states flip every call, so two in a plain decode loop) and kept, since every
+        buffer it binds stays where it is. Forgotten (`_decode_io.clear()`) when a state's buffer is replaced."""
+        key = tuple(self._cur[n] for n in self._alternating)
+        hit = self._decode_io.get(key)
+        if hit is None:
+            io = self.sess.io_binding()
+            io.bind_ortvalue_input("input_ids", self._decode_in.input_ids)
+            io.bind_ortvalue_input("position_ids", self._decode_in.position_ids)
+            self._bind_states(io)
+            opts = self._run_opts[str(1 + (key[0] if key else 0))] if self.cuda_graph else None
+            hit = self._decode_io[key] = (io, opts)
+        return hit
+
+    def _forward(self, ids: np.ndarray) -> np.ndarray:
+        if ids.size == 1:
+            io, opts = self._decode_binding()
+            self._decode_in.set(int(ids[0]), self.position)
+        else:
+            io, opts = self.sess.io_binding(), self._run_opts.get("-1")
+            io.bind_cpu_input("input_ids", ids.reshape(1, -1))
+            # [[p]] only: the graph reads element 0, and ONNX Runtime keys its memory patterns by the XOR of all
+            # input dims, in which input_ids [1, T] and position_ids [1, T] would cancel out (prefill and decode
+            # would share a pattern that fits neither)
+            io.bind_cpu_input("position_ids", self._positions[:, self.position : self.position + 1])
+            self._bind_states(io)
+        if opts is None:
             self.sess.run_with_iobinding(io)
         else:
-            self.sess.run_with_iobinding(io, self._run_opts[gid])
-        for s in self.states:
-            self._cur[s["name"]] = (self._cur[s["name"]] + 1) % len(self._vals[s["name"]])
+            self.sess.run_with_iobinding(io, opts)
+        for n in self._alternating:
+            self._cur[n] ^= 1
         if self.device == "cuda" or self.cuda_graph:
             return self._logits_val.numpy().reshape(-1).copy()
         return self._logits.reshape(-1).copy()

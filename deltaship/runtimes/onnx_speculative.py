@@ -14,7 +14,7 @@ _VERIFY_WIDTH = 4096
 
 
 class OnnxSpeculation:
-    """Mixed into OnnxSession; needs its sess, states, _vals, _cur, _bufs and position."""
+    """Mixed into OnnxSession; needs its sess, states, _vals, _cur, _bufs, _decode_io and position."""
 
     _draft_sess: Any = None
     _verify_positions: np.ndarray | None = None
@@ -59,6 +59,8 @@ class OnnxSpeculation:
                 )
             else:
                 self._cur[name] = (self._cur[name] + 1) % len(self._vals[name])
+        if spares:  # the in-place states now live in other buffers than the cached decode bindings bind
+            self._decode_io.clear()
         self._verify_serial += 1
         values = io.get_outputs()  # in binding order: the states, then logits_rows and hidden_states
         return values[-2].numpy()[0], values[-1].numpy()[0]
@@ -112,6 +114,8 @@ class OnnxSpeculation:
                 )
             elif s["kind"].startswith("deltanet"):
                 self._cur[name] = (self._cur[name] - 1) % len(self._vals[name])
+        if spares:
+            self._decode_io.clear()
         self._verify_serial -= 1
         self.position = snap["position"]
 

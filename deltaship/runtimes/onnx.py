@@ -204,7 +204,9 @@ class OnnxSession(OnnxSpeculation, Session):
         self._alternating = [s["name"] for s in self.states if len(self._vals[s["name"]]) == 2]
         self._decode_io: dict[tuple[int, ...], tuple[Any, Any]] = {}
         self.counted = counts_positions(manifest)
-        self._decode_in = DecodeInputs(ort, self.device, self.counted)
+        # host buffers (ORT copies them where the graph reads them), as prefill's bind_cpu_input; cuda_graph=True
+        # puts them on the device (_graph_buffers): a captured graph reads only device addresses
+        self._decode_in = DecodeInputs(ort, "cpu", self.counted)
         self._run_opts: dict[str, Any] = {}
         if cuda_graph:
             self._graph_buffers("cuda")

@@ -266,3 +266,28 @@ def test_genai_positions_count_prompts_holding_special_ids(tiny):
         gen.generate_next_token()
         got.append(int(gen.get_next_tokens()[0]))
     assert got == want[: len(got)] and len(got) >= 2
+
+
+def test_genai_profile_measures_prefill_and_decode(tiny):
+    """deltaship profile --runtime genai: prefill and decode measured in genai; the context sweep (a synthetic fill
+    of KV buffers genai keeps to itself) is reported as not measured instead of killing the run."""
+    _og()
+    from deltaship.profiling.profile import profile
+
+    doc = profile(
+        tiny("int4"),
+        prompt_lengths=[8],
+        gen=4,
+        contexts=[16],
+        warmups=0,
+        reps=2,
+        min_seconds=0.0,
+        threads=1,
+        breakdown=False,
+        runtime="genai",
+    )
+    got = {r["metric"]: r for r in doc["results"]}
+    assert "died" not in {r.get("status") for r in doc["results"]}, doc["results"]
+    assert got["prefill_tok_s"]["samples"] and got["decode_tok_s"]["samples"]
+    sweep = got["decode_latency_s"]
+    assert sweep["flags"] == ["not-measured"] and "onnxruntime-genai" in sweep["note"]

@@ -407,7 +407,8 @@ def check_kotlin_kit(kit: Path, bundle: Path) -> list[str]:
     model = bundle / spec["files"]["model"]
     if model.is_file() and "tokens" in spec:
         ins, outs = onnx_io(model)
-        kin = [spec["tokens"], spec["position"]] + [dict(s, name=s["input"]) for s in spec["states"]]
+        kin = [spec["tokens"], spec["position"]] + [spec["past_length"]] * bool(spec.get("past_length"))
+        kin += [dict(s, name=s["input"]) for s in spec["states"]]
         kout = [spec["logits"]] + [dict(s, name=s["output"]) for s in spec["states"]]
         for kind, have, feats in (("input", ins, kin), ("output", outs, kout)):
             for f in feats:
@@ -525,11 +526,13 @@ def test_onnx_kit_contract_reproduces_deltaship_generate(android_bundles, tmp_pa
 
     def forward(tokens):
         nonlocal position
-        feeds = {
-            spec["tokens"]["name"]: integers(spec["tokens"], len(tokens), tokens),
-            spec["position"]["name"]: integers(spec["position"], len(tokens), [position]),
-            **carried,
-        }
+        feeds = {spec["tokens"]["name"]: integers(spec["tokens"], len(tokens), tokens), **carried}
+        if spec.get("past_length"):  # onnxruntime-genai's pair: tokens held after the call, and one less
+            end = position + len(tokens)
+            feeds[spec["position"]["name"]] = integers(spec["position"], len(tokens), [end])
+            feeds[spec["past_length"]["name"]] = integers(spec["past_length"], len(tokens), [end - 1])
+        else:
+            feeds[spec["position"]["name"]] = integers(spec["position"], len(tokens), [position])
         names = [spec["logits"]["name"]] + [s["output"] for s in spec["states"]]
         out = dict(zip(names, sess.run(names, feeds)))
         for s in spec["states"]:

@@ -165,12 +165,15 @@ def test_manifest_contract(bundles, checkpoints):
     import onnx
 
     g = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
-    assert [i.name for i in g.input] == ["input_ids", "position_ids"] + [s["name"] for s in m["states"]]
+    pair = ["current_sequence_length", "past_sequence_length"]
+    assert [i.name for i in g.input] == ["input_ids", *pair] + [s["name"] for s in m["states"]]
     assert [o.name for o in g.output] == ["logits"] + [s["output"] for s in m["states"]]
-    assert [i["name"] for i in m["inputs"]] == ["input_ids", "position_ids"]
-    # onnxruntime-genai's contract: position_ids [1, T], logits of the last token only [1, 1, V]
+    assert [i["name"] for i in m["inputs"]] == ["input_ids", *pair] and [i["kind"] for i in m["inputs"]][1:] == pair
+    # onnxruntime-genai's contract: its sequence-length pair (int32 [1], [1, 1]), logits of the last token [1, 1, V]
     dims = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim] for v in [*g.input, *g.output]}
-    assert dims["position_ids"] == [1, "positions"] and dims["logits"] == [1, 1, 160]
+    assert dims["current_sequence_length"] == [1] and dims["past_sequence_length"] == [1, 1]
+    assert {v.name: v.type.tensor_type.elem_type for v in g.input}["current_sequence_length"] == onnx.TensorProto.INT32
+    assert dims["logits"] == [1, 1, 160]
     assert m["outputs"][0]["shape"] == [1, 1, 160]
     ops = {n.op_type for n in g.node}
     assert {"LinearAttention", "LinearAttentionGate", "GroupQueryAttention"} <= ops

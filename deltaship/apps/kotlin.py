@@ -82,8 +82,10 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
         "runtime": "onnxruntime",
         "vocab_size": int(logits["shape"][-1]),
         "tokens": feature(kinds["tokens"]),
-        # the start position [1], or one position per token [1, T] (kind position_ids, what onnxruntime-genai feeds)
-        "position": feature(kinds.get("position") or kinds["position_ids"]),
+        # current_sequence_length [1] = start + T (with past_length: onnxruntime-genai's pair, what deltaship
+        # exports), the start position [1] (kind position), or one position per token [1, T] (kind position_ids)
+        "position": feature(kinds.get("current_sequence_length") or kinds.get("position") or kinds["position_ids"]),
+        "past_length": feature(kinds["past_sequence_length"]) if "past_sequence_length" in kinds else None,
         "logits": feature(logits),
         "states": [
             {
@@ -96,7 +98,7 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
         ],
         "gradle": [f"com.microsoft.onnxruntime:onnxruntime-android:{tools['onnxruntime']}"],
     }
-    extra = set(kinds) - {"tokens", "position", "position_ids"}
+    extra = set(kinds) - {"tokens", "position", "position_ids", "current_sequence_length", "past_sequence_length"}
     if extra:
         raise DeltashipError(
             f"ONNX bundle inputs of kinds {sorted(extra)}: this kit feeds only tokens and position",
@@ -115,6 +117,16 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
 
 # bundle target -> the Android runtime the kit drives it with
 _RUNTIME_SPECS = {"onnx": _onnx_spec, "executorch": _executorch_spec}
+
+
+def _position_doc(spec: dict[str, Any]) -> str:
+    pos, past = spec["position"], spec.get("past_length")
+    if past:
+        return (
+            f"`{pos['name']}` ({pos['dtype']} {pos['shape']}, tokens the state holds after the call) and "
+            f"`{past['name']}` ({past['dtype']} {past['shape']}, one less)"
+        )
+    return f"`{pos['name']}` ({pos['dtype']} {pos['shape']}, tokens the state holds)"
 
 
 def render_kit_spec(spec: dict[str, Any]) -> str:
@@ -142,7 +154,10 @@ def render_kit_spec(spec: dict[str, Any]) -> str:
             f"    const val VOCAB_SIZE = {spec['vocab_size']}",
             "    // -1 in a shape is the call's token count (1 to PREFILL_CHUNK)",
             f"    val TOKENS = {feat(spec['tokens'])}",
+            "    // with PAST_LENGTH (onnxruntime-genai's pair): POSITION is current_sequence_length = start + tokens,",
+            "    // PAST_LENGTH one less; without: POSITION is the start [1] or each token's position [1, -1]",
             f"    val POSITION = {feat(spec['position'])}",
+            "    val PAST_LENGTH: Feature? = " + (feat(spec["past_length"]) if spec.get("past_length") else "null"),
             f"    val LOGITS = {feat(spec['logits'])}",
             "    val STATES = listOf(",
         ]
@@ -180,6 +195,11 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
         for key in ("TOKENS", "POSITION", "LOGITS"):
             m = _FEATURE.fullmatch(val(key))
             out[key.lower()] = {"name": m.group(1), "shape": ints(m.group(2)), "dtype": _FROM_KOTLIN[m.group(3)]}
+        past = re.search(r"\bval PAST_LENGTH: Feature\? = (.+)", text)
+        m = _FEATURE.fullmatch(past.group(1).strip()) if past else None
+        out["past_length"] = (
+            {"name": m.group(1), "shape": ints(m.group(2)), "dtype": _FROM_KOTLIN[m.group(3)]} if m else None
+        )
         out["vocab_size"] = int(val("VOCAB_SIZE"))
         out["states"] = [
             {"input": m.group(1), "output": m.group(2), "shape": ints(m.group(3)), "dtype": _FROM_KOTLIN[m.group(4)]}
@@ -350,7 +370,7 @@ model.close()
 - `OrtEnvironment.getEnvironment().createSession(model path)` (onnxruntime-android
   {manifest["tools"].get("onnxruntime")}: the onnxruntime version in the bundle's manifest, the exporter's).
 - Each call feeds `{spec["tokens"]["name"]}` ({spec["tokens"]["dtype"]}, 1 to {spec["prefill_chunk"]} tokens),
-  `{spec["position"]["name"]}` ({spec["position"]["dtype"]} {spec["position"]["shape"]}, tokens the state holds),
+  {_position_doc(spec)},
   and {len(spec["states"])} states: `past.*` inputs take the previous call's `present.*` outputs (the
   previous `OrtSession.Result` stays open until the next call has run; zeros at start and after `reset()`).
   `{spec["logits"]["name"]}` gives the last token's scores. Greedy or top-k sampling.

@@ -36,13 +36,21 @@ FILL_NOTE = (
 )
 
 
+FILLABLE = ("OnnxSession", "ExecuTorchSession")  # sessions whose KV buffers the fill can write
+
+
+def fillable(session) -> bool:
+    """Whether the synthetic fill can reach depths in this session (onnxruntime-genai's KV cache is its own)."""
+    return type(session).__name__ in FILLABLE
+
+
 class StateAccess:
     """The KV-cache tensors of a session as writable numpy views along their sequence axis, whatever the runtime."""
 
     def __init__(self, session):
         self.session = session
         self.kind = type(session).__name__
-        if self.kind not in ("OnnxSession", "ExecuTorchSession"):
+        if self.kind not in FILLABLE:
             raise DeltashipError(
                 f"the synthetic context fill needs the KV buffers; {session.runtime_name()} does not expose them",
                 "profile contexts in deltaship's own ONNX or ExecuTorch runtime (no --runtime)",

@@ -1,7 +1,8 @@
 """An ONNX bundle run by onnxruntime-genai, the runtime apps embed (its Python wheel has the same C++
 core as the Android AAR, the iOS pods and the C# package). No torch import.
 
-genai owns the sequence: it feeds input_ids/position_ids, keeps the KV cache and the DeltaNet states,
+genai owns the sequence: it feeds input_ids and the sequence lengths (current_sequence_length,
+past_sequence_length, from which the graph takes its start position), keeps the KV cache and the DeltaNet states,
 splits a prompt into the bundle's prefill chunks (search.chunk_size) and samples. This session offers
 deltaship's Session API on top of it: prefill/decode/reset/generate, and timed_generate for prefill and
 decode timings of genai's own loop.
@@ -44,7 +45,6 @@ class GenaiSession(Session):
         manifest: dict[str, Any],
         threads: int | None = None,
         prefill_chunk: int | None = None,
-        prime_decode: bool = True,
     ):
         super().__init__(bundle, manifest, prefill_chunk)
         if manifest.get("target") != "onnx":
@@ -84,22 +84,6 @@ class GenaiSession(Session):
             ) from None
         self._gen = None
         self._looped = False  # the sequence came from genai's loop (timed_generate): it cannot continue
-        if prime_decode:
-            self._prime_decode()
-
-    def _prime_decode(self) -> None:
-        """One throwaway one-token call at load, so that decode steps run on an exact memory pattern.
-
-        ONNX Runtime caches the memory pattern of a session's runs under a key built from the input shapes (an
-        XOR of their dimensions, onnxruntime's CalculateMemoryPatternsKey), and the first pattern stored under a
-        key is kept. genai feeds input_ids and position_ids both [1, T], so T cancels and every call shares one
-        key: without this, the pattern is the first prompt's prefill and every decode step misses it ("fall
-        back to default allocation behavior" in ORT's verbose log: hundreds of allocations a step). After a
-        one-token call, decode steps reuse its pattern and prefills fall back (small next to their compute).
-        deltaship's own driver avoids the collision by feeding decode's position as [[p]]; the app kits that
-        drive genai do this same call (docs/ship.md)."""
-        g = self._generator(max_length=2)
-        g.append_tokens(np.zeros(1, dtype=np.int32))
 
     def runtime_name(self) -> str:
         return f"onnxruntime-genai {getattr(self._og, '__version__', '?')} (CPU)"
@@ -124,7 +108,9 @@ class GenaiSession(Session):
         return np.asarray(self._gen.get_logits(), dtype=np.float32).reshape(-1)
 
     def _reset_states(self) -> None:
-        self._gen = None  # a new generator starts from zeroed states (genai cannot rewind DeltaNet state)
+        # a new generator starts from zeroed states and counts from 0: never rewind_to, which in genai 0.18 zeroes
+        # the DeltaNet states but does not rewind its current/past_sequence_length counters (wrong positions)
+        self._gen = None
         self._looped = False
 
     def seek(self, position: int) -> None:
@@ -209,12 +195,10 @@ def open_genai(
     threads: int | None = None,
     check_hashes: bool = True,
     prefill_chunk: int | None = None,
-    prime_decode: bool = True,
 ) -> GenaiSession:
-    """Open an ONNX bundle in onnxruntime-genai (files checked against the manifest first); prime_decode: see
-    GenaiSession._prime_decode (off only to measure what it saves)."""
+    """Open an ONNX bundle in onnxruntime-genai (files checked against the manifest first)."""
     from deltaship.bundle.reader import read_manifest, require_intact
 
     manifest = read_manifest(bundle)
     require_intact(bundle, manifest, hashes=check_hashes)
-    return GenaiSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, prime_decode=prime_decode)
+    return GenaiSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk)

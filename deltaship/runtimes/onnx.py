@@ -9,7 +9,7 @@ states alternate between two buffers, so nothing is copied per token.
 cuda_graph=True (CUDA provider only) asks ONNX Runtime's CUDA EP to capture decode (T=1) as CUDA graphs and
 replay them, which needs every buffer a run touches at a fixed device address: the states are (alternating
 buffers give two address sets, so two graphs, `gpu_graph_id` 1 and 2 by the buffers' parity), input_ids and
-position_ids live in preallocated [1, 1] device buffers written in place (DecodeInputs), logits in a fixed
+the position inputs live in preallocated device buffers written in place (DecodeInputs), logits in a fixed
 device buffer. Prefill runs with `gpu_graph_id` -1 (not captured: its length varies). ORT refuses the session
 when the graph needs Memcpy nodes (CPU-placed nodes feeding GPU ones); see docs/results/gpu.md.
 """
@@ -44,24 +44,55 @@ def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool 
     return opts
 
 
+def counts_positions(manifest: dict[str, Any]) -> bool:
+    """Whether the bundle's decoder takes its start position as onnxruntime-genai's sequence-length pair
+    (current_sequence_length int32 [1] = p + T, past_sequence_length int32 [1, 1] = p + T - 1), as bundles do
+    now; older ones take position_ids int64 [1, T] (only element 0, p, is read)."""
+    return any(i.get("kind") == "current_sequence_length" for i in manifest.get("inputs", []))
+
+
+def position_feeds(counted: bool, position: int, tokens: int) -> dict[str, np.ndarray]:
+    """The position inputs of a call of `tokens` tokens starting at `position`, in either form."""
+    if counted:
+        end = position + tokens
+        return {
+            "current_sequence_length": np.array([end], np.int32),
+            "past_sequence_length": np.array([[end - 1]], np.int32),
+        }
+    # [[p]] only: the graph reads element 0, and ONNX Runtime keys its memory patterns by the XOR of all input
+    # dims, in which input_ids [1, T] and position_ids [1, T] would cancel out
+    return {"position_ids": np.array([[position]], np.int64)}
+
+
 class DecodeInputs:
-    """input_ids and position_ids of a one-token call, each a preallocated [1, 1] int64 OrtValue on `device`.
+    """The inputs of a one-token call, each a preallocated OrtValue on `device`: input_ids int64 [1, 1] and the
+    position, as current_sequence_length int32 [1] and past_sequence_length int32 [1, 1] (counted=True) or as
+    position_ids int64 [1, 1] (older bundles).
 
-    set() writes the values in place (OrtValue.update_inplace), so the buffers keep their addresses: a captured
-    CUDA graph reads its inputs from the addresses it was captured with."""
+    set() writes the values in place, so the buffers keep their addresses: a decode IOBinding made once keeps
+    reading them, and a captured CUDA graph reads its inputs from the addresses it was captured with. On the CPU
+    the OrtValues wrap numpy arrays (ortvalue_from_numpy shares host memory), which set() writes directly; on a
+    device it copies host arrays in (OrtValue.update_inplace)."""
 
-    def __init__(self, ort, device: str = "cpu"):
+    def __init__(self, ort, device: str = "cpu", counted: bool = True):
         self.device = device
-        self._host = np.zeros((1, 1), dtype=np.int64)  # staging row for the host-to-device copy
+        self.counted = counted
         args = ("cuda", 0) if device == "cuda" else ()
-        self.input_ids = ort.OrtValue.ortvalue_from_numpy(self._host.copy(), *args)
-        self.position_ids = ort.OrtValue.ortvalue_from_numpy(self._host.copy(), *args)
+        self._host = {"input_ids": np.zeros((1, 1), np.int64), **position_feeds(counted, 0, 1)}
+        self.values = {n: ort.OrtValue.ortvalue_from_numpy(a, *args) for n, a in self._host.items()}
+        self.input_ids = self.values["input_ids"]
 
     def set(self, token: int, position: int) -> None:
-        self._host[0, 0] = token
-        self.input_ids.update_inplace(self._host)
-        self._host[0, 0] = position
-        self.position_ids.update_inplace(self._host)
+        h = self._host
+        h["input_ids"][0, 0] = token
+        if self.counted:
+            h["current_sequence_length"][0] = position + 1
+            h["past_sequence_length"][0, 0] = position
+        else:
+            h["position_ids"][0, 0] = position
+        if self.device != "cpu":
+            for name, value in self.values.items():
+                value.update_inplace(h[name])
 
 
 def cuda_provider_options(cuda_graph: bool) -> dict[str, str]:
@@ -168,9 +199,18 @@ class OnnxSession(OnnxSpeculation, Session):
             self._cur[s["name"]] = 0
         self._logits = np.zeros((1, 1, self.vocab_size), dtype=np.float32)
         self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits)
+        # one-token calls reuse one IOBinding per parity of the alternating states (made on first use): a decode
+        # step writes two numbers and runs, instead of binding every state again
+        self._alternating = [s["name"] for s in self.states if len(self._vals[s["name"]]) == 2]
+        self._decode_io: dict[tuple[int, ...], tuple[Any, Any]] = {}
+        self.counted = counts_positions(manifest)
+        # host buffers (ORT copies them where the graph reads them), as prefill's bind_cpu_input; cuda_graph=True
+        # puts them on the device (_graph_buffers): a captured graph reads only device addresses
+        self._decode_in = DecodeInputs(ort, "cpu", self.counted)
+        self._run_opts: dict[str, Any] = {}
         if cuda_graph:
             self._graph_buffers("cuda")
-        # position_ids of a call are a slice (a view, no copy) of one preallocated row
+        # the multimodal decoder's position_ids (runtimes/vision.py): a slice (a view, no copy) of one row
         self._positions = np.arange(self.max_context, dtype=np.int64).reshape(1, -1)
 
     def _graph_buffers(self, device: str) -> None:
@@ -179,7 +219,8 @@ class OnnxSession(OnnxSpeculation, Session):
         # a captured graph writes its output to the address it was captured with, on the device
         args = ("cuda", 0) if device == "cuda" else ()
         self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits, *args)
-        self._decode_in = DecodeInputs(ort, device)
+        self._decode_in = DecodeInputs(ort, device, self.counted)
+        self._decode_io.clear()
         self._run_opts = {}
         for gid in ("-1", "1", "2"):  # -1: no capture (prefill); 1, 2: decode on either buffer parity
             ro = ort.RunOptions()
@@ -226,33 +267,46 @@ class OnnxSession(OnnxSpeculation, Session):
         parity, so that each captured graph always sees the same buffer addresses."""
         if ids.size != 1:
             return "-1"
-        alternating = [s["name"] for s in self.states if len(self._vals[s["name"]]) == 2]
-        return str(1 + (self._cur[alternating[0]] if alternating else 0))
+        return str(1 + (self._cur[self._alternating[0]] if self._alternating else 0))
 
-    def _forward(self, ids: np.ndarray) -> np.ndarray:
-        io = self.sess.io_binding()
-        gid = self._graph_id(ids) if self.cuda_graph else None
-        if gid not in (None, "-1"):
-            self._decode_in.set(int(ids[0]), self.position)
-            io.bind_ortvalue_input("input_ids", self._decode_in.input_ids)
-            io.bind_ortvalue_input("position_ids", self._decode_in.position_ids)
-        else:
-            io.bind_cpu_input("input_ids", ids.reshape(1, -1))
-            # [[p]] only: the graph reads element 0, and ONNX Runtime keys its memory patterns by the XOR of all
-            # input dims, in which input_ids [1, T] and position_ids [1, T] would cancel out (prefill and decode
-            # would share a pattern that fits neither)
-            io.bind_cpu_input("position_ids", self._positions[:, self.position : self.position + 1])
+    def _bind_states(self, io) -> None:
         for s in self.states:
             vals, cur = self._vals[s["name"]], self._cur[s["name"]]
             io.bind_ortvalue_input(s["name"], vals[cur])
             io.bind_ortvalue_output(s["output"], vals[(cur + 1) % len(vals)])
         io.bind_ortvalue_output("logits", self._logits_val)
-        if gid is None:
+
+    def _decode_binding(self) -> tuple[Any, Any]:
+        """The IOBinding of a one-token call at the states' current parity, and its run options: made once per
+        parity (the alternating states flip every call, so two in a plain decode loop) and kept, since every
+        buffer it binds stays where it is. Forgotten (`_decode_io.clear()`) when a state's buffer is replaced."""
+        key = tuple(self._cur[n] for n in self._alternating)
+        hit = self._decode_io.get(key)
+        if hit is None:
+            io = self.sess.io_binding()
+            for name, value in self._decode_in.values.items():
+                io.bind_ortvalue_input(name, value)
+            self._bind_states(io)
+            opts = self._run_opts[str(1 + (key[0] if key else 0))] if self.cuda_graph else None
+            hit = self._decode_io[key] = (io, opts)
+        return hit
+
+    def _forward(self, ids: np.ndarray) -> np.ndarray:
+        if ids.size == 1:
+            io, opts = self._decode_binding()
+            self._decode_in.set(int(ids[0]), self.position)
+        else:
+            io, opts = self.sess.io_binding(), self._run_opts.get("-1")
+            io.bind_cpu_input("input_ids", ids.reshape(1, -1))
+            for name, arr in position_feeds(self.counted, self.position, ids.size).items():
+                io.bind_cpu_input(name, arr)
+            self._bind_states(io)
+        if opts is None:
             self.sess.run_with_iobinding(io)
         else:
-            self.sess.run_with_iobinding(io, self._run_opts[gid])
-        for s in self.states:
-            self._cur[s["name"]] = (self._cur[s["name"]] + 1) % len(self._vals[s["name"]])
+            self.sess.run_with_iobinding(io, opts)
+        for n in self._alternating:
+            self._cur[n] ^= 1
         if self.device == "cuda" or self.cuda_graph:
             return self._logits_val.numpy().reshape(-1).copy()
         return self._logits.reshape(-1).copy()

@@ -14,7 +14,7 @@ _VERIFY_WIDTH = 4096
 
 
 class OnnxSpeculation:
-    """Mixed into OnnxSession; needs its sess, states, _vals, _cur, _bufs and position."""
+    """Mixed into OnnxSession; needs its sess, states, _vals, _cur, _bufs, _decode_io, counted and position."""
 
     _draft_sess: Any = None
     _verify_positions: np.ndarray | None = None
@@ -28,14 +28,20 @@ class OnnxSpeculation:
             raise DeltashipError(f"{self.bundle}: no verify outputs in this bundle", "export it again with --mtp")
         io = self.sess.io_binding()
         io.bind_cpu_input("input_ids", np.ascontiguousarray(ids, np.int64).reshape(1, -1))
-        # ONNX Runtime keys its memory patterns by the XOR of all input dims: input_ids [1, T] and logit_rows [T]
-        # cancel out, so position_ids (only element 0 is read) gets a width of its own per T, apart from the
-        # widths plain calls give (1): each verify length keeps its own pattern
-        width = _VERIFY_WIDTH + ids.size
-        if self._verify_positions is None or self._verify_positions.shape[1] < width:
-            self._verify_positions = np.zeros((1, _VERIFY_WIDTH + self.prefill_chunk + 1), np.int64)
-        self._verify_positions[0, 0] = self.position
-        io.bind_cpu_input("position_ids", self._verify_positions[:, :width])
+        if self.counted:
+            # ONNX Runtime keys its memory patterns by the XOR of all input dims: input_ids [1, T] and logit_rows
+            # [T] cancel out, so every verify length shares one key (0: apart from prefill's T and decode's 1)
+            from deltaship.runtimes.onnx import position_feeds
+
+            for name, arr in position_feeds(True, self.position, ids.size).items():
+                io.bind_cpu_input(name, arr)
+        else:  # an older bundle's position_ids (only element 0 is read) gets a width of its own per T, apart
+            # from the widths plain calls give (1): each verify length keeps its own pattern
+            width = _VERIFY_WIDTH + ids.size
+            if self._verify_positions is None or self._verify_positions.shape[1] < width:
+                self._verify_positions = np.zeros((1, _VERIFY_WIDTH + self.prefill_chunk + 1), np.int64)
+            self._verify_positions[0, 0] = self.position
+            io.bind_cpu_input("position_ids", self._verify_positions[:, :width])
         # an overridable initializer (default [-1]): bind_cpu_input does not find it, an OrtValue binds
         rows_value = self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(rows, np.int64))
         io.bind_ortvalue_input("logit_rows", rows_value)
@@ -59,6 +65,8 @@ class OnnxSpeculation:
                 )
             else:
                 self._cur[name] = (self._cur[name] + 1) % len(self._vals[name])
+        if spares:  # the in-place states now live in other buffers than the cached decode bindings bind
+            self._decode_io.clear()
         self._verify_serial += 1
         values = io.get_outputs()  # in binding order: the states, then logits_rows and hidden_states
         return values[-2].numpy()[0], values[-1].numpy()[0]
@@ -112,6 +120,8 @@ class OnnxSpeculation:
                 )
             elif s["kind"].startswith("deltanet"):
                 self._cur[name] = (self._cur[name] - 1) % len(self._vals[name])
+        if spares:
+            self._decode_io.clear()
         self._verify_serial -= 1
         self.position = snap["position"]
 

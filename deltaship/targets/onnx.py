@@ -70,9 +70,10 @@ class OnnxTarget(Target):
     extra = "onnx"
     usage = (
         "Open model.onnx with ONNX Runtime (com.microsoft contrib ops: CPU and CUDA execution providers).",
-        "Each call: input_ids int64 [1, T] (T = 1 .. prefill_chunk; 1 to decode) and position_ids int64 [1, T] = "
-        "p, p+1, .., p+T-1 where p is the number of tokens the state already holds; the graph reads only element 0, "
-        "so [1, 1] = [[p]] is enough (and lets ONNX Runtime keep separate memory patterns for prefill and decode).",
+        "Each call: input_ids int64 [1, T] (T = 1 .. prefill_chunk; 1 to decode), current_sequence_length int32 [1] "
+        "= p + T and past_sequence_length int32 [1, 1] = p + T - 1, where p is the number of tokens the state already "
+        "holds (onnxruntime-genai's pair; the graph takes p = current_sequence_length - T and does not read "
+        "past_sequence_length).",
         "Feed every state input 'past.L.kind' the output 'present.L.kind' of the previous call; start from zeros "
         "and zero them again to reset.",
         "KV-cache states hold max_context positions; GroupQueryAttention writes the new positions in place, so "
@@ -124,7 +125,7 @@ class OnnxTarget(Target):
     host_runtime = "onnxruntime"
     op_breakdown = True  # ONNX Runtime's profiler
     android_runner_args = "-e cpu -x {threads} -r {reps} {model}"  # onnxruntime_perf_test
-    vision_module = "deltaship.export.onnx.vision"  # vision.onnx, embedding.onnx, decoder_mm.onnx
+    vision_module = "deltaship.export.onnx.multimodal"  # vision.onnx, embedding.onnx, decoder_mm.onnx
     vision_precisions = ("fp32", "fp16")
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: OnnxOptions) -> None:

@@ -1,10 +1,12 @@
 """genai_config.json: what onnxruntime-genai needs to run an ONNX bundle as it is.
 
 onnxruntime-genai (the runtime Android, iOS and desktop apps embed through its Java/Kotlin, ObjC/Swift
-and C# bindings) drives a `decoder` graph through name templates: it feeds input_ids and position_ids
-[B, T], reads logits [B, 1, V], finds the KV cache by `past.%d.key` and the DeltaNet states by
-`past.%d.recurrent` (layer indices from the graph's input names, shapes and dtypes from the graph), and
-zero-fills them. A static KV length in the graph becomes its cache size (shared past/present buffer).
+and C# bindings) drives a `decoder` graph through name templates: it feeds input_ids [B, T] and, when the
+graph has both, current_sequence_length [1] / past_sequence_length [1, 1] (tokens consumed after the call,
+and one less; src/models/input_ids.cpp), reads logits [B, 1, V], finds the KV cache by `past.%d.key` and the
+DeltaNet states by `past.%d.recurrent` (layer indices from the graph's input names, shapes and dtypes from
+the graph), and zero-fills them. A static KV length in the graph becomes its cache size (shared past/present
+buffer).
 Sources: microsoft/onnxruntime-genai src/config.cpp, src/models/{decoder_only,kv_cache,recurrent_state,
 logits,position_inputs}.cpp.
 """
@@ -16,7 +18,11 @@ from pathlib import Path
 from typing import Any
 
 GENAI_CONFIG = "genai_config.json"
-MODEL_TYPE = "qwen3_5_text"  # genai's text-only Qwen3.5 type: its plain decoder-only path, nothing else
+MODEL_TYPE = "qwen3_5_text"
+# genai adds to current_sequence_length only the appended tokens before the first pad_token_id, so a pad id that a
+# prompt or a generated token could hold (the tokenizer's pad, often eos) would shift every later position: the
+# bundle's pad is an id no tokenizer or argmax gives (batch 1 never pads)
+GENAI_PAD = -1  # genai's text-only Qwen3.5 type: its plain decoder-only path, nothing else
 # tokenizer_config.json classes onnxruntime-genai's tokenizer (onnxruntime-extensions) accepts for an HF
 # tokenizer.json; it rejects the others (e.g. transformers 5's Qwen3_5Tokenizer) when it loads the model.
 GENAI_TOKENIZER_CLASSES = (
@@ -93,9 +99,12 @@ def genai_config(
             "set eos_token_id in the checkpoint's config.json",
         )
     bos = tokens.get("bos") if tokens.get("bos") is not None else spec.bos_token_id
-    pad = tokens.get("pad") if tokens.get("pad") is not None else spec.pad_token_id
     kinds = {s["kind"] for s in states}
-    inputs = {"input_ids": "input_ids", "position_ids": "position_ids"}
+    inputs = {
+        "input_ids": "input_ids",
+        "current_sequence_length": "current_sequence_length",
+        "past_sequence_length": "past_sequence_length",
+    }
     outputs = {"logits": "logits"}
     if {"kv_cache_key", "kv_cache_value"} & kinds:  # none (deltanet_only): genai then keeps no KV cache
         inputs |= {"past_key_names": "past.%d.key", "past_value_names": "past.%d.value"}
@@ -108,7 +117,7 @@ def genai_config(
             "type": MODEL_TYPE,
             **({"bos_token_id": bos} if bos is not None else {}),
             "eos_token_id": eos if len(eos) > 1 else eos[0],
-            "pad_token_id": pad if pad is not None else eos[0],
+            "pad_token_id": GENAI_PAD,
             "vocab_size": spec.vocab_size,
             "context_length": max_context,
             "decoder": {

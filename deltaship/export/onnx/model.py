@@ -107,34 +107,68 @@ def estimate_bytes(ctx) -> int:
     return total
 
 
-_PROGRAM_POSITION = "position"  # the captured program's start position [1]: derived from position_ids
+_PROGRAM_POSITION = "position"  # the captured program's start position [1]: derived from the sequence lengths
 _PROGRAM_LOGITS = "logits_last"  # the program's logits [1, V]: unsqueezed to the graph output [1, 1, V]
+CURRENT_LENGTH = "current_sequence_length"  # int32 [1]: tokens in the state after this call (p + T)
+PAST_LENGTH = "past_sequence_length"  # int32 [1, 1]: p + T - 1; not read (genai feeds the pair or neither)
+_LENGTH_NODES = ("seqlen_call_tokens", "seqlen_current")  # the outputs of the start-position nodes, besides it
 
 
 def _genai_io(b: GraphBuilder, vocab: int) -> None:
-    """Swap the program's I/O for the contract onnxruntime-genai drives: input position_ids int64 [1, T]
-    (its element 0 is the start position the program wants) and output logits float32 [1, 1, V]. genai
-    trims prefill logits to the last token only when the graph declares dim 1 of logits as 1."""
+    """Swap the program's I/O for the contract onnxruntime-genai drives: inputs current_sequence_length int32 [1]
+    and past_sequence_length int32 [1, 1] (genai feeds both whenever the graph has both: after each call the
+    tokens consumed so far, and one less), from which the graph derives the start position the program wants
+    (p = current_sequence_length - T), and output logits float32 [1, 1, V]. genai trims prefill logits to the
+    last token only when the graph declares dim 1 of logits as 1.
+
+    Not position_ids [1, T]: ONNX Runtime keys its cached memory patterns by the XOR of all input dims, in which
+    input_ids [1, T] and position_ids [1, T] cancel out, so genai's prefill and decode calls shared one pattern
+    and one of them always fell back to allocating tensor by tensor. With the counters the key is T."""
     i = next(k for k, v in enumerate(b.inputs) if v.name == _PROGRAM_POSITION)
-    # Its own dim name: only element 0 is read, so a caller may pass [1, 1] (deltaship's session does: ONNX
-    # Runtime keys its memory patterns by the XOR of all input dims, and [1, T] twice cancels out, so prefill
-    # and decode would share one pattern and fall back to allocating tensor by tensor).
-    b.inputs[i] = onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "positions"])
-    first = b.node(
-        "Slice",
-        [
-            "position_ids",
-            b.const(np.array([0], np.int64)),
-            b.const(np.array([1], np.int64)),
-            b.const(np.array([1], np.int64)),
-        ],
-        name_hint="position_first",
-    )[0]
-    b.node("Reshape", [first, b.const(np.array([1], np.int64))], outputs=[_PROGRAM_POSITION])
-    b.nodes[:] = b.nodes[-2:] + b.nodes[:-2]  # keep the node list topologically sorted
+    b.inputs[i : i + 1] = [
+        onnx.helper.make_tensor_value_info(CURRENT_LENGTH, onnx.TensorProto.INT32, [1]),
+        onnx.helper.make_tensor_value_info(PAST_LENGTH, onnx.TensorProto.INT32, [1, 1]),
+    ]
+    n = len(b.nodes)
+    tokens = b.node("Shape", ["input_ids"], outputs=[_LENGTH_NODES[0]], start=1, end=2)[0]  # [T]
+    current = b.node("Cast", [CURRENT_LENGTH], outputs=[_LENGTH_NODES[1]], to=onnx.TensorProto.INT64)[0]
+    b.node("Sub", [current, tokens], outputs=[_PROGRAM_POSITION])
+    b.nodes[:] = b.nodes[n:] + b.nodes[:n]  # keep the node list topologically sorted
     o = next(k for k, v in enumerate(b.outputs) if v.name == _PROGRAM_LOGITS)
     b.node("Unsqueeze", [_PROGRAM_LOGITS, b.const(np.array([1], np.int64))], outputs=["logits"])
     b.outputs[o] = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 1, vocab])
+
+
+def position_ids_io(path: Path) -> None:
+    """Rewrite a graph derived from model.onnx (decoder_mm.onnx) back to a position_ids int64 [1, positions]
+    input in place of the sequence-length pair: the multimodal decoder's contract (runtimes/vision.py binds
+    position_ids [[p]]; only element 0 is read)."""
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    drop = {_PROGRAM_POSITION, *_LENGTH_NODES}
+    nodes = [n for n in g.node if not drop & set(n.output)]
+    i64 = onnx.numpy_helper.from_array
+    g.initializer.extend(
+        [i64(np.array([0], np.int64), "position_ids_start"), i64(np.array([1], np.int64), "position_ids_end")]
+    )
+    first = onnx.helper.make_node(
+        "Slice",
+        ["position_ids", "position_ids_start", "position_ids_end", "position_ids_end"],
+        ["position_ids_first"],
+        name="position_ids_first",
+    )
+    flat = onnx.helper.make_node(
+        "Reshape", ["position_ids_first", "position_ids_end"], [_PROGRAM_POSITION], name="position_ids_flat"
+    )
+    del g.node[:]
+    g.node.extend([first, flat] + nodes)
+    inputs = list(g.input)
+    k = next(k for k, v in enumerate(inputs) if v.name == CURRENT_LENGTH)
+    inputs[k] = onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "positions"])
+    inputs = [v for v in inputs if v.name != PAST_LENGTH]
+    del g.input[:]
+    g.input.extend(inputs)
+    onnx.save(model, str(path))
 
 
 def _conv_state_layout(states: list[dict], opset: int) -> None:
@@ -170,12 +204,19 @@ def io_inputs(ctx) -> list[dict]:
             "doc": "1 to prefill_chunk token ids",
         },
         {
-            "name": "position_ids",
-            "shape": [1, "positions"],
-            "dtype": "int64",
-            "kind": "position_ids",
-            "doc": "positions of this call's tokens: p .. p+T-1, p = tokens already consumed by the state; only "
-            "the first is read, so [1, 1] = [[p]] is enough",
+            "name": CURRENT_LENGTH,
+            "shape": [1],
+            "dtype": "int32",
+            "kind": "current_sequence_length",
+            "doc": "p + T: the tokens the state holds after this call (p = tokens it held before); the graph's "
+            "start position is this minus T",
+        },
+        {
+            "name": PAST_LENGTH,
+            "shape": [1, 1],
+            "dtype": "int32",
+            "kind": "past_sequence_length",
+            "doc": "p + T - 1 (onnxruntime-genai's count, which it feeds with current_sequence_length); not read",
         },
     ]
 
@@ -212,7 +253,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     external = external or "mtp" in ctx.programs  # mtp.onnx reads the shared weights from model.onnx.data
     b = GraphBuilder(out_dir / DATA_FILE if external else None)
     # The program takes position [1] and returns logits [1, V]; the graph's contract is the one
-    # onnxruntime-genai drives (position_ids [1, T], logits [1, 1, V]), adapted around it below.
+    # onnxruntime-genai drives (current/past_sequence_length, logits [1, 1, V]), adapted around it below.
     speculative = "mtp" in ctx.programs  # --mtp: the decoder also verifies drafts; mtp.onnx drafts them
     inputs = (
         ["input_ids", _PROGRAM_POSITION] + [s["name"] for s in ctx.states] + (["logit_rows"] if speculative else [])

@@ -52,20 +52,25 @@ export function checkManifest(manifest, where) {
 }
 
 /**
- * Which graph input/output plays which part, from the manifest's inputs/outputs/states. Two position
- * forms exist: `position` int64 [1] (the start position of the call) and `position_ids` int64 [1, T]
- * (one position per token, the form onnxruntime-genai feeds). Logits are [1, V] or [1, 1, V]
+ * Which graph input/output plays which part, from the manifest's inputs/outputs/states. Three position
+ * forms exist: the sequence-length pair onnxruntime-genai feeds (what deltaship exports now):
+ * `current_sequence_length` int32 [1] = p + T and `past_sequence_length` int32 [1, 1] = p + T - 1, where p
+ * is the start position of the call and T its token count; `position` int64 [1] (p); and `position_ids`
+ * int64 [1, T] (one position per token, older bundles). Logits are [1, V] or [1, 1, V]
  * (or [1, T, V]: the last row is the one that matters).
  * @param {object} manifest a checked manifest
- * @returns {{tokens: string, position: {name: string, form: 'start'|'ids'}|null, logits: string,
- *            states: object[]}}
+ * @returns {{tokens: string, position: {name: string, form: 'start'|'ids'}|{form: 'counts', current: string,
+ *            past: string}|null, logits: string, states: object[]}}
  */
 export function ioPlan(manifest) {
   let tokens = null;
   let position = null;
+  const counts = {};
   for (const inp of manifest.inputs) {
     if (inp.kind === 'tokens') {
       tokens = inp.name;
+    } else if (inp.kind === 'current_sequence_length' || inp.kind === 'past_sequence_length') {
+      counts[inp.kind === 'current_sequence_length' ? 'current' : 'past'] = inp.name;
     } else if (inp.kind === 'position_ids' || inp.name === 'position_ids') {
       position = { name: inp.name, form: 'ids' };
     } else if (inp.kind === 'position') {
@@ -78,6 +83,13 @@ export function ioPlan(manifest) {
       throw new DeltashipError(`manifest input ${inp.name} has kind ${JSON.stringify(inp.kind)}, which this driver does not feed`,
         'use the deltaship-runtime package from the deltaship that wrote the bundle');
     }
+  }
+  if (counts.current || counts.past) {
+    if (!counts.current || !counts.past || position) {
+      throw new DeltashipError('manifest inputs: current_sequence_length and past_sequence_length come as a pair, '
+        + 'with no other position input', 'export the bundle again with `deltaship export --target onnx ...`');
+    }
+    position = { form: 'counts', ...counts };
   }
   const logits = manifest.outputs.find((o) => o.kind === 'logits');
   if (!tokens || !logits) {
@@ -188,7 +200,8 @@ export class Session {
     this.prefillChunk = manifest.prefill_chunk;
     const eos = manifest.tokens?.eos ?? [];
     this.eosIds = new Set(Array.isArray(eos) ? eos : [eos]);
-    const missing = [this.plan.tokens, this.plan.position?.name, ...this.plan.states.map((s) => s.name)]
+    const pos = this.plan.position;
+    const missing = [this.plan.tokens, pos?.name, pos?.current, pos?.past, ...this.plan.states.map((s) => s.name)]
       .filter((n) => n && !session.inputNames.includes(n));
     if (missing.length) {
       throw new DeltashipError(`the model has no input(s) ${missing.join(', ')} that its manifest lists`,
@@ -258,7 +271,11 @@ export class Session {
     const { ort, plan } = this;
     const T = ids.length;
     const feeds = { [plan.tokens]: new ort.Tensor('int64', BigInt64Array.from(ids, BigInt), [1, T]) };
-    if (plan.position?.form === 'start') {
+    if (plan.position?.form === 'counts') {
+      const end = this.position + T;
+      feeds[plan.position.current] = new ort.Tensor('int32', Int32Array.of(end), [1]);
+      feeds[plan.position.past] = new ort.Tensor('int32', Int32Array.of(end - 1), [1, 1]);
+    } else if (plan.position?.form === 'start') {
       feeds[plan.position.name] = new ort.Tensor('int64', BigInt64Array.of(BigInt(this.position)), [1]);
     } else if (plan.position?.form === 'ids') {
       const pos = BigInt64Array.from({ length: T }, (_, i) => BigInt(this.position + i));

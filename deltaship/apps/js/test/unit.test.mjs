@@ -1,5 +1,5 @@
-// The driver's I/O contract against a fake ONNX Runtime session that checks every feed: both position
-// forms (`position` [1] and `position_ids` [1, T]), logits of rank 2 and 3, chunking, state feedback,
+// The driver's I/O contract against a fake ONNX Runtime session that checks every feed: the three position
+// forms (the sequence-length pair, `position` [1] and `position_ids` [1, T]), logits of rank 2 and 3, chunking, state feedback,
 // and the refusals. Run: node --test test/unit.test.mjs
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
@@ -8,7 +8,16 @@ import { Session, checkManifest, ioPlan, modelFiles, sample, seededRandom } from
 
 const V = 16;
 
-function manifest({ positionIds = false, logitsRank = 2, chunk = 4 } = {}) {
+const POSITION_INPUTS = {
+  counts: [
+    { name: 'current_sequence_length', shape: [1], dtype: 'int32', kind: 'current_sequence_length' },
+    { name: 'past_sequence_length', shape: [1, 1], dtype: 'int32', kind: 'past_sequence_length' },
+  ],
+  ids: [{ name: 'position_ids', shape: [1, 'tokens'], dtype: 'int64', kind: 'position_ids' }],
+  start: [{ name: 'position', shape: [1], dtype: 'int64', kind: 'position' }],
+};
+
+function manifest({ positions = 'start', logitsRank = 2, chunk = 4 } = {}) {
   return {
     schema: 'deltaship.bundle', schema_version: 1, target: 'onnx', entry: 'model.onnx',
     model: { vocab_size: V }, max_context: 64, prefill_chunk: chunk, tokens: { eos: [15] },
@@ -16,8 +25,7 @@ function manifest({ positionIds = false, logitsRank = 2, chunk = 4 } = {}) {
     tokenizer: { files: ['tokenizer.json', 'tokenizer_config.json'] },
     inputs: [
       { name: 'input_ids', shape: [1, 'tokens'], dtype: 'int64', kind: 'tokens' },
-      positionIds ? { name: 'position_ids', shape: [1, 'tokens'], dtype: 'int64', kind: 'position_ids' }
-        : { name: 'position', shape: [1], dtype: 'int64', kind: 'position' },
+      ...POSITION_INPUTS[positions],
     ],
     outputs: [{ name: 'logits', shape: logitsRank === 2 ? [1, V] : [1, 1, V], dtype: 'float32', kind: 'logits' }],
     states: [{ name: 'past.0.count', output: 'present.0.count', shape: [1, 2], dtype: 'float32', init: 'zeros' }],
@@ -29,13 +37,20 @@ function manifest({ positionIds = false, logitsRank = 2, chunk = 4 } = {}) {
 function fakeSession(m, calls) {
   const pos = m.inputs[1];
   return {
-    inputNames: ['input_ids', pos.name, 'past.0.count'],
+    inputNames: [...m.inputs.map((i) => i.name), 'past.0.count'],
     async run(feeds) {
       const ids = Array.from(feeds.input_ids.data, Number);
       const T = ids.length;
       assert.deepEqual(feeds.input_ids.dims, [1, T]);
       let start;
-      if (pos.name === 'position_ids') {
+      if (pos.name === 'current_sequence_length') {
+        assert.equal(feeds.current_sequence_length.type, 'int32');
+        assert.deepEqual(feeds.current_sequence_length.dims, [1]);
+        assert.deepEqual(feeds.past_sequence_length.dims, [1, 1]);
+        const end = feeds.current_sequence_length.data[0];
+        assert.equal(feeds.past_sequence_length.data[0], end - 1);
+        start = end - T;
+      } else if (pos.name === 'position_ids') {
         assert.deepEqual(feeds.position_ids.dims, [1, T]);
         start = Number(feeds.position_ids.data[0]);
         assert.deepEqual(Array.from(feeds.position_ids.data, Number), ids.map((_, i) => start + i));
@@ -71,10 +86,10 @@ function expected(prompt, n) {
   return out;
 }
 
-for (const positionIds of [false, true]) {
+for (const positions of ['counts', 'start', 'ids']) {
   for (const logitsRank of [2, 3]) {
-    test(`generate: ${positionIds ? 'position_ids [1, T]' : 'position [1]'}, logits rank ${logitsRank}`, async () => {
-      const m = manifest({ positionIds, logitsRank });
+    test(`generate: positions as ${positions}, logits rank ${logitsRank}`, async () => {
+      const m = manifest({ positions, logitsRank });
       const calls = [];
       const s = new Session({ ort, session: fakeSession(m, calls), manifest: m, tokenizer: null });
       const prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3];

@@ -17,14 +17,6 @@ class DeltashipGenAiModel(bundleDir: File) : AutoCloseable {
     private val model = Model(bundleDir.path)
     val tokenizer = Tokenizer(model)
 
-    init {
-        // One throwaway one-token call at load. ONNX Runtime keeps one memory pattern per key of input shapes
-        // (an XOR of their dims), and genai's input_ids and position_ids, both [1, T], make every call share one
-        // key: primed with one token, decode steps reuse an exact pattern instead of the first prompt's (which
-        // they miss, allocating every activation again). deltaship's Python driver does the same (docs/ship.md).
-        GeneratorParams(model).use { params -> Generator(model, params).use { it.appendTokens(intArrayOf(0)) } }
-    }
-
     /** Generates after [prompt]; [onText] gets each new piece and returns false to stop. Returns the text. */
     fun generate(prompt: String, maxNewTokens: Int = 128, onText: (String) -> Boolean): String {
         val sequences = tokenizer.encode(prompt)

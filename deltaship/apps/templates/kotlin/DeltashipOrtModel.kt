@@ -48,7 +48,8 @@ class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = Or
         private set
 
     init {
-        val inputs = setOf(KitSpec.TOKENS.name, KitSpec.POSITION.name) + KitSpec.STATES.map { it.input }
+        val inputs = setOf(KitSpec.TOKENS.name, KitSpec.POSITION.name) + listOfNotNull(KitSpec.PAST_LENGTH?.name) +
+            KitSpec.STATES.map { it.input }
         val outputs = setOf(KitSpec.LOGITS.name) + KitSpec.STATES.map { it.output }
         check(session.inputNames == inputs && session.outputNames == outputs) {
             "${KitSpec.MODEL_FILE} has inputs ${session.inputNames} and outputs ${session.outputNames}, not this " +
@@ -89,18 +90,24 @@ class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = Or
         val t = tokens.size
         val start = position.toLong()
         val ids = integers(KitSpec.TOKENS, t) { tokens[it].toLong() }
-        // a position input of shape [1] holds the start; one with a token dimension holds every token's position
-        val pos = integers(KitSpec.POSITION, t) { start + it }
+        val pastLength = KitSpec.PAST_LENGTH
+        // onnxruntime-genai's pair: current_sequence_length = start + t and past_sequence_length one less (the
+        // graph takes its start from them); else a position input of shape [1] holds the start, and one with a
+        // token dimension every token's position
+        val pos = if (pastLength != null) integers(KitSpec.POSITION, t) { start + t } else integers(KitSpec.POSITION, t) { start + it }
+        val past = pastLength?.let { f -> integers(f, t) { start + t - 1 } }
         val previous = carried
         val feeds = HashMap<String, OnnxTensor>()
         feeds[KitSpec.TOKENS.name] = ids
         feeds[KitSpec.POSITION.name] = pos
+        if (pastLength != null && past != null) feeds[pastLength.name] = past
         for (s in KitSpec.STATES) {
             feeds[s.input] = if (previous == null) zeros.getValue(s.input) else previous.get(s.output).get() as OnnxTensor
         }
         val result = session.run(feeds)
         ids.close()
         pos.close()
+        past?.close()
         previous?.close()
         carried = result
         position += t

@@ -8,7 +8,7 @@
 For each target and KV dtype, in one invocation: an ONNX bundle (int4 weights; fp16 KV needs --onnx-activations
 fp16, the others fp32 activations; the KV cache is the app's input: the export allocates none of it) and an
 ExecuTorch bundle (int4 weights, fp32 activations, `--kv-cache fp16|int8|int4`; the KV buffers are the program's,
-held by the exporting process: 1.5 GiB at 262K for fp16), exported at --max-context (262144),
+held by the exporting process: 3 GiB at 262K for fp16), exported at --max-context (262144),
 then one profiling worker process (deltaship/profiling/worker.py, as `deltaship profile` runs it) that sweeps the
 depths in increasing order with the synthetic fill of deltaship/profiling/longctx.py: a real 256-token prefix,
 then KV rows bootstrapped from it, then single decode steps timed at the depth and the process's RSS read.

@@ -1,11 +1,14 @@
 """Decode latency and resident memory at long context, per KV dtype, at a published shape (random weights).
 
-    python bench/longctx.py [--preset qwen3.5-0.8b] [--contexts 4096,32768,131072,262143] [--kv fp32,fp16,int8,int4]
-                            [--work DIR] [--reuse] [--executorch int8,fp32] [--json bench/results/longctx.json]
+    python bench/longctx.py [--preset qwen3.5-0.8b] [--contexts 4096,32768,131072,262143] [--kv fp16,int8,int4]
+                            [--executorch fp16,int8,int4] [--max-context 262144] [--work DIR] [--reuse]
+                            [--json bench/results/longctx.json]
     python bench/longctx.py --table bench/results/longctx.json     # the markdown table of docs/results/longctx.md
 
-For each KV dtype: an ONNX bundle (int4 weights; fp16 KV needs --onnx-activations fp16, the others fp32
-activations) exported at --max-context 262144 (the KV cache is the app's input: the export allocates none of it),
+For each target and KV dtype, in one invocation: an ONNX bundle (int4 weights; fp16 KV needs --onnx-activations
+fp16, the others fp32 activations; the KV cache is the app's input: the export allocates none of it) and an
+ExecuTorch bundle (int4 weights, fp32 activations, `--kv-cache fp16|int8|int4`; the KV buffers are the program's,
+held by the exporting process: 3 GiB at 262K for fp16), exported at --max-context (262144),
 then one profiling worker process (deltaship/profiling/worker.py, as `deltaship profile` runs it) that sweeps the
 depths in increasing order with the synthetic fill of deltaship/profiling/longctx.py: a real 256-token prefix,
 then KV rows bootstrapped from it, then single decode steps timed at the depth and the process's RSS read.
@@ -13,8 +16,9 @@ Memory is compared with the manifest's arithmetic: the RSS above the level after
 (depth + 1 - prefix) x kv_bytes_per_token[kv_dtype]. The depths are 262,143 rather than 262,144 at the top:
 the decode step at depth c writes row c, and the cache holds 262,144 rows.
 
---executorch KV,...: also ExecuTorch bundles (KV fp32 or int8) at the same shape; a 0.8B export at 262K holds the
-fp32 cache (6 GiB) in the exporting process, so it is off by default.
+--executorch KV,...: the ExecuTorch KV dtypes (fp32 too, but a 0.8B export at 262K then holds a 6 GiB cache);
+"" for none. --max-context N with --contexts below it: a shorter run of the same path (each ExecuTorch export at
+262K took 30+ minutes on a loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ sys.path.insert(0, str(ROOT))
 MAX_CONTEXT = 262144
 
 
-def export(preset: str, target: str, kv: str, out: Path, reuse: bool) -> dict:
+def export(preset: str, target: str, kv: str, out: Path, reuse: bool, max_context: int = MAX_CONTEXT) -> dict:
     if reuse and (out / "manifest.json").is_file():
         return {"bundle": str(out), "export_s": None, "reused": True}
-    args = ["--model", preset, "--target", target, "--precision", "int4", "--max-context", str(MAX_CONTEXT)]
+    args = ["--model", preset, "--target", target, "--precision", "int4", "--max-context", str(max_context)]
     args += ["--no-verify", "--out", str(out), "--force", "--quiet"]
     if target == "onnx" and kv == "fp16":
         args += ["--onnx-activations", "fp16"]  # ONNX Runtime's GroupQueryAttention keeps its cache in its dtype
@@ -46,7 +50,14 @@ def export(preset: str, target: str, kv: str, out: Path, reuse: bool) -> dict:
     r = subprocess.run([sys.executable, "-m", "deltaship.cli", "export", *args], capture_output=True, text=True)
     if r.returncode:
         return {"bundle": str(out), "error": (r.stdout + r.stderr)[-2000:], "export_s": time.time() - t}
-    return {"bundle": str(out), "export_s": round(time.time() - t, 1), "command": "deltaship export " + " ".join(args)}
+    import resource  # the largest RSS of any export so far in this invocation (Linux: KiB)
+
+    return {
+        "bundle": str(out),
+        "export_s": round(time.time() - t, 1),
+        "exports_max_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        "command": "deltaship export " + " ".join(args),
+    }
 
 
 def measure(bundle: Path, contexts: list[int], threads: int | None, reps: int) -> dict:
@@ -135,8 +146,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3.5-0.8b")
     ap.add_argument("--contexts", default="4096,32768,131072,262143")
-    ap.add_argument("--kv", default="fp32,fp16,int8,int4", help="ONNX KV dtypes")
-    ap.add_argument("--executorch", default="", help="ExecuTorch KV dtypes (fp32, int8); off by default")
+    ap.add_argument("--kv", default="fp16,int8,int4", help="ONNX KV dtypes (fp32 too)")
+    ap.add_argument("--executorch", default="fp16,int8,int4", help="ExecuTorch KV dtypes (fp32 too); '' for none")
+    ap.add_argument("--max-context", type=int, default=MAX_CONTEXT, help="the bundles' max context")
     ap.add_argument("--work", type=Path, default=Path("/tmp/deltaship-longctx"))
     ap.add_argument("--reuse", action="store_true", help="reuse bundles already exported in --work")
     ap.add_argument("--threads", type=int, default=None)
@@ -154,7 +166,7 @@ def main() -> int:
         "cpus": __import__("os").cpu_count(),
         "preset": a.preset,
         "weights": "int4 (random weights, the published shape)",
-        "max_context": MAX_CONTEXT,
+        "max_context": a.max_context,
         "contexts": contexts,
         "runs": [],
     }
@@ -166,7 +178,7 @@ def main() -> int:
     for target, kv in jobs:
         out = a.work / f"{target}-{kv}"
         print(f"[{time.strftime('%H:%M:%S')}] {target} kv {kv}: export", file=sys.stderr, flush=True)
-        run = {"target": target, "kv": kv, **export(a.preset, target, kv, out, a.reuse)}
+        run = {"target": target, "kv": kv, **export(a.preset, target, kv, out, a.reuse, a.max_context)}
         if "error" not in run:
             print(f"[{time.strftime('%H:%M:%S')}] {target} kv {kv}: measure", file=sys.stderr, flush=True)
             run.update(measure(out, contexts, a.threads, a.reps))

@@ -35,9 +35,10 @@ def table() -> dict[tuple[str, str], Tolerance]:
 
 
 def tolerance(target: str, precision: str, kv_dtype: str | None = None) -> Tolerance:
-    """The row for (target, precision); a bundle with an int8/int4 KV cache at fp32 has its own row,
-    "fp32+kv-int8" (at lower precisions the weights' row, already looser, applies)."""
+    """The row for (target, precision); a bundle whose KV cache is narrower than its fp32 activations has its own
+    row where the target states one, "fp32+kv-int8" (at lower precisions the weights' row, already looser,
+    applies)."""
     from deltaship.targets import get_target
 
     rows = get_target(target).tolerances
-    return rows.get(f"{precision}+kv-{kv_dtype}", rows[precision]) if kv_dtype in ("int8", "int4") else rows[precision]
+    return rows.get(f"{precision}+kv-{kv_dtype}", rows[precision]) if kv_dtype else rows[precision]

@@ -299,17 +299,123 @@ def test_static_scales_bound_every_rope_angle():
         assert (np.abs(rotated) <= s * QMAX[8] + 1e-5).all()
 
 
-# ---- ExecuTorch: an int8 cache with the same static scales (slow: an ExecuTorch export) --------------------
+# ---- ExecuTorch: fp16, int8 and int4 caches (int8/int4 with the same static scales; slow: ExecuTorch exports) ---
 @pytest.fixture(scope="module")
-def tiny_pte_int8_kv(tmp_path_factory):
-    """The trained tiny preset as an ExecuTorch bundle with an int8 KV cache, verified at export."""
+def tiny_pte_kv(tmp_path_factory):
+    """The trained tiny preset as ExecuTorch bundles with a narrower KV cache (fp32 activations), verified at
+    export, one per KV dtype asked for."""
     from deltaship.export import export
 
-    out = tmp_path_factory.mktemp("tiny-pte-kv") / "int8"
-    export(
-        "qwen3.5-tiny", out, target="executorch", max_context=CTX, prefill_chunk=CHUNK, kv_cache="int8", progress=False
-    )
-    return out
+    root = tmp_path_factory.mktemp("tiny-pte-kv")
+    cache = {}
+
+    def get(kv: str):
+        if kv not in cache:
+            export(
+                "qwen3.5-tiny",
+                root / kv,
+                target="executorch",
+                max_context=CTX,
+                prefill_chunk=CHUNK,
+                kv_cache=kv,
+                progress=False,
+            )
+            cache[kv] = root / kv
+        return cache[kv]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def tiny_pte_int8_kv(tiny_pte_kv):
+    return tiny_pte_kv("int8")
+
+
+def test_executorch_stored_kv_round_trips_and_packs_int4_two_codes_a_byte():
+    """The ExecuTorch lowering's store/load of a narrower cache (eager, as the program runs them): int8/int4 give
+    the symmetric rounding with the static scales back exactly, int4 packs channel 2i + 8 in the low nibble and
+    2i + 1 + 8 in the high one, fp16 rounds to nearest; the error is within the tolerance table's stated bounds."""
+    import torch
+
+    from deltaship.export.executorch.lowering import load_kv, store_kv
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 5, 2, 8, generator=g) * 3
+    bound = x.abs().amax(1, keepdim=True) * 0.8  # some values clip
+    for dtype, qmax in ((torch.int8, 127), (torch.uint8, 7)):
+        scale = bound / qmax
+        c = store_kv(x, dtype, scale)
+        assert c.dtype == dtype and c.shape[-1] == (8 if dtype == torch.int8 else 4)
+        q = torch.clamp(torch.round(x / scale), -qmax, qmax)
+        assert torch.equal(load_kv(c, 8, scale), q * scale)
+        inside = x.abs() <= bound
+        assert ((load_kv(c, 8, scale) - x).abs()[inside] <= (scale / 2).expand_as(x)[inside] + 1e-6).all()
+        if dtype == torch.uint8:
+            assert torch.equal(c & 15, (q[..., 0::2] + 8).to(torch.uint8))
+            assert torch.equal(c >> 4, (q[..., 1::2] + 8).to(torch.uint8))
+    c = store_kv(x, torch.float16, None)
+    assert c.dtype == torch.float16 and ((load_kv(c, 8, None) - x).abs() <= x.abs() * 2**-11).all()
+
+
+@pytest.mark.slow
+def test_executorch_int4_kv_bundle_packs_verifies_and_matches_onnx_int4(tiny_pte_kv, tiny_kv):
+    """An int4 cache, two codes a byte, with the same calibration as ONNX's: verified at export against the
+    reference rounding the cache the same way (its own row), the manifest's arithmetic, and ONNX's logits."""
+    from deltaship.bundle import read_manifest, schema_problems
+    from deltaship.runtimes import open_bundle
+    from deltaship.tolerances import tolerance
+
+    bundle = tiny_pte_kv("int4")
+    m = read_manifest(bundle)
+    assert not schema_problems(m)
+    v = m["verification"]
+    assert v["status"] == "passed" and v["tolerance"] == tolerance("executorch", "fp32", "int4").__dict__
+    assert "rounded as the int4 KV cache" in v["reference"] and v["max_rel_logit_diff"] <= ROUNDED_REFERENCE_REL
+    kv = [s for s in m["states"] if s["kind"].startswith("kv_cache")]
+    assert kv and all(s["dtype"] == "uint8" and s["shape"][1:] == [CTX, 2, m["model"]["head_dim"] // 2] for s in kv)
+    mem = m["memory"]
+    assert mem["kv_dtype"] == "int4" and mem["kv_bytes_per_token"]["int4"] * 8 == mem["kv_bytes_per_token"]["fp32"]
+    assert m["state_bytes"] == mem["deltanet_state_bytes"] + CTX * mem["kv_bytes_per_token"]["int4"]
+    # ONNX Runtime's int4 cache is not the same-rounding reference to float order (its logits sit 0.025 logit
+    # standard deviations from this program's, a near-uniform shift; measured 2026-11-23), but close to it
+    et, ox = open_bundle(bundle), open_bundle(tiny_kv("int4"))
+    text = _text_ids(tiny_kv("int4"), 60)
+    for n in (1, 2 * CHUNK + 5):
+        a = np.stack([et.prefill(text[:n])] + [et.decode(t) for t in text[n : n + 8]])
+        b = np.stack([ox.prefill(text[:n])] + [ox.decode(t) for t in text[n : n + 8]])
+        assert (np.abs(a - b) / b.std(-1, keepdims=True)).max() <= 5 * ROUNDED_REFERENCE_REL, n
+
+
+@pytest.mark.slow
+def test_executorch_fp16_kv_bundle_verifies_and_runs_in_the_text_runner(tiny_pte_kv, tiny_kv):
+    """An fp16 cache under fp32 activations: verified within the fp32+kv-fp16 row against the reference whose keys
+    and values are rounded to fp16; half the fp32 cache's bytes; greedy tokens equal the fp32-KV (ONNX) bundle's;
+    and ExecuTorch's own TextLLMRunner gives deltaship's greedy text for the fp16 and the int4 cache."""
+    from deltaship.bundle import read_manifest, schema_problems
+    from deltaship.commands import generate
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.et_runner import generate_with_runner
+    from deltaship.tolerances import tolerance
+
+    bundle = tiny_pte_kv("fp16")
+    m = read_manifest(bundle)
+    assert not schema_problems(m)
+    v = m["verification"]
+    assert v["status"] == "passed" and v["tolerance"] == tolerance("executorch", "fp32", "fp16").__dict__
+    assert "rounded to fp16" in v["reference"] and all("kl_divergence" in r for r in v["prompts"])
+    kv = [s for s in m["states"] if s["kind"].startswith("kv_cache")]
+    assert kv and all(s["dtype"] == "float16" and s["shape"][1] == CTX for s in kv)
+    mem = m["memory"]
+    assert mem["kv_dtype"] == "fp16" and mem["kv_bytes_per_token"]["fp16"] * 2 == mem["kv_bytes_per_token"]["fp32"]
+    assert m["state_bytes"] == mem["deltanet_state_bytes"] + CTX * mem["kv_bytes_per_token"]["fp16"]
+    fp, half = open_bundle(tiny_kv("fp32")), open_bundle(bundle)
+    text = _text_ids(bundle, 60)
+    for n in (1, 2 * CHUNK + 5):
+        assert half.generate(text[:n], 24).output_ids == fp.generate(text[:n], 24).output_ids, n
+    prompt = "def "
+    for b in (bundle, tiny_pte_kv("int4")):
+        ours, theirs = generate(b, prompt=prompt, max_new_tokens=16), generate_with_runner(b, prompt, max_new_tokens=16)
+        assert theirs["text"] == ours["text"] and len(ours["text"].strip()) >= 8, (b.name, theirs["text"], ours["text"])
 
 
 @pytest.mark.slow

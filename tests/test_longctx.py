@@ -459,6 +459,8 @@ def test_plan_context_is_checked(bad, match):
         ("onnx", "fp32", {}, "int8", True),
         ("onnx", "fp16", {}, "int8", False),
         ("executorch", "int8", {}, "fp32", True),
+        ("executorch", "fp32", {}, "int4", True),
+        ("executorch", "int4", {}, "fp16", True),
         ("executorch", "fp16", {}, "int4", False),
         ("coreml", "int4", {}, "fp16", True),
     ],

@@ -238,6 +238,7 @@ def export(
         from deltaship.models.vision import check_vision
 
         check_vision(source, ctx)
+    ctx.kv_cache = kv_cache
     run_pipeline(ctx, tgt.pipeline(), progress=say)
     kv_record = None
     if kv_cache in ("int8", "int4"):  # _check_kv_cache let only a target that stores them through

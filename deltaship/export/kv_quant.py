@@ -147,9 +147,12 @@ class rounded_cache_attention:
 
     NAME = "deltaship_kv_rounded"
 
-    def __init__(self, model, scales: dict[int, tuple[np.ndarray, np.ndarray]], bits: int = 8):
+    def __init__(self, model, scales: dict[int, tuple[np.ndarray, np.ndarray]] | None, bits: int = 8):
+        """bits 16: an fp16 cache under fp32 activations (keys and values rounded to fp16; no scales)."""
         self.model, self.bits = model, bits
-        self.scales = {k: (torch.tensor(np.array(a)), torch.tensor(np.array(b))) for k, (a, b) in scales.items()}
+        self.scales = {
+            k: (torch.tensor(np.array(a)), torch.tensor(np.array(b))) for k, (a, b) in (scales or {}).items()
+        }
 
     def __enter__(self):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -159,9 +162,12 @@ class rounded_cache_attention:
             inner = ALL_ATTENTION_FUNCTIONS[self.impl]
         else:  # "eager" is the modeling file's own function, not registered
             from transformers.models.qwen3_5.modeling_qwen3_5 import eager_attention_forward as inner
-        q = QMAX[self.bits]
+        q = QMAX.get(self.bits)
 
         def rounded(module, query, key, value, *args, **kwargs):
+            if self.bits == 16:
+                key, value = key.to(torch.float16).to(key.dtype), value.to(torch.float16).to(value.dtype)
+                return inner(module, query, key, value, *args, **kwargs)
             ks, vs = self.scales[module.layer_idx]
             key = torch.clamp(torch.round(key / ks), -q, q) * ks
             value = torch.clamp(torch.round(value / vs), -q, q) * vs

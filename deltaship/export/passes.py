@@ -46,6 +46,7 @@ class ExportContext:
     programs: dict[Any, Any] = field(default_factory=dict)  # fixed-shape programs (Core ML: by part and function)
     parts: list[tuple[int, int]] = field(default_factory=list)  # layer ranges of a target split into packages
     kv_quant: dict[int, dict[str, Any]] = field(default_factory=dict)  # attention layer -> static KV scales
+    kv_cache: str | None = None  # export(kv_cache=...): the KV dtype asked for (None: the target's own)
 
     @property
     def family(self):

@@ -148,6 +148,8 @@ def verify_bundle(
         progress("verify: parity against the matched transformers reference")
     ref = matched_reference_model(source, ctx.plan, ctx.quant, ctx.precision, rounded=ctx.rounded)
     kv_rounded = contextlib.nullcontext(ref)
+    # a KV cache narrower than fp32 activations (int8/int4 with scales, or fp16): the reference rounds it too
+    narrow_kv = bool(ctx.kv_quant) or (ctx.kv_cache == "fp16" and ctx.dtype == torch.float32)
     if ctx.kv_quant:  # an int8/int4 KV cache: the reference's attention sees keys and values rounded the same way
         from deltaship.export.kv_quant import rounded_cache_attention
 
@@ -155,16 +157,21 @@ def verify_bundle(
         scales = {layer: (q["key"], q["value"]) for layer, q in ctx.kv_quant.items()}
         kv_rounded = rounded_cache_attention(ref, scales, bits)
         record["reference"] += f", keys and values rounded as the int{bits} KV cache stores them"
+    elif narrow_kv:  # an fp16 cache under fp32 activations: keys and values rounded to fp16
+        from deltaship.export.kv_quant import rounded_cache_attention
+
+        kv_rounded = rounded_cache_attention(ref, None, 16)
+        record["reference"] += ", keys and values rounded to fp16 as the KV cache stores them"
     rows = []
     with kv_rounded as matched:
         for prompt in prompts:
             toks, ref_rows = reference_continuation(matched, prompt, steps)
             got = teacher_forced(session, prompt, toks)
             rows.append({"prompt_length": len(prompt), **compare(got, ref_rows, toks, tol.tie_margin)})
-            if ctx.precision == "fp32" and not ctx.kv_quant:
+            if ctx.precision == "fp32" and not narrow_kv:
                 rows[-1].update(fidelity(got, ref_rows))
     del ref, matched
-    if ctx.precision != "fp32" or ctx.kv_quant:
+    if ctx.precision != "fp32" or narrow_kv:
         if progress:
             progress("verify: fidelity against the unrounded fp32 reference")
         plain = reference_model(source)

@@ -115,7 +115,7 @@ class ExecuTorchKernels:
         out = torch.ops.llama.custom_sdpa(q.float(), k_cache.float(), v_cache.float(), sp, None, 0.0, True)
         return out.to(q.dtype), k_cache, v_cache
 
-    def attention_with_int8_kv_cache(
+    def attention_with_stored_kv_cache(
         self,
         q: Tensor,
         k: Tensor,
@@ -123,24 +123,52 @@ class ExecuTorchKernels:
         k_cache: Tensor,
         v_cache: Tensor,
         pos: Tensor,
-        k_scale: Tensor,
-        v_scale: Tensor,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """attention_with_kv_cache over an int8 cache with static per-channel scales [1, 1, Hkv, D]
-        (deltaship/export/kv_quant.py): the new keys and values are rounded into the cache, and the cache
-        up to the current position is dequantized for llama::custom_sdpa (a transient fp32 copy)."""
+        """attention_with_kv_cache over a cache narrower than the fp32 activations (--kv-cache fp16, int8, int4;
+        int8/int4 with the static per-channel scales [1, 1, Hkv, D] of deltaship/export/kv_quant.py): the new keys
+        and values are stored in the cache's dtype (store_kv), and the cache up to the current position is widened
+        back to fp32 (load_kv, a transient copy, one layer at a time) for llama::custom_sdpa."""
         t, s = q.shape[1], k_cache.shape[1]
         sp = pos[0].item()
         torch._check(sp >= 0)
         torch._check(sp + t <= s)
-        kq = torch.clamp(torch.round(k.float() / k_scale), -127, 127).to(torch.int8)
-        vq = torch.clamp(torch.round(v.float() / v_scale), -127, 127).to(torch.int8)
-        torch.ops.llama.update_cache(kq, k_cache, sp)
-        torch.ops.llama.update_cache(vq, v_cache, sp)
-        kd = k_cache[:, : sp + t].float() * k_scale
-        vd = v_cache[:, : sp + t].float() * v_scale
+        torch.ops.llama.update_cache(store_kv(k, k_cache.dtype, k_scale), k_cache, sp)
+        torch.ops.llama.update_cache(store_kv(v, v_cache.dtype, v_scale), v_cache, sp)
+        kd = load_kv(k_cache[:, : sp + t], k.shape[-1], k_scale)
+        vd = load_kv(v_cache[:, : sp + t], v.shape[-1], v_scale)
         out = torch.ops.llama.custom_sdpa(q.float(), kd, vd, sp, None, 0.0, True)
         return out.to(q.dtype), k_cache, v_cache
+
+
+# A stored KV cache in elementwise ops the portable kernels have: symmetric rounding with static scales,
+# q = clamp(round(x / scale), -qmax, qmax). int4 keeps q + 8 (1 .. 15) in a nibble, two a byte along head_dim:
+# channel 2i in the low nibble, 2i + 1 in the high one, packed and unpacked with integer bitwise ops (bitwise_or,
+# shifts, bitwise_and on uint8: portable kernels XNNPACK does not claim, so the packing never splits a delegate).
+INT4_OFFSET = 8
+
+
+def store_kv(x: Tensor, dtype: torch.dtype, scale: Tensor | None) -> Tensor:
+    """x [1, T, Hkv, D] (fp32) as the cache stores it: fp16, int8 codes, or int4 codes packed [1, T, Hkv, D/2]."""
+    if dtype == torch.float16:
+        return x.to(torch.float16)
+    if dtype == torch.int8:
+        return torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8)
+    u = (torch.clamp(torch.round(x.float() / scale), -7, 7) + INT4_OFFSET).to(torch.uint8)
+    u = u.reshape(1, -1, x.shape[2], x.shape[3] // 2, 2)
+    return torch.bitwise_or(u[..., 0], torch.bitwise_left_shift(u[..., 1], 4))
+
+
+def load_kv(c: Tensor, d: int, scale: Tensor | None) -> Tensor:
+    """Rows of a stored cache [1, n, Hkv, D or D/2] back in fp32 [1, n, Hkv, D] (store_kv's inverse, up to its
+    rounding)."""
+    if c.dtype == torch.float16:
+        return c.float()
+    if c.dtype == torch.int8:
+        return c.float() * scale
+    codes = torch.stack([torch.bitwise_and(c, 15), torch.bitwise_right_shift(c, 4)], dim=-1)
+    return (codes.reshape(1, -1, c.shape[2], d).float() - INT4_OFFSET) * scale
 
 
 # ExecuTorch lowers the canonical ops at module level: the canonical modules call these kernel methods

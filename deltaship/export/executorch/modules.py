@@ -132,9 +132,16 @@ class XnnpackAttention(nn.Module):
         k = self.k_norm(k.reshape(1, -1, hkv, d))
         q = q * cos + F.linear(q, self.rotate) * sin  # `rotate` is stored in the model dtype: a static weight
         k = k * cos + F.linear(k, self.rotate) * sin
-        if hasattr(self, "k_scale"):  # an int8 cache (--kv-cache int8): static scales, set by the lowering
-            out, k_cache, v_cache = self.kernels.attention_with_int8_kv_cache(
-                q, k, v.reshape(1, -1, hkv, d), k_cache, v_cache, position, self.k_scale, self.v_scale
+        if k_cache.dtype != torch.float32:  # --kv-cache fp16/int8/int4 (int8/int4: static scales, set by the lowering)
+            out, k_cache, v_cache = self.kernels.attention_with_stored_kv_cache(
+                q,
+                k,
+                v.reshape(1, -1, hkv, d),
+                k_cache,
+                v_cache,
+                position,
+                getattr(self, "k_scale", None),
+                getattr(self, "v_scale", None),
             )
         else:
             out, k_cache, v_cache = self.kernels.attention_with_kv_cache(

@@ -60,6 +60,35 @@ PORTABLE_OK_SYMBOLIC = (
 )
 
 
+# What a stored KV cache (--kv-cache int8/int4, lowering.store_kv / load_kv) adds outside XNNPACK, per K or V of a
+# layer: the rounding, int4's packing, and the dequantization.
+KV_PORTABLE = {
+    "int8": {"aten_round_default", "aten_mul_tensor"},
+    "int4": {
+        "aten_round_default",
+        "aten_mul_tensor",
+        "aten_sub_tensor",
+        "aten_bitwise_or_tensor",
+        "aten_bitwise_left_shift_tensor_scalar",
+        "aten_bitwise_and_scalar",
+        "aten_bitwise_right_shift_tensor_scalar",
+    },
+}
+
+
+def kv_detail(ctx) -> str:
+    """The manifest's note on a KV cache narrower than fp32 (lowering.kv_cache)."""
+    if ctx.kv_quant:
+        packed = ", two 4-bit codes a byte (q + 8; channel 2i low nibble)" if ctx.kv_cache == "int4" else ""
+        return (
+            f"; {ctx.kv_cache} with static per-channel scales{packed}, dequantized to fp32 (one layer at a time) "
+            "for custom_sdpa"
+        )
+    if ctx.kv_cache == "fp16" and ctx.dtype == torch.float32:
+        return "; fp16, widened to fp32 (one layer at a time) for custom_sdpa"
+    return ""
+
+
 def expected_portable(op: str) -> bool:
     return op in PORTABLE_OK_SYMBOLIC or op.startswith(PORTABLE_OK_PREFIXES)
 
@@ -347,10 +376,15 @@ def prepare(ctx, weights, say=lambda m: None):
     ctx.states = program_states(ctx.model.state_specs(ctx.dtype))
     if getattr(model, "mtp", None) is not None:  # --mtp: the draft head's own KV cache (fp32, never quantized)
         ctx.programs["mtp_states"] = program_states(model.mtp_state_specs(ctx.dtype))
-    if ctx.kv_quant:  # --kv-cache int8: the scales deltaship/export/kv_quant.py calibrated, in [1, 1, Hkv, D]
+    if ctx.kv_cache == "fp16":  # --kv-cache fp16 at fp32 activations: fp16 buffers, widened for custom_sdpa
+        ctx.states = [
+            dict(s, dtype="float16") if s["kind"].startswith("kv_cache") and s["dtype"] == "float32" else s
+            for s in ctx.states
+        ]
+    if ctx.kv_quant:  # --kv-cache int8/int4: the scales deltaship/export/kv_quant.py calibrated, in [1, 1, Hkv, D]
         from deltaship.export.kv_quant import quantized_states
 
-        ctx.states = quantized_states(ctx.states, "int8")
+        ctx.states = quantized_states(ctx.states, ctx.kv_cache)
         for i, layer in enumerate(model.model.layers):
             if i in ctx.kv_quant:
                 for kind in ("key", "value"):
@@ -413,8 +447,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
             for op, v in more.delegation_by_operator.items():
                 if v.non_delegated and op != "aten_index_select_default":
                     portable[op] = max(portable.get(op, 0), int(v.non_delegated))
-    # an int8 KV cache rounds the new keys/values and dequantizes the cache outside XNNPACK (one each a layer)
-    kv_ops = {"aten_round_default", "aten_mul_tensor"} if ctx.kv_quant else set()
+    # an int8/int4 KV cache rounds the new keys/values, (un)packs and dequantizes the cache outside XNNPACK (one
+    # each for K and V a layer)
+    kv_ops = KV_PORTABLE.get(ctx.kv_cache, set()) if ctx.kv_quant else set()
     n_kv = 2 * len(ctx.kv_quant)
     unexpected = {op: n for op, n in portable.items() if not expected_portable(op) and not (op in kv_ops and n <= n_kv)}
     if unexpected and not ctx.options.get("allow_portable_fallback"):
@@ -452,13 +487,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "reshapes_inferred": reshapes,
         "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op; all T tokens in one call, "
         "a token loop inside the kernel)",
-        "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout "
-        + "[1, S, Hkv, D]"
-        + (
-            "; int8 with static per-channel scales, dequantized (one layer at a time) for custom_sdpa"
-            if ctx.kv_quant
-            else ""
-        ),
+        "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]" + kv_detail(ctx),
         "quantization": quant,
         "prefill": f"1 .. {chunk} tokens per call (dynamic shape)",
         "operators": operators,

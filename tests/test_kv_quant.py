@@ -14,30 +14,26 @@ from deltaship.errors import DeltashipError
 CTX, CHUNK = 128, 16
 
 
-@pytest.fixture(scope="module")
-def tiny_kv(tmp_path_factory):
-    """The trained tiny preset as ONNX bundles with fp32, int8 and int4 KV caches (context 128, chunk 16)."""
+def _tiny_kv_bundles(root, target: str, **opts):
+    """A get(kv) that exports the trained tiny preset once per KV dtype (context CTX, chunk CHUNK) under root."""
     from deltaship.export import export
 
-    root = tmp_path_factory.mktemp("tiny-kv")
     cache = {}
 
     def get(kv: str):
         if kv not in cache:
-            export(
-                "qwen3.5-tiny",
-                root / kv,
-                target="onnx",
-                max_context=CTX,
-                prefill_chunk=CHUNK,
-                kv_cache=kv,
-                verify=False,
-                progress=False,
-            )
+            export("qwen3.5-tiny", root / kv, target=target, max_context=CTX, prefill_chunk=CHUNK, kv_cache=kv,
+                   progress=False, **opts)  # fmt: skip
             cache[kv] = root / kv
         return cache[kv]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def tiny_kv(tmp_path_factory):
+    """The trained tiny preset as ONNX bundles with fp32, int8 and int4 KV caches (context 128, chunk 16)."""
+    return _tiny_kv_bundles(tmp_path_factory.mktemp("tiny-kv"), "onnx", verify=False)
 
 
 def _text_ids(bundle, n: int) -> list[int]:
@@ -304,26 +300,7 @@ def test_static_scales_bound_every_rope_angle():
 def tiny_pte_kv(tmp_path_factory):
     """The trained tiny preset as ExecuTorch bundles with a narrower KV cache (fp32 activations), verified at
     export, one per KV dtype asked for."""
-    from deltaship.export import export
-
-    root = tmp_path_factory.mktemp("tiny-pte-kv")
-    cache = {}
-
-    def get(kv: str):
-        if kv not in cache:
-            export(
-                "qwen3.5-tiny",
-                root / kv,
-                target="executorch",
-                max_context=CTX,
-                prefill_chunk=CHUNK,
-                kv_cache=kv,
-                progress=False,
-            )
-            cache[kv] = root / kv
-        return cache[kv]
-
-    return get
+    return _tiny_kv_bundles(tmp_path_factory.mktemp("tiny-pte-kv"), "executorch")
 
 
 @pytest.fixture(scope="module")

@@ -308,7 +308,7 @@ def export(
                 "Images (the `vision` block, docs/bundle-format.md 'Images'): encode each image with "
                 f"{vision_block['graphs']['vision']}, splice its features into the token embeddings with "
                 f"{vision_block['graphs']['embedding']}, and run {vision_block['graphs']['decoder']} on them with "
-                "3-row M-RoPE rope_position_ids; prompts without images keep using the entry graph.",
+                "3-row M-RoPE positions; prompts without images keep using the entry graph.",
             ]
         manifest["memory"] = _memory(spec, ctx.states)
         manifest["app_runtimes"] = dict(lowered.app_runtimes or tgt.app_runtimes)

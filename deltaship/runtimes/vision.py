@@ -258,7 +258,8 @@ class Multimodal:
 
 
 class OnnxMultimodal(Multimodal):
-    """vision.onnx, embedding.onnx (the splice in the graph) and decoder_mm.onnx, on the OnnxSession's state
+    """vision.onnx (pixel rows + image_grid_thw), embedding.onnx (the splice in the graph) and decoder_mm.onnx
+    (position_ids [3, 1, T] + attention_mask [1, p + T]: onnxruntime-genai's inputs), on the OnnxSession's state
     buffers."""
 
     def _open(self) -> None:
@@ -276,10 +277,19 @@ class OnnxMultimodal(Multimodal):
         self.vision = open_graph("vision")
         self.embedding = open_graph("embedding")
         self.decoder = open_graph("decoder")
+        # bundles before onnxruntime-genai's contract: the grid tensors come from the host, and the decoder takes
+        # rope_position_ids [3, 1, T] with position_ids [1, positions] (the cache position) in place of
+        # position_ids [3, 1, T] with attention_mask [1, p + T]
+        self._grid_in_graph = "image_grid_thw" in {i.name for i in self.vision.get_inputs()}
+        self._legacy_decoder = "rope_position_ids" in {i.name for i in self.decoder.get_inputs()}
+        self._mask = np.ones((1, s.max_context), np.int64)
 
     def encode(self, image: ImageInput) -> np.ndarray:
         """Merged features [tokens, hidden] of one image."""
-        inputs = encoder_inputs(self.spec, image)
+        if self._grid_in_graph:
+            inputs = {"pixel_values": image.patches, "image_grid_thw": np.array([image.grid], np.int64)}
+        else:
+            inputs = encoder_inputs(self.spec, image)
         if self.dtype != np.float32:  # an fp16 bundle: the tower's float inputs in its dtype
             inputs = {k: v.astype(self.dtype) if v.dtype == np.float32 else v for k, v in inputs.items()}
         return self.vision.run(["image_features"], inputs)[0]
@@ -288,8 +298,13 @@ class OnnxMultimodal(Multimodal):
         s = self.session
         io = self.decoder.io_binding()
         io.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds))
-        io.bind_cpu_input("rope_position_ids", np.ascontiguousarray(rope.reshape(3, 1, -1)))
-        io.bind_cpu_input("position_ids", s._positions[:, s.position : s.position + 1])
+        rope = np.ascontiguousarray(rope.reshape(3, 1, -1))
+        if self._legacy_decoder:
+            io.bind_cpu_input("rope_position_ids", rope)
+            io.bind_cpu_input("position_ids", s._positions[:, s.position : s.position + 1])
+        else:
+            io.bind_cpu_input("position_ids", rope)
+            io.bind_cpu_input("attention_mask", self._mask[:, : s.position + embeds.shape[1]])
         for st in s.states:
             vals, cur = s._vals[st["name"]], s._cur[st["name"]]
             io.bind_ortvalue_input(st["name"], vals[cur])

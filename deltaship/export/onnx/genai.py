@@ -185,3 +185,97 @@ def adapt_tokenizer_config(bundle_dir: Path) -> str | None:
     cfg["deltaship_original_tokenizer_class"] = cls
     path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
     return cls
+
+
+# ---- the multimodal bundle (export --vision): genai's `qwen3_5` type ------------------------------------------
+MULTIMODAL_TYPE = "qwen3_5"
+PROCESSOR_CONFIG = "processor_config.json"  # genai's image processor (onnxruntime-extensions), vision.config_filename
+
+
+def processor_config(pre) -> dict[str, Any]:
+    """onnxruntime-extensions' image pipeline for Qwen3.5 (read by genai's QwenImageProcessor) from the bundle's
+    preprocessor_config.json (a models.vision.Preprocessor): decode, RGB, bicubic smart resize within the pixel
+    limits (its port of PIL's resampler, as deltaship resizes), rescale, normalize, patch rows in merge-block order
+    with the image's grid_thw."""
+    return {
+        "processor": {
+            "name": "qwen3_vl_image_processor",
+            "transforms": [
+                {"operation": {"name": "decode_image", "type": "DecodeImage", "attrs": {"color_space": "RGB"}}},
+                {"operation": {"name": "convert_to_rgb", "type": "ConvertRGB"}},
+                {
+                    "operation": {
+                        "name": "resize",
+                        "type": "Resize",
+                        "attrs": {
+                            "interpolation": "CUBIC",
+                            "smart_resize": 1,
+                            "min_pixels": pre.min_pixels,
+                            "max_pixels": pre.max_pixels,
+                            "patch_size": pre.patch_size,
+                            "merge_size": pre.merge_size,
+                        },
+                    }
+                },
+                {"operation": {"name": "rescale", "type": "Rescale", "attrs": {"rescale_factor": pre.rescale_factor}}},
+                {
+                    "operation": {
+                        "name": "normalize",
+                        "type": "Normalize",
+                        "attrs": {"mean": list(pre.image_mean), "std": list(pre.image_std), "qwen3_vl": 1},
+                    }
+                },
+                {
+                    "operation": {
+                        "name": "patch_image",
+                        "type": "PatchImage",
+                        "attrs": {
+                            "patch_size": pre.patch_size,
+                            "temporal_patch_size": pre.temporal_patch_size,
+                            "merge_size": pre.merge_size,
+                        },
+                    }
+                },
+            ],
+        }
+    }
+
+
+def multimodal_genai_config(
+    text: dict[str, Any], vspec, graphs: dict[str, str], processor: str = PROCESSOR_CONFIG
+) -> dict[str, Any]:
+    """genai_config.json of a --vision bundle, from the text one: type `qwen3_5` (genai's MultiModalLanguageModel:
+    vision.onnx per image, embedding.onnx per call, decoder_mm.onnx with the M-RoPE positions genai computes from
+    image_grid_thw and the vision token ids). Text-only prompts take the same path (no image: no vision call)."""
+    cfg = json.loads(json.dumps(text))
+    model, search = cfg["model"], cfg["search"]
+    model["type"] = MULTIMODAL_TYPE
+    model |= {
+        "image_token_id": vspec.image_token_id,
+        "video_token_id": vspec.video_token_id,
+        "vision_start_token_id": vspec.vision_start_token_id,
+    }
+    dec = model["decoder"]
+    dec["filename"] = graphs["decoder"]
+    names = {k: v for k, v in dec["inputs"].items() if k.endswith("_names")}
+    dec["inputs"] = {
+        "inputs_embeds": "inputs_embeds",
+        "attention_mask": "attention_mask",
+        "position_ids": "position_ids",
+    }
+    dec["inputs"] |= names
+    model["embedding"] = {
+        "filename": graphs["embedding"],
+        "inputs": {"input_ids": "input_ids", "image_features": "image_features"},
+        "outputs": {"inputs_embeds": "inputs_embeds"},
+    }
+    model["vision"] = {
+        "filename": graphs["vision"],
+        "config_filename": processor,
+        "patch_size": vspec.patch_size,
+        "spatial_merge_size": vspec.spatial_merge_size,
+        "inputs": {"pixel_values": "pixel_values", "image_grid_thw": "image_grid_thw"},
+        "outputs": {"image_features": "image_features"},
+    }
+    search.pop("chunk_size", None)  # genai's multimodal path feeds the prompt in one call: positions need it whole
+    return cfg

@@ -140,9 +140,9 @@ def _genai_io(b: GraphBuilder, vocab: int) -> None:
 
 
 def position_ids_io(path: Path) -> None:
-    """Rewrite a graph derived from model.onnx (decoder_mm.onnx) back to a position_ids int64 [1, positions]
-    input in place of the sequence-length pair: the multimodal decoder's contract (runtimes/vision.py binds
-    position_ids [[p]]; only element 0 is read)."""
+    """Rewrite a graph derived from model.onnx back to a position_ids int64 [1, positions]
+    input in place of the sequence-length pair: the contract of bundles before it (runtimes/onnx.py binds
+    position_ids [[p]]; only element 0 is read); tests make such bundles with it."""
     model = onnx.load(str(path), load_external_data=False)
     g = model.graph
     drop = {_PROGRAM_POSITION, *_LENGTH_NODES}
@@ -166,6 +166,46 @@ def position_ids_io(path: Path) -> None:
     k = next(k for k, v in enumerate(inputs) if v.name == CURRENT_LENGTH)
     inputs[k] = onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "positions"])
     inputs = [v for v in inputs if v.name != PAST_LENGTH]
+    del g.input[:]
+    g.input.extend(inputs)
+    onnx.save(model, str(path))
+
+
+MM_ATTENTION_MASK = "attention_mask"  # int64 [1, p + T]: only its length is read (p = length - T)
+MM_POSITION_IDS = "position_ids"  # int64 [3, 1, T]: the T/H/W M-RoPE rows
+
+
+def multimodal_io(path: Path, rope_input: str) -> None:
+    """Rewrite a graph derived from model.onnx (decoder_mm.onnx) to the multimodal decoder contract of
+    onnxruntime-genai's Qwen VL family (src/models/position_inputs.cpp, Qwen2VLPositionInputs): in place of the
+    sequence-length pair, attention_mask int64 [1, p + T] (all ones at batch 1; the graph takes the start position
+    p = its length - T) and the M-RoPE rows `rope_input` renamed position_ids int64 [3, 1, T]. deltaship's own
+    driver (runtimes/vision.py) binds the same two inputs."""
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    drop = {_PROGRAM_POSITION, *_LENGTH_NODES}
+    nodes = [n for n in g.node if not drop & set(n.output)]
+    for n in nodes:
+        for i, name in enumerate(n.input):
+            if name == rope_input:
+                n.input[i] = MM_POSITION_IDS
+    make = onnx.helper.make_node
+    first = [
+        make("Shape", [MM_ATTENTION_MASK], ["mm_total_length"], name="mm_total_length", start=1, end=2),
+        make("Shape", ["inputs_embeds"], ["mm_call_tokens"], name="mm_call_tokens", start=1, end=2),
+        make("Sub", ["mm_total_length", "mm_call_tokens"], [_PROGRAM_POSITION], name="mm_start_position"),
+    ]
+    del g.node[:]
+    g.node.extend(first + nodes)
+    inputs = []
+    for v in g.input:
+        if v.name == CURRENT_LENGTH:
+            v = onnx.helper.make_tensor_value_info(MM_ATTENTION_MASK, onnx.TensorProto.INT64, [1, "total_length"])
+        elif v.name == rope_input:
+            v = onnx.helper.make_tensor_value_info(MM_POSITION_IDS, onnx.TensorProto.INT64, [3, 1, "tokens"])
+        elif v.name == PAST_LENGTH:
+            continue
+        inputs.append(v)
     del g.input[:]
     g.input.extend(inputs)
     onnx.save(model, str(path))

@@ -1,20 +1,32 @@
 """The ONNX target's --vision lowering: the graphs of export/onnx/vision.py, with decoder_mm.onnx (model.onnx
-rewritten there) given back the multimodal decoder's position input, position_ids int64 [1, positions].
+rewritten there) given onnxruntime-genai's multimodal decoder inputs, and genai_config.json rewritten for genai's
+`qwen3_5` type (with its image processor's processor_config.json), so that onnxruntime-genai runs image + text
+prompts on the same files deltaship's own driver (runtimes/vision.py) does.
 
-model.onnx takes onnxruntime-genai's sequence-length pair (current_sequence_length, past_sequence_length) so that
-genai's prefill and decode calls get ONNX Runtime memory patterns of their own (export/onnx/model.py _genai_io);
-the multimodal decoder keeps position_ids, beside its 3-row M-RoPE rope_position_ids."""
+model.onnx takes genai's sequence-length pair (current_sequence_length, past_sequence_length) so that genai's
+prefill and decode calls get ONNX Runtime memory patterns of their own (export/onnx/model.py _genai_io); the
+multimodal decoder takes attention_mask [1, p + T] (the start position from its length) and the 3-row M-RoPE
+position_ids [3, 1, T], the inputs genai's Qwen VL position code feeds (export/onnx/model.py multimodal_io)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from deltaship.export.onnx import vision
-from deltaship.export.onnx.model import position_ids_io
+from deltaship.export.onnx.genai import GENAI_CONFIG, PROCESSOR_CONFIG, multimodal_genai_config, processor_config
+from deltaship.export.onnx.model import multimodal_io
+from deltaship.models.vision import Preprocessor, VisionSpec
 
 
 def lower_vision(bundle: Path, source, ctx) -> dict[str, Any]:
     block = vision.lower_vision(bundle, source, ctx)
-    position_ids_io(bundle / vision.DECODER_FILE)
+    multimodal_io(bundle / vision.DECODER_FILE, vision.ROPE_INPUT)
+    pre = Preprocessor.from_config(json.loads((bundle / block["preprocessor"]).read_text()))
+    (bundle / PROCESSOR_CONFIG).write_text(json.dumps(processor_config(pre), indent=2) + "\n")
+    text = json.loads((bundle / GENAI_CONFIG).read_text())
+    cfg = multimodal_genai_config(text, VisionSpec(**block["spec"]), block["graphs"])
+    (bundle / GENAI_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+    block["genai"] = {"config": GENAI_CONFIG, "type": cfg["model"]["type"], "processor": PROCESSOR_CONFIG}
     return block

@@ -1,16 +1,17 @@
 """The multimodal side of an ONNX bundle: vision.onnx, embedding.onnx and decoder_mm.onnx.
 
 - vision.onnx: Qwen3.5's vision tower for one image (or one video clip), built node by node: patch rows
-  [N, C*T*P*P] (the Conv3d with stride == kernel is exactly a MatMul over the row), plus the grid tensors
-  the host computes (models/vision.py: position-table interpolation indices/weights [N, 4], 2-D rotary
-  cos/sin [N, head_dim]); N is dynamic (a multiple of 4). Output: merged features [N/4, text hidden].
+  [N, C*T*P*P] (the Conv3d with stride == kernel is exactly a MatMul over the row) and image_grid_thw [1, 3], from
+  which the graph computes the position-table interpolation indices/weights [N, 4] and 2-D rotary cos/sin
+  [N, head_dim] (as models/vision.py does on the host); N is dynamic (a multiple of 4). Output: merged features
+  [N/4, text hidden]. onnxruntime-genai feeds exactly these two inputs, once per image.
 - embedding.onnx: input_ids [1, T] and image_features [K, hidden] -> inputs_embeds [1, T, hidden]: the
   token embedding with the i-th image-token row of the call replaced by image_features[i] (i < K; K may be 0).
 - decoder_mm.onnx: the text decoder (model.onnx) taking inputs_embeds [1, T, hidden] instead of input_ids, and
-  rope_position_ids [3, 1, T] (interleaved M-RoPE T/H/W rows) for the attention layers' rotary; position_ids
-  stays the cache position. It is model.onnx rewritten at its two entry points (the embedding gather and the
-  rotary angles); everything else, states included, is the same graph and the same weights (shared through the
-  external data file when there is one).
+  rope_position_ids [3, 1, T] (interleaved M-RoPE T/H/W rows) for the attention layers' rotary. It is model.onnx
+  rewritten at its two entry points (the embedding gather and the rotary angles); everything else, states
+  included, is the same graph and the same weights (shared through the external data file when there is one).
+  multimodal.py then gives it onnxruntime-genai's inputs (position_ids, attention_mask).
 model.onnx itself is untouched: text-only prompts keep the text-only fast path.
 """
 
@@ -39,8 +40,68 @@ from deltaship.models.vision import (
 VISION_FILE = "vision.onnx"
 EMBEDDING_FILE = "embedding.onnx"
 DECODER_FILE = "decoder_mm.onnx"
+ROPE_INPUT = "rope_position_ids"  # renamed position_ids by multimodal.multimodal_io (genai's name)
 LN_EPS = 1e-6  # the tower's LayerNorms (transformers hard-codes it)
 _ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
+
+
+def _grid_tensors(b: GraphBuilder, spec: VisionSpec, grid: str, elem: int) -> tuple[str, str, str, str]:
+    """models/vision.py's position_interpolation and rotary_cos_sin in the graph, from image_grid_thw [1, 3]:
+    position-table indices int64 [N, 4] and weights [N, 4], rotary cos, sin [N, head_dim], N = t*h*w patch rows
+    in merge-block order. Same float32 operations in the same order as the host code."""
+    m, side = spec.spatial_merge_size, spec.grid_side
+    i64 = np.int64
+
+    def dim(k: int) -> str:  # [1]
+        return b.one(
+            "Reshape", [b.one("Slice", [grid, b.const([0, k], i64), b.const([1, k + 1], i64)]), b.const([1], i64)]
+        )
+
+    t, h, w = dim(0), dim(1), dim(2)
+    hw = b.one("Mul", [h, w])
+    n = b.one("Range", [b.const(0, i64), b.one("Squeeze", [b.one("Mul", [t, hw])]), b.const(1, i64)])
+    q = b.one("Mod", [n, hw])  # the row within its temporal patch
+    blk, r = b.one("Div", [q, b.const(m * m, i64)]), b.one("Mod", [q, b.const(m * m, i64)])
+    wb = b.one("Div", [w, b.const(m, i64)])
+    rows = b.one("Add", [b.one("Mul", [b.one("Div", [blk, wb]), b.const(m, i64)]), b.one("Div", [r, b.const(m, i64)])])
+    cols = b.one("Add", [b.one("Mul", [b.one("Mod", [blk, wb]), b.const(m, i64)]), b.one("Mod", [r, b.const(m, i64)])])
+    f32 = TensorProto.FLOAT
+
+    def taps(index: str, size: str) -> tuple[str, str]:  # [N, 2] table rows and weights along one axis
+        denom = b.one("Cast", [b.one("Max", [b.one("Sub", [size, b.const(1, i64)]), b.const(1, i64)])], to=f32)
+        src = b.one("Div", [b.one("Mul", [b.one("Cast", [index], to=f32), b.const(np.float32(side - 1))]), denom])
+        floor = b.one("Floor", [src])
+        frac = b.one("Sub", [src, floor])  # weight of the upper tap; 1 - frac the lower's
+        lo = b.one("Cast", [floor], to=TensorProto.INT64)
+        tap = b.one(
+            "Concat",
+            [b.one("Unsqueeze", [x, b.const([1], i64)]) for x in (lo, b.one("Add", [lo, b.const(1, i64)]))],
+            axis=1,
+        )
+        tap = b.one("Clip", [tap, b.const(0, i64), b.const(side - 1, i64)])
+        wt = [b.one("Sub", [b.const(np.float32(1)), frac]), frac]
+        return tap, b.one("Concat", [b.one("Unsqueeze", [x, b.const([1], i64)]) for x in wt], axis=1)
+
+    ht, hwt = taps(rows, h)
+    wt, wwt = taps(cols, w)
+    col_axis, row_axis = b.const([1], i64), b.const([2], i64)
+    flat = b.const([-1, 4], i64)
+    idx = b.one(
+        "Add",
+        [b.one("Mul", [b.one("Unsqueeze", [ht, row_axis]), b.const(side, i64)]), b.one("Unsqueeze", [wt, col_axis])],
+    )
+    wts = b.one("Mul", [b.one("Unsqueeze", [hwt, row_axis]), b.one("Unsqueeze", [wwt, col_axis])])
+    idx, wts = b.one("Reshape", [idx, flat]), b.one("Reshape", [wts, flat])
+    half = spec.head_dim // 2
+    inv_freq = 1.0 / (spec.rope_theta ** (np.arange(0, half, 2, dtype=np.float32) / np.float32(half)))
+    inv = b.const(inv_freq.astype(np.float32).reshape(1, -1))
+    fh = b.one("Mul", [b.one("Unsqueeze", [b.one("Cast", [rows], to=f32), col_axis]), inv])
+    fw = b.one("Mul", [b.one("Unsqueeze", [b.one("Cast", [cols], to=f32), col_axis]), inv])
+    freqs = b.one("Concat", [fh, fw, fh, fw], axis=-1)
+    cos, sin = b.one("Cos", [freqs]), b.one("Sin", [freqs])
+    if elem != f32:
+        wts, cos, sin = (b.one("Cast", [x], to=elem) for x in (wts, cos, sin))
+    return idx, wts, cos, sin
 
 
 def build_vision(spec: VisionSpec, weights: VisionWeights, path: Path, dtype=np.float32) -> None:
@@ -63,10 +124,9 @@ def build_vision(spec: VisionSpec, weights: VisionWeights, path: Path, dtype=np.
         return b.one("LayerNormalization", [x, w(name + ".weight"), w(name + ".bias")], axis=-1, epsilon=LN_EPS)
 
     px = b.add_input("pixel_values", elem, ["patches", spec.patch_dim])
-    idx = b.add_input("pos_indices", TensorProto.INT64, ["patches", 4])
-    wts = b.add_input("pos_weights", elem, ["patches", 4])
-    cos = b.add_input("rope_cos", elem, ["patches", hd])
-    sin = b.add_input("rope_sin", elem, ["patches", hd])
+    # [1, 3]: one image per call (onnxruntime-genai loops over images when dim 0 is not symbolic)
+    grid = b.add_input("image_grid_thw", TensorProto.INT64, [1, 3])
+    idx, wts, cos, sin = _grid_tensors(b, spec, grid, elem)
 
     x = linear(px, "patch_embed.proj")  # Conv3d, stride == kernel: a MatMul over the flattened patch
     table = b.one("Gather", [w("pos_embed.weight"), idx], axis=0)  # [N, 4, D]

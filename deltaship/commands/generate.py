@@ -73,9 +73,34 @@ def generate(
         )
     check_sampling(max_new_tokens, temperature, top_k, top_p)  # before the bundle is opened
     text = text_runtime(bundle, runtime)
+    if (images or videos) and runtime == "genai":
+        return _generate_genai_images(
+            bundle,
+            prompt,
+            images or [],
+            max_new_tokens,
+            threads,
+            refused=[
+                flag
+                for flag, v in (
+                    ("--video", videos),
+                    ("--input-ids", input_ids is not None),
+                    ("--temperature", temperature > 0),
+                    ("--top-k", top_k),
+                    ("--top-p", top_p != 1.0),
+                    ("--seed", seed is not None),
+                    ("--no-stop-at-eos", not stop_at_eos),
+                    ("--dump-logits", dump_logits),
+                    ("--provider", provider != "cpu"),
+                    ("--cuda-graph", cuda_graph),
+                )
+                if v
+            ],
+        )
     if (images or videos) and runtime is not None:
         raise DeltashipError(
-            f"--image runs in deltaship's own ONNX session only so far, not --runtime {runtime}", "drop --runtime"
+            f"--image runs in deltaship's own session and in --runtime genai (ONNX bundles), not --runtime {runtime}",
+            "drop --runtime",
         )
     if text is not None:  # a runtime that takes text (ExecuTorch's C++ LLM runner)
         given = [
@@ -175,4 +200,47 @@ def generate(
         np.save(tmp, arr)
         tmp.rename(path)
         result["logits_file"] = str(path)
+    return result
+
+
+def _generate_genai_images(
+    bundle: str | Path,
+    prompt: str | None,
+    images: list[str | Path],
+    max_new_tokens: int,
+    threads: int | None,
+    refused: list[str],
+) -> dict[str, Any]:
+    """--image with --runtime genai: the prompt and image files go to onnxruntime-genai as an app gives them (its
+    image processor, placeholder expansion, vision/embedding/decoder graphs and greedy search)."""
+    if refused:
+        raise DeltashipError(
+            f"--runtime genai with --image takes a text prompt, image files and greedy decoding only; it cannot take "
+            f"{', '.join(refused)}",
+            f"drop {', '.join(refused)}, or drop --runtime genai (deltaship's own session takes them)",
+        )
+    from deltaship.runtimes.vision import image_prompt
+
+    session = open_bundle(bundle, threads=threads, runtime="genai")
+    chat = "im_start" in session.manifest.get("tokens", {})
+    text = image_prompt(prompt, len(images), chat)
+    t0 = time.monotonic()
+    gen, grids = session.generate_images(text, images, max_new_tokens)
+    elapsed = time.monotonic() - t0
+    spec = session.manifest["vision"]["spec"]
+    merge, patch = int(spec["spatial_merge_size"]), int(spec["patch_size"])
+    result: dict[str, Any] = {
+        "input_ids": gen.input_ids,
+        "output_ids": gen.output_ids,
+        "stopped": gen.stopped,
+        "seconds": round(elapsed, 4),
+        "runtime": session.runtime_name(),
+        "image_tokens": [t * h * w // merge**2 for t, h, w in grids],
+        "images": [{"grid_thw": g, "resized": [g[1] * patch, g[2] * patch]} for g in grids],
+        "notices": [],
+    }
+    try:
+        result["text"] = load_tokenizer(Path(bundle), session.manifest).decode(gen.output_ids)
+    except DeltashipError:
+        pass
     return result

@@ -5,7 +5,8 @@ genai owns the sequence: it feeds input_ids and the sequence lengths (current_se
 past_sequence_length, from which the graph takes its start position), keeps the KV cache and the DeltaNet states,
 splits a prompt into the bundle's prefill chunks (search.chunk_size) and samples. This session offers
 deltaship's Session API on top of it: prefill/decode/reset/generate, and timed_generate for prefill and
-decode timings of genai's own loop.
+decode timings of genai's own loop. A --vision bundle's genai_config.json is genai's multimodal `qwen3_5` type
+(export/onnx/multimodal.py): generate_images runs image + text prompts through genai's image processor and loop.
 """
 
 from __future__ import annotations
@@ -191,6 +192,64 @@ class GenaiSession(Session):
                 break
         self._gen, self._looped = g, True
         return gen, times
+
+    # ---- image + text: genai's multimodal processor and loop (a --vision bundle) ------------------------
+    def generate_images(
+        self,
+        prompt: str,
+        images: Sequence[str | Path],
+        max_new_tokens: int,
+        *,
+        on_token: Callable[[int], None] | None = None,
+    ) -> tuple[Generation, list[list[int]]]:
+        """Greedy generation of a new sequence from a text prompt and image files, all in genai as an app runs it:
+        its image processor (processor_config.json: resize, normalize, patch rows), its placeholder expansion (one
+        <|vision_start|> per image, each span grown to the image's tokens), vision.onnx per image, its M-RoPE
+        positions and greedy search (stopping at EOS). Returns the generation (input_ids: the expanded prompt)
+        and each image's grid_thw."""
+        block = (self.manifest.get("vision") or {}).get("genai")
+        if not self.manifest.get("vision"):
+            from deltaship.runtimes.vision import vision_block
+
+            vision_block(self.manifest, self.bundle)  # raises: no vision tower
+        if not block:
+            raise DeltashipError(
+                f"{self.bundle}: this --vision bundle was exported before its genai_config.json described the "
+                "multimodal graphs, so onnxruntime-genai runs it as text only",
+                "export the bundle again with this version of deltaship (deltaship export ... --vision), or drop "
+                "--runtime genai for image prompts",
+            )
+        if max_new_tokens < 0:
+            raise DeltashipError("max_new_tokens must be >= 0", "pass --max-new-tokens 0 or more")
+        missing = [str(p) for p in images if not Path(p).is_file()]
+        if missing:
+            raise DeltashipError(f"--image {missing[0]}: no such file", "pass the path of a PNG, JPEG or other image")
+        og = self._og
+        processor = self.model.create_multimodal_processor()
+        inputs = processor(prompt, images=og.Images.open(*[str(p) for p in images]) if images else None)
+        ids = [int(i) for i in inputs["input_ids"].as_numpy().reshape(-1)]
+        grids = inputs["image_grid_thw"].as_numpy().reshape(-1, 3).tolist() if images else []
+        self._check(ids)
+        self.reset()
+        g, gen = self._gen, Generation(input_ids=ids, output_ids=[])
+        g.set_inputs(inputs)
+        self.position = len(ids)
+        while len(gen.output_ids) < max_new_tokens:
+            if g.is_done():
+                gen.stopped = "context" if self.position >= self.max_context else "eos"
+                break
+            g.generate_next_token()
+            tok = int(g.get_next_tokens()[0])
+            if gen.output_ids:
+                self.position += 1
+            gen.output_ids.append(tok)
+            if on_token:
+                on_token(tok)
+            if tok in self.eos_ids:  # genai's search stops there too
+                gen.stopped = "eos"
+                break
+        self._gen, self._looped = g, True
+        return gen, [[int(x) for x in row] for row in grids]
 
 
 def open_genai(

@@ -183,6 +183,32 @@ def test_grid_tensors_match_transformers(grid):
     np.testing.assert_allclose(my_sin, sin.numpy(), atol=1e-6)
 
 
+@pytest.mark.parametrize("grid", [(1, 4, 6), (1, 10, 6), (2, 4, 4), (1, 60, 2), (1, 2, 2)])
+def test_vision_graph_computes_the_grid_tensors(grid, tmp_path):
+    """vision.onnx computes from image_grid_thw what the host computes (models/vision.py): same indices, weights
+    within float rounding, same rotary (what onnxruntime-genai relies on: it feeds only pixels and the grid)."""
+    import onnxruntime as ort
+    from onnx import TensorProto
+
+    from deltaship.export.onnx.builder import GraphBuilder
+    from deltaship.export.onnx.vision import _grid_tensors
+
+    spec = VisionSpec.from_config({"model_type": "qwen3_5", "vision_config": VISION} | TOKENS)
+    b = GraphBuilder()
+    g = b.add_input("image_grid_thw", TensorProto.INT64, [1, 3])
+    names = ("pos_indices", "pos_weights", "rope_cos", "rope_sin")
+    for name, out in zip(names, _grid_tensors(b, spec, g, TensorProto.FLOAT)):
+        b.node("Identity", [out], outputs=[name])
+        b.add_output(name, TensorProto.INT64 if name == "pos_indices" else TensorProto.FLOAT, None)
+    b.finish(tmp_path / "grid.onnx", {"": 21}, 10)
+    got = ort.InferenceSession(str(tmp_path / "grid.onnx")).run(list(names), {"image_grid_thw": np.array([grid])})
+    idx, wts = position_interpolation(spec, grid)
+    cos, sin = rotary_cos_sin(spec, grid)
+    np.testing.assert_array_equal(got[0], idx)
+    for a, want in zip(got[1:], (wts, cos, sin)):
+        np.testing.assert_allclose(a, want, atol=1e-6)
+
+
 def test_rope_positions_match_get_rope_index(vl_checkpoint, hf_model):
     import torch
 

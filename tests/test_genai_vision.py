@@ -183,6 +183,18 @@ def test_generate_with_runtime_genai_takes_images(vl_bundle, images, tmp_path):
     with pytest.raises(DeltashipError, match="greedy decoding only; it cannot take --temperature") as e:
         generate(vl_bundle, runtime="genai", temperature=0.7, **kw)
     assert "drop --runtime genai" in e.value.fix
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")  # genai would hand it to libjpeg, which ends the process
+    with pytest.raises(DeltashipError, match="not a readable image"):
+        generate(vl_bundle, runtime="genai", **(kw | {"images": [str(bad)]}))
+    gif = tmp_path / "image.gif"
+    _image(64, 96, seed=3).save(gif)
+    with pytest.raises(DeltashipError, match="reads PNG and JPEG files only") as e:
+        generate(vl_bundle, runtime="genai", **(kw | {"images": [str(gif)]}))
+    assert "convert the image" in e.value.fix
+    jpeg = tmp_path / "image.jpg"  # runs; its pixels are not PIL's (genai upsamples 4:2:0 chroma its own way)
+    _image(64, 96, seed=3).save(jpeg, quality=95)
+    assert len(generate(vl_bundle, runtime="genai", **(kw | {"images": [str(jpeg)]}))["output_ids"]) >= 2
     old = tmp_path / "old"  # a --vision bundle from before: its manifest has no vision.genai block
     shutil.copytree(vl_bundle, old)
     m = json.loads((old / "manifest.json").read_text())

@@ -23,6 +23,7 @@ from deltaship.runtimes.base import Generation, Session
 
 GENAI_CONFIG = "genai_config.json"  # written by deltaship.export.onnx.genai
 INSTALL = 'pip install "onnxruntime-genai>=0.18,<0.19"'
+PNG_SIGNATURE, JPEG_SIGNATURE = b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff"
 
 
 def _import_genai():
@@ -221,12 +222,29 @@ class GenaiSession(Session):
             )
         if max_new_tokens < 0:
             raise DeltashipError("max_new_tokens must be >= 0", "pass --max-new-tokens 0 or more")
-        missing = [str(p) for p in images if not Path(p).is_file()]
-        if missing:
-            raise DeltashipError(f"--image {missing[0]}: no such file", "pass the path of a PNG, JPEG or other image")
+        from deltaship.models.vision import load_image
+
+        for path in images:
+            load_image(path)  # a clear error for a missing or unreadable file
+            with open(path, "rb") as f:
+                head = f.read(8)
+            if not (head.startswith(PNG_SIGNATURE) or head.startswith(JPEG_SIGNATURE)):
+                # onnxruntime-extensions (Linux) decodes PNG, else hands the bytes to libjpeg, whose error handler
+                # ends the process on anything else
+                raise DeltashipError(
+                    f"--image {path}: onnxruntime-genai's image decoder reads PNG and JPEG files only",
+                    "convert the image to PNG or JPEG, or drop --runtime genai (deltaship's own session reads it)",
+                )
         og = self._og
         processor = self.model.create_multimodal_processor()
-        inputs = processor(prompt, images=og.Images.open(*[str(p) for p in images]) if images else None)
+        try:
+            inputs = processor(prompt, images=og.Images.open(*[str(p) for p in images]) if images else None)
+        except Exception as e:  # genai raises RuntimeError with its own message (unreadable image, span count)
+            raise DeltashipError(
+                f"onnxruntime-genai could not take the prompt and images {[str(p) for p in images]}: {e}",
+                "pass PNG or JPEG files and one <|vision_start|><|image_pad|><|vision_end|> per image (deltaship "
+                "generate writes them for a --prompt)",
+            ) from None
         ids = [int(i) for i in inputs["input_ids"].as_numpy().reshape(-1)]
         grids = inputs["image_grid_thw"].as_numpy().reshape(-1, 3).tolist() if images else []
         self._check(ids)

@@ -219,3 +219,24 @@ def test_genai_runs_an_fp16_vision_bundle(vl_bundle, images, tmp_path):
     own = generate(out, **kw)
     _og()
     assert generate(out, runtime="genai", **kw)["output_ids"] == own["output_ids"]
+
+
+def test_generate_with_runtime_genai_names_a_size_genai_rounds_otherwise(vl_bundle, tmp_path):
+    """80 pixels = 2.5 blocks of 32: transformers (and deltaship) round to 2 blocks, onnxruntime-extensions 0.18's
+    smart_resize to 3; the result says so whenever the two sizes differ, and only then."""
+    from deltaship.commands.generate import generate
+    from deltaship.runtimes.vision import Multimodal
+
+    _og()
+    path = tmp_path / "half.png"
+    _image(80, 100, seed=5).save(path)
+    res = generate(vl_bundle, prompt=PROMPT, images=[str(path)], max_new_tokens=2, runtime="genai")
+    from deltaship.runtimes import open_bundle
+
+    want = Multimodal(open_bundle(vl_bundle)).load([path])[0]
+    differs = res["images"][0]["resized"] != list(want.resized)
+    assert any("rounds a half 32-pixel block up" in n for n in res["notices"]) == differs
+    # genai 0.18 (pinned < 0.19): 96 pixels high, not 64. If this fails genai rounds as transformers now: drop the
+    # notice and the note in docs/ship.md
+    assert (res["images"][0]["resized"], list(want.resized)) == ([96, 96], [64, 96])
+    assert any("resized it from 100x80" in n for n in res["notices"])

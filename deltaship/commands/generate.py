@@ -237,10 +237,40 @@ def _generate_genai_images(
         "runtime": session.runtime_name(),
         "image_tokens": [t * h * w // merge**2 for t, h, w in grids],
         "images": [{"grid_thw": g, "resized": [g[1] * patch, g[2] * patch]} for g in grids],
-        "notices": [],
+        "notices": _genai_resize_notices(bundle, session.manifest, images, grids),
     }
     try:
         result["text"] = load_tokenizer(Path(bundle), session.manifest).decode(gen.output_ids)
     except DeltashipError:
         pass
     return result
+
+
+def _genai_resize_notices(
+    bundle: str | Path, manifest: dict[str, Any], images: list[str | Path], grids: list[list[int]]
+) -> list[str]:
+    """Which images genai resized, and where its size is not transformers' (onnxruntime-extensions' smart_resize
+    rounds a half patch-merge block up; transformers' Python round() to even): such an image gets other tokens."""
+    import dataclasses
+    import json
+
+    from deltaship.models.vision import Preprocessor, load_image, smart_resize
+
+    block = manifest["vision"]
+    pre = Preprocessor.from_config(json.loads((Path(bundle) / block["preprocessor"]).read_text()))
+    pre = dataclasses.replace(pre, max_pixels=min(pre.max_pixels, int(block["max_pixels"])))
+    notices = []
+    for path, (_, gh, gw) in zip(images, grids):
+        w0, h0 = load_image(path).size
+        h, w = gh * pre.patch_size, gw * pre.patch_size
+        if (h, w) != (h0, w0):
+            notices.append(f"--image {path}: onnxruntime-genai resized it from {w0}x{h0} to {w}x{h} pixels")
+        want = smart_resize(h0, w0, pre.factor, pre.min_pixels, pre.max_pixels)
+        if (h, w) != want:
+            notices.append(
+                f"--image {path}: transformers and deltaship's own session resize it to {want[1]}x{want[0]} pixels, "
+                f"onnxruntime-genai to {w}x{h} (its smart_resize rounds a half {pre.factor}-pixel block up), so its "
+                "tokens differ from the checkpoint's; an image whose sides are not odd multiples of "
+                f"{pre.factor // 2} pixels avoids it"
+            )
+    return notices

@@ -277,5 +277,7 @@ def multimodal_genai_config(
         "inputs": {"pixel_values": "pixel_values", "image_grid_thw": "image_grid_thw"},
         "outputs": {"image_features": "image_features"},
     }
-    search.pop("chunk_size", None)  # genai's multimodal path feeds the prompt in one call: positions need it whole
+    # genai 0.18's multimodal path feeds a prompt in one call whatever chunk_size says (same logits with and without);
+    # its M-RoPE positions are computed over the whole prompt, so the key is left out rather than promised
+    search.pop("chunk_size", None)
     return cfg

@@ -4,6 +4,7 @@
                             [--executorch fp16,int8,int4] [--max-context 262144] [--work DIR] [--reuse]
                             [--json bench/results/longctx.json]
     python bench/longctx.py --table bench/results/longctx.json     # the markdown table of docs/results/longctx.md
+    python bench/longctx.py --annotate FILE.json   # add the kernel-scratch arithmetic to a run measured before it
 
 For each target and KV dtype, in one invocation: an ONNX bundle (int4 weights; fp16 KV needs --onnx-activations
 fp16, the others fp32 activations; the KV cache is the app's input: the export allocates none of it) and an
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -58,6 +60,31 @@ def export(preset: str, target: str, kv: str, out: Path, reuse: bool, max_contex
         "exports_max_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
         "command": "deltaship export " + " ".join(args),
     }
+
+
+def scratch_per_token(manifest: dict) -> int:
+    """The manifest's kv_scratch_bytes_per_token_per_thread at its KV dtype; for bundles exported before the
+    manifest recorded it, the target's formula (Target.kv_scratch_bytes_per_token) on the manifest's model."""
+    mem = manifest["memory"]
+    if "kv_scratch_bytes_per_token_per_thread" in mem:
+        return mem["kv_scratch_bytes_per_token_per_thread"].get(mem["kv_dtype"], 0)
+    from types import SimpleNamespace
+
+    from deltaship.targets import get_target
+
+    return get_target(manifest["target"]).kv_scratch_bytes_per_token(
+        SimpleNamespace(**manifest["model"]), mem["kv_dtype"]
+    )
+
+
+def add_scratch(run: dict, manifest: dict, threads: int) -> None:
+    """The arithmetic with the attention kernel's scratch (threads x per token x depth past the prefix), per row."""
+    per = scratch_per_token(manifest)
+    run["kv_scratch_bytes_per_token_per_thread"], run["threads"] = per, threads
+    for r in run.get("rows", []):
+        arith = r["manifest_kv_bytes_past_prefix"]
+        r["manifest_kv_scratch_bytes_past_prefix"] = s = arith // run["kv_bytes_per_token"] * per * threads
+        r["growth_over_arithmetic_with_scratch"] = round(r["rss_growth_bytes"] / (arith + s), 4) if arith else None
 
 
 def measure(bundle: Path, contexts: list[int], threads: int | None, reps: int) -> dict:
@@ -95,7 +122,7 @@ def measure(bundle: Path, contexts: list[int], threads: int | None, reps: int) -
             }
         )
     peak = next(r["median"] for r in out["results"] if r["metric"] == "peak_rss_bytes")
-    return {
+    run = {
         "runtime": out["runtime"],
         "kv_dtype": mem["kv_dtype"],
         "kv_bytes_per_token": per_token,
@@ -106,6 +133,8 @@ def measure(bundle: Path, contexts: list[int], threads: int | None, reps: int) -
         "peak_rss_bytes": int(peak),
         "rows": rows,
     }
+    add_scratch(run, manifest, threads or os.cpu_count() or 1)
+    return run
 
 
 def _cpu() -> str:
@@ -122,24 +151,40 @@ def table(doc: dict) -> str:
     """The results as a markdown table (docs/results/longctx.md)."""
     lines = [
         "| target | KV | context | decode ms (median) | CV | RSS MiB | RSS growth past the prefix MiB | "
-        "manifest KV past the prefix MiB | growth / arithmetic |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "manifest KV past the prefix MiB | growth / arithmetic | growth / (KV + kernel scratch) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in doc["runs"]:
         if "rows" not in run:
             why = run.get("error") or run.get("died", {}).get("reason")
-            lines.append(f"| {run['target']} | {run['kv']} | - | failed: {str(why)[-120:]} | | | | | |")
+            lines.append(f"| {run['target']} | {run['kv']} | - | failed: {str(why)[-120:]} | | | | | | |")
             continue
         for r in run["rows"]:
             lines.append(
                 f"| {run['target']} | {run['kv']} | {r['context']:,} | {r['decode_ms_median']:,.1f} | "
                 f"{r['decode_cv']:.2f} | {r['rss_bytes'] / 2**20:,.0f} | {r['rss_growth_bytes'] / 2**20:,.0f} | "
-                f"{r['manifest_kv_bytes_past_prefix'] / 2**20:,.0f} | {r['growth_over_arithmetic']:.3f} |"
+                f"{r['manifest_kv_bytes_past_prefix'] / 2**20:,.0f} | {r['growth_over_arithmetic']:.3f} | "
+                + (
+                    f"{r['growth_over_arithmetic_with_scratch']:.3f} |"
+                    if "growth_over_arithmetic_with_scratch" in r
+                    else "- |"
+                )
             )
     return "\n".join(lines)
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--annotate"]:  # a JSON measured before add_scratch existed: add it from the bundles
+        path = Path(sys.argv[2])
+        doc = json.loads(path.read_text())
+        threads = int(doc["command"].split("--threads ")[1].split()[0]) if "--threads " in doc["command"] else None
+        for run in doc["runs"]:
+            if "rows" in run and "threads" not in run:
+                add_scratch(
+                    run, json.loads((Path(run["bundle"]) / "manifest.json").read_text()), threads or os.cpu_count()
+                )
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        return 0
     if sys.argv[1:2] == ["--table"]:
         print(table(json.loads(Path(sys.argv[2]).read_text())))
         return 0

@@ -314,6 +314,26 @@ def test_manifest_memory_block_adds_up_to_state_bytes(config, precision, bundles
     assert (mem["kv_bytes_per_token"]["fp16"] == 0) == (not kv)  # no attention layer, no KV cache
 
 
+def test_onnx_fp16_kv_records_and_plans_the_attention_kernels_fp32_scratch(bundles):
+    """ONNX Runtime's CPU GroupQueryAttention converts the fp16 K/V rows of a head to fp32, one buffer per thread
+    (head_dim x context floats): the manifest says so per token and thread, and the planner counts it."""
+    from deltaship.bundle import read_manifest
+    from deltaship.devices.plan import activation_bytes, estimate
+    from deltaship.models.presets import PRESETS
+
+    m = read_manifest(bundles("grouped_values", "onnx", "fp16"))
+    assert m["memory"]["kv_scratch_bytes_per_token_per_thread"] == {"fp16": 4 * m["model"]["head_dim"]}
+    fp32 = read_manifest(bundles("base", "onnx", "fp32"))  # keyed by KV dtype, like kv_bytes_per_token
+    assert fp32["memory"]["kv_scratch_bytes_per_token_per_thread"] == {"fp16": 4 * fp32["model"]["head_dim"]}
+
+    spec, tier, ctx = PRESETS["qwen3.5-0.8b"].spec(), _tier(64), 262144
+    row = estimate(spec, tier, "onnx", "fp16", ctx, "fp16")
+    assert row.kv_scratch_bytes == ctx * tier.threads * 4 * spec.head_dim  # 1 GiB at 4 threads
+    assert row.activation_bytes == activation_bytes(spec, "onnx", "fp16", ctx) + row.kv_scratch_bytes
+    assert estimate(spec, tier, "onnx", "int4", ctx, "int8").kv_scratch_bytes == 0
+    assert estimate(spec, tier, "executorch", "fp16", ctx, "fp16").kv_scratch_bytes == 0
+
+
 def test_default_kv_dtype_keeps_todays_state_bytes():
     from deltaship.devices.plan import default_kv_dtype, state_bytes
     from deltaship.models.presets import PRESETS

@@ -39,6 +39,7 @@ class PlanRow:
     runtime_bytes: int = 0
     capped: bool = False  # the context stopped at the model's max_position_embeddings, not at the budget
     attention_scores_bytes: int = 0  # part of activation_bytes: heads x prefill chunk x context
+    kv_scratch_bytes: int = 0  # part of activation_bytes: the attention kernel's scratch (fp16 KV on ORT)
     longest: bool = False  # context is the longest that fits (plan(context="max"))
     fits_at_chunk: int = 0  # when it does not fit: the largest prefill chunk (power of two) at which it would
 
@@ -135,7 +136,8 @@ def estimate(
     w = weight_bytes(spec, target, precision)
     dn = spec.deltanet_state_bytes(get_target(target).storage_format(precision).act)
     kvb = context * kv_bytes_per_token(spec, target, precision, kv)
-    a = activation_bytes(spec, target, precision, context, prefill_chunk)
+    scratch = context * tier.threads * get_target(target).kv_scratch_bytes_per_token(spec, kv)
+    a = activation_bytes(spec, target, precision, context, prefill_chunk) + scratch
     rt = get_target(target).runtime_base_bytes
     total = w + dn + kvb + a + rt
     return PlanRow(
@@ -156,6 +158,7 @@ def estimate(
         activation_bytes=a,
         runtime_bytes=rt,
         attention_scores_bytes=attention_scores_bytes(spec, target, precision, context, prefill_chunk),
+        kv_scratch_bytes=scratch,
     )
 
 
@@ -475,7 +478,9 @@ def _parts(r: dict) -> str:
     return (
         f"weights {r['weights_bytes'] / GIB:.2f} + {r['kv_dtype']} KV cache {r['kv_bytes'] / GIB:.2f} + DeltaNet "
         f"states {r['deltanet_bytes'] / GIB:.2f} + activations {r['activation_bytes'] / GIB:.2f} (attention "
-        f"scores {r['attention_scores_bytes'] / GIB:.2f}) + runtime {r['runtime_bytes'] / GIB:.2f} GiB"
+        f"scores {r['attention_scores_bytes'] / GIB:.2f}"
+        + (f", KV scratch {r['kv_scratch_bytes'] / GIB:.2f}" if r.get("kv_scratch_bytes") else "")
+        + f") + runtime {r['runtime_bytes'] / GIB:.2f} GiB"
     )
 
 

@@ -310,7 +310,7 @@ def export(
                 f"{vision_block['graphs']['embedding']}, and run {vision_block['graphs']['decoder']} on them with "
                 "3-row M-RoPE positions; prompts without images keep using the entry graph.",
             ]
-        manifest["memory"] = _memory(spec, ctx.states)
+        manifest["memory"] = _memory(spec, ctx.states, tgt)
         manifest["app_runtimes"] = dict(lowered.app_runtimes or tgt.app_runtimes)
         if verify:
             from deltaship.export.verify import verify_bundle
@@ -357,8 +357,10 @@ def export(
     return manifest
 
 
-def _memory(spec, states: list[dict]) -> dict[str, Any]:
-    """The manifest's memory arithmetic: state bytes = deltanet_state_bytes + context x kv_bytes_per_token[kv_dtype]."""
+def _memory(spec, states: list[dict], tgt) -> dict[str, Any]:
+    """The manifest's memory arithmetic: state bytes = deltanet_state_bytes + context x kv_bytes_per_token[kv_dtype],
+    and, where the target's attention kernel keeps scratch that grows with the context, context x intra-op threads
+    x kv_scratch_bytes_per_token_per_thread[kv_dtype] more at run time."""
     short = {"float32": ("fp32", 4), "float16": ("fp16", 2)}
     dtypes = {s["kind"]: s["dtype"] for s in states}
     quant = next((s["quantization"] for s in states if "quantization" in s), None)
@@ -367,6 +369,9 @@ def _memory(spec, states: list[dict]) -> dict[str, Any]:
     if quant and "static" in quant["scheme"]:  # the scales live in the graph: no bytes per token
         out["kv_bytes_per_token"][kv] = spec.kv_bytes_per_token(kv, static_scales=True)
         out["kv_scale_bytes_per_token_head"][kv] = 0
+    scratch = {k: tgt.kv_scratch_bytes_per_token(spec, k) for k in out["kv_bytes_per_token"]}
+    if any(scratch.values()):
+        out["kv_scratch_bytes_per_token_per_thread"] = {k: v for k, v in scratch.items() if v}
     return out
 
 

@@ -19,6 +19,7 @@ The records say `fill: synthetic` and carry this description; tokens generated a
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -191,6 +192,10 @@ def sweep(
     kv_dtype = memory.get("kv_dtype")
     per_token = (memory.get("kv_bytes_per_token") or {}).get(kv_dtype)
     dn_bytes = memory.get("deltanet_state_bytes")
+    # the attention kernel's scratch per token and intra-op thread (ONNX Runtime, fp16 KV), with the session's
+    # threads (None: the runtime's default, one per core)
+    scratch = (memory.get("kv_scratch_bytes_per_token_per_thread") or {}).get(kv_dtype, 0)
+    threads = getattr(session, "threads", None) or os.cpu_count() or 1
     out: list[dict[str, Any]] = []
     depths = sorted(c for c in contexts if c < session.max_context)
     for c in sorted(set(contexts) - set(depths)):
@@ -257,5 +262,8 @@ def sweep(
             mem["manifest_kv_bytes"] = int((c + 1) * per_token)
             mem["manifest_state_bytes"] = int(dn_bytes + (c + 1) * per_token)
             mem["manifest_kv_bytes_past_prefix"] = int((c + 1 - filler.prefix) * per_token)
+            if scratch:
+                mem["manifest_kv_scratch_bytes_past_prefix"] = int((c + 1 - filler.prefix) * scratch * threads)
+                mem["threads"] = threads
         out.append(mem)
     return out

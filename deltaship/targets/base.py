@@ -237,3 +237,9 @@ class Target(ABC):
     # ---- plan ----------------------------------------------------------------------------------
     def storage_format(self, precision: str) -> StorageFormat:
         return self.formats[precision]
+
+    def kv_scratch_bytes_per_token(self, spec, kv_dtype: str) -> int:
+        """Scratch the runtime's attention kernel holds per context token and per intra-op thread, beyond the
+        KV cache itself, when the cache is of `kv_dtype` (memory that grows with the context, so the planner
+        and the manifest's arithmetic must count it). None by default."""
+        return 0

@@ -123,6 +123,16 @@ class OnnxTarget(Target):
         "onnxruntime-android": "not run (no Android device): the Kotlin kit's names are checked against the graph",
     }
     host_runtime = "onnxruntime"
+
+    def kv_scratch_bytes_per_token(self, spec, kv_dtype: str) -> int:
+        # ONNX Runtime's CPU GroupQueryAttention computes in fp32: with an fp16 cache, each worker thread converts
+        # the K (then the V) rows of the KV head it attends into an fp32 buffer of head_dim x (T + context) floats
+        # (contrib_ops/cpu/bert/gqa_attention_base.h, ComputeAttentionProbs / ComputeVxAttentionScore), which
+        # ORT's arena keeps. Measured at 0.8B, 2 threads: RSS growth 1.16-1.18x the fp16 cache alone at 128K-262K,
+        # 1 + 2 x 4 x 256 / 12,288 = 1.167 predicted (docs/results/longctx.md). fp32 caches are read in place,
+        # and int8/int4 ones measured within 4% of their arithmetic at 128K-262K (no scratch of this size).
+        return 4 * spec.head_dim if kv_dtype == "fp16" else 0
+
     op_breakdown = True  # ONNX Runtime's profiler
     android_runner_args = "-e cpu -x {threads} -r {reps} {model}"  # onnxruntime_perf_test
     vision_module = "deltaship.export.onnx.multimodal"  # vision.onnx, embedding.onnx, decoder_mm.onnx

@@ -377,11 +377,12 @@ def test_swift_check_catches_a_changed_name(coreml_bundles, tmp_path, mutation):
         assert any("package" in p or "never names" in p for p in problems if "kit.json" not in p), problems
 
 
-@pytest.mark.parametrize("build", ["fp32", "fp16-state"])
+@pytest.mark.parametrize("build", ["fp32", "int4", "fp16-state"])
 def test_swift_kit_speculative_names_match_the_package(tiny_coreml_mtp, tmp_path, build):
     """An --mtp bundle: the kit's speculative table (verify_T, mtp_draft, their inputs, outputs and states, the
     DeltaNet states the snapshot copies) against the package's spec; io states in fp32, Core ML states (the
-    decoder's DeltaNet states and the head's own KV cache) in the fp16 --coreml-states state build."""
+    decoder's DeltaNet states and the head's own KV cache) in the fp16 --coreml-states state build, and the default
+    mix in int4 (DeltaNet states io, both KV caches Core ML states)."""
     bundle = tiny_coreml_mtp(build)
     record = write_kit(bundle, tmp_path / "kit", "ios")
     assert check_swift_kit(tmp_path / "kit", bundle) == []
@@ -391,6 +392,9 @@ def test_swift_kit_speculative_names_match_the_package(tiny_coreml_mtp, tmp_path
     assert sp["draft_function"] == manifest["speculative"]["draft"]["function"]
     if build == "fp32":
         assert sp["draft_ml_states"] == [] and sp["snapshot_ml_states"] == [] and len(sp["draft_io_states"]) == 2
+    elif build == "int4":
+        assert sp["draft_io_states"] == [] and sp["snapshot_ml_states"] == [] and len(sp["draft_ml_states"]) == 2
+        assert sp["snapshot_io_states"]
     else:
         assert sp["draft_io_states"] == [] and sp["snapshot_io_states"] == [] and len(sp["draft_ml_states"]) == 2
         assert sp["snapshot_ml_states"]
@@ -401,7 +405,7 @@ def test_swift_kit_speculative_names_match_the_package(tiny_coreml_mtp, tmp_path
     assert "speculativeDepth: 2" in (tmp_path / "kit" / "README.md").read_text()
 
 
-@pytest.mark.parametrize("build", ["fp32", "fp16-state"])
+@pytest.mark.parametrize("build", ["fp32", "int4", "fp16-state"])
 def test_swift_speculative_contract_reproduces_plain_greedy(tiny_coreml_mtp, tmp_path, build):
     """DeltashipSpeculative.swift's runSpeculative, replayed in Python from KitSpec.swift alone on the saved program
     (the MIL evaluator): verify functions largest first, the head one position per call over its own KV cache (io
@@ -527,7 +531,7 @@ def test_swift_speculative_contract_reproduces_plain_greedy(tiny_coreml_mtp, tmp
     # the rows after a restore see the states from before the rejected call: the logits, not only the argmax, agree
     want = np.stack(plain.logits)
     err = np.abs(np.stack(chosen[:max_new]) - want).max() / want.std()
-    assert err < (1e-3 if build == "fp32" else 1e-2), err  # fp16-state: 2.5e-3 seen; a state left out: 7e-2
+    assert err < (1e-3 if build == "fp32" else 1e-2), err  # int4, fp16-state: 2.5e-3 seen; a state left out: 7e-2
 
 
 def test_swift_kit_without_the_head_says_so(coreml_bundles, tmp_path):

@@ -112,9 +112,10 @@ extension DeltashipModel {
         return a
     }
 
-    /// A copy with the same shape, type and strides (Core ML may pad an array's rows).
-    static func copy(_ a: MLMultiArray) throws -> MLMultiArray {
-        let b = try MLMultiArray(shape: a.shape, dataType: a.dataType, strides: a.strides)
+    /// A copy with the same shape, type and strides (Core ML may pad an array's rows). iOS 18's
+    /// init(shape: [Int], dataType:, strides: [Int]) leaves the contents uninitialised: all of it is copied.
+    static func copy(_ a: MLMultiArray) -> MLMultiArray {
+        let b = MLMultiArray(shape: a.shape.map(\.intValue), dataType: a.dataType, strides: a.strides.map(\.intValue))
         copyContents(a, into: b)
         return b
     }
@@ -159,13 +160,13 @@ extension DeltashipModel {
         var ioCopy: [String: MLMultiArray] = [:]
         for name in s.spec.snapshotIOStates {
             guard let a = io[0][name] else { throw DeltashipKitError.missingState(name) }
-            ioCopy[name] = try Self.copy(a)
+            ioCopy[name] = Self.copy(a)
         }
         var mlCopy: [String: MLMultiArray] = [:]
         if !s.spec.snapshotMLStates.isEmpty {
             guard let state = states[0] else { throw DeltashipKitError.missingState(s.spec.snapshotMLStates[0]) }
             for name in s.spec.snapshotMLStates {
-                mlCopy[name] = try state.withMultiArray(for: name) { try Self.copy($0) }
+                mlCopy[name] = state.withMultiArray(for: name) { Self.copy($0) }
             }
         }
         return Snapshot(position: position, io: ioCopy, ml: mlCopy)
@@ -173,7 +174,7 @@ extension DeltashipModel {
 
     /// Puts the snapshot's DeltaNet states back (written into the MLState's own buffers) and its position.
     func restore(_ snap: Snapshot) throws {
-        for (name, a) in snap.io { io[0][name] = try Self.copy(a) }
+        for (name, a) in snap.io { io[0][name] = Self.copy(a) }
         if let state = states[0] {
             for (name, a) in snap.ml { state.withMultiArray(for: name) { Self.copyContents(a, into: $0) } }
         }

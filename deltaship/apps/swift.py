@@ -333,9 +333,9 @@ def speculative_readme(spec: dict[str, Any]) -> str:
     snap = len(sp["snapshot_io_states"]) + len(sp["snapshot_ml_states"])
     return f"""
 ## Speculative decoding with the MTP head (greedy)
-`generate(prompt:maxNewTokens:sampling: .greedy, speculativeDepth: 2)` drafts 2 tokens per step with the bundle's
-multi-token-prediction head (`{sp["draft_function"]}`, its own KV cache) and checks them in one decoder call
-({verify}: every row's logits and hidden states; a call runs as a sum of them, largest first). Every emitted
+`model.generate(prompt: "Hello", maxNewTokens: 64, speculativeDepth: 2)` (greedy only) drafts 2 tokens per step
+with the bundle's multi-token-prediction head (`{sp["draft_function"]}`, its own KV cache) and checks them in one
+decoder call ({verify}: every row's logits and hidden states; a call runs as a sum of them, largest first). Every emitted
 token is the decoder's argmax, so the tokens equal plain greedy decoding's. Before each verify call the
 driver copies the {snap} DeltaNet state(s) (io arrays, and Core ML states through `MLState.withMultiArray(for:)`);
 a rejected draft puts them back. It starts a new conversation; `speculativeStats` holds the counts. The

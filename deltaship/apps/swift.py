@@ -335,9 +335,10 @@ def speculative_readme(spec: dict[str, Any]) -> str:
 ## Speculative decoding with the MTP head (greedy)
 `model.generate(prompt: "Hello", maxNewTokens: 64, speculativeDepth: 2)` (greedy only) drafts 2 tokens per step
 with the bundle's multi-token-prediction head (`{sp["draft_function"]}`, its own KV cache) and checks them in one
-decoder call ({verify}: every row's logits and hidden states; a call runs as a sum of them, largest first). Every emitted
-token is the decoder's argmax, so the tokens equal plain greedy decoding's. Before each verify call the
-driver copies the {snap} DeltaNet state(s) (io arrays, and Core ML states through `MLState.withMultiArray(for:)`);
-a rejected draft puts them back. It starts a new conversation; `speculativeStats` holds the counts. The
-verify and draft functions are loaded (and compiled by Core ML) on first use. Not compiled or run by deltaship.
+decoder call ({verify}: every row's logits and hidden states; a call runs as a sum of
+them, largest first). Every emitted token is the decoder's argmax, so the tokens equal plain greedy decoding's.
+Before each verify call the driver copies the {snap} DeltaNet state(s) (io arrays, and Core ML states through
+`MLState.withMultiArray(for:)`); a rejected draft puts them back. It starts a new conversation;
+`speculativeStats` holds the counts. The verify and draft functions are loaded (and compiled by Core ML) on
+first use. Not compiled or run by deltaship.
 """

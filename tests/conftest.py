@@ -104,7 +104,7 @@ def tiny_coreml_mtp(tmp_path_factory):
 # The fast tier (`python -m pytest -m "not slow"`) leaves out what exports through the slow toolchains
 # (ExecuTorch's XNNPACK lowering, Core ML conversion and its op-by-op evaluation), trains, profiles in
 # subprocesses or drives a browser: these modules, any test parametrized with one of these targets, and any test
-# that needs the session's ExecuTorch export of the tiny preset.
+# that needs the session's ExecuTorch or Core ML --mtp export of the tiny preset.
 SLOW_MODULES = {
     "test_executorch",
     "test_coreml",

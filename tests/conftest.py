@@ -79,10 +79,32 @@ def tiny_pte(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_coreml_mtp(tmp_path_factory):
+    """The trained tiny preset exported for Core ML with its MTP head (max context 128, prefill chunk 16), built
+    once per session and build for every test that needs one (speculative decoding, its profile, the Swift kit):
+    fp32 (every state an io tensor), int4, or fp16-state (the DeltaNet states and both KV caches as Core ML states,
+    which the snapshot copies out of the state buffers)."""
+    from deltaship.export import export
+
+    root = _shared_root(tmp_path_factory, "coreml-mtp")
+
+    def get(build: str = "fp32") -> Path:
+        precision, _, states = build.partition("-")
+
+        def build_it(out: Path) -> None:
+            export("qwen3.5-tiny", out, target="coreml", precision=precision, max_context=128, prefill_chunk=16,
+                   mtp=True, verify=False, progress=False, **({"coreml_states": states} if states else {}))  # fmt: skip
+
+        return _build_once(root / build, build_it)
+
+    return get
+
+
 # The fast tier (`python -m pytest -m "not slow"`) leaves out what exports through the slow toolchains
 # (ExecuTorch's XNNPACK lowering, Core ML conversion and its op-by-op evaluation), trains, profiles in
 # subprocesses or drives a browser: these modules, any test parametrized with one of these targets, and any test
-# that needs the session's ExecuTorch export of the tiny preset.
+# that needs the session's ExecuTorch or Core ML --mtp export of the tiny preset.
 SLOW_MODULES = {
     "test_executorch",
     "test_coreml",
@@ -105,8 +127,9 @@ SPREAD_MODULES = {"test_parity"}
 def pytest_collection_modifyitems(items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        exports_a_pte = "tiny_pte" in item.fixturenames  # the closure of the fixtures it uses
-        if item.module.__name__ in SLOW_MODULES or params.get("target") in SLOW_TARGETS or exports_a_pte:
+        # the closure of the fixtures it uses
+        slow_export = "tiny_pte" in item.fixturenames or "tiny_coreml_mtp" in item.fixturenames
+        if item.module.__name__ in SLOW_MODULES or params.get("target") in SLOW_TARGETS or slow_export:
             item.add_marker(pytest.mark.slow)
         if item.module.__name__ not in SPREAD_MODULES:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))

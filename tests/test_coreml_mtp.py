@@ -13,38 +13,6 @@ pytestmark = pytest.mark.slow  # Core ML conversion and op-by-op evaluation
 CHUNK = 16  # prefill chunk of the tiny packages: the long prompt spans two chunks and a tail
 
 
-@pytest.fixture(scope="module")
-def tiny_coreml_mtp(tmp_path_factory):
-    """The trained tiny preset exported for Core ML with its MTP head, by precision (built on first use)."""
-    from deltaship.export import export
-
-    root = tmp_path_factory.mktemp("coreml-mtp")
-    cache = {}
-
-    def get(build: str):
-        """fp32 (every state an io tensor), int4, or fp16-state (the DeltaNet states and both KV caches as
-        Core ML states, which the snapshot copies out of the state buffers)."""
-        if build not in cache:
-            precision, _, states = build.partition("-")
-            out = root / build
-            export(
-                "qwen3.5-tiny",
-                out,
-                target="coreml",
-                precision=precision,
-                max_context=128,
-                prefill_chunk=CHUNK,
-                mtp=True,
-                verify=False,
-                progress=False,
-                **({"coreml_states": states} if states else {}),
-            )
-            cache[build] = out
-        return cache[build]
-
-    return get
-
-
 def _prompt(n: int) -> list[int]:
     text = b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
     return list(text[:n])
@@ -178,3 +146,56 @@ def test_generate_cli_reports_acceptance(tiny_coreml_mtp):
     assert res["output_ids"] == plain["output_ids"]
     sp = res["speculative"]
     assert sp["depth"] == 2 and sp["drafted"] > 0 and 0 < sp["acceptance_rate"] <= 1
+
+
+def test_profile_speculative_through_the_evaluator(tiny_coreml_mtp, tmp_path):
+    """`deltaship profile --speculative mtp` on a Core ML bundle (the code that profiles ONNX and ExecuTorch), in the
+    Linux evaluator: every cost, acceptance and speed field, the speculative tokens equal to the plain ones on every
+    prompt, and the latencies labelled as the evaluator's, not a device's (record, text and HTML)."""
+    import json
+
+    from deltaship.profiling.profile import profile
+    from deltaship.profiling.report import format_results
+
+    out, page = tmp_path / "spec.json", tmp_path / "spec.html"
+    doc = profile(
+        tiny_coreml_mtp("fp32"),
+        speculative="mtp",
+        gen=8,
+        contexts=[64],  # the tiny package holds 128 positions
+        warmups=0,
+        reps=1,
+        min_seconds=0,
+        json_out=out,
+        report=page,
+    )
+    assert not [r for r in doc["results"] if r.get("status") == "died"], doc["results"]
+    assert json.loads(out.read_text())["speculative"] == doc["speculative"]
+    assert "not Core ML" in doc["runtime"]
+    s = doc["speculative"]
+    assert s["device_latencies"] is False and "not a device's" in s["latencies"] and "evaluator" in s["latencies"]
+    assert s["depth"] == 1 and s["context"] == 64 and not s["random_weights"]
+    assert set(s["costs_ms"]["verify"]) == {"1", "2", "3"} and set(s["costs_ms"]["draft"]) == {"1", "2"}
+    rel = s["relative_to_decode_step"]
+    assert all(v > 0 for v in [*rel["verify"].values(), *rel["draft"].values(), rel["snapshot"], rel["restore"]])
+    a = s["acceptance"]
+    assert a["identical_to_plain"] == a["prompts"] == 8  # fp32: the lossless contract, prompt by prompt
+    assert a["meaningful"] and a["acceptance_rate"] > 0.3  # the trained head
+    assert 1 < a["tokens_per_verify"] == pytest.approx(1 + a["mean_accepted_length"])
+    d = s["decode_tok_s"]
+    assert d["plain"] > 0 and d["speculative"] > 0 and len(d["speedup_ci95"]) == 2
+    assert s["projection"]["label"].startswith("projection") and s["projection_at_measured_acceptance"]["speedup"] > 0
+    metrics = {(r["metric"], r.get("tokens"), r.get("positions")) for r in doc["results"]}
+    assert {
+        ("verify_s", 3, None),
+        ("draft_s", None, 2),
+        ("snapshot_s", None, None),
+        ("restore_s", None, None),
+    } <= metrics
+    assert {
+        ("decode_latency_s", None, None),
+        ("plain_decode_tok_s", None, None),
+        ("spec_decode_tok_s", None, None),
+    } <= metrics
+    assert "LATENCIES: the saved ML program evaluated" in format_results(doc)
+    assert "evaluator" in page.read_text()

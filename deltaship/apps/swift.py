@@ -16,12 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.apps import kit_name
+from deltaship.apps.swift_speculative import parse as parse_speculative
+from deltaship.apps.swift_speculative import render as render_speculative
+from deltaship.apps.swift_speculative import speculative_spec
 from deltaship.errors import DeltashipError
 
 TEMPLATES = Path(__file__).parent / "templates"
 SWIFT_TRANSFORMERS = ("https://github.com/huggingface/swift-transformers.git", "1.3.0")
 _DTYPES = {"int32": "int32", "float32": "float32", "float16": "float16"}  # manifest -> MLMultiArrayDataType
 T = -1  # the call's token count in a Swift shape
+DRIVERS = ("DeltashipModel.swift", "DeltashipSpeculative.swift")  # templates copied as they are
 
 
 def kit_spec(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -101,6 +105,7 @@ def kit_spec(manifest: dict[str, Any]) -> dict[str, Any]:
         "max_context": int(manifest["max_context"]),
         "eos_token_ids": sorted(int(t) for t in manifest["tokens"]["eos"]),
         "parts": parts,
+        "speculative": speculative_spec(manifest, parts, feature),
     }
 
 
@@ -110,6 +115,13 @@ def _shape(s: list[int]) -> str:
 
 def _feature(f: dict) -> str:
     return f'Feature(name: "{f["name"]}", shape: {_shape(f["shape"])}, dataType: .{_DTYPES[f["dtype"]]})'
+
+
+def _iostate(s: dict) -> str:
+    return (
+        f'IOState(input: "{s["input"]}", output: "{s["output"]}", shape: {_shape(s["shape"])}, '
+        f"dataType: .{_DTYPES[s['dtype']]})"
+    )
 
 
 def render_kit_spec(spec: dict[str, Any]) -> str:
@@ -137,15 +149,13 @@ def render_kit_spec(spec: dict[str, Any]) -> str:
             f"            output: {_feature(p['output'])},",
             "            ioStates: [",
         ]
-        lines += [
-            f'                IOState(input: "{s["input"]}", output: "{s["output"]}", shape: {_shape(s["shape"])}, '
-            f"dataType: .{_DTYPES[s['dtype']]}),"
-            for s in p["io_states"]
-        ]
+        lines += [f"                {_iostate(s)}," for s in p["io_states"]]
         lines += ["            ],", "            mlStates: ["]
         lines += [f"                {_feature(s)}," for s in p["ml_states"]]
         lines += ["            ]", "        ),"]
-    lines += ["    ]", "}", ""]
+    lines += ["    ]"]
+    lines += render_speculative(spec["speculative"], _feature, _iostate)
+    lines += ["}", ""]
     return "\n".join(lines)
 
 
@@ -169,6 +179,11 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
             raise DeltashipError(f"KitSpec.swift has no {name}", "regenerate the kit with `deltaship app`")
         return m.group(1).strip()
 
+    def iost(m: re.Match) -> dict:
+        return {"input": m.group(1), "output": m.group(2), "shape": ints(m.group(3)), "dtype": m.group(4)}
+
+    speculative = parse_speculative(text, _FEATURE, _IOSTATE, feat, iost)
+    text = text.split("static let speculative", 1)[0]
     parts = []
     for block in re.split(r"\n\s*PartSpec\(", text)[1:]:
         fields = {
@@ -181,10 +196,7 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
                 "package": re.search(r'package: "([^"]*)"', block).group(1),
                 "cache_key": re.search(r'cacheKey: "([^"]*)"', block).group(1),
                 **{k: feat(m) for k, m in fields.items()},
-                "io_states": [
-                    {"input": m.group(1), "output": m.group(2), "shape": ints(m.group(3)), "dtype": m.group(4)}
-                    for m in _IOSTATE.finditer(io[0])
-                ],
+                "io_states": [iost(m) for m in _IOSTATE.finditer(io[0])],
                 "ml_states": [feat(m) for m in _FEATURE.finditer(io[1])],
             }
         )
@@ -194,6 +206,7 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
         "max_context": int(scalar("maxContext")),
         "eos_token_ids": sorted(json.loads(scalar("eosTokenIds"))),
         "parts": parts,
+        "speculative": speculative,
     }
 
 
@@ -208,7 +221,8 @@ def generate(bundle: Path, manifest: dict[str, Any], out: Path) -> dict[str, Any
     name = kit_name(manifest)
     src = out / "Sources" / name
     src.mkdir(parents=True)
-    shutil.copyfile(TEMPLATES / "DeltashipModel.swift", src / "DeltashipModel.swift")
+    for template in DRIVERS:
+        shutil.copyfile(TEMPLATES / template, src / template)
     (src / "KitSpec.swift").write_text(render_kit_spec(spec))
     url, version = SWIFT_TRANSFORMERS
     (out / "Package.swift").write_text(f"""// swift-tools-version: 5.9
@@ -234,7 +248,7 @@ let package = Package(
         },
         "files": [
             "Package.swift",
-            f"Sources/{name}/DeltashipModel.swift",
+            *[f"Sources/{name}/{template}" for template in DRIVERS],
             f"Sources/{name}/KitSpec.swift",
             "README.md",
         ],
@@ -296,7 +310,7 @@ for try await piece in model.generate(prompt: "Hello", maxNewTokens: 64) {{   //
 - Tokenization: swift-transformers' `AutoTokenizer.from(modelFolder:)` reads the bundle's
   `tokenizer.json` / `tokenizer_config.json`. Prompts are used as given: apply a chat template yourself
   (`tokenizer.applyChatTemplate`) and pass token ids to `generate(tokens:)` for chat.
-
+{speculative_readme(spec)}
 ## Why not swift-transformers' `LanguageModel`
 swift-transformers' `LanguageModel` / `LanguageModelWithStatefulKVCache` (Sources/Models/LanguageModel.swift)
 loads one function (the default), drives it only when it has states named `keyCache` and `valueCache`
@@ -308,4 +322,23 @@ to drop the fixed prefill chunk for a ranged input, merge every attention layer'
 derive the position from the mask's length, and keep the DeltaNet states as extra fp16 MLStates (the only
 way they could persist, since `LanguageModel` passes no state inputs); deltaship keeps them fp32 by default
 because fp16 recurrent state drifts over long prompts. So the kit ships its own small driver instead.
+"""
+
+
+def speculative_readme(spec: dict[str, Any]) -> str:
+    sp = spec["speculative"]
+    if sp is None:
+        return "- Speculative decoding: this bundle has no MTP head (export with `--mtp` for it).\n"
+    verify = ", ".join(f"`{n}`" for n in sp["verify_functions"].values())
+    snap = len(sp["snapshot_io_states"]) + len(sp["snapshot_ml_states"])
+    return f"""
+## Speculative decoding with the MTP head (greedy)
+`model.generate(prompt: "Hello", maxNewTokens: 64, speculativeDepth: 2)` (greedy only) drafts 2 tokens per step
+with the bundle's multi-token-prediction head (`{sp["draft_function"]}`, its own KV cache) and checks them in one
+decoder call ({verify}: every row's logits and hidden states; a call runs as a sum of
+them, largest first). Every emitted token is the decoder's argmax, so the tokens equal plain greedy decoding's.
+Before each verify call the driver copies the {snap} DeltaNet state(s) (io arrays, and Core ML states through
+`MLState.withMultiArray(for:)`); a rejected draft puts them back. It starts a new conversation;
+`speculativeStats` holds the counts. The verify and draft functions are loaded (and compiled by Core ML) on
+first use. Not compiled or run by deltaship.
 """

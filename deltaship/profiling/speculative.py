@@ -15,6 +15,10 @@ Projection: decode tokens/s that the measured costs give at a stated acceptance 
 that probability, independently), simulating the driver's calls (snapshot every verify call, a restore and a longer
 next call after a rejection). It is labelled a projection and cites where the rate comes from. On a bundle with
 random weights (a published-shape preset) the measured acceptance means nothing, and the record says so.
+
+Runtimes: deltaship's own session of the bundle (ONNX Runtime, ExecuTorch, Core ML). On Linux a Core ML bundle runs
+in the MIL evaluator (the saved program op by op with numpy): the same measurements, but the record's `latencies`
+says they are the evaluator's, not a device's (`device_latencies` false); tokens, acceptance and equality hold.
 """
 
 from __future__ import annotations
@@ -287,6 +291,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "depth": depth,
         "context": c,
         "random_weights": rand,
+        "latencies": session.latency_note or f"measured on this host in {session.runtime_name()}",
+        "device_latencies": session.latency_note is None,
         "costs_ms": {
             "decode_step": round(costs["decode"], 4),
             "verify": {str(t): round(v, 4) for t, v in costs["verify"].items()},
@@ -371,10 +377,10 @@ def format_speculative(s: dict[str, Any]) -> str:
         s["decode_tok_s"],
         s["projection"],
     )
-    lines = [
-        f"speculative decoding, mtp:{s['depth']}, context {s['context']} (median ms; x one decode step)",
-        f"  decode step          {c['decode_step']:9.3f} ms  x1.00",
-    ]
+    lines = [f"speculative decoding, mtp:{s['depth']}, context {s['context']} (median ms; x one decode step)"]
+    if not s.get("device_latencies", True):
+        lines.append(f"  LATENCIES: {s['latencies']}")
+    lines.append(f"  decode step          {c['decode_step']:9.3f} ms  x1.00")
     lines += [f"  verify {t:>2} tokens     {v:9.3f} ms  x{rel['verify'][t]:.2f}" for t, v in c["verify"].items()]
     lines += [f"  draft {p:>2} positions   {v:9.3f} ms  x{rel['draft'][p]:.2f}" for p, v in c["draft"].items()]
     lines += [
@@ -406,7 +412,8 @@ def headline(s: dict[str, Any]) -> list[tuple[str, str]]:
     """The report's summary lines for a speculative profile."""
     a, d, pr = s["acceptance"], s["decode_tok_s"], s["projection"]
     t = str(s["depth"] + 1)
-    return [
+    emulated = [] if s.get("device_latencies", True) else [("latencies", s["latencies"])]
+    return emulated + [
         (f"verify of {t} tokens / decode step", f"x{s['relative_to_decode_step']['verify'][t]:.2f}"),
         ("draft step / decode step", f"x{s['relative_to_decode_step']['draft']['1']:.2f}"),
         (
@@ -431,7 +438,10 @@ def plot_speculative(s: dict[str, Any], plt):
     ax.bar(names, values)
     ax.axhline(1.0, color="grey", linestyle=":")
     ax.set_ylabel("x one decode step (median)")
-    ax.set_title(f"Speculative decoding (mtp:{s['depth']}): cost of each call at context {s['context']}")
+    title = f"Speculative decoding (mtp:{s['depth']}): cost of each call at context {s['context']}"
+    if not s.get("device_latencies", True):
+        title += "\n(latencies of an emulation, not a device: see the record's 'latencies')"
+    ax.set_title(title)
     ax.tick_params(axis="x", labelrotation=45)
     return fig
 

@@ -50,6 +50,9 @@ class Session(ABC):
     def runtime_name(self) -> str:
         return self.manifest["target"]
 
+    # what a profile's latencies are, where they are not the runtime's own on this device (an emulation of it)
+    latency_note: str | None = None
+
     # ---- public API --------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the sequence: zero all states, next token is position 0."""

@@ -69,6 +69,11 @@ class _CoreMLBase(CoreMLSpeculation, Session):
 class CoreMLEvalSession(_CoreMLBase):
     """Linux: the converted program, evaluated op by op (deltaship.export.coreml.mil_eval)."""
 
+    latency_note = (
+        "the saved ML program evaluated op by op with numpy on Linux (deltaship's MIL evaluator), not Core ML: "
+        "these latencies are the evaluator's, not a device's; tokens and acceptance are the program's own"
+    )
+
     def __init__(
         self, bundle: Path, manifest: dict[str, Any], threads: int | None = None, prefill_chunk: int | None = None
     ):

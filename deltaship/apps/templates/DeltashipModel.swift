@@ -34,6 +34,10 @@ public enum DeltashipKitError: Error, CustomStringConvertible {
     case missingOutput(String, package: String)
     case contextFull(position: Int, tokens: Int, maxContext: Int)
     case emptyPrompt
+    case missingState(String)
+    case noDraftHead
+    case speculativeNeedsGreedy
+    case draftDepth(Int)
 
     public var description: String {
         switch self {
@@ -43,6 +47,14 @@ public enum DeltashipKitError: Error, CustomStringConvertible {
             return "\(position) + \(tokens) tokens exceed the model's context of \(maxContext); call reset() or export with a larger --max-context"
         case .emptyPrompt:
             return "the prompt has no tokens"
+        case .missingState(let name):
+            return "no state \(name) to copy: the bundle does not match this kit; regenerate it with `deltaship app`"
+        case .noDraftHead:
+            return "this bundle has no multi-token-prediction head: export it again with --target coreml --mtp and regenerate the kit"
+        case .speculativeNeedsGreedy:
+            return "speculative decoding in this kit is greedy only: pass sampling: .greedy, or speculativeDepth: 0"
+        case .draftDepth(let depth):
+            return "speculativeDepth \(depth): the draft depth is 0 (off) or 1 to 8"
         }
     }
 }
@@ -61,14 +73,20 @@ public actor DeltashipModel {
         let spec: PartSpec
         let prefill: MLModel
         let decode: MLModel
+        let compiled: URL  // the verify and draft functions are loaded from it on first use
+        let computeUnits: MLComputeUnits
     }
 
-    private let parts: [Part]
+    let parts: [Part]
     public nonisolated let tokenizer: Tokenizer
-    private var states: [MLState?]
-    private var io: [[String: MLMultiArray]]
+    var states: [MLState?]
+    var io: [[String: MLMultiArray]]
     /// Tokens the state holds.
-    public private(set) var position = 0
+    public internal(set) var position = 0
+    /// The verify/draft functions and the head's KV cache (DeltashipSpeculative.swift), once speculation ran.
+    var speculating: Speculation?
+    /// Counts of the last speculative generation.
+    public internal(set) var speculativeStats = SpeculativeStats()
 
     init(parts: [Part], tokenizer: Tokenizer) throws {
         self.parts = parts
@@ -89,7 +107,8 @@ public actor DeltashipModel {
                 return try MLModel(contentsOf: compiled, configuration: config)
             }
             parts.append(Part(spec: spec, prefill: try function(KitSpec.prefillFunction),
-                              decode: try function(KitSpec.decodeFunction)))
+                              decode: try function(KitSpec.decodeFunction), compiled: compiled,
+                              computeUnits: computeUnits))
         }
         let tokenizer = try await AutoTokenizer.from(modelFolder: bundle)
         return try DeltashipModel(parts: parts, tokenizer: tokenizer)
@@ -109,11 +128,12 @@ public actor DeltashipModel {
         return target
     }
 
-    /// Forgets the conversation: a new MLState and zero io-states.
+    /// Forgets the conversation: a new MLState and zero io-states (and the draft head's cache, if it ran).
     public func reset() throws {
         states = parts.map(Self.freshState)
         io = try parts.map { try Self.zeroIO($0.spec) }
         position = 0
+        if let s = speculating { speculating = try Self.freshDraft(s) }
     }
 
     static func freshState(_ part: Part) -> MLState? {
@@ -218,7 +238,13 @@ public actor DeltashipModel {
         }
     }
 
-    func run(_ prompt: [Int], maxNewTokens: Int, sampling: Sampling, emit: @Sendable (Int) -> Void) throws {
+    func run(_ prompt: [Int], maxNewTokens: Int, sampling: Sampling, speculativeDepth: Int,
+             emit: @Sendable (Int) -> Void) throws {
+        if speculativeDepth != 0 {
+            guard case .greedy = sampling else { throw DeltashipKitError.speculativeNeedsGreedy }
+            speculativeStats = try runSpeculative(prompt, maxNewTokens: maxNewTokens, depth: speculativeDepth, emit: emit)
+            return
+        }
         var logits = try prefill(prompt)
         for n in 0..<maxNewTokens {
             try Task.checkCancellation()
@@ -230,12 +256,15 @@ public actor DeltashipModel {
     }
 
     /// Generated token ids, continuing the conversation the state holds (call reset() to start over).
-    public nonisolated func generate(tokens: [Int], maxNewTokens: Int = 128,
-                                     sampling: Sampling = .greedy) -> AsyncThrowingStream<Int, Error> {
+    /// speculativeDepth 1 to 8 (greedy only, bundles exported with --mtp): the MTP head drafts that many tokens per
+    /// verify call; the tokens equal greedy decoding's; it starts a new conversation (see DeltashipSpeculative.swift).
+    public nonisolated func generate(tokens: [Int], maxNewTokens: Int = 128, sampling: Sampling = .greedy,
+                                     speculativeDepth: Int = 0) -> AsyncThrowingStream<Int, Error> {
         AsyncThrowingStream { continuation in
             let task = Task {
                 do {
-                    try await self.run(tokens, maxNewTokens: maxNewTokens, sampling: sampling) { _ = continuation.yield($0) }
+                    try await self.run(tokens, maxNewTokens: maxNewTokens, sampling: sampling,
+                                       speculativeDepth: speculativeDepth) { _ = continuation.yield($0) }
                     continuation.finish()
                 } catch {
                     continuation.finish(throwing: error)
@@ -246,15 +275,16 @@ public actor DeltashipModel {
     }
 
     /// Generated text, piece by piece (a piece is emitted once it decodes to whole characters).
-    public nonisolated func generate(prompt: String, maxNewTokens: Int = 128,
-                                     sampling: Sampling = .greedy) -> AsyncThrowingStream<String, Error> {
+    public nonisolated func generate(prompt: String, maxNewTokens: Int = 128, sampling: Sampling = .greedy,
+                                     speculativeDepth: Int = 0) -> AsyncThrowingStream<String, Error> {
         let ids = tokenizer.encode(text: prompt)
         return AsyncThrowingStream { continuation in
             let task = Task {
                 do {
                     var generated: [Int] = []
                     var sent = ""
-                    for try await id in self.generate(tokens: ids, maxNewTokens: maxNewTokens, sampling: sampling) {
+                    for try await id in self.generate(tokens: ids, maxNewTokens: maxNewTokens, sampling: sampling,
+                                                      speculativeDepth: speculativeDepth) {
                         if KitSpec.eosTokenIds.contains(id) { break }
                         generated.append(id)
                         let text = self.tokenizer.decode(tokens: generated)

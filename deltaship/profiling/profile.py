@@ -266,7 +266,8 @@ def profile(
         if get_target(target).host_runtime is None:
             raise DeltashipError(
                 f"this host has no runtime for {target} bundles (Core ML runs only on Apple devices)",
-                "profile a Core ML bundle on a Mac, or export for onnx/executorch",
+                "profile a Core ML bundle on a Mac, or export for onnx/executorch (a --mtp Core ML bundle's "
+                "`deltaship profile BUNDLE --speculative mtp` runs here, through coremltools' evaluator)",
             )
         from deltaship.runtimes import text_runtime
 

@@ -170,11 +170,7 @@ def generate(
         gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, **kw)
     elapsed = time.monotonic() - t0
     result: dict[str, Any] = {
-        "input_ids": gen.input_ids,
-        "output_ids": gen.output_ids,
-        "stopped": gen.stopped,
-        "seconds": round(elapsed, 4),
-        "runtime": session.runtime_name(),
+        **_ids_result(gen, elapsed, session),
         **({"speculative": spec_stats.as_dict()} if spec_stats else {}),
     }
     if mm is not None:
@@ -230,11 +226,7 @@ def _generate_genai_images(
     spec = session.manifest["vision"]["spec"]
     merge, patch = int(spec["spatial_merge_size"]), int(spec["patch_size"])
     result: dict[str, Any] = {
-        "input_ids": gen.input_ids,
-        "output_ids": gen.output_ids,
-        "stopped": gen.stopped,
-        "seconds": round(elapsed, 4),
-        "runtime": session.runtime_name(),
+        **_ids_result(gen, elapsed, session),
         "image_tokens": [t * h * w // merge**2 for t, h, w in grids],
         "images": [{"grid_thw": g, "resized": [g[1] * patch, g[2] * patch]} for g in grids],
         "notices": _genai_resize_notices(bundle, session.manifest, images, grids),
@@ -274,3 +266,14 @@ def _genai_resize_notices(
                 f"{pre.factor // 2} pixels avoids it"
             )
     return notices
+
+
+def _ids_result(gen, elapsed: float, session) -> dict[str, Any]:
+    """The --json fields every generation reports: ids in and out, why it stopped, seconds, the runtime."""
+    return {
+        "input_ids": gen.input_ids,
+        "output_ids": gen.output_ids,
+        "stopped": gen.stopped,
+        "seconds": round(elapsed, 4),
+        "runtime": session.runtime_name(),
+    }

@@ -171,7 +171,13 @@ class GenaiSession(Session):
         times: dict[str, Any] = {"prefill_s": 0.0, "decode_s": [], "prompt_tokens": int(arr.size)}
         t0 = time.perf_counter()
         g.append_tokens(arr.astype(np.int32))
-        self.position = arr.size
+        self._loop(g, gen, max_new_tokens, on_token, times, t0)
+        return gen, times
+
+    def _loop(self, g, gen: Generation, max_new_tokens: int, on_token, times: dict | None = None, t0: float = 0.0):
+        """genai's greedy loop over a generator whose prompt is in (gen.input_ids): tokens into gen, with the
+        prefill and per-token times into `times` when given (t0: when the prompt went in)."""
+        self.position = len(gen.input_ids)
         while len(gen.output_ids) < max_new_tokens:
             if g.is_done():
                 gen.stopped = "context" if self.position >= self.max_context else "eos"
@@ -180,19 +186,19 @@ class GenaiSession(Session):
             tok = int(g.get_next_tokens()[0])
             t1 = time.perf_counter()
             if gen.output_ids:
-                times["decode_s"].append(t1 - t0)
                 self.position += 1
-            else:
+                if times is not None:
+                    times["decode_s"].append(t1 - t0)
+            elif times is not None:
                 times["prefill_s"] = t1 - t0
             t0 = t1
             gen.output_ids.append(tok)
             if on_token:
                 on_token(tok)
-            if tok in self.eos_ids:
+            if tok in self.eos_ids:  # genai's search stops there too
                 gen.stopped = "eos"
                 break
         self._gen, self._looped = g, True
-        return gen, times
 
     # ---- image + text: genai's multimodal processor and loop (a --vision bundle) ------------------------
     def generate_images(
@@ -251,22 +257,7 @@ class GenaiSession(Session):
         self.reset()
         g, gen = self._gen, Generation(input_ids=ids, output_ids=[])
         g.set_inputs(inputs)
-        self.position = len(ids)
-        while len(gen.output_ids) < max_new_tokens:
-            if g.is_done():
-                gen.stopped = "context" if self.position >= self.max_context else "eos"
-                break
-            g.generate_next_token()
-            tok = int(g.get_next_tokens()[0])
-            if gen.output_ids:
-                self.position += 1
-            gen.output_ids.append(tok)
-            if on_token:
-                on_token(tok)
-            if tok in self.eos_ids:  # genai's search stops there too
-                gen.stopped = "eos"
-                break
-        self._gen, self._looped = g, True
+        self._loop(g, gen, max_new_tokens, on_token)
         return gen, [[int(x) for x in row] for row in grids]
 
 

@@ -139,36 +139,55 @@ def _genai_io(b: GraphBuilder, vocab: int) -> None:
     b.outputs[o] = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 1, vocab])
 
 
+def _replace_length_pair(
+    path: Path, head: list, current: onnx.ValueInfoProto, renamed: dict | None = None, initializers=()
+) -> None:
+    """Rewrite a graph derived from model.onnx in place: drop the sequence-length pair (its input nodes and the
+    start-position arithmetic), put the value info `current` where current_sequence_length was, give the graph's
+    start position from `head` (nodes computing _PROGRAM_POSITION, run first), and replace each input named in
+    `renamed` (old name -> new value info) in the inputs and in every node reading it."""
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    renamed = renamed or {}
+    drop = {_PROGRAM_POSITION, *_LENGTH_NODES}
+    nodes = [n for n in g.node if not drop & set(n.output)]
+    for n in nodes:
+        for i, name in enumerate(n.input):
+            if name in renamed:
+                n.input[i] = renamed[name].name
+    g.initializer.extend(initializers)
+    del g.node[:]
+    g.node.extend(head + nodes)
+    inputs = [current if v.name == CURRENT_LENGTH else renamed.get(v.name, v) for v in g.input if v.name != PAST_LENGTH]
+    del g.input[:]
+    g.input.extend(inputs)
+    onnx.save(model, str(path))
+
+
 def position_ids_io(path: Path) -> None:
     """Rewrite a graph derived from model.onnx back to a position_ids int64 [1, positions]
     input in place of the sequence-length pair: the contract of bundles before it (runtimes/onnx.py binds
     position_ids [[p]]; only element 0 is read); tests make such bundles with it."""
-    model = onnx.load(str(path), load_external_data=False)
-    g = model.graph
-    drop = {_PROGRAM_POSITION, *_LENGTH_NODES}
-    nodes = [n for n in g.node if not drop & set(n.output)]
     i64 = onnx.numpy_helper.from_array
-    g.initializer.extend(
-        [i64(np.array([0], np.int64), "position_ids_start"), i64(np.array([1], np.int64), "position_ids_end")]
+    make = onnx.helper.make_node
+    head = [
+        make(
+            "Slice",
+            ["position_ids", "position_ids_start", "position_ids_end", "position_ids_end"],
+            ["position_ids_first"],
+            name="position_ids_first",
+        ),
+        make("Reshape", ["position_ids_first", "position_ids_end"], [_PROGRAM_POSITION], name="position_ids_flat"),
+    ]
+    _replace_length_pair(
+        path,
+        head,
+        onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "positions"]),
+        initializers=[
+            i64(np.array([0], np.int64), "position_ids_start"),
+            i64(np.array([1], np.int64), "position_ids_end"),
+        ],
     )
-    first = onnx.helper.make_node(
-        "Slice",
-        ["position_ids", "position_ids_start", "position_ids_end", "position_ids_end"],
-        ["position_ids_first"],
-        name="position_ids_first",
-    )
-    flat = onnx.helper.make_node(
-        "Reshape", ["position_ids_first", "position_ids_end"], [_PROGRAM_POSITION], name="position_ids_flat"
-    )
-    del g.node[:]
-    g.node.extend([first, flat] + nodes)
-    inputs = list(g.input)
-    k = next(k for k, v in enumerate(inputs) if v.name == CURRENT_LENGTH)
-    inputs[k] = onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "positions"])
-    inputs = [v for v in inputs if v.name != PAST_LENGTH]
-    del g.input[:]
-    g.input.extend(inputs)
-    onnx.save(model, str(path))
 
 
 MM_ATTENTION_MASK = "attention_mask"  # int64 [1, p + T]: only its length is read (p = length - T)
@@ -181,34 +200,19 @@ def multimodal_io(path: Path, rope_input: str) -> None:
     sequence-length pair, attention_mask int64 [1, p + T] (all ones at batch 1; the graph takes the start position
     p = its length - T) and the M-RoPE rows `rope_input` renamed position_ids int64 [3, 1, T]. deltaship's own
     driver (runtimes/vision.py) binds the same two inputs."""
-    model = onnx.load(str(path), load_external_data=False)
-    g = model.graph
-    drop = {_PROGRAM_POSITION, *_LENGTH_NODES}
-    nodes = [n for n in g.node if not drop & set(n.output)]
-    for n in nodes:
-        for i, name in enumerate(n.input):
-            if name == rope_input:
-                n.input[i] = MM_POSITION_IDS
     make = onnx.helper.make_node
-    first = [
+    head = [
         make("Shape", [MM_ATTENTION_MASK], ["mm_total_length"], name="mm_total_length", start=1, end=2),
         make("Shape", ["inputs_embeds"], ["mm_call_tokens"], name="mm_call_tokens", start=1, end=2),
         make("Sub", ["mm_total_length", "mm_call_tokens"], [_PROGRAM_POSITION], name="mm_start_position"),
     ]
-    del g.node[:]
-    g.node.extend(first + nodes)
-    inputs = []
-    for v in g.input:
-        if v.name == CURRENT_LENGTH:
-            v = onnx.helper.make_tensor_value_info(MM_ATTENTION_MASK, onnx.TensorProto.INT64, [1, "total_length"])
-        elif v.name == rope_input:
-            v = onnx.helper.make_tensor_value_info(MM_POSITION_IDS, onnx.TensorProto.INT64, [3, 1, "tokens"])
-        elif v.name == PAST_LENGTH:
-            continue
-        inputs.append(v)
-    del g.input[:]
-    g.input.extend(inputs)
-    onnx.save(model, str(path))
+    vi = onnx.helper.make_tensor_value_info
+    _replace_length_pair(
+        path,
+        head,
+        vi(MM_ATTENTION_MASK, onnx.TensorProto.INT64, [1, "total_length"]),
+        renamed={rope_input: vi(MM_POSITION_IDS, onnx.TensorProto.INT64, [3, 1, "tokens"])},
+    )
 
 
 def _conv_state_layout(states: list[dict], opset: int) -> None:

@@ -8,6 +8,10 @@ per prompt (A B, then B A, ...), so that load on the machine, and anything parti
 alike. Each pair gives a ratio own time / genai time (> 1: genai faster); the medians of the ratios are printed as
 JSON, with the median times. Both runtimes go through deltaship's Session API (runtimes/onnx.py and
 runtimes/genai.py: genai's append_tokens + get_logits per call), reset before each prompt.
+
+With --processes each runtime lives in a process of its own (as in an app, and as in the whole-profile runs of
+bench/genai_vs_own.py), started once and driven over a pipe: the parent still alternates them prompt by prompt,
+and a worker waits blocked on its pipe while the other one runs, so the pairing still cancels the machine's drift.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from statistics import median
+from statistics import median, quantiles
 
 import numpy as np
 
@@ -40,6 +44,44 @@ def one(session, ids: list[int], steps: int) -> tuple[float, float]:
     return prefill, median(steps_s)
 
 
+def worker(conn, bundle: str, threads: int, runtime: str, reopen: int = 0) -> None:
+    """--processes: one runtime's session in this process; runs `one` for each (ids, steps) it is sent. With
+    `reopen`, the bundle is first opened and closed that many times, as `deltaship profile` does for its warm-load
+    metric before it measures prefill and decode."""
+    import gc
+
+    from deltaship.runtimes import open_bundle
+
+    kwargs = {"runtime": "genai"} if runtime == "genai" else {}
+    for _ in range(reopen):
+        again = open_bundle(Path(bundle), threads=threads, check_hashes=False, **kwargs)
+        del again
+        gc.collect()
+    session = open_bundle(Path(bundle), threads=threads, check_hashes=False, **kwargs)
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        conn.send(one(session, *job))
+
+
+class Remote:
+    """A session in a worker process, called like `one(session, ids, steps)` through `run`."""
+
+    def __init__(self, ctx, bundle: Path, threads: int, runtime: str, reopen: int = 0):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker, args=(child, str(bundle), threads, runtime, reopen), daemon=True)
+        self.proc.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError(f"the {runtime} worker did not start")
+
+    def run(self, ids: list[int], steps: int) -> tuple[float, float]:
+        self.conn.send((ids, steps))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=60)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle", type=Path)
@@ -47,22 +89,45 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--processes", action="store_true", help="each runtime in a worker process of its own")
+    ap.add_argument("--reopen", type=int, default=0, help="--processes: open and close the bundle N times first")
     a = ap.parse_args()
-    from deltaship.runtimes import open_bundle
+    if a.processes:
+        import multiprocessing
 
-    own = open_bundle(a.bundle, threads=a.threads, check_hashes=False)
-    genai = open_bundle(a.bundle, threads=a.threads, check_hashes=False, runtime="genai")
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: nothing loaded before the runtime
+        remotes = {
+            "own": Remote(ctx, a.bundle, a.threads, "onnxruntime", a.reopen),
+            "genai": Remote(ctx, a.bundle, a.threads, "genai", a.reopen),
+        }
+        run = {name: r.run for name, r in remotes.items()}
+    else:
+        from deltaship.runtimes import open_bundle
+
+        sessions = {
+            "own": open_bundle(a.bundle, threads=a.threads, check_hashes=False),
+            "genai": open_bundle(a.bundle, threads=a.threads, check_hashes=False, runtime="genai"),
+        }
+        run = {name: (lambda ids, steps, s=s: one(s, ids, steps)) for name, s in sessions.items()}
     ids = np.random.default_rng(0).integers(100, 5000, size=a.prompt).tolist()
-    for s in (own, genai, own, genai):  # warm both (memory patterns, caches)
-        one(s, ids, a.decode)
+    for name in ("own", "genai", "own", "genai"):  # warm both (memory patterns, caches)
+        run[name](ids, a.decode)
     rows = []
     for i in range(a.pairs):
         order = ("own", "genai") if i % 2 == 0 else ("genai", "own")
-        rows.append({name: one(own if name == "own" else genai, ids, a.decode) for name in order})
+        rows.append({name: run[name](ids, a.decode) for name in order})
+    if a.processes:
+        for r in remotes.values():
+            r.close()
+    ratios = {k: [r["own"][j] / r["genai"][j] for r in rows] for j, k in enumerate(("prefill", "decode"))}
     out = {
         "bundle": str(a.bundle),
         "threads": a.threads,
         "pairs": a.pairs,
+        "processes": "one per runtime" if a.processes else "one for both",
+        "reopen": a.reopen,
+        "prompt_tokens": a.prompt,
+        "decode_steps": a.decode,
         "loadavg": os.getloadavg(),
         "genai_speed_over_own_prefill": round(median(r["own"][0] / r["genai"][0] for r in rows), 3),
         "genai_speed_over_own_decode": round(median(r["own"][1] / r["genai"][1] for r in rows), 3),
@@ -70,6 +135,10 @@ def main() -> int:
         "genai_prefill_ms": round(1e3 * median(r["genai"][0] for r in rows), 1),
         "own_decode_ms": round(1e3 * median(r["own"][1] for r in rows), 2),
         "genai_decode_ms": round(1e3 * median(r["genai"][1] for r in rows), 2),
+        # the spread of the per-pair ratios: quartiles, so one disturbed pair does not move the verdict
+        "ratio_quartiles_prefill": [round(x, 3) for x in quantiles(ratios["prefill"], n=4)],
+        "ratio_quartiles_decode": [round(x, 3) for x in quantiles(ratios["decode"], n=4)],
+        "pairs_raw": rows,
     }
     print(json.dumps(out))
     return 0

@@ -68,6 +68,39 @@ def pooled(records: list[dict]) -> dict[tuple[str, int | None], list[float]]:
     return samples
 
 
+def per_round(records: dict[str, list[dict]]) -> list[dict]:
+    """Each metric's genai / own ratio within each round (the two runtimes' adjacent runs), and how far one
+    runtime's own runs differ from each other (max / min of its per-run medians): when that run-to-run spread is
+    as large as the gap between the runtimes, a pooled ratio off by a few percent says nothing."""
+
+    def medians(rec: dict) -> dict:
+        return {
+            (r["metric"], r.get("prompt_length")): median(r["samples"])
+            for r in rec["results"]
+            if r["metric"] in METRICS and r["samples"]
+        }
+
+    own = [medians(r) for r in records["onnxruntime"]]
+    genai = [medians(r) for r in records["genai"]]
+    out = []
+    for key in own[0] if own else []:
+        ratios = [g[key] / o[key] for o, g in zip(own, genai) if key in o and key in g and o[key]]
+        runs = {rt: [m[key] for m in ms if key in m] for rt, ms in (("own", own), ("genai", genai))}
+        if not ratios:
+            continue
+        out.append(
+            {
+                "metric": key[0],
+                "prompt_length": key[1],
+                "round_ratios": [round(x, 4) for x in ratios],
+                "median_round_ratio": median(ratios),
+                "own_run_spread": max(runs["own"]) / min(runs["own"]),
+                "genai_run_spread": max(runs["genai"]) / min(runs["genai"]),
+            }
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3.5-0.8b")
@@ -107,6 +140,7 @@ def main() -> None:
             rows.append(
                 {"metric": key[0], "prompt_length": key[1], "own": a_med, "genai": b_med, "ratio": b_med / a_med}
             )
+    rounds = per_round(records)
     command = " ".join(["python", "bench/genai_vs_own.py", *sys.argv[1:]])
     result = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
@@ -119,6 +153,7 @@ def main() -> None:
         "order": order,
         "loadavg": loads,
         "rows": rows,
+        "per_round": rounds,
         "records": records,
     }
     lines = [
@@ -128,6 +163,16 @@ def main() -> None:
     for r in rows:
         lines.append(
             f"| {r['metric']} | {r['prompt_length'] or ''} | {r['own']:.4g} | {r['genai']:.4g} | {r['ratio']:.3f} |"
+        )
+    lines += [
+        "",
+        "| metric | prompt | genai / own per round | median of rounds | own: max / min run | genai: max / min run |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rounds:
+        lines.append(
+            f"| {r['metric']} | {r['prompt_length'] or ''} | {', '.join(f'{x:.3f}' for x in r['round_ratios'])} "
+            f"| {r['median_round_ratio']:.3f} | {r['own_run_spread']:.3f} | {r['genai_run_spread']:.3f} |"
         )
     table = "\n".join(lines)
     print(table)

@@ -246,6 +246,18 @@ def test_weight_plan_takes_rows_and_reads_a_block_of_them():
     np.testing.assert_array_equal(plan.tensor("draft.weight", src), table[[1, 4, 5, 9]])
     np.testing.assert_array_equal(plan.tensor("draft.weight", src, slice(1, 3)), table[[4, 5]])
     assert src.reads[-1] == slice(4, 6)  # only the span of source rows the block needs
+    big = np.arange(10000 * 2, dtype=np.float32).reshape(10000, 2)
+
+    class Big(Source):
+        def read(self, name, rows=None):
+            self.reads.append(rows)
+            return big[rows]
+
+    plan.add_source("head.weight", "head.weight", (10000, 2))
+    plan.take_rows("few.weight", "head.weight", np.array([0, 1, 2, 9998, 9999]))
+    src = Big()
+    np.testing.assert_array_equal(plan.tensor("few.weight", src, slice(0, 5)), big[[0, 1, 2, 9998, 9999]])
+    assert src.reads[-2:] == [slice(0, 3), slice(9998, 10000)]  # two spans, not the 10,000 rows between
     with pytest.raises(PlanError, match="out of range"):
         plan.take_rows("bad.weight", "lm_head.weight", np.array([3, 10]))
     with pytest.raises(PlanError, match="only source tensors"):

@@ -14,6 +14,8 @@ import numpy as np
 
 from deltaship.models.weights import WeightSource
 
+SPAN_GAP = 4096  # rows: a selection of source rows is read as spans split at gaps wider than this
+
 
 class PlanError(ValueError):
     """A pass asked for something the plan cannot do (a bug in a pass, never user input)."""
@@ -132,13 +134,20 @@ class WeightPlan:
         if rows is not None and r.row_local:
             return weights.read(r.sources[0], rows)
         if rows is not None and r.rows is not None and len(r.sources) == 1 and not r.fixups:
-            # a block of a row selection (a draft head's rows of the LM head): read the span of source rows it needs
+            # a block of a row selection (a draft head's rows of the LM head): read only the spans of source rows it
+            # needs, split where ascending ids jump far (e.g. to the special ids at the end of the vocabulary)
             sel = r.rows[rows]
             if not sel.size:
                 return np.zeros((0, *r.shape[1:]), np.float32)
-            lo = int(sel.min())
-            part = weights.read(r.sources[0], slice(lo, int(sel.max()) + 1))
-            return np.ascontiguousarray(part[sel - lo], dtype=np.float32)
+            if np.any(np.diff(sel) < 0):
+                lo = int(sel.min())
+                part = weights.read(r.sources[0], slice(lo, int(sel.max()) + 1))
+                return np.ascontiguousarray(part[sel - lo], dtype=np.float32)
+            out = []
+            for run in np.split(sel, np.flatnonzero(np.diff(sel) > SPAN_GAP) + 1):
+                part = weights.read(r.sources[0], slice(int(run[0]), int(run[-1]) + 1))
+                out.append(part[run - run[0]])
+            return np.ascontiguousarray(np.concatenate(out), dtype=np.float32)
         arr = (
             weights.read(r.sources[0])
             if len(r.sources) == 1

@@ -40,6 +40,12 @@ def speculative_spec(manifest: dict[str, Any], parts: list, feature: Callable) -
             "export again with --mtp and a larger --coreml-part-gb",
         )
     verify, draft = block["verify"], block["draft"]
+    if draft.get("vocab"):  # the Swift driver takes the draft's argmax as a token id: it has no id map
+        raise DeltashipError(
+            f"the bundle's draft head covers {draft['vocab']['size']} of {manifest['model']['vocab_size']} token ids "
+            "(--mtp-draft-vocab): the iOS kit's speculative path drafts over the full vocabulary only",
+            "export the Core ML bundle again without --mtp-draft-vocab (or with --mtp-draft-vocab full) for the kit",
+        )
 
     def by_kind(items: list[dict], what: str) -> dict[str, dict]:
         out = {i["kind"]: i for i in items}

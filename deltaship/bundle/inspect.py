@@ -62,6 +62,13 @@ def describe(info: dict[str, Any]) -> str:
         lines.append(
             f"            rollback: DeltaNet {sp['rollback']['deltanet'].split(':')[0]}; KV cache: length pointer"
         )
+        dv = sp["draft"].get("vocab")
+        if dv:  # --mtp-draft-vocab N
+            cover = f", {dv['coverage']:.1%} of its ranking text's tokens" if dv.get("coverage") is not None else ""
+            lines.append(
+                f"            draft vocabulary: {dv['size']} of {dv['vocab_size']} token ids ({dv['file']}{cover}); "
+                f"ranked by {dv['ranking']}"
+            )
     for note in m["source"].get("notes", []):
         lines.append(f"note        {note}")
     q = m.get("quantization", {})

@@ -44,6 +44,9 @@ def check_options(
                 f"{flag(key)} applies to --target {' or '.join(owners[key])}, not {target}", f"drop {flag(key)}"
             )
     options = tgt.parse_options(target_options or {})
+    from deltaship.export.draft_vocab import check_draft_vocab
+
+    check_draft_vocab(options.as_dict())  # --mtp-draft-vocab N: needs --mtp, N >= 2 (N <= vocab: once loaded)
     if precision not in PRECISIONS:
         raise DeltashipError(
             f"unknown --precision {precision!r}; precisions: {', '.join(PRECISIONS)}", "pick one of the precisions"
@@ -223,6 +226,8 @@ def export(
             "drop --mtp, or export a checkpoint that ships its MTP head (Qwen3.5 checkpoints do; qwen3.5-tiny and "
             "the published-shape presets carry one)",
         )
+    tokens = special_tokens(source, source.tokenizer_files)
+    draft_ids, draft_record = _draft_vocab(source, options, tokens, say)
     chunk = min(prefill_chunk or tgt.default_prefill_chunk, max_context)
     tgt.check(precision, max_context, chunk, options)
     ctx = ExportContext(
@@ -239,14 +244,13 @@ def export(
 
         check_vision(source, ctx)
     ctx.kv_cache = kv_cache
+    ctx.draft_ids = draft_ids
     run_pipeline(ctx, tgt.pipeline(), progress=say)
     kv_record = None
     if kv_cache in ("int8", "int4"):  # _check_kv_cache let only a target that stores them through
         from deltaship.export.kv_quant import prepare
 
         kv_record = prepare(ctx, source, kv_cache, progress=say)
-
-    tokens = special_tokens(source, source.tokenizer_files)
 
     def build(tmp: Path) -> dict[str, Any]:
         say(f"lowering to {target}")
@@ -302,6 +306,12 @@ def export(
         if "speculative" in lowered.details:  # --mtp: the draft head and the verify contract
             manifest["speculative"] = lowered.details.pop("speculative")
             manifest["lowering"] = lowered.details
+            if draft_record is not None:  # --mtp-draft-vocab N: the ids the draft's logits cover, in the bundle
+                from deltaship.export import draft_vocab
+
+                draft_vocab.write(tmp, draft_ids)
+                manifest["speculative"]["draft"]["vocab"] = draft_record
+                manifest["speculative"]["files"].append(draft_record["file"])
         if vision_block is not None:
             manifest["vision"] = vision_block
             manifest["usage"] += [
@@ -355,6 +365,24 @@ def export(
     manifest = write_bundle(out, force, build)
     say(f"wrote {out} ({manifest['bundle_bytes'] / 2**20:.1f} MiB)")
     return manifest
+
+
+def _draft_vocab(source, options: TargetOptions, tokens: dict[str, Any], say) -> tuple[Any, dict[str, Any] | None]:
+    """--mtp-draft-vocab N: the N draft token ids and the manifest's record of them (None, None: full)."""
+    from deltaship.export import draft_vocab
+
+    opts = options.as_dict()
+    n = draft_vocab.parse_draft_vocab(opts.get("mtp_draft_vocab"))
+    if n is None:
+        return None, None
+    vocab = source.spec.vocab_size
+    tok = next((f for f in source.tokenizer_files if f.name == "tokenizer.json"), None)
+    ids, record = draft_vocab.rank(
+        vocab, n, draft_vocab.special_ids(tokens, vocab), tok, opts.get("mtp_draft_vocab_text")
+    )
+    cover = f", covering {record['coverage']:.1%} of the ranking text's tokens" if record["coverage"] else ""
+    say(f"draft vocabulary: {n} of {vocab} token ids{cover}" + ("" if tok else " (ascending ids: no tokenizer)"))
+    return ids, record
 
 
 def _memory(spec, states: list[dict], tgt) -> dict[str, Any]:

@@ -47,11 +47,18 @@ class ExportContext:
     parts: list[tuple[int, int]] = field(default_factory=list)  # layer ranges of a target split into packages
     kv_quant: dict[int, dict[str, Any]] = field(default_factory=dict)  # attention layer -> static KV scales
     kv_cache: str | None = None  # export(kv_cache=...): the KV dtype asked for (None: the target's own)
+    # --mtp-draft-vocab N: the token ids (ascending) the MTP head's logits cover (None: the whole vocabulary)
+    draft_ids: np.ndarray | None = None
 
     @property
     def family(self):
         """The model family's module (deltaship/models/families.py): what the passes ask for classes."""
         return family_of_architecture(self.spec.architecture)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Entries of the draft head's logits: N with --mtp-draft-vocab N, else the vocabulary."""
+        return self.spec.vocab_size if self.draft_ids is None else int(self.draft_ids.size)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -90,6 +97,9 @@ class LoadStructure:
             ctx.plan.add_source(name, src, tuple(p.shape))
         if ctx.spec.tie_word_embeddings:
             ctx.plan.alias("lm_head.weight", "model.embed_tokens.weight")
+        if mtp and ctx.draft_ids is not None:  # --mtp-draft-vocab N: the head's logits over N ids, from lm_head's rows
+            ctx.model.add_draft_head(int(ctx.draft_ids.size))
+            ctx.plan.take_rows("mtp.draft_head.weight", "lm_head.weight", ctx.draft_ids)
         ctx.plan.add_constant(
             "model.rotary.inv_freq", lambda: ctx.family.rotary_inv_freq(ctx.spec), (ctx.spec.rotary_dim // 2,)
         )
@@ -98,6 +108,7 @@ class LoadStructure:
             "tensors": len(expected),
             "tied_lm_head": int(ctx.spec.tie_word_embeddings),
             **({"mtp_layers": ctx.spec.mtp_num_hidden_layers} if mtp else {}),
+            **({"mtp_draft_vocab": ctx.draft_vocab_size} if mtp and ctx.draft_ids is not None else {}),
         }
 
     def ensures(self, ctx: ExportContext) -> None:

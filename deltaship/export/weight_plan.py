@@ -14,6 +14,8 @@ import numpy as np
 
 from deltaship.models.weights import WeightSource
 
+SPAN_GAP = 4096  # rows: a selection of source rows is read as spans split at gaps wider than this
+
 
 class PlanError(ValueError):
     """A pass asked for something the plan cannot do (a bug in a pass, never user input)."""
@@ -92,6 +94,17 @@ class WeightPlan:
             self.recipes[new] = Recipe(r.sources, (len(idx), *r.shape[1:]), list(r.fixups), dtype=r.dtype, rows=idx)
         del self.recipes[name]
 
+    def take_rows(self, new: str, name: str, idx: np.ndarray) -> None:
+        """A new tensor `new` made of rows `idx` of `name`, which stays (e.g. the reduced-vocabulary draft head: some
+        rows of the LM head). Fix-ups added to `name` later do not reach `new`."""
+        r = self._get(name)
+        if r.compute is not None or r.rows is not None:
+            raise PlanError(f"cannot take rows of {name}: only source tensors can be selected by rows")
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= r.shape[0]):
+            raise PlanError(f"rows of {name} out of range 0 .. {r.shape[0] - 1}")
+        self.recipes[new] = Recipe(r.sources, (len(idx), *r.shape[1:]), list(r.fixups), dtype=r.dtype, rows=idx)
+
     def alias(self, name: str, target: str) -> None:
         """`name` is the very same tensor as `target` (tied embeddings)."""
         self.recipes[name] = self._get(target)
@@ -120,6 +133,21 @@ class WeightPlan:
             return out[rows] if rows is not None else out
         if rows is not None and r.row_local:
             return weights.read(r.sources[0], rows)
+        if rows is not None and r.rows is not None and len(r.sources) == 1 and not r.fixups:
+            # a block of a row selection (a draft head's rows of the LM head): read only the spans of source rows it
+            # needs, split where ascending ids jump far (e.g. to the special ids at the end of the vocabulary)
+            sel = r.rows[rows]
+            if not sel.size:
+                return np.zeros((0, *r.shape[1:]), np.float32)
+            if np.any(np.diff(sel) < 0):
+                lo = int(sel.min())
+                part = weights.read(r.sources[0], slice(lo, int(sel.max()) + 1))
+                return np.ascontiguousarray(part[sel - lo], dtype=np.float32)
+            out = []
+            for run in np.split(sel, np.flatnonzero(np.diff(sel) > SPAN_GAP) + 1):
+                part = weights.read(r.sources[0], slice(int(run[0]), int(run[-1]) + 1))
+                out.append(part[run - run[0]])
+            return np.ascontiguousarray(np.concatenate(out), dtype=np.float32)
         arr = (
             weights.read(r.sources[0])
             if len(r.sources) == 1

@@ -345,6 +345,8 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(spec, "full_attention") for _ in range(spec.mtp_num_hidden_layers)])
         self.norm: nn.Module = ZeroCentredRMSNorm(h, spec.rms_norm_eps)
+        # --mtp-draft-vocab N: logits over N token ids (rows of the LM head) instead of the trunk's LM head
+        self.draft_head: nn.Linear | None = None
 
 
 class Qwen35Model(nn.Module):
@@ -452,13 +454,20 @@ class Qwen35Model(nn.Module):
                 )
         return out
 
+    def add_draft_head(self, size: int) -> None:
+        """Draft over `size` token ids: mtp_forward's logits become [1, size], from `mtp.draft_head` (the LM head's
+        rows for those ids, which the weight plan selects) instead of the trunk's LM head."""
+        w = self.lm_head.weight
+        self.mtp.draft_head = nn.Linear(self.spec.hidden_size, size, bias=False, device=w.device, dtype=w.dtype)
+
     def mtp_program(self) -> nn.Module:
         return MTPProgram(self)
 
     def mtp_forward(self, hidden: Tensor, input_ids: Tensor, position: Tensor, states: list[Tensor]):
         """hidden [1, T, H] (the trunk's final-normed hidden states at positions p .. p+T-1), input_ids [1, T] (the
         tokens at p+1 .. p+T) -> (logits [1, V] of the last row: the draft for the token at p+T+1, the head's
-        final-normed hidden states [1, T, H] (fed back for a deeper draft), the head's states')."""
+        final-normed hidden states [1, T, H] (fed back for a deeper draft), the head's states'). With a draft head
+        (add_draft_head) the logits are [1, N], over its token ids."""
         m = self.mtp
         emb = m.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
         x = m.fc(torch.cat([emb, m.pre_fc_norm_hidden(hidden)], dim=-1))
@@ -468,7 +477,8 @@ class Qwen35Model(nn.Module):
             x, new = layer(x, cos, sin, position, states[2 * i : 2 * i + 2])
             new_states += new
         out = m.norm(x)
-        return self.lm_head(out[:, -1, :]).float(), out, new_states
+        head = self.lm_head if m.draft_head is None else m.draft_head
+        return head(out[:, -1, :]).float(), out, new_states
 
 
 class MTPProgram(nn.Module):

@@ -291,6 +291,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "depth": depth,
         "context": c,
         "random_weights": rand,
+        # the draft head's logits: every token id, or N of them (--mtp-draft-vocab N)
+        "draft_vocab": (manifest["speculative"]["draft"].get("vocab") or {}).get("size")
+        or manifest["model"]["vocab_size"],
+        "vocab_size": manifest["model"]["vocab_size"],
         "latencies": session.latency_note or f"measured on this host in {session.runtime_name()}",
         "device_latencies": session.latency_note is None,
         "costs_ms": {
@@ -378,6 +382,8 @@ def format_speculative(s: dict[str, Any]) -> str:
         s["projection"],
     )
     lines = [f"speculative decoding, mtp:{s['depth']}, context {s['context']} (median ms; x one decode step)"]
+    if s.get("draft_vocab", s.get("vocab_size")) != s.get("vocab_size"):
+        lines.append(f"  draft head over {s['draft_vocab']} of {s['vocab_size']} token ids (--mtp-draft-vocab)")
     if not s.get("device_latencies", True):
         lines.append(f"  LATENCIES: {s['latencies']}")
     lines.append(f"  decode step          {c['decode_step']:9.3f} ms  x1.00")

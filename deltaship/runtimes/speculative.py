@@ -9,6 +9,8 @@ A session that supports it (`SpeculativeSession`) adds to the plain prefill/deco
   position);
 - `draft(hidden, ids, position)`: the MTP head over hidden [T, H] at positions position .. position+T-1 and the
   tokens one position later, returning the logits of the token after the last one and the head's hidden states;
+  the logits are over the draft vocabulary: every token id, or, in a bundle exported with --mtp-draft-vocab N, the
+  N ids of `draft_token_ids()` (draft index i is token ids[i]);
 - `reset_draft()`: zero the head's own KV cache.
 
 The driver keeps the lossless contract: every emitted token is chosen from the decoder's own logits (greedy:
@@ -20,7 +22,9 @@ undone and its accepted tokens are fed again at the start of the next verify cal
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -117,6 +121,37 @@ def require_speculative(session: Session) -> None:
         )
 
 
+def draft_token_ids(bundle: str | Path, manifest: dict[str, Any]) -> np.ndarray | None:
+    """The token ids the draft head's logits cover (int64 [N], from the bundle's `speculative.draft.vocab` file), or
+    None when they cover the whole vocabulary (bundles exported without --mtp-draft-vocab)."""
+    vocab = manifest["speculative"]["draft"].get("vocab")
+    if not vocab:
+        return None
+    path = Path(bundle) / vocab["file"]
+    try:
+        ids = np.asarray(json.loads(path.read_text())["ids"], np.int64)
+    except (OSError, ValueError, KeyError) as e:
+        raise DeltashipError(
+            f"{path}: cannot read the draft vocabulary ({e})", "export the bundle again (its files are incomplete)"
+        ) from None
+    if ids.size != vocab["size"] or ids.size == 0 or ids.min() < 0 or ids.max() >= manifest["model"]["vocab_size"]:
+        raise DeltashipError(
+            f"{path}: {ids.size} draft token ids, but the manifest says {vocab['size']} within a vocabulary of "
+            f"{manifest['model']['vocab_size']}",
+            "export the bundle again",
+        )
+    return ids
+
+
+def _scatter(q: np.ndarray, ids: np.ndarray | None, vocab: int) -> np.ndarray:
+    """A draft distribution over the draft vocabulary as one over every token id (zero outside the subset)."""
+    if ids is None:
+        return q
+    out = np.zeros(vocab, q.dtype)
+    out[ids] = q
+    return out
+
+
 MAX_PENDING = 8  # re-fed tokens allowed to ride along with the next verify call before they get a call of their own
 
 
@@ -151,6 +186,7 @@ def generate_speculative(
     rng = np.random.default_rng(seed)
     greedy = temperature <= 0
     stats = SpeculativeStats(depth)
+    draft_ids = draft_token_ids(session.bundle, session.manifest)  # draft index -> token id (None: the same)
     session.reset()  # a fresh sequence: the draft head's cache must see every position the decoder sees
     s.reset_draft()
     prompt = session._check([int(i) for i in ids])
@@ -206,11 +242,12 @@ def generate_speculative(
             stats.draft_calls += 1
             for i in range(k):
                 if greedy:
-                    drafts.append(int(np.argmax(d_logits)))
+                    j = int(np.argmax(d_logits))
                 else:
                     q = probabilities(d_logits, temperature, top_k, top_p)
                     draft_probs.append(q)
-                    drafts.append(int(rng.choice(q.size, p=q)))
+                    j = int(rng.choice(q.size, p=q))
+                drafts.append(j if draft_ids is None else int(draft_ids[j]))
                 if i + 1 < k:
                     d_logits, d_hidden = s.draft(d_hidden[-1:], np.asarray(drafts[-1:], np.int64), n - 1 + i)
                     stats.draft_calls += 1
@@ -232,7 +269,8 @@ def generate_speculative(
                     continue
                 new = t
             else:
-                new = accept_or_resample(probabilities(row, temperature, top_k, top_p), draft_probs[i], d, rng)
+                q = _scatter(draft_probs[i], draft_ids, row.size)  # zero outside the draft vocabulary: still exact
+                new = accept_or_resample(probabilities(row, temperature, top_k, top_p), q, d, rng)
                 if new is None:
                     accepted += 1
                     continue
@@ -269,6 +307,7 @@ def mtp_acceptance(session: Session, ids: Sequence[int]) -> dict[str, Any]:
     (what greedy speculative decoding accepts at depth 1) and against the true token at t+2."""
     require_speculative(session)
     s: Any = session
+    draft_ids = draft_token_ids(session.bundle, session.manifest)
     session.reset()
     s.reset_draft()
     arr = session._check([int(i) for i in ids])
@@ -284,6 +323,8 @@ def mtp_acceptance(session: Session, ids: Sequence[int]) -> dict[str, Any]:
     greedy = np.concatenate(logits).argmax(-1)  # greedy[t]: the decoder's token for position t+1
     h = np.concatenate(hidden)
     draft = np.array([int(np.argmax(s.draft(h[t : t + 1], arr[t + 1 : t + 2], t)[0])) for t in range(arr.size - 2)])
+    if draft_ids is not None:
+        draft = draft_ids[draft]
     session.reset()
     return {
         "positions": int(draft.size),

@@ -35,6 +35,30 @@ def option(help: str, *, choices: tuple | None = None, metavar: str | None = Non
     return {"help": help, "choices": choices, "metavar": metavar}
 
 
+def draft_vocab_field() -> Any:
+    """--mtp-draft-vocab, taken by every target that takes --mtp (checked in deltaship/export/draft_vocab.py)."""
+    return field(
+        default="full",
+        metadata=option(
+            "with --mtp: the draft head's logits over the N most frequent token ids only (FR-Spec: a smaller LM head "
+            "to stream per draft; the verify call keeps the full vocabulary), or full",
+            metavar="{N,full}",
+        ),
+    )
+
+
+def draft_vocab_text_field() -> Any:
+    """--mtp-draft-vocab-text: the text the draft vocabulary is ranked on."""
+    return field(
+        default=None,
+        metadata=option(
+            "with --mtp-draft-vocab N: rank the token ids on this UTF-8 text file (default: the tiny preset's "
+            "held-out Python source)",
+            metavar="PATH",
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class TargetOptions:
     """Base of each target's options. Field names are `export()` keyword arguments; the CLI flag is the

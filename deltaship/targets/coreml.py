@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.targets import register
-from deltaship.targets.base import StorageFormat, Target, TargetOptions, option
+from deltaship.targets.base import (
+    StorageFormat,
+    Target,
+    TargetOptions,
+    draft_vocab_field,
+    draft_vocab_text_field,
+    option,
+)
 from deltaship.tolerances import Tolerance
 
 
@@ -37,6 +44,8 @@ class CoreMLOptions(TargetOptions):
             "'verify_T' (every row's logits and hidden states), for `generate --speculative mtp`",
         ),
     )
+    mtp_draft_vocab: str = draft_vocab_field()
+    mtp_draft_vocab_text: str | None = draft_vocab_text_field()
     coreml_part_gb: float = field(
         default=1.4,
         metadata=option("weights per .mlpackage in GB: larger models are split into consecutive layer ranges"),

@@ -9,7 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.targets import register
-from deltaship.targets.base import StorageFormat, Target, TargetOptions, TextRuntime, option
+from deltaship.targets.base import (
+    StorageFormat,
+    Target,
+    TargetOptions,
+    TextRuntime,
+    draft_vocab_field,
+    draft_vocab_text_field,
+    option,
+)
 from deltaship.tolerances import Tolerance
 
 
@@ -25,6 +33,8 @@ class ExecuTorchOptions(TargetOptions):
             "'verify' (every row's logits), for `generate --speculative mtp`",
         ),
     )
+    mtp_draft_vocab: str = draft_vocab_field()
+    mtp_draft_vocab_text: str | None = draft_vocab_text_field()
 
 
 @register

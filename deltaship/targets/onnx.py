@@ -10,7 +10,14 @@ from typing import Any
 
 from deltaship.errors import DeltashipError, DeltashipUnavailable
 from deltaship.targets import register
-from deltaship.targets.base import StorageFormat, Target, TargetOptions, option
+from deltaship.targets.base import (
+    StorageFormat,
+    Target,
+    TargetOptions,
+    draft_vocab_field,
+    draft_vocab_text_field,
+    option,
+)
 from deltaship.tolerances import Tolerance
 
 
@@ -46,6 +53,8 @@ class OnnxOptions(TargetOptions):
             "`generate --speculative mtp`",
         ),
     )
+    mtp_draft_vocab: str = draft_vocab_field()
+    mtp_draft_vocab_text: str | None = draft_vocab_text_field()
     external_data: bool = field(
         default=False, metadata=option("write the weights to model.onnx.data even when the model is under 2 GB")
     )

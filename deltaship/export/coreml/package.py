@@ -559,10 +559,10 @@ def speculative_block(ctx, modes: dict[str, str], package: Path) -> dict[str, An
             "outputs": [
                 {
                     "name": "logits",
-                    "shape": [1, v],
+                    "shape": [1, ctx.draft_vocab_size],
                     "dtype": "float32",
                     "kind": "logits",
-                    "doc": "draft logits for the token at q+2",
+                    "doc": "draft logits for the token at q+2 (over draft.vocab's ids when present)",
                 },
                 {
                     "name": "mtp_hidden_states",

@@ -547,10 +547,10 @@ def speculative_block(ctx) -> dict[str, Any]:
             "outputs": [
                 {
                     "name": "logits",
-                    "shape": [1, v],
+                    "shape": [1, ctx.draft_vocab_size],
                     "dtype": "float32",
                     "kind": "logits",
-                    "doc": "draft logits for the token at q+T+1",
+                    "doc": "draft logits for the token at q+T+1 (over draft.vocab's ids when present)",
                 },
                 {
                     "name": "mtp_hidden_states",

@@ -153,9 +153,9 @@ def lower_mtp(
             "outputs": [
                 {
                     "name": "logits",
-                    "shape": [1, ctx.spec.vocab_size],
+                    "shape": [1, ctx.draft_vocab_size],
                     "dtype": "float32",
-                    "doc": "draft logits for the token at q+T+1",
+                    "doc": "draft logits for the token at q+T+1 (over draft.vocab's ids when present)",
                 },
                 {
                     "name": "mtp_hidden_states",

@@ -240,6 +240,7 @@ def test_sampling_is_seeded_and_continuing_a_cache_equals_one_call(onnx_bundle):
     from transformers import AutoTokenizer
 
     from deltaship import load
+    from deltaship.hf.compat import CACHE_NAME, output_cache
 
     model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
     enc = tok(PROMPTS[0], return_tensors="pt")
@@ -248,28 +249,35 @@ def test_sampling_is_seeded_and_continuing_a_cache_equals_one_call(onnx_bundle):
         torch.manual_seed(0)
         runs.append(model.generate(**enc, max_new_tokens=12, do_sample=True, temperature=1.5, top_k=20)[0].tolist())
     assert runs[0] == runs[1]
-    # generate() with the cache a previous call returned continues the session instead of starting over
-    first = model.generate(**enc, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
-    more = model.generate(
-        first.sequences,
-        attention_mask=torch.ones_like(first.sequences),
-        past_key_values=first.past_key_values,
-        max_new_tokens=6,
-        do_sample=False,
-    )
-    assert more[0].tolist() == model.generate(**enc, max_new_tokens=12, do_sample=False)[0].tolist()
+    # generate() with the cache a previous call returned continues the session instead of starting over: under the
+    # name this transformers gives it (`cache` from 5.24) and under 5.23's `past_key_values` (5.24 still takes it)
+    whole = model.generate(**enc, max_new_tokens=12, do_sample=False)[0].tolist()
+    for name in dict.fromkeys([CACHE_NAME, "past_key_values"]):
+        first = model.generate(**enc, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+        more = model.generate(
+            first.sequences,
+            attention_mask=torch.ones_like(first.sequences),
+            max_new_tokens=6,
+            do_sample=False,
+            **{name: output_cache(first)},
+        )
+        assert more[0].tolist() == whole, name
 
 
 def test_batches_and_padding_are_refused_clearly(onnx_bundle):
     from transformers import AutoTokenizer
 
     from deltaship import load
+    from deltaship.hf.compat import CACHE_NAME
 
     model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
     enc = tok(PROMPTS[0], return_tensors="pt")
     with pytest.raises(DeltashipError) as e:
         model.generate(**enc, max_new_tokens=2, do_sample=False, num_beams=2)
     assert "batch size 1" in e.value.message and "num_beams=1" in e.value.fix
+    with pytest.raises(DeltashipError) as e:  # a cache the session did not fill (here: not even a cache)
+        model(enc["input_ids"], **{CACHE_NAME: object()})
+    assert "got a object" in e.value.message and CACHE_NAME in e.value.fix
     with pytest.raises(DeltashipError, match="bundle"):
         load(onnx_bundle.parent)  # not a bundle directory
 

@@ -50,12 +50,13 @@ def calibration_ids(source, n: int) -> tuple[list[int], str]:
 def calibrate(source, max_context: int) -> tuple[dict[int, dict[str, np.ndarray]], str]:
     """{attention layer: {"key": bound [Hkv, D], "value": bound [Hkv, D]}} and how the prompt was made."""
     from deltaship.export.reference import reference_model
+    from deltaship.hf.compat import output_cache
 
     spec = source.spec
     ids, how = calibration_ids(source, min(CALIBRATION_TOKENS, max_context))
     model = reference_model(source)
     out = model(torch.tensor([ids], dtype=torch.long), use_cache=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     bounds = {
         layer: {
             "key": key_bound(cache.layers[layer].keys[0].float(), spec.rotary_dim),

@@ -20,6 +20,7 @@ from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, Pr
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from deltaship.errors import DeltashipError
+from deltaship.hf.compat import CACHE_NAME
 
 
 class DeltashipConfig(PretrainedConfig):
@@ -56,11 +57,20 @@ class DeltashipConfig(PretrainedConfig):
 
 
 class SessionCache:
-    """What generate() passes around as `past_key_values`: the session holds the real DeltaNet/KV states;
-    this records which tokens they have consumed, so the model knows whether a call continues them."""
+    """What generate() passes around as the model's cache (`cache`; `past_key_values` before transformers 5.24):
+    the session holds the real DeltaNet/KV states; this records which tokens they have consumed, so the model
+    knows whether a call continues them.
+
+    Duck-typed, not a transformers `Cache` (a list of per-layer tensor caches, which the session does not expose):
+    it answers what generate() asks of a cache, below.
+    """
 
     is_compileable = False  # read by generate() to decide on torch.compile: never here
     is_croppable = False  # recurrent state cannot be rolled back (assisted decoding needs that)
+    # Per cache layer: the session is one layer holding DeltaNet and full-attention (KV) state, which transformers
+    # (5.24+) counts as not linear, like its own hybrid layers. Were it linear, generate() would not cut a
+    # continued sequence down to the tokens after get_seq_length(), and the session would see them twice.
+    is_linear = (False,)
 
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
@@ -73,9 +83,8 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
     """A causal LM over a deltaship bundle (ONNX, ExecuTorch or Core ML), driven through its runtime session.
 
     Batch size 1; `forward` returns the logits of the last position only ([1, 1, vocab]), which is all
-    `generate()` reads. The session keeps the recurrent and KV state itself: a call without `past_key_values`
-    starts a new sequence (the session is reset), a call with the `past_key_values` the previous call returned
-    continues it.
+    `generate()` reads. The session keeps the recurrent and KV state itself: a call without a cache starts a new
+    sequence (the session is reset), a call with the cache the previous call returned continues it.
     """
 
     config_class = DeltashipConfig
@@ -133,11 +142,14 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(
         self,
         input_ids: torch.LongTensor,
-        past_key_values: SessionCache | None = None,
+        cache: SessionCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        past_key_values: SessionCache | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        """input_ids [1, T]: a new prompt (past_key_values None) or the tokens after `past_key_values`."""
+        """input_ids [1, T]: a new prompt (no cache) or the tokens after `cache`. generate() passes the cache as
+        `cache` from transformers 5.24 on and as `past_key_values` before; either is taken."""
+        cache = cache if cache is not None else past_key_values
         if self.session is None:
             raise DeltashipError(
                 "this DeltashipModelForCausalLM has no runtime session",
@@ -159,20 +171,26 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
                 "the attention mask masks some tokens out; deltaship sessions do not take padding",
                 "pass one unpadded prompt (batch size 1)",
             )
+        if cache is not None and not isinstance(cache, SessionCache):
+            raise DeltashipError(
+                f"deltaship models continue only a cache they returned themselves; got a {type(cache).__name__}",
+                f"pass the `{CACHE_NAME}` of an earlier output of this model (generate(..., "
+                "return_dict_in_generate=True)), or no cache to start a new sequence",
+            )
         ids = [int(t) for t in input_ids[0].tolist()]
-        if past_key_values is None:
+        if cache is None:
             self.session.reset()
             seen: list[int] = []
         else:
-            seen = list(past_key_values.tokens)
-            if past_key_values is not self._latest:  # an older cache: the session has moved on, replay it
+            seen = list(cache.tokens)
+            if cache is not self._latest:  # an older cache: the session has moved on, replay it
                 self.session.reset()
                 ids = seen + ids
                 seen = []
         logits = self.session.decode(ids[0]) if len(ids) == 1 and seen else self.session.prefill(ids)
         self._latest = SessionCache(seen + ids)
         out = torch.from_numpy(logits.astype("float32", copy=False)).reshape(1, 1, -1)
-        return CausalLMOutputWithPast(logits=out, past_key_values=self._latest)
+        return CausalLMOutputWithPast(logits=out, **{CACHE_NAME: self._latest})
 
     def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> None:
         """Copy the bundle (manifest, artifact, tokenizer files) to `save_directory`."""

@@ -36,6 +36,7 @@ def main() -> int:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from deltaship.export.reference import recompute_rotary
+    from deltaship.hf.compat import CACHE_NAME, output_cache  # transformers 5.24 renamed past_key_values
     from deltaship.models import qwen3_5 as fam
     from deltaship.models.presets import get_preset
 
@@ -83,12 +84,12 @@ def main() -> int:
 
         def decode():
             out = model(ids, use_cache=True, logits_to_keep=1)
-            cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, tok = output_cache(out), out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(steps):
-                out = model(tok, past_key_values=cache, use_cache=True)
-                cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                out = model(tok, use_cache=True, **{CACHE_NAME: cache})
+                cache, tok = output_cache(out), out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             res.setdefault("_decode", []).append((time.perf_counter() - t) / steps)
 

@@ -51,6 +51,9 @@ class Transformers:
         import torch
         from transformers import Qwen3_5ForCausalLM
 
+        from deltaship.hf.compat import CACHE_NAME, output_cache  # transformers 5.24 renamed past_key_values
+
+        self.cache_name, self.output_cache = CACHE_NAME, output_cache
         torch.set_num_threads(threads)
         self.torch = torch
         self.m = Qwen3_5ForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
@@ -58,13 +61,13 @@ class Transformers:
     def prefill(self, ids):
         with self.torch.no_grad():
             out = self.m(self.torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-        self.cache = out.past_key_values
+        self.cache = self.output_cache(out)
         return out.logits[0, -1].float().numpy()
 
     def decode(self, tok):
         with self.torch.no_grad():
-            out = self.m(self.torch.tensor([[tok]]), past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+            out = self.m(self.torch.tensor([[tok]]), use_cache=True, **{self.cache_name: self.cache})
+        self.cache = self.output_cache(out)
         return out.logits[0, -1].float().numpy()
 
 

@@ -207,3 +207,28 @@ def add_mtp_head(directory: Path, seed: int = 0, drop: str | None = None, reshap
         tensors.append((name, (scale * rng.standard_normal(shape)).astype(np.float32)))
     write_safetensors(path, tensors, metadata={"format": "pt"})
     return directory
+
+
+def code_prompt(n: int) -> list[int]:
+    """The first n bytes of a short Python function: a prompt the trained tiny (byte-level) model continues well."""
+    text = b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    return list(text[:n])
+
+
+def speculative_runs(session, lengths, depths=(1, 2), new_tokens: int = 64):
+    """Greedy speculative generation against plain greedy on one session, for prompts of each length (code_prompt)
+    and each draft depth: asserts the tokens are identical and that fewer verify calls than tokens were made;
+    returns every run's SpeculativeStats (for the caller's acceptance checks)."""
+    from deltaship.runtimes.speculative import generate_speculative
+
+    runs = []
+    for n in lengths:
+        prompt = code_prompt(n)
+        session.reset()
+        plain = session.generate(prompt, new_tokens, stop_at_eos=False).output_ids
+        for depth in depths:
+            gen, stats = generate_speculative(session, prompt, new_tokens, depth, stop_at_eos=False)
+            assert gen.output_ids == plain, (n, depth)
+            assert stats.verify_calls < new_tokens  # drafts were accepted: fewer decoder calls than tokens
+            runs.append(stats)
+    return runs

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import code_prompt, speculative_runs
 
 from deltaship.errors import DeltashipError
 
@@ -49,30 +50,17 @@ def tiny_dv(tmp_path_factory):
     return get
 
 
-def _prompt(n: int) -> list[int]:
-    text = b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
-    return list(text[:n])
-
-
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_greedy_with_a_draft_vocab_equals_plain_greedy(tiny_dv, precision):
     from deltaship.runtimes import open_bundle
-    from deltaship.runtimes.speculative import draft_token_ids, generate_speculative
+    from deltaship.runtimes.speculative import draft_token_ids
 
     bundle = tiny_dv(precision)
     session = open_bundle(bundle)
     ids = draft_token_ids(bundle, session.manifest)
     assert ids is not None and ids.size == N
-    accepted = drafted = 0
-    for n in (1, 7, 3 * CHUNK + 5):
-        prompt = _prompt(n)
-        session.reset()
-        plain = session.generate(prompt, 64, stop_at_eos=False).output_ids
-        for depth in (1, 2):
-            gen, stats = generate_speculative(session, prompt, 64, depth, stop_at_eos=False)
-            assert gen.output_ids == plain, (n, depth)
-            assert stats.verify_calls < 64
-            accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+    runs = speculative_runs(session, (1, 7, 3 * CHUNK + 5))
+    accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
     assert accepted / drafted > 0.3  # the drafts are mapped to token ids (unmapped indices would be rejected)
 
 
@@ -85,7 +73,7 @@ def test_draft_logits_are_the_full_heads_at_the_ids(tiny_dv):
     full, sub = open_bundle(tiny_dv("full")), open_bundle(tiny_dv("fp32"))
     ids = draft_token_ids(sub.bundle, sub.manifest)
     assert draft_token_ids(full.bundle, full.manifest) is None
-    prompt = np.asarray(_prompt(21), np.int64)
+    prompt = np.asarray(code_prompt(21), np.int64)
     full.reset()
     _, hidden = full.verify(prompt, np.array([20], np.int64))
     for s in (full, sub):
@@ -137,8 +125,8 @@ def test_sampling_with_a_draft_vocab_runs_and_is_seeded(tiny_dv):
 
     session = open_bundle(tiny_dv("fp32"))
     kw = dict(temperature=0.8, top_k=40, seed=3, stop_at_eos=False)
-    a, st = generate_speculative(session, _prompt(7), 48, 2, **kw)
-    b, _ = generate_speculative(session, _prompt(7), 48, 2, **kw)
+    a, st = generate_speculative(session, code_prompt(7), 48, 2, **kw)
+    b, _ = generate_speculative(session, code_prompt(7), 48, 2, **kw)
     assert a.output_ids == b.output_ids and len(a.output_ids) == 48
     assert st.accepted > 0
 
@@ -271,7 +259,6 @@ def test_other_targets_draft_over_the_subset_losslessly(tmp_path, target):
     from deltaship.bundle import read_manifest, schema_problems
     from deltaship.export import export
     from deltaship.runtimes import open_bundle
-    from deltaship.runtimes.speculative import generate_speculative
 
     out = tmp_path / target
     export("qwen3.5-tiny", out, target=target, max_context=128, prefill_chunk=CHUNK, mtp=True, mtp_draft_vocab=N,
@@ -282,12 +269,6 @@ def test_other_targets_draft_over_the_subset_losslessly(tmp_path, target):
     session.reset_draft()
     logits, _ = session.draft(np.zeros((1, 256), np.float32), np.array([ord("d")]), 0)
     assert logits.shape == (N,)
-    accepted = drafted = 0
-    for n in (1, 7, 2 * CHUNK + 5):
-        prompt = _prompt(n)
-        session.reset()
-        plain = session.generate(prompt, 48, stop_at_eos=False).output_ids
-        gen, stats = generate_speculative(session, prompt, 48, 1, stop_at_eos=False)
-        assert gen.output_ids == plain, n
-        accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+    runs = speculative_runs(session, (1, 7, 2 * CHUNK + 5), depths=(1,), new_tokens=48)
+    accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
     assert accepted / drafted > 0.3

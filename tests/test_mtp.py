@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import add_mtp_head, write_checkpoint
+from helpers import add_mtp_head, code_prompt, speculative_runs, write_checkpoint
 
 from deltaship.errors import DeltashipError
 
@@ -40,30 +40,16 @@ def tiny_mtp(tmp_path_factory):
     return get
 
 
-def _prompt(n: int) -> list[int]:
-    text = b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
-    return list(text[:n])
-
-
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_speculative_greedy_equals_plain_greedy(tiny_mtp, precision):
     from deltaship.bundle import read_manifest, schema_problems
     from deltaship.runtimes import open_bundle
-    from deltaship.runtimes.speculative import generate_speculative
 
     bundle = tiny_mtp(precision)
     assert not schema_problems(read_manifest(bundle))
     session = open_bundle(bundle)
-    accepted = drafted = 0
-    for n in (1, 7, 3 * TINY_CHUNK + 5):
-        prompt = _prompt(n)
-        session.reset()
-        plain = session.generate(prompt, 64, stop_at_eos=False).output_ids
-        for depth in (1, 2):
-            gen, stats = generate_speculative(session, prompt, 64, depth, stop_at_eos=False)
-            assert gen.output_ids == plain, (n, depth)
-            assert stats.verify_calls < 64  # drafts were accepted: fewer decoder calls than tokens
-            accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+    runs = speculative_runs(session, (1, 7, 3 * TINY_CHUNK + 5))
+    accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
     assert accepted / drafted > 0.3  # the trained head drafts well (a random head is accepted ~1/vocab)
 
 
@@ -85,8 +71,8 @@ def test_speculative_sampling_runs_and_is_seeded(tiny_mtp):
     from deltaship.runtimes.speculative import generate_speculative
 
     session = open_bundle(tiny_mtp("fp32"))
-    a, _ = generate_speculative(session, _prompt(7), 32, 2, temperature=0.8, top_k=20, seed=3, stop_at_eos=False)
-    b, _ = generate_speculative(session, _prompt(7), 32, 2, temperature=0.8, top_k=20, seed=3, stop_at_eos=False)
+    a, _ = generate_speculative(session, code_prompt(7), 32, 2, temperature=0.8, top_k=20, seed=3, stop_at_eos=False)
+    b, _ = generate_speculative(session, code_prompt(7), 32, 2, temperature=0.8, top_k=20, seed=3, stop_at_eos=False)
     assert a.output_ids == b.output_ids and len(a.output_ids) == 32
 
 
@@ -254,7 +240,7 @@ def test_genai_runs_an_mtp_bundle_as_a_plain_one(tiny_mtp):
     from deltaship.runtimes import open_bundle
 
     bundle = tiny_mtp("int4")
-    ids = _prompt(20)
+    ids = code_prompt(20)
     want = open_bundle(bundle).generate(ids, 16, stop_at_eos=False).output_ids
     model = og.Model(str(bundle))
     params = og.GeneratorParams(model)
@@ -348,7 +334,7 @@ def test_onnx_rollback_without_copies(tiny_mtp):
 
     s = open_bundle(tiny_mtp("fp32"))
     deltanet = [st["name"] for st in s.manifest["states"] if st["kind"].startswith("deltanet")]
-    s.prefill(_prompt(7))
+    s.prefill(code_prompt(7))
     before = s.state_arrays()
     snap = s.snapshot()
     s.verify(np.array([5, 6, 7], np.int64), np.arange(3, dtype=np.int64))
@@ -358,7 +344,7 @@ def test_onnx_rollback_without_copies(tiny_mtp):
     assert all(np.array_equal(before[k], after[k]) for k in deltanet) and s.position == 7
     want = s.decode(5)  # the restored session goes on as if the verify call never ran
     s.reset()
-    s.prefill(_prompt(7))
+    s.prefill(code_prompt(7))
     np.testing.assert_array_equal(s.decode(5), want)
     snap = s.snapshot()
     s.verify(np.array([5, 6], np.int64), np.arange(2, dtype=np.int64))

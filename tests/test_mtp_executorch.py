@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import code_prompt, speculative_runs
 
 TINY_CHUNK = 16  # the long prompt spans several chunks (and the head's first call too)
 
@@ -30,16 +31,10 @@ def tiny_mtp_pte(tmp_path_factory):
     return out
 
 
-def _prompt(n: int) -> list[int]:
-    text = b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
-    return list(text[:n])
-
-
 @pytest.mark.slow
 def test_et_speculative_greedy_equals_plain_greedy(tiny_mtp_pte):
     from deltaship.bundle import read_manifest, schema_problems
     from deltaship.runtimes import open_bundle
-    from deltaship.runtimes.speculative import generate_speculative
 
     manifest = read_manifest(tiny_mtp_pte)
     assert not schema_problems(manifest)
@@ -51,17 +46,9 @@ def test_et_speculative_greedy_equals_plain_greedy(tiny_mtp_pte):
     assert manifest["files"]["model.pte"]["bytes"] < 1.25 * 4 * manifest["model"]["parameters"]["total"]
     session = open_bundle(tiny_mtp_pte)
     assert set(session.program.method_names) >= {"forward", "verify", "mtp_draft"}
-    accepted = drafted = rejected_calls = 0
-    for n in (1, 7, 3 * TINY_CHUNK + 5):
-        prompt = _prompt(n)
-        session.reset()
-        plain = session.generate(prompt, 64, stop_at_eos=False).output_ids
-        for depth in (1, 2):
-            gen, stats = generate_speculative(session, prompt, 64, depth, stop_at_eos=False)
-            assert gen.output_ids == plain, (n, depth)
-            assert stats.verify_calls < 64  # drafts were accepted: fewer decoder calls than tokens
-            accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
-            rejected_calls += sum(1 for e in stats.emitted_per_verify if e <= depth)
+    runs = speculative_runs(session, (1, 7, 3 * TINY_CHUNK + 5))
+    accepted, drafted = sum(r.accepted for r in runs), sum(r.drafted for r in runs)
+    rejected_calls = sum(1 for r in runs for e in r.emitted_per_verify if e <= r.depth)
     assert accepted / drafted > 0.3  # the trained head drafts well
     assert rejected_calls > 0  # the rollback (restore of the DeltaNet buffers) was exercised
 
@@ -73,7 +60,7 @@ def test_et_verify_writes_the_state_forward_reads(tiny_mtp_pte):
     from deltaship.runtimes import open_bundle
 
     session = open_bundle(tiny_mtp_pte)
-    prompt = np.array(_prompt(20), np.int64)
+    prompt = np.array(code_prompt(20), np.int64)
     session.reset()
     plain = session.prefill(prompt)
     plain_next = session.decode(int(np.argmax(plain)))

@@ -128,9 +128,8 @@ def rank(
             "vocabulary to deploy"
         )
     order = np.lexsort((np.arange(vocab), -counts))  # by count, most frequent first; then by id
-    keep = set(specials)
-    chosen = list(specials) + [int(i) for i in order if int(i) not in keep][: n - len(specials)]
-    out = np.sort(np.asarray(chosen, np.int64)).astype(np.int32)
+    rest = order[~np.isin(order, specials)][: n - len(specials)]
+    out = np.sort(np.concatenate([np.asarray(specials, np.int64), rest])).astype(np.int32)
     total = int(counts.sum())
     record["coverage"] = round(float(counts[out].sum()) / total, 6) if total else None
     return out, record

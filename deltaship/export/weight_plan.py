@@ -86,12 +86,8 @@ class WeightPlan:
 
     def select_rows(self, name: str, parts: dict[str, np.ndarray]) -> None:
         """Replace `name` by several tensors, each a selection of its rows (e.g. q and gate rows of q_proj)."""
-        r = self._get(name)
-        if r.compute is not None or r.rows is not None:
-            raise PlanError(f"cannot select rows of {name}: only source tensors can be split by rows")
         for new, idx in parts.items():
-            idx = np.asarray(idx, dtype=np.int64)
-            self.recipes[new] = Recipe(r.sources, (len(idx), *r.shape[1:]), list(r.fixups), dtype=r.dtype, rows=idx)
+            self.take_rows(new, name, idx)
         del self.recipes[name]
 
     def take_rows(self, new: str, name: str, idx: np.ndarray) -> None:
@@ -99,7 +95,7 @@ class WeightPlan:
         rows of the LM head). Fix-ups added to `name` later do not reach `new`."""
         r = self._get(name)
         if r.compute is not None or r.rows is not None:
-            raise PlanError(f"cannot take rows of {name}: only source tensors can be selected by rows")
+            raise PlanError(f"cannot select rows of {name}: only source tensors can be selected by rows")
         idx = np.asarray(idx, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= r.shape[0]):
             raise PlanError(f"rows of {name} out of range 0 .. {r.shape[0] - 1}")

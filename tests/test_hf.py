@@ -262,6 +262,9 @@ def test_sampling_is_seeded_and_continuing_a_cache_equals_one_call(onnx_bundle):
             **{name: output_cache(first)},
         )
         assert more[0].tolist() == whole, name
+        # and the session consumed the sequence once: all of it but the last token, which no call has fed yet (a
+        # continuation fed whole again would leave the greedy tokens of this repetitive prompt unchanged)
+        assert model.session.position == more.shape[1] - 1, name
 
 
 def test_batches_and_padding_are_refused_clearly(onnx_bundle):

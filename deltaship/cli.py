@@ -399,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--cuda-graph",
         action="store_true",
-        help="with --provider cuda: capture the decode step as a CUDA graph (ONNX Runtime's enable_cuda_graph)",
+        help="with --provider cuda: capture the decode step as CUDA graphs (ONNX Runtime's enable_cuda_graph); the "
+        "default for bundles exported with --onnx-cuda-graph, which it needs",
     )
     g.add_argument(
         "--runtime",

@@ -1,6 +1,9 @@
-"""CUDA graph plumbing of the ONNX session, checked on the CPU (whether capture works needs a GPU: not run here)."""
+"""CUDA graph capture: the --onnx-cuda-graph graph and the session's plumbing, checked on the CPU; the captured
+path against the CPU provider where a CUDA provider is present (it ran on an H200: docs/results/gpu.md)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -23,8 +26,35 @@ def tiny_onnx(tmp_path_factory):
         progress=False,
         max_context=64,
         prefill_chunk=8,
+        onnx_cuda_graph=True,
     )
     return out
+
+
+def _export(tmp_path_factory, name: str, precision: str, max_context: int = 64, **options):
+    from deltaship.export import export
+
+    out = tmp_path_factory.mktemp("cg") / name
+    export(
+        "qwen3.5-tiny",
+        out,
+        target="onnx",
+        precision=precision,
+        verify=False,
+        progress=False,
+        max_context=max_context,
+        prefill_chunk=8,
+        **options,
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp16_pair(tmp_path_factory):
+    """The trained tiny at fp16, without and with --onnx-cuda-graph."""
+    return _export(tmp_path_factory, "plain", "fp16"), _export(
+        tmp_path_factory, "capture", "fp16", onnx_cuda_graph=True
+    )
 
 
 def test_cuda_graph_without_the_cuda_provider_is_a_clear_error(tiny_onnx):
@@ -88,29 +118,147 @@ def test_graph_id_is_uncaptured_for_prefill_and_follows_the_buffer_parity_for_de
     assert ids == ["2", "1", "2", "1"]
 
 
-def test_placement_lists_the_position_arithmetic_and_its_copies_to_the_gpu(tiny_onnx):
+def _placement():
     import importlib.util
-    import json
     from pathlib import Path
-
-    import onnx
 
     spec = importlib.util.spec_from_file_location(
         "gpu_placement", Path(__file__).resolve().parents[1] / "bench" / "gpu" / "placement.py"
     )
     placement = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(placement)
-    entry = json.loads((tiny_onnx / "manifest.json").read_text())["entry"]
-    res = placement.cpu_candidates(onnx.load(str(tiny_onnx / entry), load_external_data=False))
-    ops = sorted(n["op"] for n in res["cpu_nodes"])
-    # current_sequence_length -> position (Cast, Sub of the call's length, a Shape); + query length (Gather of a
-    # Shape); seqlens_k (Sub, Cast) and total_sequence_length (Squeeze, Cast). With position_ids in place of the
-    # pair it was Slice + Reshape for the position: what ORT placed on the CPU on the H100 (7 nodes)
-    assert ops == ["Add", "Cast", "Cast", "Cast", "Gather", "Squeeze", "Sub", "Sub"]
-    assert res["graph_inputs_read"] == ["current_sequence_length"] and res["gqa_nodes"] == 2
-    copied = {e["tensor"]: (e["to_op"], e["input"]) for e in res["predicted_memcpy_edges"]}
-    assert len(copied) == 2  # the 2 Memcpy nodes ORT reported for fp16-activation bundles
-    assert ("GroupQueryAttention", 5) in copied.values()  # seqlens_k lives in device memory
+    return placement
+
+
+def test_the_capture_graph_has_no_copies_between_cpu_and_gpu(fp16_pair):
+    # the replay of ORT's CPU placement matched ORT's own log on an H200 for both graphs (2 CPU nodes and 3 Memcpy
+    # nodes; 1 and 0): the plain graph copies the call's token count and the query length to the GPU and
+    # total_sequence_length to the host, which ORT refuses to capture
+    import onnx
+
+    place = _placement().placement
+    plain, capture = (onnx.load(str(b / "model.onnx"), load_external_data=False) for b in fp16_pair)
+    res = place(plain)
+    assert sorted(n["op"] for n in res["cpu_nodes"]) == ["Gather", "Gather"]
+    assert sorted(d for _, d in res["memcpy_tensors"]) == ["to_cpu", "to_gpu", "to_gpu"]
+    assert ("seqlen_call_tokens", "to_gpu") in res["memcpy_tensors"]
+    assert {e["input"] for e in res["predicted_memcpy_edges"] if e["to_op"] == "GroupQueryAttention"} == {6}
+    res = place(capture)
+    assert res["predicted_memcpy_edges"] == [] and [n["op"] for n in res["cpu_nodes"]] == ["Gather"]
+    consts = {t.name: onnx.numpy_helper.to_array(t) for t in capture.graph.initializer}
+    gqa = [n for n in capture.graph.node if n.op_type == "GroupQueryAttention"]
+    assert gqa and all(n.input[5] == "capture_seqlens_k" for n in gqa)
+    assert all(consts[n.input[6]].tolist() == 64 for n in gqa)  # total_sequence_length = max_context
+    m = json.loads((fp16_pair[1] / "manifest.json").read_text())
+    assert m["lowering"]["cuda_graph"]["total_sequence_length"] == 64
+    assert "cuda_graph" not in json.loads((fp16_pair[0] / "manifest.json").read_text())["lowering"]
+
+
+def test_the_capture_graph_gives_the_plain_graphs_tokens_on_the_cpu(fp16_pair):
+    from helpers import code_prompt
+
+    from deltaship.runtimes import open_bundle
+
+    plain, capture = (open_bundle(b) for b in fp16_pair)
+    said = set()
+    for n in (1, 7, 20):  # one token, under a prefill chunk (8), and three chunks
+        plain.reset()
+        capture.reset()
+        a = plain.generate(code_prompt(n), 40, stop_at_eos=False, keep_logits=True)
+        b = capture.generate(code_prompt(n), 40, stop_at_eos=False, keep_logits=True)
+        assert a.output_ids == b.output_ids
+        said.update(a.output_ids)
+        np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), rtol=0, atol=1e-3)
+    assert len(said) > 5  # the trained model says something, not one token over and over
+
+
+def test_the_capture_graph_runs_unchanged_in_onnxruntime_genai(fp16_pair):
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is in the dev extra; CI installs it")
+    from helpers import code_prompt
+
+    from deltaship.runtimes import open_bundle
+
+    for n in (1, 20):
+        own = open_bundle(fp16_pair[1]).generate(code_prompt(n), 24, stop_at_eos=False).output_ids
+        genai = open_bundle(fp16_pair[1], runtime="genai").generate(code_prompt(n), 24, stop_at_eos=False)
+        assert genai.output_ids == own
+
+
+def test_a_plain_bundle_asked_for_a_cuda_graph_names_the_export_option(fp16_pair):
+    from deltaship.runtimes import open_bundle
+
+    with pytest.raises(DeltashipError) as e:
+        open_bundle(fp16_pair[0], provider="cuda", cuda_graph=True)
+    assert "--onnx-cuda-graph" in str(e.value) and "Memcpy" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "precision, options, words",
+    [
+        ("fp32", {}, "fp16 activations only"),
+        ("int4", {}, "fp16 activations only"),
+        ("fp16", {"mtp": True}, "--mtp"),
+    ],
+)
+def test_export_refuses_what_the_capture_rewrite_does_not_cover(tmp_path, precision, options, words):
+    from deltaship.export import export
+
+    with pytest.raises(DeltashipError) as e:
+        export(
+            "qwen3.5-tiny",
+            tmp_path / "b",
+            target="onnx",
+            precision=precision,
+            verify=False,
+            progress=False,
+            onnx_cuda_graph=True,
+            **options,
+        )
+    assert words in str(e.value) and not (tmp_path / "b").exists()
+
+
+def test_an_uncaptured_cuda_session_binds_each_decode_call_afresh(tiny_onnx):
+    # a host array bound for a device input is copied at bind time, so a kept decode binding would replay the first
+    # call's token and position (wrong tokens on an H200 until this was fixed): a session on the device must not
+    # keep one. Here the session's buffers stay on the CPU and only its device is said to be the GPU.
+    from deltaship.runtimes import open_bundle
+
+    plain = open_bundle(tiny_onnx, cuda_graph=False)
+    device = open_bundle(tiny_onnx, cuda_graph=False)
+    device.device = "cuda"
+    prompt = [5, 17, 99, 3, 250, 8, 8, 1, 42, 7]
+    a = plain.generate(prompt, 10, stop_at_eos=False, keep_logits=True)
+    b = device.generate(prompt, 10, stop_at_eos=False, keep_logits=True)
+    assert a.output_ids == b.output_ids and plain._decode_io and not device._decode_io
+    np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
+
+
+def _has_cuda() -> bool:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return False
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.mark.skipif(
+    not _has_cuda(), reason="needs onnxruntime-gpu and an NVIDIA GPU (ran on an H200, docs/results/gpu.md)"
+)
+@pytest.mark.parametrize("precision, options", [("fp16", {}), ("int4", {"onnx_activations": "fp16"})])
+def test_captured_decode_gives_the_cpu_providers_tokens(tmp_path_factory, precision, options):
+    from helpers import code_prompt
+
+    from deltaship.runtimes import open_bundle
+
+    b = _export(tmp_path_factory, f"cuda-{precision}", precision, 128, onnx_cuda_graph=True, **options)
+    cpu, graph = open_bundle(b), open_bundle(b, provider="cuda", cuda_graph=True)
+    assert graph.cuda_graph and "CUDA graphs" in graph.runtime_name()
+    for n in (1, 7, 20):
+        cpu.reset()
+        want = cpu.generate(code_prompt(n), 64, stop_at_eos=False).output_ids
+        for _ in range(2):  # the second run replays the graphs captured in the first, at other positions
+            graph.reset()
+            assert graph.generate(code_prompt(n), 64, stop_at_eos=False).output_ids == want
 
 
 def test_graph_buffers_give_the_same_tokens_on_the_cpu(tiny_onnx):
@@ -158,7 +306,7 @@ class _Forgetful(dict):
         pass
 
 
-def test_a_bundle_with_position_ids_still_runs(tiny_onnx, tmp_path):
+def test_a_bundle_with_position_ids_still_runs(fp16_pair, tmp_path):
     # bundles from before the sequence-length pair take position_ids [1, positions]; the driver reads the form from
     # the manifest's input kinds: the same graph rewritten to position_ids gives the same tokens and logits
     import hashlib
@@ -169,7 +317,7 @@ def test_a_bundle_with_position_ids_still_runs(tiny_onnx, tmp_path):
     from deltaship.runtimes import open_bundle
 
     old = tmp_path / "old"
-    shutil.copytree(tiny_onnx, old)
+    shutil.copytree(fp16_pair[0], old)
     position_ids_io(old / "model.onnx")
     m = json.loads((old / "manifest.json").read_text())
     m["inputs"] = m["inputs"][:1] + [
@@ -178,7 +326,7 @@ def test_a_bundle_with_position_ids_still_runs(tiny_onnx, tmp_path):
     data = (old / "model.onnx").read_bytes()
     m["files"]["model.onnx"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (old / "manifest.json").write_text(json.dumps(m))
-    a, b = open_bundle(tiny_onnx), open_bundle(old)
+    a, b = open_bundle(fp16_pair[0]), open_bundle(old)
     assert a.counted and not b.counted
     prompt = [5, 17, 99, 3, 250, 8, 8, 1, 42, 7]
     x = a.generate(prompt, 6, stop_at_eos=False, keep_logits=True)

@@ -6,12 +6,14 @@ cache (GroupQueryAttention writes the new positions into the buffer it reads) an
 DeltaNet recurrent state (LinearAttention copies past into present, then updates present). The other
 states alternate between two buffers, so nothing is copied per token.
 
-cuda_graph=True (CUDA provider only) asks ONNX Runtime's CUDA EP to capture decode (T=1) as CUDA graphs and
+cuda_graph=True (CUDA provider only; the default there for bundles exported with --onnx-cuda-graph, which
+cuda_graph=False turns off) asks ONNX Runtime's CUDA EP to capture decode (T=1) as CUDA graphs and
 replay them, which needs every buffer a run touches at a fixed device address: the states are (alternating
 buffers give two address sets, so two graphs, `gpu_graph_id` 1 and 2 by the buffers' parity), input_ids and
 the position inputs live in preallocated device buffers written in place (DecodeInputs), logits in a fixed
 device buffer. Prefill runs with `gpu_graph_id` -1 (not captured: its length varies). ORT refuses the session
-when the graph needs Memcpy nodes (CPU-placed nodes feeding GPU ones); see docs/results/gpu.md.
+when the graph needs Memcpy nodes (CPU-placed nodes feeding GPU ones), so only bundles exported with
+--onnx-cuda-graph (deltaship/export/onnx/graph_capture.py) are opened this way; see docs/results/gpu.md.
 """
 
 from __future__ import annotations
@@ -95,6 +97,11 @@ class DecodeInputs:
                 value.update_inplace(h[name])
 
 
+def _fp16_activations(manifest: dict[str, Any]) -> bool:
+    """Whether GroupQueryAttention runs in fp16 (on the CUDA provider, where fp32 attention falls back to the CPU)."""
+    return manifest["precision"] == "fp16" or manifest.get("quantization", {}).get("activations") == "float16"
+
+
 def cuda_provider_options(cuda_graph: bool) -> dict[str, str]:
     """The CUDA EP's options for a deltaship session."""
     return {"enable_cuda_graph": "1"} if cuda_graph else {}
@@ -111,14 +118,23 @@ class OnnxSession(OnnxSpeculation, Session):
         in_place: bool = True,
         profiling: bool = False,
         provider: str = "cpu",
-        cuda_graph: bool = False,
+        cuda_graph: bool | None = None,
     ):
         super().__init__(bundle, manifest, prefill_chunk)
+        if cuda_graph is None:  # a bundle exported with --onnx-cuda-graph is captured on the CUDA provider
+            cuda_graph = provider == "cuda" and in_place and "cuda_graph" in manifest.get("lowering", {})
         if cuda_graph and (provider != "cuda" or (providers and providers[0] != "CUDAExecutionProvider")):
             raise DeltashipError(
                 f"cuda_graph=True needs the CUDA execution provider; this session was asked for "
                 f"{providers[0] if providers else provider}",
                 "open the bundle with provider='cuda' (onnxruntime-gpu on an NVIDIA GPU), or drop cuda_graph",
+            )
+        if cuda_graph and "cuda_graph" not in manifest.get("lowering", {}):
+            raise DeltashipError(
+                f"{bundle}: this bundle's decoder cannot be captured as a CUDA graph (its position arithmetic runs on "
+                "the CPU and feeds the GPU through Memcpy nodes, which ONNX Runtime refuses to capture)",
+                "export it with --onnx-cuda-graph (and --precision fp16 or --onnx-activations fp16), or drop "
+                "--cuda-graph",
             )
         if cuda_graph and not in_place:
             raise DeltashipError(
@@ -172,8 +188,8 @@ class OnnxSession(OnnxSpeculation, Session):
             if cuda_graph and "graph capture" in str(e):
                 raise DeltashipError(
                     f"{model_path}: ONNX Runtime {ort.__version__} refused CUDA graph capture for this bundle: {e}",
-                    "open it without cuda_graph: this graph still has CPU-placed position nodes that feed the GPU "
-                    "through Memcpy nodes (docs/results/gpu.md, 'CUDA graphs')",
+                    "open it without cuda_graph, and see docs/results/gpu.md, 'CUDA graphs' (bench/gpu/placement.py "
+                    "lists the nodes ORT would keep on the CPU)",
                 ) from None
             raise DeltashipError(
                 f"{model_path}: ONNX Runtime {ort.__version__} could not load the model: {e}",
@@ -186,6 +202,14 @@ class OnnxSession(OnnxSpeculation, Session):
                 "check the GPU driver and CUDA libraries (onnxruntime-gpu 1.31 needs CUDA 13)",
             )
         self.device = "cuda" if got.startswith("CUDA") else "cpu"
+        if self.device == "cuda" and _fp16_activations(manifest) and "cuda_graph" not in manifest.get("lowering", {}):
+            raise DeltashipError(
+                f"{bundle}: this bundle's graph copies GroupQueryAttention's total_sequence_length from the GPU to "
+                f"the host (a Memcpy node), and on it ONNX Runtime {ort.__version__}'s CUDA provider gave wrong, "
+                "NaN logits (H200, 2026-11-26: docs/results/gpu.md)",
+                "export it again with --onnx-cuda-graph, which computes the sequence lengths on the device (the "
+                "same tokens on the CPU and in onnxruntime-genai), or run it on the CPU",
+            )
         self.in_place = in_place
         self.states = manifest["states"]
         self._bufs: dict[str, list[np.ndarray]] = {}
@@ -237,16 +261,13 @@ class OnnxSession(OnnxSpeculation, Session):
 
     def runtime_name(self) -> str:
         fallback = ", some nodes on the CPU" if self.cpu_fallback else ""
-        if (
-            self.device == "cuda"
-            and self.manifest.get("quantization", {}).get("activations", "float32") != "float16"
-            and self.manifest["precision"] != "fp16"
-        ):
+        if self.device == "cuda" and not _fp16_activations(self.manifest):
             fallback += (
                 ", fp32 activations: attention runs on the CPU (export with --onnx-activations fp16 "
                 "or --precision fp16 for the GPU)"
             )
-        return f"onnxruntime {self._ort.__version__} ({self.providers[0]}{fallback})"
+        graph = ", decode captured as CUDA graphs" if self.cuda_graph else ""
+        return f"onnxruntime {self._ort.__version__} ({self.providers[0]}{graph}{fallback})"
 
     def _ortvalue(self, arr: np.ndarray):
         if self.device == "cuda":
@@ -292,7 +313,12 @@ class OnnxSession(OnnxSpeculation, Session):
         return hit
 
     def _forward(self, ids: np.ndarray) -> np.ndarray:
-        if ids.size == 1:
+        # A kept decode binding reads its inputs where they are when they live where the graph reads them: host
+        # arrays on the CPU provider, device buffers in a captured session. A host array bound for a device is
+        # copied at bind time (IOBinding), so an uncaptured CUDA session binds every call afresh: reusing the
+        # binding there fed the first call's position to every later one (wrong tokens from the first, measured
+        # on an H200, docs/results/gpu.md).
+        if ids.size == 1 and (self.device == "cpu" or self.cuda_graph):
             io, opts = self._decode_binding()
             self._decode_in.set(int(ids[0]), self.position)
         else:

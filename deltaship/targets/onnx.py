@@ -55,6 +55,14 @@ class OnnxOptions(TargetOptions):
     )
     mtp_draft_vocab: str = draft_vocab_field()
     mtp_draft_vocab_text: str | None = draft_vocab_text_field()
+    onnx_cuda_graph: bool = field(
+        default=False,
+        metadata=option(
+            "a decoder whose one-token call ONNX Runtime's CUDA provider can capture as a CUDA graph "
+            "(`generate --provider cuda --cuda-graph`): GroupQueryAttention's sequence lengths computed on the "
+            "device, total_sequence_length fixed at --max-context; with --precision fp16 or --onnx-activations fp16",
+        ),
+    )
     external_data: bool = field(
         default=False, metadata=option("write the weights to model.onnx.data even when the model is under 2 GB")
     )
@@ -159,6 +167,18 @@ class OnnxTarget(Target):
                 "--onnx-opset 27 writes DeltaNet in the standard LinearAttention/CausalConvWithState ops; "
                 "--onnx-deltanet-ops contrib asks for ONNX Runtime's contrib ops instead",
                 "drop one of --onnx-opset 27 and --onnx-deltanet-ops contrib",
+            )
+        if options.onnx_cuda_graph and options.mtp:
+            raise DeltashipError(
+                "--onnx-cuda-graph rewrites the text decoder for CUDA graph capture; the --mtp verify and draft "
+                "graphs are not rewritten",
+                "drop one of --onnx-cuda-graph and --mtp",
+            )
+        if options.onnx_cuda_graph and precision != "fp16" and options.onnx_activations != "fp16":
+            raise DeltashipError(
+                "--onnx-cuda-graph is for ONNX Runtime's CUDA provider, whose GroupQueryAttention takes fp16 "
+                f"activations only; --precision {precision} with fp32 activations runs attention on the CPU there",
+                "use --precision fp16, or int8/int4 with --onnx-activations fp16",
             )
         if options.accuracy_level != 4 and precision not in ("int8", "int4"):
             raise DeltashipError(

@@ -323,6 +323,11 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     _declare_states(b, ctx.states)
     _genai_io(b, ctx.spec.vocab_size)
     _quantized_state_io(b, ctx.states)
+    capture = None
+    if ctx.options.get("onnx_cuda_graph"):  # GQA's lengths and the start position computed on the device
+        from deltaship.export.onnx.graph_capture import make_capturable
+
+        capture = make_capturable(b, ctx.max_context, CURRENT_LENGTH, _PROGRAM_POSITION, _LENGTH_NODES[0])
     b.finish(
         out_dir / MODEL_FILE,
         {"": opset, "com.microsoft": 1},
@@ -342,6 +347,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "files": [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else []) + (drafts["files"] if drafts else []),
         "entry": MODEL_FILE,
         **({"speculative": drafts} if drafts else {}),
+        **({"cuda_graph": capture} if capture else {}),
         "onnx_ops": ops,
         "external_data": external,
         "opset": opset,

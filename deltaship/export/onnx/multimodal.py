@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from deltaship.errors import DeltashipError
 from deltaship.export.onnx import vision
 from deltaship.export.onnx.genai import GENAI_CONFIG, PROCESSOR_CONFIG, multimodal_genai_config, processor_config
 from deltaship.export.onnx.model import multimodal_io
@@ -21,6 +22,12 @@ from deltaship.models.vision import Preprocessor, VisionSpec
 
 
 def lower_vision(bundle: Path, source, ctx) -> dict[str, Any]:
+    if ctx.options.get("onnx_cuda_graph"):
+        raise DeltashipError(
+            "--onnx-cuda-graph rewrites the text decoder only; decoder_mm.onnx (--vision) is derived from the "
+            "plain graph",
+            "drop one of --onnx-cuda-graph and --vision",
+        )
     block = vision.lower_vision(bundle, source, ctx)
     multimodal_io(bundle / vision.DECODER_FILE, vision.ROPE_INPUT)
     pre = Preprocessor.from_config(json.loads((bundle / block["preprocessor"]).read_text()))

@@ -11,7 +11,7 @@ Steps, each skipped when its output already exists (so a re-run resumes where th
      Linux, which the transformers peer and the bandwidth probe use; --torch-cpu takes the CPU build, enough
      for export), then onnxruntime replaced by onnxruntime-gpu==1.31.* (both ship the `onnxruntime` module).
   3. bandwidth: device-to-device copy bandwidth (torch if it sees CUDA, else cupy, else onnxruntime-gpu).
-  4. export each preset at int4 (`--onnx-activations fp16`: ORT's CUDA GroupQueryAttention is fp16/bf16
+  4. export each preset at int4 (`--onnx-cuda-graph`; `--onnx-activations fp16`: ORT's CUDA GroupQueryAttention is fp16/bf16
      only) and fp16, `--max-context 8192` so a 4096-token prompt plus 64 generated tokens fits.
   5. `deltaship profile BUNDLE --device host --provider cuda --prompt-lengths 512,4096` per bundle.
   6. peers where they can be had (--skip-peers to leave one out):
@@ -135,7 +135,9 @@ def plan(
         for prec in precisions:
             name = bundle_name(preset, prec)
             out = work / "bundles" / name
-            acts = ["--onnx-activations", "fp16"] if prec == "int4" else []
+            # --onnx-cuda-graph: the sequence lengths on the device (the plain graph's Memcpy of total_sequence_length
+            # gave wrong logits on ORT 1.31.1's CUDA provider, docs/results/gpu.md), and a capturable decode step
+            acts = (["--onnx-activations", "fp16"] if prec == "int4" else []) + ["--onnx-cuda-graph"]
             # manifest.json appears only when the bundle is complete (the writer renames a temp dir)
             steps.append(
                 Step(

@@ -1,0 +1,331 @@
+"""CUDA graph capture of the decode step on ONNX Runtime's CUDA provider (bundles exported with --onnx-cuda-graph):
+parity against the CPU provider and decode/prefill speed with and without capture, in one process per bundle.
+
+    python bench/gpu/capture.py export --work DIR [--only tiny,0.8b-int4,...]   # the bundles (CPU work, any machine)
+    python bench/gpu/capture.py parity --work DIR --json OUT.json              # trained tiny: CUDA (+graph) vs CPU
+    python bench/gpu/capture.py speed BUNDLE --json OUT.json [--bandwidth GBS] # one bundle: graph on/off
+    python bench/gpu/capture.py run --work DIR --out OUTDIR [--deadline S]     # all of it, as bundles get ready
+
+Needs onnxruntime-gpu 1.31 (CUDA 13) in place of onnxruntime; bench/gpu/capture.sh brings it onto the lent
+machine. What was measured and how: docs/results/gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+# name -> (model, precision, export options); the tiny ones for parity, the published shapes for speed
+BUNDLES = {
+    "tiny-fp16": ("qwen3.5-tiny", "fp16", {"onnx_cuda_graph": True}),
+    "tiny-int4": ("qwen3.5-tiny", "int4", {"onnx_cuda_graph": True, "onnx_activations": "fp16"}),
+    "tiny-fp32": ("qwen3.5-tiny", "fp32", {}),
+    "tiny-fp16-plain": ("qwen3.5-tiny", "fp16", {}),
+    "0.8b-int4": ("qwen3.5-0.8b", "int4", {"onnx_cuda_graph": True, "onnx_activations": "fp16"}),
+    "0.8b-fp16": ("qwen3.5-0.8b", "fp16", {"onnx_cuda_graph": True}),
+    "2b-int4": ("qwen3.5-2b", "int4", {"onnx_cuda_graph": True, "onnx_activations": "fp16"}),
+    "4b-int4": ("qwen3.5-4b", "int4", {"onnx_cuda_graph": True, "onnx_activations": "fp16"}),
+    "9b-int4": ("qwen3.5-9b", "int4", {"onnx_cuda_graph": True, "onnx_activations": "fp16"}),
+}
+TINY_CHUNK = 8  # tiny bundles: prompts of 1, 7 and 20 tokens are shorter and longer than a prefill chunk
+MAX_CONTEXT = 8192  # published shapes: room for the 4096-token prefill and decode after it
+CODE = b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+
+
+def code_prompt(n: int) -> list[int]:
+    """n bytes of a short Python function, repeated: what the trained tiny (byte-level) model continues well."""
+    return list((CODE * (n // len(CODE) + 1))[:n])
+
+
+def export_all(work: Path, only: list[str] | None) -> None:
+    from deltaship.export import export
+
+    for name, (model, precision, opts) in BUNDLES.items():
+        out = work / name
+        if (only and name not in only) or (out / "manifest.json").exists():
+            continue
+        t = time.time()
+        tiny = model == "qwen3.5-tiny"
+        export(
+            model,
+            out,
+            target="onnx",
+            precision=precision,
+            verify=False,
+            progress=False,
+            max_context=128 if tiny else MAX_CONTEXT,
+            prefill_chunk=TINY_CHUNK if tiny else None,
+            **opts,
+        )
+        print(f"exported {name} in {time.time() - t:.0f} s", flush=True)
+
+
+REHEARSE = False  # --rehearse: every "cuda" session on the CPU provider (the graph path with host buffers)
+
+
+def _open(bundle: Path, provider: str, graph: bool = False):
+    from deltaship.runtimes import open_bundle
+
+    if REHEARSE:  # a run of this script's own code on a machine without a GPU, as tests/test_cuda_graph.py does
+        s = open_bundle(bundle)
+        if graph:
+            s.cuda_graph = True
+            s._graph_buffers("cpu")
+        return s
+    return open_bundle(bundle, provider=provider, **({"cuda_graph": graph} if provider == "cuda" else {}))
+
+
+def _run(session, prompt: list[int], steps: int):
+    session.reset()
+    g = session.generate(prompt, steps, stop_at_eos=False, keep_logits=True)
+    return g.output_ids, np.stack(g.logits)
+
+
+def parity(work: Path, steps: int = 64) -> dict:
+    """Greedy tokens and logits of the CUDA provider, uncaptured and captured, against the CPU provider."""
+    rows = []
+    for name in ("tiny-fp16", "tiny-int4"):
+        b = work / name
+        cpu, cuda, graph = _open(b, "cpu"), _open(b, "cuda"), _open(b, "cuda", graph=True)
+        for n in (1, 7, 20):
+            prompt = code_prompt(n)
+            want, lw = _run(cpu, prompt, steps)
+            got = {}
+            for label, s in (("cuda", cuda), ("cuda_graph", graph), ("cuda_graph_again", graph)):
+                ids, lg = _run(s, prompt, steps)
+                scale = float(lw.std())
+                got[label] = {
+                    "tokens_equal_cpu": ids == want,
+                    "first_difference": next((i for i, (a, c) in enumerate(zip(ids, want)) if a != c), None),
+                    "max_abs_logit_diff_vs_cpu": float(np.abs(lg - lw).max()),
+                    "max_rel_logit_diff_vs_cpu": float(np.abs(lg - lw).max() / scale),
+                }
+            _, lu = _run(cuda, prompt, steps)
+            _, lg = _run(graph, prompt, steps)
+            rows.append(
+                {
+                    "bundle": name,
+                    "prompt_length": n,
+                    "new_tokens": steps,
+                    **got,
+                    "graph_vs_uncaptured_max_abs_diff": float(np.abs(lg - lu).max()),
+                    "runtime": graph.runtime_name(),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    plain_rows = []  # bundles without the rewrite, on CUDA uncaptured (fp32: GQA runs on the CPU there)
+    for name in ("tiny-fp32", "tiny-fp16-plain"):
+        cpu, cuda = _open(work / name, "cpu"), _open(work / name, "cuda")
+        for n in (1, 7, 20):
+            want, lw = _run(cpu, code_prompt(n), steps)
+            ids, lg = _run(cuda, code_prompt(n), steps)
+            plain_rows.append(
+                {
+                    "bundle": name,
+                    "prompt_length": n,
+                    "tokens_equal_cpu": ids == want,
+                    "max_rel_logit_diff_vs_cpu": float(np.abs(lg - lw).max() / lw.std()),
+                    "runtime": cuda.runtime_name(),
+                }
+            )
+    return {"rows": rows, "plain_uncaptured": plain_rows, "refusals": _refusals(work)}
+
+
+def _refusals(work: Path) -> dict:
+    """What ORT itself says when asked to capture the plain graph, and deltaship's errors around it."""
+    import onnxruntime as ort
+
+    from deltaship.errors import DeltashipError
+
+    out = {}
+    try:
+        ort.InferenceSession(
+            str(work / "tiny-fp32" / "model.onnx"),
+            providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"],
+        )
+        out["ort_plain_graph"] = "accepted"
+    except Exception as e:  # ORT raises its own exception types
+        out["ort_plain_graph"] = str(e)[:400]
+    try:
+        _open(work / "tiny-fp32", "cuda", graph=True)
+    except DeltashipError as e:
+        out["deltaship_plain_bundle"] = str(e)[:400]
+    return out
+
+
+def ort_placement(bundle: Path) -> dict:
+    """ORT's own placement log (INFO) for the CUDA session of a bundle, in a subprocess (ORT logs on fd 2)."""
+    code = (
+        "import onnxruntime as o, sys; so = o.SessionOptions(); so.log_severity_level = 0; "
+        "o.InferenceSession(sys.argv[1], so, providers=['CUDAExecutionProvider', 'CPUExecutionProvider'])"
+    )
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    p = subprocess.run([sys.executable, "-c", code, str(bundle / manifest["entry"])], capture_output=True, text=True)
+    keep, cpu_block = [], False
+    for ln in (p.stdout + p.stderr).splitlines():
+        if "placed on" in ln:
+            cpu_block = "CPUExecutionProvider" in ln
+            keep.append(ln[-300:])
+        elif ln[:4].isdigit():  # a new log record ends a placement block
+            cpu_block = False
+            if "Memcpy" in ln:
+                keep.append(ln[-300:])
+        elif cpu_block:  # a node of the CPU placement block ("  Gather (n_Gather_5)")
+            keep.append(ln[-300:])
+    return {"lines": keep[:80], "rc": p.returncode}
+
+
+def speed(bundle: Path, bandwidth_gbs: float | None, reps: int = 4, steps: int = 64) -> dict:
+    """Decode ms/token (after a 128-token prompt) with and without the captured graph, alternating the two
+    sessions rep by rep; prefill tokens/s at 512 and 4096 (never captured: measured once, uncaptured)."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    plain, graph = _open(bundle, "cuda"), _open(bundle, "cuda", graph=True)
+    prompt = code_prompt(128)
+    decode = {"uncaptured": [], "captured": []}
+    for s in (plain, graph):  # warm-up: allocations, and the capture of both parity graphs
+        s.reset()
+        s.prefill(prompt)
+        s.decode(1)
+        s.decode(1)
+        s.decode(1)
+    for _ in range(reps):
+        for label, s in (("uncaptured", plain), ("captured", graph)):
+            s.reset()
+            s.prefill(prompt)
+            tok = 1
+            t = time.perf_counter()
+            for _ in range(steps):
+                tok = int(np.argmax(s.decode(tok)))
+            decode[label].append((time.perf_counter() - t) / steps * 1e3)
+    prefill = {}
+    for n in (512, 4096):
+        times = []
+        for _ in range(3):
+            plain.reset()
+            t = time.perf_counter()
+            plain.prefill(code_prompt(n))
+            times.append(time.perf_counter() - t)
+        prefill[n] = n / statistics.median(times)
+    row = {
+        "bundle": bundle.name,
+        "runtime": graph.runtime_name(),
+        "decode_ms_per_token": {k: statistics.median(v) for k, v in decode.items()},
+        "decode_ms_per_token_runs": decode,
+        "prefill_tokens_per_s": prefill,
+        "weights_gib": sum(f["bytes"] for n, f in manifest["files"].items() if ".onnx" in n) / 2**30,
+    }
+    if bandwidth_gbs:
+        sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+        from run import bytes_per_token
+
+        b = bytes_per_token(manifest, 128 + steps // 2)
+        row["gb_per_token"] = b / 1e9
+        row["roofline_ms"] = b / (bandwidth_gbs * 1e9) * 1e3
+        row["roofline_fraction"] = {k: row["roofline_ms"] / v for k, v in row["decode_ms_per_token"].items()}
+    print(json.dumps({k: row[k] for k in row if k != "decode_ms_per_token_runs"}), flush=True)
+    return row
+
+
+def bandwidth() -> dict:
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    import tempfile
+
+    from run import bandwidth as probe
+
+    return probe(Path(tempfile.mkdtemp()) / "bandwidth.json")
+
+
+SPEED = ("0.8b-int4", "0.8b-fp16", "2b-int4", "9b-int4", "4b-int4")
+
+
+def run_all(work: Path, out: Path, deadline: float, speed_names=SPEED) -> int:
+    """Parity, then each published-shape bundle as its export (started elsewhere) finishes, until the deadline."""
+    start = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "speed": []}
+
+    def save():
+        (out / "capture.json").write_text(json.dumps(res, indent=2) + "\n")
+
+    import onnxruntime as ort
+
+    res["onnxruntime"] = ort.__version__
+    smi = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+    res["gpu"] = "none (rehearsal)" if REHEARSE else subprocess.run(smi, capture_output=True, text=True).stdout.strip()
+    res["bandwidth"] = {} if REHEARSE else bandwidth()
+    print("bandwidth", res["bandwidth"], flush=True)
+    for name in ("tiny-fp16", "tiny-int4", "tiny-fp32", "tiny-fp16-plain"):
+        _wait(work / name, start + deadline)
+    res["placement"] = {n: ort_placement(work / n) for n in ("tiny-fp16", "tiny-fp32", "tiny-fp16-plain")}
+    save()
+    res["parity"] = parity(work)
+    save()
+    for name in speed_names:
+        left = start + deadline - time.time()
+        if not _wait(work / name, start + deadline - 60) or left < 90:
+            res.setdefault("skipped", []).append(name)
+            continue
+        try:
+            res["speed"].append(speed(work / name, res["bandwidth"].get("gbs")))
+        except Exception as e:  # one bundle's failure is recorded, the others still run
+            res["speed"].append({"bundle": name, "error": f"{type(e).__name__}: {e}"[:600]})
+            print("error", name, e, flush=True)
+        save()
+    save()
+    return 0
+
+
+def _wait(bundle: Path, until: float) -> bool:
+    while not (bundle / "manifest.json").exists():
+        if time.time() > until or REHEARSE:
+            return False
+        time.sleep(2)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("--work", type=Path, required=True)
+    e.add_argument("--only", default=None)
+    q = sub.add_parser("parity")
+    q.add_argument("--work", type=Path, required=True)
+    q.add_argument("--json", type=Path, required=True)
+    s = sub.add_parser("speed")
+    s.add_argument("bundle", type=Path)
+    s.add_argument("--json", type=Path, required=True)
+    s.add_argument("--bandwidth", type=float, default=None)
+    r = sub.add_parser("run")
+    r.add_argument("--work", type=Path, required=True)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--deadline", type=float, default=540, help="seconds: start nothing that would end after it")
+    r.add_argument("--speed", default=",".join(SPEED), help="the bundles to time, in order")
+    for x in (q, s, r):
+        x.add_argument("--rehearse", action="store_true", help="no GPU: run the script's code on the CPU provider")
+    a = p.parse_args(argv)
+    global REHEARSE
+    REHEARSE = bool(getattr(a, "rehearse", False))
+    if a.cmd == "export":
+        export_all(a.work, a.only.split(",") if a.only else None)
+    elif a.cmd == "parity":
+        a.json.write_text(json.dumps(parity(a.work), indent=2) + "\n")
+    elif a.cmd == "speed":
+        a.json.write_text(json.dumps(speed(a.bundle, a.bandwidth), indent=2) + "\n")
+    else:
+        return run_all(a.work, a.out, a.deadline, a.speed.split(","))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

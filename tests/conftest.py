@@ -80,6 +80,22 @@ def tiny_pte(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def shared_export(tmp_path_factory):
+    """get(name, model, **export_kwargs): that export, built once per test run under `name`, whichever worker or
+    module asks first. A module-scoped fixture is built again each time pytest-xdist hands its worker a test of
+    that module after one of another (the module's fixtures are torn down in between): at minutes an ExecuTorch
+    export, the 2026-11-26 run paid the MTP .pte twice. Module fixtures that export call this instead."""
+    from deltaship.export import export
+
+    root = _shared_root(tmp_path_factory, "shared-exports")
+
+    def get(name: str, model: str, **kwargs) -> Path:
+        return _build_once(root / name, lambda out: export(model, out, progress=False, **kwargs))
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_coreml_mtp(tmp_path_factory):
     """The trained tiny preset exported for Core ML with its MTP head (max context 128, prefill chunk 16), built
     once per session and build for every test that needs one (speculative decoding, its profile, the Swift kit):

@@ -38,6 +38,10 @@ def test_dry_run_lists_exports_profiles_and_peers_for_the_chosen_presets(tmp_pat
     assert not any("2b" in n or "4b" in n for n in names)
     assert names.count("llama.cpp CUDA build") == 1 and names[-1] == "report"
     assert "--onnx-activations fp16" in out and "--provider cuda --prompt-lengths 512,4096" in out
+    exports = [line for line in out.splitlines() if "deltaship.cli export" in line]
+    assert exports and all("--onnx-cuda-graph" in line for line in exports)  # the graph ORT's CUDA EP runs right
+    for p in ("0.8b", "9b"):
+        assert f"capture q{p}-int4-fp16act" in names and f"capture q{p}-fp16" in names
     assert "onnxruntime-gpu[cuda,cudnn]==1.31.*" in out and "-DGGML_CUDA=on" in out
     # int4 exports get fp16 activations, fp16 exports do not
     fp16_export = next(line for line in out.splitlines() if "--out" in line and line.endswith("q0.8b-fp16"))
@@ -114,6 +118,8 @@ def _synthetic(tmp_path) -> Path:
                 "prefill_512_tok_s": 9845.4,
                 "prefill_4096_tok_s": 12000.0,
                 "tpot_ms": 6.0,
+                "decode_ms_captured": 5.2,
+                "decode_ms_uncaptured": 8.47,
                 "bytes_per_token": 4.5e9,
                 "gpu_peak_bytes": 7340 * 2**20,
             },
@@ -139,9 +145,9 @@ def test_table_rows_and_roofline_fraction(tmp_path):
     rows = [r for r in md.splitlines() if r.startswith("| 9b")]
     assert len(rows) == 3
     # 4.5 GB / 3000 GB/s = 1.50 ms; measured 6.00 ms -> 25% of the roofline
-    assert rows[0] == ("| 9b | deltaship | int4 | 9,845 | 12,000 | 6.00 | 4.50 | 1.50 | 25% | 7,340 |")
-    assert rows[1] == "| 9b | deltaship | fp16 | not run | | | | | | |"
-    assert rows[2] == "| 9b | transformers bf16 eager | bf16 | 4,109 |  | 64.00 |  |  |  |  |"
+    assert rows[0] == ("| 9b | deltaship | int4 | 9,845 | 12,000 | 6.00 | 5.20 / 8.47 | 4.50 | 1.50 | 25% | 7,340 |")
+    assert rows[1] == "| 9b | deltaship | fp16 | not run | | | | | | | |"
+    assert rows[2] == "| 9b | transformers bf16 eager | bf16 | 4,109 |  | 64.00 |  |  |  |  |  |"
 
 
 def test_report_subcommand_writes_the_table(tmp_path):
@@ -182,12 +188,16 @@ def test_collect_reads_profiles_and_peers(tmp_path):
             }
         )
     )
+    (res / "q0.8b-int4-fp16act-capture.json").write_text(
+        json.dumps({"decode_ms_per_token": {"uncaptured": 7.8, "captured": 2.9}})
+    )
     (res / "llamacpp-0.8b.json").write_text(
         json.dumps([{"n_prompt": 512, "n_gen": 0, "avg_ts": 15000.0}, {"n_prompt": 0, "n_gen": 64, "avg_ts": 400.0}])
     )
     out = gpu_run.collect(tmp_path)
     ds, ll = out["rows"]
     assert ds["prefill_4096_tok_s"] == 30000.0 and ds["tpot_ms"] == pytest.approx(5.0)
+    assert (ds["decode_ms_captured"], ds["decode_ms_uncaptured"]) == (2.9, 7.8)
     assert ds["bytes_per_token"] == 10_000_000 + 4_000 + 51_200
     assert ll["tool"] == "llama.cpp CUDA Q4_0" and ll["tpot_ms"] == pytest.approx(2.5)
     assert (res / "gpu-bench.md").exists() and (res / "gpu-bench.json").exists()

@@ -14,26 +14,28 @@ from deltaship.errors import DeltashipError
 CTX, CHUNK = 128, 16
 
 
-def _tiny_kv_bundles(root, target: str, **opts):
-    """A get(kv) that exports the trained tiny preset once per KV dtype (context CTX, chunk CHUNK) under root."""
-    from deltaship.export import export
-
-    cache = {}
+def _tiny_kv_bundles(shared_export, target: str, **opts):
+    """A get(kv) that exports the trained tiny preset once per test run and KV dtype (context CTX, chunk CHUNK)."""
 
     def get(kv: str):
-        if kv not in cache:
-            export("qwen3.5-tiny", root / kv, target=target, max_context=CTX, prefill_chunk=CHUNK, kv_cache=kv,
-                   progress=False, **opts)  # fmt: skip
-            cache[kv] = root / kv
-        return cache[kv]
+        tag = "-".join(f"{k}{v}" for k, v in sorted(opts.items()))
+        return shared_export(
+            f"tiny-{target}-kv-{kv}{'-' + tag if tag else ''}",
+            "qwen3.5-tiny",
+            target=target,
+            max_context=CTX,
+            prefill_chunk=CHUNK,
+            kv_cache=kv,
+            **opts,
+        )
 
     return get
 
 
 @pytest.fixture(scope="module")
-def tiny_kv(tmp_path_factory):
+def tiny_kv(shared_export):
     """The trained tiny preset as ONNX bundles with fp32, int8 and int4 KV caches (context 128, chunk 16)."""
-    return _tiny_kv_bundles(tmp_path_factory.mktemp("tiny-kv"), "onnx", verify=False)
+    return _tiny_kv_bundles(shared_export, "onnx", verify=False)
 
 
 def _text_ids(bundle, n: int) -> list[int]:
@@ -297,10 +299,10 @@ def test_static_scales_bound_every_rope_angle():
 
 # ---- ExecuTorch: fp16, int8 and int4 caches (int8/int4 with the same static scales; slow: ExecuTorch exports) ---
 @pytest.fixture(scope="module")
-def tiny_pte_kv(tmp_path_factory):
+def tiny_pte_kv(shared_export):
     """The trained tiny preset as ExecuTorch bundles with a narrower KV cache (fp32 activations), verified at
     export, one per KV dtype asked for."""
-    return _tiny_kv_bundles(tmp_path_factory.mktemp("tiny-pte-kv"), "executorch")
+    return _tiny_kv_bundles(shared_export, "executorch")
 
 
 @pytest.fixture(scope="module")

@@ -12,23 +12,18 @@ TINY_CHUNK = 16  # the long prompt spans several chunks (and the head's first ca
 
 
 @pytest.fixture(scope="module")
-def tiny_mtp_pte(tmp_path_factory):
-    """The trained tiny preset as an fp32 .pte with its MTP head (one export, ~3 min on 2 shared cores)."""
-    from deltaship.export import export
-
-    out = tmp_path_factory.mktemp("tiny-mtp-pte") / "fp32"
-    export(
+def tiny_mtp_pte(shared_export):
+    """The trained tiny preset as an fp32 .pte with its MTP head (one export per test run, ~3-5 min on 2 cores)."""
+    return shared_export(
+        "tiny-mtp-pte-fp32",
         "qwen3.5-tiny",
-        out,
         target="executorch",
         precision="fp32",
         max_context=256,
         prefill_chunk=TINY_CHUNK,
         mtp=True,
         verify=False,
-        progress=False,
     )
-    return out
 
 
 @pytest.mark.slow

@@ -305,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("speed")
     s.add_argument("bundle", type=Path)
     s.add_argument("--json", type=Path, required=True)
-    s.add_argument("--bandwidth", type=float, default=None)
+    s.add_argument("--bandwidth", type=float, default=None, help="device copy bandwidth, GB/s (for the roofline)")
+    s.add_argument(
+        "--bandwidth-json", type=Path, default=None, help="or read it from bench/gpu/run.py's bandwidth.json"
+    )
     r = sub.add_parser("run")
     r.add_argument("--work", type=Path, required=True)
     r.add_argument("--out", type=Path, required=True)
@@ -321,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "parity":
         a.json.write_text(json.dumps(parity(a.work), indent=2) + "\n")
     elif a.cmd == "speed":
-        a.json.write_text(json.dumps(speed(a.bundle, a.bandwidth), indent=2) + "\n")
+        gbs = a.bandwidth
+        if gbs is None and a.bandwidth_json and a.bandwidth_json.exists():
+            gbs = json.loads(a.bandwidth_json.read_text()).get("gbs")
+        a.json.write_text(json.dumps(speed(a.bundle, gbs), indent=2) + "\n")
     else:
         return run_all(a.work, a.out, a.deadline, a.speed.split(","))
     return 0

@@ -196,6 +196,24 @@ def plan(
                     res / f"{name}-cuda.json",
                 )
             )
+            # decode with and without CUDA graph capture, alternated in one process (the profile above captures)
+            steps.append(
+                Step(
+                    f"capture {name}",
+                    "profile",
+                    [
+                        py,
+                        str(Path(__file__).with_name("capture.py")),
+                        "speed",
+                        str(work / "bundles" / name),
+                        "--json",
+                        str(res / f"{name}-capture.json"),
+                        "--bandwidth-json",
+                        str(res / "bandwidth.json"),
+                    ],
+                    res / f"{name}-capture.json",
+                )
+            )
     for preset in presets:
         if "transformers" in peers:
             steps.append(
@@ -624,6 +642,7 @@ def collect(work: Path) -> dict:
                     "bundle": name,
                     **{f"prefill_{n}_tok_s": _metric(p, "prefill_tok_s", prompt_length=n) for n in PROMPTS},
                     "tpot_ms": (_metric(p, "tpot_s") or 0) * 1e3 or None,
+                    **_capture_row(res / f"{name}-capture.json"),
                     "decode_context": PROMPTS[0],
                     "bytes_per_token": bytes_per_token(m, PROMPTS[0]),
                     "gpu_peak_bytes": _metric(p, "gpu_peak_bytes"),
@@ -643,6 +662,14 @@ def collect(work: Path) -> dict:
     (res / "gpu-bench.md").write_text(table(out))
     print(table(out))
     return out
+
+
+def _capture_row(path: Path) -> dict:
+    """bench/gpu/capture.py speed's decode ms/token with and without CUDA graph capture, where it ran."""
+    if not path.exists():
+        return {}
+    ms = json.loads(path.read_text())["decode_ms_per_token"]
+    return {"decode_ms_uncaptured": ms.get("uncaptured"), "decode_ms_captured": ms.get("captured")}
 
 
 def _peer_row(tool: str, d) -> dict:
@@ -667,6 +694,11 @@ def _peer_row(tool: str, d) -> dict:
     return row
 
 
+def _pair(row: dict) -> str:
+    c, u = row.get("decode_ms_captured"), row.get("decode_ms_uncaptured")
+    return f"{c:.2f} / {u:.2f}" if c is not None and u is not None else ""
+
+
 def table(res: dict) -> str:
     """The markdown page: header (date, machine, commit, command, bandwidth) and one row per bundle / peer."""
     m = res.get("machine") or {}
@@ -679,8 +711,8 @@ def table(res: dict) -> str:
         "- **Device copy bandwidth:** " + (f"{bw:.0f} GB/s ({res['bandwidth']['method']})" if bw else "not measured"),
         "",
         "| model | tool | precision | prefill 512 tok/s | prefill 4096 tok/s | decode ms/token | "
-        "GB streamed/token | roofline ms/token | % of roofline | GPU peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "decode ms/token captured / uncaptured | GB streamed/token | roofline ms/token | % of roofline | GPU peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x, fmt="{:,.0f}"):
@@ -688,7 +720,7 @@ def table(res: dict) -> str:
 
     for r in res["rows"]:
         if r.get("missing"):
-            lines.append(f"| {r['preset']} | {r['tool']} | {r['precision']} | not run | | | | | | |")
+            lines.append(f"| {r['preset']} | {r['tool']} | {r['precision']} | not run | | | | | | | |")
             continue
         bpt, tpot = r.get("bytes_per_token"), r.get("tpot_ms")
         roof = bpt / (bw * 1e9) * 1e3 if bpt and bw else None
@@ -696,10 +728,13 @@ def table(res: dict) -> str:
         peak = r.get("gpu_peak_bytes")
         lines.append(
             f"| {r['preset']} | {r['tool']} | {r['precision']} | {f(r.get('prefill_512_tok_s'))} | "
-            f"{f(r.get('prefill_4096_tok_s'))} | {f(tpot, '{:.2f}')} | {f(bpt and bpt / 1e9, '{:.2f}')} | "
+            f"{f(r.get('prefill_4096_tok_s'))} | {f(tpot, '{:.2f}')} | {_pair(r)} | {f(bpt and bpt / 1e9, '{:.2f}')} | "
             f"{f(roof, '{:.2f}')} | {f(frac and 100 * frac, '{:.0f}%')} | {f(peak and peak / 2**20)} |"
         )
     lines += [
+        "",
+        "decode ms/token: `deltaship profile`'s tpot (bundles exported with --onnx-cuda-graph: decode captured). "
+        "Captured / uncaptured: bench/gpu/capture.py speed, the two sessions alternated in one process.",
         "",
         "Roofline: bytes streamed per decoded token (weights less an untied embedding table, DeltaNet states "
         "read and written, KV cache read at the 512-token context) / the device copy bandwidth. Peers' "

@@ -121,15 +121,16 @@ class OnnxSession(OnnxSpeculation, Session):
         cuda_graph: bool | None = None,
     ):
         super().__init__(bundle, manifest, prefill_chunk)
-        if cuda_graph is None:  # a bundle exported with --onnx-cuda-graph is captured on the CUDA provider
-            cuda_graph = provider == "cuda" and in_place and "cuda_graph" in manifest.get("lowering", {})
+        capturable = "cuda_graph" in manifest.get("lowering", {})  # exported with --onnx-cuda-graph
+        if cuda_graph is None:  # such a bundle is captured on the CUDA provider
+            cuda_graph = provider == "cuda" and in_place and capturable
         if cuda_graph and (provider != "cuda" or (providers and providers[0] != "CUDAExecutionProvider")):
             raise DeltashipError(
                 f"cuda_graph=True needs the CUDA execution provider; this session was asked for "
                 f"{providers[0] if providers else provider}",
                 "open the bundle with provider='cuda' (onnxruntime-gpu on an NVIDIA GPU), or drop cuda_graph",
             )
-        if cuda_graph and "cuda_graph" not in manifest.get("lowering", {}):
+        if cuda_graph and not capturable:
             raise DeltashipError(
                 f"{bundle}: this bundle's decoder cannot be captured as a CUDA graph (its position arithmetic runs on "
                 "the CPU and feeds the GPU through Memcpy nodes, which ONNX Runtime refuses to capture)",
@@ -202,7 +203,7 @@ class OnnxSession(OnnxSpeculation, Session):
                 "check the GPU driver and CUDA libraries (onnxruntime-gpu 1.31 needs CUDA 13)",
             )
         self.device = "cuda" if got.startswith("CUDA") else "cpu"
-        if self.device == "cuda" and _fp16_activations(manifest) and "cuda_graph" not in manifest.get("lowering", {}):
+        if self.device == "cuda" and _fp16_activations(manifest) and not capturable:
             raise DeltashipError(
                 f"{bundle}: this bundle's graph copies GroupQueryAttention's total_sequence_length from the GPU to "
                 f"the host (a Memcpy node), and on it ONNX Runtime {ort.__version__}'s CUDA provider gave wrong, "

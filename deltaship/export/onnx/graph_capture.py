@@ -31,7 +31,6 @@ from deltaship.export.onnx.builder import GraphBuilder
 
 TOKENS_ON_DEVICE = "capture_call_tokens"  # int64 [1]: T, computed on the device
 SEQLENS_ON_DEVICE = "capture_seqlens_k"  # int32 [1]: current_sequence_length - 1
-TOTAL_CONSTANT = "capture_total_sequence_length"  # int32 scalar: max_context
 
 
 def make_capturable(

@@ -2,9 +2,10 @@
 weights), the acceptance the trained tiny head gets on the same target, and what the two give against plain
 decoding and the one-token bandwidth roofline.
 
-    deltaship export --model qwen3.5-0.8b --target onnx --precision int4 --mtp --max-context 512 --no-verify --out B08
-    deltaship export --model qwen3.5-0.8b --target executorch --precision int4 --mtp --max-context 512 --no-verify \
-        --out B08ET
+    deltaship export --model qwen3.5-0.8b --target onnx --precision int4 --mtp --mtp-draft-vocab 32768 \
+        --max-context 512 --no-verify --out B08
+    deltaship export --model qwen3.5-0.8b --target executorch --precision int4 --mtp --mtp-draft-vocab 32768 \
+        --max-context 512 --no-verify --out B08ET
     deltaship export --model qwen3.5-tiny --target onnx --precision int4 --mtp --max-context 1024 --out TINY
     deltaship export --model qwen3.5-tiny --target executorch --precision int4 --mtp --max-context 1024 --out TINYET
     python bench/mtp_costs.py --big onnx=B08 --big executorch=B08ET --tiny onnx=TINY --tiny executorch=TINYET \
@@ -17,7 +18,9 @@ restore, then greedy decode tokens/s without and with the head over 8 fixed prom
 - tiny (trained head): the acceptance is real; its measured rate on a target is the rate the 0.8B projection of the
   same target assumes (a projection, labelled so: the 0.8B's random head accepts nothing).
 - 0.8B: the costs, and decode tokens/s without the head measured (and with it, at a random head's ~0 acceptance);
-  the projected speculative tokens/s at the tiny's acceptance; the one-token roofline: the machine's read bandwidth
+  decode tokens/s with the head timed at the tiny's acceptance imposed (the driver's real calls, each draft
+  accepted at that rate by rigging the verify logits: ImposedAcceptance in deltaship/profiling/speculative.py);
+  the projected speculative tokens/s at the tiny's acceptance (from the per-call costs); the one-token roofline: the machine's read bandwidth
   (a multi-threaded sum over 1 GiB, best of 5, as bench/peers.py) over the bytes of the decoder's weight files
   (ONNX: model.onnx + model.onnx.data, the head's mtp.onnx.data left out; ExecuTorch: the whole model.pte, the
   head's own weights included, since they share one file), i.e. every stored weight read once per token.
@@ -102,7 +105,7 @@ def main() -> int:
             )  # fmt: skip
             s = doc["speculative"]
             if acceptance is not None:
-                s["projection"]["source"] = (
+                s["projection"]["source"] = s["decode_tok_s_imposed"]["source"] = (
                     f"measured in this run on qwen3.5-tiny ({target}, {row['tiny']['acceptance']['prompts']} prompts "
                     f"x {row['tiny']['acceptance']['new_tokens']} greedy tokens): {acceptance}"
                 )
@@ -119,6 +122,10 @@ def main() -> int:
                 "plain_percent_of_roofline": round(100 * plain / roof, 1),
                 "projected_speculative_tok_s": s["projection"]["tokens_per_s"],
                 "projected_percent_of_roofline": round(100 * s["projection"]["tokens_per_s"] / roof, 1),
+                "plain_decode_tok_s": s["decode_tok_s_imposed"]["plain"],
+                "imposed_speculative_tok_s": s["decode_tok_s_imposed"]["speculative"],
+                "imposed_speedup": s["decode_tok_s_imposed"]["speedup"],
+                "imposed_percent_of_roofline": round(100 * s["decode_tok_s_imposed"]["speculative"] / roof, 1),
             }
         res["targets"][target] = row
         say(json.dumps(row.get("roofline", {})))

@@ -351,3 +351,110 @@ def test_onnx_rollback_without_copies(tiny_mtp):
     s.decode(9)
     with pytest.raises(DeltashipError, match="only the one verify call"):
         s.restore(snap)
+
+
+def test_rollback_to_first_keeps_the_first_token_of_a_verify_call(tiny_mtp):
+    """The --mtp graph's rollback outputs hold every DeltaNet state after the call's first token: made current by
+    rollback_to_first (a buffer swap), the session is where decoding that one token would have left it, and goes on
+    the same. Refused after any other call, and on a bundle whose manifest lists no rollback outputs."""
+    from deltaship.runtimes import open_bundle
+
+    s = open_bundle(tiny_mtp("fp32"))
+    deltanet = [st["name"] for st in s.manifest["states"] if st["kind"].startswith("deltanet")]
+    assert set(s.manifest["speculative"]["rollback"]["deltanet_outputs"]) == set(deltanet)
+    s.prefill(code_prompt(7))
+    s.verify(np.array([5, 6, 7], np.int64), np.arange(3, dtype=np.int64))
+    s.rollback_to_first()
+    s.position += 1
+    got = s.state_arrays()
+    after = s.decode(9)
+    s.reset()
+    s.prefill(code_prompt(7))
+    s.decode(5)
+    want = s.state_arrays()
+    for k in deltanet:
+        np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-5, err_msg=k)
+    np.testing.assert_allclose(after, s.decode(9), rtol=0, atol=1e-4)
+    s.verify(np.array([5, 6], np.int64), np.arange(2, dtype=np.int64))
+    s.decode(9)
+    with pytest.raises(DeltashipError, match="right after the verify call"):
+        s.rollback_to_first()
+    s.manifest["speculative"]["rollback"].pop("deltanet_outputs")
+    s.verify(np.array([5, 6], np.int64), np.arange(2, dtype=np.int64))
+    with pytest.raises(DeltashipError, match="no rollback outputs") as e:
+        s.rollback_to_first()
+    assert "--mtp" in e.value.fix
+
+
+def test_rollback_outputs_leave_plain_decoding_as_it_was(tiny_mtp, tmp_path):
+    """The --mtp graph splits each LinearAttention at the first token: plain prefill and decode give the logits of
+    the bundle exported without --mtp, and its recurrent states stay updated in place (no copy per call)."""
+    from deltaship.export import export
+    from deltaship.runtimes import open_bundle
+
+    plain = tmp_path / "plain"
+    export("qwen3.5-tiny", plain, target="onnx", precision="fp32", max_context=256, prefill_chunk=TINY_CHUNK,
+           verify=False, progress=False)  # fmt: skip
+    a, b = open_bundle(tiny_mtp("fp32")), open_bundle(plain)
+    assert [st.get("in_place") for st in a.manifest["states"]] == [st.get("in_place") for st in b.manifest["states"]]
+    assert any(st.get("in_place") for st in a.manifest["states"] if st["kind"] == "deltanet_recurrent")
+    for n in (1, 3 * TINY_CHUNK + 5):
+        ga = a.generate(code_prompt(n), 24, stop_at_eos=False, keep_logits=True)
+        gb = b.generate(code_prompt(n), 24, stop_at_eos=False, keep_logits=True)
+        assert ga.output_ids == gb.output_ids
+        np.testing.assert_allclose(np.array(ga.logits), np.array(gb.logits), rtol=0, atol=1e-4)
+        a.reset()
+        b.reset()
+
+
+def test_depth_one_rolls_back_without_snapshots(tiny_mtp):
+    """At depth 1 every rejection is the first draft's: the driver keeps the call's first token (rollback_to_first)
+    and never snapshots, restores or re-feeds; the tokens stay plain greedy's."""
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.speculative import generate_speculative
+
+    s = open_bundle(tiny_mtp("fp32"))
+    calls = {"snapshot": 0, "restore": 0}
+    for name in calls:
+
+        def counted(*a, _f=getattr(s, name), _n=name):
+            calls[_n] += 1
+            return _f(*a)
+
+        setattr(s, name, counted)
+    prompt = code_prompt(7)
+    plain = s.generate(prompt, 64, stop_at_eos=False).output_ids
+    gen, stats = generate_speculative(s, prompt, 64, 1, stop_at_eos=False)
+    assert gen.output_ids == plain
+    assert stats.rollbacks == stats.drafted - stats.accepted > 0 and stats.commit_calls == 0
+    assert calls == {"snapshot": 0, "restore": 0}
+    _, stats = generate_speculative(s, prompt, 64, 2, stop_at_eos=False)  # deeper rejections restore a snapshot
+    assert stats.rollbacks > 0 and calls["restore"] > 0
+
+
+def test_projection_with_rollback_to_first():
+    """With rollback_to_first's cost given, a rejection at depth 1 costs it instead of a snapshot, a restore and a
+    longer next call: at acceptance 0, each token costs one draft, one verify of 2 tokens and the rollback."""
+    from deltaship.profiling.speculative import project
+
+    costs = {"decode": 10.0, "verify": {1: 10, 2: 11, 3: 12}, "draft": {1: 2, 2: 2.5}, "snapshot": 1, "restore": 1}
+    without = project(costs, 1, 0.0, calls=100)
+    p = project({**costs, "rollback_to_first": 0.1}, 1, 0.0, calls=100)
+    assert p["ms_per_token"] == pytest.approx(2 + 11 + 0.1) and without["ms_per_token"] > 12 + 2 + 1
+    assert project({**costs, "rollback_to_first": 0.1}, 1, 1.0)["ms_per_token"] == pytest.approx((2.5 + 11) / 2, 1e-3)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.78, 1.0])
+def test_imposed_acceptance_accepts_at_the_rate(tiny_mtp, rate):
+    """The profile's imposed acceptance (timing a head that accepts nothing): the driver accepts drafts at the given
+    rate, whatever the head drafted."""
+    from deltaship.profiling.speculative import ImposedAcceptance
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.speculative import generate_speculative
+
+    s = ImposedAcceptance(open_bundle(tiny_mtp("fp32")), rate)
+    drafted = accepted = 0
+    for n in (1, 7, 20, 33):
+        _, st = generate_speculative(s, code_prompt(n), 80, 1, stop_at_eos=False)
+        drafted, accepted = drafted + st.drafted, accepted + st.accepted
+    assert drafted >= 100 and abs(accepted / drafted - rate) < 0.05

@@ -118,8 +118,12 @@ def _cost(table: dict[int, float]):
 def project(costs: dict[str, Any], depth: int, acceptance: float, calls: int = 20000, seed: int = 0) -> dict[str, Any]:
     """Decode speed from measured per-call costs (ms) at an acceptance rate: the driver's calls simulated with each
     draft accepted with probability `acceptance`, independently. costs: decode (one step), verify {T: ms},
-    draft {P: ms}, snapshot, restore."""
+    draft {P: ms}, snapshot, restore, and rollback_to_first where the session has it (a call that fed the newest
+    token and its drafts keeps its first token when the first draft is rejected: no snapshot at depth 1, no
+    re-fed tokens)."""
     from deltaship.runtimes.speculative import MAX_PENDING
+
+    last = costs.get("rollback_to_first")
 
     verify, draft = (
         _cost({int(k): v for k, v in costs["verify"].items()}),
@@ -128,12 +132,15 @@ def project(costs: dict[str, Any], depth: int, acceptance: float, calls: int = 2
     rng = np.random.default_rng(seed)
     pending, emitted_before, total_ms, tokens = 1, 1, 0.0, 0
     for _ in range(calls):
-        ms = draft(emitted_before) + (depth - 1) * draft(1) + verify(pending + depth) + costs["snapshot"]
+        ms = draft(emitted_before) + (depth - 1) * draft(1) + verify(pending + depth)
+        ms += 0.0 if last is not None and depth == 1 and pending == 1 else costs["snapshot"]
         ok = rng.random(depth) < acceptance
         accepted = depth if ok.all() else int(np.argmin(ok))
         tokens += accepted + 1
         if accepted == depth:
             pending = 1
+        elif last is not None and accepted == 0 and pending == 1:
+            ms += last
         else:  # restore; the accepted tokens and the decoder's own ride along with the next call
             ms += costs["restore"]
             pending += accepted + 1
@@ -151,6 +158,38 @@ def project(costs: dict[str, Any], depth: int, acceptance: float, calls: int = 2
         "tokens_per_s_plain": round(1e3 / costs["decode"], 2),
         "speedup": round(costs["decode"] / ms_per_token, 4),
     }
+
+
+class ImposedAcceptance:
+    """A session (delegating everything) whose verify calls come back with each row's next fed token made the row's
+    argmax or not by a shuffled schedule that accepts round(100 rate) of every 100 rows: greedy speculative decoding
+    then accepts drafts at that rate, in random order. It times the driver's real calls (draft, verify, rollback) on a
+    bundle whose own head accepts nothing (random weights); the tokens it emits mean nothing. Rows are rigged only
+    in calls that ask for every row (the driver's verify calls; prefill asks for the last row only)."""
+
+    def __init__(self, session: Any, rate: float, seed: int = 0):
+        object.__setattr__(self, "_session", session)
+        object.__setattr__(self, "_rate", rate)
+        object.__setattr__(self, "_rng", np.random.default_rng(seed))
+        object.__setattr__(self, "_schedule", [])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:  # the driver moves session.position
+        setattr(self._session, name, value)
+
+    def verify(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        logits, hidden = self._session.verify(ids, rows)
+        if len(rows) == ids.size:
+            logits = np.array(logits)
+            for j in range(ids.size - 1):
+                row, tok = logits[j], int(ids[j + 1])
+                if not self._schedule:
+                    block = np.arange(100) < round(100 * self._rate)
+                    self._schedule.extend(self._rng.permutation(block).tolist())
+                row[tok] = row.max() + 1.0 if self._schedule.pop() else row.min() - 1.0
+        return logits, hidden
 
 
 # ---- the measuring process ------------------------------------------------------------------------
@@ -227,6 +266,25 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         return now() - t0
 
     restore_s = repeat(rollback, warmups, reps, min_s)
+    rolls_back = callable(getattr(session, "can_rollback_to_first", None)) and session.can_rollback_to_first()
+
+    def rollback_to_first() -> float:
+        session.reset()
+        session.seek(c)
+        session.verify(ids, rows)
+        t0 = now()
+        session.rollback_to_first()
+        return now() - t0
+
+    if rolls_back:
+        results.append(
+            record(
+                "rollback_to_first_s",
+                "s",
+                repeat(rollback_to_first, warmups, reps, min_s),
+                note="keeping only the first token of a verify call (the bundle's rollback outputs become the states)",
+            )
+        )
     results.append(
         record(
             "snapshot_s",
@@ -251,6 +309,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "draft": {p: med("draft_s", positions=p) for p in range(1, depth + 2)},
         "snapshot": med("snapshot_s"),
         "restore": med("restore_s"),
+        **({"rollback_to_first": med("rollback_to_first_s")} if rolls_back else {}),
     }
 
     # generation over the fixed prompts: plain and speculative greedy decoding, alternated prompt by prompt
@@ -262,10 +321,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     def rate() -> float:
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])  # first new token to last: prefill left out
 
+    rate_used = float(cfg.get("acceptance") or PROJECTION_ACCEPTANCE)
+    imposed = ImposedAcceptance(session, rate_used)
     session.generate(prompts[0], min(gen, 8), stop_at_eos=False)  # warm both paths up
     generate_speculative(session, prompts[0], min(gen, 8), depth, stop_at_eos=False)
-    plain_rates, spec_rates, same = [], [], 0
+    plain_rates, spec_rates, imposed_rates, same = [], [], [], 0
     drafted = accepted = verify_calls = emitted = 0
+    imposed_drafted = imposed_accepted = 0
     for p in prompts:
         stamps.clear()
         session.reset()
@@ -277,6 +339,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         same += g.output_ids == plain
         drafted, accepted = drafted + st.drafted, accepted + st.accepted
         verify_calls, emitted = verify_calls + st.verify_calls, emitted + sum(st.emitted_per_verify)
+        stamps.clear()
+        _, st = generate_speculative(imposed, p, gen, depth, stop_at_eos=False, on_token=stamp)
+        imposed_rates.append(rate())
+        imposed_drafted, imposed_accepted = imposed_drafted + st.drafted, imposed_accepted + st.accepted
     where = dict(prompts=len(prompts), gen=gen)
     results.append(record("plain_decode_tok_s", "tok/s", plain_rates, **where, note="greedy, one sample per prompt"))
     results.append(
@@ -285,7 +351,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     rand = random_weights(manifest)
     measured_acceptance = accepted / drafted if drafted else 0.0
     speedup = ratio_ci(spec_rates, plain_rates)
-    rate_used = float(cfg.get("acceptance") or PROJECTION_ACCEPTANCE)
+    imposed_speedup = ratio_ci(imposed_rates, plain_rates)
     summary: dict[str, Any] = {
         "method": "mtp",
         "depth": depth,
@@ -303,13 +369,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             "draft": {str(p): round(v, 4) for p, v in costs["draft"].items()},
             "snapshot": round(costs["snapshot"], 4),
             "restore": round(costs["restore"], 4),
+            **({"rollback_to_first": round(costs["rollback_to_first"], 4)} if rolls_back else {}),
         },
         "relative_to_decode_step": {
             "verify": {str(t): round(v / costs["decode"], 4) for t, v in costs["verify"].items()},
             "draft": {str(p): round(v / costs["decode"], 4) for p, v in costs["draft"].items()},
             "snapshot": round(costs["snapshot"] / costs["decode"], 4),
             "restore": round(costs["restore"] / costs["decode"], 4),
+            **({"rollback_to_first": round(costs["rollback_to_first"] / costs["decode"], 4)} if rolls_back else {}),
         },
+        "rollback": "first token kept in place (rollback outputs), else snapshot" if rolls_back else "snapshot",
         "acceptance": {
             "prompts": len(prompts),
             "new_tokens": gen,
@@ -332,6 +401,19 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             "speedup": round(speedup["ratio"], 4),
             "speedup_ci95": [round(x, 4) for x in speedup["ci95"]],
             "measured": "in this run, over the prompt set above",
+        },
+        "decode_tok_s_imposed": {
+            "label": "timed at an imposed acceptance: the driver's real calls, each draft accepted with the stated "
+            "probability by rigging the verify call's logits (greedy); measures speed, not the head",
+            "acceptance": rate_used,
+            "source": cfg.get("acceptance_source") or PROJECTION_SOURCE,
+            "drafted": imposed_drafted,
+            "accepted": imposed_accepted,
+            "acceptance_rate": round(imposed_accepted / imposed_drafted, 4) if imposed_drafted else None,
+            "plain": round(float(np.median(plain_rates)), 3),
+            "speculative": round(float(np.median(imposed_rates)), 3),
+            "speedup": round(imposed_speedup["ratio"], 4),
+            "speedup_ci95": [round(x, 4) for x in imposed_speedup["ci95"]],
         },
         "projection": {
             "label": "projection, not a measurement: the measured per-call costs at a stated acceptance rate",
@@ -392,6 +474,11 @@ def format_speculative(s: dict[str, Any]) -> str:
     lines += [
         f"  snapshot             {c['snapshot']:9.3f} ms  x{rel['snapshot']:.2f}",
         f"  restore              {c['restore']:9.3f} ms  x{rel['restore']:.2f}",
+        *(
+            [f"  rollback to first    {c['rollback_to_first']:9.3f} ms  x{rel['rollback_to_first']:.2f}"]
+            if "rollback_to_first" in c
+            else []
+        ),
         f"acceptance over {a['prompts']} prompts x {a['new_tokens']} tokens: {a['acceptance_rate']:.3f} "
         f"({a['accepted']}/{a['drafted']}), {a['mean_accepted_length']:.3f} drafts accepted per verify call, "
         f"{a['tokens_per_verify']:.3f} tokens per verify call; output identical to plain greedy on "
@@ -406,6 +493,14 @@ def format_speculative(s: dict[str, Any]) -> str:
         f"{pr['tokens_per_s_plain']:.2f} plain, x{pr['speedup']:.3f} ({pr['tokens_per_verify']:.2f} tokens per "
         "verify call); a projection from the measured costs, not a measured speed",
     ]
+    imp = s.get("decode_tok_s_imposed")
+    if imp:
+        lines.append(
+            f"decode tok/s TIMED AT AN IMPOSED ACCEPTANCE {imp['acceptance']} (drafts accepted "
+            f"{imp['accepted']}/{imp['drafted']} by rigging the verify logits): plain {imp['plain']:.2f}, "
+            f"speculative {imp['speculative']:.2f} (x{imp['speedup']:.3f}, 95% CI [{imp['speedup_ci95'][0]:.3f}, "
+            f"{imp['speedup_ci95'][1]:.3f}])"
+        )
     m = s["projection_at_measured_acceptance"]
     lines.append(
         f"projection at the measured acceptance {m['acceptance']:.3f}: x{m['speedup']:.3f} (against the measured "
@@ -419,19 +514,32 @@ def headline(s: dict[str, Any]) -> list[tuple[str, str]]:
     a, d, pr = s["acceptance"], s["decode_tok_s"], s["projection"]
     t = str(s["depth"] + 1)
     emulated = [] if s.get("device_latencies", True) else [("latencies", s["latencies"])]
-    return emulated + [
-        (f"verify of {t} tokens / decode step", f"x{s['relative_to_decode_step']['verify'][t]:.2f}"),
-        ("draft step / decode step", f"x{s['relative_to_decode_step']['draft']['1']:.2f}"),
-        (
-            "acceptance (measured)" + ("" if a["meaningful"] else ", random weights: meaningless"),
-            f"{a['acceptance_rate']:.3f}, {a['mean_accepted_length']:.2f} accepted per verify call",
-        ),
-        (
-            "decode tok/s plain / speculative (measured)",
-            f"{d['plain']:.2f} / {d['speculative']:.2f} (x{d['speedup']:.3f})",
-        ),
-        (f"PROJECTION at acceptance {pr['acceptance']}", f"{pr['tokens_per_s']:.2f} tok/s (x{pr['speedup']:.3f})"),
-    ]
+    return (
+        emulated
+        + [
+            (f"verify of {t} tokens / decode step", f"x{s['relative_to_decode_step']['verify'][t]:.2f}"),
+            ("draft step / decode step", f"x{s['relative_to_decode_step']['draft']['1']:.2f}"),
+            (
+                "acceptance (measured)" + ("" if a["meaningful"] else ", random weights: meaningless"),
+                f"{a['acceptance_rate']:.3f}, {a['mean_accepted_length']:.2f} accepted per verify call",
+            ),
+            (
+                "decode tok/s plain / speculative (measured)",
+                f"{d['plain']:.2f} / {d['speculative']:.2f} (x{d['speedup']:.3f})",
+            ),
+            (f"PROJECTION at acceptance {pr['acceptance']}", f"{pr['tokens_per_s']:.2f} tok/s (x{pr['speedup']:.3f})"),
+        ]
+        + (
+            [
+                (
+                    f"decode tok/s timed at an imposed acceptance {s['decode_tok_s_imposed']['acceptance']}",
+                    f"{s['decode_tok_s_imposed']['speculative']:.2f} (x{s['decode_tok_s_imposed']['speedup']:.3f})",
+                )
+            ]
+            if "decode_tok_s_imposed" in s
+            else []
+        )
+    )
 
 
 def plot_speculative(s: dict[str, Any], plt):

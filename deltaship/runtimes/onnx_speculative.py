@@ -19,6 +19,8 @@ class OnnxSpeculation:
     _draft_sess: Any = None
     _verify_positions: np.ndarray | None = None
     _spare: dict[str, tuple[np.ndarray, Any]] | None = None
+    _rollback: dict[str, tuple[np.ndarray, Any]] | None = None
+    _after_verify: tuple | None = None
     _verify_serial = 0
 
     def verify(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -53,6 +55,7 @@ class OnnxSpeculation:
             # an in-place DeltaNet state is written out of place here, into its spare: the state before the call
             # stays where it was, for a restore (see snapshot)
             io.bind_ortvalue_output(s["output"], spares[name][1] if name in spares else vals[(cur + 1) % len(vals)])
+        self._bind_rollback(io, verify=True)
         io.bind_output("logits_rows")
         io.bind_output("hidden_states")
         self.sess.run_with_iobinding(io)
@@ -68,8 +71,66 @@ class OnnxSpeculation:
         if spares:  # the in-place states now live in other buffers than the cached decode bindings bind
             self._decode_io.clear()
         self._verify_serial += 1
-        values = io.get_outputs()  # in binding order: the states, then logits_rows and hidden_states
+        self._after_verify = (self._verify_serial, self._forward_marker(), self.position)
+        values = io.get_outputs()  # in binding order: the states, the rollback states, logits_rows, hidden_states
         return values[-2].numpy()[0], values[-1].numpy()[0]
+
+    def _rollback_outputs(self) -> dict[str, str]:
+        """{DeltaNet state: the output holding it after the call's first token} (empty in bundles exported before
+        deltaship wrote them)."""
+        return self.manifest["speculative"]["rollback"].get("deltanet_outputs", {})
+
+    def _rollback_buffers(self) -> dict[str, tuple[np.ndarray, Any]]:
+        """A buffer for each rollback output, made on first use; rollback_to_first swaps it with the state's."""
+        if self._rollback is None:
+            self._rollback = {}
+            for name in self._rollback_outputs():
+                a = np.zeros_like(self._bufs[name][0])
+                self._rollback[name] = (a, self._ortvalue(a))
+        return self._rollback
+
+    def _bind_rollback(self, io, verify: bool) -> None:
+        """Bind the rollback outputs (an unbound output costs an allocation every call). A verify call writes them
+        to their own buffers; any other call binds each recurrent one to the buffer its present state goes to,
+        where the graph's second LinearAttention then runs in place (a call of one token costs no copy)."""
+        rollback = self._rollback_buffers()
+        for s in self.states:
+            output = self._rollback_outputs().get(s["name"])
+            if output is None:
+                continue
+            if verify or not s["kind"].endswith("recurrent"):
+                io.bind_ortvalue_output(output, rollback[s["name"]][1])
+            else:
+                vals = self._vals[s["name"]]
+                io.bind_ortvalue_output(output, vals[(self._cur[s["name"]] + 1) % len(vals)])
+
+    def can_rollback_to_first(self) -> bool:
+        return bool(self._rollback_outputs())
+
+    def rollback_to_first(self) -> None:
+        """Right after a verify call: make the DeltaNet states those after its first token (the bundle's rollback
+        outputs; nothing is copied: the buffers swap). The KV caches need nothing (their length pointer is the
+        position); the caller advances the position by 1. Any call in between is refused."""
+        after = self._after_verify
+        if not self.can_rollback_to_first():
+            raise DeltashipError(
+                f"{self.bundle}: this bundle has no rollback outputs (exported before deltaship wrote them)",
+                "export it again with --mtp, or undo verify calls with snapshot/restore",
+            )
+        if after is None or after != (self._verify_serial, self._forward_marker(), self.position):
+            raise DeltashipError(
+                "rollback_to_first undoes the verify call just made; another call ran after it",
+                "call rollback_to_first right after the verify call",
+            )
+        rollback = self._rollback_buffers()
+        for name in self._rollback_outputs():
+            slot = self._cur[name] if len(self._vals[name]) == 2 else 0
+            rollback[name], (self._bufs[name][slot], self._vals[name][slot]) = (
+                (self._bufs[name][slot], self._vals[name][slot]),
+                rollback[name],
+            )
+        self._decode_io.clear()
+        self._after_verify = None
 
     def _spares(self) -> dict[str, tuple[np.ndarray, Any]]:
         """A second buffer for each DeltaNet state the session updates in place (one buffer), made on first use."""

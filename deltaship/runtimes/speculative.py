@@ -11,13 +11,18 @@ A session that supports it (`SpeculativeSession`) adds to the plain prefill/deco
   tokens one position later, returning the logits of the token after the last one and the head's hidden states;
   the logits are over the draft vocabulary: every token id, or, in a bundle exported with --mtp-draft-vocab N, the
   N ids of `draft_token_ids()` (draft index i is token ids[i]);
-- `reset_draft()`: zero the head's own KV cache.
+- `reset_draft()`: zero the head's own KV cache;
+- optionally `can_rollback_to_first()` / `rollback_to_first()` (ONNX bundles whose calls also output each DeltaNet
+  state as it was after the call's first token): right after a verify call, make the session's states those after
+  its first token (no call, no copy).
 
 The driver keeps the lossless contract: every emitted token is chosen from the decoder's own logits (greedy:
 its argmax; sampling: the standard accept/reject rule of Leviathan et al. / Chen et al., so the output
-distribution is the decoder's). Rollback is by snapshot: a verify call whose drafts are not all accepted is
-undone and its accepted tokens are fed again at the start of the next verify call, which costs no extra call
-(the verify chunk is just longer); after `MAX_PENDING` such tokens they are committed with a call of their own.
+distribution is the decoder's). Rollback: when a verify call fed the newest token and its drafts and the first
+draft is rejected (at depth 1, every rejection), a session that can `rollback_to_first` keeps the states after the
+call's first token. Otherwise by snapshot: a verify call whose drafts are not all accepted is undone and its
+accepted tokens are fed again at the start of the next verify call, which costs no extra call (the verify chunk is
+just longer); after `MAX_PENDING` such tokens they are committed with a call of their own.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class SpeculativeStats:
     drafted: int = 0
     accepted: int = 0
     commit_calls: int = 0  # extra calls that committed re-fed tokens (see MAX_PENDING)
+    rollbacks: int = 0  # rejections undone by rollback_to_first (the rest by restoring a snapshot)
     emitted_per_verify: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -69,6 +75,7 @@ class SpeculativeStats:
             "verify_calls": self.verify_calls,
             "draft_calls": self.draft_calls,
             "commit_calls": self.commit_calls,
+            "first_token_rollbacks": self.rollbacks,
         }
 
 
@@ -187,6 +194,7 @@ def generate_speculative(
     greedy = temperature <= 0
     stats = SpeculativeStats(depth)
     draft_ids = draft_token_ids(session.bundle, session.manifest)  # draft index -> token id (None: the same)
+    rolls_back = callable(getattr(s, "can_rollback_to_first", None)) and s.can_rollback_to_first()
     session.reset()  # a fresh sequence: the draft head's cache must see every position the decoder sees
     s.reset_draft()
     prompt = session._check([int(i) for i in ids])
@@ -254,7 +262,9 @@ def generate_speculative(
             drafted_upto = n - 1
         # verify the pending tokens and the drafts in one call, every row's logits back
         feed = np.asarray(tokens[committed:] + drafts, np.int64)
-        snap = s.snapshot() if drafts else None
+        # a snapshot, unless every rejection this call can have leaves only its first token (the newest one, and
+        # one draft) and rollback_to_first undoes it
+        snap = s.snapshot() if drafts and not (rolls_back and feed.size == 2) else None
         rows_logits, h = s.verify(feed, np.arange(feed.size, dtype=np.int64))
         stats.verify_calls += 1
         stats.drafted += len(drafts)
@@ -286,6 +296,11 @@ def generate_speculative(
         if accepted == len(drafts):
             session.position = committed + feed.size
             committed += feed.size
+        elif rolls_back and accepted == 0 and feed.size == len(drafts) + 1:  # keep the newest token only
+            s.rollback_to_first()
+            stats.rollbacks += 1
+            session.position = committed + 1
+            committed += 1
         else:
             s.restore(snap)  # back to `committed`; the accepted tokens ride along with the next verify call
         tokens += drafts[:accepted] + [new]

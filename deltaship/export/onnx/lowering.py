@@ -64,6 +64,9 @@ class Lowerer:
         self.b = builder
         self.accuracy_level = accuracy_level
         self.deltanet_ops = deltanet_ops  # "standard" or "contrib" (see DELTANET_OPS in export/onnx)
+        # {past state name: rollback output}: set to {} (--mtp) to have every DeltaNet state's value after the
+        # call's first token written to an output rollback.* (named here; the caller declares them, model.py)
+        self.rollback: dict[str, str] | None = None
         self.opset = opset  # 27: DeltaNet in the standard ai.onnx ops (see STANDARD_OPSET in export/onnx/model.py)
         self.progress = progress
         self.env: dict[str, Any] = {}
@@ -498,11 +501,17 @@ def _conv(L: Lowerer, node, x, state, weight):
         y, new_state = L.b.node("CausalConvWithState", [xt, w, "", st], n_out=2, activation="silu")
         if L.dtype_of(state) != xdt:
             new_state = L.b.one("Cast", [new_state], to=TORCH_TO_ONNX[L.dtype_of(state)])
+        _conv_rollback(L, state, st, xt, xdt, L.meta(weight).shape[-1], axis=2)
         return [L.b.one("Transpose", [y], perm=[0, 2, 1]), new_state]
     if L.deltanet_ops == "contrib":
         w = L.weight(weight, "conv")
         if L.dtype_of(weight) != xdt:
             w = L.b.one("Cast", [w], to=TORCH_TO_ONNX[xdt])
+        if L.rollback is not None:
+            st = L.as_tensor(state)
+            if L.dtype_of(state) != xdt:
+                st = L.b.one("Cast", [st], to=TORCH_TO_ONNX[xdt])
+            _conv_rollback(L, state, st, L.as_tensor(x), xdt, L.meta(weight).shape[-1], axis=1)
         return L.b.node(
             "CausalConvWithState",
             [L.as_tensor(x), w, "", L.as_tensor(state)],
@@ -529,9 +538,42 @@ def _conv(L: Lowerer, node, x, state, weight):
     new_state = L.b.one(
         "Slice", [full, L.b.const(np.array([-(k - 1)], np.int64)), L.b.const(np.array([INT64_MAX], np.int64)), one]
     )
+    _conv_rollback(L, state, st, L.as_tensor(x), xdt, k, axis=1)
     if L.dtype_of(state) != xdt:
         new_state = L.b.one("Cast", [new_state], to=TORCH_TO_ONNX[L.dtype_of(state)])
     return [_silu_of(L, acc), new_state]
+
+
+def rollback_name(state: str) -> str:
+    """The --mtp graph output holding DeltaNet state `state` (past.*) after the call's first token."""
+    if not state.startswith("past."):
+        raise RuntimeError(f"a DeltaNet state read from {state!r}, not from a graph input past.*")
+    return "rollback." + state.removeprefix("past.")
+
+
+def _conv_rollback(L: Lowerer, state, st: str, x: str, dtype: torch.dtype, k: int, axis: int) -> None:
+    """--mtp: the conv state after the call's first token, the K-1 steps of concat(state, x) from the second (st
+    and x of `dtype`, in the layout of the op's state), written to the graph output rollback.* (no copy)."""
+    if L.rollback is None:
+        return
+    name = rollback_name(L.as_tensor(state))
+    full = L.b.one("Concat", [st, x], axis=axis)
+    bounds = [L.b.const(np.array([v], np.int64)) for v in (1, k, axis)]
+    if L.dtype_of(state) == dtype:
+        L.b.node("Slice", [full, *bounds], outputs=[name])
+    else:
+        L.b.node("Cast", [L.b.one("Slice", [full, *bounds])], outputs=[name], to=TORCH_TO_ONNX[L.dtype_of(state)])
+    L.rollback[L.as_tensor(state)] = name
+
+
+def _first_and_rest(L: Lowerer, t: str) -> str:
+    """Split sizes [1, T-1] along the tokens of t [1, T, ...] (made once per graph)."""
+    cache = getattr(L, "_split_first", None)
+    if cache is None:
+        tokens = L.b.one("Gather", [L.b.one("Shape", [t]), L.b.const(np.array([1], np.int64))], axis=0)
+        one = L.b.const(np.array([1], np.int64))
+        cache = L._split_first = L.b.one("Concat", [one, L.b.one("Sub", [tokens, one])], axis=0)
+    return cache
 
 
 def _packed_heads(L: Lowerer, t: str, heads: int, dim: int, repeat: int) -> str:
@@ -550,17 +592,38 @@ def _gated_delta(L: Lowerer, node, q, k, v, g, beta, state):
     qp = _packed_heads(L, L.as_tensor(q), hk, dk, r)
     kp = _packed_heads(L, L.as_tensor(k), hk, dk, r)
     vp = _packed_heads(L, L.as_tensor(v), hv, dv, 1)
-    out, new_state = L.b.node(
-        "LinearAttention",
-        [qp, kp, vp, L.as_tensor(state), L.as_tensor(g), L.as_tensor(beta)],
-        n_out=2,
-        domain="" if L.opset >= STANDARD_OPSET else MS,  # same attributes and semantics in both domains
-        q_num_heads=hv,
-        kv_num_heads=hv,
-        update_rule="gated_delta",
-        scale=float(dk) ** -0.5,
-        chunk_size=64,
-    )
+    ins = [qp, kp, vp, L.as_tensor(state), L.as_tensor(g), L.as_tensor(beta)]
+
+    def attend(ins: list[str], outputs: list[str] | None = None) -> list[str]:
+        return L.b.node(
+            "LinearAttention",
+            ins,
+            n_out=2,
+            outputs=outputs,
+            domain="" if L.opset >= STANDARD_OPSET else MS,  # same attributes and semantics in both domains
+            q_num_heads=hv,
+            kv_num_heads=hv,
+            update_rule="gated_delta",
+            scale=float(dk) ** -0.5,
+            chunk_size=64,
+        )
+
+    if L.rollback is None:
+        out, new_state = attend(ins)
+    else:
+        # --mtp: the recurrent state after the call's first token is an output too (rollback.*: the state to keep
+        # when the first draft is rejected). Two calls, over token 0 and over tokens 1 .. T-1 (none for T = 1: the
+        # op passes the state through, in place where the caller binds rollback.* and present.* to one buffer);
+        # the same result as one call (checked equal to the last bit on ONNX Runtime 1.31).
+        sizes = _first_and_rest(L, qp)
+        parts = [qp, kp, vp, L.as_tensor(g), L.as_tensor(beta)]
+        head, tail = zip(*(L.b.node("Split", [t, sizes], n_out=2, axis=1) for t in parts))
+        head, tail = list(head), list(tail)
+        name = rollback_name(ins[3])
+        out1, mid = attend(head[:3] + [ins[3]] + head[3:], outputs=[L.b.fresh("linearattention"), name])
+        out2, new_state = attend(tail[:3] + [mid] + tail[3:])
+        out = L.b.one("Concat", [out1, out2], axis=1)
+        L.rollback[ins[3]] = name
     out = L.b.one("Reshape", [out, L.b.const(np.array([1, -1, hv, dv], np.int64))])
     return [out, new_state]
 

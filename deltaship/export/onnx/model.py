@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import torch
 
-from deltaship.export.onnx.builder import GraphBuilder
+from deltaship.export.onnx.builder import NP_TO_ONNX, GraphBuilder
 from deltaship.export.onnx.genai import GENAI_CONFIG, adapt_tokenizer_config, write_genai_config
 from deltaship.export.onnx.lowering import LOWERINGS, STANDARD_OPSET, Lowerer
 
@@ -86,14 +86,28 @@ def in_place_states(nodes, states: list[dict]) -> dict[str, list[str]]:
         w = writer.get(s["output"])
         while w is not None and nodes[w].op_type == "Identity":
             w = writer.get(nodes[w].input[0])
-        if (
-            w is not None
-            and readers.get(s["name"]) == {w}
-            and nodes[w].op_type in IN_PLACE_KERNELS
-            and nodes[w].domain in IN_PLACE_DOMAINS
-        ):
+        if w is None or nodes[w].op_type not in IN_PLACE_KERNELS or nodes[w].domain not in IN_PLACE_DOMAINS:
+            continue
+        first = readers.get(s["name"], set())
+        if first == {w}:
+            out[s["name"]] = IN_PLACE_KERNELS[nodes[w].op_type]
+        elif len(first) == 1 and _split_in_place(nodes, readers, first.pop(), w):
             out[s["name"]] = IN_PLACE_KERNELS[nodes[w].op_type]
     return out
+
+
+def _split_in_place(nodes, readers: dict[str, set[int]], r: int, w: int) -> bool:
+    """--mtp's recurrent state: LinearAttention r (the call's first token) reads past and writes rollback.*, which
+    only LinearAttention w (the other tokens) reads, writing present. Past, rollback.* and present may then share
+    one buffer (each kernel reads its state before it writes it), as the session binds them outside verify."""
+    a, b = nodes[r], nodes[w]
+    return (
+        a.op_type == b.op_type == "LinearAttention"
+        and a.domain == b.domain
+        and a.output[1].startswith("rollback.")
+        and b.input[3] == a.output[1]
+        and readers.get(a.output[1]) == {w}
+    )
 
 
 def estimate_bytes(ctx) -> int:
@@ -227,6 +241,17 @@ def _conv_state_layout(states: list[dict], opset: int) -> None:
         s["layout"] = layout
 
 
+def _rollback_outputs(b: GraphBuilder, states: list[dict], names: dict[str, str]) -> None:
+    """--mtp: declare every DeltaNet state's value after the call's first token, outputs rollback.* (after the
+    program's outputs, in the states' order; see speculative.rollback in docs/bundle-format.md)."""
+    for s in states:
+        if not s["kind"].startswith("deltanet"):
+            continue
+        if s["name"] not in names:
+            raise RuntimeError(f"--mtp: the lowering gave no rollback output for DeltaNet state {s['name']}")
+        b.add_output(names[s["name"]], NP_TO_ONNX[np.dtype(s["dtype"])], s["shape"])
+
+
 def _declare_states(b: GraphBuilder, states: list[dict]) -> None:
     """Declare every state input and output with its contract shape (the captured program has the canonical
     channels-last conv state; at opset 27 the lowering reads and writes it channels first)."""
@@ -319,7 +344,13 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         opset=opset,
     )
     lw.kv_quant = ctx.kv_quant
+    # --mtp: the DeltaNet states after each call's first token as outputs too (the rollback of a rejected draft).
+    # Not at opset 27: ONNX Runtime 1.32's standard LinearAttention fails on the empty second call of a one-token
+    # step (a Reshape of its function body, checked); those bundles roll back by snapshot only.
+    lw.rollback = {} if speculative and opset < STANDARD_OPSET else None
     lw.run(inputs, outputs)
+    if lw.rollback is not None:
+        _rollback_outputs(b, ctx.states, lw.rollback)
     _declare_states(b, ctx.states)
     _genai_io(b, ctx.spec.vocab_size)
     _quantized_state_io(b, ctx.states)
@@ -335,7 +366,11 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         doc=f"deltaship {ctx.spec.num_layers}-layer Qwen3.5, {ctx.precision}",
     )
     # --mtp: the verify I/O of model.onnx, the draft head's own graph (mtp.onnx), the manifest's `speculative` block
-    drafts = _speculative(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b) if speculative else None
+    drafts = (
+        _speculative(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b, lw.rollback)
+        if speculative
+        else None
+    )
     ops: dict[str, int] = {}
     for n in b.nodes:
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
@@ -369,8 +404,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
 __all__ = ["lower", "io_inputs", "io_outputs", "adapt_tokenizer_config", "LOWERINGS", "MODEL_FILE"]
 
 
-def _speculative(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress, b) -> dict:
+def _speculative(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress, b, rollback) -> dict:
     from deltaship.export.onnx import mtp
 
     mtp.add_verify_io(out_dir / MODEL_FILE, ctx.spec)
-    return mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b)
+    return mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b, rollback)

@@ -103,10 +103,18 @@ def add_verify_io(path: Path, spec) -> None:
 
 
 def lower_mtp(
-    ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress, main: GraphBuilder
+    ctx,
+    weights,
+    out_dir: Path,
+    accuracy_level: int,
+    deltanet_ops: str,
+    progress,
+    main: GraphBuilder,
+    rollback: dict[str, str] | None = None,
 ) -> dict:
     """Write mtp.onnx (the MTP head: draft logits from the trunk's hidden states and the next tokens); return its
-    manifest's `speculative` block (its `files` are mtp.onnx's)."""
+    manifest's `speculative` block (its `files` are mtp.onnx's). rollback: the decoder's rollback outputs by DeltaNet
+    state (None: the graph has none)."""
     from deltaship.export.onnx.model import DATA_FILE, IR_VERSION, MODEL_FILE, OPSET
 
     program, states = ctx.programs["mtp"]
@@ -191,13 +199,7 @@ def lower_mtp(
                 },
             ],
         },
-        "rollback": {
-            "kv_cache": "keep the length pointer: positions past the accepted ones are overwritten by later calls",
-            "deltanet": "snapshot: keep the DeltaNet conv and recurrent states from before a verify call (bind the "
-            "call's DeltaNet state outputs to other buffers than its inputs, so nothing is copied, or copy them); "
-            "when a draft is rejected, go back to those states and feed the accepted tokens again at the start of "
-            "the next verify call (no per-position states are output yet)",
-        },
+        "rollback": _rollback_contract(rollback),
         "shares_weights": not stored,
         "shared_tensors": {n: b.shared[n] for n in sorted(b.shared)},
         "duplicated_tensors": sorted(stored),
@@ -219,6 +221,30 @@ _SPECULATIVE_KINDS = {
     "logit_rows": "logit_rows",
     "logits_rows": "logits",
 }
+
+
+_SNAPSHOT = (
+    "snapshot: keep the DeltaNet conv and recurrent states from before a verify call (bind the call's DeltaNet "
+    "state outputs to other buffers than its inputs, so nothing is copied, or copy them); when a draft is rejected, "
+    "go back to those states and feed the accepted tokens again at the start of the next verify call"
+)
+
+
+def _rollback_contract(rollback: dict[str, str] | None) -> dict:
+    """The manifest's speculative.rollback: with the decoder's rollback outputs or by snapshot alone."""
+    block = {"kv_cache": "keep the length pointer: positions past the accepted ones are overwritten by later calls"}
+    if not rollback:
+        return {**block, "deltanet": _SNAPSHOT + " (this graph outputs no per-position states)"}
+    return {
+        **block,
+        "deltanet": "every call also outputs each DeltaNet state as it was after the call's first token "
+        "(deltanet_outputs: state input -> output). A verify call feeds the newest token and its k drafts: when "
+        "the first draft is rejected (at depth 1, every rejection), make those outputs the current states and "
+        "advance the position by 1 (no call, no copy: swap buffers). Outside verify calls, bind each recurrent "
+        "one to the buffer its present state goes to (the graph's second LinearAttention then updates it in "
+        "place). A later draft rejected (depth 2+): " + _SNAPSHOT,
+        "deltanet_outputs": dict(rollback),
+    }
 
 
 def _bytes(t: onnx.TensorProto) -> int:

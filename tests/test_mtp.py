@@ -283,6 +283,10 @@ def test_profile_speculative_measures_costs_acceptance_and_speed(tiny_mtp, tmp_p
     )
     pr = s["projection"]
     assert pr["label"].startswith("projection") and "0.75" in pr["source"] and pr["acceptance"] == 0.75
+    imp = s["decode_tok_s_imposed"]  # the loop timed with drafts accepted at the projection's rate
+    assert imp["label"].startswith("timed at an imposed acceptance") and imp["acceptance"] == 0.75
+    assert abs(imp["acceptance_rate"] - 0.75) < 0.06 and imp["speculative"] > 0 and imp["speculative_by_snapshot"] > 0
+    assert s["rollback"].startswith("first token") and 0 < rel["rollback_to_first"] < rel["verify"]["1"]
     metrics = {(r["metric"], r.get("tokens"), r.get("positions")) for r in doc["results"]}
     assert {("verify_s", 2, None), ("draft_s", None, 1), ("plain_decode_tok_s", None, None)} <= metrics
     text = format_results(doc)

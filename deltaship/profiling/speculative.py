@@ -167,9 +167,10 @@ class ImposedAcceptance:
     bundle whose own head accepts nothing (random weights); the tokens it emits mean nothing. Rows are rigged only
     in calls that ask for every row (the driver's verify calls; prefill asks for the last row only)."""
 
-    def __init__(self, session: Any, rate: float, seed: int = 0):
+    def __init__(self, session: Any, rate: float, seed: int = 0, rollback: bool = True):
         object.__setattr__(self, "_session", session)
         object.__setattr__(self, "_rate", rate)
+        object.__setattr__(self, "_rollback", rollback)  # False: undo rejections by snapshot even where it could not
         object.__setattr__(self, "_rng", np.random.default_rng(seed))
         object.__setattr__(self, "_schedule", [])
 
@@ -178,6 +179,10 @@ class ImposedAcceptance:
 
     def __setattr__(self, name: str, value: Any) -> None:  # the driver moves session.position
         setattr(self._session, name, value)
+
+    def can_rollback_to_first(self) -> bool:
+        can = getattr(self._session, "can_rollback_to_first", None)
+        return self._rollback and callable(can) and can()
 
     def verify(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         logits, hidden = self._session.verify(ids, rows)
@@ -322,10 +327,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])  # first new token to last: prefill left out
 
     rate_used = float(cfg.get("acceptance") or PROJECTION_ACCEPTANCE)
-    imposed = ImposedAcceptance(session, rate_used)
     session.generate(prompts[0], min(gen, 8), stop_at_eos=False)  # warm both paths up
     generate_speculative(session, prompts[0], min(gen, 8), depth, stop_at_eos=False)
-    plain_rates, spec_rates, imposed_rates, same = [], [], [], 0
+    plain_rates, spec_rates, imposed_rates, snapshot_rates, same = [], [], [], [], 0
+    # drafts accepted at rate_used over the whole prompt set (one schedule each)
+    imposed, by_snapshot = ImposedAcceptance(session, rate_used), ImposedAcceptance(session, rate_used, rollback=False)
     drafted = accepted = verify_calls = emitted = 0
     imposed_drafted = imposed_accepted = 0
     for p in prompts:
@@ -343,6 +349,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         _, st = generate_speculative(imposed, p, gen, depth, stop_at_eos=False, on_token=stamp)
         imposed_rates.append(rate())
         imposed_drafted, imposed_accepted = imposed_drafted + st.drafted, imposed_accepted + st.accepted
+        if rolls_back:  # the other way back, on the same bundle: snapshot, restore and feed the token again
+            stamps.clear()
+            generate_speculative(by_snapshot, p, gen, depth, stop_at_eos=False, on_token=stamp)
+            snapshot_rates.append(rate())
     where = dict(prompts=len(prompts), gen=gen)
     results.append(record("plain_decode_tok_s", "tok/s", plain_rates, **where, note="greedy, one sample per prompt"))
     results.append(
@@ -414,6 +424,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             "speculative": round(float(np.median(imposed_rates)), 3),
             "speedup": round(imposed_speedup["ratio"], 4),
             "speedup_ci95": [round(x, 4) for x in imposed_speedup["ci95"]],
+            **(
+                {
+                    "speculative_by_snapshot": round(float(np.median(snapshot_rates)), 3),
+                    "speedup_by_snapshot": round(ratio_ci(snapshot_rates, plain_rates)["ratio"], 4),
+                    "by_snapshot": "the same loop with rollback_to_first left unused: a rejection restores the "
+                    "snapshot and the next verify call feeds the kept token again (3 tokens)",
+                }
+                if rolls_back
+                else {}
+            ),
         },
         "projection": {
             "label": "projection, not a measurement: the measured per-call costs at a stated acceptance rate",
@@ -500,6 +520,12 @@ def format_speculative(s: dict[str, Any]) -> str:
             f"{imp['accepted']}/{imp['drafted']} by rigging the verify logits): plain {imp['plain']:.2f}, "
             f"speculative {imp['speculative']:.2f} (x{imp['speedup']:.3f}, 95% CI [{imp['speedup_ci95'][0]:.3f}, "
             f"{imp['speedup_ci95'][1]:.3f}])"
+            + (
+                f"; rolling back by snapshot instead: {imp['speculative_by_snapshot']:.2f} "
+                f"(x{imp['speedup_by_snapshot']:.3f})"
+                if "speculative_by_snapshot" in imp
+                else ""
+            )
         )
     m = s["projection_at_measured_acceptance"]
     lines.append(

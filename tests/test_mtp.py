@@ -360,7 +360,8 @@ def test_onnx_rollback_without_copies(tiny_mtp):
 def test_rollback_to_first_keeps_the_first_token_of_a_verify_call(tiny_mtp):
     """The --mtp graph's rollback outputs hold every DeltaNet state after the call's first token: made current by
     rollback_to_first (a buffer swap), the session is where decoding that one token would have left it, and goes on
-    the same. Refused after any other call, and on a bundle whose manifest lists no rollback outputs."""
+    the same. Refused after any other call, and on a bundle whose manifest lists no rollback outputs; a restore
+    across a verify call that ran with no snapshot pending (it updates the states in place) is refused too."""
     from deltaship.runtimes import open_bundle
 
     s = open_bundle(tiny_mtp("fp32"))
@@ -383,6 +384,14 @@ def test_rollback_to_first_keeps_the_first_token_of_a_verify_call(tiny_mtp):
     s.decode(9)
     with pytest.raises(DeltashipError, match="right after the verify call"):
         s.rollback_to_first()
+    # a verify call with no snapshot pending updates the states in place (its first LinearAttention): a restore
+    # of an older snapshot across it is refused, not silently wrong
+    snap = s.snapshot()
+    s.verify(np.array([5, 6], np.int64), np.arange(2, dtype=np.int64))
+    s.restore(snap)
+    s.verify(np.array([5, 6], np.int64), np.arange(2, dtype=np.int64))
+    with pytest.raises(DeltashipError, match="in place"):
+        s.restore(snap)
     s.manifest["speculative"]["rollback"].pop("deltanet_outputs")
     s.verify(np.array([5, 6], np.int64), np.arange(2, dtype=np.int64))
     with pytest.raises(DeltashipError, match="no rollback outputs") as e:

@@ -20,7 +20,8 @@ class OnnxSpeculation:
     _verify_positions: np.ndarray | None = None
     _spare: dict[str, tuple[np.ndarray, Any]] | None = None
     _rollback: dict[str, tuple[np.ndarray, Any]] | None = None
-    _after_verify: tuple | None = None
+    _after_verify: tuple | None = None  # (serial, forward marker, position, whether it kept the states before it)
+    _keep_past = False  # a snapshot is pending: the next verify call must leave the states before it intact
     _verify_serial = 0
 
     def verify(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +56,11 @@ class OnnxSpeculation:
             # an in-place DeltaNet state is written out of place here, into its spare: the state before the call
             # stays where it was, for a restore (see snapshot)
             io.bind_ortvalue_output(s["output"], spares[name][1] if name in spares else vals[(cur + 1) % len(vals)])
-        self._bind_rollback(io, verify=True)
+        # without a snapshot to honour, the first LinearAttention updates the state before the call in place (it is
+        # not needed again: a rejection keeps the state after the first token, which is where it then is)
+        keep = self._keep_past or not self.can_rollback_to_first()
+        self._bind_rollback(io, verify=True, keep_past=keep)
+        self._keep_past = False
         io.bind_output("logits_rows")
         io.bind_output("hidden_states")
         self.sess.run_with_iobinding(io)
@@ -71,7 +76,7 @@ class OnnxSpeculation:
         if spares:  # the in-place states now live in other buffers than the cached decode bindings bind
             self._decode_io.clear()
         self._verify_serial += 1
-        self._after_verify = (self._verify_serial, self._forward_marker(), self.position)
+        self._after_verify = (self._verify_serial, self._forward_marker(), self.position, keep)
         values = io.get_outputs()  # in binding order: the states, the rollback states, logits_rows, hidden_states
         return values[-2].numpy()[0], values[-1].numpy()[0]
 
@@ -89,20 +94,25 @@ class OnnxSpeculation:
                 self._rollback[name] = (a, self._ortvalue(a))
         return self._rollback
 
-    def _bind_rollback(self, io, verify: bool) -> None:
-        """Bind the rollback outputs (an unbound output costs an allocation every call). A verify call writes them
-        to their own buffers; any other call binds each recurrent one to the buffer its present state goes to,
-        where the graph's second LinearAttention then runs in place (a call of one token costs no copy)."""
+    def _bind_rollback(self, io, verify: bool, keep_past: bool = True) -> None:
+        """Bind the rollback outputs (an unbound output costs an allocation every call): the conv ones to buffers of
+        their own; each recurrent one, outside verify calls, to the buffer its present state goes to (the graph's
+        second LinearAttention then runs in place: a call of one token costs no copy); in a verify call that must
+        keep the state before it (a snapshot was taken), to a buffer of its own; in one that need not, to the
+        buffer of the state before the call (the first LinearAttention runs in place; a rejection then goes back
+        to that buffer, as a restore would)."""
         rollback = self._rollback_buffers()
         for s in self.states:
             output = self._rollback_outputs().get(s["name"])
             if output is None:
                 continue
-            if verify or not s["kind"].endswith("recurrent"):
+            vals, cur = self._vals[s["name"]], self._cur[s["name"]]
+            if not s["kind"].endswith("recurrent") or (verify and keep_past):
                 io.bind_ortvalue_output(output, rollback[s["name"]][1])
+            elif verify:
+                io.bind_ortvalue_output(output, vals[cur])
             else:
-                vals = self._vals[s["name"]]
-                io.bind_ortvalue_output(output, vals[(self._cur[s["name"]] + 1) % len(vals)])
+                io.bind_ortvalue_output(output, vals[(cur + 1) % len(vals)])
 
     def can_rollback_to_first(self) -> bool:
         return bool(self._rollback_outputs())
@@ -112,18 +122,25 @@ class OnnxSpeculation:
         outputs; nothing is copied: the buffers swap). The KV caches need nothing (their length pointer is the
         position); the caller advances the position by 1. Any call in between is refused."""
         after = self._after_verify
+        keep = after[3] if after else True
         if not self.can_rollback_to_first():
             raise DeltashipError(
                 f"{self.bundle}: this bundle has no rollback outputs (exported before deltaship wrote them)",
                 "export it again with --mtp, or undo verify calls with snapshot/restore",
             )
-        if after is None or after != (self._verify_serial, self._forward_marker(), self.position):
+        if after is None or after != (self._verify_serial, self._forward_marker(), self.position, keep):
             raise DeltashipError(
                 "rollback_to_first undoes the verify call just made; another call ran after it",
                 "call rollback_to_first right after the verify call",
             )
-        rollback = self._rollback_buffers()
-        for name in self._rollback_outputs():
+        rollback, spares = self._rollback_buffers(), self._spares()
+        for s in self.states:
+            name = s["name"]
+            if name not in rollback:
+                continue
+            if not keep and s["kind"].endswith("recurrent"):  # the state before the call's buffer holds it now
+                self._undo_verify(name, spares)
+                continue
             slot = self._cur[name] if len(self._vals[name]) == 2 else 0
             rollback[name], (self._bufs[name][slot], self._vals[name][slot]) = (
                 (self._bufs[name][slot], self._vals[name][slot]),
@@ -154,6 +171,7 @@ class OnnxSpeculation:
                 "use the CPU provider for --speculative",
             )
         self._spares()
+        self._keep_past = True  # the next verify call writes every state out of place
         return {"position": self.position, "serial": self._verify_serial, "forward": self._forward_marker()}
 
     def _forward_marker(self) -> tuple:
@@ -171,20 +189,30 @@ class OnnxSpeculation:
                 "restore undoes only the one verify call made since its snapshot; other calls ran in between",
                 "take the snapshot right before the verify call to undo",
             )
+        if self._after_verify is not None and not self._after_verify[3]:
+            raise DeltashipError(
+                "restore: the verify call since the snapshot updated the states in place (no snapshot was pending "
+                "when it ran)",
+                "take the snapshot right before the verify call to undo",
+            )
         spares = self._spares()
         for s in self.states:
-            name = s["name"]
-            if name in spares:
-                spares[name], (self._bufs[name][0], self._vals[name][0]) = (
-                    (self._bufs[name][0], self._vals[name][0]),
-                    spares[name],
-                )
-            elif s["kind"].startswith("deltanet"):
-                self._cur[name] = (self._cur[name] - 1) % len(self._vals[name])
+            if s["kind"].startswith("deltanet"):
+                self._undo_verify(s["name"], spares)
         if spares:
             self._decode_io.clear()
         self._verify_serial -= 1
         self.position = snap["position"]
+
+    def _undo_verify(self, name: str, spares: dict) -> None:
+        """Make the buffer the last verify call read state `name` from current again."""
+        if name in spares:
+            spares[name], (self._bufs[name][0], self._vals[name][0]) = (
+                (self._bufs[name][0], self._vals[name][0]),
+                spares[name],
+            )
+        else:
+            self._cur[name] = (self._cur[name] - 1) % len(self._vals[name])
 
     def _draft_session(self):
         if self._draft_sess is None:

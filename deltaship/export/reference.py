@@ -130,6 +130,8 @@ def _set_from_rounded(model, source: ModelSource, plan, rounded: dict) -> None:
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
         params["lm_head.weight"] = model.lm_head.weight
     for name, arr in rounded.items():
+        if name.startswith("mtp."):  # the MTP head (and its draft head's rows): not in this model (reference_mtp)
+            continue
         recipe = None if name == "lm_head.weight" else plan.recipes[name]
         if recipe is not None and recipe.rows is not None:  # a row selection of one source: scatter it back
             (src,) = recipe.sources

@@ -255,16 +255,20 @@ def test_weight_plan_takes_rows_and_reads_a_block_of_them():
 @pytest.mark.parametrize("target", ["executorch", "coreml"])
 def test_other_targets_draft_over_the_subset_losslessly(tmp_path, target):
     """ExecuTorch (method mtp_draft) and Core ML (function mtp_draft, in the evaluator) take the option too: the
-    draft's logits are [1, N] and greedy speculative decoding gives the plain greedy tokens (slow tier)."""
+    draft's logits are [1, N] and greedy speculative decoding gives the plain greedy tokens (slow tier). ExecuTorch
+    at int4 (its fp32 is tests/test_mtp_executorch.py's), verified against transformers at export: the int4
+    --mtp program's verification once crashed on the head's weights."""
     from deltaship.bundle import read_manifest, schema_problems
     from deltaship.export import export
     from deltaship.runtimes import open_bundle
 
     out = tmp_path / target
-    export("qwen3.5-tiny", out, target=target, max_context=128, prefill_chunk=CHUNK, mtp=True, mtp_draft_vocab=N,
-           verify=False, progress=False)  # fmt: skip
+    int4 = target == "executorch"
+    export("qwen3.5-tiny", out, target=target, precision="int4" if int4 else "fp32", max_context=128,
+           prefill_chunk=CHUNK, mtp=True, mtp_draft_vocab=N, verify=int4, progress=False)  # fmt: skip
     m = read_manifest(out)
     assert not schema_problems(m) and m["speculative"]["draft"]["vocab"]["size"] == N
+    assert m["verification"]["status"] == ("passed" if int4 else "skipped")
     session = open_bundle(out)
     session.reset_draft()
     logits, _ = session.draft(np.zeros((1, 256), np.float32), np.array([ord("d")]), 0)

@@ -1,6 +1,8 @@
 """The ONNX session's speculative-decoding calls (deltaship/runtimes/speculative.py) for bundles exported with
 --mtp: `verify` through the decoder's logit_rows / logits_rows / hidden_states I/O, the draft head in mtp.onnx,
-and DeltaNet state snapshots (host copies of the current buffers)."""
+and the two ways back after a rejection: `rollback_to_first` (the decoder's rollback.* outputs, the DeltaNet states
+after the call's first token) and snapshot / restore (buffers the verify call leaves untouched). Neither copies a
+state: buffers swap."""
 
 from __future__ import annotations
 
@@ -121,18 +123,18 @@ class OnnxSpeculation:
         """Right after a verify call: make the DeltaNet states those after its first token (the bundle's rollback
         outputs; nothing is copied: the buffers swap). The KV caches need nothing (their length pointer is the
         position); the caller advances the position by 1. Any call in between is refused."""
-        after = self._after_verify
-        keep = after[3] if after else True
         if not self.can_rollback_to_first():
             raise DeltashipError(
                 f"{self.bundle}: this bundle has no rollback outputs (exported before deltaship wrote them)",
                 "export it again with --mtp, or undo verify calls with snapshot/restore",
             )
-        if after is None or after != (self._verify_serial, self._forward_marker(), self.position, keep):
+        after = self._after_verify
+        if after is None or after[:3] != (self._verify_serial, self._forward_marker(), self.position):
             raise DeltashipError(
                 "rollback_to_first undoes the verify call just made; another call ran after it",
                 "call rollback_to_first right after the verify call",
             )
+        keep = after[3]
         rollback, spares = self._rollback_buffers(), self._spares()
         for s in self.states:
             name = s["name"]

@@ -1,6 +1,7 @@
 """ONNX Runtime's thread spinning and speculative decoding: plain and speculative decode tokens/s of one --mtp bundle
 with the sessions' intra-op threads spinning after a call (ONNX Runtime's default) and stopping when it returns
-(`session.force_spinning_stop`, what deltaship sets), alternated in fresh processes (A B, B A, ...).
+(`session.force_spinning_stop`, what deltaship sets for the sessions of an --mtp bundle), alternated in fresh
+processes (A B, B A, ...).
 
     python bench/onnx_spinning.py B08 [--pairs 4] [--gen 32] [--acceptance 0.776] [--out bench/results/x.json]
 

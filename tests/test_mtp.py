@@ -491,3 +491,21 @@ def test_executorch_int4_verification_reference_leaves_the_mtp_head_out():
     assert "mtp.fc.weight" in ctx.rounded
     ref = matched_reference_model(source, ctx.plan, ctx.quant, "int4", rounded=ctx.rounded)
     np.testing.assert_array_equal(ref.lm_head.weight.detach().numpy(), ctx.rounded["lm_head.weight"])
+
+
+def test_speculative_sessions_stop_spinning_between_calls(tiny_mtp, bundles):
+    """The decoder and the draft head of an --mtp bundle take turns call after call: their ONNX Runtime threads stop
+    spinning when a call returns (spinning, each took the cores from the other's call: docs/results/mtp.md); a
+    plain bundle keeps ONNX Runtime's default."""
+    from deltaship.runtimes import open_bundle
+
+    def stops(sess) -> bool:
+        opts = sess.get_session_options()
+        try:
+            return opts.get_session_config_entry("session.force_spinning_stop") == "1"
+        except Exception:  # ONNX Runtime raises when the entry was never set
+            return False
+
+    s = open_bundle(tiny_mtp("fp32"))
+    assert stops(s.sess) and stops(s._draft_session())
+    assert not stops(open_bundle(bundles("base")).sess)

@@ -32,7 +32,7 @@ from deltaship.runtimes.onnx_speculative import OnnxSpeculation
 _NP = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
 
 
-def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool = False):
+def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool = False, turn_taking: bool = False):
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = int(threads)
@@ -43,11 +43,13 @@ def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool 
         opts.profile_file_prefix = profile_prefix
     if strict:
         opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    # the intra-op threads stop spinning when a call returns: a bundle runs two sessions in turn (the draft head
-    # and the decoder, the vision encoder and the decoder), and one session's spinning threads took the cores
-    # from the other's call: speculative decoding at 0.8B ran x0.68-0.73 of plain decoding with spinning, x1.17-1.22
-    # without, plain decoding unchanged (docs/results/mtp.md)
-    opts.add_session_config_entry("session.force_spinning_stop", "1")
+    if turn_taking:
+        # a session that takes turns with another call after call (speculative decoding: the draft head's and the
+        # decoder's): its intra-op threads stop spinning when a call returns, or they take the cores from the other
+        # session's call. bench/onnx_spinning.py, 0.8B int4, 2 threads, 4 alternated runs each: speculative decoding
+        # at an imposed acceptance of 0.776 ran 18.1 tok/s spinning, 28.8 stopping; plain decoding 26.1 and 24.8
+        # (within the runs' spread, but kept for sessions that do not take turns: docs/results/mtp.md)
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
     return opts
 
 
@@ -170,6 +172,7 @@ class OnnxSession(OnnxSpeculation, Session):
             (p, cuda_provider_options(cuda_graph)) if p == "CUDAExecutionProvider" else p for p in self.providers
         ]
         model_path = self.bundle / manifest["entry"]
+        turn_taking = "speculative" in manifest  # an --mtp bundle's decoder takes turns with its draft head
         self.cpu_fallback = False
         try:
             if self.providers[0] != "CPUExecutionProvider":
@@ -178,7 +181,9 @@ class OnnxSession(OnnxSpeculation, Session):
                 accel = [p for p in ep_list if p != "CPUExecutionProvider"]
                 try:  # ORT refuses a CPU provider in the list when CPU fallback is disabled
                     self.sess = ort.InferenceSession(
-                        str(model_path), providers=accel, sess_options=_options(ort, threads, prefix, strict=True)
+                        str(model_path),
+                        providers=accel,
+                        sess_options=_options(ort, threads, prefix, strict=True, turn_taking=turn_taking),
                     )
                 except Exception as e:
                     if "fallback to CPU EP has been explicitly disabled" not in str(e):
@@ -187,9 +192,8 @@ class OnnxSession(OnnxSpeculation, Session):
                     # lengths); with fp32 activations attention itself runs there (see runtime_name).
                     self.cpu_fallback = True
             if not hasattr(self, "sess"):
-                self.sess = ort.InferenceSession(
-                    str(model_path), sess_options=_options(ort, threads, prefix), providers=ep_list
-                )
+                opts = _options(ort, threads, prefix, turn_taking=turn_taking)
+                self.sess = ort.InferenceSession(str(model_path), sess_options=opts, providers=ep_list)
         except Exception as e:  # ORT raises its own exception types
             if cuda_graph and "graph capture" in str(e):
                 raise DeltashipError(

@@ -223,7 +223,7 @@ class OnnxSpeculation:
             block = self.manifest["speculative"]["draft"]
             self._draft_sess = self._ort.InferenceSession(
                 str(self.bundle / block["file"]),
-                sess_options=_options(self._ort, self.threads, None),
+                sess_options=_options(self._ort, self.threads, None, turn_taking=True),
                 providers=["CPUExecutionProvider"],
             )
             self._draft_states = block["states"]

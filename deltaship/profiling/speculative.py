@@ -123,7 +123,7 @@ def project(costs: dict[str, Any], depth: int, acceptance: float, calls: int = 2
     re-fed tokens)."""
     from deltaship.runtimes.speculative import MAX_PENDING
 
-    last = costs.get("rollback_to_first")
+    first = costs.get("rollback_to_first")  # None: the session rolls back by snapshot only
 
     verify, draft = (
         _cost({int(k): v for k, v in costs["verify"].items()}),
@@ -133,14 +133,14 @@ def project(costs: dict[str, Any], depth: int, acceptance: float, calls: int = 2
     pending, emitted_before, total_ms, tokens = 1, 1, 0.0, 0
     for _ in range(calls):
         ms = draft(emitted_before) + (depth - 1) * draft(1) + verify(pending + depth)
-        ms += 0.0 if last is not None and depth == 1 and pending == 1 else costs["snapshot"]
+        ms += 0.0 if first is not None and depth == 1 and pending == 1 else costs["snapshot"]
         ok = rng.random(depth) < acceptance
         accepted = depth if ok.all() else int(np.argmin(ok))
         tokens += accepted + 1
         if accepted == depth:
             pending = 1
-        elif last is not None and accepted == 0 and pending == 1:
-            ms += last
+        elif first is not None and accepted == 0 and pending == 1:
+            ms += first
         else:  # restore; the accepted tokens and the decoder's own ride along with the next call
             ms += costs["restore"]
             pending += accepted + 1
@@ -181,8 +181,9 @@ class ImposedAcceptance:
         setattr(self._session, name, value)
 
     def can_rollback_to_first(self) -> bool:
-        can = getattr(self._session, "can_rollback_to_first", None)
-        return self._rollback and callable(can) and can()
+        from deltaship.runtimes.speculative import rolls_back_to_first
+
+        return self._rollback and rolls_back_to_first(self._session)
 
     def verify(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         logits, hidden = self._session.verify(ids, rows)
@@ -204,7 +205,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     from deltaship.profiling.stats import ratio_ci
     from deltaship.profiling.worker import now, record, repeat
     from deltaship.runtimes import open_bundle
-    from deltaship.runtimes.speculative import generate_speculative, require_speculative
+    from deltaship.runtimes.speculative import generate_speculative, require_speculative, rolls_back_to_first
 
     bundle, threads, depth = Path(cfg["bundle"]), cfg.get("threads"), int(cfg["depth"])
     warmups, reps, min_s = cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 2.0)
@@ -271,7 +272,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         return now() - t0
 
     restore_s = repeat(rollback, warmups, reps, min_s)
-    rolls_back = callable(getattr(session, "can_rollback_to_first", None)) and session.can_rollback_to_first()
+    rolls_back = rolls_back_to_first(session)
 
     def rollback_to_first() -> float:
         session.reset()
@@ -540,32 +541,28 @@ def headline(s: dict[str, Any]) -> list[tuple[str, str]]:
     a, d, pr = s["acceptance"], s["decode_tok_s"], s["projection"]
     t = str(s["depth"] + 1)
     emulated = [] if s.get("device_latencies", True) else [("latencies", s["latencies"])]
-    return (
-        emulated
-        + [
-            (f"verify of {t} tokens / decode step", f"x{s['relative_to_decode_step']['verify'][t]:.2f}"),
-            ("draft step / decode step", f"x{s['relative_to_decode_step']['draft']['1']:.2f}"),
+    lines = emulated + [
+        (f"verify of {t} tokens / decode step", f"x{s['relative_to_decode_step']['verify'][t]:.2f}"),
+        ("draft step / decode step", f"x{s['relative_to_decode_step']['draft']['1']:.2f}"),
+        (
+            "acceptance (measured)" + ("" if a["meaningful"] else ", random weights: meaningless"),
+            f"{a['acceptance_rate']:.3f}, {a['mean_accepted_length']:.2f} accepted per verify call",
+        ),
+        (
+            "decode tok/s plain / speculative (measured)",
+            f"{d['plain']:.2f} / {d['speculative']:.2f} (x{d['speedup']:.3f})",
+        ),
+        (f"PROJECTION at acceptance {pr['acceptance']}", f"{pr['tokens_per_s']:.2f} tok/s (x{pr['speedup']:.3f})"),
+    ]
+    imp = s.get("decode_tok_s_imposed")
+    if imp:
+        lines.append(
             (
-                "acceptance (measured)" + ("" if a["meaningful"] else ", random weights: meaningless"),
-                f"{a['acceptance_rate']:.3f}, {a['mean_accepted_length']:.2f} accepted per verify call",
-            ),
-            (
-                "decode tok/s plain / speculative (measured)",
-                f"{d['plain']:.2f} / {d['speculative']:.2f} (x{d['speedup']:.3f})",
-            ),
-            (f"PROJECTION at acceptance {pr['acceptance']}", f"{pr['tokens_per_s']:.2f} tok/s (x{pr['speedup']:.3f})"),
-        ]
-        + (
-            [
-                (
-                    f"decode tok/s timed at an imposed acceptance {s['decode_tok_s_imposed']['acceptance']}",
-                    f"{s['decode_tok_s_imposed']['speculative']:.2f} (x{s['decode_tok_s_imposed']['speedup']:.3f})",
-                )
-            ]
-            if "decode_tok_s_imposed" in s
-            else []
+                f"decode tok/s timed at an imposed acceptance {imp['acceptance']}",
+                f"{imp['speculative']:.2f} (x{imp['speedup']:.3f})",
+            )
         )
-    )
+    return lines
 
 
 def plot_speculative(s: dict[str, Any], plt):

@@ -69,10 +69,7 @@ class OnnxSpeculation:
         for s in self.states:
             name = s["name"]
             if name in spares:  # the new state becomes current, the old one the spare
-                spares[name], (self._bufs[name][0], self._vals[name][0]) = (
-                    (self._bufs[name][0], self._vals[name][0]),
-                    spares[name],
-                )
+                spares[name] = self._swap_in(name, 0, spares[name])
             else:
                 self._cur[name] = (self._cur[name] + 1) % len(self._vals[name])
         if spares:  # the in-place states now live in other buffers than the cached decode bindings bind
@@ -103,9 +100,9 @@ class OnnxSpeculation:
         keep the state before it (a snapshot was taken), to a buffer of its own; in one that need not, to the
         buffer of the state before the call (the first LinearAttention runs in place; a rejection then goes back
         to that buffer, as a restore would)."""
-        rollback = self._rollback_buffers()
+        rollback, outputs = self._rollback_buffers(), self._rollback_outputs()
         for s in self.states:
-            output = self._rollback_outputs().get(s["name"])
+            output = outputs.get(s["name"])
             if output is None:
                 continue
             vals, cur = self._vals[s["name"]], self._cur[s["name"]]
@@ -117,6 +114,7 @@ class OnnxSpeculation:
                 io.bind_ortvalue_output(output, vals[(cur + 1) % len(vals)])
 
     def can_rollback_to_first(self) -> bool:
+        """Whether the bundle's graph outputs the states after a call's first token (see rollback_to_first)."""
         return bool(self._rollback_outputs())
 
     def rollback_to_first(self) -> None:
@@ -144,10 +142,7 @@ class OnnxSpeculation:
                 self._undo_verify(name, spares)
                 continue
             slot = self._cur[name] if len(self._vals[name]) == 2 else 0
-            rollback[name], (self._bufs[name][slot], self._vals[name][slot]) = (
-                (self._bufs[name][slot], self._vals[name][slot]),
-                rollback[name],
-            )
+            rollback[name] = self._swap_in(name, slot, rollback[name])
         self._decode_io.clear()
         self._after_verify = None
 
@@ -209,12 +204,15 @@ class OnnxSpeculation:
     def _undo_verify(self, name: str, spares: dict) -> None:
         """Make the buffer the last verify call read state `name` from current again."""
         if name in spares:
-            spares[name], (self._bufs[name][0], self._vals[name][0]) = (
-                (self._bufs[name][0], self._vals[name][0]),
-                spares[name],
-            )
+            spares[name] = self._swap_in(name, 0, spares[name])
         else:
             self._cur[name] = (self._cur[name] - 1) % len(self._vals[name])
+
+    def _swap_in(self, name: str, slot: int, pair: tuple[np.ndarray, Any]) -> tuple[np.ndarray, Any]:
+        """Put (buffer, OrtValue) `pair` in state `name`'s `slot`; return the pair it replaces (nothing is copied)."""
+        old = (self._bufs[name][slot], self._vals[name][slot])
+        self._bufs[name][slot], self._vals[name][slot] = pair
+        return old
 
     def _draft_session(self):
         if self._draft_sess is None:

@@ -128,6 +128,12 @@ def require_speculative(session: Session) -> None:
         )
 
 
+def rolls_back_to_first(session: Any) -> bool:
+    """Whether the session can undo a verify call down to its first token (the optional `rollback_to_first`)."""
+    can = getattr(session, "can_rollback_to_first", None)
+    return callable(can) and bool(can())
+
+
 def draft_token_ids(bundle: str | Path, manifest: dict[str, Any]) -> np.ndarray | None:
     """The token ids the draft head's logits cover (int64 [N], from the bundle's `speculative.draft.vocab` file), or
     None when they cover the whole vocabulary (bundles exported without --mtp-draft-vocab)."""
@@ -194,7 +200,7 @@ def generate_speculative(
     greedy = temperature <= 0
     stats = SpeculativeStats(depth)
     draft_ids = draft_token_ids(session.bundle, session.manifest)  # draft index -> token id (None: the same)
-    rolls_back = callable(getattr(s, "can_rollback_to_first", None)) and s.can_rollback_to_first()
+    rolls_back = rolls_back_to_first(session)
     session.reset()  # a fresh sequence: the draft head's cache must see every position the decoder sees
     s.reset_draft()
     prompt = session._check([int(i) for i in ids])

@@ -501,7 +501,9 @@ def _conv(L: Lowerer, node, x, state, weight):
         y, new_state = L.b.node("CausalConvWithState", [xt, w, "", st], n_out=2, activation="silu")
         if L.dtype_of(state) != xdt:
             new_state = L.b.one("Cast", [new_state], to=TORCH_TO_ONNX[L.dtype_of(state)])
-        _conv_rollback(L, state, st, xt, xdt, L.meta(weight).shape[-1], axis=2)
+        if L.rollback is not None:
+            full = L.b.one("Concat", [st, xt], axis=2)
+            _conv_rollback(L, state, full, xdt, L.meta(weight).shape[-1], axis=2)
         return [L.b.one("Transpose", [y], perm=[0, 2, 1]), new_state]
     if L.deltanet_ops == "contrib":
         w = L.weight(weight, "conv")
@@ -511,7 +513,8 @@ def _conv(L: Lowerer, node, x, state, weight):
             st = L.as_tensor(state)
             if L.dtype_of(state) != xdt:
                 st = L.b.one("Cast", [st], to=TORCH_TO_ONNX[xdt])
-            _conv_rollback(L, state, st, L.as_tensor(x), xdt, L.meta(weight).shape[-1], axis=1)
+            full = L.b.one("Concat", [st, L.as_tensor(x)], axis=1)
+            _conv_rollback(L, state, full, xdt, L.meta(weight).shape[-1], axis=1)
         return L.b.node(
             "CausalConvWithState",
             [L.as_tensor(x), w, "", L.as_tensor(state)],
@@ -538,7 +541,7 @@ def _conv(L: Lowerer, node, x, state, weight):
     new_state = L.b.one(
         "Slice", [full, L.b.const(np.array([-(k - 1)], np.int64)), L.b.const(np.array([INT64_MAX], np.int64)), one]
     )
-    _conv_rollback(L, state, st, L.as_tensor(x), xdt, k, axis=1)
+    _conv_rollback(L, state, full, xdt, k, axis=1)  # the same concat(state, x)
     if L.dtype_of(state) != xdt:
         new_state = L.b.one("Cast", [new_state], to=TORCH_TO_ONNX[L.dtype_of(state)])
     return [_silu_of(L, acc), new_state]
@@ -551,13 +554,12 @@ def rollback_name(state: str) -> str:
     return "rollback." + state.removeprefix("past.")
 
 
-def _conv_rollback(L: Lowerer, state, st: str, x: str, dtype: torch.dtype, k: int, axis: int) -> None:
-    """--mtp: the conv state after the call's first token, the K-1 steps of concat(state, x) from the second (st
-    and x of `dtype`, in the layout of the op's state), written to the graph output rollback.* (no copy)."""
+def _conv_rollback(L: Lowerer, state, full: str, dtype: torch.dtype, k: int, axis: int) -> None:
+    """--mtp: the conv state after the call's first token, the K-1 steps of full = concat(state, x) from the second
+    (of `dtype`, in the layout of the op's state), written to the graph output rollback.* (no copy)."""
     if L.rollback is None:
         return
     name = rollback_name(L.as_tensor(state))
-    full = L.b.one("Concat", [st, x], axis=axis)
     bounds = [L.b.const(np.array([v], np.int64)) for v in (1, k, axis)]
     if L.dtype_of(state) == dtype:
         L.b.node("Slice", [full, *bounds], outputs=[name])

@@ -62,7 +62,7 @@ def node() -> str:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, Path]:
     """The trained tiny preset, prefill chunk 8: fp32, int4, fp32 with external data, contrib DeltaNet ops,
-    int8 and int4 KV caches."""
+    int8 and int4 KV caches, --mtp."""
     root = tmp_path_factory.mktemp("js-bundles")
     variants = {
         "fp32": {},
@@ -71,6 +71,7 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
         "contrib": {"onnx_deltanet_ops": "contrib"},
         "kv-int8": {"kv_cache": "int8"},  # int8 KV states
         "kv-int4": {"kv_cache": "int4"},  # uint8 KV states, two values a byte
+        "mtp": {"mtp": True},  # verify and rollback outputs beside logits and states: the driver fetches neither
     }
     out = {}
     for name, opts in variants.items():
@@ -112,7 +113,7 @@ def test_js_unit(node):
     assert "# fail 0" in run.stdout and "# pass 0" not in run.stdout
 
 
-@pytest.mark.parametrize("variant", ["fp32", "int4", "external", "contrib", "kv-int8", "kv-int4"])
+@pytest.mark.parametrize("variant", ["fp32", "int4", "external", "contrib", "kv-int8", "kv-int4", "mtp"])
 def test_node_matches_deltaship_generate(node, tiny, variant):
     bundle = tiny[variant]
     if variant == "external":

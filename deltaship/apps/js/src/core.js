@@ -289,7 +289,9 @@ export class Session {
       for (const s of plan.states) if (this.shared.has(s.name)) fetches[s.output] = this.states[s.name];
       out = await this.session.run(feeds, fetches);
     } else {
-      out = await this.session.run(feeds);
+      // Only the logits and the states: a bundle exported with --mtp has more outputs (verify rows, hidden states,
+      // the DeltaNet states after the first token), and every fetched output is copied out (19 MiB a call at 0.8B).
+      out = await this.session.run(feeds, [plan.logits, ...plan.states.map((s) => s.output)]);
     }
     const next = {};
     for (const s of plan.states) {

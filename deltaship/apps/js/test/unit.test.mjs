@@ -38,7 +38,9 @@ function fakeSession(m, calls) {
   const pos = m.inputs[1];
   return {
     inputNames: [...m.inputs.map((i) => i.name), 'past.0.count'],
-    async run(feeds) {
+    // outputs beyond the logits and the states, as an --mtp bundle has: the driver must not fetch them
+    outputNames: ['logits', 'present.0.count', 'logits_rows', 'hidden_states', 'rollback.0.count'],
+    async run(feeds, fetches) {
       const ids = Array.from(feeds.input_ids.data, Number);
       const T = ids.length;
       assert.deepEqual(feeds.input_ids.dims, [1, T]);
@@ -60,7 +62,7 @@ function fakeSession(m, calls) {
       }
       const seen = feeds['past.0.count'].data[0];
       assert.equal(seen, start, 'the state holds as many tokens as the position says');
-      calls.push({ T, start });
+      calls.push({ T, start, fetches });
       const rows = m.outputs[0].shape.length === 2 ? 1 : T; // rank 3: every row present, the last one counts
       const logits = new Float32Array(rows * V).fill(-1);
       logits[(rows - 1) * V + ((ids[T - 1] + start + T) % V)] = 1;
@@ -98,6 +100,8 @@ for (const positions of ['counts', 'start', 'ids']) {
       // 10 prompt tokens in chunks of 4, then one call per new token but the last
       assert.deepEqual(calls.map((c) => c.T), [4, 4, 2, 1, 1, 1, 1]);
       assert.deepEqual(calls.map((c) => c.start), [0, 4, 8, 10, 11, 12, 13]);
+      // every call fetches the logits and the states only (each fetched output is copied out of the runtime)
+      for (const c of calls) assert.deepEqual(c.fetches, ['logits', 'present.0.count']);
       s.reset();
       assert.deepEqual((await s.generate([7], { maxNewTokens: 3, stopAtEos: false })).outputIds, expected([7], 3));
     });

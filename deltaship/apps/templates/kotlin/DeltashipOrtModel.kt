@@ -41,6 +41,9 @@ class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = Or
     private val env = OrtEnvironment.getEnvironment()
     private val session = env.createSession(File(bundleDir, KitSpec.MODEL_FILE).path, options)
     private val zeros = KitSpec.STATES.associate { it.input to zeroTensor(it.shape, it.dtype) }
+    // Only the logits and the states are fetched: a bundle exported with --mtp has more outputs (verify rows, hidden
+    // states, the DeltaNet states after the first token), and every fetched output is copied out (19 MiB a call at 0.8B).
+    private val fetched: Set<String> = KitSpec.STATES.map { it.output }.toSet() + KitSpec.LOGITS.name
     private var carried: OrtSession.Result? = null  // the previous call's outputs, closed after the next call
 
     /** Tokens the state holds. */
@@ -104,7 +107,7 @@ class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = Or
         for (s in KitSpec.STATES) {
             feeds[s.input] = if (previous == null) zeros.getValue(s.input) else previous.get(s.output).get() as OnnxTensor
         }
-        val result = session.run(feeds)
+        val result = session.run(feeds, fetched)
         ids.close()
         pos.close()
         past?.close()

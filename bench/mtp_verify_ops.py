@@ -63,25 +63,32 @@ def by_op(
     return {n: {op: statistics.median(v) for op, v in d.items()} for n, d in per.items()}
 
 
-def wall(bundle: Path, context: int, rounds: int, threads: int, calls: dict, in_place: bool) -> dict[str, float]:
-    """Median wall ms per call without the profiler, the calls interleaved round by round (load drifts cancel)."""
+def interleaved(calls: dict[str, tuple], context: int, rounds: int) -> dict[str, list[float]]:
+    """Wall ms of each call {name: (session, fn(session))}, every call at `context` (reset, then seek), the calls
+    interleaved round by round so that load drifts hit them alike; round 0 warms up and is not kept."""
     import time
 
-    from deltaship.bundle.reader import read_manifest
-    from deltaship.runtimes.onnx import OnnxSession
-
-    s = OnnxSession(bundle, read_manifest(bundle), threads=threads)
-    if in_place:
-        s._spare = {}
     out: dict[str, list[float]] = {n: [] for n in calls}
     for r in range(rounds + 1):
-        for name, fn in calls.items():
+        for name, (s, fn) in calls.items():
             s.reset()
             s.seek(context)
             t0 = time.perf_counter()
             fn(s)
             if r:
                 out[name].append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def wall(bundle: Path, context: int, rounds: int, threads: int, calls: dict, in_place: bool) -> dict[str, float]:
+    """Median wall ms per call without the profiler, the calls interleaved round by round (load drifts cancel)."""
+    from deltaship.bundle.reader import read_manifest
+    from deltaship.runtimes.onnx import OnnxSession
+
+    s = OnnxSession(bundle, read_manifest(bundle), threads=threads)
+    if in_place:
+        s._spare = {}
+    out = interleaved({n: (s, fn) for n, fn in calls.items()}, context, rounds)
     return {n: statistics.median(v) for n, v in out.items()}
 
 

@@ -39,6 +39,8 @@ def main() -> None:
     a = ap.parse_args()
     load = os.getloadavg()[0]
 
+    from mtp_verify_ops import interleaved  # bench/, beside this script
+
     import deltaship.runtimes.onnx as onnx_runtime
     from deltaship.bundle.reader import read_manifest
 
@@ -56,15 +58,7 @@ def main() -> None:
         if "speculative" in m:
             calls[f"{tag}: verify 2, last row"] = (s, lambda s: s.verify(two, np.array([1], np.int64)))
             calls[f"{tag}: verify 2, both rows"] = (s, lambda s: s.verify(two, np.arange(2, dtype=np.int64)))
-    ms: dict[str, list[float]] = {c: [] for c in calls}
-    for r in range(a.rounds + 1):  # round 0 warms every call up
-        for c, (s, fn) in calls.items():
-            s.reset()
-            s.seek(a.context)
-            t = time.perf_counter()
-            fn(s)
-            if r:
-                ms[c].append(1e3 * (time.perf_counter() - t))
+    ms = interleaved(calls, a.context, a.rounds)
     base = statistics.median(next(iter(ms.values())))
     rows = {}
     for c, v in ms.items():

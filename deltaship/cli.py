@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deltaship {args.command}: error: {e.message}", file=sys.stderr)
         if e.fix:
             print(f"  fix: {e.fix}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130

@@ -1,14 +1,23 @@
-"""One error type for everything a user can get wrong.
+"""One error family for everything a user can get wrong, and for what the machine cannot give.
 
-Every message says what went wrong and where; `fix` says what to do about it. The CLI
-prints both and exits with status 2; nothing is written when one is raised.
+Every message says what went wrong and where; `fix` says what to do about it. The CLI prints both
+and exits with the error's `exit_code` (docs/reliability.md lists them); nothing is written when
+one is raised. The Python API raises these, never `SystemExit`.
 """
 
 from __future__ import annotations
 
+# Exit codes of the `deltaship` command (docs/reliability.md).
+EXIT_BAD_INPUT = 2  # the user's input: an option, a checkpoint, a bundle, a file
+EXIT_ENVIRONMENT = 3  # the machine: disk full, out of memory, permissions, a busy resource
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
 
 class DeltashipError(Exception):
-    """A problem with the user's input or environment, with the fix spelled out."""
+    """A problem with the user's input, with the fix spelled out."""
+
+    exit_code = EXIT_BAD_INPUT
 
     def __init__(self, message: str, fix: str | None = None):
         super().__init__(message)
@@ -17,6 +26,13 @@ class DeltashipError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.fix else f"{self.message}\n  fix: {self.fix}"
+
+
+class DeltashipEnvironmentError(DeltashipError):
+    """The input is fine but the machine is not: disk full, memory, permissions, a lock held by
+    another process. Exit code 3."""
+
+    exit_code = EXIT_ENVIRONMENT
 
 
 class DeltashipUnavailable(DeltashipError):

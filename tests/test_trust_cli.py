@@ -235,19 +235,29 @@ def test_debug_prints_the_traceback(how, capsys, monkeypatch):
     assert "Traceback" in err and "in boom" in err and "internal error: RuntimeError: kaboom" in err
 
 
-def test_stdout_closed_by_its_reader_exits_quietly(bundle):
-    """`deltaship inspect B | head -1`: the reader went away before the output was written."""
+SHORT_INSPECT = (  # inspect with a one-line description: it stays in stdout's buffer until the last flush
+    "import importlib, sys; m = importlib.import_module('deltaship.bundle.inspect'); "
+    "m.describe = lambda info: 'one line'; from deltaship.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.parametrize("cmd", [["-m", "deltaship.cli"], ["-c", SHORT_INSPECT]], ids=["long", "short"])
+def test_stdout_closed_by_its_reader_exits_quietly(bundle, cmd):
+    """`deltaship inspect B | head -1`: the reader went away before the output was written (a long output fails
+    in print, a short one at the last flush: both exit 141 without a word)."""
     env = dict(os.environ, PYTHONPATH=str(Path(deltaship.__file__).parents[1]))
+    env.pop("PYTHONUNBUFFERED", None)  # stdout buffered, as in a user's shell
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltaship.cli", "inspect", str(bundle)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
+        [sys.executable, *cmd, "inspect", str(bundle)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
     )
     proc.stdout.close()  # before the child (still importing) writes a byte
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert err == ""
+
+
+def test_stdout_closed_in_a_shell_pipe(bundle):
+    env = dict(os.environ, PYTHONPATH=str(Path(deltaship.__file__).parents[1]))
     shell = subprocess.run(
         f"{sys.executable} -m deltaship.cli inspect --json {bundle} | head -c 1",
         shell=True,

@@ -672,14 +672,27 @@ def _os_error(e: OSError) -> tuple[int, str, str]:
     return EXIT_ENVIRONMENT, what, fix
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """A toolchain's own out-of-memory error: torch's OutOfMemoryError and allocator RuntimeErrors, ONNX Runtime's
+    failed allocations (its RuntimeException/Fail), ExecuTorch's MemoryAllocationFailed."""
+    text = str(e).lower()
+    return type(e).__name__ == "OutOfMemoryError" or (
+        (isinstance(e, RuntimeError) or type(e).__module__.startswith("onnxruntime"))
+        and any(
+            s in text
+            for s in ("out of memory", "can't allocate memory", "failed to allocate", "bad_alloc", "memoryallocation")
+        )
+    )
+
+
 def _failure(e: BaseException) -> tuple[int, str, str | None]:
     """What a failure that reached main() tells the user: (exit code, what went wrong, the fix)."""
     if isinstance(e, DeltashipError):
         return e.exit_code, e.message, e.fix
-    if isinstance(e, MemoryError):
+    if isinstance(e, MemoryError) or _out_of_memory(e):
         return (
             EXIT_ENVIRONMENT,
-            "ran out of memory" + (f" ({e})" if str(e) else ""),
+            "ran out of memory" + (f" ({type(e).__name__}: {e})" if str(e) else ""),
             "close other programs, or use a smaller model, a lower --precision or a shorter --max-context "
             "(`deltaship plan` shows what fits)",
         )

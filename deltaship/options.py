@@ -118,11 +118,18 @@ def new_file(value: str | Path, flag: str) -> Path:
     """A file to be written: its directory must exist (checked before any work) and the file must not."""
     path = Path(value)
     parent = path.parent
+    try:
+        path.lstat()
+        exists = True
+    except FileNotFoundError:
+        exists = False
+    except OSError as e:  # a name too long, a file where a directory should be, no permission to look
+        raise DeltashipError(f"{flag} {value}: {e.strerror}", "pass a shorter path in a directory you can write")
     if not parent.is_dir():
         raise DeltashipError(
             f"{flag} {value}: the directory {parent} does not exist", f"create it first (mkdir -p {parent})"
         )
-    if path.exists():
+    if exists:
         raise DeltashipError(
             f"{flag} {value} already exists; nothing was overwritten", "choose another file name or remove the old one"
         )

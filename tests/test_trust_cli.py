@@ -98,6 +98,8 @@ GEN = ["generate", "/nonexistent/bundle", "--input-ids", "1,2"]
             "argument --prompt: is not valid UTF-8 text (bytes ff at character 1)",
         ),
         (GEN + ["--dump-logits", "/nonexistent/dir/x.npy"], "the directory /nonexistent/dir does not exist"),
+        (GEN + ["--dump-logits", "/tmp/" + "x" * 300 + ".npy"], "File name too long; fix: pass a shorter path"),
+        (GEN + ["--dump-logits", "/etc/passwd/x.npy"], "Not a directory; fix"),
         (["profile", "B", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
         (["profile", "B", "--contexts", "128,,4096"], "argument --contexts: '128,,4096': item 2 of 3 is empty"),
         (["profile", "B", "--gen", "0"], "argument --gen: must be >= 1"),
@@ -204,6 +206,7 @@ def _inspect_raises(monkeypatch, exc: BaseException) -> None:
         (OSError(errno.EMFILE, "Too many open files", "/b/x"), 3, ["Too many open files", "ulimit -n"]),
         (FileNotFoundError(errno.ENOENT, "No such file or directory", "/b/x"), 2, ["/b/x: No such file", "check"]),
         (MemoryError(), 3, ["ran out of memory", "fix: close other programs", "deltaship plan"]),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 GB"), 3, ["out of memory"]),
         (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), 2, ["not valid UTF-8", "fix:"]),
         (DeltashipError("bad thing in X", "do Y"), 2, ["error: bad thing in X", "fix: do Y"]),
         (RuntimeError("kaboom"), 1, ["internal error: RuntimeError: kaboom", "this is a deltaship bug", "--debug"]),
@@ -223,6 +226,8 @@ def test_an_onnxruntime_error_while_running_is_exit_2(capsys, monkeypatch):
 
     _inspect_raises(monkeypatch, Fail("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code"))
     _fails(["inspect", "B"], capsys, 2, "ONNX Runtime could not run the bundle: Fail:", "deltaship inspect")
+    _inspect_raises(monkeypatch, Fail("[ONNXRuntimeError] : 1 : FAIL : Failed to allocate memory for requested buffer"))
+    _fails(["inspect", "B"], capsys, 3, "ran out of memory (Fail:", "fix: close other programs")
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])

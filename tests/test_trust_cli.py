@@ -301,7 +301,7 @@ def test_api_generate_refuses_what_the_cli_refuses(bundle, kwargs, needle):
 
 
 def test_api_load_export_profile_raise_deltaship_errors(bundle, tmp_path):
-    from deltaship.commands import profile
+    from deltaship.commands import evaluate, profile
     from deltaship.runtimes import open_bundle
 
     with pytest.raises(DeltashipError, match="no manifest.json"):
@@ -310,6 +310,8 @@ def test_api_load_export_profile_raise_deltaship_errors(bundle, tmp_path):
         open_bundle(bundle, threads=0)
     with pytest.raises(DeltashipError, match="--threads must be >= 1, got -2"):
         profile(bundle, threads=-2)
+    with pytest.raises(DeltashipError, match="--threads must be >= 1, got 0"):
+        evaluate(bundle, threads=0)
     with pytest.raises(DeltashipError, match="--threads must be >= 1, got 0"):
         deltaship.export("qwen3.5-tiny", tmp_path / "o", threads=0, progress=False)
     assert not (tmp_path / "o").exists()

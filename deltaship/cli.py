@@ -745,7 +745,21 @@ def main(argv: list[str] | None = None) -> int:
     """Run one `deltaship` command; return its exit code. Every failure is one line of what went wrong and one of
     the fix, never a traceback (unless --debug): 2 bad input, 3 the machine (disk, memory, permissions, busy),
     1 a deltaship bug, 130 Ctrl-C, 143 SIGTERM, 141 stdout closed by its reader (docs/reliability.md)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # while the toolchains' registries import
+        print("interrupted; nothing was written", file=sys.stderr)
+        return EXIT_SIGINT
+    except BrokenPipeError:  # `deltaship export --help | head -1`
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except SystemExit:  # --help, --version or a usage error, printed: flush here, where a closed pipe is caught
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _quiet_stdout()
+            raise SystemExit(EXIT_BROKEN_PIPE) from None
+        raise
     debug = args.debug or os.environ.get("DELTASHIP_DEBUG", "") not in ("", "0")
     from deltaship.logs import quiet_third_party
 

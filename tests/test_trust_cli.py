@@ -246,14 +246,18 @@ SHORT_INSPECT = (  # inspect with a one-line description: it stays in stdout's b
 )
 
 
-@pytest.mark.parametrize("cmd", [["-m", "deltaship.cli"], ["-c", SHORT_INSPECT]], ids=["long", "short"])
-def test_stdout_closed_by_its_reader_exits_quietly(bundle, cmd):
+@pytest.mark.parametrize(
+    "cmd,args",
+    [(["-m", "deltaship.cli"], ["inspect"]), (["-c", SHORT_INSPECT], ["inspect"]), (["-m", "deltaship.cli"], ["-h"])],
+    ids=["long", "short", "help"],
+)
+def test_stdout_closed_by_its_reader_exits_quietly(bundle, cmd, args):
     """`deltaship inspect B | head -1`: the reader went away before the output was written (a long output fails
-    in print, a short one at the last flush: both exit 141 without a word)."""
+    in print, a short one at the last flush, argparse's help as it exits: all exit 141 without a word)."""
     env = dict(os.environ, PYTHONPATH=str(Path(deltaship.__file__).parents[1]))
     env.pop("PYTHONUNBUFFERED", None)  # stdout buffered, as in a user's shell
     proc = subprocess.Popen(
-        [sys.executable, *cmd, "inspect", str(bundle)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        [sys.executable, *cmd, *args, str(bundle)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
     )
     proc.stdout.close()  # before the child (still importing) writes a byte
     err = proc.stderr.read().decode()

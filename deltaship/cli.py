@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--fps",
-        type=float,
+        type=_arg(float, lambda v: options.number("--fps", v, 0, above=True), "a number > 0"),
         default=None,
         help="frames per second to sample from a --video file (frame files: how far apart they were taken); "
         "default: the bundle's video_preprocessor_config.json fps (2)",
@@ -575,7 +575,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmups", type=_count("--warmups", 0), default=None, help="untimed runs before each phase (default 2)"
     )
     pr.add_argument("--reps", type=_count("--reps"), default=None, help="at least this many repetitions (default 5)")
-    pr.add_argument("--min-seconds", type=float, default=None, help="and at least this long per phase (default 2)")
+    pr.add_argument(
+        "--min-seconds",
+        type=_arg(float, lambda v: options.number("--min-seconds", v, 0), "a number >= 0"),
+        default=None,
+        help="and at least this long per phase (default 2)",
+    )
     pr.add_argument("--tier", default=None, help="run under this tier's limits (threads, memory cap)")
     pr.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
     pr.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown (ONNX)")
@@ -602,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.add_argument(
         "--acceptance",
-        type=float,
+        type=_arg(float, lambda v: options.number("--acceptance", v, 0, above=True, high=1), "a number in (0, 1]"),
         default=None,
         help="with --speculative: the acceptance rate the projection assumes (default: the trained tiny head's 0.75)",
     )

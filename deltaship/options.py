@@ -44,6 +44,16 @@ def max_new_tokens(value: int) -> int:
     return at_least("--max-new-tokens", value, 1, "pass --max-new-tokens 1 or more")
 
 
+def number(flag: str, value: float, low: float, *, above: bool = False, high: float | None = None) -> float:
+    """A finite number >= low (> low with above=True), and <= high when given."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if above else value >= low) and (high is None or value <= high)
+    if not ok:
+        bound = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+        raise DeltashipError(f"{flag} must be a finite number {bound}, got {value!r}", f"pass e.g. {flag} {high or 2}")
+    return float(value)
+
+
 def temperature(value: float) -> float:
     """0 is greedy; a finite positive value samples."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from deltaship.errors import DeltashipError
+from deltaship import options
+from deltaship.errors import EXIT_BROKEN_PIPE, EXIT_SIGINT, EXIT_SIGTERM, DeltashipError
+from deltaship.failures import describe, os_error, quiet_stdout, stdout_closed
 
 
 def run_export(a: argparse.Namespace) -> int:
@@ -46,14 +52,40 @@ def run_export(a: argparse.Namespace) -> int:
     return 0
 
 
+def _arg(parse: Callable[[str], Any], check: Callable[[Any], Any], kind: str) -> Callable[[str], Any]:
+    """An argparse `type=` from a check in deltaship/options.py (the API runs the same check): a bad value is
+    argparse's one-line error, exit 2, before any work."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        try:
+            return check(value)
+        except DeltashipError as e:  # "--threads must be ..." -> "argument --threads: must be ..."
+            what = e.message.split(" ", 1)[1] if e.message.startswith("--") else e.message
+            raise argparse.ArgumentTypeError(f"{what}; fix: {e.fix}" if e.fix else what) from None
+
+    convert.__name__ = kind  # argparse names it in "invalid <kind> value"
+    return convert
+
+
+THREADS = _arg(int, options.threads, "a number of threads")
+
+
+def _count(flag: str, low: int = 1) -> Callable[[str], int]:
+    return _arg(int, lambda v: options.at_least(flag, v, low), f"an integer >= {low}")
+
+
 def _max_context(value: str) -> int | str:
     """--max-context: a number of tokens, or max (with --device)."""
     if value == "max":
         return value
     try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens or max, got {value!r}") from None
+        return _count("--max-context")(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 1 or max, got {value!r}") from None
 
 
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
@@ -164,13 +196,6 @@ def _eval(a: argparse.Namespace) -> int:
     return 0
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise DeltashipError(f"{text!r} is not a comma-separated list of integers", "e.g. 128,512") from None
-
-
 def _devices(a: argparse.Namespace) -> int:
     from deltaship.devices.discovery import discover, fingerprint
 
@@ -225,9 +250,9 @@ def _profile(a: argparse.Namespace) -> int:
     doc = profile(
         a.bundle,
         device=a.device,
-        prompt_lengths=_ints(a.prompt_lengths) if a.prompt_lengths else None,
+        prompt_lengths=a.prompt_lengths,
         gen=a.gen,
-        contexts=_ints(a.contexts) if a.contexts is not None else None,
+        contexts=a.contexts,
         threads=a.threads,
         warmups=a.warmups,
         reps=a.reps,
@@ -313,11 +338,13 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     )
     e.add_argument(
         "--prefill-chunk",
-        type=int,
+        type=_count("--prefill-chunk"),
         default=None,
         help=f"tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}; {chunks})",
     )
-    e.add_argument("--block-size", type=int, default=32, help="quantization block size (int8/int4; default 32)")
+    e.add_argument(
+        "--block-size", type=_count("--block-size"), default=32, help="quantization block size (int8/int4; default 32)"
+    )
     e.add_argument("--deltanet-int8", action="store_true", help="with int4: keep DeltaNet projections at int8")
     e.add_argument(
         "--kv-cache",
@@ -326,7 +353,7 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         help="KV-cache dtype (default: the target's own at --precision; `deltaship plan --kv-dtypes` shows "
         "what each would take)",
     )
-    e.add_argument("--threads", type=int, default=None, help="threads for verification")
+    e.add_argument("--threads", type=THREADS, default=None, help="threads for verification (default: the runtime's)")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.add_argument(
         "--vision",
@@ -352,17 +379,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
     p.add_argument("--version", action="version", version=f"deltaship {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="print the full traceback of any failure (also: environment DELTASHIP_DEBUG=1); put it before the "
+        "subcommand: deltaship --debug generate ...",
+    )
+    sub = p.add_subparsers(dest="command", required=True, help="`deltaship COMMAND -h` shows its options")
 
     e = sub.add_parser("export", help="compile a checkpoint or preset into a verified bundle")
     add_export_arguments(e)
     e.set_defaults(func=run_export)
 
     g = sub.add_parser("generate", help="generate tokens with a bundle")
-    g.add_argument("bundle")
+    g.add_argument("bundle", help="bundle directory (deltaship export --out)")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="text prompt (needs the bundle's tokenizer)")
-    src.add_argument("--input-ids", help="comma-separated token ids, e.g. 1,2,3")
+    src.add_argument(
+        "--prompt", type=_arg(str, options.text, "UTF-8 text"), help="text prompt (needs the bundle's tokenizer)"
+    )
+    src.add_argument(
+        "--input-ids",
+        type=_arg(str, options.token_ids, "token ids"),
+        help="comma-separated non-negative token ids, e.g. 1,2,3",
+    )
     g.add_argument(
         "--image",
         action="append",
@@ -381,15 +420,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--fps",
-        type=float,
+        type=_arg(float, lambda v: options.number("--fps", v, 0, above=True), "a number > 0"),
         default=None,
         help="frames per second to sample from a --video file (frame files: how far apart they were taken); "
         "default: the bundle's video_preprocessor_config.json fps (2)",
     )
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument(
+        "--max-new-tokens",
+        type=_arg(int, options.max_new_tokens, "an integer >= 1"),
+        default=32,
+        help="generate at most this many tokens (default 32; fewer at an end-of-sequence token or a full context)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object (input_ids, output_ids, ...)")
-    g.add_argument("--dump-logits", default=None, help="save the logits of each new token as float32 [N, vocab] .npy")
-    g.add_argument("--threads", type=int, default=None)
+    g.add_argument(
+        "--dump-logits",
+        type=_arg(str, lambda v: options.new_file(v, "--dump-logits"), "a new file"),
+        default=None,
+        metavar="FILE",
+        help="save the logits of each new token as float32 [N, vocab] .npy (a new file in an existing directory)",
+    )
+    g.add_argument("--threads", type=THREADS, default=None, help="runtime threads (default: the runtime's)")
     g.add_argument(
         "--provider",
         choices=("cpu", "cuda"),
@@ -409,10 +459,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the bundle in this runtime, as an app embeds it (e.g. genai: onnxruntime-genai for ONNX "
         "bundles; default: deltaship's own session for the bundle's target)",
     )
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--temperature",
+        type=_arg(float, options.temperature, "a number"),
+        default=0.0,
+        help="0 = greedy (default); a finite T > 0 samples. --top-k, --top-p and --seed need it: greedy decoding "
+        "would ignore them, so they are refused without it",
+    )
+    g.add_argument(
+        "--top-k",
+        type=_arg(int, options.top_k, "an integer >= 1"),
+        default=None,
+        help="with --temperature: sample from the K most likely tokens (default: all)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=_arg(float, options.top_p, "a number in (0, 1]"),
+        default=None,
+        help="with --temperature: sample from the smallest set of tokens whose probability reaches P, in (0, 1] "
+        "(default 1: all)",
+    )
+    g.add_argument(
+        "--seed",
+        type=_arg(int, options.seed, "an integer >= 0"),
+        default=None,
+        help="with --temperature: seed of the sampler, >= 0, for repeatable samples (default: a fresh one)",
+    )
     g.add_argument("--no-stop-at-eos", action="store_true", help="keep going past end-of-sequence tokens")
     g.add_argument(
         "--speculative",
@@ -424,19 +496,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_generate)
 
     i = sub.add_parser("inspect", help="show a bundle's manifest and re-check its file hashes")
-    i.add_argument("bundle")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("bundle", help="bundle directory")
+    i.add_argument("--json", action="store_true", help="print the manifest and the checks as JSON")
     i.set_defaults(func=_inspect)
     d = sub.add_parser("devices", help="list the host and attached or reachable devices, with fingerprints")
     d.add_argument("--device", action="append", default=[], help="probe this device (host, ssh://..., adb:SERIAL)")
     d.add_argument("--ssh-option", action="append", default=None, help="extra ssh option, e.g. -i KEY (repeatable)")
     d.add_argument("--local", action="store_true", help="only this machine (what a remote profile asks for)")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print the fingerprints as JSON")
     d.set_defaults(func=_devices)
 
     pl = sub.add_parser("plan", help="memory per tier, target and precision; does the model fit, and how")
-    pl.add_argument("--model", required=True)
-    pl.add_argument("--tier", default=None)
+    pl.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint directory, Hugging Face id (from the local cache) or preset to plan for",
+    )
+    pl.add_argument("--tier", default=None, help="plan for this device tier only (default: every tier)")
     pl.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
     pl.add_argument(
         "--context",
@@ -448,23 +524,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated KV-cache dtypes to plan (fp32, fp16, int8, int4; default: each target's own)",
     )
-    pl.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default: each target's)")
+    pl.add_argument(
+        "--prefill-chunk",
+        type=_count("--prefill-chunk"),
+        default=None,
+        help="tokens per prefill call (default: each target's)",
+    )
     pl.add_argument("--targets", default=None, help="comma-separated targets (default: each tier's)")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--json", action="store_true", help="print the plan's rows as JSON")
     pl.set_defaults(func=_plan)
 
     pr = sub.add_parser("profile", help="latency and memory of a bundle on a device")
-    pr.add_argument("bundle", nargs="?")
+    pr.add_argument("bundle", nargs="?", help="bundle directory (not with --compare)")
     pr.add_argument("--device", default="host", help="host, ssh://user@host[:port] or adb:SERIAL")
-    pr.add_argument("--prompt-lengths", default=None, help="default 128,512")
-    pr.add_argument("--gen", type=int, default=None, help="tokens generated per decode run (default 64)")
+    pr.add_argument(
+        "--prompt-lengths",
+        type=_arg(str, lambda v: options.int_list(v, "--prompt-lengths", 1, "128,512"), "integers"),
+        default=None,
+        help="comma-separated prompt lengths for the prefill runs (default 128,512); each plus --gen must fit "
+        "the bundle's max context",
+    )
+    pr.add_argument("--gen", type=_count("--gen"), default=None, help="tokens generated per decode run (default 64)")
     pr.add_argument(
         "--contexts",
+        type=_arg(str, lambda v: options.int_list(v, "--contexts", 1, "128,1024"), "integers"),
         default=None,
-        help="context depths of the decode sweep (default 128,1024,4096, each clipped to the bundle's max context "
-        "- 1); reached by a synthetic fill of the KV cache, not a prefill (docs/profiling.md), with RSS per depth",
+        help="comma-separated context depths of the decode sweep, reached by a synthetic fill of the KV cache, not "
+        "a prefill (docs/profiling.md), with RSS per depth. Default 128,1024,4096, each clipped to the bundle's max "
+        "context - 1; depths you give are measured as given, so one at or past the max context is refused",
     )
-    pr.add_argument("--threads", type=int, default=None)
+    pr.add_argument(
+        "--threads", type=THREADS, default=None, help="runtime threads (default: the tier's, else the runtime's)"
+    )
     pr.add_argument(
         "--provider",
         choices=("cpu", "cuda"),
@@ -477,9 +568,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="profile the bundle in this runtime (e.g. genai for ONNX bundles; default: deltaship's own)",
     )
-    pr.add_argument("--warmups", type=int, default=None)
-    pr.add_argument("--reps", type=int, default=None, help="at least this many repetitions (default 5)")
-    pr.add_argument("--min-seconds", type=float, default=None, help="and at least this long per phase (default 2)")
+    pr.add_argument(
+        "--warmups", type=_count("--warmups", 0), default=None, help="untimed runs before each phase (default 2)"
+    )
+    pr.add_argument("--reps", type=_count("--reps"), default=None, help="at least this many repetitions (default 5)")
+    pr.add_argument(
+        "--min-seconds",
+        type=_arg(float, lambda v: options.number("--min-seconds", v, 0), "a number >= 0"),
+        default=None,
+        help="and at least this long per phase (default 2)",
+    )
     pr.add_argument("--tier", default=None, help="run under this tier's limits (threads, memory cap)")
     pr.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
     pr.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown (ONNX)")
@@ -493,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--report", default=None, help="write a self-contained HTML report here")
     pr.add_argument("--plots", default=None, help="write the PNG plots into this directory")
     pr.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="ratios B/A with confidence intervals")
-    pr.add_argument("--ssh-option", action="append", default=None)
+    pr.add_argument("--ssh-option", action="append", default=None, help="extra ssh option, e.g. -i KEY (repeatable)")
     pr.add_argument("--remote-deltaship", default="deltaship", help="the deltaship command on an ssh host")
     pr.add_argument("--runner", default=None, help="Android: the runner binary to push and run")
     pr.add_argument("--runner-args", default=None, help="Android: runner arguments ({model}, {prompt_length}, ...)")
@@ -506,17 +604,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.add_argument(
         "--acceptance",
-        type=float,
+        type=_arg(float, lambda v: options.number("--acceptance", v, 0, above=True, high=1), "a number in (0, 1]"),
         default=None,
         help="with --speculative: the acceptance rate the projection assumes (default: the trained tiny head's 0.75)",
     )
-    pr.add_argument("--quiet", action="store_true")
+    pr.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     pr.set_defaults(func=_profile)
 
     from deltaship.apps import PLATFORMS
 
     ap = sub.add_parser("app", help="write the app integration kit for a bundle (Swift, Kotlin, JavaScript)")
-    ap.add_argument("bundle")
+    ap.add_argument("bundle", help="bundle directory the kit runs")
     ap.add_argument(
         "--platform",
         required=True,
@@ -529,11 +627,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(func=_app)
 
     v = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of a bundle against the fp32 reference")
-    v.add_argument("bundle")
+    v.add_argument("bundle", help="bundle directory")
     v.add_argument("--model", default=None, help="the source checkpoint (default: the one in the manifest)")
-    v.add_argument("--tokens", type=int, default=512)
-    v.add_argument("--threads", type=int, default=None)
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--tokens", type=_count("--tokens", 2), default=512, help="tokens of text to score (default 512)")
+    v.add_argument("--threads", type=THREADS, default=None, help="runtime threads (default: the runtime's)")
+    v.add_argument("--json", action="store_true", help="print the results as one JSON object")
     v.set_defaults(func=_eval)
     return p
 
@@ -547,25 +645,55 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one `deltaship` command; return its exit code. Every failure is one line of what went wrong and one of
+    the fix, never a traceback (unless --debug): 2 bad input, 3 the machine (disk, memory, permissions, busy),
+    1 a deltaship bug, 130 Ctrl-C, 143 SIGTERM, 141 stdout closed by its reader (docs/reliability.md)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # while the toolchains' registries import
+        print("interrupted; nothing was written", file=sys.stderr)
+        return EXIT_SIGINT
+    except BrokenPipeError:  # `deltaship export --help | head -1`
+        quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except SystemExit:  # --help, --version or a usage error, printed: flush here, where a closed pipe is caught
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            quiet_stdout()
+            raise SystemExit(EXIT_BROKEN_PIPE) from None
+        raise
+    debug = args.debug or os.environ.get("DELTASHIP_DEBUG", "") not in ("", "0")
     from deltaship.logs import quiet_third_party
 
     quiet_third_party()  # toolchains' import-time notices the user cannot act on
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)  # clean up as on Ctrl-C (a staging directory can hold GBs)
     try:
-        return args.func(args)
-    except DeltashipError as e:
-        print(f"deltaship {args.command}: error: {e.message}", file=sys.stderr)
-        if e.fix:
-            print(f"  fix: {e.fix}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted; nothing was written", file=sys.stderr)
-        return 130
-    except Terminated:
-        print("terminated; nothing was written", file=sys.stderr)
-        return 143
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe fails here, inside the handler, not at interpreter exit
+        return code
+    except BrokenPipeError as e:
+        failure = e
+        if stdout_closed():  # `deltaship inspect B | head -1`: the reader has what it wanted
+            quiet_stdout()
+            return EXIT_BROKEN_PIPE
+        code, what, fix = os_error(e)
+    except KeyboardInterrupt as e:
+        failure, (code, what, fix) = e, (EXIT_SIGINT, "interrupted; nothing was written", None)
+    except Terminated as e:
+        failure, (code, what, fix) = e, (EXIT_SIGTERM, "terminated; nothing was written", None)
+    except Exception as e:  # noqa: BLE001  (the one place every failure becomes a message)
+        failure, (code, what, fix) = e, describe(e)
+    if debug:
+        traceback.print_exception(failure)
+    if code in (EXIT_SIGINT, EXIT_SIGTERM):
+        print(what, file=sys.stderr)
+    else:
+        print(f"deltaship {args.command}: error: {what}", file=sys.stderr)
+    if fix:
+        print(f"  fix: {fix}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

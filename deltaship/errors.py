@@ -10,6 +10,8 @@ from __future__ import annotations
 # Exit codes of the `deltaship` command (docs/reliability.md).
 EXIT_BAD_INPUT = 2  # the user's input: an option, a checkpoint, a bundle, a file
 EXIT_ENVIRONMENT = 3  # the machine: disk full, out of memory, permissions, a busy resource
+EXIT_INTERNAL = 1  # a deltaship bug: an exception nobody expected (`deltaship --debug ...` shows the traceback)
+EXIT_BROKEN_PIPE = 141  # stdout's reader went away (`deltaship inspect B | head -1`): 128 + SIGPIPE, as a shell says
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 

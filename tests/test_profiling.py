@@ -217,7 +217,9 @@ def test_default_contexts_clip_to_the_bundle(bundle):
 def test_profile_bad_input(bundle):
     from deltaship.profiling.profile import profile
 
-    with pytest.raises(DeltashipError, match="do not fit this bundle's max context of 64"):
+    with pytest.raises(
+        DeltashipError, match="--contexts 128 .a depth must be below it.: past this bundle's max context of 64"
+    ):
         profile(bundle, contexts=[128], prompt_lengths=[16], gen=4)
     with pytest.raises(DeltashipError, match="unknown tier"):
         profile(bundle, **FAST, tier="phone-1gb")

@@ -17,6 +17,7 @@ import numpy as np
 
 from deltaship.errors import DeltashipError
 from deltaship.models.trained import DATA
+from deltaship.options import threads as check_threads
 
 HELDOUT = DATA / "qwen3.5-tiny" / "heldout.txt"
 
@@ -57,6 +58,7 @@ def evaluate(
     from deltaship.models.source import load_source
     from deltaship.runtimes import open_bundle
 
+    check_threads(threads)  # before the reference is loaded, as the CLI's --threads
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
     if tokens < 2:

@@ -9,22 +9,24 @@ from typing import Any
 
 import numpy as np
 
+from deltaship import options
 from deltaship.errors import DeltashipError
 from deltaship.runtimes import open_bundle, text_runtime
-from deltaship.runtimes.base import check_sampling
 from deltaship.runtimes.tokenizer import load_tokenizer
 
 
 def parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise DeltashipError(
-            f"--input-ids {text!r} is not a comma-separated list of integers", "pass e.g. --input-ids 1,2,3"
-        ) from None
+    """--input-ids "1,2,3" as token ids (deltaship.options.token_ids)."""
+    return options.token_ids(text)
+
+
+def _check_ids(ids: list[int]) -> list[int]:
+    """Token ids given as a list: non-negative integers, at least one."""
     if not ids:
         raise DeltashipError("--input-ids is empty", "pass at least one token id")
-    return ids
+    for n, i in enumerate(ids, 1):
+        options.at_least(f"--input-ids item {n}", i, 0, "pass non-negative token ids, e.g. [1, 2, 3]")
+    return [int(i) for i in ids]
 
 
 def generate(
@@ -34,8 +36,8 @@ def generate(
     max_new_tokens: int = 32,
     threads: int | None = None,
     temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     stop_at_eos: bool = True,
     dump_logits: str | Path | None = None,
@@ -56,7 +58,11 @@ def generate(
     them, Qwen3.5's chat markers; token ids must hold one image token per image. videos: each a video file
     (frames sampled at `fps` per second) or a comma-separated list of frame image files (taken `fps` apart),
     after the images; a text prompt gets each video's timestamped spans (one per 2 frames), token ids must hold
-    one video token per 2 frames."""
+    one video token per 2 frames.
+
+    temperature 0 is greedy; top_k (>= 1), top_p (in (0, 1]) and seed (>= 0) need temperature > 0 and are refused
+    without it. Every value is range-checked (deltaship/options.py, as the CLI's flags) before the bundle is
+    opened; a bad one raises DeltashipError."""
     from deltaship.runtimes.speculative import parse_speculative
 
     depth = parse_speculative(speculative)
@@ -71,7 +77,16 @@ def generate(
         raise DeltashipError(
             "pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3"
         )
-    check_sampling(max_new_tokens, temperature, top_k, top_p)  # before the bundle is opened
+    # before the bundle is opened: the CLI checked these as it parsed them, the API checks them here
+    options.max_new_tokens(max_new_tokens)
+    options.threads(threads)
+    options.sampling(temperature, top_k, top_p, seed)
+    if prompt is not None:
+        options.text(prompt)
+    if input_ids is not None:
+        input_ids = parse_ids(input_ids) if isinstance(input_ids, str) else _check_ids(list(input_ids))
+    if dump_logits is not None:
+        options.new_file(dump_logits, "--dump-logits")
     text = text_runtime(bundle, runtime)
     if (images or videos) and runtime == "genai":
         return _generate_genai_images(
@@ -86,8 +101,8 @@ def generate(
                     ("--video", videos),
                     ("--input-ids", input_ids is not None),
                     ("--temperature", temperature > 0),
-                    ("--top-k", top_k),
-                    ("--top-p", top_p != 1.0),
+                    ("--top-k", top_k is not None),
+                    ("--top-p", top_p is not None),
                     ("--seed", seed is not None),
                     ("--no-stop-at-eos", not stop_at_eos),
                     ("--dump-logits", dump_logits),
@@ -108,9 +123,9 @@ def generate(
             for flag, v in (
                 ("--input-ids", input_ids),
                 ("--dump-logits", dump_logits),
-                ("--top-k", top_k),
-                ("--top-p", top_p != 1.0),
-                ("--seed", seed),
+                ("--top-k", top_k is not None),
+                ("--top-p", top_p is not None),
+                ("--seed", seed is not None),
                 ("--threads", threads),
                 ("--provider", provider != "cpu"),
                 ("--no-stop-at-eos", not stop_at_eos),
@@ -128,11 +143,6 @@ def generate(
         module, spec = text
         res = getattr(module, spec.generate)(bundle, prompt, max_new_tokens=max_new_tokens, temperature=temperature)
         return {**res, "seconds": res.get("stats", {}).get("total_seconds")}
-    if dump_logits is not None and Path(dump_logits).exists():
-        raise DeltashipError(
-            f"--dump-logits {dump_logits} already exists; nothing was overwritten",
-            "choose another file name or remove the old one",
-        )
     session = open_bundle(
         bundle, threads=threads, provider=provider, runtime=runtime, **({"cuda_graph": True} if cuda_graph else {})
     )
@@ -148,14 +158,14 @@ def generate(
             chat = "im_start" in session.manifest.get("tokens", {})
             prompt = image_prompt(prompt, len(images or []), chat, videos=clips)
     tok = load_tokenizer(Path(bundle), session.manifest) if prompt is not None else None
-    ids = tok.encode(prompt) if tok else (parse_ids(input_ids) if isinstance(input_ids, str) else list(input_ids))
+    ids = tok.encode(prompt) if tok else input_ids
     if depth is not None and dump_logits is not None:
         raise DeltashipError("--dump-logits cannot be combined with --speculative", "drop one of them")
     t0 = time.monotonic()
     kw = dict(
         temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
+        top_k=top_k or 0,  # the sessions' "no cut"
+        top_p=1.0 if top_p is None else top_p,
         seed=seed,
         stop_at_eos=stop_at_eos,
     )
@@ -193,8 +203,12 @@ def generate(
         arr = np.stack(gen.logits).astype(np.float32) if gen.logits else np.zeros((0, session.vocab_size), np.float32)
         path = Path(dump_logits)
         tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.npy")
-        np.save(tmp, arr)
-        tmp.rename(path)
+        try:
+            np.save(tmp, arr)
+            tmp.rename(path)
+        except BaseException:  # a full disk: no partial file left beside the one asked for
+            tmp.unlink(missing_ok=True)
+            raise
         result["logits_file"] = str(path)
     return result
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from deltaship.errors import DeltashipError
+from deltaship.options import threads as check_threads
 from deltaship.progress import Progress
 from deltaship.targets import PRECISIONS, Target, TargetOptions, all_targets, flag, get_target
 
@@ -170,6 +171,7 @@ def export(
     from deltaship.models.presets import PRESETS
     from deltaship.models.source import load_source
 
+    check_threads(threads)  # used at verification, minutes in: refused before any work, as the CLI's --threads
     quiet_third_party()
     say = progress if callable(progress) else Progress(bool(progress))
     source = None

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from deltaship.errors import DeltashipError
+from deltaship.options import threads as check_threads
 from deltaship.profiling.worker import SCHEMA_VERSION
 
 DEFAULTS = dict(prompt_lengths=[128, 512], gen=64, contexts=[128, 1024, 4096], warmups=2, reps=5, min_seconds=2.0)
@@ -45,11 +46,16 @@ def bundle_summary(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
 
 def check_workload(manifest: dict[str, Any], prompt_lengths: list[int], gen: int, contexts: list[int]) -> None:
     mc = manifest["max_context"]
-    over = [c for c in contexts if c >= mc] + [p for p in prompt_lengths if p + gen > mc]
-    if over:
+    deep = [str(c) for c in contexts if c >= mc]
+    long = [str(p) for p in prompt_lengths if p + gen > mc]
+    if deep or long:
+        what = ([f"--contexts {','.join(deep)} (a depth must be below it)"] if deep else []) + (
+            [f"--prompt-lengths {','.join(long)} with --gen {gen} (prompt + gen must fit)"] if long else []
+        )
         raise DeltashipError(
-            f"context(s) {over} do not fit this bundle's max context of {mc} (prompt + --gen {gen} must too)",
-            f"use contexts below {mc}, or export with a larger --max-context",
+            f"{' and '.join(what)}: past this bundle's max context of {mc}",
+            f"use contexts below {mc} and prompt lengths up to {max(mc - gen, 1)} (or a smaller --gen), or export "
+            "with a larger --max-context",
         )
     if any(p < 1 for p in prompt_lengths) or gen < 2 or any(c < 1 for c in contexts):
         raise DeltashipError(
@@ -195,6 +201,7 @@ def profile(
     from deltaship.devices.discovery import fingerprint
     from deltaship.runtimes import PROVIDERS
 
+    check_threads(threads)  # as the CLI's --threads, before any work (a remote device gets it too)
     if provider not in PROVIDERS:
         raise DeltashipError(f"unknown provider {provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
     if provider != "cpu" and device != "host":

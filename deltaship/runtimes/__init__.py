@@ -10,6 +10,7 @@ from typing import Any
 
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
+from deltaship.options import threads as check_threads
 from deltaship.runtimes.base import Generation, Session
 
 PROVIDERS = ("cpu", "cuda")
@@ -32,6 +33,7 @@ def open_bundle(
     onnxruntime-genai, as apps embed it); None: deltaship's own session for the target."""
     from deltaship.targets import all_targets, get_target, target_names
 
+    check_threads(threads)  # >= 1 or None, as the CLI's --threads
     if provider not in PROVIDERS:
         raise DeltashipError(f"unknown provider {provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
     manifest = read_manifest(bundle)

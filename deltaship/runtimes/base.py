@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from deltaship import options
 from deltaship.errors import DeltashipError
 
 
@@ -127,7 +128,7 @@ class Session(ABC):
     ) -> Generation:
         """Prefill `ids` then produce up to max_new_tokens (greedy unless temperature > 0)."""
         check_sampling(max_new_tokens, temperature, top_k, top_p)
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(options.seed(seed))
         ids = list(int(i) for i in ids)
         gen = Generation(input_ids=ids, output_ids=[])
         if max_new_tokens == 0:
@@ -188,8 +189,7 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
     """Sampling settings that mean something; anything else is refused before any work."""
     if max_new_tokens < 0:
         raise DeltashipError(f"--max-new-tokens must be >= 0, got {max_new_tokens}", "pass --max-new-tokens 0 or more")
-    if not temperature >= 0:  # also catches NaN
-        raise DeltashipError(f"--temperature must be >= 0, got {temperature}", "use 0 for greedy, e.g. 0.7 to sample")
+    options.temperature(temperature)  # finite and >= 0, as the CLI's --temperature
     if top_k < 0:
         raise DeltashipError(f"--top-k must be >= 0, got {top_k}", "use 0 (no top-k cut) or a positive count")
     if not 0 < top_p <= 1:

@@ -11,7 +11,14 @@ class BundleTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust library raises a plain Exception with serde's message
+            raise DeltashipError(
+                f"{path}: not a tokenizer the `tokenizers` library can read ({e})",
+                "export the bundle again from a checkpoint whose tokenizer.json loads "
+                "(tokenizers.Tokenizer.from_file), or pass --input-ids instead of --prompt",
+            ) from None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from deltaship import options
 from deltaship.errors import DeltashipError
 from deltaship.models.vision import (
     DEFAULT_VIDEO_PREPROCESSOR,
@@ -114,8 +115,7 @@ class Multimodal:
         from deltaship.models.vision import load_video, preprocess_frames
 
         fps = self.video_pre.fps if fps is None else fps
-        if not (isinstance(fps, (int, float)) and fps > 0):
-            raise DeltashipError(f"--fps {fps!r} must be a positive number", "e.g. --fps 2")
+        options.number("--fps", fps, 0, above=True)  # finite and > 0, as the CLI's --fps
         tp = self.pre.temporal_patch_size
         if isinstance(source, (str, Path)) and "," not in str(source):
             frames, stamps = load_video(source, fps, self.video_pre)

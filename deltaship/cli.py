@@ -341,7 +341,9 @@ def _app(a: argparse.Namespace) -> int:
     from deltaship.apps import write_kit
 
     record = write_kit(Path(a.bundle), Path(a.out), a.platform, force=a.force)
-    print(f"wrote the {a.platform} kit to {a.out}: " + ", ".join(record.get("files", [])))
+    # the record's paths are relative to the kit (it was written in a staging directory, then renamed)
+    files = [(Path(a.out) / f).as_posix() for f in record.get("files", [])]
+    print(f"wrote the {a.platform} kit to {a.out}: " + ", ".join(files))
     print(f"next: read {Path(a.out) / 'README.md'}")
     return 0
 

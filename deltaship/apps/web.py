@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.bundle import read_manifest
+from deltaship.bundle.format import a_bundle
 from deltaship.errors import DeltashipError
 
 JS_PACKAGE = Path(__file__).parent / "js"
@@ -32,7 +33,7 @@ def _manifest(bundle: Path) -> dict[str, Any]:
     m = read_manifest(bundle)  # refuses other schema versions, naming the export that rebuilds them
     if m["target"] not in BUNDLE_TARGETS:
         raise DeltashipError(
-            f"{bundle} is a {m['target']} bundle; the web and desktop kits run ONNX bundles",
+            f"{bundle} is {a_bundle(m['target'])}; the web and desktop kits run ONNX bundles",
             "export an ONNX bundle: deltaship export --model M --target onnx --out DIR",
         )
     return m

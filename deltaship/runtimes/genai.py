@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from deltaship.bundle.format import a_bundle
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Generation, Session
 
@@ -51,7 +52,7 @@ class GenaiSession(Session):
         super().__init__(bundle, manifest, prefill_chunk)
         if manifest.get("target") != "onnx":
             raise DeltashipError(
-                f"{bundle}: onnxruntime-genai runs ONNX bundles; this is a {manifest.get('target')} bundle",
+                f"{bundle}: onnxruntime-genai runs ONNX bundles; this is {a_bundle(manifest.get('target'))}",
                 "export with --target onnx, or drop --runtime genai",
             )
         if not (self.bundle / GENAI_CONFIG).is_file():

@@ -321,7 +321,7 @@ def export(
                 "3-row M-RoPE positions; prompts without images keep using the entry graph.",
             ]
         manifest["memory"] = _memory(spec, ctx.states, tgt)
-        manifest["app_runtimes"] = dict(lowered.app_runtimes or tgt.app_runtimes)
+        manifest["app_runtimes"] = {**tgt.app_runtimes, **(lowered.app_runtimes or {})}
         if verify:
             from deltaship.export.verify import verify_bundle
 

@@ -55,6 +55,12 @@ class GenaiSession(Session):
                 f"{bundle}: onnxruntime-genai runs ONNX bundles; this is {a_bundle(manifest.get('target'))}",
                 "export with --target onnx, or drop --runtime genai",
             )
+        why = str((manifest.get("app_runtimes") or {}).get("onnxruntime-genai", ""))
+        if why.startswith("unavailable: "):  # exported without genai_config.json, on purpose (export/onnx/genai.py)
+            raise DeltashipError(
+                f"{bundle}: onnxruntime-genai cannot run this bundle: {why.removeprefix('unavailable: ')}",
+                "drop --runtime genai (deltaship's own ONNX runtime runs it), or fix the checkpoint and export again",
+            )
         if not (self.bundle / GENAI_CONFIG).is_file():
             raise DeltashipError(
                 f"{bundle}: no {GENAI_CONFIG}; the bundle was exported by a deltaship that did not "

@@ -290,6 +290,8 @@ def test_a_checkpoint_without_an_eos_id_exports_to_onnx_without_genai(tmp_path):
         g = json.loads(gen.read_text())
         g.pop("eos_token_id", None)
         gen.write_text(json.dumps(g))
+    # a model card whose widget gives the example prompt: recorded as the manifest's sample_prompt
+    (ckpt / "README.md").write_text("---\nlicense: mit\nwidget:\n- text: 'import os'\n---\n# tiny\n")
     said: list[str] = []
     m = export(
         str(ckpt),
@@ -301,6 +303,7 @@ def test_a_checkpoint_without_an_eos_id_exports_to_onnx_without_genai(tmp_path):
         progress=lambda msg, inline=False: said.append(msg),
     )
     assert m["tokens"]["eos"] == [] and schema_problems(m) == []
+    assert m["sample_prompt"] == "import os" and m["model_card"]["license"] == "mit"
     assert not (tmp_path / "b" / "genai_config.json").exists() and "genai_config.json" not in m["files"]
     assert "genai" not in m["lowering"] or m["lowering"]["genai"]["config"] is None
     why = m["app_runtimes"]["onnxruntime-genai"]

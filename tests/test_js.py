@@ -287,6 +287,11 @@ def test_desktop_kit_runs_in_node(node, tiny, tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout == prompt + generate(tiny["external"], prompt=prompt, max_new_tokens=NEW_TOKENS)["text"] + "\n"
+    # no prompt given: the bundle's sample prompt (the tiny preset is trained on Python source: "def ")
+    run = subprocess.run(
+        [node, "generate.mjs", "bundle", "--max-new-tokens", "4"], cwd=kit, text=True, capture_output=True, timeout=300
+    )
+    assert run.returncode == 0 and run.stdout.startswith("def "), run.stdout + run.stderr
 
 
 def test_web_kit_names_files_that_exist(node, tiny, tmp_path):

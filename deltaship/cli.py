@@ -225,13 +225,17 @@ def _plan(a: argparse.Namespace) -> int:
         kv_dtypes=a.kv_dtypes.split(",") if a.kv_dtypes else None,
         prefill_chunk=a.prefill_chunk,
     )
+    vp = vision_plan(a.model)  # None for a text-only model
+    if a.vision and vp is None:
+        raise DeltashipError(f"--vision: {a.model} has no vision tower", "drop --vision: the text plan is all it needs")
     if a.json:  # the rows, as ever (the vision tower's plan: deltaship.devices.plan.vision_plan)
         print(json.dumps(rows, indent=1))
         return 0
     print(format_table(rows) + "\n\n" + "\n".join(verdicts(rows, a.tiers)))
-    vp = vision_plan(a.model)  # None for a text-only model: the output is the text plan alone
-    if vp is not None:
+    if a.vision:
         print("\n" + format_vision(vp))
+    elif vp is not None:
+        print("\n" + f"{a.model} also takes images: --vision adds its vision tower's memory per image size")
     return 0
 
 
@@ -368,7 +372,9 @@ def _app(a: argparse.Namespace) -> int:
     from deltaship.apps import write_kit
 
     record = write_kit(Path(a.bundle), Path(a.out), a.platform, force=a.force)
-    print(f"wrote the {a.platform} kit to {a.out}: " + ", ".join(record.get("files", [])))
+    # the record's paths are relative to the kit (it was written in a staging directory, then renamed)
+    files = [(Path(a.out) / f).as_posix() for f in record.get("files", [])]
+    print(f"wrote the {a.platform} kit to {a.out}: " + ", ".join(files))
     print(f"next: read {Path(a.out) / 'README.md'}")
     return 0
 
@@ -531,6 +537,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per prefill call (default: each target's)",
     )
     pl.add_argument("--targets", default=None, help="comma-separated targets (default: each tier's)")
+    pl.add_argument(
+        "--vision",
+        action="store_true",
+        help="also plan the vision tower (image input; a model that has one): weights and activation peak per image",
+    )
     pl.add_argument("--json", action="store_true", help="print the plan's rows as JSON")
     pl.set_defaults(func=_plan)
 

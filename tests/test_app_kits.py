@@ -78,7 +78,7 @@ def test_platforms_and_refusals(tmp_path, monkeypatch):
     bundle = tmp_path / "b"
     bundle.mkdir()
     (bundle / "manifest.json").write_text(json.dumps(stub_manifest("executorch")))
-    with pytest.raises(DeltashipError, match="executorch bundle.*ios kit runs coreml") as e:
+    with pytest.raises(DeltashipError, match="is an ExecuTorch bundle; the ios kit runs Core ML bundles") as e:
         write_kit(bundle, tmp_path / "kit", "ios")
     assert "--target coreml" in e.value.fix
     with pytest.raises(DeltashipError, match="unknown platform 'watch'"):
@@ -116,6 +116,33 @@ def test_web_and_desktop_dispatch_to_the_web_module(tmp_path, monkeypatch):
     assert record["files"] == ["index.js"] and record["platform"] == "desktop"
     assert json.loads((tmp_path / "kit" / "kit.json").read_text())["files"] == ["index.js"]
     assert (tmp_path / "kit" / "index.js").exists()
+
+
+def test_app_message_lists_the_final_paths(tmp_path, monkeypatch, capsys):
+    """`deltaship app --out dist/web` names dist/web/README.md, not the staging directory it was written in
+    (web.write_kit returns paths under that directory: relative ones when --out is relative)."""
+    import sys
+    import types
+
+    import deltaship.apps as apps
+    from deltaship.cli import main
+
+    def fake_write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
+        (out / "README.md").write_text("# kit")
+        (out / "bundle").mkdir()
+        (out / "bundle" / "manifest.json").write_text("{}")
+        return sorted(p for p in out.rglob("*") if p.is_file())
+
+    monkeypatch.setitem(sys.modules, "fake_web_kit", types.SimpleNamespace(write_kit=fake_write_kit))
+    monkeypatch.setitem(apps._KITS, "web", ("fake_web_kit", ("onnx",), "x"))
+    monkeypatch.chdir(tmp_path)
+    Path("b").mkdir()
+    Path("b/manifest.json").write_text(json.dumps(stub_manifest("onnx")))
+    assert main(["app", "b", "--platform", "web", "--out", "dist/web"]) == 0
+    said = capsys.readouterr().out
+    assert "wrote the web kit to dist/web: dist/web/README.md, dist/web/bundle/manifest.json\n" in said, said
+    assert ".partial" not in said
+    assert json.loads(Path("dist/web/kit.json").read_text())["files"] == ["README.md", "bundle/manifest.json"]
 
 
 def test_onnx_contract_variants_from_the_manifest():
@@ -602,7 +629,7 @@ def test_existing_kit_needs_force(coreml_bundles, tmp_path):
     assert (tmp_path / "kit" / "mine.txt").exists()
     write_kit(bundle, tmp_path / "kit", "ios", force=True)
     assert not (tmp_path / "kit" / "mine.txt").exists()
-    with pytest.raises(DeltashipError, match="coreml bundle; the android kit runs onnx or executorch"):
+    with pytest.raises(DeltashipError, match="is a Core ML bundle; the android kit runs ONNX or ExecuTorch bundles"):
         write_kit(bundle, tmp_path / "kit2", "android")
 
 

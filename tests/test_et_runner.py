@@ -97,7 +97,7 @@ def test_driver_refuses_other_bundles(ptes, tmp_path):
     m = manifest(ptes["fp32"])
     m["target"] = "onnx"
     (tmp_path / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(DeltashipError, match="runs ExecuTorch bundles; this is a onnx bundle"):
+    with pytest.raises(DeltashipError, match="runs ExecuTorch bundles; this is an ONNX bundle"):
         generate_with_runner(tmp_path, SHORT)
 
 

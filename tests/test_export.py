@@ -275,3 +275,43 @@ def test_large_tables_are_streamed_in_row_blocks(tmp_path, checkpoints, monkeypa
     )
     assert m["verification"]["status"] == "passed"
     assert len(calls) >= 2 * 4 and all(r.stop - r.start == 48 for r in calls)  # 160 rows -> 4 blocks, 2 tables
+
+
+def test_a_checkpoint_without_an_eos_id_exports_to_onnx_without_genai(tmp_path):
+    """No EOS id in config.json, generation_config.json or the tokenizer: genai_config.json needs one, so it is
+    left out (one notice), the manifest's app_runtimes says why, and the bundle runs in deltaship's runtime."""
+    from helpers import write_checkpoint
+
+    from deltaship.runtimes.genai import open_genai
+
+    ckpt = write_checkpoint("base", tmp_path / "ckpt", eos_token_id=None)
+    gen = ckpt / "generation_config.json"
+    if gen.exists():
+        g = json.loads(gen.read_text())
+        g.pop("eos_token_id", None)
+        gen.write_text(json.dumps(g))
+    # a model card whose widget gives the example prompt: recorded as the manifest's sample_prompt
+    (ckpt / "README.md").write_text("---\nlicense: mit\nwidget:\n- text: 'import os'\n---\n# tiny\n")
+    said: list[str] = []
+    m = export(
+        str(ckpt),
+        tmp_path / "b",
+        target="onnx",
+        max_context=64,
+        prefill_chunk=8,
+        verify=False,
+        progress=lambda msg, inline=False: said.append(msg),
+    )
+    assert m["tokens"]["eos"] == [] and schema_problems(m) == []
+    assert m["sample_prompt"] == "import os" and m["model_card"]["license"] == "mit"
+    assert not (tmp_path / "b" / "genai_config.json").exists() and "genai_config.json" not in m["files"]
+    assert "genai" not in m["lowering"] or m["lowering"]["genai"]["config"] is None
+    why = m["app_runtimes"]["onnxruntime-genai"]
+    assert why.startswith("unavailable: the checkpoint names no EOS token id") and "eos_token_id" in why
+    assert set(m["app_runtimes"]) >= {"onnxruntime", "onnxruntime-web", "onnxruntime-node"}  # the others stay
+    notices = [s for s in said if "genai_config.json" in s]
+    assert len(notices) == 1 and "\n" not in notices[0], said
+    out = open_bundle(tmp_path / "b").generate([1, 2, 3], 5)
+    assert len(out.output_ids) == 5
+    with pytest.raises(DeltashipError, match="onnxruntime-genai cannot run this bundle: the checkpoint names no EOS"):
+        open_genai(tmp_path / "b")

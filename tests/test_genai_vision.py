@@ -237,6 +237,6 @@ def test_generate_with_runtime_genai_names_a_size_genai_rounds_otherwise(vl_bund
     differs = res["images"][0]["resized"] != list(want.resized)
     assert any("rounds a half 32-pixel block up" in n for n in res["notices"]) == differs
     # genai 0.18 (pinned < 0.19): 96 pixels high, not 64. If this fails genai rounds as transformers now: drop the
-    # notice and the note in docs/ship.md
+    # notice and the note in docs/ship-design.md
     assert (res["images"][0]["resized"], list(want.resized)) == ([96, 96], [64, 96])
     assert any("resized it from 100x80" in n for n in res["notices"])

@@ -136,10 +136,12 @@ def test_node_refuses_unknown_schema_and_other_targets(node, tiny, tmp_path):
 
 # ---- the browser --------------------------------------------------------------------------------------
 class _Server:
-    """Serves the package (page, src, node_modules) at / and each bundle at /bundles/NAME/; takes POST /result."""
+    """Serves the package (page, src, node_modules) at / and each bundle at /bundles/NAME/; takes POST /result.
+    `directory`: serve that instead of the package; `requests` lists every GET path (a page load, a navigation)."""
 
-    def __init__(self, bundles: dict[str, Path]):
+    def __init__(self, bundles: dict[str, Path], directory: Path = PKG):
         self.results: list[dict] = []
+        self.requests: list[str] = []
         self.posted = threading.Event()
         outer = self
 
@@ -152,7 +154,11 @@ class _Server:
             }
 
             def __init__(self, *a, **k):
-                super().__init__(*a, directory=str(PKG), **k)
+                super().__init__(*a, directory=str(directory), **k)
+
+            def do_GET(self):
+                outer.requests.append(self.path)
+                super().do_GET()
 
             def translate_path(self, path):
                 parts = urllib.parse.urlsplit(path).path.split("/")
@@ -281,6 +287,11 @@ def test_desktop_kit_runs_in_node(node, tiny, tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout == prompt + generate(tiny["external"], prompt=prompt, max_new_tokens=NEW_TOKENS)["text"] + "\n"
+    # no prompt given: the bundle's sample prompt (the tiny preset is trained on Python source: "def ")
+    run = subprocess.run(
+        [node, "generate.mjs", "bundle", "--max-new-tokens", "4"], cwd=kit, text=True, capture_output=True, timeout=300
+    )
+    assert run.returncode == 0 and run.stdout.startswith("def "), run.stdout + run.stderr
 
 
 def test_web_kit_names_files_that_exist(node, tiny, tmp_path):
@@ -306,3 +317,94 @@ def test_web_kit_names_files_that_exist(node, tiny, tmp_path):
         write_kit(tiny["fp32"], kit, "web")
     with pytest.raises(Exception, match="use one of web, desktop"):
         write_kit(tiny["fp32"], tmp_path / "x", "ios")
+
+
+# Runs in the kit's page, inline at the end of <body>: before main.js (a module, deferred) has run, while the model
+# loads, and once it is ready, it clicks Generate (and presses Enter in the prompt) and reports what the page did.
+_PROBE = """
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const loads = Number(sessionStorage.getItem('loads') ?? 0) + 1;
+  sessionStorage.setItem('loads', String(loads));
+  if (loads > 1) {  // a click submitted or navigated: report the second load at once
+    fetch('/result', { method: 'POST', body: JSON.stringify({ reloaded: loads, href: location.href }) });
+    return;
+  }
+  const b = $('generate');
+  const r = { disabledAtParse: b.disabled, loading: null, enterWhileLoading: false };
+  b.click();
+  const poll = setInterval(() => {
+    const state = document.body.dataset.state;
+    const text = $('status-text').textContent;
+    if (state === 'loading' && r.loading === null && text.includes('MiB')) {
+      r.loading = { disabled: b.disabled, status: text };
+      b.click();
+      $('prompt').dispatchEvent(new KeyboardEvent('keydown', { key: 'Enter', bubbles: true, cancelable: true }));
+      r.enterWhileLoading = document.body.dataset.state === 'loading';
+    }
+    if (state === 'ready' && r.ready === undefined) {
+      r.ready = { disabled: b.disabled, status: text, prompt: $('prompt').value, out: $('out').textContent };
+      b.click();
+    }
+    if (state === 'done' || state === 'error') {
+      clearInterval(poll);
+      Object.assign(r, { state, status: text, out: $('out').textContent, href: location.href });
+      fetch('/result', { method: 'POST', body: JSON.stringify(r) });
+    }
+  }, 10);
+})();
+"""
+
+
+def test_web_kit_page_waits_for_the_model_never_navigates_then_generates(node, tiny, tmp_path):
+    """The web kit's own page in headless Chromium (wasm): Generate is disabled while the model loads (the status
+    names the file and its size), clicking it or pressing Enter then does nothing and never reloads the page, the
+    prompt is the bundle's sample prompt, and once ready a click streams deltaship's greedy tokens."""
+    from deltaship.apps.web import write_kit
+
+    kit = tmp_path / "web"
+    write_kit(tiny["fp32"], kit, "web")
+    (kit / "node_modules").symlink_to(PKG / "node_modules")
+    page = (kit / "index.html").read_text()
+    assert "<form" not in page
+    readme = (kit / "README.md").read_text()  # only what applies to the web kit: no onnxruntime-node install step
+    assert "onnxruntime-node" not in readme and "ONNXRUNTIME_NODE_INSTALL" not in readme and "npm install" in readme
+    assert json.loads((kit / "bundle" / "manifest.json").read_text())["sample_prompt"] == "def "
+    (kit / "index.html").write_text(page.replace("</body>", f"<script>{_PROBE}</script>\n</body>"))
+    server = _Server({}, directory=kit)
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        f"http://127.0.0.1:{server.port}/",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        posted = server.posted.wait(timeout=240)
+    finally:
+        proc.terminate()
+        try:
+            log = proc.communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log = proc.communicate()[0]
+        server.close()
+    assert posted, f"the kit's page reported nothing within 240 s; Chromium said:\n{log[-4000:]}"
+    r = server.results[0]
+    assert "reloaded" not in r, f"a click before the model was ready reloaded the page: {r}"
+    assert [p for p in server.requests if p == "/" or p.startswith(("/?", "/index"))] == ["/"], server.requests
+    assert r["disabledAtParse"] and r["loading"] and r["loading"]["disabled"], r
+    assert "model.onnx" in r["loading"]["status"] and "MiB" in r["loading"]["status"], r
+    assert r["enterWhileLoading"], r  # Enter in the prompt before the model is ready: still loading, nothing ran
+    assert not r["ready"]["disabled"] and r["ready"]["prompt"] == "def " and r["ready"]["out"] == "", r
+    assert r["ready"]["status"].startswith("Ready: the model loaded in") and "(wasm)" in r["ready"]["status"], r
+    assert r["state"] == "done" and r["href"] == f"http://127.0.0.1:{server.port}/", r
+    want = generate(tiny["fp32"], prompt="def ", max_new_tokens=64)["text"]
+    assert r["out"] == "def " + want and len(want) > 8, r

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from deltaship.devices.plan import plan, verdicts
@@ -67,14 +69,19 @@ def test_vision_tower_in_the_plan():
     assert "100.6M parameters" in format_vision(vp)
 
 
-def test_plan_prints_the_vision_table_only_for_a_tower(capsys):
+def test_plan_prints_the_vision_table_only_when_asked_for_a_tower(capsys):
     import json
 
     from deltaship.cli import main
 
     assert main(["plan", "--model", "qwen3.5-0.8b", "--tier", "phone-4gb"]) == 0
+    out = capsys.readouterr().out  # a text-only user sees the text plan and a one-line pointer
+    assert "vision tower:" not in out and "4096x4096" not in out and "--vision adds its vision tower's memory" in out
+    assert main(["plan", "--model", "qwen3.5-0.8b", "--tier", "phone-4gb", "--vision"]) == 0
     out = capsys.readouterr().out
     assert "vision tower: 12 blocks x 768" in out and "896x896" in out and "4096x4096" in out
+    assert main(["plan", "--model", "qwen3.5-tiny", "--tier", "phone-4gb", "--vision"]) == 2
+    assert "--vision: qwen3.5-tiny has no vision tower" in capsys.readouterr().err
     assert main(["plan", "--model", "qwen3.5-0.8b", "--tier", "phone-4gb", "--json"]) == 0
     assert isinstance(json.loads(capsys.readouterr().out), list)  # --json: the rows, as for a text-only model
     assert main(["plan", "--model", "qwen3.5-tiny", "--tier", "phone-4gb"]) == 0
@@ -166,3 +173,16 @@ def test_max_context_max_needs_a_device(tmp_path):
     assert not (tmp_path / "b").exists()
     with pytest.raises(SystemExit):  # argparse: neither a number nor max
         main(["export", "--model", "qwen3.5-tiny", "--out", str(tmp_path / "c"), "--max-context", "long"])
+
+
+def test_plan_table_says_gib_once_and_no_g_suffix():
+    from deltaship.devices.plan import format_table
+
+    table = format_table(plan("qwen3.5-0.8b", tier="phone-4gb"))
+    lines = table.splitlines()
+    assert lines[0] == "memory in GiB" and lines[1].startswith("tier ")
+    row = next(ln for ln in lines if ln.startswith("phone-4gb"))
+    assert not re.search(r"\d+\.\d\dG\b", table), row  # numbers in the unit the text uses (GiB), no bare G
+    assert re.search(r"\s\d+\.\d\d\s+\d+\.\d\d", row)
+    widths = {len(ln) for ln in lines[1:] if ln.startswith(("tier ", "phone-4gb"))}
+    assert len(lines[2]) == len(lines[1]) and max(widths) - min(widths) <= len("  <- recommended") + 1

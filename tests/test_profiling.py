@@ -210,8 +210,85 @@ def test_default_contexts_clip_to_the_bundle(bundle):
     fast = {k: v for k, v in FAST.items() if k != "contexts"}
     doc = profile(bundle, **fast, breakdown=False)
     assert doc["config"]["contexts"] == [63]
+    from deltaship.devices.discovery import default_threads
+
+    assert doc["threads"] == default_threads() >= 1  # no --threads: the count the runtime was given, not None
     depths = [r["context"] for r in doc["results"] if r["metric"] == "decode_latency_s"]
     assert depths == [63]
+
+
+def _rec(metric: str, unit: str, median: float, **where) -> dict:
+    return {
+        "metric": metric,
+        "unit": unit,
+        **where,
+        "samples": [median] * 3,
+        "median": median,
+        "p90": median,
+        "ci95": [median, median],
+        "cv": 0.0,
+        "n": 3,
+        "flags": [],
+    }
+
+
+def test_results_table_says_its_units_threads_and_prompt():
+    """The terminal table: the real thread count, names in the shown unit (ttft_ms, not ttft_s over ms figures),
+    the prompt a decode figure ran after, and columns aligned whatever the `where` text."""
+    from deltaship.profiling.report import format_compare, format_results
+
+    doc = {
+        "device": {"device": "host", "model": "cpu", "cores": 2},
+        "bundle": {"name": "tiny", "target": "onnx", "precision": "fp32"},
+        "runtime": "onnxruntime 1.31.0",
+        "threads": 2,
+        "results": [
+            _rec("ttft_s", "s", 0.0123, prompt_length=8),
+            _rec("decode_tok_s", "tok/s", 250.0, from_context=128, gen=4),
+            _rec("decode_latency_s", "s", 0.004, context=16),
+            _rec("decode_op_s", "s", 0.001, context=4096, op_kind="deltanet"),
+            _rec("peak_rss_bytes", "bytes", 300 * 2**20),
+        ],
+    }
+    text = format_results(doc)
+    lines = text.splitlines()
+    assert "2 threads" in lines[0] and "None" not in lines[0]
+    assert "threads: the runtime's default" in format_results({**doc, "threads": None}).splitlines()[0]
+    assert "ttft_ms " in text and "ttft_s" not in text and "decode_latency_ms" in text and "peak_rss_mib" in text
+    assert "decode_tok_s " in text  # tokens per second keeps its name
+    row = next(ln for ln in lines if ln.startswith("ttft_ms"))
+    assert " ms " in row and "12.30" in row
+    assert "after P=128" in text and "decode after a random prompt of 128 tokens" in text
+    rows = [
+        ln
+        for ln in lines[1:]
+        if ln.split()[0] in {"metric", "ttft_ms", "decode_tok_s", "decode_latency_ms", "decode_op_ms", "peak_rss_mib"}
+    ]
+    assert len(rows) == 6
+    assert len({len(ln.rstrip()) for ln in rows[1:]}) == 1, "\n".join(rows)  # every column lines up
+    cmp = [
+        {**r, "a": r["median"], "b": r["median"], "ratio": 1.0, "ci95": [1.0, 1.0], "significant": False}
+        for r in doc["results"]
+    ]
+    assert len({len(ln) for ln in format_compare(cmp, "A", "B").splitlines()[3:]}) == 1
+
+
+def test_html_device_table_formats_bytes(tmp_path):
+    from deltaship.profiling.report import write_html
+
+    doc = {
+        "device": {
+            "device": "host",
+            "cores": 2,
+            "ram_bytes": 25276510208,
+            "gpus": [{"name": "H100", "memory_bytes": 80 * 2**30}],
+        },
+        "bundle": {"name": "tiny", "target": "onnx", "precision": "fp32"},
+        "results": [],
+    }
+    page = write_html(doc, tmp_path / "r.html").read_text()
+    assert "<th>ram_bytes</th><td>23.54 GiB</td>" in page and "25276510208" not in page
+    assert "memory_bytes 80.00 GiB" in page
 
 
 def test_profile_bad_input(bundle):
@@ -255,7 +332,8 @@ def test_html_report_renders_in_headless_chromium(bundle, tmp_path):
     import re
 
     summary = re.search(r'<table id="summary">(.*?)</table>', dom, re.S).group(1)
-    assert "decode_tok_s (from ctx" in summary and "prefill_tok_s (P=" in summary and "tok/s" in summary
+    assert "decode_tok_s (after P=" in summary and "prefill_tok_s (P=" in summary and "tok/s" in summary
+    assert "ttft_ms (P=" in summary and "ttft_s" not in summary
     device = re.search(r'<table id="device">(.*?)</table>', dom, re.S).group(1)
     assert "<th>cores</th>" in device and "{" not in device  # a table, not the raw JSON
     m = re.search(r'<span id="check" data-expected="(\d+)">(\d+)/(\d+)</span>', dom)

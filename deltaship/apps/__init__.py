@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.bundle import read_manifest, require_intact
+from deltaship.bundle.format import TARGET_TITLES, a_bundle
 from deltaship.bundle.writer import write_dir
 from deltaship.errors import DeltashipError
 
@@ -62,7 +63,9 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
     target = manifest.get("target")
     if target not in targets:
         raise DeltashipError(
-            f"{bundle} is a {target} bundle; the {platform} kit runs {' or '.join(targets)} bundles", fix
+            f"{bundle} is {a_bundle(target)}; the {platform} kit runs "
+            f"{' or '.join(TARGET_TITLES[t] for t in targets)} bundles",
+            fix,
         )
     _check_runtime_version(bundle, manifest, platform)
     try:
@@ -83,9 +86,8 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
             record = {
                 "platform": platform,
                 "target": target,
-                "files": sorted(
-                    Path(f).relative_to(tmp).as_posix() if Path(f).is_absolute() else str(f) for f in files
-                ),
+                # relative to the kit: the staging directory is renamed to `out` once complete
+                "files": sorted(Path(f).relative_to(tmp).as_posix() for f in files),
             }
         record = {"kit": "deltaship.app", "platform": platform, **record}
         if not (tmp / KIT_RECORD).exists():

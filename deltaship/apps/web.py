@@ -8,11 +8,13 @@ README naming the bundle's own files, for an ONNX bundle.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
 
 from deltaship.bundle import read_manifest
+from deltaship.bundle.format import a_bundle
 from deltaship.errors import DeltashipError
 
 JS_PACKAGE = Path(__file__).parent / "js"
@@ -32,7 +34,7 @@ def _manifest(bundle: Path) -> dict[str, Any]:
     m = read_manifest(bundle)  # refuses other schema versions, naming the export that rebuilds them
     if m["target"] not in BUNDLE_TARGETS:
         raise DeltashipError(
-            f"{bundle} is a {m['target']} bundle; the web and desktop kits run ONNX bundles",
+            f"{bundle} is {a_bundle(m['target'])}; the web and desktop kits run ONNX bundles",
             "export an ONNX bundle: deltaship export --model M --target onnx --out DIR",
         )
     return m
@@ -103,19 +105,35 @@ def _readme(m: dict[str, Any], platform: str, files: list[str]) -> str:
         "## Install",
         "",
         "```sh",
-        "# onnxruntime-node's install script downloads CUDA binaries; the CPU library is already in the package",
-        "ONNXRUNTIME_NODE_INSTALL=skip npm install --ignore-scripts",
+        *(
+            [
+                "# onnxruntime-node's install script downloads CUDA binaries; the CPU library is already in the package",
+                "ONNXRUNTIME_NODE_INSTALL=skip npm install --ignore-scripts",
+            ]
+            if platform == "desktop"
+            else ["npm install"]
+        ),
         "```",
         "",
     ]
+    sample = m.get("sample_prompt")
     if platform == "desktop":
         lines += [
             "## Run",
             "",
             "```sh",
-            'node generate.mjs bundle "Once upon a time" --max-new-tokens 64',
+            f"node generate.mjs bundle {shlex.quote(sample or 'your prompt')} --max-new-tokens 64",
             "```",
             "",
+            *(
+                [
+                    f"Without a prompt it uses the bundle's sample prompt ({json.dumps(sample)}, `sample_prompt` in "
+                    "`bundle/manifest.json`: what the model was trained on).",
+                    "",
+                ]
+                if sample
+                else []
+            ),
             "In an Electron app run the model in the main process (or a utility process) with "
             "`import { openBundle } from './deltaship-runtime/src/node.js'`, pointing it at the bundle directory shipped "
             "with the app (outside the asar archive: onnxruntime-node opens the files itself), and stream tokens "
@@ -147,6 +165,14 @@ def _readme(m: dict[str, Any], platform: str, files: list[str]) -> str:
             "wasm CPU backend otherwise. Serve with `Cross-Origin-Opener-Policy: same-origin` and "
             "`Cross-Origin-Embedder-Policy: require-corp` to let wasm use threads.",
             "",
+            "The page shows the model loading (which file, its size, the seconds so far) and keeps Generate disabled "
+            "until the model is ready; its prompt starts as "
+            + (
+                f"the bundle's sample prompt ({json.dumps(sample)}, `sample_prompt` in `bundle/manifest.json`)."
+                if sample
+                else "empty (the bundle records no `sample_prompt`)."
+            ),
+            "",
         ]
     lines += [
         "## React Native",
@@ -174,30 +200,89 @@ _INDEX_HTML = """<!doctype html>
 </script>
 <script type="module" src="main.js"></script>
 </head>
-<body>
-<form id="form"><input id="prompt" size="60" value="Once upon a time"> <button>Generate</button></form>
+<body data-state="loading">
+<p id="status" role="status"><progress id="progress"></progress> <span id="status-text">Loading the model...</span></p>
+<p>
+<input id="prompt" size="60" aria-label="prompt">
+<button id="generate" type="button" disabled>Generate</button>
+</p>
 <pre id="out"></pre>
 </body>
 </html>
 """
 
-_MAIN_JS = """// Open the bundle (WebGPU when the browser has it, else wasm) and stream tokens into the page.
+# No <form>: nothing on the page submits or navigates. Generate stays disabled until the session is open, and
+# the prompt starts as the bundle's `sample_prompt` (recorded at export from the preset or the model card).
+_MAIN_JS = """// Open the bundle (WebGPU when the browser has it, else wasm), show the load, stream tokens into the page.
 import { openBundle } from './deltaship-runtime/src/web.js';
 
-const executionProvider = navigator.gpu && (await navigator.gpu.requestAdapter()) ? 'webgpu' : 'wasm';
-const session = await openBundle('./bundle/', { executionProvider });
-const out = document.getElementById('out');
+const $ = (id) => document.getElementById(id);
+const button = $('generate');
+const prompt = $('prompt');
+const out = $('out');
+let session = null;
+let executionProvider = 'wasm';
 
-document.getElementById('form').addEventListener('submit', async (e) => {
+function status(text, state, done = false) {
+  $('status-text').textContent = text;
+  $('progress').hidden = done;
+  document.body.dataset.state = state;
+}
+
+async function load() {
+  const t0 = performance.now();
+  let stage = 'Reading the bundle manifest';
+  const seconds = () => ((performance.now() - t0) / 1000).toFixed(1);
+  const tick = setInterval(() => status(`${stage}... ${seconds()} s`, 'loading'), 250);
+  try {
+    const manifest = await (await fetch('./bundle/manifest.json')).json();
+    if (!prompt.value && typeof manifest.sample_prompt === 'string') prompt.value = manifest.sample_prompt;
+    const files = [manifest.entry, ...Object.keys(manifest.files ?? {}).filter((f) => f.startsWith(`${manifest.entry}.`))];
+    const mib = files.reduce((n, f) => n + (manifest.files?.[f]?.bytes ?? 0), 0) / 2 ** 20;
+    executionProvider = navigator.gpu && (await navigator.gpu.requestAdapter()) ? 'webgpu' : 'wasm';
+    stage = `Loading ${files.join(' + ')} (${mib.toFixed(1)} MiB) into onnxruntime-web (${executionProvider})`;
+    status(`${stage}...`, 'loading');
+    session = await openBundle('./bundle/', { executionProvider });
+    clearInterval(tick);
+    status(`Ready: the model loaded in ${seconds()} s (${executionProvider}).`, 'ready', true);
+    button.disabled = false;
+  } catch (e) {
+    clearInterval(tick);
+    status(`Could not load the model: ${e.message ?? e}${e.fix ? ` (fix: ${e.fix})` : ''}`, 'error', true);
+  }
+}
+
+async function generate() {
+  if (!session || button.disabled) return;
+  button.disabled = true;
+  status('Generating...', 'generating', true);
+  const text = prompt.value;
+  try {
+    session.reset();
+    const ids = [];
+    for await (const tok of session.stream(text, { maxNewTokens: 64 })) {
+      ids.push(tok);
+      out.textContent = text + session.decodeText(ids);
+    }
+    status(`Ready (${executionProvider}).`, 'done', true);
+  } catch (e) {
+    status(`Generation failed: ${e.message ?? e}`, 'error', true);
+  } finally {
+    button.disabled = false;
+  }
+}
+
+button.addEventListener('click', (e) => {
   e.preventDefault();
-  const prompt = document.getElementById('prompt').value;
-  session.reset();
-  const ids = [];
-  for await (const tok of session.stream(prompt, { maxNewTokens: 64 })) {
-    ids.push(tok);
-    out.textContent = `[${executionProvider}] ${prompt}${session.decodeText(ids)}`;
+  generate();
+});
+prompt.addEventListener('keydown', (e) => {
+  if (e.key === 'Enter') {
+    e.preventDefault();
+    generate();
   }
 });
+load();
 """
 
 _GENERATE_MJS = """// node generate.mjs BUNDLE_DIR "prompt" [--max-new-tokens N]: stream a completion to stdout.
@@ -205,8 +290,14 @@ import { parseArgs } from 'node:util';
 import { openBundle } from './deltaship-runtime/src/node.js';
 
 const { values, positionals } = parseArgs({ allowPositionals: true, options: { 'max-new-tokens': { type: 'string', default: '64' } } });
-const [dir = 'bundle', prompt = 'Once upon a time'] = positionals;
+const [dir = 'bundle', given] = positionals;
 const session = await openBundle(dir);
+// The default prompt is the bundle's own (manifest.json sample_prompt: what the model was trained on).
+const prompt = given ?? session.manifest?.sample_prompt;
+if (!prompt) {
+  console.error('give a prompt: node generate.mjs BUNDLE_DIR "text" (this bundle records no sample_prompt)');
+  process.exit(2);
+}
 const ids = [];
 let shown = 0;
 process.stdout.write(prompt);

@@ -55,6 +55,18 @@ def total_ram() -> int:
         return 0
 
 
+def default_threads() -> int:
+    """The intra-op threads a CPU runtime picks by itself (ONNX Runtime: one per physical core), within the
+    cores this process may run on: physical cores from /proc/cpuinfo, else the usable logical CPUs."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    info = _read("/proc/cpuinfo") or ""
+    cores = {
+        (m.group(1), m.group(2))
+        for m in re.finditer(r"physical id\s*:\s*(\d+)[^\n]*\n(?:[^\n]+\n)*?core id\s*:\s*(\d+)", info)
+    }
+    return max(1, min(usable, len(cores) or usable))
+
+
 def cpu_frequency_mhz() -> float | None:
     cur = _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq")
     if cur:

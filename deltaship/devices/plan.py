@@ -500,11 +500,12 @@ def _planned_kv(tier_rows: list[dict], pick: dict | None) -> str:
 def format_table(rows: list[dict]) -> str:
     """The rows as a table: memory by part (KV cache, DeltaNet states, activations, runtime) in GiB."""
     head = (
+        "memory in GiB\n"
         f"{'tier':<12} {'target':<11} {'prec':<5} {'kv':<5} {'context':>7} {'weights':>8} {'kv':>8} "
         f"{'deltanet':>8} {'activ.':>8} {'runtime':>8} {'total':>8} {'budget':>8}  fit"
     )
-    lines = [head, "-" * len(head)]
-    g = lambda b: f"{b / GIB:7.2f}G"  # noqa: E731
+    lines = [head, "-" * len(head.splitlines()[-1])]
+    g = lambda b: f"{b / GIB:8.2f}"  # noqa: E731
     for r in rows:
         mark = ("yes" if r["fits"] else "no") + ("  <- recommended" if r["recommended"] else "")
         kv = r.get("kv_dtype", "") + ("" if r.get("kv_exportable", True) else "*")

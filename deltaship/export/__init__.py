@@ -322,8 +322,10 @@ def export(
                 f"{vision_block['graphs']['embedding']}, and run {vision_block['graphs']['decoder']} on them with "
                 "3-row M-RoPE positions; prompts without images keep using the entry graph.",
             ]
+        if source.sample_prompt() is not None:  # an app's default prompt (the web kit's page)
+            manifest["sample_prompt"] = source.sample_prompt()
         manifest["memory"] = _memory(spec, ctx.states, tgt)
-        manifest["app_runtimes"] = dict(lowered.app_runtimes or tgt.app_runtimes)
+        manifest["app_runtimes"] = {**tgt.app_runtimes, **(lowered.app_runtimes or {})}
         if verify:
             from deltaship.export.verify import verify_bundle
 

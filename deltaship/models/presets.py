@@ -131,6 +131,7 @@ class Preset:
     seed: int = 0
     weights: str = "random (seeded)"  # where the weights come from, for the bundle's model card
     base_model: str | None = None  # the published checkpoint whose shape the preset copies
+    sample_prompt: str | None = None  # a prompt that suits what the weights learned (the manifest's sample_prompt)
 
     def spec(self) -> ModelSpec:
         return ModelSpec.from_config(self.config, where=f"preset {self.name}")
@@ -152,6 +153,7 @@ PRESETS: dict[str, Preset] = {
             1024,
             "8 layers (6 DeltaNet + 2 attention), hidden 256, byte-level vocab",
             weights="trained by deltaship on the Python standard library's source (tools/train_tiny.py)",
+            sample_prompt="def ",
         ),
         Preset(
             "qwen3.5-0.8b",

@@ -72,6 +72,19 @@ class ModelSource:
                     card[key] = ", ".join(map(str, value)) if isinstance(value, list) else value
         return card
 
+    def sample_prompt(self) -> str | None:
+        """A prompt that suits the model: the preset's, or the first `widget` text of the checkpoint's model card."""
+        if self.kind == "preset":
+            return get_preset(self.name).sample_prompt
+        readme = self.path / "README.md" if self.path is not None else None
+        if readme is None or not readme.is_file():
+            return None
+        from huggingface_hub.repocard import metadata_load
+
+        widget = (metadata_load(readme) or {}).get("widget")
+        text = widget[0].get("text") if isinstance(widget, list) and widget and isinstance(widget[0], dict) else None
+        return text[:1000] if isinstance(text, str) and text.strip() else None
+
     def notes(self) -> list[str]:
         notes = [f"ignored {n} tensor(s) of the {what}" for what, n in sorted(self.ignored.items())]
         if not any(f.name == "tokenizer.json" for f in self.tokenizer_files):

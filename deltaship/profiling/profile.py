@@ -310,6 +310,10 @@ def profile(
                 else "not enforceable on this host (no writable cgroup); peak RSS compared after the run",
                 "emulated": True,
             }
+        if threads is None and provider == "cpu":
+            from deltaship.devices.discovery import default_threads
+
+            threads = default_threads()  # the runtime's own default, passed so that the record says what ran
         try:
             say(f"profiling {path.name} on the host ({threads or 'default'} threads)")
             out, died = run_worker({**cfg, "bundle": str(path), "threads": threads, "breakdown": False}, cap)

@@ -19,11 +19,25 @@ def _fmt(value: float, unit: str) -> str:
     return f"{value * UNITS.get(unit, 1):.2f}"
 
 
+def label(metric: str, unit: str) -> str:
+    """The metric's name in the unit it is shown in: ttft_s (seconds in the JSON) reads ttft_ms in a table that
+    shows milliseconds, peak_rss_bytes reads peak_rss_mib; tok/s metrics keep their names."""
+    for suffix, shown in (("_s", "s"), ("_bytes", "bytes")):
+        if unit == shown and metric.endswith(suffix):
+            return metric[: -len(suffix)] + "_" + SHOWN[unit].lower()
+    return metric
+
+
+def _threads(doc: dict[str, Any]) -> str:
+    n = doc.get("threads")
+    return f"{n} threads" if n else "threads: the runtime's default"
+
+
 def _where(r: dict) -> str:
     parts = []
     for k, label in (
         ("prompt_length", "P="),
-        ("from_context", "from ctx "),
+        ("from_context", "after P="),  # decode runs after its own fixed prompt (worker.py), not --prompt-lengths
         ("context", "ctx="),
         ("op_kind", "op="),
         ("tokens", "T="),
@@ -41,7 +55,7 @@ def format_results(doc: dict[str, Any], speculative: bool = True) -> str:
     dev, b = doc.get("device", {}), doc["bundle"]
     lines = [
         f"{b['name']}: {b['target']} / {b['precision']} on {dev.get('device', '?')} ({dev.get('model', '?')}, "
-        f"{dev.get('cores', '?')} cores), {doc.get('runtime', '')}, threads {doc.get('threads')}"
+        f"{dev.get('cores', '?')} cores), {doc.get('runtime', '')}, {_threads(doc)}"
     ]
     if doc.get("emulation"):
         e = doc["emulation"]
@@ -49,20 +63,31 @@ def format_results(doc: dict[str, Any], speculative: bool = True) -> str:
             f"emulating tier {e['tier']}: {e['threads']} threads, memory cap {e['memory_cap_bytes'] / 2**30:.2f} "
             f"GiB ({e['memory_cap']})"
         )
-    head = f"{'metric':<18} {'where':<16} {'unit':>6} {'median':>10} {'p90':>10} {'ci95':>23} {'cv':>6} {'n':>4}  flags"
+    w = max([16] + [len(_where(r)) for r in doc["results"]])  # "ctx=4096 op=deltanet" is wider than 16
+    m = max([18] + [len(label(r.get("metric", ""), r.get("unit", ""))) for r in doc["results"]])
+    head = (
+        f"{'metric':<{m}} {'where':<{w}} {'unit':>6} {'median':>10} {'p90':>10} {'ci95':>23} {'cv':>6} {'n':>4}  flags"
+    )
     lines += [head, "-" * len(head)]
     for r in doc["results"]:
         if r.get("status") == "died":
-            lines.append(f"{'run':<18} {_where(r):<16} DIED: {r['reason']}")
+            lines.append(f"{'run':<{m}} {_where(r):<{w}} DIED: {r['reason']}")
             continue
+        name = label(r["metric"], r.get("unit", ""))
         if not r.get("samples"):
-            lines.append(f"{r['metric']:<18} {_where(r):<16} {'':>6} {'-':>10}  {' '.join(r.get('flags', []))}")
+            lines.append(f"{name:<{m}} {_where(r):<{w}} {'':>6} {'-':>10}  {' '.join(r.get('flags', []))}")
             continue
         u = r["unit"]
         ci = f"[{_fmt(r['ci95'][0], u)}, {_fmt(r['ci95'][1], u)}]"
         lines.append(
-            f"{r['metric']:<18} {_where(r):<16} {SHOWN.get(u, u):>6} {_fmt(r['median'], u):>10} "
+            f"{name:<{m}} {_where(r):<{w}} {SHOWN.get(u, u):>6} {_fmt(r['median'], u):>10} "
             f"{_fmt(r['p90'], u):>10} {ci:>23} {r['cv']:>6.3f} {r['n']:>4}  {' '.join(r['flags'])}"
+        )
+    after = sorted({r["from_context"] for r in doc["results"] if r.get("from_context") and r.get("samples")})
+    if after:
+        lines.append(
+            f"note: decode_tok_s and tpot_ms decode after a random prompt of {', '.join(map(str, after))} tokens "
+            "(after P=), whatever --prompt-lengths; decode_latency_ms is per --contexts depth"
         )
     if speculative and doc.get("speculative"):
         from deltaship.profiling.speculative import format_speculative
@@ -78,14 +103,17 @@ def format_results(doc: dict[str, Any], speculative: bool = True) -> str:
 
 
 def format_compare(rows: list[dict[str, Any]], a: str, b: str) -> str:
+    w = max([16] + [len(_where(r)) for r in rows])
+    m = max([18] + [len(label(r["metric"], r["unit"])) for r in rows])
     lines = [
         f"B = {b}\nA = {a}",
-        f"{'metric':<18} {'where':<16} {'A':>10} {'B':>10} {'B/A':>7} {'ci95':>16}  significant",
+        f"{'metric':<{m}} {'where':<{w}} {'A':>10} {'B':>10} {'B/A':>7} {'ci95':>16}  significant",
     ]
     for r in rows:
         u = r["unit"]
         lines.append(
-            f"{r['metric']:<18} {_where(r):<16} {_fmt(r['a'], u):>10} {_fmt(r['b'], u):>10} {r['ratio']:>7.3f} "
+            f"{label(r['metric'], u):<{m}} {_where(r):<{w}} {_fmt(r['a'], u):>10} {_fmt(r['b'], u):>10} "
+            f"{r['ratio']:>7.3f} "
             f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]  {'yes' if r['significant'] else 'no'}"
         )
     return "\n".join(lines)
@@ -280,7 +308,7 @@ def summary(doc: dict[str, Any]) -> list[tuple[str, str]]:
         where = _where(r)
         out.append(
             (
-                f"{r['metric']}{' (' + where + ')' if where else ''}",
+                f"{label(r['metric'], r['unit'])}{' (' + where + ')' if where else ''}",
                 f"{_fmt(r['median'], r['unit'])} {SHOWN.get(r['unit'], r['unit'])}",
             )
         )
@@ -293,11 +321,15 @@ def summary(doc: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-def _plain(v: Any) -> str:
+def _plain(v: Any, key: str = "") -> str:
+    """A device record's value as text: nested records flattened, byte counts in GiB (ram_bytes 25276510208
+    reads 23.54 GiB)."""
     if isinstance(v, dict):
-        return ", ".join(f"{k} {_plain(x)}" for k, x in v.items())
+        return ", ".join(f"{k} {_plain(x, str(k))}" for k, x in v.items())
     if isinstance(v, list):
-        return "; ".join(_plain(x) for x in v)
+        return "; ".join(_plain(x, key) for x in v)
+    if key.endswith("_bytes") and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"{v / 2**30:.2f} GiB"
     return str(v)
 
 
@@ -314,7 +346,7 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
         + "</table>",
         "<h2>Device</h2><table id='device'>"
         + "".join(
-            f"<tr><th>{e(str(k))}</th><td>{e(_plain(v))}</td></tr>"
+            f"<tr><th>{e(str(k))}</th><td>{e(_plain(v, str(k)))}</td></tr>"
             for k, v in doc.get("device", {}).items()
             if v not in (None, "", [], {})
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from deltaship.bundle.format import a_bundle
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
 from deltaship.options import threads as check_threads
@@ -47,7 +48,7 @@ def open_bundle(
     target = get_target(name)
     if provider not in target.providers:
         raise DeltashipError(
-            f"--provider {provider} runs ONNX bundles only; this is a {name} bundle",
+            f"--provider {provider} runs ONNX bundles only; this is {a_bundle(name)}",
             "export the model with --target onnx for the GPU tier, or drop --provider",
         )
     if runtime in target.text_runtimes:
@@ -59,7 +60,7 @@ def open_bundle(
     if runtime is not None and runtime not in target.runtimes:
         runs = [t.name for t in all_targets() if runtime in t.runtimes or runtime in t.text_runtimes]
         raise DeltashipError(
-            f"--runtime {runtime} runs {' or '.join(runs) or 'no'} bundles; this is a {name} bundle "
+            f"--runtime {runtime} runs {' or '.join(runs) or 'no'} bundles; this is {a_bundle(name)} "
             f"(its runtimes: {', '.join(target.runtimes)})",
             f"drop --runtime, pick one of {', '.join(target.runtimes)}, or export with --target "
             f"{runs[0] if runs else 'onnx'}",

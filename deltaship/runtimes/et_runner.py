@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from deltaship.bundle.format import a_bundle
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.tokenizer import load_tokenizer
@@ -36,7 +37,7 @@ def _open(bundle: str | Path, check_hashes: bool) -> tuple[Path, dict[str, Any]]
     manifest = read_manifest(path)
     if manifest.get("target") != "executorch":
         raise DeltashipError(
-            f"{path}: --runtime et-runner runs ExecuTorch bundles; this is a {manifest.get('target')} bundle",
+            f"{path}: --runtime et-runner runs ExecuTorch bundles; this is {a_bundle(manifest.get('target'))}",
             "export with --target executorch, or drop --runtime et-runner to use this bundle's own runtime",
         )
     require_intact(path, manifest, hashes=check_hashes)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from deltaship.bundle.format import a_bundle
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Generation, Session
 
@@ -51,8 +52,14 @@ class GenaiSession(Session):
         super().__init__(bundle, manifest, prefill_chunk)
         if manifest.get("target") != "onnx":
             raise DeltashipError(
-                f"{bundle}: onnxruntime-genai runs ONNX bundles; this is a {manifest.get('target')} bundle",
+                f"{bundle}: onnxruntime-genai runs ONNX bundles; this is {a_bundle(manifest.get('target'))}",
                 "export with --target onnx, or drop --runtime genai",
+            )
+        why = str((manifest.get("app_runtimes") or {}).get("onnxruntime-genai", ""))
+        if why.startswith("unavailable: "):  # exported without genai_config.json, on purpose (export/onnx/genai.py)
+            raise DeltashipError(
+                f"{bundle}: onnxruntime-genai cannot run this bundle: {why.removeprefix('unavailable: ')}",
+                "drop --runtime genai (deltaship's own ONNX runtime runs it), or fix the checkpoint and export again",
             )
         if not (self.bundle / GENAI_CONFIG).is_file():
             raise DeltashipError(

@@ -152,10 +152,20 @@ def genai_config(
     }
 
 
+# Why a bundle has no genai_config.json (the manifest's app_runtimes says so); the bundle runs everywhere else.
+NO_EOS = (
+    "the checkpoint names no EOS token id (config.json, generation_config.json, tokenizer), which "
+    "genai_config.json needs; set eos_token_id in config.json and export again"
+)
+
+
 def write_genai_config(
     out_dir: Path, ctx, tokens: dict[str, Any] | None, model_file: str, nodes, in_place: dict[str, list[str]]
 ) -> dict[str, Any]:
-    """Write genai_config.json next to the model; return what the manifest records about it."""
+    """Write genai_config.json next to the model; return what the manifest records about it: {"config": None,
+    "unavailable": why} when genai cannot run the bundle (no EOS id: genai stops on one)."""
+    if not ((tokens or {}).get("eos") or ctx.spec.eos_token_id):
+        return {"config": None, "unavailable": NO_EOS}
     share = deltanet_states_share_in_place(nodes, ctx.states, in_place)
     cfg = genai_config(
         ctx.spec, ctx.states, tokens, ctx.max_context, int(ctx.options["prefill_chunk"]), model_file, share

@@ -378,8 +378,16 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     genai = write_genai_config(out_dir, ctx, tokens, MODEL_FILE, b.nodes, in_place)
     standard = opset >= STANDARD_OPSET
     mode = "opset27" if standard else deltanet_ops
+    app_runtimes = dict(STANDARD_APP_RUNTIMES) if standard else {}  # entries replacing the target's
+    if genai["config"] is None:
+        app_runtimes["onnxruntime-genai"] = f"unavailable: {genai['unavailable']}"
+        if callable(progress):
+            progress(f"no {GENAI_CONFIG}: {genai['unavailable']} (onnxruntime-genai cannot run this bundle)")
     return {
-        "files": [MODEL_FILE, GENAI_CONFIG] + ([DATA_FILE] if external else []) + (drafts["files"] if drafts else []),
+        "files": [MODEL_FILE]
+        + ([GENAI_CONFIG] if genai["config"] else [])
+        + ([DATA_FILE] if external else [])
+        + (drafts["files"] if drafts else []),
         "entry": MODEL_FILE,
         **({"speculative": drafts} if drafts else {}),
         **({"cuda_graph": capture} if capture else {}),
@@ -388,11 +396,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "opset": opset,
         "ir_version": IR_VERSIONS[opset],
         "conv_state_layout": CONV_STATE_LAYOUT[opset],
-        **(
-            {"runtime_requirements": dict(STANDARD_RUNTIME), "app_runtimes": dict(STANDARD_APP_RUNTIMES)}
-            if standard
-            else {}
-        ),
+        **({"runtime_requirements": dict(STANDARD_RUNTIME)} if standard else {}),
+        **({"app_runtimes": app_runtimes} if app_runtimes else {}),
         "accuracy_level": accuracy_level,
         "weight_bytes": b.weight_bytes,
         "state_in_place": in_place,

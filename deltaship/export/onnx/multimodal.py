@@ -32,6 +32,8 @@ def lower_vision(bundle: Path, source, ctx) -> dict[str, Any]:
     multimodal_io(bundle / vision.DECODER_FILE, vision.ROPE_INPUT)
     pre = Preprocessor.from_config(json.loads((bundle / block["preprocessor"]).read_text()))
     (bundle / PROCESSOR_CONFIG).write_text(json.dumps(processor_config(pre), indent=2) + "\n")
+    if not (bundle / GENAI_CONFIG).is_file():  # no EOS id: no genai config (the manifest's app_runtimes says why)
+        return block
     text = json.loads((bundle / GENAI_CONFIG).read_text())
     cfg = multimodal_genai_config(text, VisionSpec(**block["spec"]), block["graphs"])
     (bundle / GENAI_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")

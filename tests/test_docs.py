@@ -1,0 +1,61 @@
+"""The docs as a whole: every page is reachable from docs/index.md, and lists that restate data (the tier
+catalog) say what the data says."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^```[^\n]*\n.*?^```[ \t]*$", re.M | re.S)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _links(page: Path) -> set[Path]:
+    """The local files a markdown page links to (anchors and web addresses dropped)."""
+    out = set()
+    for target in LINK.findall(FENCE.sub("", page.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue
+        path = target.partition("#")[0]
+        if path:
+            out.add((page.parent / path).resolve())
+    return out
+
+
+def reachable(start: Path) -> set[Path]:
+    seen, todo = {start.resolve()}, [start.resolve()]
+    while todo:
+        page = todo.pop()
+        for dest in _links(page):
+            if dest.suffix == ".md" and dest.is_file() and dest not in seen:
+                seen.add(dest)
+                todo.append(dest)
+    return seen
+
+
+def test_every_page_is_reachable_from_the_index():
+    pages = {p.resolve() for p in DOCS.rglob("*.md")}
+    assert len(pages) > 10
+    lost = sorted(p.relative_to(ROOT).as_posix() for p in pages - reachable(DOCS / "index.md"))
+    assert not lost, f"pages no link path from docs/index.md reaches (link them from index.md): {lost}"
+
+
+def test_reachability_sees_a_page_nothing_links(tmp_path):
+    (tmp_path / "index.md").write_text("[a](a.md)\n")
+    (tmp_path / "a.md").write_text("[b](sub/b.md#top)\n```\n[c](c.md)\n```\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.md").write_text("[index](../index.md) [web](https://example.com/x.md)\n")
+    (tmp_path / "c.md").write_text("only linked from a code block\n")
+    got = {p.relative_to(tmp_path.resolve()).as_posix() for p in reachable(tmp_path / "index.md")}
+    assert got == {"index.md", "a.md", "sub/b.md"}
+
+
+def test_profiling_doc_lists_every_tier_of_the_catalog():
+    catalog = list(tomllib.loads((ROOT / "deltaship" / "devices" / "tiers.toml").read_text())["tiers"])
+    text = " ".join((DOCS / "profiling.md").read_text().split())
+    m = re.search(r"\(`deltaship/devices/tiers\.toml`: ([^()]*?), with budgets", text)
+    assert m, "docs/profiling.md no longer lists the tiers after `deltaship/devices/tiers.toml`:"
+    assert m.group(1).split(", ") == catalog, "docs/profiling.md's tier list differs from deltaship/devices/tiers.toml"

@@ -17,6 +17,7 @@ from typing import Any
 from deltaship.bundle import read_manifest, require_intact
 from deltaship.bundle.writer import write_dir
 from deltaship.errors import DeltashipError
+from deltaship.runtimes import require_artifact
 
 PLATFORMS = ("android", "ios", "web", "desktop")
 KIT_RECORD = "kit.json"
@@ -64,6 +65,7 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
         raise DeltashipError(
             f"{bundle} is a {target} bundle; the {platform} kit runs {' or '.join(targets)} bundles", fix
         )
+    require_artifact(bundle, manifest)  # the kit copies the artifact as the manifest describes it
     _check_runtime_version(bundle, manifest, platform)
     try:
         module = importlib.import_module(module_name)

@@ -224,6 +224,12 @@ class OnnxTarget(Target):
 
         adapt_tokenizer_config(bundle_dir)  # a tokenizer class onnxruntime-genai accepts
 
+    def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
+        self.require_tools(("onnx",))  # the onnx extra installs it beside onnxruntime
+        from deltaship.runtimes.onnx_contract import graph_problems
+
+        return graph_problems(bundle, manifest)
+
     def open_session(
         self,
         bundle: Path,

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import stub_bundle
 
 from deltaship.apps import PLATFORMS, write_kit
 from deltaship.errors import DeltashipError
@@ -58,13 +59,6 @@ def unbalanced(text: str) -> list[str]:
 # ---------------------------------------------------------------- write_kit itself
 
 
-def stub_manifest(target: str) -> dict:
-    """The least a bundle reader accepts: the schema, its version, a target and no files."""
-    from deltaship.bundle import SCHEMA, SCHEMA_VERSION
-
-    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "target": target, "files": {}}
-
-
 def test_unbalanced_sees_a_missing_brace():
     assert unbalanced('func f() { let s = "}(" // ) {\n}') == []
     assert unbalanced("func f() { if x { }\n") == ["line 1: unclosed {"]
@@ -75,9 +69,7 @@ def test_platforms_and_refusals(tmp_path, monkeypatch):
     import deltaship.apps as apps
 
     assert PLATFORMS == ("android", "ios", "web", "desktop")
-    bundle = tmp_path / "b"
-    bundle.mkdir()
-    (bundle / "manifest.json").write_text(json.dumps(stub_manifest("executorch")))
+    bundle = stub_bundle(tmp_path / "b", "executorch")
     with pytest.raises(DeltashipError, match="executorch bundle.*ios kit runs coreml") as e:
         write_kit(bundle, tmp_path / "kit", "ios")
     assert "--target coreml" in e.value.fix
@@ -85,7 +77,7 @@ def test_platforms_and_refusals(tmp_path, monkeypatch):
         write_kit(bundle, tmp_path / "kit", "watch")
     with pytest.raises(DeltashipError, match="no manifest.json"):
         write_kit(tmp_path, tmp_path / "kit", "android")
-    (bundle / "manifest.json").write_text(json.dumps(stub_manifest("onnx")))
+    stub_bundle(bundle, "onnx")
     monkeypatch.setitem(apps._KITS, "web", ("deltaship.apps.not_written_yet", ("onnx",), "x"))
     with pytest.raises(DeltashipError, match="web kit generator .*not installed"):
         write_kit(bundle, tmp_path / "kit", "web")
@@ -108,9 +100,7 @@ def test_web_and_desktop_dispatch_to_the_web_module(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "fake_web_kit", types.SimpleNamespace(write_kit=fake_write_kit))
     monkeypatch.setitem(apps._KITS, "desktop", ("fake_web_kit", ("onnx",), "x"))
-    bundle = tmp_path / "b"
-    bundle.mkdir()
-    (bundle / "manifest.json").write_text(json.dumps(stub_manifest("onnx")))
+    bundle = stub_bundle(tmp_path / "b", "onnx")
     record = write_kit(bundle, tmp_path / "kit", "desktop")
     assert calls and calls[0][0] == bundle and calls[0][2] == "desktop" and calls[0][1] != "kit"  # a temp dir
     assert record["files"] == ["index.js"] and record["platform"] == "desktop"

@@ -40,6 +40,14 @@ def describe(info: dict[str, Any]) -> str:
     """Human form of `inspect`'s result."""
     if not info.get("schema_ok", True):  # the fields below may be missing or of another type
         return "integrity   FAILED: " + "; ".join(info["problems"])
+    try:
+        return _describe(info)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        # the schema leaves optional blocks (verification, speculative, quantization details) loosely typed
+        return f"integrity   FAILED: a manifest field is not what deltaship writes ({type(e).__name__}: {e})"
+
+
+def _describe(info: dict[str, Any]) -> str:
     m = info["manifest"]
     spec = m["model"]
     lines = [

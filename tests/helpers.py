@@ -243,7 +243,7 @@ def stub_bundle(bundle: Path, target: str, **fields) -> Path:
 
     bundle.mkdir(parents=True, exist_ok=True)
     entry = {"onnx": "model.onnx", "executorch": "model.pte", "coreml": "model.mlpackage"}.get(target, "model.bin")
-    data = b"stub"
+    data = _stub_onnx() if target == "onnx" else b"stub"
     (bundle / entry).write_bytes(data)
     tensor = {"name": "input_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens"}
     manifest = {
@@ -292,3 +292,26 @@ def stub_bundle(bundle: Path, target: str, **fields) -> Path:
     }
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     return bundle
+
+
+def _stub_onnx() -> bytes:
+    """An ONNX graph with stub_bundle's inputs, outputs and state (enough for the artifact check; it does not run)."""
+    from onnx import TensorProto, helper
+
+    f, i = TensorProto.FLOAT, TensorProto.INT64
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["past.0.key"], ["present.0.key"]),
+            helper.make_node("Constant", [], ["logits"], value=helper.make_tensor("v", f, [1, 1, 8], [0.0] * 8)),
+        ],
+        "stub",
+        [
+            helper.make_tensor_value_info("input_ids", i, [1, "tokens"]),
+            helper.make_tensor_value_info("past.0.key", f, [1, 1, 16, 4]),
+        ],
+        [
+            helper.make_tensor_value_info("logits", f, [1, 1, 8]),
+            helper.make_tensor_value_info("present.0.key", f, [1, 1, 16, 4]),
+        ],
+    )
+    return helper.make_model(graph).SerializeToString()

@@ -9,6 +9,7 @@ manifest before any file of the bundle is opened.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
@@ -18,6 +19,9 @@ FIX = (
     "export the bundle again (or restore it from where it was shipped); a bundle names only files inside its own "
     "directory, each listed in `files` with its sha256"
 )
+# the characters of every name deltaship writes: a name also lands in shell lines and in the kits' Kotlin and
+# Swift string literals, where a quote or a `$` would be syntax
+NAME = re.compile(r"[A-Za-z0-9._+@=-]+(/[A-Za-z0-9._+@=-]+)*")
 # vision.graphs values that name files (the others name methods or functions of a program or package)
 _GRAPH_FILES = {"program", "decoder_program", "package"}
 _ONNX_GRAPH_FILES = {"vision", "embedding", "decoder"}
@@ -36,6 +40,8 @@ def name_problem(name: Any) -> str | None:
         return "has a `..` component (it would leave the bundle)"
     if any(p in ("", ".") for p in parts) or PurePosixPath(name).as_posix() != name:
         return "is not a normalized relative path"
+    if not NAME.fullmatch(name):
+        return "holds characters outside A-Z a-z 0-9 . _ + @ = - and /"
     return None
 
 

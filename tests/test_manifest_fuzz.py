@@ -65,6 +65,8 @@ FIELDS = [  # the fields readers act on, drawn more often than a random walk wou
     ("target",),
     ("lowering", "genai", "config"),
     ("model", "parameters", "total"),
+    ("schema_version",),
+    ("source",),
 ]
 scalars = st.one_of(
     st.none(),

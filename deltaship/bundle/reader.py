@@ -38,7 +38,7 @@ def read_manifest(bundle: str | Path, validate: bool = True) -> dict[str, Any]:
     version = m.get("schema_version")
     if version != SCHEMA_VERSION:
         age = "an older" if isinstance(version, int) and version < SCHEMA_VERSION else "a newer"
-        source = (m.get("source") or {}).get("model", "MODEL")
+        source = m["source"].get("model", "MODEL") if isinstance(m.get("source"), dict) else "MODEL"
         raise DeltashipError(
             f"{path}: this bundle was written by {age} deltaship (manifest schema version {version}); "
             f"this deltaship reads version {SCHEMA_VERSION}",

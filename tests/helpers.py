@@ -232,3 +232,86 @@ def speculative_runs(session, lengths, depths=(1, 2), new_tokens: int = 64):
             assert stats.verify_calls < new_tokens  # drafts were accepted: fewer decoder calls than tokens
             runs.append(stats)
     return runs
+
+
+def stub_bundle(bundle: Path, target: str, **fields) -> Path:
+    """A directory every bundle reader accepts up to the artifact: a schema-valid manifest for `target`
+    naming one small entry file, listed with its hash (`fields` override manifest fields)."""
+    import hashlib
+
+    from deltaship.bundle import SCHEMA, SCHEMA_VERSION
+
+    bundle.mkdir(parents=True, exist_ok=True)
+    entry = {"onnx": "model.onnx", "executorch": "model.pte", "coreml": "model.mlpackage"}.get(target, "model.bin")
+    data = _stub_onnx() if target == "onnx" else b"stub"
+    (bundle / entry).write_bytes(data)
+    tensor = {"name": "input_ids", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens"}
+    manifest = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created": "2026-01-01T00:00:00Z",
+        "source": {"model": "stub", "kind": "preset", "architecture": "stub", "sha256": "0" * 64, "notes": []},
+        "model_card": {"source_repo": None, "revision": None, "license": None, "base_model": None},
+        "model": {
+            "vocab_size": 8,
+            "hidden_size": 4,
+            "layer_types": ["full_attention"],
+            "num_layers": 1,
+            "parameters": {"total": 1},
+        },
+        "target": target,
+        "precision": "fp32",
+        "quantization": {"scheme": "none"},
+        "max_context": 16,
+        "prefill_chunk": 4,
+        "entry": entry,
+        "inputs": [tensor],
+        "outputs": [{"name": "logits", "shape": [1, 1, 8], "dtype": "float32", "kind": "logits"}],
+        "states": [
+            {
+                "name": "past.0.key",
+                "output": "present.0.key",
+                "layer": 0,
+                "kind": "kv_cache_key",
+                "shape": [1, 1, 16, 4],
+                "dtype": "float32",
+                "init": "zeros",
+                "reset": "zeros",
+            }
+        ],
+        "state_bytes": 256,
+        "usage": [],
+        "tokens": {"eos": [1]},
+        "tokenizer": {"files": []},
+        "passes": [],
+        "lowering": {},
+        "tools": {"python": "3", "deltaship": "0"},
+        "files": {entry: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+        "bundle_bytes": len(data),
+        **fields,
+    }
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    return bundle
+
+
+def _stub_onnx() -> bytes:
+    """An ONNX graph with stub_bundle's inputs, outputs and state (enough for the artifact check; it does not run)."""
+    from onnx import TensorProto, helper
+
+    f, i = TensorProto.FLOAT, TensorProto.INT64
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["past.0.key"], ["present.0.key"]),
+            helper.make_node("Constant", [], ["logits"], value=helper.make_tensor("v", f, [1, 1, 8], [0.0] * 8)),
+        ],
+        "stub",
+        [
+            helper.make_tensor_value_info("input_ids", i, [1, "tokens"]),
+            helper.make_tensor_value_info("past.0.key", f, [1, 1, 16, 4]),
+        ],
+        [
+            helper.make_tensor_value_info("logits", f, [1, 1, 8]),
+            helper.make_tensor_value_info("present.0.key", f, [1, 1, 16, 4]),
+        ],
+    )
+    return helper.make_model(graph).SerializeToString()

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import stub_bundle
 
 from deltaship.apps import PLATFORMS, write_kit
 from deltaship.errors import DeltashipError
@@ -58,13 +59,6 @@ def unbalanced(text: str) -> list[str]:
 # ---------------------------------------------------------------- write_kit itself
 
 
-def stub_manifest(target: str) -> dict:
-    """The least a bundle reader accepts: the schema, its version, a target and no files."""
-    from deltaship.bundle import SCHEMA, SCHEMA_VERSION
-
-    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "target": target, "files": {}}
-
-
 def test_unbalanced_sees_a_missing_brace():
     assert unbalanced('func f() { let s = "}(" // ) {\n}') == []
     assert unbalanced("func f() { if x { }\n") == ["line 1: unclosed {"]
@@ -75,9 +69,7 @@ def test_platforms_and_refusals(tmp_path, monkeypatch):
     import deltaship.apps as apps
 
     assert PLATFORMS == ("android", "ios", "web", "desktop")
-    bundle = tmp_path / "b"
-    bundle.mkdir()
-    (bundle / "manifest.json").write_text(json.dumps(stub_manifest("executorch")))
+    bundle = stub_bundle(tmp_path / "b", "executorch")
     with pytest.raises(DeltashipError, match="is an ExecuTorch bundle; the ios kit runs Core ML bundles") as e:
         write_kit(bundle, tmp_path / "kit", "ios")
     assert "--target coreml" in e.value.fix
@@ -85,7 +77,7 @@ def test_platforms_and_refusals(tmp_path, monkeypatch):
         write_kit(bundle, tmp_path / "kit", "watch")
     with pytest.raises(DeltashipError, match="no manifest.json"):
         write_kit(tmp_path, tmp_path / "kit", "android")
-    (bundle / "manifest.json").write_text(json.dumps(stub_manifest("onnx")))
+    stub_bundle(bundle, "onnx")
     monkeypatch.setitem(apps._KITS, "web", ("deltaship.apps.not_written_yet", ("onnx",), "x"))
     with pytest.raises(DeltashipError, match="web kit generator .*not installed"):
         write_kit(bundle, tmp_path / "kit", "web")
@@ -108,9 +100,7 @@ def test_web_and_desktop_dispatch_to_the_web_module(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "fake_web_kit", types.SimpleNamespace(write_kit=fake_write_kit))
     monkeypatch.setitem(apps._KITS, "desktop", ("fake_web_kit", ("onnx",), "x"))
-    bundle = tmp_path / "b"
-    bundle.mkdir()
-    (bundle / "manifest.json").write_text(json.dumps(stub_manifest("onnx")))
+    bundle = stub_bundle(tmp_path / "b", "onnx")
     record = write_kit(bundle, tmp_path / "kit", "desktop")
     assert calls and calls[0][0] == bundle and calls[0][2] == "desktop" and calls[0][1] != "kit"  # a temp dir
     assert record["files"] == ["index.js"] and record["platform"] == "desktop"
@@ -206,6 +196,11 @@ def coreml_functions(package: Path) -> dict[str, dict[str, dict[str, tuple[list[
     }
 
 
+# the names a Swift driver may write itself: the compiled-model extension it looks for, and the two files
+# swift-transformers' AutoTokenizer.from(modelFolder:) reads by these fixed names (checked with safePath first)
+DRIVER_LITERALS = {"mlmodelc", "tokenizer.json", "tokenizer_config.json"}
+
+
 def check_swift_kit(kit: Path, bundle: Path) -> list[str]:
     """Every name/shape/dtype the Swift sources use against the packages; [] when they agree."""
     from deltaship.apps.swift import identifier_literals, parse_kit_spec
@@ -216,7 +211,7 @@ def check_swift_kit(kit: Path, bundle: Path) -> list[str]:
     if spec != json.loads((kit / "kit.json").read_text())["swift"]:
         problems.append("KitSpec.swift differs from kit.json")
     sp = spec["speculative"]
-    names = set(spec["functions"].values()) | {"mlmodelc"}  # the compiled-model extension the driver looks for
+    names = set(spec["functions"].values()) | DRIVER_LITERALS
     for i, part in enumerate(spec["parts"]):
         funcs = coreml_functions(bundle / part["package"])
         swift = {
@@ -275,7 +270,7 @@ def check_swift_kit(kit: Path, bundle: Path) -> list[str]:
     if stray:
         problems.append(f"names in the swift sources that are not in the packages: {sorted(stray)}")
     for f, t in texts.items():  # the drivers take every name from KitSpec, even one the package has
-        hard = identifier_literals(t) - {"mlmodelc"} if f != "KitSpec.swift" else set()
+        hard = identifier_literals(t) - DRIVER_LITERALS if f != "KitSpec.swift" else set()
         if hard:
             problems.append(f"{f}: names written into the driver instead of read from KitSpec: {sorted(hard)}")
     problems += [f"{f}: {p}" for f, t in texts.items() for p in unbalanced(t)]
@@ -884,3 +879,76 @@ def test_genai_driver_when_the_bundle_has_genai_config(android_bundles, tmp_path
         "getLastTokenInSequence(0)",
     ):
         assert api in driver
+
+
+# ---- the bundle-path rule in the kits (deltaship/bundle/paths.py's, in Kotlin and Swift) -----------------------
+KOTLIN_TEMPLATES = Path(__file__).parents[1] / "deltaship" / "apps" / "templates" / "kotlin"
+SWIFT_MODEL = Path(__file__).parents[1] / "deltaship" / "apps" / "templates" / "DeltashipModel.swift"
+BAD_NAMES = ["../model.onnx", "/etc/passwd", "a/../b", "./model.onnx", "a//b", "model.onnx/", "", "..", 'x".onnx', "$x"]
+GOOD_NAMES = ["model.onnx", "model.onnx.data", "model.mlpackage/Data/com.apple.CoreML/weights/weight.bin", ".hidden"]
+
+
+def test_kotlin_kit_opens_every_bundle_file_through_safe_path(bundles, tmp_path):
+    """Spec check (Kotlin does not compile here): the kit ships safePath, and every driver opens the bundle's files
+    through it (no File(bundleDir, ...) or bundleDir.path reaches a runtime directly)."""
+    write_kit(bundles("base"), tmp_path / "kit", "android")
+    src = next((tmp_path / "kit").rglob("KitSpec.kt")).parent
+    helper = (src / "BundleFiles.kt").read_text()
+    assert "fun safePath(bundleDir: File, name: String): File" in helper and not unbalanced(helper)
+    assert "canonicalFile" in helper and "startsWith(root.path + File.separator)" in helper
+    assert "BundleFiles.kt" in json.loads((tmp_path / "kit" / "kit.json").read_text())["files"][3]
+    for driver in [src / "DeltashipOrtModel.kt", *KOTLIN_TEMPLATES.glob("Deltaship*.kt")]:
+        text = driver.read_text()
+        assert "File(bundleDir" not in text and "Model(bundleDir.path)" not in text, driver.name
+        assert "safePath(bundleDir, KitSpec.MODEL_FILE)" in text, driver.name
+    assert (
+        "safePath(bundleDir, KitSpec.TOKENIZER_FILE)" in (KOTLIN_TEMPLATES / "DeltashipExecuTorchModel.kt").read_text()
+    )
+    assert "safePath(bundleDir, KitSpec.GENAI_CONFIG_FILE)" in (KOTLIN_TEMPLATES / "DeltashipGenAiModel.kt").read_text()
+    assert 'const val GENAI_CONFIG_FILE = "genai_config.json"' in (src / "KitSpec.kt").read_text()
+
+
+def test_swift_kit_opens_every_bundle_file_through_safe_path():
+    """Spec check (Swift does not compile here): safePath resolves symlinks and refuses names outside the bundle;
+    the package, its compiled .mlmodelc and the tokenizer files are all reached through it."""
+    text = SWIFT_MODEL.read_text()
+    assert "public func safePath(_ bundle: URL, _ name: String) throws -> URL" in text and not unbalanced(text)
+    assert ".standardizedFileURL.resolvingSymlinksInPath()" in text and 'hasPrefix(root.path + "/")' in text
+    assert "compiledModel(spec.package, cacheKey: spec.cacheKey, bundle: bundle)" in text
+    assert "let package = try safePath(bundle, name)" in text and "return try safePath(bundle, besideName)" in text
+    load = text[text.index("public static func load(") : text.index("AutoTokenizer.from(modelFolder: bundle)")]
+    assert 'safePath(bundle, "tokenizer.json")' in load and 'safePath(bundle, "tokenizer_config.json")' in load
+    # the only other joins: inside safePath itself, the existence probe of the .mlmodelc, and the Caches directory
+    joins = re.findall(r"(\w+)\.appendingPathComponent\(", text)
+    assert sorted(joins) == ["bundle", "caches", "root"], joins
+
+
+def _replay(bundle: Path, name: str, allowed_name: "re.Pattern[str]") -> bool:
+    """The kits' safePath in Python: the name test, then the canonical path inside the canonical bundle."""
+    import os
+
+    if not name or name.startswith("/") or not allowed_name.fullmatch(name):
+        return False
+    if any(p in ("", ".", "..") for p in name.split("/")):
+        return False
+    root = os.path.realpath(bundle)
+    return os.path.realpath(os.path.join(root, name)).startswith(root + os.sep)
+
+
+def test_kit_safe_path_rule_matches_deltaship_replayed_in_python(tmp_path):
+    """The Kotlin regex and the Swift character set, taken from the templates, replayed with the same steps, agree
+    with deltaship/bundle/paths.py on traversal, absolute, odd-character and symlinked names."""
+    from deltaship.bundle.paths import NAME, name_problem
+
+    kotlin = re.search(r'BUNDLE_NAME = Regex\("([^"]+)"\)', (KOTLIN_TEMPLATES / "BundleFiles.kt").read_text()).group(1)
+    chars = re.search(r'CharacterSet\(charactersIn: "([^"]+)"\)', SWIFT_MODEL.read_text()).group(1)
+    swift = re.compile("[" + re.escape(chars) + "]+")
+    assert kotlin == NAME.pattern
+    b = tmp_path / "b"
+    (b / "sub").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (b / "out").symlink_to(tmp_path / "outside")
+    for name in BAD_NAMES + GOOD_NAMES + ["out/model.onnx", "sub/model.onnx"]:
+        expected = name_problem(name) is None and name != "out/model.onnx"
+        assert _replay(b, name, re.compile(kotlin)) == expected, ("kotlin", name)
+        assert _replay(b, name, swift) == expected, ("swift", name)

@@ -184,6 +184,7 @@ def test_genai_session_says_to_export_again_without_genai_config(bundles, tmp_pa
     (old / "genai_config.json").unlink()  # what a bundle from before this version lacks
     m = json.loads((old / "manifest.json").read_text())
     del m["files"]["genai_config.json"]
+    del m["lowering"]["genai"]  # nor did its manifest name one
     (old / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(DeltashipError, match="no genai_config.json") as e:
         open_genai(old)

@@ -113,6 +113,15 @@ def test_js_unit(node):
     assert "# fail 0" in run.stdout and "# pass 0" not in run.stdout
 
 
+def test_js_refuses_paths_outside_the_bundle():
+    """The driver's bundle-path rule (deltaship/bundle/paths.py's): traversal, absolute and unlisted paths in a
+    manifest are refused naming the field, and a symlink out of the bundle directory too (no npm dependency)."""
+    node = _tool("node", "apt-get install -y nodejs (Node 18 or newer)")
+    run = subprocess.run([node, "--test", "test/paths.test.mjs"], cwd=PKG, text=True, capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "# fail 0" in run.stdout and "# pass 3" in run.stdout and "# skipped 0" in run.stdout
+
+
 @pytest.mark.parametrize("variant", ["fp32", "int4", "external", "contrib", "kv-int8", "kv-int4", "mtp"])
 def test_node_matches_deltaship_generate(node, tiny, variant):
     bundle = tiny[variant]

@@ -18,6 +18,7 @@ from deltaship.bundle import read_manifest, require_intact
 from deltaship.bundle.format import TARGET_TITLES, a_bundle
 from deltaship.bundle.writer import write_dir
 from deltaship.errors import DeltashipError
+from deltaship.runtimes import require_artifact
 
 PLATFORMS = ("android", "ios", "web", "desktop")
 KIT_RECORD = "kit.json"
@@ -67,6 +68,7 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
             f"{' or '.join(TARGET_TITLES[t] for t in targets)} bundles",
             fix,
         )
+    require_artifact(bundle, manifest)  # the kit copies the artifact as the manifest describes it
     _check_runtime_version(bundle, manifest, platform)
     try:
         module = importlib.import_module(module_name)

@@ -19,6 +19,7 @@ from deltaship.apps import kit_name
 from deltaship.errors import DeltashipError
 
 TEMPLATES = Path(__file__).parent / "templates" / "kotlin"
+BUNDLE_FILES = "BundleFiles.kt"  # safePath(bundleDir, name): every driver opens the bundle's files through it
 PACKAGE = "ai.deltaship.kit"
 SOURCE_DIR = "src/main/kotlin/ai/deltaship/kit"
 _DTYPES = {
@@ -105,8 +106,9 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
             "re-export the bundle with this deltaship version",
         )
     genai = Path(bundle) / "genai_config.json"
-    if genai.is_file():
+    if genai.name in manifest.get("files", {}):  # listed: read_manifest checked it is inside the bundle
         version = next((v for k, v in tools.items() if "genai" in k), GENAI_CHECKED)
+        spec["files"]["genai_config"] = genai.name  # the genai driver opens it through safePath
         spec["genai"] = {
             "config": genai.name,
             "version": version,
@@ -145,6 +147,11 @@ def render_kit_spec(spec: dict[str, Any]) -> str:
         "object KitSpec {",
         f'    const val MODEL_FILE = "{spec["files"]["model"]}"',
         f'    const val TOKENIZER_FILE = "{spec["files"]["tokenizer"]}"',
+        *(
+            [f'    const val GENAI_CONFIG_FILE = "{spec["files"]["genai_config"]}"']
+            if "genai_config" in spec["files"]
+            else []
+        ),
         f"    const val MAX_CONTEXT = {spec['max_context']}",
         f"    const val PREFILL_CHUNK = {spec['prefill_chunk']}",
         "    val EOS_TOKEN_IDS = setOf(" + ", ".join(str(t) for t in spec["eos_token_ids"]) + ")",
@@ -186,7 +193,8 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
         return m.group(1).strip() if m else None
 
     out: dict[str, Any] = {
-        "files": {"model": json.loads(val("MODEL_FILE")), "tokenizer": json.loads(val("TOKENIZER_FILE"))},
+        "files": {"model": json.loads(val("MODEL_FILE")), "tokenizer": json.loads(val("TOKENIZER_FILE"))}
+        | ({"genai_config": json.loads(val("GENAI_CONFIG_FILE"))} if val("GENAI_CONFIG_FILE") else {}),
         "max_context": int(val("MAX_CONTEXT")),
         "prefill_chunk": int(val("PREFILL_CHUNK")),
         "eos_token_ids": sorted(ints(val("EOS_TOKEN_IDS").removeprefix("setOf(").removesuffix(")"))),
@@ -224,14 +232,14 @@ def generate(bundle: Path, manifest: dict[str, Any], out: Path) -> dict[str, Any
         if spec["runtime"] == "onnxruntime"
         else ["DeltashipExecuTorchModel.kt"]
     )
-    for d in drivers:
+    for d in drivers + [BUNDLE_FILES]:
         shutil.copyfile(TEMPLATES / d, src / d)
     (src / "KitSpec.kt").write_text(render_kit_spec(spec))
     deps = list(spec["gradle"]) + ([spec["genai"]["gradle"]] if "genai" in spec else [])
     (out / "build.gradle.kts").write_text(gradle(deps))
     name = kit_name(manifest)
     (out / "README.md").write_text(readme(name, manifest, spec, drivers, deps))
-    files = ["build.gradle.kts", "README.md"] + [f"{SOURCE_DIR}/{f}" for f in ["KitSpec.kt"] + drivers]
+    files = ["build.gradle.kts", "README.md"] + [f"{SOURCE_DIR}/{f}" for f in ["KitSpec.kt", BUNDLE_FILES] + drivers]
     record = {
         "target": spec["target"],
         "name": name,

@@ -7,17 +7,47 @@ from typing import Any
 
 from deltaship.bundle.reader import check_files, read_manifest
 from deltaship.bundle.validate import schema_problems
+from deltaship.errors import DeltashipError
 
 
 def inspect(bundle: str | Path, check_hashes: bool = True) -> dict[str, Any]:
-    """The manifest plus a fresh check of it against the bundle schema and of every file's size and sha256."""
-    manifest = read_manifest(bundle)
-    problems = schema_problems(manifest) + check_files(bundle, manifest, hashes=check_hashes)
-    return {"manifest": manifest, "intact": not problems, "problems": problems}
+    """The manifest plus a fresh check of it against the bundle schema, of every file's size and sha256, and
+    of the artifact's own inputs, outputs and states against the manifest's (where the target's toolchain
+    is installed). A manifest naming a path outside the bundle is refused (DeltashipError), unopened."""
+    manifest = read_manifest(bundle, validate=False)
+    problems = schema_problems(manifest)
+    schema_ok = not problems
+    problems += check_files(bundle, manifest, hashes=check_hashes)
+    if not problems:
+        problems += artifact_problems(Path(bundle), manifest)
+    return {"manifest": manifest, "intact": not problems, "problems": problems, "schema_ok": schema_ok}
+
+
+def artifact_problems(bundle: Path, manifest: dict[str, Any]) -> list[str]:
+    """Where the artifact disagrees with the manifest (its target checks what its toolchain can read cheaply)."""
+    # the registry imports no toolchain; the target's check loads its own lazily (onnx for ONNX bundles)
+    from deltaship.targets import get_target, target_names
+
+    if manifest["target"] not in target_names():
+        return [f"target {manifest['target']!r}: not a target this deltaship knows"]
+    try:
+        return get_target(manifest["target"]).artifact_problems(bundle, manifest)
+    except DeltashipError as e:
+        return [e.message]
 
 
 def describe(info: dict[str, Any]) -> str:
     """Human form of `inspect`'s result."""
+    if not info.get("schema_ok", True):  # the fields below may be missing or of another type
+        return "integrity   FAILED: " + "; ".join(info["problems"])
+    try:
+        return _describe(info)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        # the schema leaves optional blocks (verification, speculative, quantization details) loosely typed
+        return f"integrity   FAILED: a manifest field is not what deltaship writes ({type(e).__name__}: {e})"
+
+
+def _describe(info: dict[str, Any]) -> str:
     m = info["manifest"]
     spec = m["model"]
     lines = [

@@ -6,11 +6,16 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.bundle.format import MANIFEST, SCHEMA, SCHEMA_VERSION
+from deltaship.bundle.paths import FIX, check_paths, name_problem
+from deltaship.bundle.validate import schema_problems
 from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object, sha256_file
 
 
-def read_manifest(bundle: str | Path) -> dict[str, Any]:
+def read_manifest(bundle: str | Path, validate: bool = True) -> dict[str, Any]:
+    """The bundle's manifest, refused (one DeltashipError) unless it is this schema version, follows
+    schema.json (`validate=False`: `inspect`, which reports the problems instead) and names only files
+    inside the bundle that `files` lists. Opens no file but manifest.json."""
     d = Path(bundle)
     if not d.is_dir():
         raise DeltashipError(
@@ -23,6 +28,8 @@ def read_manifest(bundle: str | Path) -> dict[str, Any]:
             f"{d}: no {MANIFEST}; this is not a deltaship bundle (or an export did not finish)",
             "export again with `deltaship export ... --out DIR`",
         )
+    if path.resolve().parent != d.resolve():
+        raise DeltashipError(f"{path}: a symlink out of the bundle ({path.resolve()}); refused", FIX)
     m = read_json_object(path, "bundle manifest", "export the bundle again")
     if m.get("schema") != SCHEMA:
         raise DeltashipError(
@@ -31,7 +38,7 @@ def read_manifest(bundle: str | Path) -> dict[str, Any]:
     version = m.get("schema_version")
     if version != SCHEMA_VERSION:
         age = "an older" if isinstance(version, int) and version < SCHEMA_VERSION else "a newer"
-        source = (m.get("source") or {}).get("model", "MODEL")
+        source = m["source"].get("model", "MODEL") if isinstance(m.get("source"), dict) else "MODEL"
         raise DeltashipError(
             f"{path}: this bundle was written by {age} deltaship (manifest schema version {version}); "
             f"this deltaship reads version {SCHEMA_VERSION}",
@@ -41,16 +48,36 @@ def read_manifest(bundle: str | Path) -> dict[str, Any]:
             if age == "an older"
             else "upgrade deltaship (pip install -U deltaship)",
         )
+    check_paths(d, m)  # first: its refusal names the field and the path, plainer than the schema's pattern
+    if validate:
+        require_schema(d, m)
     return m
+
+
+def require_schema(bundle: str | Path, manifest: dict[str, Any]) -> None:
+    """Refuse a manifest that breaks schema.json, naming the fields (at most five)."""
+    problems = schema_problems(manifest)
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise DeltashipError(
+            f"{bundle}: the manifest does not follow the bundle schema: " + "; ".join(problems[:5]) + more,
+            "export the bundle again with this version of deltaship (`deltaship inspect DIR` lists every problem)",
+        )
 
 
 def check_files(bundle: str | Path, manifest: dict[str, Any], hashes: bool = True) -> list[str]:
     """Problems with the bundle's files (missing, wrong size, wrong sha256); empty when intact."""
     d = Path(bundle)
     problems = []
-    for name, info in manifest.get("files", {}).items():
+    files = manifest.get("files")
+    for name, info in (files if isinstance(files, dict) else {}).items():
+        if name_problem(name) or not isinstance(info, dict) or not isinstance(info.get("bytes"), int):
+            problems.append(f"{name!r}: not a plain file name with its size and sha256")
+            continue
         p = d / name
-        if not p.is_file():
+        if p.resolve() != d.resolve() and d.resolve() not in p.resolve().parents:
+            problems.append(f"{name}: resolves outside the bundle (a symlink?); not opened")
+        elif not p.is_file():
             problems.append(f"{name}: missing")
         elif p.stat().st_size != info["bytes"]:
             problems.append(f"{name}: {p.stat().st_size} bytes, manifest says {info['bytes']}")

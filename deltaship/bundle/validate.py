@@ -6,6 +6,8 @@ import json
 from functools import lru_cache
 from typing import Any
 
+import jsonschema
+
 from deltaship.bundle.format import SCHEMA_FILE
 
 
@@ -14,15 +16,21 @@ def schema() -> dict[str, Any]:
     return json.loads(SCHEMA_FILE.read_text())
 
 
+@lru_cache(maxsize=1)
+def _validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(schema())
+
+
 def schema_problems(manifest: dict[str, Any]) -> list[str]:
-    """Where `manifest` breaks the bundle schema (empty when it conforms, or when `jsonschema` is not
-    installed: the schema is a check for the maker, a reader needs only the fields it uses)."""
-    try:
-        import jsonschema
-    except ImportError:
-        return []
-    validator = jsonschema.Draft202012Validator(schema())
+    """Where `manifest` breaks the bundle schema (empty when it conforms). Every reader refuses a manifest
+    with problems (reader.read_manifest); `inspect` lists them."""
+    validator = _validator()
     return [
-        f"manifest{''.join(f'[{p!r}]' for p in e.absolute_path)}: {e.message}"
+        f"manifest{''.join(f'[{p!r}]' for p in e.absolute_path)}: {_short(e.message)}"
         for e in sorted(validator.iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path)))
     ]
+
+
+def _short(message: str, limit: int = 200) -> str:
+    """jsonschema quotes the offending value whole; a line of a report needs its start."""
+    return message if len(message) <= limit else message[:limit] + "..."

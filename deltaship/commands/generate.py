@@ -258,12 +258,14 @@ def _genai_resize_notices(
     """Which images genai resized, and where its size is not transformers' (onnxruntime-extensions' smart_resize
     rounds a half patch-merge block up; transformers' Python round() to even): such an image gets other tokens."""
     import dataclasses
-    import json
 
+    from deltaship.bundle.paths import bundle_path
+    from deltaship.files import read_json_object
     from deltaship.models.vision import Preprocessor, load_image, smart_resize
 
     block = manifest["vision"]
-    pre = Preprocessor.from_config(json.loads((Path(bundle) / block["preprocessor"]).read_text()))
+    path = bundle_path(bundle, manifest, block["preprocessor"], "vision.preprocessor")
+    pre = Preprocessor.from_config(read_json_object(path, "image preprocessor config", "export the bundle again"))
     pre = dataclasses.replace(pre, max_pixels=min(pre.max_pixels, int(block["max_pixels"])))
     notices = []
     for path, (_, gh, gw) in zip(images, grids):

@@ -53,6 +53,16 @@ def parse_pss(dumpsys: str) -> int | None:
     return int(m.group(1)) * 1024 if m else None
 
 
+def runner_command(remote: str, template: str, fields: dict[str, Any]) -> str:
+    """The `adb shell` command line that runs the runner in `remote` with `template` (the runner's argument
+    line, `{model}`-style fields). adb joins its arguments into one remote shell line, so every field (the
+    model path comes from the bundle's manifest) and the directory are quoted: no manifest value reaches the
+    phone's shell as syntax."""
+    quoted = {k: shlex.quote(str(v)) for k, v in fields.items()}
+    argline = template.format(**quoted)
+    return f"cd {shlex.quote(remote)} && {shlex.quote(REMOTE_ROOT + '/runner')} {argline} & echo PID:$!; wait"
+
+
 def _adb(serial: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(["adb", "-s", serial, *args], capture_output=True, text=True, timeout=timeout)
 
@@ -79,7 +89,7 @@ def profile_adb(
     default_args = get_target(target).android_runner_args
     if default_args is None:
         raise DeltashipError(f"{target} bundles do not run on Android", "export for executorch or onnx")
-    remote = f"{REMOTE_ROOT}/{path.name}"
+    remote = f"{REMOTE_ROOT}/{path.name}"  # adb push keeps the directory's name; quoted in every shell line
     say(f"adb:{serial}: pushing {path.name}")
     for args in (
         ("shell", "mkdir", "-p", REMOTE_ROOT),
@@ -105,16 +115,17 @@ def profile_adb(
             "reps": cfg["reps"],
             "bundle_dir": remote,
         }
-        argline = (runner_args or default_args).format(**fields)
+        cmd = runner_command(remote, runner_args or default_args, fields)
         phases: dict[str, list[float]] = {}
         pss: list[int] = []
         for _ in range(cfg["reps"]):
-            cmd = f"cd {shlex.quote(remote)} && {REMOTE_ROOT}/runner {argline} & echo PID:$!; wait"
             proc = subprocess.Popen(
                 ["adb", "-s", serial, "shell", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
             first = proc.stdout.readline()
             pid = first.strip().removeprefix("PID:")
+            if not pid.isdigit():  # it goes into a shell line below: only a process id may
+                pid = ""
             while proc.poll() is None:
                 got = parse_pss(_adb(serial, "shell", "dumpsys", "meminfo", pid, timeout=30).stdout)
                 if got:
@@ -150,5 +161,5 @@ def profile_adb(
                     "note": "dumpsys meminfo TOTAL PSS, polled every 0.5 s",
                 }
             )
-    _adb(serial, "shell", "rm", "-rf", remote)
+    _adb(serial, "shell", "rm", "-rf", shlex.quote(remote))
     return {"device": fp, "results": results, "runtime": f"{target} runner {Path(runner).name}"}

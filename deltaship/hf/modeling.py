@@ -10,7 +10,6 @@ Built on transformers' `PreTrainedModel` + `GenerationMixin`, not optimum's `Opt
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -121,7 +120,7 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
         config = DeltashipConfig.from_manifest(session.manifest)
         config.name_or_path = str(path)
         model = cls(config, session=session, bundle=path)
-        model.generation_config = _generation_config(path, config)
+        model.generation_config = _generation_config(path, session.manifest, config)
         return model
 
     @property
@@ -199,10 +198,18 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
         shutil.copytree(self.bundle, save_directory, dirs_exist_ok=True)
 
 
-def _generation_config(bundle: Path, config: DeltashipConfig) -> GenerationConfig:
-    """The checkpoint's generation_config.json when the bundle carries it, else greedy; eos/pad from the manifest."""
-    if (bundle / "generation_config.json").is_file():
-        gen = GenerationConfig.from_dict(json.loads((bundle / "generation_config.json").read_text()))
+def _generation_config(bundle: Path, manifest: dict[str, Any], config: DeltashipConfig) -> GenerationConfig:
+    """The checkpoint's generation_config.json when the bundle lists it, else greedy; eos/pad from the manifest."""
+    from deltaship.bundle.paths import bundle_path
+    from deltaship.files import read_json_object
+
+    if "generation_config.json" in manifest["files"]:
+        path = bundle_path(bundle, manifest, "generation_config.json", "files")
+        cfg = read_json_object(path, "generation config", "export the bundle again")
+        try:
+            gen = GenerationConfig.from_dict(cfg)
+        except (TypeError, ValueError) as e:
+            raise DeltashipError(f"{path}: not a usable generation config ({e})", "export the bundle again") from None
     else:
         gen = GenerationConfig()
     if gen.eos_token_id is None:

@@ -25,6 +25,39 @@ def copy_bundle(path: Path, target: dict, remote_dir: str, options: list[str] | 
         )
 
 
+def profile_command(
+    remote_deltaship: str, bundle: str, cfg: dict[str, Any], threads: int | None, tier: str | None
+) -> str:
+    """The remote shell line of `deltaship profile BUNDLE ...`: ssh hands it to a shell, so every word is quoted."""
+    args = [
+        remote_deltaship,
+        "profile",
+        bundle,
+        "--device",
+        "host",
+        "--json",
+        "-",
+        "--quiet",
+        "--prompt-lengths",
+        ",".join(map(str, cfg["prompt_lengths"])),
+        "--gen",
+        str(cfg["gen"]),
+        "--contexts",
+        ",".join(map(str, cfg["contexts"])),
+        "--warmups",
+        str(cfg["warmups"]),
+        "--reps",
+        str(cfg["reps"]),
+        "--min-seconds",
+        str(cfg["min_seconds"]),
+    ]
+    if threads:
+        args += ["--threads", str(threads)]
+    if tier:
+        args += ["--tier", tier]
+    return " ".join(shlex.quote(a) for a in args)
+
+
 def profile_ssh(
     path: Path,
     device: str,
@@ -42,34 +75,9 @@ def profile_ssh(
     try:
         say(f"{device}: copying {path.name} to {remote_dir}")
         copy_bundle(path, target, remote_dir, options)
-        args = [
-            remote_deltaship,
-            "profile",
-            f"{remote_dir}/{path.name}",
-            "--device",
-            "host",
-            "--json",
-            "-",
-            "--quiet",
-            "--prompt-lengths",
-            ",".join(map(str, cfg["prompt_lengths"])),
-            "--gen",
-            str(cfg["gen"]),
-            "--contexts",
-            ",".join(map(str, cfg["contexts"])),
-            "--warmups",
-            str(cfg["warmups"]),
-            "--reps",
-            str(cfg["reps"]),
-            "--min-seconds",
-            str(cfg["min_seconds"]),
-        ]
-        if threads:
-            args += ["--threads", str(threads)]
-        if tier:
-            args += ["--tier", tier]
+        cmd = profile_command(remote_deltaship, f"{remote_dir}/{path.name}", cfg, threads, tier)
         say(f"{device}: profiling")
-        out = ssh_run(target, " ".join(shlex.quote(a) for a in args), options, timeout=7200, what="profile")
+        out = ssh_run(target, cmd, options, timeout=7200, what="profile")
     finally:
         try:
             ssh_run(target, f"rm -rf {shlex.quote(remote_dir)}", options, timeout=60, what="cleanup")

@@ -27,7 +27,9 @@ def open_bundle(
     runtime: str | None = None,
     **options: Any,
 ) -> Session:
-    """Open a bundle for generation. Files are checked against the manifest's sizes (and sha256).
+    """Open a bundle for generation. The manifest is checked against the bundle schema and its paths
+    (inside the bundle, listed in `files`), the files against its sizes (and sha256), and the artifact's
+    inputs, outputs and states against the manifest's (ONNX), before the runtime loads anything.
 
     provider: "cpu", or "cuda" (ONNX bundles on ONNX Runtime's CUDA execution provider).
     runtime: which runtime runs it (the target's `runtimes`, e.g. "genai" for an ONNX bundle in
@@ -46,6 +48,7 @@ def open_bundle(
             "export the bundle again with this version of deltaship",
         )
     target = get_target(name)
+    require_artifact(bundle, manifest)
     if provider not in target.providers:
         raise DeltashipError(
             f"--provider {provider} runs ONNX bundles only; this is {a_bundle(name)}",
@@ -76,6 +79,19 @@ def open_bundle(
     )
 
 
+def require_artifact(bundle: str | Path, manifest: dict[str, Any]) -> None:
+    """Refuse a bundle whose artifact disagrees with its manifest (inputs, outputs, states; ONNX: the external
+    data files its graphs name), for a manifest read by read_manifest and files that passed require_intact."""
+    from deltaship.targets import get_target
+
+    problems = get_target(manifest["target"]).artifact_problems(Path(bundle), manifest)
+    if problems:
+        raise DeltashipError(
+            f"{bundle}: the artifact does not match its manifest: " + "; ".join(problems[:5]),
+            "export the bundle again (the manifest was edited after export, or the files come from two exports)",
+        )
+
+
 def runtime_names() -> tuple[str, ...]:
     """Every runtime some target's bundles run in (the choices of `--runtime`)."""
     from deltaship.targets import all_targets
@@ -95,4 +111,4 @@ def text_runtime(bundle: str | Path, runtime: str | None):
     return (importlib.import_module(spec.module), spec) if spec else None
 
 
-__all__ = ["open_bundle", "Session", "Generation", "read_manifest", "PROVIDERS"]
+__all__ = ["open_bundle", "require_artifact", "Session", "Generation", "read_manifest", "PROVIDERS"]

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Session
 from deltaship.runtimes.coreml_speculative import CoreMLSpeculation
@@ -62,6 +63,9 @@ class _CoreMLBase(CoreMLSpeculation, Session):
             x = self._take_outputs(part, self._run(i, fname, self._feeds(part, x)))
         return x
 
+    def _package(self, part: dict[str, Any]) -> Path:
+        return bundle_path(self.bundle, self.manifest, part["package"], "lowering.parts[].package")
+
     def _reset_io(self) -> None:
         self._io = {s["name"]: np.zeros(s["shape"], np.float32) for s in self.io_states}
 
@@ -80,7 +84,7 @@ class CoreMLEvalSession(_CoreMLBase):
         super().__init__(bundle, manifest, prefill_chunk)
         from deltaship.export.coreml.mil_eval import Interpreter, load_program
 
-        self.interps = [Interpreter(load_program(self.bundle / p["package"])) for p in self.parts]
+        self.interps = [Interpreter(load_program(self._package(p))) for p in self.parts]
         self._states = {s["coreml_input"]: np.zeros(s["shape"], np.float16) for s in self.ml_states}
         draft = (manifest.get("speculative") or {}).get("draft", {"states": []})["states"]
         self._states.update(
@@ -141,7 +145,7 @@ class CoreMLDeviceSession(_CoreMLBase):
         cu = self._compute_units = getattr(ct.ComputeUnit, compute_units)
         self.models = [
             {
-                f: ct.models.MLModel(str(self.bundle / p["package"]), function_name=f, compute_units=cu)
+                f: ct.models.MLModel(str(self._package(p)), function_name=f, compute_units=cu)
                 for f in ("prefill", "decode")
             }
             for p in self.parts
@@ -161,9 +165,7 @@ class CoreMLDeviceSession(_CoreMLBase):
     def _load(self, part: dict, fname: str):
         import coremltools as ct
 
-        return ct.models.MLModel(
-            str(self.bundle / part["package"]), function_name=fname, compute_units=self._compute_units
-        )
+        return ct.models.MLModel(str(self._package(part)), function_name=fname, compute_units=self._compute_units)
 
     def _run_draft(self, fname: str, feeds: dict) -> dict:
         return self._draft_model.predict(feeds, state=self._draft_state)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.bundle.format import a_bundle
+from deltaship.bundle.paths import bundle_path
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.tokenizer import load_tokenizer
@@ -63,7 +64,10 @@ def _runner(path: Path, manifest: dict[str, Any]):
     from executorch.extension.llm.runner import TextLLMRunner
 
     try:
-        return TextLLMRunner(str(path / manifest["entry"]), str(path / "tokenizer.json"))
+        return TextLLMRunner(
+            str(bundle_path(path, manifest, manifest["entry"], "entry")),
+            str(bundle_path(path, manifest, "tokenizer.json", "tokenizer.files")),
+        )
     except RuntimeError as e:
         raise DeltashipError(
             f"{path}: ExecuTorch's LLM runner could not load the program ({e})",

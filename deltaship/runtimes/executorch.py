@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Session
 from deltaship.runtimes.executorch_speculative import ExecuTorchSpeculation
@@ -41,7 +42,7 @@ class ExecuTorchSession(ExecuTorchSpeculation, Session):
         if threads:
             portable_lib._unsafe_reset_threadpool(int(threads))
         self.threads = threads
-        path = self.bundle / manifest["entry"]
+        path = bundle_path(self.bundle, manifest, manifest["entry"], "entry")
         try:
             self.program = Runtime.get().load_program(str(path))
             self.method = self.program.load_method("forward")

@@ -19,7 +19,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from deltaship.bundle.format import a_bundle
+from deltaship.bundle.paths import bundle_path
+from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
+from deltaship.files import read_json_object
 from deltaship.runtimes.base import Generation, Session
 
 GENAI_CONFIG = "genai_config.json"  # written by deltaship.export.onnx.genai
@@ -37,6 +40,27 @@ def _import_genai():
             "own ONNX Runtime session (drop --runtime genai)",
         ) from None
     return og
+
+
+def _check_config_files(bundle: Path, manifest: dict[str, Any]) -> None:
+    """onnxruntime-genai opens the files its config names (`filename`, `config_filename`, ...): each must be a
+    file of the bundle, listed in `files`, as every path the manifest names."""
+    path = bundle_path(bundle, manifest, GENAI_CONFIG, "genai config")
+    fix = "export the bundle again"
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(k, str) and k.endswith("filename") or k in ("filenames", "file"):
+                    for name in v if isinstance(v, list) else [v]:
+                        bundle_path(bundle, manifest, name, f"{GENAI_CONFIG} {where}.{k}")
+                else:
+                    walk(v, f"{where}.{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{where}[{i}]")
+
+    walk(read_json_object(path, "onnxruntime-genai config", fix), "")
 
 
 class GenaiSession(Session):
@@ -61,12 +85,13 @@ class GenaiSession(Session):
                 f"{bundle}: onnxruntime-genai cannot run this bundle: {why.removeprefix('unavailable: ')}",
                 "drop --runtime genai (deltaship's own ONNX runtime runs it), or fix the checkpoint and export again",
             )
-        if not (self.bundle / GENAI_CONFIG).is_file():
+        if GENAI_CONFIG not in manifest.get("files", {}):
             raise DeltashipError(
                 f"{bundle}: no {GENAI_CONFIG}; the bundle was exported by a deltaship that did not "
                 "write one for onnxruntime-genai",
                 "export the bundle again with this version of deltaship (deltaship export ... --target onnx)",
             )
+        _check_config_files(self.bundle, manifest)
         og = _import_genai()
         self._og = og
         self.threads = threads
@@ -276,8 +301,6 @@ def open_genai(
     prefill_chunk: int | None = None,
 ) -> GenaiSession:
     """Open an ONNX bundle in onnxruntime-genai (files checked against the manifest first)."""
-    from deltaship.bundle.reader import read_manifest, require_intact
-
     manifest = read_manifest(bundle)
     require_intact(bundle, manifest, hashes=check_hashes)
     return GenaiSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk)

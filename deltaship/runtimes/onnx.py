@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Session
 from deltaship.runtimes.onnx_speculative import OnnxSpeculation
@@ -171,7 +172,7 @@ class OnnxSession(OnnxSpeculation, Session):
         ep_list = [
             (p, cuda_provider_options(cuda_graph)) if p == "CUDAExecutionProvider" else p for p in self.providers
         ]
-        model_path = self.bundle / manifest["entry"]
+        model_path = bundle_path(self.bundle, manifest, manifest["entry"], "entry")
         turn_taking = "speculative" in manifest  # an --mtp bundle's decoder takes turns with its draft head
         self.cpu_fallback = False
         try:

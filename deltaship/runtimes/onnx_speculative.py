@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
 
 _VERIFY_WIDTH = 4096
@@ -220,7 +221,7 @@ class OnnxSpeculation:
 
             block = self.manifest["speculative"]["draft"]
             self._draft_sess = self._ort.InferenceSession(
-                str(self.bundle / block["file"]),
+                str(bundle_path(self.bundle, self.manifest, block["file"], "speculative.draft.file")),
                 sess_options=_options(self._ort, self.threads, None, turn_taking=True),
                 providers=["CPUExecutionProvider"],
             )

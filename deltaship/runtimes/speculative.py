@@ -27,14 +27,15 @@ just longer); after `MAX_PENDING` such tokens they are committed with a call of 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
+from deltaship.files import read_json
 from deltaship.runtimes.base import Generation, Session, check_sampling, probabilities
 
 
@@ -140,10 +141,11 @@ def draft_token_ids(bundle: str | Path, manifest: dict[str, Any]) -> np.ndarray 
     vocab = manifest["speculative"]["draft"].get("vocab")
     if not vocab:
         return None
-    path = Path(bundle) / vocab["file"]
+    path = bundle_path(bundle, manifest, vocab["file"], "speculative.draft.vocab.file")
+    fix = "export the bundle again (its files are incomplete)"
     try:
-        ids = np.asarray(json.loads(path.read_text())["ids"], np.int64)
-    except (OSError, ValueError, KeyError) as e:
+        ids = np.asarray(read_json(path, "draft vocabulary", fix)["ids"], np.int64)
+    except (TypeError, ValueError, KeyError) as e:
         raise DeltashipError(
             f"{path}: cannot read the draft vocabulary ({e})", "export the bundle again (its files are incomplete)"
         ) from None

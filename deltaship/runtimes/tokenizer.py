@@ -4,21 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
+from deltaship.files import read_bounded_text
+
+FIX = "export the bundle again (its tokenizer.json is damaged or not one the `tokenizers` library reads)"
 
 
 class BundleTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
 
+        text = read_bounded_text(path, "tokenizer", FIX)  # bounded: a tokenizer beyond 64 MiB is refused unread
         try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # the Rust library raises a plain Exception with serde's message
-            raise DeltashipError(
-                f"{path}: not a tokenizer the `tokenizers` library can read ({e})",
-                "export the bundle again from a checkpoint whose tokenizer.json loads "
-                "(tokenizers.Tokenizer.from_file), or pass --input-ids instead of --prompt",
-            ) from None
+            self._tok = Tokenizer.from_str(text)
+        except Exception as e:  # the Rust library raises a bare Exception with serde's message
+            raise DeltashipError(f"{path}: not a tokenizer the `tokenizers` library can read ({e})", FIX) from None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -41,4 +42,4 @@ def load_tokenizer(bundle: Path, manifest: dict) -> BundleTokenizer:
             "pass token ids with --input-ids 1,2,3 instead of --prompt (or export a checkpoint "
             "directory that has tokenizer.json)",
         )
-    return BundleTokenizer(Path(bundle) / "tokenizer.json")
+    return BundleTokenizer(bundle_path(bundle, manifest, "tokenizer.json", "tokenizer.files"))

@@ -12,14 +12,15 @@ text-only graph (model.onnx) as before.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from deltaship import options
+from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
+from deltaship.files import read_json_object
 from deltaship.models.vision import (
     DEFAULT_VIDEO_PREPROCESSOR,
     ImageInput,
@@ -48,6 +49,11 @@ def vision_block(manifest: dict[str, Any], bundle: Path) -> dict[str, Any]:
     return block
 
 
+def _config(bundle: Path, manifest: dict[str, Any], name: str, field: str) -> dict[str, Any]:
+    """A preprocessor config of the bundle (a file it lists; bounded, parsed into one error when broken)."""
+    return read_json_object(bundle_path(bundle, manifest, name, field), field, "export the bundle again")
+
+
 class Multimodal:
     """Image + text generation beside an open text session of a --vision bundle, on the backend's three parts:
     encode (one image -> features), _embed (a call's ids + its image feature rows -> embeddings), _run (the
@@ -59,15 +65,18 @@ class Multimodal:
         block = vision_block(manifest, bundle)
         self.block = block
         self.spec = VisionSpec(**block["spec"])
-        pre = Preprocessor.from_config(json.loads((bundle / block["preprocessor"]).read_text()))
+        pre = Preprocessor.from_config(_config(bundle, manifest, block["preprocessor"], "vision.preprocessor"))
         # a bundle may cap images below the preprocessor's limit (ExecuTorch plans memory for its largest image)
         self.pre = dataclasses.replace(pre, max_pixels=min(pre.max_pixels, int(block["max_pixels"])))
         self.max_image_tokens = int(block["max_image_tokens"])
         video_cfg = block.get("video_preprocessor")  # bundles before multi-frame video have none
         self.video_pre = VideoPreprocessor.from_config(
-            json.loads((bundle / video_cfg).read_text()) if video_cfg else DEFAULT_VIDEO_PREPROCESSOR
+            _config(bundle, manifest, video_cfg, "vision.video_preprocessor")
+            if video_cfg
+            else DEFAULT_VIDEO_PREPROCESSOR
         )
         self.hidden = int(manifest["model"]["hidden_size"])
+        self._file = lambda key: bundle_path(bundle, manifest, block["graphs"][key], f"vision.graphs.{key}")
         self.dtype = np.dtype(block.get("dtype", "float32"))  # image features and embeddings (fp16 bundles)
         self.delta = 0
         self._open()
@@ -269,7 +278,7 @@ class OnnxMultimodal(Multimodal):
 
         def open_graph(name: str):
             return ort.InferenceSession(
-                str(s.bundle / block["graphs"][name]),
+                str(bundle_path(s.bundle, s.manifest, block["graphs"][name], f"vision.graphs.{name}")),
                 sess_options=_options(ort, s.threads, None),
                 providers=s.providers,
             )
@@ -330,11 +339,11 @@ class ExecuTorchMultimodal(Multimodal):
         from executorch.runtime import Runtime
 
         graphs, rt = self.block["graphs"], Runtime.get()
-        program = rt.load_program(str(self.session.bundle / graphs["program"]))
+        program = rt.load_program(str(self._file("program")))
         self._t = self.session._torch
         self.vision = program.load_method(graphs["vision"])
         self.embedding = program.load_method(graphs["embedding"])
-        self._decoder_program = rt.load_program(str(self.session.bundle / graphs["decoder_program"]))
+        self._decoder_program = rt.load_program(str(self._file("decoder_program")))
         self.decoder = self._decoder_program.load_method(graphs["decoder"])
         self._buffers = list(self.block["decoder_states"])
 
@@ -381,7 +390,7 @@ class CoreMLMultimodal(Multimodal):
 
         self.functions = self.block["functions"]
         self.counts = tuple(int(n) for n in self.functions["vision"])
-        self.interp = Interpreter(load_program(self.session.bundle / self.block["graphs"]["package"]))
+        self.interp = Interpreter(load_program(self._file("package")))
         self._reset()
 
     def _reset(self) -> None:

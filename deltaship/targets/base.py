@@ -259,6 +259,12 @@ class Target(ABC):
     ) -> "Session":
         """A session over one of this target's bundles in `runtime` (one of `runtimes`; None: the first)."""
 
+    def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
+        """Where the artifact itself (its inputs, outputs and states, the files it reads) disagrees with the
+        manifest, for a bundle whose files passed the hash check; empty when they agree or when the target
+        reads nothing cheaply. Raises a DeltashipError for a file it would read outside the bundle."""
+        return []
+
     # ---- plan ----------------------------------------------------------------------------------
     def storage_format(self, precision: str) -> StorageFormat:
         return self.formats[precision]

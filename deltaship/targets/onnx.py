@@ -224,6 +224,11 @@ class OnnxTarget(Target):
 
         adapt_tokenizer_config(bundle_dir)  # a tokenizer class onnxruntime-genai accepts
 
+    def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
+        from deltaship.runtimes.onnx_contract import graph_problems  # reads the protobuf itself: no toolchain
+
+        return graph_problems(bundle, manifest)
+
     def open_session(
         self,
         bundle: Path,

@@ -38,6 +38,7 @@ public enum DeltashipKitError: Error, CustomStringConvertible {
     case noDraftHead
     case speculativeNeedsGreedy
     case draftDepth(Int)
+    case unsafePath(String, why: String)
 
     public var description: String {
         switch self {
@@ -55,8 +56,28 @@ public enum DeltashipKitError: Error, CustomStringConvertible {
             return "speculative decoding in this kit is greedy only: pass sampling: .greedy, or speculativeDepth: 0"
         case .draftDepth(let depth):
             return "speculativeDepth \(depth): the draft depth is 0 (off) or 1 to 8"
+        case .unsafePath(let name, let why):
+            return "bundle file \"\(name)\" \(why); a bundle names only files inside its own directory: export it again"
         }
     }
+}
+
+/// The bundle file `name` under `bundle`, refused unless `name` is relative, has no `.` or `..` component, only the
+/// characters deltaship writes, and resolves (URL.standardizedFileURL, symlinks resolved) inside `bundle`: the
+/// bundle-path rule of deltaship/bundle/paths.py. Every file the kit opens goes through it.
+public func safePath(_ bundle: URL, _ name: String) throws -> URL {
+    let parts = name.split(separator: "/", omittingEmptySubsequences: false)
+    let allowed = CharacterSet(charactersIn: "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._+@=-/")
+    guard !name.isEmpty, !name.hasPrefix("/"), name.unicodeScalars.allSatisfy({ allowed.contains($0) }),
+          !parts.contains(where: { $0.isEmpty || $0 == "." || $0 == ".." }) else {
+        throw DeltashipKitError.unsafePath(name, why: "is absolute, has an empty, . or .. component, or characters deltaship never writes")
+    }
+    let root = bundle.standardizedFileURL.resolvingSymlinksInPath()
+    let url = root.appendingPathComponent(name).standardizedFileURL.resolvingSymlinksInPath()
+    guard url.path.hasPrefix(root.path + "/") else {
+        throw DeltashipKitError.unsafePath(name, why: "resolves to \(url.path), outside the bundle directory \(root.path) (a symlink?)")
+    }
+    return url
 }
 
 /// A deltaship Core ML bundle: prompts go through `prefill` in full chunks of KitSpec.prefillChunk tokens,
@@ -99,7 +120,7 @@ public actor DeltashipModel {
     public static func load(bundle: URL, computeUnits: MLComputeUnits = .all) async throws -> DeltashipModel {
         var parts: [Part] = []
         for spec in KitSpec.parts {
-            let compiled = try await compiledModel(bundle.appendingPathComponent(spec.package), cacheKey: spec.cacheKey)
+            let compiled = try await compiledModel(spec.package, cacheKey: spec.cacheKey, bundle: bundle)
             func function(_ name: String) throws -> MLModel {
                 let config = MLModelConfiguration()
                 config.computeUnits = computeUnits
@@ -110,15 +131,19 @@ public actor DeltashipModel {
                               decode: try function(KitSpec.decodeFunction), compiled: compiled,
                               computeUnits: computeUnits))
         }
+        _ = try safePath(bundle, "tokenizer.json")  // swift-transformers reads both from the folder
+        _ = try safePath(bundle, "tokenizer_config.json")
         let tokenizer = try await AutoTokenizer.from(modelFolder: bundle)
         return try DeltashipModel(parts: parts, tokenizer: tokenizer)
     }
 
-    /// A compiled model: the .mlmodelc beside the package if there is one, else compiled once into Caches.
-    static func compiledModel(_ package: URL, cacheKey: String) async throws -> URL {
+    /// A compiled model: the .mlmodelc beside the package `name` if there is one, else compiled once into Caches.
+    static func compiledModel(_ name: String, cacheKey: String, bundle: URL) async throws -> URL {
         let fm = FileManager.default
-        let beside = package.deletingPathExtension().appendingPathExtension("mlmodelc")
-        if fm.fileExists(atPath: beside.path) { return beside }
+        let package = try safePath(bundle, name)
+        let besideName = (name as NSString).deletingPathExtension + ".mlmodelc"
+        let beside = bundle.appendingPathComponent(besideName)
+        if fm.fileExists(atPath: beside.path) { return try safePath(bundle, besideName) }
         let caches = try fm.url(for: .cachesDirectory, in: .userDomainMask, appropriateFor: nil, create: true)
         let target = caches.appendingPathComponent("\(cacheKey)-\(beside.lastPathComponent)")
         if fm.fileExists(atPath: target.path) { return target }

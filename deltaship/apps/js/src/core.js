@@ -20,9 +20,64 @@ export class DeltashipError extends Error {
   }
 }
 
+const AGAIN = 'export the bundle again (or restore it from where it was shipped); a bundle names only files inside its own ' +
+  'directory, each listed in `files` with its sha256';
+
+/**
+ * Why `name` is not a plain relative path inside the bundle (null when it is one): deltaship's rule
+ * (deltaship/bundle/paths.py): a non-empty string, no NUL or backslash, not absolute, no empty, `.` or `..`
+ * component, only the characters deltaship writes (A-Z a-z 0-9 . _ + @ = - /).
+ * @param {*} name
+ * @returns {string|null}
+ */
+export function pathProblem(name) {
+  if (typeof name !== 'string' || name === '') return 'is not a file name';
+  if (name.includes('\0') || name.includes('\\')) return 'holds a NUL or backslash';
+  if (name.startsWith('/') || /^[A-Za-z]:/.test(name)) return 'is an absolute path';
+  const parts = name.split('/');
+  if (parts.includes('..')) return 'has a `..` component (it would leave the bundle)';
+  if (parts.some((p) => p === '' || p === '.')) return 'is not a normalized relative path';
+  if (!/^[A-Za-z0-9._+@=-]+(\/[A-Za-z0-9._+@=-]+)*$/.test(name)) return 'holds characters outside A-Z a-z 0-9 . _ + @ = - and /';
+  return null;
+}
+
+/**
+ * A file name from manifest field `field`, refused unless it is a plain relative path inside the bundle that
+ * the manifest's `files` lists (so its integrity can be checked).
+ * @param {object} manifest
+ * @param {*} name
+ * @param {string} field
+ * @param {string} where the bundle's path or URL, for messages
+ * @returns {string} name
+ */
+export function safePath(manifest, name, field, where) {
+  const why = pathProblem(name)
+    ?? (Object.hasOwn(manifest.files ?? {}, name) ? null : 'is not listed in `files`, so its integrity cannot be checked');
+  if (why) {
+    throw new DeltashipError(`${where}: manifest field ${field} = ${JSON.stringify(name)} ${why}; refused before opening any file`, AGAIN);
+  }
+  return name;
+}
+
+/**
+ * Every path the manifest names (entry, files, tokenizer files), by deltaship's rule; throws on the first bad one.
+ * @param {object} manifest
+ * @param {string} where
+ */
+export function checkPaths(manifest, where) {
+  const files = manifest.files;
+  if (files === null || typeof files !== 'object' || Array.isArray(files)) {
+    throw new DeltashipError(`${where}: manifest field files is not an object listing the bundle's files`, AGAIN);
+  }
+  for (const name of Object.keys(files)) safePath(manifest, name, 'files', where);
+  safePath(manifest, manifest.entry, 'entry', where);
+  (Array.isArray(manifest.tokenizer?.files) ? manifest.tokenizer.files : [])
+    .forEach((name, i) => safePath(manifest, name, `tokenizer.files[${i}]`, where));
+}
+
 /**
  * Refuse a manifest this driver cannot run: not a deltaship bundle, an unknown schema version, a target
- * other than ONNX, or a state that does not start from zeros.
+ * other than ONNX, a path outside the bundle or not in `files`, or a state that does not start from zeros.
  * @param {object} manifest parsed manifest.json
  * @param {string} where the bundle's path or URL, for messages
  * @returns {object} the manifest
@@ -41,6 +96,10 @@ export function checkManifest(manifest, where) {
   if (manifest.target !== 'onnx') {
     throw new DeltashipError(`${where}: the bundle's target is ${manifest.target}; the JavaScript driver runs ONNX bundles only`,
       'export again with `deltaship export --target onnx ...`');
+  }
+  checkPaths(manifest, where);
+  if (!Array.isArray(manifest.states)) {
+    throw new DeltashipError(`${where}: manifest field states is not a list`, AGAIN);
   }
   for (const s of manifest.states) {
     if (s.init !== 'zeros') {

@@ -1,6 +1,6 @@
 // The browser: files fetched from the URL the bundle is served at, onnxruntime-web (wasm or WebGPU).
 import { Tokenizer } from '@huggingface/tokenizers';
-import { DeltashipError, Session, checkManifest, modelFiles } from './core.js';
+import { DeltashipError, Session, checkManifest, modelFiles, safePath } from './core.js';
 
 export { DeltashipError, Session, sample, checkManifest, ioPlan, SCHEMA_VERSIONS } from './core.js';
 
@@ -39,11 +39,12 @@ export async function openBundle(url, { executionProvider = 'wasm', ort, session
   const base = new URL(url.endsWith('/') ? url : `${url}/`, globalThis.location?.href).href;
   const again = 'serve the directory written by `deltaship export --target onnx --out DIR` at this URL (or export it again)';
   const manifest = checkManifest(await fetchJson(`${base}manifest.json`, 'the bundle manifest', again), base);
-  const { entry, externalData } = modelFiles(manifest);
+  const { entry, externalData } = modelFiles(manifest); // every name checked by checkManifest: inside `base`
   let tokenizer = null;
   if ((manifest.tokenizer?.files ?? []).includes('tokenizer.json')) {
-    tokenizer = new Tokenizer(await fetchJson(`${base}tokenizer.json`, 'the tokenizer', again),
-      await fetchJson(`${base}tokenizer_config.json`, 'the tokenizer config', again));
+    const url = (name) => `${base}${safePath(manifest, name, 'tokenizer.files', base)}`;
+    tokenizer = new Tokenizer(await fetchJson(url('tokenizer.json'), 'the tokenizer', again),
+      await fetchJson(url('tokenizer_config.json'), 'the tokenizer config', again));
   }
   const options = { graphOptimizationLevel: 'all', executionProviders: [executionProvider], ...sessionOptions };
   if (externalData.length) options.externalData = externalData.map((path) => ({ path, data: `${base}${path}` }));

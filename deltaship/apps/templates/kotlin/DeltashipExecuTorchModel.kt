@@ -13,8 +13,8 @@ import java.io.File
  * runner tokenizes with the bundle's tokenizer.json). One generation at a time, off the main thread.
  */
 class DeltashipExecuTorchModel(bundleDir: File, temperature: Float = 0f) : AutoCloseable {
-    private val module = LlmModule(File(bundleDir, KitSpec.MODEL_FILE).path,
-                                   File(bundleDir, KitSpec.TOKENIZER_FILE).path, temperature)
+    private val module = LlmModule(safePath(bundleDir, KitSpec.MODEL_FILE).path,
+                                   safePath(bundleDir, KitSpec.TOKENIZER_FILE).path, temperature)
 
     init {
         module.load()  // throws ExecutorchRuntimeException if the program or tokenizer does not load

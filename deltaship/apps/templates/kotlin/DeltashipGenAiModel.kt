@@ -14,7 +14,10 @@ import java.io.File
  * bundle's tokenizer.json. One generation at a time, off the main thread.
  */
 class DeltashipGenAiModel(bundleDir: File) : AutoCloseable {
-    private val model = Model(bundleDir.path)
+    // genai opens genai_config.json and the graph it names (the bundle's model file) in the directory
+    private val model = Model(
+        safePath(bundleDir, KitSpec.GENAI_CONFIG_FILE).parentFile.also { safePath(bundleDir, KitSpec.MODEL_FILE) }.path
+    )
     val tokenizer = Tokenizer(model)
 
     /** Generates after [prompt]; [onText] gets each new piece and returns false to stop. Returns the text. */

@@ -39,7 +39,7 @@ interface TextTokenizer {
 class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = OrtSession.SessionOptions()) :
     AutoCloseable {
     private val env = OrtEnvironment.getEnvironment()
-    private val session = env.createSession(File(bundleDir, KitSpec.MODEL_FILE).path, options)
+    private val session = env.createSession(safePath(bundleDir, KitSpec.MODEL_FILE).path, options)
     private val zeros = KitSpec.STATES.associate { it.input to zeroTensor(it.shape, it.dtype) }
     // Only the logits and the states are fetched: a bundle exported with --mtp has more outputs (verify rows, hidden
     // states, the DeltaNet states after the first token), and every fetched output is copied out (19 MiB a call at 0.8B).

@@ -126,8 +126,7 @@ def test_app_message_lists_the_final_paths(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fake_web_kit", types.SimpleNamespace(write_kit=fake_write_kit))
     monkeypatch.setitem(apps._KITS, "web", ("fake_web_kit", ("onnx",), "x"))
     monkeypatch.chdir(tmp_path)
-    Path("b").mkdir()
-    Path("b/manifest.json").write_text(json.dumps(stub_manifest("onnx")))
+    stub_bundle(Path("b"), "onnx")
     assert main(["app", "b", "--platform", "web", "--out", "dist/web"]) == 0
     said = capsys.readouterr().out
     assert "wrote the web kit to dist/web: dist/web/README.md, dist/web/bundle/manifest.json\n" in said, said

@@ -20,6 +20,10 @@ try:
 except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
     __version__ = "0+unknown"
 
+from deltaship.logs import quiet_import_notices
+
+quiet_import_notices()  # torchao's and torch's import-time notices, whoever imports them first
+
 if TYPE_CHECKING:
     from deltaship.export import export
     from deltaship.hf.bundle_model import BundleModel

@@ -221,7 +221,9 @@ def _profile(a: argparse.Namespace) -> int:
         return 0
     if a.bundle is None:
         raise DeltashipError("profile needs a BUNDLE (or --compare A.json B.json)", "pass the bundle directory")
-    say = (lambda m: print(m, file=sys.stderr)) if not a.quiet else None
+    from deltaship.progress import Progress
+
+    say = Progress() if not a.quiet else None  # timestamped like export's steps
     doc = profile(
         a.bundle,
         device=a.device,
@@ -352,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
     p.add_argument("--version", action="version", version=f"deltaship {__version__}")
+    p.add_argument(
+        "--verbose", action="store_true", help="show the toolchains' own notices and logs (hidden by default)"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     e = sub.add_parser("export", help="compile a checkpoint or preset into a verified bundle")
@@ -548,9 +553,10 @@ def _terminate(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from deltaship.logs import quiet_third_party
+    from deltaship.logs import quiet_third_party, set_verbose
 
-    quiet_third_party()  # toolchains' import-time notices the user cannot act on
+    set_verbose(args.verbose)
+    quiet_third_party()  # toolchains' notices the user cannot act on (--verbose shows them)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)  # clean up as on Ctrl-C (a staging directory can hold GBs)
     try:

@@ -123,6 +123,10 @@ def teacher_forced(session, prompt: list[int], tokens: list[int]) -> np.ndarray:
     return np.stack(rows)
 
 
+def _tokens(prompt: list[int]) -> str:
+    return f"{len(prompt)} token" + ("s" if len(prompt) != 1 else "")
+
+
 def verify_bundle(
     bundle: Path,
     manifest: dict[str, Any],
@@ -184,7 +188,7 @@ def verify_bundle(
     rows = []
     with kv_rounded as matched:
         for n, prompt in enumerate(prompts, 1):
-            label = f"verify: parity, prompt {n}/{len(prompts)} ({len(prompt)} tokens + {steps} steps)"
+            label = f"verify: parity, prompt {n}/{len(prompts)} ({_tokens(prompt)} + {steps} steps)"
             detail(label)
             with heartbeat(detail, label):
                 toks, ref_rows = reference_continuation(matched, prompt, steps)
@@ -198,7 +202,7 @@ def verify_bundle(
             progress("verify: fidelity against the unrounded fp32 reference")
         plain = reference_model(source)
         for n, (row, prompt) in enumerate(zip(rows, prompts), 1):
-            label = f"verify: fidelity, prompt {n}/{len(prompts)} ({len(prompt)} tokens + {steps} steps)"
+            label = f"verify: fidelity, prompt {n}/{len(prompts)} ({_tokens(prompt)} + {steps} steps)"
             detail(label)
             with heartbeat(detail, label):
                 toks, ref_rows = reference_continuation(plain, prompt, steps)

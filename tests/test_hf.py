@@ -294,7 +294,7 @@ def test_load_and_generate_of_an_onnx_bundle_import_no_torch(onnx_bundle):
     from deltaship.commands import generate
 
     code = (
-        "import sys, json, deltaship; m = deltaship.load(sys.argv[1]); "
+        "import sys, json, deltaship; m = deltaship.load(sys.argv[1]); assert not isinstance(m, str); "
         "print(json.dumps([m.generate(sys.argv[2], max_new_tokens=8), m.generate([1, 2, 3], max_new_tokens=4), "
         "sorted(k for k in ('torch', 'transformers', 'executorch', 'coremltools') if k in sys.modules)]))"
     )

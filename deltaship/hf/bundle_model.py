@@ -8,6 +8,7 @@ tokenizer(..., return_tensors="pt"))`, `pipeline(...)`, `model(input_ids)`, `con
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ class BundleModel:
     """A bundle opened for generation: `generate(text or ids)` runs on the session alone; every other attribute,
     and `generate` with tensors, is the transformers model's (`hf`), built on first use.
 
-    It reports `DeltashipModelForCausalLM` as its class once that is built, so transformers' pipelines (which
-    check `isinstance(model, PreTrainedModel)`) take it as the model it stands for.
+    Once transformers is imported it reports `DeltashipModelForCausalLM` as its class (building it), so
+    transformers' pipelines (which check `isinstance(model, PreTrainedModel)`) take it as the model it stands for.
     """
 
     def __init__(self, session: Any, bundle: Path):
@@ -43,7 +44,8 @@ class BundleModel:
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # noqa: D105 - isinstance() asks this; see the class docstring
-        return type(self.hf)
+        # only once transformers is in use: an isinstance() check in a torch-free program must not import torch
+        return type(self.hf) if "transformers" in sys.modules else BundleModel
 
     def generate(self, prompt: Any = None, /, *args: Any, **kwargs: Any) -> Any:
         """`generate("def f(", max_new_tokens=16)` -> the new text; `generate([ids...], ...)` -> the new token ids.

@@ -2,8 +2,9 @@
 
     from deltaship import export, load
     export("qwen3.5-tiny", "tiny-onnx", target="onnx", precision="int4")   # or a checkpoint dir / "org/name"
-    model = load("tiny-onnx")                 # a transformers-style causal LM over the bundle's runtime
-    model.generate(**tokenizer("def f(", return_tensors="pt"), max_new_tokens=16)
+    model = load("tiny-onnx")                 # the bundle in its runtime (no torch for ONNX)
+    model.generate("def f(", max_new_tokens=16)                             # -> the new text
+    model.generate(**tokenizer("def f(", return_tensors="pt"), max_new_tokens=16)  # transformers' generate()
 
 This module stays thin: nothing (torch included) is imported until a name is used.
 """
@@ -19,23 +20,36 @@ try:
 except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
     __version__ = "0+unknown"
 
+from deltaship.logs import quiet_import_notices
+
+quiet_import_notices()  # torchao's and torch's import-time notices, whoever imports them first
+
 if TYPE_CHECKING:
     from deltaship.export import export
-    from deltaship.hf.modeling import DeltashipModelForCausalLM
+    from deltaship.hf.bundle_model import BundleModel
 
 __all__ = ["export", "load", "__version__"]
 
 
 def load(
     bundle: str | Path, *, threads: int | None = None, provider: str = "cpu", **session_options: Any
-) -> "DeltashipModelForCausalLM":
-    """Open an exported bundle as a transformers causal LM (`generate()`, `pipeline("text-generation")`).
+) -> "BundleModel":
+    """Open an exported bundle for generation: `generate("text")` on its runtime (no torch for an ONNX bundle),
+    and a transformers causal LM (`generate(**tokenizer(...))`, `pipeline("text-generation")`) on first such use.
 
-    Same as `deltaship.hf.DeltashipModelForCausalLM.from_pretrained(bundle)`; the tokenizer is
-    `transformers.AutoTokenizer.from_pretrained(bundle)`."""
-    from deltaship.hf.modeling import DeltashipModelForCausalLM
+    The transformers side is `deltaship.hf.DeltashipModelForCausalLM` over the same session; the tokenizer is
+    `transformers.AutoTokenizer.from_pretrained(bundle)`. The bundle's files are checked first."""
+    from deltaship.errors import DeltashipError
+    from deltaship.hf.bundle_model import BundleModel
+    from deltaship.runtimes import open_bundle
 
-    return DeltashipModelForCausalLM.from_pretrained(bundle, threads=threads, provider=provider, **session_options)
+    path = Path(bundle)
+    if not (path / "manifest.json").is_file():
+        raise DeltashipError(
+            f"{path}: no manifest.json, so this is not a deltaship bundle",
+            "pass a directory written by `deltaship export` (or deltaship.export())",
+        )
+    return BundleModel(open_bundle(path, threads=threads, provider=provider, **session_options), path)
 
 
 def __getattr__(name: str) -> Any:

@@ -250,7 +250,9 @@ def _profile(a: argparse.Namespace) -> int:
         return 0
     if a.bundle is None:
         raise DeltashipError("profile needs a BUNDLE (or --compare A.json B.json)", "pass the bundle directory")
-    say = (lambda m: print(m, file=sys.stderr)) if not a.quiet else None
+    from deltaship.progress import Progress
+
+    say = Progress() if not a.quiet else None  # timestamped like export's steps
     doc = profile(
         a.bundle,
         device=a.device,
@@ -390,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the full traceback of any failure (also: environment DELTASHIP_DEBUG=1); put it before the "
         "subcommand: deltaship --debug generate ...",
+    )
+    p.add_argument(
+        "--verbose", action="store_true", help="show the toolchains' own notices and logs (hidden by default)"
     )
     sub = p.add_subparsers(dest="command", required=True, help="`deltaship COMMAND -h` shows its options")
 
@@ -675,9 +680,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(EXIT_BROKEN_PIPE) from None
         raise
     debug = args.debug or os.environ.get("DELTASHIP_DEBUG", "") not in ("", "0")
-    from deltaship.logs import quiet_third_party
+    from deltaship.logs import quiet_third_party, set_verbose
 
-    quiet_third_party()  # toolchains' import-time notices the user cannot act on
+    set_verbose(args.verbose)
+    quiet_third_party()  # toolchains' notices the user cannot act on (--verbose shows them)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)  # clean up as on Ctrl-C (a staging directory can hold GBs)
     try:

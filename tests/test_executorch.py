@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 
 import pytest
@@ -249,3 +250,26 @@ def test_xnnpack_preprocess_shares_and_leaves_weights_untouched(checkpoints, tmp
         assert vars(XnnpackBackend).get(hook) is not before
         raise KeyError("lowering failed")
     assert vars(XnnpackBackend).get(hook) is before  # and after a failure
+
+
+def test_a_session_opens_without_the_exporter_and_quietly(pte):
+    """`deltaship generate` on an ExecuTorch bundle loads the C++ runtime without executorch.runtime's import of
+    executorch.exir (the exporter: most of its import time) or custom_ops.py's torch._inductor, gives the tokens of the
+    in-process session, and keeps cpuinfo's probe ("Failed to open midr file") off stderr."""
+    import subprocess
+    import sys
+
+    path, _ = pte
+    code = (
+        "import json, sys; from deltaship.commands import generate\n"
+        "r = generate(sys.argv[1], input_ids=[1, 2, 3], max_new_tokens=6)\n"
+        "heavy = sorted(m for m in sys.modules if m.startswith(('executorch.exir', 'torch._inductor')))\n"
+        "print(json.dumps([r['output_ids'], heavy]))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DELTASHIP_VERBOSE"}
+    res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ids, heavy = json.loads(res.stdout)
+    assert heavy == []
+    assert ids == open_bundle(path).generate([1, 2, 3], 6).output_ids
+    assert res.stderr == ""

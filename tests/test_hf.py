@@ -285,6 +285,47 @@ def test_batches_and_padding_are_refused_clearly(onnx_bundle):
         load(onnx_bundle.parent)  # not a bundle directory
 
 
+def test_load_and_generate_of_an_onnx_bundle_import_no_torch(onnx_bundle):
+    """deltaship.load() of an ONNX bundle and generate() on text or ids run on onnxruntime and tokenizers alone: no
+    torch, transformers, executorch or coremltools (each costs seconds to import), and say nothing on stderr."""
+    import subprocess
+    import sys
+
+    from deltaship.commands import generate
+
+    code = (
+        "import sys, json, deltaship; m = deltaship.load(sys.argv[1]); assert not isinstance(m, str); "
+        "print(json.dumps([m.generate(sys.argv[2], max_new_tokens=8), m.generate([1, 2, 3], max_new_tokens=4), "
+        "sorted(k for k in ('torch', 'transformers', 'executorch', 'coremltools') if k in sys.modules)]))"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(onnx_bundle), PROMPTS[0]], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    text, ids, heavy = json.loads(res.stdout)
+    assert heavy == []
+    assert text == generate(onnx_bundle, prompt=PROMPTS[0], max_new_tokens=8)["text"]
+    assert ids == generate(onnx_bundle, input_ids=[1, 2, 3], max_new_tokens=4)["output_ids"]
+
+
+def test_pipeline_takes_the_loaded_model_without_complaint(onnx_bundle, caplog):
+    """pipeline() accepts what load() returns as a causal LM it supports: no "is not supported for text-generation"
+    error with ~200 model names; native and transformers generation interleave on the one session."""
+    from transformers import AutoTokenizer, PreTrainedModel, pipeline
+
+    from deltaship import load
+
+    model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
+    assert isinstance(model, PreTrainedModel)
+    with caplog.at_level("WARNING", logger="transformers"):
+        text = pipeline("text-generation", model=model, tokenizer=tok)(PROMPTS[1], max_new_tokens=8, do_sample=False)
+    assert "not supported" not in caplog.text
+    assert text[0]["generated_text"] == PROMPTS[1] + model.generate(PROMPTS[1], max_new_tokens=8)
+    enc = tok(PROMPTS[1], return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=8, do_sample=False)
+    assert tok.decode(out[0, enc["input_ids"].shape[1] :]) == model.generate(PROMPTS[1], max_new_tokens=8)
+    with pytest.raises(DeltashipError, match="num_beams"):
+        model.generate(PROMPTS[1], num_beams=2)
+
+
 def test_import_deltaship_is_thin_and_export_is_callable():
     import subprocess
     import sys

@@ -509,3 +509,26 @@ def test_speculative_sessions_stop_spinning_between_calls(tiny_mtp, bundles):
     s = open_bundle(tiny_mtp("fp32"))
     assert stops(s.sess) and stops(s._draft_session())
     assert not stops(open_bundle(bundles("base")).sess)
+
+
+def test_generate_on_an_mtp_bundle_says_nothing_on_stderr(tiny_mtp):
+    """ONNX Runtime warns at every session start that logit_rows, an initializer (its default), is also a graph
+    input; deltaship's sessions log errors only, so `deltaship generate` stays quiet (--verbose shows it)."""
+    import os
+    import subprocess
+    import sys
+
+    bundle = tiny_mtp("fp32")
+    env = {k: v for k, v in os.environ.items() if k != "DELTASHIP_VERBOSE"}
+    for verbose in ([], ["--verbose"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "deltaship", *verbose, "generate", str(bundle), "--input-ids", "1,2,3"]
+            + ["--max-new-tokens", "4", "--speculative", "mtp:2"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert res.returncode == 0, res.stderr
+        assert ("logit_rows" in res.stderr) == bool(verbose), res.stderr
+        if not verbose:
+            assert res.stderr == ""

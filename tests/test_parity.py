@@ -253,3 +253,23 @@ def test_onnx_contrib_deltanet_ops_are_as_exact(config, bundles, refs):
     s.reset()
     chunked = s.prefill(prompt)
     assert np.abs(chunked - last).max() / last.std() <= tol.max_rel_logit_diff
+
+
+def test_reference_continuation_with_the_cache_is_the_uncached_one():
+    """verify's reference continuation decodes with the cache (two passes over the prompt instead of steps + 1):
+    the tokens and logit rows are those of the uncached loop, a full pass per token."""
+    from deltaship.export.reference import reference_model
+    from deltaship.export.verify import reference_continuation
+
+    model = reference_model(load_source("qwen3.5-tiny"))
+    rng = np.random.default_rng(5)
+    for n in (1, 7, 19):
+        prompt = rng.integers(0, model.config.vocab_size, n).tolist()
+        toks, rows = reference_continuation(model, prompt, 6)
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(6):
+                ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+            full = model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
+        assert toks == ids[n:]
+        np.testing.assert_array_equal(rows, full[n - 1 : n + 5])

@@ -3,6 +3,8 @@
 Shell blocks fenced as ```bash runnable are run in order, in one temporary directory (later blocks use
 the bundle the main job writes), with this interpreter's bin directory first on PATH so that `deltaship`
 is this environment's. The install and test commands are not run here; they must be the ones CI runs.
+docs/ship.md's Python API example runs after them, on the main job's bundle. Every one of them must keep stderr to
+deltaship's own lines (progress and notices).
 """
 
 from __future__ import annotations
@@ -102,6 +104,38 @@ def test_relative_links_resolve():
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
+SHIP = ROOT / "docs" / "ship.md"
+# deltaship's own lines on stderr: a progress line ("[  12.3s] verify: ..."), a notice or error of a command
+# ("deltaship generate: ...", "deltaship: error: ..." from argparse) and the fix line under an error ("  fix: ...").
+OWN = re.compile(r"^(\[\s*\d+\.\ds\] |deltaship( [a-z-]+)?: |  fix: )")
+
+
+def foreign(stderr: str) -> list[str]:
+    """The stderr lines deltaship did not write itself (a toolchain's notice, a warning, a stray print)."""
+    return [ln for ln in stderr.splitlines() if ln.strip() and not OWN.match(ln)]
+
+
+def test_own_lines_are_told_apart():
+    own = "[   0.0s] loading qwen3.5-tiny\n[ 102.4s] verification passed\ndeltaship eval: note\n  fix: x\n"
+    assert not foreign(own)
+    for line in (
+        "Failed to load /x/torchao/_C_mxfp8.so: Could not load this library",
+        "W1127 02:05:48.872000 6912 torch/utils/_pytree.py:630] <enum 'KernelPreference'> is an Enum subclass",
+        "[transformers] `causal_conv1d_fn` is falling back to its reference PyTorch implementation",
+        "E 00:00:00.000 executorch:cpuinfo_utils.cpp:71] Failed to open midr file",
+        "lm_head.weight",
+        "[W:onnxruntime:, graph.cc:1234 Graph] Initializer logit_rows appears in graph inputs",
+    ):
+        assert foreign(line) == [line]
+
+
+def python_example() -> str:
+    """docs/ship.md's Python API example (the block that calls deltaship.load)."""
+    blocks = [body for info, body in fenced(SHIP.read_text()) if info[:1] == ["python"] and "deltaship.load" in body]
+    assert len(blocks) == 1, "docs/ship.md should have one Python example calling deltaship.load"
+    return blocks[0]
+
+
 def test_runnable_blocks_run(tmp_path):
     runnable = [body for info, body in fenced(README.read_text()) if info[:1] == ["bash"] and "runnable" in info]
     assert len(runnable) >= 5, "the README's runnable blocks (```bash runnable) are missing"
@@ -112,9 +146,11 @@ def test_runnable_blocks_run(tmp_path):
         PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
-    for body in runnable:
+    example = python_example()
+    # the README's blocks, then docs/ship.md's Python example on the bundle the main job wrote
+    for body in [*runnable, example]:
         r = subprocess.run(
-            ["bash", "-e", "-o", "pipefail", "-c", body],
+            ["bash", "-e", "-o", "pipefail", "-c", body] if body is not example else [sys.executable, "-c", body],
             cwd=tmp_path,
             env=env,
             capture_output=True,
@@ -126,6 +162,10 @@ def test_runnable_blocks_run(tmp_path):
                 f"README block failed (exit {r.returncode}):\n{body}\n--- stdout\n{r.stdout[-3000:]}"
                 f"\n--- stderr\n{r.stderr[-3000:]}"
             )
+        # quiet by default: a newcomer sees deltaship's progress and notices, no toolchain's chatter
+        assert not foreign(r.stderr), f"stderr lines that are not deltaship's own, from:\n{body}\n" + "\n".join(
+            foreign(r.stderr)
+        )
         if body is main:
             prompt = shlex.split(main.split("deltaship generate", 1)[1])
             prompt = prompt[prompt.index("--prompt") + 1]

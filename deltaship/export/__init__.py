@@ -256,7 +256,8 @@ def export(
 
     def build(tmp: Path) -> dict[str, Any]:
         say(f"lowering to {target}")
-        lowered = tgt.lower(ctx, source.weights, tmp, progress=lambda m: say(f"  {m}", inline=True), tokens=tokens)
+        detail = lambda m: say(f"lowering to {target}: {m}", inline=True)  # noqa: E731
+        lowered = tgt.lower(ctx, source.weights, tmp, progress=detail, tokens=tokens)
         if kv_record is not None:
             lowered.details["kv_quantization"] = kv_record
         say.done() if isinstance(say, Progress) else None

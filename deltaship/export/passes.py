@@ -19,6 +19,7 @@ from deltaship.export.weight_plan import WeightPlan
 from deltaship.models.families import family_of_architecture
 from deltaship.models.spec import ModelSpec
 from deltaship.models.weights import expected_tensors
+from deltaship.progress import Progress, heartbeat
 from deltaship.targets import PRECISIONS, get_target
 
 
@@ -407,12 +408,14 @@ def capture_speculative(
 def run_pipeline(ctx: ExportContext, passes: tuple, progress=None) -> ExportContext:
     """Run `passes` (a target's pipeline, in order) on ctx; each pass's counts go into ctx.report."""
     done = [r["pass"] for r in ctx.report]  # passes already run on this context, in order
+    beat = (lambda m: progress(m, inline=True)) if isinstance(progress, Progress) else None
     for p in passes:
         if progress:
             progress(f"pass {p.name}")
         try:
             p.requires(ctx)
-            counts = p.run(ctx)
+            with heartbeat(beat, f"still in pass {p.name}"):
+                counts = p.run(ctx)
             p.ensures(ctx)
         except DeltashipError as e:  # the user's input or options: keep the message and its fix
             raise DeltashipError(f"{e.message} (in export pass {p.name!r})", e.fix) from e

@@ -21,6 +21,7 @@ import torch
 
 from deltaship.errors import DeltashipUnavailable
 from deltaship.models.source import ModelSource
+from deltaship.progress import Progress, heartbeat
 from deltaship.tolerances import tolerance
 
 MEMORY_FRACTION = 0.6  # the fp32 reference may use at most this share of available memory
@@ -86,13 +87,30 @@ def fidelity(got: np.ndarray, ref: np.ndarray) -> dict[str, float]:
 
 @torch.no_grad()
 def reference_continuation(model, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
-    """The reference's greedy continuation and its logits [steps, vocab]; row i chose token i."""
+    """The reference's greedy continuation and its logits [steps, vocab]; row i chose token i.
+
+    The rows come from one full pass over prompt + continuation. The tokens come from cached decoding (a prefill,
+    then a token at a time: two passes over the prompt rather than steps + 1); when the full pass would choose
+    otherwise somewhere (a near-tie that the two orders of summation break differently), the continuation is
+    redone a token at a time without the cache, so the rows always chose the tokens."""
+    from deltaship.hf.compat import CACHE_NAME, output_cache  # transformers, imported on use like the reference
+
+    p = len(prompt)
+    ids = list(prompt)
+    out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+    while True:
+        ids.append(int(out.logits[0, -1].argmax()))
+        if len(ids) - p == steps:
+            break
+        out = model(torch.tensor([ids[-1:]]), use_cache=True, **{CACHE_NAME: output_cache(out)})
+    rows = model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()[p - 1 : p - 1 + steps]
+    if rows.argmax(-1).tolist() == ids[p:]:
+        return ids[p:], rows
     ids = list(prompt)
     for _ in range(steps):
         out = model(torch.tensor([ids]), use_cache=False, logits_to_keep=1)
         ids.append(int(out.logits[0, -1].argmax()))
     full = model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
-    p = len(prompt)
     return ids[p:], full[p - 1 : p - 1 + steps]
 
 
@@ -103,6 +121,10 @@ def teacher_forced(session, prompt: list[int], tokens: list[int]) -> np.ndarray:
     for tok in tokens[:-1]:
         rows.append(session.decode(tok))
     return np.stack(rows)
+
+
+def _tokens(prompt: list[int]) -> str:
+    return f"{len(prompt)} token" + ("s" if len(prompt) != 1 else "")
 
 
 def verify_bundle(
@@ -162,11 +184,15 @@ def verify_bundle(
 
         kv_rounded = rounded_cache_attention(ref, None, 16)
         record["reference"] += ", keys and values rounded to fp16 as the KV cache stores them"
+    detail = (lambda m: progress(m, inline=True)) if isinstance(progress, Progress) else (lambda m: None)
     rows = []
     with kv_rounded as matched:
-        for prompt in prompts:
-            toks, ref_rows = reference_continuation(matched, prompt, steps)
-            got = teacher_forced(session, prompt, toks)
+        for n, prompt in enumerate(prompts, 1):
+            label = f"verify: parity, prompt {n}/{len(prompts)} ({_tokens(prompt)} + {steps} steps)"
+            detail(label)
+            with heartbeat(detail, label):
+                toks, ref_rows = reference_continuation(matched, prompt, steps)
+                got = teacher_forced(session, prompt, toks)
             rows.append({"prompt_length": len(prompt), **compare(got, ref_rows, toks, tol.tie_margin)})
             if ctx.precision == "fp32" and not narrow_kv:
                 rows[-1].update(fidelity(got, ref_rows))
@@ -175,9 +201,12 @@ def verify_bundle(
         if progress:
             progress("verify: fidelity against the unrounded fp32 reference")
         plain = reference_model(source)
-        for row, prompt in zip(rows, prompts):
-            toks, ref_rows = reference_continuation(plain, prompt, steps)
-            row.update(fidelity(teacher_forced(session, prompt, toks), ref_rows))
+        for n, (row, prompt) in enumerate(zip(rows, prompts), 1):
+            label = f"verify: fidelity, prompt {n}/{len(prompts)} ({_tokens(prompt)} + {steps} steps)"
+            detail(label)
+            with heartbeat(detail, label):
+                toks, ref_rows = reference_continuation(plain, prompt, steps)
+                row.update(fidelity(teacher_forced(session, prompt, toks), ref_rows))
         del plain
     worst = max(r["max_rel_logit_diff"] for r in rows)
     agree = min(r["tie_aware_agreement"] for r in rows)

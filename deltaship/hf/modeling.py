@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    GenerationMixin,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from deltaship.errors import DeltashipError
@@ -117,10 +124,15 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
                 "pass a directory written by `deltaship export` (or deltaship.export())",
             )
         session = open_bundle(path, threads=threads, provider=provider, check_hashes=check_hashes, **session_options)
+        return cls.over_session(session, path)
+
+    @classmethod
+    def over_session(cls, session: Any, bundle: Path) -> "DeltashipModelForCausalLM":
+        """The model over a session already open on `bundle` (what `deltaship.load()` builds on first use)."""
         config = DeltashipConfig.from_manifest(session.manifest)
-        config.name_or_path = str(path)
-        model = cls(config, session=session, bundle=path)
-        model.generation_config = _generation_config(path, session.manifest, config)
+        config.name_or_path = str(bundle)
+        model = cls(config, session=session, bundle=bundle)
+        model.generation_config = _generation_config(bundle, session.manifest, config)
         return model
 
     @property
@@ -222,3 +234,9 @@ def _generation_config(bundle: Path, manifest: dict[str, Any], config: Deltaship
     if gen.bos_token_id is None:
         gen.bos_token_id = config.bos_token_id
     return gen
+
+
+# Known to the Auto classes, so that pipeline("text-generation", model=...) counts it among the causal LMs it supports
+# (it logs every supported model's name otherwise).
+AutoConfig.register(DeltashipConfig.model_type, DeltashipConfig, exist_ok=True)
+AutoModelForCausalLM.register(DeltashipConfig, DeltashipModelForCausalLM, exist_ok=True)

@@ -27,6 +27,7 @@ from deltaship.bundle.format import a_bundle
 from deltaship.bundle.paths import bundle_path
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
+from deltaship.logs import native_stderr
 from deltaship.runtimes.tokenizer import load_tokenizer
 
 # what bundles exported before the manifest listed its runtime requirements need (both kernel libraries)
@@ -50,24 +51,28 @@ def _register_kernels(manifest: dict[str, Any]) -> None:
     """Import what registers the program's kernels (manifest lowering.runtime_requirements.python)."""
     req = manifest.get("lowering", {}).get("runtime_requirements", {})
     built = manifest.get("tools", {}).get("executorch", "?")
+    from deltaship.runtimes.executorch import KERNEL_LIBRARIES, runtime
+
     for module in req.get("python", _LEGACY_IMPORTS):
         try:
-            importlib.import_module(module)
-        except ImportError as e:
+            runtime() if module in KERNEL_LIBRARIES else importlib.import_module(module)
+        except (ImportError, OSError, StopIteration) as e:
             raise DeltashipError(
                 f"ExecuTorch's LLM runner needs {module} ({e})", f"pip install executorch=={built}"
             ) from None
 
 
 def _runner(path: Path, manifest: dict[str, Any]):
-    _register_kernels(manifest)
-    from executorch.extension.llm.runner import TextLLMRunner
+    with native_stderr():
+        _register_kernels(manifest)
+        from executorch.extension.llm.runner import TextLLMRunner
 
     try:
-        return TextLLMRunner(
-            str(bundle_path(path, manifest, manifest["entry"], "entry")),
-            str(bundle_path(path, manifest, "tokenizer.json", "tokenizer.files")),
-        )
+        with native_stderr():  # cpuinfo's probe and the loader's log
+            return TextLLMRunner(
+                str(bundle_path(path, manifest, manifest["entry"], "entry")),
+                str(bundle_path(path, manifest, "tokenizer.json", "tokenizer.files")),
+            )
     except RuntimeError as e:
         raise DeltashipError(
             f"{path}: ExecuTorch's LLM runner could not load the program ({e})",
@@ -132,7 +137,7 @@ def _run(
     runner.reset()  # position 0: the program also drops its DeltaNet state there
     config = GenerationConfig(echo=False, max_new_tokens=new_tokens, temperature=temperature, num_bos=0, num_eos=0)
     try:
-        with _stdout_to(os.devnull if quiet else None):
+        with _stdout_to(os.devnull if quiet else None), native_stderr():  # its stats report goes to stderr
             runner.generate(prompt, config, token_callback=piece, stats_callback=lambda s: stats.append(_stats_dict(s)))
     except RuntimeError as e:
         raise DeltashipError(

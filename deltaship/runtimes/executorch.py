@@ -1,7 +1,8 @@
-"""ExecuTorch session (executorch.runtime): the program keeps every state in its own buffers."""
+"""ExecuTorch session (the C++ runtime through its pybindings): the program keeps every state in its own buffers."""
 
 from __future__ import annotations
 
+import functools
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import numpy as np
 
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
+from deltaship.logs import native_stderr
 from deltaship.runtimes.base import Session
 from deltaship.runtimes.executorch_speculative import ExecuTorchSpeculation
 
@@ -21,6 +23,64 @@ def _installed_executorch() -> str:
         return "not installed"
 
 
+# The kernel libraries the programs call into, by the module that would load them (the manifest's
+# runtime_requirements.python), loaded directly: custom_ops.py also imports torch._inductor for the exporter's sake.
+KERNEL_LIBRARIES = {
+    "executorch.extension.llm.custom_ops.custom_ops": "extension/llm/custom_ops/libcustom_ops_aot_lib.*",  # llama::
+    "executorch.kernels.quantized": "kernels/quantized/libquantized_ops_aot_lib.*",  # quantized_decomposed::
+}
+
+
+@functools.cache
+def runtime() -> tuple[Any, Any]:
+    """(torch, ExecuTorch's C++ pybindings) with the kernel libraries registered.
+
+    Not through `executorch.runtime`: it imports `executorch.extension.pybindings.portable_lib`, which imports
+    `executorch.exir` (the exporter: most of the import time) for a warning class only. torch itself cannot be
+    avoided: the pybindings link libtorch, and a method takes and returns torch tensors."""
+    import executorch
+    import torch
+
+    roots = [Path(p) for p in executorch.__path__]  # a namespace package: every directory it spans
+    for pattern in KERNEL_LIBRARIES.values():
+        torch.ops.load_library(str(next(f for root in roots for f in root.glob(pattern))))
+    from executorch.extension.pybindings import _C
+
+    return torch, _C
+
+
+def load_program(path: Path) -> "Program":
+    _, pybindings = runtime()
+    return Program(
+        pybindings._load_program(
+            str(path),
+            enable_etdump=False,
+            debug_buffer_size=0,
+            program_verification=pybindings.Verification.InternalConsistency,
+        )
+    )
+
+
+class Program:
+    """What deltaship uses of `executorch.runtime.Program` (load_method), over the pybindings' program."""
+
+    def __init__(self, program: Any):
+        self._program = program
+
+    def load_method(self, name: str) -> "Method":
+        return Method(self._program.load_method(name))
+
+
+class Method:
+    """`executorch.runtime.Method`'s execute(); `_method` is the pybindings' method (get_attribute for states)."""
+
+    def __init__(self, method: Any):
+        self._method = method
+
+    def execute(self, inputs: list[Any]) -> list[Any]:
+        return self._method(inputs)
+
+
 class ExecuTorchSession(ExecuTorchSpeculation, Session):
     def __init__(
         self, bundle: Path, manifest: dict[str, Any], threads: int | None = None, prefill_chunk: int | None = None
@@ -29,23 +89,21 @@ class ExecuTorchSession(ExecuTorchSpeculation, Session):
         built = manifest.get("tools", {}).get("executorch", "?")
         have = _installed_executorch()
         try:
-            import executorch.kernels.quantized  # noqa: F401  (quantized_decomposed:: kernels)
-            import torch
-            from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (llama:: kernels)
-            from executorch.extension.pybindings import portable_lib
-            from executorch.runtime import Runtime
-        except ImportError as e:
+            with native_stderr():  # cpuinfo's probe of the CPU, on stderr at every start
+                torch, pybindings = runtime()
+        except (ImportError, OSError, StopIteration) as e:
             raise DeltashipError(
-                f"this bundle needs the ExecuTorch runtime ({e})", f"pip install executorch=={built}"
+                f"this bundle needs the ExecuTorch runtime ({e!r})", f"pip install executorch=={built}"
             ) from None
         self._torch = torch
         if threads:
-            portable_lib._unsafe_reset_threadpool(int(threads))
+            pybindings._unsafe_reset_threadpool(int(threads))
         self.threads = threads
         path = bundle_path(self.bundle, manifest, manifest["entry"], "entry")
         try:
-            self.program = Runtime.get().load_program(str(path))
-            self.method = self.program.load_method("forward")
+            with native_stderr():
+                self.program = load_program(path)
+                self.method = self.program.load_method("forward")
         except RuntimeError as e:
             hint = (
                 (

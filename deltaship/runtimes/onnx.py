@@ -27,6 +27,7 @@ import numpy as np
 
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
+from deltaship.logs import ort_log_severity
 from deltaship.runtimes.base import Session
 from deltaship.runtimes.onnx_speculative import OnnxSpeculation
 
@@ -35,6 +36,7 @@ _NP = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": n
 
 def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool = False, turn_taking: bool = False):
     opts = ort.SessionOptions()
+    opts.log_severity_level = ort_log_severity()  # its warnings are about the graph, not the user's input
     if threads:
         opts.intra_op_num_threads = int(threads)
         opts.inter_op_num_threads = 1

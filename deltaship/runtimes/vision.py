@@ -336,14 +336,14 @@ class ExecuTorchMultimodal(Multimodal):
     text_decoder (its own state buffers: the text-only model.pte keeps its own)."""
 
     def _open(self) -> None:
-        from executorch.runtime import Runtime
+        from deltaship.runtimes.executorch import load_program
 
-        graphs, rt = self.block["graphs"], Runtime.get()
-        program = rt.load_program(str(self._file("program")))
+        graphs = self.block["graphs"]
+        program = load_program(self._file("program"))
         self._t = self.session._torch
         self.vision = program.load_method(graphs["vision"])
         self.embedding = program.load_method(graphs["embedding"])
-        self._decoder_program = rt.load_program(str(self._file("decoder_program")))
+        self._decoder_program = load_program(self._file("decoder_program"))
         self.decoder = self._decoder_program.load_method(graphs["decoder"])
         self._buffers = list(self.block["decoder_states"])
 

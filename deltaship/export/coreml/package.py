@@ -10,6 +10,7 @@ import torch
 
 from deltaship.errors import DeltashipError
 from deltaship.export.passes import PassError
+from deltaship.progress import heartbeat
 
 PACKAGE = "model.mlpackage"
 FUNCTIONS = ("prefill", "decode")
@@ -408,12 +409,13 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
             pal = palettize(prog, int(ctx.options["coreml_palettize"]))
         reports.append(ane_report(prog))
         say(f"converting part {i + 1}/{n} (coremltools)")
-        model = ct.convert(
-            prog,
-            minimum_deployment_target=ct.target.iOS18,
-            compute_precision=ct.precision.FLOAT32,
-            skip_model_load=True,
-        )
+        with heartbeat(say, f"still converting part {i + 1}/{n} (coremltools)"):
+            model = ct.convert(
+                prog,
+                minimum_deployment_target=ct.target.iOS18,
+                compute_precision=ct.precision.FLOAT32,
+                skip_model_load=True,
+            )
         name = PACKAGE if n == 1 else f"model_part{i}.mlpackage"
         model.save(str(out_dir / name))
         del model, prog, wcache

@@ -14,6 +14,7 @@ from torch import nn
 from deltaship.errors import DeltashipError
 from deltaship.export.executorch.requirements import program_operators, runtime_requirements
 from deltaship.export.passes import materialize
+from deltaship.progress import heartbeat
 
 PTE_FILE = "model.pte"
 # Nodes that legitimately run outside XNNPACK (names as get_delegation_info reports them): the
@@ -412,7 +413,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     say("torch.export (dynamic prompt length)")
     t = torch.export.Dim("tokens", min=1, max=chunk)
     example = (torch.zeros(1, min(2, chunk), dtype=torch.long), torch.zeros(1, dtype=torch.long))
-    with torch.no_grad():
+    with torch.no_grad(), heartbeat(say, "torch.export"):
         ep = torch.export.export(wrapper, example, dynamic_shapes=({1: t} if chunk > 1 else None, None), strict=False)
         ep = ep.run_decompositions({})
     reshapes = infer_reshape_dims(ep)
@@ -423,7 +424,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         for other in ("verify", "mtp_draft"):
             reshapes += infer_reshape_dims(programs[other])
     say("lowering to XNNPACK")
-    with preprocess_shares_weights():
+    with preprocess_shares_weights(), heartbeat(say, "still lowering to XNNPACK"):
         edge = to_edge_transform_and_lower(
             # One partitioner for every precision: ExecuTorch's dynamically-quantized partitioner works op by
             # op, which puts each linear in a delegate call of its own (about 7 per layer).
@@ -459,16 +460,17 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
             "report this; or pass --allow-portable-fallback to accept the portable kernels",
         )
     say("to_executorch")
-    prog = edge.to_executorch(
-        ExecutorchBackendConfig(
-            extract_delegate_segments=True,
-            do_quant_fusion_and_const_prop=True,
-            # --mtp: 'verify' reads and writes the very buffers 'forward' does (shared by name)
-            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=speculative),
-            sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
-            emit_mutable_buffer_names=True,
+    with heartbeat(say, "to_executorch (memory planning, serialization)"):
+        prog = edge.to_executorch(
+            ExecutorchBackendConfig(
+                extract_delegate_segments=True,
+                do_quant_fusion_and_const_prop=True,
+                # --mtp: 'verify' reads and writes the very buffers 'forward' does (shared by name)
+                memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=speculative),
+                sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
+                emit_mutable_buffer_names=True,
+            )
         )
-    )
     with open(out_dir / PTE_FILE, "wb") as f:  # segment by segment: no second copy of the program in memory
         prog.write_to_file(f)
     operators, delegates = program_operators(prog.executorch_program)

@@ -1,0 +1,110 @@
+"""What `deltaship.load()` returns: a bundle's runtime session that is also a transformers causal LM, on demand.
+
+Opening a bundle needs only its runtime (onnxruntime for ONNX) and, for text, `tokenizers`: `load()` and
+`generate("text")` import neither torch nor transformers. The first use of the transformers side (`generate(**
+tokenizer(..., return_tensors="pt"))`, `pipeline(...)`, `model(input_ids)`, `config`, ...) builds a
+`DeltashipModelForCausalLM` over the same session (importing torch and transformers then) and hands the call to it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from deltaship.errors import DeltashipError
+
+
+class BundleModel:
+    """A bundle opened for generation: `generate(text or ids)` runs on the session alone; every other attribute,
+    and `generate` with tensors, is the transformers model's (`hf`), built on first use.
+
+    Once transformers is imported it reports `DeltashipModelForCausalLM` as its class (building it), so
+    transformers' pipelines (which check `isinstance(model, PreTrainedModel)`) take it as the model it stands for.
+    """
+
+    def __init__(self, session: Any, bundle: Path):
+        self.session = session
+        self.bundle = bundle
+        self._hf: Any = None
+        self._tokenizer: Any = None
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.session.manifest
+
+    @property
+    def hf(self) -> Any:
+        """The transformers model (`DeltashipModelForCausalLM`) over this session; imports torch."""
+        if self._hf is None:
+            from deltaship.hf.modeling import DeltashipModelForCausalLM
+
+            self._hf = DeltashipModelForCausalLM.over_session(self.session, self.bundle)
+        return self._hf
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105 - isinstance() asks this; see the class docstring
+        # only once transformers is in use: an isinstance() check in a torch-free program must not import torch
+        return type(self.hf) if "transformers" in sys.modules else BundleModel
+
+    def generate(self, prompt: Any = None, /, *args: Any, **kwargs: Any) -> Any:
+        """`generate("def f(", max_new_tokens=16)` -> the new text; `generate([ids...], ...)` -> the new token ids.
+
+        Options: max_new_tokens (32), temperature (0: greedy), top_k, top_p, seed, stop_at_eos (True). Anything
+        else (tensors, `**tokenizer(..., return_tensors="pt")`, a GenerationConfig) is transformers'
+        `GenerationMixin.generate` on `hf`."""
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+            return self.hf.generate(prompt, *args, **kwargs) if prompt is not None else self.hf.generate(**kwargs)
+        if args:
+            raise DeltashipError(
+                "generate(prompt, ...) takes its options by keyword", "e.g. generate('def f(', max_new_tokens=16)"
+            )
+        from deltaship.runtimes.base import check_sampling
+
+        options = {"max_new_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}
+        unknown = sorted(set(kwargs) - set(options) - {"stop_at_eos"})
+        if unknown:
+            raise DeltashipError(
+                f"generate(text or ids) does not take {', '.join(unknown)}",
+                f"pass only {', '.join([*options, 'stop_at_eos'])}, or call generate(**tokenizer(text, "
+                "return_tensors='pt'), ...) for transformers' generate()",
+            )
+        options.update((k, v) for k, v in kwargs.items() if k in options)
+        check_sampling(options["max_new_tokens"], options["temperature"], options["top_k"], options["top_p"])
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        self.session.reset()
+        self._hf_cache_stale()
+        out = self.session.generate(
+            ids,
+            options["max_new_tokens"],
+            stop_at_eos=kwargs.get("stop_at_eos", True),
+            temperature=options["temperature"],
+            top_k=options["top_k"],
+            top_p=options["top_p"],
+            seed=options["seed"],
+        )
+        return self.tokenizer.decode(out.output_ids) if isinstance(prompt, str) else list(out.output_ids)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The bundle's tokenizer (`tokenizers`, no transformers): encode(text) -> ids, decode(ids) -> text."""
+        if self._tokenizer is None:
+            from deltaship.runtimes.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.bundle, self.manifest)
+        return self._tokenizer
+
+    def _hf_cache_stale(self) -> None:
+        if self._hf is not None:  # the session moved on: a cache the transformers side returned earlier is replayed
+            self._hf._latest = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hf(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_hf", "_tokenizer", "session", "bundle"):
+            raise AttributeError(name)
+        return getattr(self.hf, name)
+
+    def __repr__(self) -> str:
+        return f"<deltaship model {self.bundle} ({self.manifest['target']}, {self.manifest['precision']})>"

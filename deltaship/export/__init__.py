@@ -336,12 +336,9 @@ def export(
             manifest["verification"] = rec
             _report_verification(say, rec)
             if rec["status"] == "failed" and rec["tolerance"]["fails_export"]:
-                raise DeltashipError(
-                    f"verification failed: the {target} {precision} bundle disagrees with transformers "
-                    f"(max relative logit difference {rec['max_rel_logit_diff']:.3g}, tie-aware greedy agreement "
-                    f"{rec['tie_aware_agreement']:.3f}; tolerance {rec['tolerance']}); nothing was written",
-                    "this is a deltaship bug: please report it with the model's config.json",
-                )
+                from deltaship.export.verify import verification_error
+
+                raise verification_error(rec, target, precision)
             if vision_block is not None and rec["status"] != "skipped":
                 from deltaship.export.verify_vision import verify_vision
 

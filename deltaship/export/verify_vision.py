@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from deltaship.errors import DeltashipError
-from deltaship.tolerances import tolerance
+from deltaship.tolerances import fp32_bar, tolerance
 
 
 def test_images(pre) -> list[tuple[int, int]]:
@@ -31,9 +31,9 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
     at the target's fp16 tolerance row."""
     import torch
     from PIL import Image
-    from transformers import Qwen3_5ForConditionalGeneration
 
     from deltaship.export.reference import quiet_third_party
+    from deltaship.export.verify import bundle_not_finite, reference_not_finite
     from deltaship.models.vision import preprocess_image
     from deltaship.runtimes import open_bundle
     from deltaship.runtimes.vision import Multimodal
@@ -42,17 +42,13 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
     tol = tolerance(manifest["target"], manifest["precision"])
     mm = Multimodal(open_bundle(bundle, check_hashes=False))
     sp = mm.spec
-    model = (
-        Qwen3_5ForConditionalGeneration.from_pretrained(source.path, dtype=torch.float32).eval()
-        if source.path is not None
-        else preset_reference(source)
-    )
+    model = reference(source, torch.float32)
     if manifest["precision"] == "fp16":
         round_to_fp16(model, ctx, source.spec.tie_word_embeddings)
     model.generation_config.eos_token_id = None  # every step, an EOS token included
     rng = np.random.default_rng(0)
     text = [i for i in range(1, 64) if i not in (sp.image_token_id, sp.video_token_id)][:4]
-    rows = []
+    rows, cases = [], []
     for h, w in test_images(mm.pre):
         im = preprocess_image(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)), mm.pre)
         prompt = text[:2] + [sp.vision_start_token_id, sp.image_token_id, sp.vision_end_token_id] + text[2:]
@@ -71,7 +67,14 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
             )
         ref = out.sequences[0, ids.shape[1] :].tolist()
         ref_logits = torch.cat(out.logits).float().numpy()
+        where = f"the {h}x{w} test image with {len(ref)} greedy steps"
+        if (err := reference_not_finite(ref_logits, where)) is not None:
+            raise err
         got = np.stack(gen.logits)
+        names = ["the prefill"] + [f"decode step {i}" for i in range(1, len(got))]
+        if (err := bundle_not_finite(got, where, names, manifest["precision"])) is not None:
+            raise err
+        cases.append((gen.input_ids, ref, im, ref_logits))
         diff = float(np.abs(got - ref_logits).max())
         rows.append(
             {
@@ -85,7 +88,11 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
         )
     worst = max(r["max_rel_logit_diff"] for r in rows)
     agree = min(r["greedy_agreement"] for r in rows)
-    ok = worst <= tol.max_rel_logit_diff and agree >= tol.min_greedy_agreement
+    bar = fp32_bar(tol.max_rel_logit_diff, None)
+    if worst > bar.value and manifest["precision"] == "fp32":  # only then: the common path pays nothing
+        del model
+        bar = fp32_bar(tol.max_rel_logit_diff, fp32_reach(source, cases, sp.image_token_id))
+    ok = worst <= bar.value and agree >= tol.min_greedy_agreement
     import transformers
 
     record = {
@@ -98,13 +105,57 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
         "greedy_agreement": agree,
         "tolerance": tol.__dict__,
     }
+    if bar.reach is not None:
+        record["bar"] = bar.as_dict()
     if not ok and tol.fails_export:
         raise DeltashipError(
             f"vision verification failed: image + text logits differ from transformers by {worst:.3g} of the "
-            f"logit std (greedy agreement {agree:.3f}; tolerance {tol.__dict__}); nothing was written",
+            f"logit std against {bar.describe()} (greedy agreement {agree:.3f}, at least {tol.min_greedy_agreement} "
+            "needed); nothing was written",
             "this is a deltaship bug: please report it with the model's config.json",
         )
     return record
+
+
+def reference(source, dtype):
+    """transformers' Qwen3_5ForConditionalGeneration with the source's weights, in `dtype`, eval."""
+    import torch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    if source.path is not None:
+        return Qwen3_5ForConditionalGeneration.from_pretrained(source.path, dtype=dtype).eval()
+    return preset_reference(source).to(dtype) if dtype != torch.float32 else preset_reference(source)
+
+
+def fp32_reach(source, cases, image_token_id: int) -> float:
+    """What fp32 itself can reach on this checkpoint: the float32 reference's generated logits (cases: input ids,
+    its greedy tokens, the image, its logits [steps, vocab]) against transformers in float64 on the same tokens,
+    measured as verify_vision measures the bundle (max |difference| over the logit std)."""
+    import torch
+
+    hi = reference(source, torch.float64)
+    hi.generation_config.eos_token_id = None
+    worst = 0.0
+    with torch.no_grad():
+        for input_ids, toks, im, ref_logits in cases:
+            # generated as the float32 reference was (cached), each step forced to its token: a forward pass over
+            # the whole sequence would take a generated image token for a placeholder
+            ids, p = torch.tensor([input_ids]), len(input_ids)
+            out = hi.generate(
+                input_ids=ids,
+                pixel_values=torch.from_numpy(im.patches).double(),
+                image_grid_thw=torch.tensor([im.grid]),
+                mm_token_type_ids=(ids == image_token_id).int(),
+                max_new_tokens=len(toks),
+                do_sample=False,
+                prefix_allowed_tokens_fn=lambda _, seq, toks=toks, p=p: [toks[len(seq) - p]],
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            exact = torch.cat(out.logits).numpy()
+            worst = max(worst, float(np.abs(ref_logits - exact).max()) / float(exact.std()))
+    del hi
+    return worst
 
 
 def round_to_fp16(model, ctx, tied: bool) -> None:

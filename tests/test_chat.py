@@ -354,3 +354,16 @@ def test_executorch_checkpoint_restore(tiny_pte):
     chat.send("import os", max_new_tokens=6)
     r = chat.send("def f():", max_new_tokens=6, temperature=1.0, seed=4)
     assert chat.retry(max_new_tokens=6, temperature=1.0, seed=4).ids == r.ids
+
+
+def test_chat_does_not_import_torch(bundle, tmp_path):
+    code = (
+        "import sys; from deltaship.chat import Chat; "
+        f"c = Chat({str(bundle)!r}, threads=1); c.send('hi', max_new_tokens=3); c.retry(max_new_tokens=3); "
+        f"c.save({str(tmp_path / 's.dschat')!r}); Chat.load({str(tmp_path / 's.dschat')!r}, c.session); "
+        "bad = [m for m in ('torch', 'transformers', 'executorch', 'coremltools') if m in sys.modules]; "
+        "assert not bad, bad; print('ok')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr

@@ -16,9 +16,12 @@ from deltaship.runtimes.base import Session
 
 
 def chat(
-    session_or_bundle: Session | str | Path, system: str | None = None, template_kwargs: dict[str, Any] | None = None
+    session_or_bundle: Session | str | Path | Any,
+    system: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> Chat:
-    """A conversation on a session or bundle: what `deltaship.load(bundle).chat(...)` returns."""
+    """A conversation on a session, a bundle directory, or what `deltaship.load(bundle)` returns (its `session`):
+    what `deltaship.load(bundle).chat(...)` returns."""
     return Chat(session_or_bundle, system=system, template_kwargs=template_kwargs)
 
 

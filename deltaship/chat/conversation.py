@@ -65,6 +65,8 @@ class Chat:
         tokenizer: Any = None,
         threads: int | None = None,
     ):
+        if isinstance(getattr(session_or_bundle, "session", None), Session):  # what deltaship.load() returns
+            session_or_bundle = session_or_bundle.session
         if isinstance(session_or_bundle, Session):
             self.session = session_or_bundle
         else:

@@ -261,6 +261,29 @@ def test_saved_session_continues_in_another_process(bundle, tmp_path):
     assert reloaded.retry(max_new_tokens=N, temperature=1.0, seed=5).ids == here.ids
 
 
+def test_new_session_file_is_a_prompt_cache_and_locked(bundle, tmp_path):
+    """A new --session file is written at once with the system message fed; the next run's first turn feeds only
+    its own tokens. A second chat on the same file is refused while the first holds it."""
+    from filelock import FileLock
+
+    path = tmp_path / "cache.dschat"
+    run = _cli("chat", str(bundle), "--system", "You write Python.", "--session", str(path), "--json", stdin="")
+    assert run.returncode == 0 and run.stdout == "", run.stderr
+    meta, _ = read_session_file(path)
+    chat = Chat(open_bundle(bundle, threads=1), system="You write Python.")
+    assert meta["ids"] == chat.render_ids(chat.history, add_generation_prompt=False) and meta["last_turn"] is None
+    run = _cli("chat", str(bundle), "--session", str(path), "--json", "--max-new-tokens", "4", stdin="import os\n")
+    turn = json.loads(run.stdout)
+    assert turn["history_ids"][: meta["position"]] == meta["ids"]
+    assert turn["prefill_tokens"] == len(turn["history_ids"]) - meta["position"]  # not the system message again
+    want = chat.send("import os", max_new_tokens=4)
+    assert turn["reply_ids"] == want.ids and turn["history_ids"] == chat.ids[: want.context_tokens]
+
+    with FileLock(str(path) + ".lock"):
+        busy = _cli("chat", str(bundle), "--session", str(path), stdin="hi\n")
+    assert busy.returncode == 3 and "in use by another deltaship chat" in busy.stderr
+
+
 def _saved(bundle, tmp_path) -> Path:
     chat = Chat(open_bundle(bundle, threads=1))
     chat.send("import os", max_new_tokens=4)

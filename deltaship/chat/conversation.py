@@ -157,6 +157,26 @@ class Chat:
         else:  # no checkpoint left for it: the next turn prefills the history again
             self._forget_state()
 
+    def prime(self) -> int:
+        """Feed the history as the template renders it without a generation prompt (e.g. the system message alone),
+        so that the next turn feeds only its own tokens; saved, this is a prompt cache. Returns the tokens fed."""
+        if not self.messages:
+            return 0
+        target = self.render_ids(self.messages, add_generation_prompt=False)
+        common = _common_prefix(self._ids, target)
+        if common < len(self._ids):
+            cp = self._latest_checkpoint(common, Turn(len(self.messages), None))
+            if cp is None:
+                self._forget_state()
+            else:
+                self.session.restore(cp)
+                del self._ids[cp.position :]
+        fed = len(target) - len(self._ids)
+        if fed > 0:
+            self.session.prefill(target[len(self._ids) :])
+            self._ids.extend(target[len(self._ids) :])
+        return max(fed, 0)
+
     def reset(self) -> None:
         """Start over: only the system message (if any) remains; the state is empty."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []

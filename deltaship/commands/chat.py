@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json as jsonlib
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from deltaship.errors import DeltashipError
+from deltaship.errors import DeltashipEnvironmentError, DeltashipError
 from deltaship.runtimes.base import check_sampling
 
 COMMANDS = ("/retry", "/undo", "/reset", "/save FILE", "/quit")
@@ -34,13 +35,43 @@ def chat(
     stdin: IO[str] | None = None,
     stdout: IO[str] | None = None,
 ) -> int:
-    """Talk with a bundle. session: a file loaded if it exists and saved (atomically) after every turn."""
-    from deltaship.chat import Chat
-    from deltaship.runtimes import open_bundle
-
+    """Talk with a bundle. session: a file loaded if it exists and saved (atomically) after every turn; a new one is
+    written at once with the system message fed (an empty conversation so saved is a prompt cache)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     kwargs = {"enable_thinking": False} if no_thinking else {}
+    with _locked(session):
+        conv = _open(bundle, system, session, kwargs, threads)
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return _converse(conv, bundle, session, sampling, json, stdin, stdout)
+
+
+@contextmanager
+def _locked(session: str | Path | None):
+    """One chat at a time per session file: a second one would save over the first one's turns."""
+    if session is None:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(session) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise DeltashipEnvironmentError(
+            f"--session {session} is in use by another deltaship chat", "close that chat, or use another --session"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _open(bundle, system: str | None, session, kwargs: dict, threads: int | None):
+    """The conversation: loaded from the session file if it exists, else new (and saved there at once)."""
+    from deltaship.chat import Chat
+    from deltaship.runtimes import open_bundle
+
     sess = open_bundle(bundle, threads=threads)
     if session is not None and Path(session).exists():
         conv = Chat.load(session, sess)
@@ -53,13 +84,19 @@ def chat(
                 f"--session {session} was saved with template settings {conv.template_kwargs}, not {kwargs}",
                 "pass the same --no-thinking as when it was saved",
             )
-    else:
-        conv = Chat(sess, system=system, template_kwargs=kwargs)
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return conv
+    conv = Chat(sess, system=system, template_kwargs=kwargs)
+    if session is not None:  # a new session file holds the system message fed: a prompt cache for the next run
+        conv.prime()
+        conv.save(session)
+    return conv
+
+
+def _converse(conv, bundle, session, sampling: dict, json: bool, stdin: IO[str], stdout: IO[str]) -> int:
     interactive = stdin.isatty() and not json
     if interactive:
         _setup_readline()
-        print(f"deltaship chat: {bundle} ({sess.runtime_name()}); commands: {', '.join(COMMANDS)}", file=stdout)
+        print(f"deltaship chat: {bundle} ({conv.session.runtime_name()}); commands: {', '.join(COMMANDS)}", file=stdout)
     while True:
         if interactive:
             try:

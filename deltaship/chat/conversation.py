@@ -77,7 +77,14 @@ class Chat:
         if tokenizer is None:
             from deltaship.runtimes.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(s.bundle, s.manifest)
+            try:
+                tokenizer = load_tokenizer(s.bundle, s.manifest)
+            except DeltashipError as e:  # its fix names generate's --input-ids, which a chat has no use for
+                raise DeltashipError(
+                    e.message,
+                    "chat needs the bundle's tokenizer and chat template: export a checkpoint directory that has "
+                    "tokenizer.json (the trained qwen3.5-tiny preset does), or pass tokenizer= and template= to Chat",
+                ) from None
         self.tokenizer = tokenizer
         self.template = ChatTemplate(template if template is not None else bundle_chat_template(s.bundle, s.manifest))
         self.template_kwargs = dict(template_kwargs or {})

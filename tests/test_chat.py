@@ -139,6 +139,21 @@ def test_template_is_sandboxed():
         ChatTemplate(hostile).render([{"role": "user", "content": "x"}], True)
 
 
+def test_template_from_tokenizer_config(tmp_path):
+    """Without chat_template.jinja: tokenizer_config.json's chat_template (a string, or the list form's "default"),
+    rendered with its special tokens; none at all is a clear error."""
+    from deltaship.chat.template import ChatTemplate, bundle_chat_template
+
+    manifest = {"tokenizer": {"files": ["tokenizer_config.json"]}}
+    config = {"bos_token": {"content": "<s>"}, "chat_template": [{"name": "default", "template": "{{ bos_token }}x"}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    source, special = bundle_chat_template(tmp_path, manifest)
+    assert ChatTemplate(source, **special).render([], False) == "<s>x"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(DeltashipError, match="no chat template"):
+        bundle_chat_template(tmp_path, manifest)
+
+
 def test_bundle_carries_the_template(bundle):
     assert (bundle / "chat_template.jinja").read_text() == PRESETS["qwen3.5-tiny"].chat_template()
     assert "chat_template.jinja" in json.loads((bundle / "manifest.json").read_text())["tokenizer"]["files"]

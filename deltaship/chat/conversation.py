@@ -86,7 +86,8 @@ class Chat:
                     "tokenizer.json (the trained qwen3.5-tiny preset does), or pass tokenizer= and template= to Chat",
                 ) from None
         self.tokenizer = tokenizer
-        self.template = ChatTemplate(template if template is not None else bundle_chat_template(s.bundle, s.manifest))
+        source, special = (template, {}) if template is not None else bundle_chat_template(s.bundle, s.manifest)
+        self.template = ChatTemplate(source, **special)
         self.template_kwargs = dict(template_kwargs or {})
         tokens = s.manifest.get("tokens", {})
         self.stop_ids = set(s.eos_ids) | ({tokens["im_end"]} if isinstance(tokens.get("im_end"), int) else set())

@@ -17,33 +17,45 @@ from deltaship.errors import DeltashipError
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
 MAX_TEMPLATE_BYTES = 1 << 20  # published templates are a few KiB
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
-def bundle_chat_template(bundle: Path, manifest: dict[str, Any]) -> str:
-    """The chat template a bundle carries: chat_template.jinja, else tokenizer_config.json's chat_template.
+def bundle_chat_template(bundle: Path, manifest: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """The chat template a bundle carries (chat_template.jinja, else tokenizer_config.json's chat_template) and the
+    special tokens transformers passes to it (bos_token, eos_token, ... from tokenizer_config.json).
 
     Every path under the bundle this module reads goes through here."""
     files = set(manifest.get("tokenizer", {}).get("files", []))
     bundle = Path(bundle)
-    if TEMPLATE_FILE in files:
-        return _read_text(bundle / TEMPLATE_FILE)
+    config: dict[str, Any] = {}
     if CONFIG_FILE in files:
         try:
-            config = json.loads(_read_text(bundle / CONFIG_FILE))
+            loaded = json.loads(_read_text(bundle / CONFIG_FILE))
         except json.JSONDecodeError as e:
             raise DeltashipError(f"{bundle / CONFIG_FILE}: not JSON ({e})", "export the bundle again") from None
-        template = config.get("chat_template") if isinstance(config, dict) else None
-        if isinstance(template, list):  # [{name, template}, ...]: the one named "default"
-            template = next(
-                (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
-            )
-        if isinstance(template, str) and template:
-            return template
+        config = loaded if isinstance(loaded, dict) else {}
+    tokens = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS if _token_text(config.get(k)) is not None}
+    if TEMPLATE_FILE in files:
+        return _read_text(bundle / TEMPLATE_FILE), tokens
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{name, template}, ...]: the one named "default"
+        template = next(
+            (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
+        )
+    if isinstance(template, str) and template:
+        return template, tokens
     raise DeltashipError(
         f"{bundle}: the bundle's tokenizer files carry no chat template (no {TEMPLATE_FILE}, no chat_template in "
         f"{CONFIG_FILE})",
         "export a checkpoint that has one (instruction-tuned Qwen3.5 checkpoints do), or pass template= to Chat",
     )
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json holds it: a string, or an AddedToken dict with `content`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _read_text(path: Path) -> str:
@@ -61,6 +73,7 @@ class ChatTemplate:
     """A compiled chat template: render(messages, add_generation_prompt, **kwargs) -> text."""
 
     def __init__(self, source: str, **defaults: Any):
+        """defaults: variables every render gets (the special tokens), under the caller's keyword arguments."""
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -40,6 +40,7 @@ def run_export(a: argparse.Namespace) -> int:
         progress=not a.quiet,
         allow_download=a.allow_download,
         kv_cache=a.kv_cache,
+        prompt_cache=a.prompt_cache,
         **({"vision": True} if getattr(a, "vision", False) else {}),
         **given,
     )
@@ -325,6 +326,13 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         default=None,
         help="KV-cache dtype (default: the target's own at --precision; `deltaship plan --kv-dtypes` shows "
         "what each would take)",
+    )
+    e.add_argument(
+        "--prompt-cache",
+        default=None,
+        metavar="FILE",
+        help="ship the state after a system message (FILE: its text, or JSON {system, template_kwargs}) in the "
+        "bundle: a chat with that system message starts without feeding it (docs/chat.md)",
     )
     e.add_argument("--threads", type=int, default=None, help="threads for verification")
     e.add_argument("--quiet", action="store_true", help="no progress display")

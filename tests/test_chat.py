@@ -428,3 +428,58 @@ def test_coreml_checkpoint_restore(tiny_coreml_mtp):
     chat = Chat(open_bundle(bundle))
     r = chat.send("def f():", max_new_tokens=4, temperature=1.0, seed=4)
     assert chat.retry(max_new_tokens=4, temperature=1.0, seed=4).ids == r.ids
+
+
+# ---- prompt caches shipped in bundles --------------------------------------------------------------------------
+
+
+def test_shipped_prompt_cache(tmp_path):
+    """export --prompt-cache: the bundle holds the state after the system message; a chat with that system message
+    starts from it (nothing fed for it) and replies as one that fed it; another system message feeds its own."""
+    from deltaship.chat.store import PROMPT_CACHE_FILE
+    from deltaship.export import export
+
+    system = "You write Python code."
+    (tmp_path / "system.txt").write_text(system + "\n")
+    out = tmp_path / "cached"
+    manifest = export("qwen3.5-tiny", out, target="onnx", precision="fp32", max_context=CONTEXT, verify=False,
+                      progress=False, prompt_cache=tmp_path / "system.txt")  # fmt: skip
+    record = manifest["chat"]["prompt_cache"]
+    assert record["system"] == system and PROMPT_CACHE_FILE in manifest["files"]
+
+    cached = Chat(out, system=system, threads=1)
+    plain = Chat(out, system=system, threads=1, prompt_cache=False)
+    assert cached.session.position == record["tokens"] == len(cached.ids) > 0 and plain.ids == []
+    assert cached.ids == plain.render_ids(plain.history, add_generation_prompt=False)
+    assert_state_is_fresh_prefill(cached)
+    a = cached.send("import os", max_new_tokens=N, temperature=1.0, seed=1)
+    b = plain.send("import os", max_new_tokens=N, temperature=1.0, seed=1)
+    assert a.ids == b.ids and a.prefill_tokens == b.prefill_tokens - record["tokens"]
+    cached.reset()  # back to the cache, not to an empty state
+    assert cached.session.position == record["tokens"]
+    other = Chat(out, system="Something else.", threads=1)
+    assert other.ids == []
+
+    # the CLI takes the cache's system message when given none
+    run = _cli("chat", str(out), "--json", "--max-new-tokens", str(N), stdin="import os\n")
+    turn = json.loads(run.stdout)
+    assert turn["history_ids"][: record["tokens"]] == cached.ids[: record["tokens"]]
+    assert turn["prefill_tokens"] == len(turn["history_ids"]) - record["tokens"]
+
+    # the cache is a bundle file like any other: altered, the bundle does not open
+    data = bytearray((out / PROMPT_CACHE_FILE).read_bytes())
+    data[-3] ^= 1
+    (out / PROMPT_CACHE_FILE).write_bytes(bytes(data))
+    with pytest.raises(DeltashipError, match=PROMPT_CACHE_FILE):
+        open_bundle(out)
+
+
+def test_prompt_cache_needs_a_tokenizer(tmp_path):
+    from deltaship.export import export
+
+    (tmp_path / "s.txt").write_text("hi")
+    with pytest.raises(DeltashipError, match="--prompt-cache: qwen3.5-0.8b has no tokenizer"):
+        export(
+            "qwen3.5-0.8b", tmp_path / "o", target="onnx", verify=False, progress=False, prompt_cache=tmp_path / "s.txt"
+        )
+    assert not (tmp_path / "o").exists()

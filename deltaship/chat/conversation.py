@@ -64,6 +64,7 @@ class Chat:
         template: str | None = None,
         tokenizer: Any = None,
         threads: int | None = None,
+        prompt_cache: bool = True,
     ):
         if isinstance(getattr(session_or_bundle, "session", None), Session):  # what deltaship.load() returns
             session_or_bundle = session_or_bundle.session
@@ -92,6 +93,7 @@ class Chat:
         tokens = s.manifest.get("tokens", {})
         self.stop_ids = set(s.eos_ids) | ({tokens["im_end"]} if isinstance(tokens.get("im_end"), int) else set())
         self.system = system
+        self.use_prompt_cache = prompt_cache  # start from the bundle's shipped prompt cache where it holds `system`
         self.messages: list[dict[str, str]] = []
         self.turns: list[Turn] = []
         self._ids: list[int] = []
@@ -186,10 +188,15 @@ class Chat:
         return max(fed, 0)
 
     def reset(self) -> None:
-        """Start over: only the system message (if any) remains; the state is empty."""
+        """Start over: only the system message (if any) remains; the state is empty, or holds the system message
+        where the bundle ships a prompt cache of it (export --prompt-cache)."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.turns = []
         self._forget_state()
+        if self.use_prompt_cache and self.system is not None:
+            from deltaship.chat.store import apply_prompt_cache
+
+            apply_prompt_cache(self)
 
     def _forget_state(self) -> None:
         self.session.reset()

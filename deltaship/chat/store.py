@@ -40,11 +40,22 @@ def bundle_identity(bundle: Path) -> str:
     return h.hexdigest()
 
 
+PROMPT_CACHE_FILE = "prompt_cache.safetensors"
+
+
+def files_identity(manifest: dict[str, Any]) -> str:
+    """sha256 over the bundle's files and their sha256, the prompt cache left out: the identity of the bundle a
+    shipped prompt cache belongs to (it cannot name the manifest that lists it)."""
+    rows = sorted((path, f["sha256"]) for path, f in manifest.get("files", {}).items() if path != PROMPT_CACHE_FILE)
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+
 def _sha(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def save_chat(chat, path: Path) -> Path:
+def save_chat(chat, path: Path, shipped: bool = False) -> Path:
+    """shipped: a prompt cache inside the bundle, which names the bundle by its files (files_identity)."""
     from safetensors.numpy import save
 
     s = chat.session
@@ -65,7 +76,12 @@ def save_chat(chat, path: Path) -> Path:
     meta = {
         "format": FORMAT,
         "version": VERSION,
-        "bundle": {"manifest_sha256": bundle_identity(s.bundle), "target": s.manifest["target"]},
+        "bundle": {
+            ("files_sha256" if shipped else "manifest_sha256"): (
+                files_identity(s.manifest) if shipped else bundle_identity(s.bundle)
+            ),
+            "target": s.manifest["target"],
+        },
         "position": s.position,
         "ids": [int(i) for i in chat.ids],
         "system": chat.system,
@@ -154,6 +170,23 @@ def read_session_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
     return meta, tensors
 
 
+def check_identity(path: Path, meta: dict[str, Any], session) -> None:
+    """The file belongs to the session's bundle: its manifest's sha256 (a saved session), or its files' (a prompt
+    cache shipped in the bundle)."""
+    ident = meta["bundle"]
+    key, have = (
+        ("manifest_sha256", bundle_identity(session.bundle))
+        if "manifest_sha256" in ident
+        else ("files_sha256", files_identity(session.manifest))
+    )
+    if ident[key] != have:
+        _refuse(
+            path,
+            f"saved with another bundle ({key.replace('_', ' ')} {ident[key][:12]}..., this one {have[:12]}...)",
+            "load it with the bundle it was saved with",
+        )
+
+
 def load_chat(path: Path, session_or_bundle, **kwargs: Any):
     from deltaship.chat.conversation import Chat, Turn
     from deltaship.runtimes.base import Checkpoint, Session
@@ -165,13 +198,29 @@ def load_chat(path: Path, session_or_bundle, **kwargs: Any):
         from deltaship.runtimes import open_bundle
 
         session = open_bundle(session_or_bundle, threads=kwargs.pop("threads", None))
-    if meta["bundle"]["manifest_sha256"] != bundle_identity(session.bundle):
-        _refuse(
-            path,
-            f"saved with another bundle (manifest sha256 {meta['bundle']['manifest_sha256'][:12]}..., this one "
-            f"{bundle_identity(session.bundle)[:12]}...)",
-            "load it with the bundle it was saved with",
-        )
+    state, cps = _checked_state(path, meta, tensors, session)
+    chat = Chat(session, system=meta["system"], template_kwargs=meta["template_kwargs"], prompt_cache=False, **kwargs)
+    session.load_state_file_arrays(meta["position"], state)
+    chat.messages = [dict(m) for m in meta["messages"]]
+    chat._ids = list(meta["ids"])
+    last = meta["last_turn"]
+    if last is not None:
+        made = [Checkpoint(pos, st, session._owner, len(session._rewinds)) for pos, st in cps]
+        chat.turns = [
+            Turn(
+                messages_before=last["messages_before"],
+                before=made[last["before"]] if last["before"] is not None else None,
+                before_reply=made[last["before_reply"]] if last["before_reply"] is not None else None,
+                ids_before_reply=last["ids_before_reply"],
+            )
+        ]
+    return chat
+
+
+def _checked_state(path: Path, meta: dict[str, Any], tensors: dict[str, np.ndarray], session):
+    """The state and checkpoints of a read session file, checked against the session's bundle (identity, ids,
+    every state's shape and dtype): ({state: array}, [(position, {state: array})])."""
+    check_identity(path, meta, session)
     p, ids = meta["position"], meta["ids"]
     if len(ids) != p or p > session.max_context or any(i >= session.vocab_size for i in ids):
         _refuse(path, f"{len(ids)} token ids for position {p} (max context {session.max_context})")
@@ -198,18 +247,69 @@ def load_chat(path: Path, session_or_bundle, **kwargs: Any):
         for key in ("before", "before_reply"):
             if last[key] is not None and last[key] >= len(cps):
                 _refuse(path, f"last_turn.{key} names checkpoint {last[key]}, which it does not hold")
-    chat = Chat(session, system=meta["system"], template_kwargs=meta["template_kwargs"], **kwargs)
-    session.load_state_file_arrays(p, {n: tensors[f"state/{n}"] for n in layout})
-    chat.messages = [dict(m) for m in meta["messages"]]
-    chat._ids = list(ids)
-    if last is not None:
-        made = [Checkpoint(pos, st, session._owner, len(session._rewinds)) for pos, st in cps]
-        chat.turns = [
-            Turn(
-                messages_before=last["messages_before"],
-                before=made[last["before"]] if last["before"] is not None else None,
-                before_reply=made[last["before_reply"]] if last["before_reply"] is not None else None,
-                ids_before_reply=last["ids_before_reply"],
-            )
-        ]
-    return chat
+    return {n: tensors[f"state/{n}"] for n in layout}, cps
+
+
+# ---- prompt caches shipped in bundles ------------------------------------------------------------------------
+
+
+def prompt_cache_settings(path: Path) -> tuple[str, dict[str, Any]]:
+    """`export --prompt-cache FILE`: a text file (the system message; its final newline left out), or a JSON object
+    {"system": text, "template_kwargs": {...}}."""
+    path = Path(path)
+    if not path.is_file():
+        raise DeltashipError(f"--prompt-cache {path}: no such file", "pass a text file holding the system message")
+    if path.stat().st_size > 1 << 20:
+        raise DeltashipError(f"--prompt-cache {path}: over 1 MiB", "a system message is a few KiB at most")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix != ".json":
+        return text.removesuffix("\n"), {}  # the file's final newline is not part of the message
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DeltashipError(f"--prompt-cache {path}: not JSON ({e})", 'write {"system": "..."}') from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("system"), str) or set(obj) - {"system", "template_kwargs"}:
+        raise DeltashipError(
+            f'--prompt-cache {path}: expected {{"system": text, "template_kwargs": {{...}}}}', "fix the file"
+        )
+    kwargs = obj.get("template_kwargs", {})
+    if not isinstance(kwargs, dict):
+        raise DeltashipError(f"--prompt-cache {path}: template_kwargs must be an object", "fix the file")
+    return obj["system"], kwargs
+
+
+def write_prompt_cache(
+    bundle_dir: Path, manifest: dict[str, Any], system: str, template_kwargs: dict, threads: int | None = None
+) -> dict:
+    """Feed the system message in the bundle being built and save that state into it (PROMPT_CACHE_FILE); return
+    the manifest's chat.prompt_cache record. `manifest` is the provisional one, with every file but the cache."""
+    from deltaship.chat.conversation import Chat
+    from deltaship.runtimes import open_bundle
+
+    session = open_bundle(bundle_dir, threads=threads)
+    chat = Chat(session, system=system, template_kwargs=template_kwargs, prompt_cache=False)
+    fed = chat.prime()
+    save_chat(chat, Path(bundle_dir) / PROMPT_CACHE_FILE, shipped=True)
+    return {"file": PROMPT_CACHE_FILE, "system": system, "template_kwargs": template_kwargs, "tokens": fed}
+
+
+def bundle_prompt_cache(session) -> dict[str, Any] | None:
+    """The manifest's chat.prompt_cache record of the session's bundle, or None."""
+    record = (session.manifest.get("chat") or {}).get("prompt_cache")
+    return record if isinstance(record, dict) else None
+
+
+def apply_prompt_cache(chat) -> bool:
+    """Put the bundle's shipped prompt cache into the chat's (reset) session if it holds the chat's system message
+    with the same template settings and its tokens are the chat's rendering of it; return whether it did."""
+    record = bundle_prompt_cache(chat.session)
+    if record is None or record.get("system") != chat.system or record.get("template_kwargs") != chat.template_kwargs:
+        return False
+    path = Path(chat.session.bundle) / PROMPT_CACHE_FILE  # listed and hashed in the manifest: open_bundle checked it
+    meta, tensors = read_session_file(path)
+    state, _ = _checked_state(path, meta, tensors, chat.session)
+    if meta["ids"] != chat.render_ids(chat.messages, add_generation_prompt=False):
+        return False  # another template or tokenizer than the one it was built with: feed the system message
+    chat.session.load_state_file_arrays(meta["position"], state)
+    chat._ids = list(meta["ids"])
+    return True

@@ -85,6 +85,10 @@ def _open(bundle, system: str | None, session, kwargs: dict, threads: int | None
                 "pass the same --no-thinking as when it was saved",
             )
         return conv
+    if system is None:  # the system message of the bundle's shipped prompt cache, if it has one
+        from deltaship.chat.store import bundle_prompt_cache
+
+        system = (bundle_prompt_cache(sess) or {}).get("system")
     conv = Chat(sess, system=system, template_kwargs=kwargs)
     if session is not None:  # a new session file holds the system message fed: a prompt cache for the next run
         conv.prime()

@@ -200,6 +200,7 @@ def load_chat(path: Path, session_or_bundle, **kwargs: Any):
         session = open_bundle(session_or_bundle, threads=kwargs.pop("threads", None))
     state, cps = _checked_state(path, meta, tensors, session)
     chat = Chat(session, system=meta["system"], template_kwargs=meta["template_kwargs"], prompt_cache=False, **kwargs)
+    chat.use_prompt_cache = True  # the file's state now; a later reset() may start from the bundle's cache
     session.load_state_file_arrays(meta["position"], state)
     chat.messages = [dict(m) for m in meta["messages"]]
     chat._ids = list(meta["ids"])

@@ -46,6 +46,7 @@ def run_export(a: argparse.Namespace) -> int:
         progress=not a.quiet,
         allow_download=a.allow_download,
         kv_cache=a.kv_cache,
+        prompt_cache=a.prompt_cache,
         **({"vision": True} if getattr(a, "vision", False) else {}),
         **given,
     )
@@ -359,6 +360,13 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         help="KV-cache dtype (default: the target's own at --precision; `deltaship plan --kv-dtypes` shows "
         "what each would take)",
     )
+    e.add_argument(
+        "--prompt-cache",
+        default=None,
+        metavar="FILE",
+        help="ship the state after a system message (FILE: its text, or JSON {system, template_kwargs}) in the "
+        "bundle: a chat with that system message starts without feeding it (docs/chat.md)",
+    )
     e.add_argument("--threads", type=THREADS, default=None, help="threads for verification (default: the runtime's)")
     e.add_argument("--quiet", action="store_true", help="no progress display")
     e.add_argument(
@@ -649,7 +657,48 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--threads", type=THREADS, default=None, help="runtime threads (default: the runtime's)")
     v.add_argument("--json", action="store_true", help="print the results as one JSON object")
     v.set_defaults(func=_eval)
+
+    c = sub.add_parser("chat", help="talk with a bundle: multi-turn chat with retry, undo and saved sessions")
+    c.add_argument("bundle")
+    c.add_argument("--system", default=None, help="the system message")
+    c.add_argument(
+        "--session",
+        default=None,
+        metavar="FILE",
+        help="load FILE if it exists; save the conversation to it after every turn",
+    )
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=None, help="each reply's sampler starts from this seed")
+    c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--no-thinking", action="store_true", help="the template's enable_thinking=false: answer directly")
+    c.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per turn (reply, reply_ids, history_ids, prefill_tokens, ttft_s, decode_tok_s, stopped)",
+    )
+    c.set_defaults(func=_chat)
     return p
+
+
+def _chat(a: argparse.Namespace) -> int:
+    from deltaship.commands.chat import chat
+
+    return chat(
+        a.bundle,
+        system=a.system,
+        session=a.session,
+        max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        seed=a.seed,
+        no_thinking=a.no_thinking,
+        json=a.json,
+        threads=a.threads,
+    )
 
 
 class Terminated(BaseException):

@@ -148,6 +148,7 @@ def export(
     device: str | None = None,
     tiers_file: str | None = None,
     vision: bool = False,
+    prompt_cache: str | Path | None = None,
     **target_options: Any,
 ) -> dict[str, Any]:
     """Compile `model` (a checkpoint directory, a preset, or a Hub id `org/name[@revision]` from the local Hugging
@@ -162,6 +163,9 @@ def export(
     are what `deltaship plan` recommends for it (a quantized KV cache when only that fits; max_context "max": the
     longest context that fits the tier); nothing fitting is refused with the plan's numbers. Without a
     device, target and precision default to onnx and fp32.
+    `prompt_cache` (a text file: the system message; or JSON {"system", "template_kwargs"}) ships the state after
+    that system message in the bundle (prompt_cache.safetensors, the manifest's `chat` block; docs/chat.md), so a
+    chat with it starts without feeding it.
     Returns the manifest. Nothing is left at `out` unless the export (and, for fp32, its
     verification) succeeded; an existing `out` is replaced only with force=True.
     """
@@ -195,6 +199,11 @@ def export(
             "add --device TIER, or pass a number of tokens (the model's max_position_embeddings at most)",
         )
     target, precision = target or "onnx", precision or "fp32"
+    cache = None
+    if prompt_cache is not None:
+        from deltaship.chat.store import prompt_cache_settings
+
+        cache = prompt_cache_settings(Path(prompt_cache))
     options = check_options(
         target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options, kv_cache
     )
@@ -210,6 +219,11 @@ def export(
         raise DeltashipError(
             f"--vision: --target {target} has no vision lowering",
             "use --target " + " or ".join(t.name for t in all_targets() if t.vision_module) + ", or drop --vision",
+        )
+    if cache is not None and not any(f.name == "tokenizer.json" for f in source.tokenizer_files):
+        raise DeltashipError(
+            f"--prompt-cache: {model} has no tokenizer, so no chat template to render the system message with",
+            "export a checkpoint directory that has tokenizer.json and a chat template, or drop --prompt-cache",
         )
     for note in source.notes():
         say(note)
@@ -362,6 +376,12 @@ def export(
                 )
         else:
             manifest["verification"] = {"status": "skipped", "reason": "--no-verify"}
+        if cache is not None:  # after verification: the bundle is what it will be, but for the cache
+            from deltaship.chat.store import write_prompt_cache
+
+            say("feeding the system message for the prompt cache")
+            provisional = write_manifest(tmp, dict(manifest))
+            manifest["chat"] = {"prompt_cache": write_prompt_cache(tmp, provisional, *cache, threads=threads)}
         return manifest
 
     manifest = write_bundle(out, force, build)

@@ -122,6 +122,10 @@ _TINY = {
 }
 
 
+# one copy, beside the tiny checkpoint's tokenizer files (its bundles carry it like any checkpoint's template)
+CHAT_TEMPLATE_FILE = Path(__file__).parent / "data" / "qwen3.5-tiny" / "chat_template.jinja"
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -132,6 +136,11 @@ class Preset:
     weights: str = "random (seeded)"  # where the weights come from, for the bundle's model card
     base_model: str | None = None  # the published checkpoint whose shape the preset copies
     sample_prompt: str | None = None  # a prompt that suits what the weights learned (the manifest's sample_prompt)
+
+    def chat_template(self) -> str:
+        """The preset's chat template (ChatML in Qwen3.5's layout, with <think> blocks; the same for every
+        preset). The trained tiny checkpoint ships it as chat_template.jinja, which export copies into bundles."""
+        return CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")
 
     def spec(self) -> ModelSpec:
         return ModelSpec.from_config(self.config, where=f"preset {self.name}")
@@ -198,7 +207,7 @@ def get_preset(name: str) -> Preset:
 
 
 def write_tiny_tokenizer(directory: Path) -> list[str]:
-    """Write the tiny preset's byte-level tokenizer (tokenizer.json + tokenizer_config.json)."""
+    """Write the tiny preset's byte-level tokenizer (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -224,7 +233,8 @@ def write_tiny_tokenizer(directory: Path) -> list[str]:
             indent=2,
         )
     )
-    return ["tokenizer.json", "tokenizer_config.json"]
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE_FILE.read_text(encoding="utf-8"), encoding="utf-8")
+    return ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
 
 
 def _bytes_to_unicode() -> dict[int, str]:

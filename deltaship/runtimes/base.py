@@ -18,6 +18,21 @@ from deltaship import options
 from deltaship.errors import DeltashipError
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A sequence's state at a position, as one session can go back to it: copies of the DeltaNet conv and
+    recurrent states (fixed size, whatever the history) and the position. The KV caches are not copied: they only
+    grow, so going back to `position` moves the pointer (the entries past it are overwritten by the next call)."""
+
+    position: int
+    states: dict[str, Any]  # DeltaNet state name -> a copy, in the runtime's own layout
+    owner: object = field(repr=False, compare=False)  # the session that took it (its KV caches hold positions < p)
+    serial: int = field(repr=False, compare=False)  # the session's rewind count when it was taken
+
+    def nbytes(self) -> int:
+        return sum(int(np.asarray(a).nbytes) for a in self.states.values())
+
+
 @dataclass
 class Generation:
     input_ids: list[int]
@@ -36,6 +51,8 @@ class Session(ABC):
         self.vocab_size = int(manifest["model"]["vocab_size"])
         self.prefill_chunk = int(prefill_chunk or manifest["prefill_chunk"])
         self.position = 0
+        self._owner = object()  # what this session's checkpoints name as theirs
+        self._rewinds: list[int] = []  # each rewind's target position: KV entries at or past it may be rewritten
         eos = manifest.get("tokens", {}).get("eos") or []
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
 
@@ -48,6 +65,18 @@ class Session(ABC):
     def _reset_states(self) -> None:
         """Zero every state tensor."""
 
+    def _read_states(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Copies of the named states (manifest names), in the runtime's own layout and dtype."""
+        raise DeltashipError(
+            f"{type(self).__name__} cannot read its states", "use deltaship's own session for this bundle's target"
+        )
+
+    def _write_states(self, arrays: dict[str, np.ndarray]) -> None:
+        """Overwrite the named states with full-shape arrays in the runtime's own layout (as _read_states gives)."""
+        raise DeltashipError(
+            f"{type(self).__name__} cannot write its states", "use deltaship's own session for this bundle's target"
+        )
+
     def runtime_name(self) -> str:
         return self.manifest["target"]
 
@@ -58,7 +87,91 @@ class Session(ABC):
     def reset(self) -> None:
         """Forget the sequence: zero all states, next token is position 0."""
         self._reset_states()
-        self.position = 0
+        self._rewind(0)
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def deltanet_states(self) -> list[dict[str, Any]]:
+        """The manifest entries of the fixed-size states a checkpoint copies (DeltaNet conv and recurrent)."""
+        return [s for s in self.manifest["states"] if s["kind"].startswith("deltanet")]
+
+    def checkpoint(self) -> Checkpoint:
+        """The sequence's state now: one copy of the DeltaNet states (no KV cache) and the position."""
+        names = [s["name"] for s in self.deltanet_states()]
+        return Checkpoint(self.position, self._read_states(names), self._owner, len(self._rewinds))
+
+    def can_restore(self, cp: Checkpoint) -> bool:
+        """Whether `cp` is this session's and its KV entries (positions < cp.position) are still in place: no
+        rewind to an earlier position happened since it was taken (the tokens fed after one overwrite them)."""
+        later = self._rewinds[cp.serial :]
+        return cp.owner is self._owner and (not later or min(later) >= cp.position)
+
+    def restore(self, cp: Checkpoint) -> None:
+        """Go back to a checkpoint of this session: its DeltaNet states are copied back, the position moves to it.
+        Generating after a restore gives what a fresh session fed the same tokens would give."""
+        if cp.owner is not self._owner:
+            raise DeltashipError(
+                "this checkpoint was taken by another session (its KV cache is not in this one)",
+                "restore a checkpoint into the session that took it, or save and load a whole chat (deltaship.chat)",
+            )
+        if not self.can_restore(cp):
+            raise DeltashipError(
+                f"the checkpoint at position {cp.position} is stale: the session went back to position "
+                f"{min(self._rewinds[cp.serial :])} since, and the tokens fed after that overwrote its KV entries",
+                "restore a checkpoint taken after the last rewind, or reset and prefill the tokens again",
+            )
+        self._write_states(cp.states)
+        self._rewind(cp.position)
+
+    def _rewind(self, position: int) -> None:
+        self._rewinds.append(position)
+        self.position = position
+
+    def state_file_arrays(self) -> dict[str, np.ndarray]:
+        """Every state as a saved session keeps it: the DeltaNet states whole, each KV cache up to the position."""
+        arrays = self._read_states([s["name"] for s in self.manifest["states"]])
+        for s in self.manifest["states"]:
+            if s["kind"].startswith("kv_cache"):
+                axis = self._seq_axis(s, arrays[s["name"]])
+                arrays[s["name"]] = np.ascontiguousarray(np.take(arrays[s["name"]], range(self.position), axis=axis))
+        return arrays
+
+    def load_state_file_arrays(self, position: int, arrays: dict[str, np.ndarray]) -> None:
+        """Put back what state_file_arrays gave (checked by the caller: names, shapes, dtypes), at `position`."""
+        self.reset()
+        full = {}
+        for s in self.manifest["states"]:
+            a = arrays[s["name"]]
+            if s["kind"].startswith("kv_cache"):
+                whole = self._read_states([s["name"]])[s["name"]]
+                idx = [slice(None)] * whole.ndim
+                idx[self._seq_axis(s, whole)] = slice(0, position)
+                whole[tuple(idx)] = a
+                a = whole
+            full[s["name"]] = a
+        self._write_states(full)
+        self.position = position
+
+    def state_layout(self) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
+        """{state: (full shape, dtype, sequence axis or None)} in the runtime's layout, as _read_states gives."""
+        arrays = self._read_states([s["name"] for s in self.manifest["states"]])
+        return {
+            s["name"]: (
+                tuple(arrays[s["name"]].shape),
+                str(arrays[s["name"]].dtype),
+                self._seq_axis(s, arrays[s["name"]]) if s["kind"].startswith("kv_cache") else None,
+            )
+            for s in self.manifest["states"]
+        }
+
+    def _seq_axis(self, state: dict[str, Any], array: np.ndarray) -> int:
+        """The sequence axis of a KV cache in the runtime's layout: the first after the batch of max_context."""
+        for axis in range(1, array.ndim):
+            if array.shape[axis] == self.max_context:
+                return axis
+        raise DeltashipError(
+            f"state {state['name']} {list(array.shape)} has no axis of the max context ({self.max_context})",
+            "export the bundle again with this version of deltaship",
+        )
 
     def _check(self, ids: Sequence[int]) -> np.ndarray:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -89,7 +202,7 @@ class Session(ABC):
                 f"position {position} is outside 0 .. {self.max_context - 1}",
                 "pick a context below the bundle's max context",
             )
-        self.position = position
+        self._rewind(position)
 
     def _chunks(self, n: int) -> list[int]:
         """How a prompt of n tokens is split into calls: chunks of prefill_chunk, then the rest."""

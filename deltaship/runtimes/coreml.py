@@ -66,6 +66,24 @@ class _CoreMLBase(CoreMLSpeculation, Session):
     def _package(self, part: dict[str, Any]) -> Path:
         return bundle_path(self.bundle, self.manifest, part["package"], "lowering.parts[].package")
 
+    def _read_states(self, names) -> dict[str, np.ndarray]:
+        # io states are the arrays the session holds; Core ML states are read from the model's state (fp16)
+        by_name = {s["name"]: s for s in self.manifest["states"]}
+        out = {}
+        for n in names:
+            s = by_name[n]
+            out[n] = self._io[n].copy() if s["mode"] == "io" else self._read_state(s["coreml_input"])
+        return out
+
+    def _write_states(self, arrays: dict[str, np.ndarray]) -> None:
+        by_name = {s["name"]: s for s in self.manifest["states"]}
+        for n, value in arrays.items():
+            s = by_name[n]
+            if s["mode"] == "io":
+                self._io[n] = np.array(value, np.float32, copy=True)
+            else:
+                self._write_state(s["coreml_input"], value)
+
     def _reset_io(self) -> None:
         self._io = {s["name"]: np.zeros(s["shape"], np.float32) for s in self.io_states}
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from deltaship.errors import DeltashipError
+from deltaship.runtimes.base import Checkpoint
 
 
 class CoreMLSpeculation:
@@ -64,7 +65,10 @@ class CoreMLSpeculation:
                 snap["state"][s["coreml_input"]] = self._read_state(s["coreml_input"])
         return snap
 
-    def restore(self, snap: dict[str, Any]) -> None:
+    def restore(self, snap) -> None:
+        """Put back a `snapshot()`; a session Checkpoint (Session.checkpoint) goes to Session.restore."""
+        if isinstance(snap, Checkpoint):
+            return super().restore(snap)
         for name, value in snap["io"].items():
             self._io[name] = value.copy()
         for name, value in snap["state"].items():

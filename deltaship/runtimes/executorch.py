@@ -134,6 +134,16 @@ class ExecuTorchSession(ExecuTorchSpeculation, Session):
         for name in self._buffers:
             self._state(name).zero_()
 
+    def _read_states(self, names) -> dict[str, np.ndarray]:
+        # the program's own buffers (method attributes), in its layout (KV caches [1, S, Hkv, D])
+        buffers = {s["name"]: s["buffer"] for s in self.manifest["states"]}
+        return {n: self._state(buffers[n]).detach().numpy().copy() for n in names}
+
+    def _write_states(self, arrays: dict[str, np.ndarray]) -> None:
+        buffers = {s["name"]: s["buffer"] for s in self.manifest["states"]}
+        for name, value in arrays.items():
+            self._state(buffers[name]).copy_(self._torch.from_numpy(np.ascontiguousarray(value)))
+
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Current value of every state, by the manifest's state name (KV cache in ExecuTorch's
         [1, S, Hkv, D] layout, transposed back to the canonical [1, Hkv, S, D])."""

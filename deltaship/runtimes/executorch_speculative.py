@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from deltaship.errors import DeltashipError
+from deltaship.runtimes.base import Checkpoint
 
 
 class ExecuTorchSpeculation:
@@ -59,7 +60,10 @@ class ExecuTorchSpeculation:
                 snap[s["buffer"]] = self._state(s["buffer"]).clone()
         return snap
 
-    def restore(self, snap: dict[str, Any]) -> None:
+    def restore(self, snap) -> None:
+        """Put back a `snapshot()`; a session Checkpoint (Session.checkpoint) goes to Session.restore."""
+        if isinstance(snap, Checkpoint):
+            return super().restore(snap)
         for name, value in snap.items():
             if name != "position":
                 self._state(name).copy_(value)

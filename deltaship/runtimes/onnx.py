@@ -352,6 +352,21 @@ class OnnxSession(OnnxSpeculation, Session):
             return self._logits_val.numpy().reshape(-1).copy()
         return self._logits.reshape(-1).copy()
 
+    def _read_states(self, names) -> dict[str, np.ndarray]:
+        return {n: self._vals[n][self._cur[n]].numpy().copy() for n in names}
+
+    def _write_states(self, arrays: dict[str, np.ndarray]) -> None:
+        # into the current buffer of each state (on the CPU the OrtValue wraps that very array), so every kept
+        # IOBinding and captured graph still reads it where it is
+        for name, value in arrays.items():
+            cur = self._cur[name]
+            if self.device == "cuda":
+                self._vals[name][cur].update_inplace(np.ascontiguousarray(value))
+            else:
+                self._bufs[name][cur][...] = value
+        self._after_verify = None  # a speculative snapshot or rollback cannot span a restore
+        self._keep_past = False
+
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Current value of every state (copies), by input name."""
         out = {}

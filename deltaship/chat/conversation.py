@@ -1,0 +1,319 @@
+"""Multi-turn chat over one session, with O(1) turn checkpoints.
+
+The state at a turn boundary is the DeltaNet states (fixed size) plus the position: `Session.checkpoint()` copies
+the former; the KV caches only grow, so going back is moving the position. Each turn feeds only the tokens the
+template adds; when the template rewrites the past (Qwen-family templates drop the <think> block of an assistant
+turn once a user message follows it), the latest checkpoint before the first changed token is restored and the
+template's version fed from there, so the state always holds the template's rendering of the history.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from deltaship.chat.template import ChatTemplate, bundle_chat_template
+from deltaship.errors import DeltashipError
+from deltaship.runtimes.base import Checkpoint, Session, check_sampling, sample
+
+KEEP_TURNS = 16  # turns whose checkpoints stay in memory (2 DeltaNet copies each); older ones re-prefill if needed
+
+
+@dataclass
+class Reply:
+    text: str
+    ids: list[int]  # the tokens generated (the stop token included)
+    stopped: str  # "eos" (the turn's end token), "length" (max_new_tokens) or "context" (the context is full)
+    ttft_s: float  # from send() to the first token: rendering, the turn's prefill and one sample
+    decode_tok_s: float  # tokens per second after the first
+    prefill_tokens: int  # tokens fed for this turn (its own template tokens, plus a rewritten past)
+    context_tokens: int  # tokens the state held when the reply began (chat.ids[:context_tokens])
+    notice: str | None = None  # what the user should know (the context is full)
+
+
+@dataclass
+class Turn:
+    """One exchange: checkpoints where its own tokens begin and where its generation prompt begins (what the
+    reply follows; a template that rewrites a past reply renders it from that prompt's role header on)."""
+
+    messages_before: int
+    before: Checkpoint | None
+    before_reply: Checkpoint | None = None
+    ids_before_reply: int = 0
+
+
+@dataclass
+class _Fed:
+    logits: np.ndarray | None
+    fed: int
+
+
+class Chat:
+    """A conversation on a bundle's session: send, retry, undo, reset, save / load."""
+
+    def __init__(
+        self,
+        session_or_bundle: Session | str | Path,
+        system: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        *,
+        template: str | None = None,
+        tokenizer: Any = None,
+        threads: int | None = None,
+        prompt_cache: bool = True,
+    ):
+        if isinstance(getattr(session_or_bundle, "session", None), Session):  # what deltaship.load() returns
+            session_or_bundle = session_or_bundle.session
+        if isinstance(session_or_bundle, Session):
+            self.session = session_or_bundle
+        else:
+            from deltaship.runtimes import open_bundle
+
+            self.session = open_bundle(session_or_bundle, threads=threads)
+        s = self.session
+        if tokenizer is None:
+            from deltaship.runtimes.tokenizer import load_tokenizer
+
+            try:
+                tokenizer = load_tokenizer(s.bundle, s.manifest)
+            except DeltashipError as e:  # its fix names generate's --input-ids, which a chat has no use for
+                raise DeltashipError(
+                    e.message,
+                    "chat needs the bundle's tokenizer and chat template: export a checkpoint directory that has "
+                    "tokenizer.json (the trained qwen3.5-tiny preset does), or pass tokenizer= and template= to Chat",
+                ) from None
+        self.tokenizer = tokenizer
+        source, special = (template, {}) if template is not None else bundle_chat_template(s.bundle, s.manifest)
+        self.template = ChatTemplate(source, **special)
+        self.template_kwargs = dict(template_kwargs or {})
+        tokens = s.manifest.get("tokens", {})
+        self.stop_ids = set(s.eos_ids) | ({tokens["im_end"]} if isinstance(tokens.get("im_end"), int) else set())
+        self.system = system
+        self.use_prompt_cache = prompt_cache  # start from the bundle's shipped prompt cache where it holds `system`
+        self.messages: list[dict[str, str]] = []
+        self.turns: list[Turn] = []
+        self._ids: list[int] = []
+        self.reset()
+
+    # ---- what the conversation holds ---------------------------------------------------------
+    @property
+    def history(self) -> list[dict[str, str]]:
+        """The messages (system first, if any), as the template renders them."""
+        return [dict(m) for m in self.messages]
+
+    @property
+    def ids(self) -> list[int]:
+        """Every token the state holds, in order (len == the session's position)."""
+        return list(self._ids)
+
+    def render_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        """The template's rendering of `messages`, tokenized."""
+        text = self.template.render(messages, add_generation_prompt, **self.template_kwargs)
+        return self.tokenizer.encode(text)
+
+    # ---- turns ----------------------------------------------------------------------------------
+    def send(
+        self,
+        text: str,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> Reply:
+        """Add a user message and generate the assistant's reply (kept in the history)."""
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
+        if not isinstance(text, str):
+            raise DeltashipError(f"a message is text, got {type(text).__name__}", "pass a str")
+        turn = Turn(messages_before=len(self.messages), before=None)
+        self.messages.append({"role": "user", "content": text})
+        reply = self._respond(turn, max_new_tokens, temperature, top_k, top_p, seed, on_token)
+        if reply.stopped == "context" and not reply.ids:  # nothing fed, nothing generated: the turn never happened
+            self.messages.pop()
+        return reply
+
+    def retry(
+        self,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> Reply:
+        """Generate the last reply again: back to the checkpoint before the last turn, its tokens fed again."""
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
+        if not self.turns:
+            raise DeltashipError("nothing to retry: no reply yet", "send a message first")
+        turn = self.turns.pop()
+        del self.messages[turn.messages_before + 1 :]  # keep the user message, drop the reply
+        return self._respond(turn, max_new_tokens, temperature, top_k, top_p, seed, on_token)
+
+    def undo(self) -> None:
+        """Drop the last exchange (user message and reply): the state goes back to before it."""
+        if not self.turns:
+            raise DeltashipError("nothing to undo: no exchange yet", "send a message first")
+        turn = self.turns.pop()
+        del self.messages[turn.messages_before :]
+        cp = turn.before
+        if cp is not None and self.session.can_restore(cp):
+            self.session.restore(cp)
+            del self._ids[cp.position :]
+        else:  # no checkpoint left for it: the next turn prefills the history again
+            self._forget_state()
+
+    def prime(self) -> int:
+        """Feed the history as the template renders it without a generation prompt (e.g. the system message alone),
+        so that the next turn feeds only its own tokens; saved, this is a prompt cache. Returns the tokens fed."""
+        if not self.messages:
+            return 0
+        target = self.render_ids(self.messages, add_generation_prompt=False)
+        common = _common_prefix(self._ids, target)
+        if common < len(self._ids):
+            cp = self._latest_checkpoint(common, Turn(len(self.messages), None))
+            if cp is None:
+                self._forget_state()
+            else:
+                self.session.restore(cp)
+                del self._ids[cp.position :]
+        fed = len(target) - len(self._ids)
+        if fed > 0:
+            self.session.prefill(target[len(self._ids) :])
+            self._ids.extend(target[len(self._ids) :])
+        return max(fed, 0)
+
+    def reset(self) -> None:
+        """Start over: only the system message (if any) remains; the state is empty, or holds the system message
+        where the bundle ships a prompt cache of it (export --prompt-cache)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.turns = []
+        self._forget_state()
+        if self.use_prompt_cache and self.system is not None:
+            from deltaship.chat.store import apply_prompt_cache
+
+            apply_prompt_cache(self)
+
+    def _forget_state(self) -> None:
+        self.session.reset()
+        self._ids = []
+
+    def _respond(self, turn: Turn, max_new_tokens, temperature, top_k, top_p, seed, on_token) -> Reply:
+        s = self.session
+        t0 = time.perf_counter()
+        previous = self.messages[: turn.messages_before]
+        target = self.render_ids(self.messages, add_generation_prompt=True)
+        # where this turn's own tokens begin (after the history as the template renders it now), and where its
+        # generation prompt begins (after the user message)
+        boundary = _common_prefix(self.render_ids(previous, add_generation_prompt=False), target) if previous else 0
+        prompt = _common_prefix(self.render_ids(self.messages, add_generation_prompt=False), target)
+        if len(target) > s.max_context:  # refused whole: no silent truncation of the history
+            notice = (
+                f"the conversation needs {len(target)} tokens and a reply; the bundle's context is {s.max_context}: "
+                "undo or reset the conversation, or export with a larger --max-context"
+            )
+            if turn.before is not None:  # a retry: the turn stays as it was, without its reply
+                self.turns.append(turn)
+            return Reply("", [], "context", 0.0, 0.0, 0, len(self._ids), notice)
+        fed = self._feed(target, (boundary, max(boundary, min(prompt, len(target) - 1))), turn)
+        turn.ids_before_reply = len(self._ids)
+        context = len(self._ids)
+        rng = np.random.default_rng(seed)
+        out: list[int] = []
+        stopped, notice, first = "length", None, None
+        logits = fed.logits
+        while len(out) < max_new_tokens:
+            tok = sample(logits, temperature, top_k, top_p, rng)
+            out.append(tok)
+            if first is None:
+                first = time.perf_counter()
+            if on_token:
+                on_token(tok)
+            if tok in self.stop_ids:
+                stopped = "eos"
+                break
+            if len(out) >= max_new_tokens:
+                break
+            if s.position >= s.max_context:
+                stopped = "context"
+                notice = (
+                    f"the context is full ({s.max_context} tokens): the reply stops here; undo or reset the "
+                    "conversation, or export with a larger --max-context"
+                )
+                break
+            logits = s.decode(tok)
+            self._ids.append(tok)
+        end = time.perf_counter()
+        ttft = (first or end) - t0
+        rate = (len(out) - 1) / (end - first) if first is not None and len(out) > 1 and end > first else 0.0
+        content = self.tokenizer.decode([t for t in out if t not in self.stop_ids])
+        self.messages.append({"role": "assistant", "content": content})
+        self.turns.append(turn)
+        self._drop_old_checkpoints()
+        return Reply(content, out, stopped, ttft, rate, fed.fed, context, notice)
+
+    def _feed(self, target: list[int], marks: tuple[int, int], turn: Turn) -> _Fed:
+        """Make the state hold `target` (the history and the new turn, as the template renders them), feeding only
+        what it lacks. marks: where the turn's own tokens begin and where its generation prompt begins; the turn's
+        checkpoints are taken there (undo goes back to the first, retry and a rewritten reply to the second)."""
+        s = self.session
+        common = _common_prefix(self._ids, target)
+        if common < len(self._ids) or common >= len(target):
+            # the held tokens leave the template's rendering (a rewritten past, a retry): go back to the latest
+            # checkpoint at or before the first difference, with at least one token left to feed
+            cp = self._latest_checkpoint(min(common, len(target) - 1), turn)
+            if cp is None:
+                self._forget_state()
+            else:
+                s.restore(cp)
+                del self._ids[cp.position :]
+        start = len(self._ids)
+        logits = None
+        for attr, at in zip(("before", "before_reply"), marks):
+            if len(self._ids) < at:
+                logits = s.prefill(target[len(self._ids) : at])
+                self._ids.extend(target[len(self._ids) : at])
+            cp = getattr(turn, attr)
+            kept = cp is not None and s.can_restore(cp) and cp.position == len(self._ids)
+            if len(self._ids) == at and not kept:
+                setattr(turn, attr, s.checkpoint())
+            elif not kept and cp is not None and not s.can_restore(cp):
+                setattr(turn, attr, None)
+        if len(self._ids) < len(target):
+            logits = s.prefill(target[len(self._ids) :])
+            self._ids.extend(target[len(self._ids) :])
+        return _Fed(logits, len(target) - start)
+
+    def _latest_checkpoint(self, limit: int, turn: Turn) -> Checkpoint | None:
+        cps = [c for t in [*self.turns, turn] for c in (t.before, t.before_reply) if c is not None]
+        ok = [c for c in cps if c.position <= limit and self.session.can_restore(c)]
+        return max(ok, key=lambda c: c.position, default=None)
+
+    def _drop_old_checkpoints(self) -> None:
+        for t in self.turns[:-KEEP_TURNS]:
+            t.before = t.before_reply = None
+
+    # ---- saved sessions ---------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the conversation (state, ids, messages, the last exchange's checkpoints) to one file, atomically."""
+        from deltaship.chat.store import save_chat
+
+        return save_chat(self, Path(path))
+
+    @classmethod
+    def load(cls, path: str | Path, session_or_bundle: Session | str | Path, **kwargs: Any) -> Chat:
+        """A conversation saved by `save`, on a session of the same bundle (checked: identity, hashes, version)."""
+        from deltaship.chat.store import load_chat
+
+        return load_chat(Path(path), session_or_bundle, **kwargs)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    x, y = np.asarray(a[:n], np.int64), np.asarray(b[:n], np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from deltaship.export import export
     from deltaship.hf.bundle_model import BundleModel
 
-__all__ = ["export", "load", "__version__"]
+__all__ = ["export", "load", "Chat", "__version__"]
 
 
 def load(
@@ -59,4 +59,8 @@ def __getattr__(name: str) -> Any:
         import deltaship.export as module
 
         return module
+    if name == "Chat":  # deltaship.Chat.load(path, session): a saved conversation
+        from deltaship.chat import Chat
+
+        return Chat
     raise AttributeError(f"module 'deltaship' has no attribute {name!r}")

@@ -97,6 +97,8 @@ def named_paths(manifest: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         for key in ("config", "processor"):
             if _at(v, "genai", key) is not None:
                 yield f"vision.genai.{key}", _at(v, "genai", key)
+    if _at(manifest, "chat", "prompt_cache", "file") is not None:
+        yield "chat.prompt_cache.file", _at(manifest, "chat", "prompt_cache", "file")
 
 
 def _refuse(bundle: Path, field: str, name: Any, why: str) -> DeltashipError:

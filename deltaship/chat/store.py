@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
 
 FORMAT = "deltaship-chat-session"
@@ -306,7 +307,8 @@ def apply_prompt_cache(chat) -> bool:
     record = bundle_prompt_cache(chat.session)
     if record is None or record.get("system") != chat.system or record.get("template_kwargs") != chat.template_kwargs:
         return False
-    path = Path(chat.session.bundle) / PROMPT_CACHE_FILE  # listed and hashed in the manifest: open_bundle checked it
+    # listed and hashed in the manifest (open_bundle checked it); joined under the closed-world rule
+    path = bundle_path(chat.session.bundle, chat.session.manifest, PROMPT_CACHE_FILE, "chat.prompt_cache.file")
     meta, tensors = read_session_file(path)
     state, _ = _checked_state(path, meta, tensors, chat.session)
     if meta["ids"] != chat.render_ids(chat.messages, add_generation_prompt=False):

@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -30,13 +31,13 @@ def bundle_chat_template(bundle: Path, manifest: dict[str, Any]) -> tuple[str, d
     config: dict[str, Any] = {}
     if CONFIG_FILE in files:
         try:
-            loaded = json.loads(_read_text(bundle / CONFIG_FILE))
+            loaded = json.loads(_read_text(bundle_path(bundle, manifest, CONFIG_FILE, "tokenizer.files")))
         except json.JSONDecodeError as e:
             raise DeltashipError(f"{bundle / CONFIG_FILE}: not JSON ({e})", "export the bundle again") from None
         config = loaded if isinstance(loaded, dict) else {}
     tokens = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS if _token_text(config.get(k)) is not None}
     if TEMPLATE_FILE in files:
-        return _read_text(bundle / TEMPLATE_FILE), tokens
+        return _read_text(bundle_path(bundle, manifest, TEMPLATE_FILE, "tokenizer.files")), tokens
     template = config.get("chat_template")
     if isinstance(template, list):  # [{name, template}, ...]: the one named "default"
         template = next(

@@ -47,6 +47,12 @@ class BundleModel:
         # only once transformers is in use: an isinstance() check in a torch-free program must not import torch
         return type(self.hf) if "transformers" in sys.modules else BundleModel
 
+    def chat(self, system: str | None = None, template_kwargs: dict[str, Any] | None = None) -> Any:
+        """A multi-turn conversation on this bundle's session (`deltaship.chat.Chat`: send, retry, undo, save)."""
+        from deltaship.chat import Chat  # the chat room: jinja2, loaded only by those who chat
+
+        return Chat(self.session, system=system, template_kwargs=template_kwargs)
+
     def generate(self, prompt: Any = None, /, *args: Any, **kwargs: Any) -> Any:
         """`generate("def f(", max_new_tokens=16)` -> the new text; `generate([ids...], ...)` -> the new token ids.
 

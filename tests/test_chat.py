@@ -144,7 +144,8 @@ def test_template_from_tokenizer_config(tmp_path):
     rendered with its special tokens; none at all is a clear error."""
     from deltaship.chat.template import ChatTemplate, bundle_chat_template
 
-    manifest = {"tokenizer": {"files": ["tokenizer_config.json"]}}
+    # the manifest lists the file (bundle_path reads only listed files; hashes are open_bundle's check)
+    manifest = {"tokenizer": {"files": ["tokenizer_config.json"]}, "files": {"tokenizer_config.json": {}}}
     config = {"bos_token": {"content": "<s>"}, "chat_template": [{"name": "default", "template": "{{ bos_token }}x"}]}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     source, special = bundle_chat_template(tmp_path, manifest)

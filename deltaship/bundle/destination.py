@@ -96,9 +96,19 @@ def _inside(a: Path, b: Path) -> bool:
     return a == b or b in a.parents
 
 
-def check_destination(out: Path, force: bool, inputs: Iterable[str | Path] = (), option: str = "--out") -> None:
+DEFAULT_REPLACES = ("bundle", "kit")
+
+
+def check_destination(
+    out: Path,
+    force: bool,
+    inputs: Iterable[str | Path] = (),
+    option: str = "--out",
+    replaces: tuple[str, ...] = DEFAULT_REPLACES,
+) -> None:
     """Refuse, before any work, an `out` this command must not write: see the module's rules. `inputs` are the
-    command's input paths (a checkpoint or bundle directory; names that are not directories are skipped)."""
+    command's input paths (a checkpoint or bundle directory; names that are not directories are skipped);
+    `replaces`: the kinds of directory (what_is) that `force` may replace."""
     out = Path(out)
     real = out.resolve()
     for i in inputs:
@@ -133,54 +143,93 @@ def check_destination(out: Path, force: bool, inputs: Iterable[str | Path] = (),
             f"{option} {out} already exists and is not empty; nothing was written",
             f"pass --force to replace it, or choose another {option} directory",
         )
-    if kind == "other":
+    if kind not in replaces:
+        names = {"bundle": "a deltaship bundle", "kit": "an app kit", "plots": "profile plots"}
+        held = f"is {names[kind]}" if kind in names else f"holds files deltaship did not write ({_listing(out)})"
         raise DeltashipError(
-            f"{option} {out} holds files deltaship did not write ({_listing(out)}); --force replaces only a deltaship "
-            "bundle, an app kit or an empty directory; nothing was written",
+            f"{option} {out} {held}; {'--force ' if option == '--out' else ''}this replaces only "
+            + ", ".join(names[k] for k in replaces)
+            + " or an empty directory; nothing was written",
             f"choose another {option} directory, or move {out} away yourself if it should go",
         )
+
+
+def check_output_file(path: Path, inputs: Iterable[str | Path] = (), option: str = "--report") -> None:
+    """Refuse, before any work, a file output that is a directory or lies inside an input (a bundle's files are
+    hashed in its manifest: a report written among them would break it)."""
+    path = Path(path)
+    if path.is_dir():
+        raise DeltashipError(f"{option} {path} is a directory; nothing was written", f"pass a file name to {option}")
+    real = path.resolve()
+    for i in inputs:
+        if Path(i).is_dir() and _inside(real, Path(i).resolve()):
+            raise DeltashipError(
+                f"{option} {path} lies inside the input {i}; nothing was written", f"write {option} outside {i}"
+            )
 
 
 class Destination:
     """A claimed --out: checked, locked (one writer at a time) and cleared of what killed writers left.
     A context manager; release() frees the lock."""
 
-    def __init__(self, out: Path, force: bool, inputs: Iterable[str | Path] = (), option: str = "--out"):
-        self.out, self.force, self.option = Path(out), force, option
+    def __init__(
+        self,
+        out: Path,
+        force: bool,
+        inputs: Iterable[str | Path] = (),
+        option: str = "--out",
+        replaces: tuple[str, ...] = DEFAULT_REPLACES,
+    ):
+        self.out, self.force, self.option, self.replaces = Path(out), force, option, replaces
         self.inputs = tuple(inputs)
-        check_destination(self.out, force, self.inputs, option)
+        check_destination(self.out, force, self.inputs, option, replaces)
         self._lock: FileLock | None = None
+        self._remove_lock_file = False
         with environment_errors(self.out, option):
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self._acquire()
         try:
             with environment_errors(self.out, option):
                 recover(self.out)
-            check_destination(self.out, force, self.inputs, option)  # again: recovery may have put a backup back
+            # again: recovery may have put a backup back
+            check_destination(self.out, force, self.inputs, option, replaces)
         except BaseException:
             self.release()
             raise
 
     def _acquire(self) -> None:
         path = lock_path(self.out)
-        try:
-            holder = path.read_text().strip()
-        except OSError:
-            holder = ""
-        lock = FileLock(str(path), timeout=0)
-        try:
-            lock.acquire()
-        except Timeout:
-            who = f"process {holder}" if holder.isdigit() else "another process"
-            raise DeltashipEnvironmentError(
-                f"{self.option} {self.out} is being written by {who} (lock {path}); nothing was written",
-                "wait for it to finish, or choose another " + self.option,
-            ) from None
-        self._lock = lock
-        path.write_text(f"{os.getpid()}\n")  # for the next writer's message; the flock itself is on the inode
+        for _ in range(3):
+            lock = FileLock(str(path), timeout=0)
+            try:
+                lock.acquire()
+            except Timeout:
+                holder = _holder(path)
+                who = f"process {holder}" if holder else "another process"
+                raise DeltashipEnvironmentError(
+                    f"{self.option} {self.out} is being written by {who} (lock {path}); nothing was written",
+                    f"wait for it to finish, or choose another {self.option}",
+                ) from None
+            # The holder removes the lock file before it lets go; a lock taken on the removed file is no lock.
+            fd = getattr(getattr(lock, "_context", None), "lock_file_fd", None)
+            try:
+                same = fd is not None and os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if fd is None or same:
+                self._lock, self._remove_lock_file = lock, fd is not None
+                path.write_text(f"{os.getpid()}\n")  # for the next writer's message; the lock is on the inode
+                return
+            lock.release()
+        raise DeltashipEnvironmentError(
+            f"{self.option} {self.out}: its lock {path} keeps changing hands; nothing was written",
+            f"wait for the other writers to finish, or choose another {self.option}",
+        )
 
     def release(self) -> None:
         if self._lock is not None:
+            if self._remove_lock_file:
+                lock_path(self.out).unlink(missing_ok=True)  # while still held: see _acquire
             self._lock.release()
             self._lock = None
 
@@ -189,6 +238,24 @@ class Destination:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _holder(path: Path) -> int | None:
+    """The pid holding the lock on `path`: from the kernel's lock table where there is one (Linux), else the pid
+    its holder wrote into it."""
+    try:
+        ino = os.stat(path).st_ino
+        for line in Path("/proc/locks").read_text().splitlines():
+            f = line.split()
+            if len(f) > 5 and f[1] == "FLOCK" and f[5].rsplit(":", 1)[-1] == str(ino) and f[4].isdigit():
+                return int(f[4])
+    except (OSError, ValueError):
+        pass
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _alive(pid: int) -> bool:

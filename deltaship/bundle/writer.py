@@ -11,9 +11,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
-from deltaship.bundle.destination import (  # noqa: F401 (check_destination: the writers' public check)
+from deltaship.bundle.destination import (
+    DEFAULT_REPLACES,  # noqa: F401 (check_destination: the writers' public check)
     Destination,
-    check_destination,
     environment_errors,
     new_staging,
     publish,
@@ -40,15 +40,22 @@ def write_manifest(tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def write_dir(out: Path | Destination, force: bool, build: Callable[[Path], T], inputs: Iterable[str | Path] = ()) -> T:
+def write_dir(
+    out: Path | Destination,
+    force: bool,
+    build: Callable[[Path], T],
+    inputs: Iterable[str | Path] = (),
+    option: str = "--out",
+    replaces: tuple[str, ...] = DEFAULT_REPLACES,
+) -> T:
     """Run `build(tmp_dir)` in a staging directory beside `out` and publish it at `out` only when it returned;
     on any failure (an exception, Ctrl-C, SIGTERM through the CLI) the staging directory is removed and an old
     `out` is left as it was. Bundles, app kits, profile plots.
 
-    `out` is a path (claimed here: checked against `force` and `inputs`, locked, recovered) or a Destination the
-    caller claimed before its work started. An OSError of the machine (disk full, a name too long, permissions)
-    and a MemoryError become one DeltashipEnvironmentError (exit 3)."""
-    dest = out if isinstance(out, Destination) else Destination(Path(out), force, inputs)
+    `out` is a path (claimed here: checked against `force`, `inputs` and `replaces`, locked, recovered) or a
+    Destination the caller claimed before its work started. An OSError of the machine (disk full, a name too
+    long, permissions) and a MemoryError become one DeltashipEnvironmentError (exit 3)."""
+    dest = out if isinstance(out, Destination) else Destination(Path(out), force, inputs, option, replaces)
     try:
         with environment_errors(dest.out, dest.option):
             tmp = new_staging(dest.out)

@@ -121,15 +121,17 @@ def virtual_need(peak: int) -> int:
     return 2 * peak + cpus * (64 << 20) + (512 << 20)
 
 
-def check_memory(peak: int, what: str, fixes: str, limits: list[Limit] | None = None) -> None:
-    """Refuse (DeltashipEnvironmentError) when `peak` bytes (resident; `what` says whose) do not fit one of the
-    process's limits."""
+def check_memory(peak: int, what: str, fixes: str, base: int = 0) -> None:
+    """Refuse (DeltashipEnvironmentError) when `peak` bytes (resident, of a process that held `base` bytes when it
+    started the work; `what` says whose) do not fit one of the process's limits. A process holding more than
+    `base` already (an API caller) is assumed to grow by peak - base."""
     if os.environ.get(IGNORE_ENV, "") not in ("", "0"):
         return
-    for lim in memory_limits() if limits is None else limits:
+    for lim in memory_limits():
         need = virtual_need(peak) if lim.virtual else peak
         mine = _status("VmSize" if lim.virtual else "VmRSS")  # already counted in lim.used
-        if need - mine > lim.headroom:
+        more = need - (mine if lim.virtual else min(mine, base))
+        if more > lim.headroom:
             space = "of address space " if lim.virtual else ""
             raise DeltashipEnvironmentError(
                 f"{what} needs about {gib(need)} GiB {space}at its peak; this process may use "

@@ -389,7 +389,7 @@ def _check_memory(spec, model: str, target: str, precision: str, verify: bool) -
     """Refuse, before the work, an export whose planned peak does not fit what this process may use (a cgroup's
     limit is an OOM kill without a message, RLIMIT_AS a crash in native code)."""
     from deltaship.devices.limits import check_memory, mem_available
-    from deltaship.devices.plan import export_peak_bytes
+    from deltaship.devices.plan import EXPORT_BASE_BYTES, export_peak_bytes
 
     peak = export_peak_bytes(spec, target, precision, verify, budget=mem_available())
     check_memory(
@@ -398,6 +398,7 @@ def _check_memory(spec, model: str, target: str, precision: str, verify: bool) -
         "pass --no-verify (the fp32 reference and the bundle's session are the largest part)"
         if verify
         else "export a smaller model or precision",
+        base=EXPORT_BASE_BYTES,
     )
 
 

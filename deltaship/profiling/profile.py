@@ -190,6 +190,7 @@ def profile(
     head's measured one). image_sizes: for a bundle exported with --vision (host), the image sizes to profile
     encode latency, memory and image+question TTFT at (profiling/vision.py; default 224, 448, 896 and a document
     page; 'none': skip)."""
+    from deltaship.bundle.destination import check_output_file
     from deltaship.bundle.reader import read_manifest, require_intact
     from deltaship.devices.catalog import get_tier
     from deltaship.devices.discovery import fingerprint
@@ -201,6 +202,9 @@ def profile(
         raise DeltashipError(f"--provider {provider} is for --device host", "drop --provider, or profile on the host")
     say = progress or (lambda m: None)
     path = Path(bundle)
+    for option, out in (("--json", json_out), ("--report", report)):
+        if out is not None and str(out) != "-":
+            check_output_file(Path(out), (path,), option)  # before any work; a file inside the bundle breaks it
     manifest = read_manifest(path)
     require_intact(path, manifest, hashes=True)
     cfg = {

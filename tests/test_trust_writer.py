@@ -293,3 +293,27 @@ def test_a_real_address_space_limit_is_refused_with_both_numbers(tmp_path):
     assert r.returncode == 3, r.stderr[-2000:]
     assert "of address space" in r.stderr and "RLIMIT_AS (ulimit -v): 1.37 GiB" in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_plots_replace_only_plots_and_file_outputs_are_whole_or_nothing(bundles, tmp_path, monkeypatch):
+    from deltaship.bundle.destination import check_destination, replace_file
+    from deltaship.errors import DeltashipError
+
+    with pytest.raises(DeltashipError, match="--plots .* is a deltaship bundle; this replaces only profile plots"):
+        check_destination(bundles("base"), True, (), "--plots", replaces=("plots",))
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    (plots / "plots.json").write_text(json.dumps({"kind": "deltaship.plots", "files": []}))
+    check_destination(plots, True, (), "--plots", replaces=("plots",))
+    report = tmp_path / "r.html"
+    replace_file(report, "old")
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(DeltashipError, match="No space left") as e:
+        replace_file(report, "new")
+    assert e.value.exit_code == 3
+    monkeypatch.undo()
+    assert report.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["plots", "r.html"]

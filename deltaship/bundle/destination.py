@@ -168,6 +168,31 @@ def check_output_file(path: Path, inputs: Iterable[str | Path] = (), option: str
             )
 
 
+def replace_file(path: Path, text: str, option: str = "--report") -> None:
+    """Write a file output whole or not at all: a private file beside it, flushed, renamed over it."""
+    path = Path(path)
+    with environment_errors(path, option):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{stem(path)}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 class Destination:
     """A claimed --out: checked, locked (one writer at a time) and cleared of what killed writers left.
     A context manager; release() frees the lock."""
@@ -345,9 +370,7 @@ def fsync_dir(d: Path) -> None:
 
 def publish(tmp: Path, out: Path) -> None:
     """Rename the finished staging directory to `out`; an old `out` is moved aside first and removed after."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # staging was private; the result gets normal permissions
+    os.chmod(tmp, 0o777 & ~_umask())  # staging was private; the result gets normal permissions
     fsync_tree(tmp)
     old = None
     if out.exists():

@@ -162,7 +162,9 @@ def export(
     longest context that fits the tier); nothing fitting is refused with the plan's numbers. Without a
     device, target and precision default to onnx and fp32.
     Returns the manifest. Nothing is left at `out` unless the export (and, for fp32, its
-    verification) succeeded; an existing `out` is replaced only with force=True.
+    verification) succeeded; an existing `out` is replaced only with force=True, and only when deltaship wrote
+    it (deltaship/bundle/destination.py). An export whose planned peak memory does not fit this process's
+    limits (cgroup, RLIMIT_AS, MemAvailable) is refused before the work; DELTASHIP_IGNORE_MEMORY_CHECK=1 skips that.
     """
     from deltaship.bundle.destination import Destination
     from deltaship.bundle.writer import new_manifest, tool_versions, write_bundle, write_manifest

@@ -17,7 +17,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -368,12 +367,9 @@ def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | P
 
 
 def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    from deltaship.bundle.destination import replace_file
+
+    replace_file(path, text, "--json")  # whole or not at all
 
 
 def load_records(path: str | Path) -> dict[str, Any]:

@@ -364,5 +364,7 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
         + "</body></html>"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page)
+    from deltaship.bundle.destination import replace_file
+
+    replace_file(path, page, "--report")  # whole or not at all
     return path

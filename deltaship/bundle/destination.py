@@ -210,11 +210,10 @@ class Destination:
         check_destination(self.out, force, self.inputs, option, replaces)
         self._lock: FileLock | None = None
         self._remove_lock_file = False
-        with environment_errors(self.out, option):
-            self.out.parent.mkdir(parents=True, exist_ok=True)
-            self._acquire()
         try:
             with environment_errors(self.out, option):
+                self.out.parent.mkdir(parents=True, exist_ok=True)
+                self._acquire()
                 recover(self.out)
             # again: recovery may have put a backup back
             check_destination(self.out, force, self.inputs, option, replaces)
@@ -243,7 +242,10 @@ class Destination:
                 same = False
             if fd is None or same:
                 self._lock, self._remove_lock_file = lock, fd is not None
-                path.write_text(f"{os.getpid()}\n")  # for the next writer's message; the lock is on the inode
+                try:
+                    path.write_text(f"{os.getpid()}\n")  # for the next writer's message; the lock is on the inode
+                except OSError:
+                    pass  # a full disk: the writer will say so; the pid is only for a message
                 return
             lock.release()
         raise DeltashipEnvironmentError(
@@ -425,12 +427,13 @@ class environment_errors:
         reason = os.strerror(e.errno)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             mount = _mount(self.out.parent)
-            free = shutil.disk_usage(mount).free
             wrote = self.written() if self.written else 0
+            free = shutil.disk_usage(mount).free + wrote  # once the staging directory is gone
             quota = " (your quota)" if e.errno == errno.EDQUOT else ""
+            reached = f"; it had written {_size(wrote)} when the disk filled and needs more" if wrote else ""
             fix = (
-                f"free at least {_size(max(wrote, 1 << 20))}{quota} on {mount} ({_size(free)} free now; the write "
-                f"had reached {_size(wrote)}), or choose an {self.option} on another disk"
+                f"free space{quota} on {mount} ({_size(free)} free now{reached}), or choose an {self.option} on "
+                "another disk"
             )
         else:
             fix = _FIXES[e.errno].format(option=self.option)

@@ -118,25 +118,28 @@ def virtual_need(peak: int) -> int:
     """Address space an export of resident peak `peak` reserves: glibc's per-thread arenas and the thread stacks
     of torch's and the runtime's pools come on top of what is resident."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return 2 * peak + cpus * (64 << 20) + (512 << 20)
+    return peak + cpus * (64 << 20) + (768 << 20)  # fitted to the tiny export under prlimit --as (2 cores)
 
 
 def check_memory(peak: int, what: str, fixes: str, base: int = 0) -> None:
-    """Refuse (DeltashipEnvironmentError) when `peak` bytes (resident, of a process that held `base` bytes when it
-    started the work; `what` says whose) do not fit one of the process's limits. A process holding more than
-    `base` already (an API caller) is assumed to grow by peak - base."""
+    """Refuse (DeltashipEnvironmentError) when `peak` bytes (resident; `what` says whose) do not fit one of the
+    process's limits. `base`: what the process holds before the work (the interpreter and its libraries, mostly
+    shared file pages a cgroup does not charge again): the work needs peak - base more. Address space is compared
+    whole (virtual_need)."""
     if os.environ.get(IGNORE_ENV, "") not in ("", "0"):
         return
     for lim in memory_limits():
-        need = virtual_need(peak) if lim.virtual else peak
-        mine = _status("VmSize" if lim.virtual else "VmRSS")  # already counted in lim.used
-        more = need - (mine if lim.virtual else min(mine, base))
+        if lim.virtual:
+            need = virtual_need(peak)
+            more = need - _status("VmSize")
+        else:
+            need, more = peak, peak - base
         if more > lim.headroom:
             space = "of address space " if lim.virtual else ""
             raise DeltashipEnvironmentError(
-                f"{what} needs about {gib(need)} GiB {space}at its peak; this process may use "
-                f"{gib(lim.headroom + mine)} GiB ({lim.name}: {gib(lim.limit)} GiB, {gib(lim.used)} GiB in use); "
-                "nothing was written",
+                f"{what} needs about {gib(need)} GiB {space}at its peak, {gib(more)} GiB more than this process "
+                f"holds; {lim.name} leaves it {gib(lim.headroom)} GiB ({gib(lim.limit)} GiB, {gib(lim.used)} GiB "
+                "in use); nothing was written",
                 f"{fixes}, or run on a machine (or in a container) with more memory; {IGNORE_ENV}=1 skips this check",
             )
 

@@ -254,6 +254,10 @@ def _profile(a: argparse.Namespace) -> int:
     from deltaship.progress import Progress
 
     say = Progress() if not a.quiet else None  # timestamped like export's steps
+    if a.plots:  # checked before the profile runs (write_plots checks again, under the lock)
+        from deltaship.bundle.destination import check_destination
+
+        check_destination(Path(a.plots), True, (a.bundle,), "--plots", replaces=("plots",))
     doc = profile(
         a.bundle,
         device=a.device,
@@ -283,7 +287,7 @@ def _profile(a: argparse.Namespace) -> int:
     if a.plots:
         from deltaship.profiling.report import write_plots
 
-        write_plots(doc, Path(a.plots))
+        write_plots(doc, Path(a.plots), (a.bundle,))
     if a.json != "-":
         print(format_results(doc))
     died = any(r.get("status") == "died" for r in doc["results"])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.bundle import read_manifest, require_intact
+from deltaship.bundle.destination import Destination
 from deltaship.bundle.format import TARGET_TITLES, a_bundle
 from deltaship.bundle.writer import write_dir
 from deltaship.errors import DeltashipError
@@ -58,8 +59,13 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
     bundle, out = Path(bundle), Path(out)
     if platform not in _KITS:
         raise DeltashipError(f"unknown platform {platform!r}", f"use one of {', '.join(PLATFORMS)}")
-    module_name, targets, fix = _KITS[platform]
     manifest = read_manifest(bundle)  # refuses other schema versions, naming the export that rebuilds them
+    with Destination(out, force, inputs=(bundle,)) as dest:  # checked and locked before the bundle is hashed
+        return _write_kit(bundle, manifest, dest, platform)
+
+
+def _write_kit(bundle: Path, manifest: dict[str, Any], dest: Destination, platform: str) -> dict[str, Any]:
+    module_name, targets, fix = _KITS[platform]
     require_intact(bundle, manifest)
     target = manifest.get("target")
     if target not in targets:
@@ -96,7 +102,7 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
             (tmp / KIT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         return record
 
-    return write_dir(out, force, build)
+    return write_dir(dest, dest.force, build)
 
 
 def _check_runtime_version(bundle: Path, manifest: dict[str, Any], platform: str) -> None:

@@ -1,57 +1,29 @@
-"""Writing a bundle: everything goes to a temporary directory, renamed into place only when complete."""
+"""Writing a bundle: everything goes to a staging directory, renamed into place only when complete
+(deltaship/bundle/destination.py: which --out may be written, the lock, crash recovery)."""
 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import shutil
-import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
+from deltaship.bundle.destination import (
+    DEFAULT_REPLACES,  # noqa: F401 (check_destination: the writers' public check)
+    Destination,
+    environment_errors,
+    new_staging,
+    publish,
+    tree_bytes,
+)
 from deltaship.bundle.format import MANIFEST, SCHEMA, SCHEMA_VERSION
-from deltaship.errors import DeltashipError
+from deltaship.errors import DeltashipEnvironmentError
 from deltaship.files import sha256_file
 
 T = TypeVar("T")
-
-
-def check_destination(out: Path, force: bool) -> None:
-    """Refuse to overwrite unless asked; never write through a file."""
-    if out.exists() and not out.is_dir():
-        raise DeltashipError(f"--out {out} exists and is a file", "choose another --out directory")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise DeltashipError(
-            f"--out {out} already exists and is not empty; nothing was written",
-            "pass --force to replace it, or choose another --out directory",
-        )
-
-
-def staging_dir(out: Path) -> Path:
-    """A private temporary directory beside `out`, named after this process (see sweep_stale_partials)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
-
-
-def sweep_stale_partials(out: Path) -> list[Path]:
-    """Remove staging directories of earlier exports to `out` whose process is gone (killed with SIGKILL,
-    or a machine that went down); a staging directory of a live process is left alone."""
-    removed = []
-    for p in out.parent.glob(f".{out.name}.partial-*-*"):
-        pid = p.name.removeprefix(f".{out.name}.partial-").split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-        except PermissionError:  # alive, someone else's
-            pass
-    return removed
 
 
 def write_manifest(tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -68,40 +40,50 @@ def write_manifest(tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished staging directory to `out` (an old `out` is moved aside first, then removed)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; the result gets normal permissions
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def write_dir(out: Path, force: bool, build: Callable[[Path], T]) -> T:
+def write_dir(
+    out: Path | Destination,
+    force: bool,
+    build: Callable[[Path], T],
+    inputs: Iterable[str | Path] = (),
+    option: str = "--out",
+    replaces: tuple[str, ...] = DEFAULT_REPLACES,
+) -> T:
     """Run `build(tmp_dir)` in a staging directory beside `out` and publish it at `out` only when it returned;
-    on any failure (an exception, Ctrl-C, SIGTERM through the CLI) nothing is left. Bundles and app kits."""
-    out = Path(out)
-    check_destination(out, force)
-    if out.parent.is_dir():
-        sweep_stale_partials(out)
-    tmp = staging_dir(out)
+    on any failure (an exception, Ctrl-C, SIGTERM through the CLI) the staging directory is removed and an old
+    `out` is left as it was. Bundles, app kits, profile plots.
+
+    `out` is a path (claimed here: checked against `force`, `inputs` and `replaces`, locked, recovered) or a
+    Destination the caller claimed before its work started. An OSError of the machine (disk full, a name too
+    long, permissions) and a MemoryError become one DeltashipEnvironmentError (exit 3)."""
+    dest = out if isinstance(out, Destination) else Destination(Path(out), force, inputs, option, replaces)
     try:
-        result = build(tmp)
-        move_into_place(tmp, out)
-        return result
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with environment_errors(dest.out, dest.option):
+            tmp = new_staging(dest.out)
+        try:
+            with environment_errors(dest.out, dest.option, written=lambda: tree_bytes(tmp)):
+                result = build(tmp)
+                publish(tmp, dest.out)
+            return result
+        except MemoryError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DeltashipEnvironmentError(
+                f"out of memory while writing {dest.option} {dest.out}; nothing was written",
+                "close other programs or use a machine with more memory (for an export: --no-verify or a smaller "
+                "--prefill-chunk need less)",
+            ) from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        if dest is not out:
+            dest.release()
 
 
-def write_bundle(out: Path, force: bool, build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+def write_bundle(
+    out: Path | Destination, force: bool, build: Callable[[Path], dict[str, Any]], inputs: Iterable[str | Path] = ()
+) -> dict[str, Any]:
     """Run `build(tmp_dir) -> manifest`, hash the files into it and publish the bundle at `out`."""
-    return write_dir(out, force, lambda tmp: write_manifest(tmp, build(tmp)))
+    return write_dir(out, force, lambda tmp: write_manifest(tmp, build(tmp)), inputs)
 
 
 def tool_versions(*packages: str) -> dict[str, str]:

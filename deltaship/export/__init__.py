@@ -10,7 +10,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable
 
-from deltaship.errors import DeltashipError
+from deltaship.errors import DeltashipEnvironmentError, DeltashipError
 from deltaship.options import threads as check_threads
 from deltaship.progress import Progress
 from deltaship.targets import PRECISIONS, Target, TargetOptions, all_targets, flag, get_target
@@ -167,9 +167,12 @@ def export(
     that system message in the bundle (prompt_cache.safetensors, the manifest's `chat` block; docs/chat.md), so a
     chat with it starts without feeding it.
     Returns the manifest. Nothing is left at `out` unless the export (and, for fp32, its
-    verification) succeeded; an existing `out` is replaced only with force=True.
+    verification) succeeded; an existing `out` is replaced only with force=True, and only when deltaship wrote
+    it (deltaship/bundle/destination.py). An export whose planned peak memory does not fit this process's
+    limits (cgroup, RLIMIT_AS, MemAvailable) is refused before the work; DELTASHIP_IGNORE_MEMORY_CHECK=1 skips that.
     """
-    from deltaship.bundle.writer import check_destination, new_manifest, tool_versions, write_bundle, write_manifest
+    from deltaship.bundle.destination import Destination
+    from deltaship.bundle.writer import new_manifest, tool_versions, write_bundle, write_manifest
     from deltaship.export.passes import ExportContext, run_pipeline
     from deltaship.logs import quiet_third_party
     from deltaship.models.presets import PRESETS
@@ -177,216 +180,250 @@ def export(
 
     check_threads(threads)  # used at verification, minutes in: refused before any work, as the CLI's --threads
     quiet_third_party()
-    say = progress if callable(progress) else Progress(bool(progress))
-    source = None
-    if device is not None:  # the plan for the tier picks what the user did not fix
-        from deltaship.devices.plan import choose_for_tier, default_kv_dtype
+    dest = None  # the claimed --out: checked, locked and recovered before the first load
+    try:
+        say = progress if callable(progress) else Progress(bool(progress))
+        source = None
+        if device is not None:  # the plan for the tier picks what the user did not fix
+            from deltaship.devices.plan import choose_for_tier, default_kv_dtype
 
-        check_destination(Path(out), force)
-        say(f"loading {model}")
-        source = load_source(model, allow_download=allow_download)
-        pick = choose_for_tier(source.spec, device, tiers_file, target, precision, max_context, kv_cache)
-        target, precision, max_context = pick.target, pick.precision, pick.context
-        if pick.kv_dtype != default_kv_dtype(target, precision):
-            kv_cache = pick.kv_dtype  # only a quantized cache made it fit
-        say(
-            f"device {device}: {target} {precision} with an {pick.kv_dtype} KV cache at context {max_context} "
-            f"({pick.total_bytes / 2**30:.2f} of {pick.budget_bytes / 2**30:.2f} GiB, deltaship plan)"
-        )
-    elif max_context == "max":
-        raise DeltashipError(
-            "--max-context max needs --device: the longest context that fits is the tier's",
-            "add --device TIER, or pass a number of tokens (the model's max_position_embeddings at most)",
-        )
-    target, precision = target or "onnx", precision or "fp32"
-    cache = None
-    if prompt_cache is not None:
-        from deltaship.chat.store import prompt_cache_settings
+            dest = Destination(Path(out), force, inputs=(model,))
+            say(f"loading {model}")
+            source = load_source(model, allow_download=allow_download)
+            pick = choose_for_tier(source.spec, device, tiers_file, target, precision, max_context, kv_cache)
+            target, precision, max_context = pick.target, pick.precision, pick.context
+            if pick.kv_dtype != default_kv_dtype(target, precision):
+                kv_cache = pick.kv_dtype  # only a quantized cache made it fit
+            say(
+                f"device {device}: {target} {precision} with an {pick.kv_dtype} KV cache at context {max_context} "
+                f"({pick.total_bytes / 2**30:.2f} of {pick.budget_bytes / 2**30:.2f} GiB, deltaship plan)"
+            )
+        elif max_context == "max":
+            raise DeltashipError(
+                "--max-context max needs --device: the longest context that fits is the tier's",
+                "add --device TIER, or pass a number of tokens (the model's max_position_embeddings at most)",
+            )
+        target, precision = target or "onnx", precision or "fp32"
+        cache = None
+        if prompt_cache is not None:
+            from deltaship.chat.store import prompt_cache_settings
 
-        cache = prompt_cache_settings(Path(prompt_cache))
-    options = check_options(
-        target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options, kv_cache
-    )
-    tgt = get_target(target)
-    tgt.require_tools()
-    out = Path(out)
-    check_destination(out, force)
-    if source is None:
-        say(f"loading {model}")
-        source = load_source(model, allow_download=allow_download)
-    spec = source.spec
-    if vision and get_target(target).vision_module is None:
-        raise DeltashipError(
-            f"--vision: --target {target} has no vision lowering",
-            "use --target " + " or ".join(t.name for t in all_targets() if t.vision_module) + ", or drop --vision",
+            cache = prompt_cache_settings(Path(prompt_cache))
+        options = check_options(
+            target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options, kv_cache
         )
-    if cache is not None and not any(f.name == "tokenizer.json" for f in source.tokenizer_files):
-        raise DeltashipError(
-            f"--prompt-cache: {model} has no tokenizer, so no chat template to render the system message with",
-            "export a checkpoint directory that has tokenizer.json and a chat template, or drop --prompt-cache",
-        )
-    for note in source.notes():
-        say(note)
-    if spec.is_multimodal and not vision:
-        say("the checkpoint has a vision tower: exporting the text decoder only (add --vision for image input)")
-    if max_context is None:
-        max_context = (
-            PRESETS[model].default_max_context if model in PRESETS else min(4096, spec.max_position_embeddings)
-        )
-    spec.check_context(max_context)  # names max_position_embeddings and, without scaling, YaRN
-    if target_options.get("mtp") and not getattr(source.weights, "has_mtp", False):
-        raise DeltashipError(
-            f"--mtp: {model} has no multi-token-prediction head (config.json mtp_num_hidden_layers is "
-            f"{spec.mtp_num_hidden_layers}"
-            + (", and the weights hold no mtp.* tensors)" if spec.mtp_num_hidden_layers else ")"),
-            "drop --mtp, or export a checkpoint that ships its MTP head (Qwen3.5 checkpoints do; qwen3.5-tiny and "
-            "the published-shape presets carry one)",
-        )
-    tokens = special_tokens(source, source.tokenizer_files)
-    draft_ids, draft_record = _draft_vocab(source, options, tokens, say)
-    chunk = min(prefill_chunk or tgt.default_prefill_chunk, max_context)
-    tgt.check(precision, max_context, chunk, options)
-    ctx = ExportContext(
-        spec=spec,
-        precision=precision,
-        max_context=max_context,
-        target=target,
-        options=pass_options(
-            tgt, options, prefill_chunk=chunk, block_size=block_size, deltanet_int8=deltanet_int8, verify=verify
-        ),
-    )
-    if vision:  # the checkpoint's vision side is checked before any work
-        from deltaship.models.vision import check_vision
-
-        check_vision(source, ctx)
-    ctx.kv_cache = kv_cache
-    ctx.draft_ids = draft_ids
-    run_pipeline(ctx, tgt.pipeline(), progress=say)
-    kv_record = None
-    if kv_cache in ("int8", "int4"):  # _check_kv_cache let only a target that stores them through
-        from deltaship.export.kv_quant import prepare
-
-        kv_record = prepare(ctx, source, kv_cache, progress=say)
-
-    def build(tmp: Path) -> dict[str, Any]:
-        say(f"lowering to {target}")
-        detail = lambda m: say(f"lowering to {target}: {m}", inline=True)  # noqa: E731
-        lowered = tgt.lower(ctx, source.weights, tmp, progress=detail, tokens=tokens)
-        if kv_record is not None:
-            lowered.details["kv_quantization"] = kv_record
-        say.done() if isinstance(say, Progress) else None
-        vision_block = None
-        if vision:
-            import importlib
-
-            say("lowering the vision tower")
-            vision_block = importlib.import_module(tgt.vision_module).lower_vision(tmp, source, ctx)
-        tok_files = []
-        for f in source.tokenizer_files:
-            shutil.copy(f, tmp / f.name)
-            tok_files.append(f.name)
-        tgt.finish_bundle(tmp)  # after the copy: the target may adjust the copied files
-        manifest = new_manifest(
-            source={
-                "model": source.name,
-                "kind": source.kind,
-                "architecture": spec.architecture,
-                "sha256": source.fingerprint(),
-                "notes": source.notes(),
-            },
-            model_card=source.model_card(),
-            model=spec.to_dict() | {"num_layers": spec.num_layers, "parameters": spec.parameter_count()},
-            target=target,
+        tgt = get_target(target)
+        tgt.require_tools()
+        out = Path(out)
+        dest = dest or Destination(out, force, inputs=(model,))  # before any loading
+        if source is None:
+            say(f"loading {model}")
+            source = load_source(model, allow_download=allow_download)
+        spec = source.spec
+        if vision and get_target(target).vision_module is None:
+            raise DeltashipError(
+                f"--vision: --target {target} has no vision lowering",
+                "use --target " + " or ".join(t.name for t in all_targets() if t.vision_module) + ", or drop --vision",
+            )
+        if cache is not None and not any(f.name == "tokenizer.json" for f in source.tokenizer_files):
+            raise DeltashipError(
+                f"--prompt-cache: {model} has no tokenizer, so no chat template to render the system message with",
+                "export a checkpoint directory that has tokenizer.json and a chat template, or drop --prompt-cache",
+            )
+        for note in source.notes():
+            say(note)
+        if spec.is_multimodal and not vision:
+            say("the checkpoint has a vision tower: exporting the text decoder only (add --vision for image input)")
+        if max_context is None:
+            max_context = (
+                PRESETS[model].default_max_context if model in PRESETS else min(4096, spec.max_position_embeddings)
+            )
+        spec.check_context(max_context)  # names max_position_embeddings and, without scaling, YaRN
+        if target_options.get("mtp") and not getattr(source.weights, "has_mtp", False):
+            raise DeltashipError(
+                f"--mtp: {model} has no multi-token-prediction head (config.json mtp_num_hidden_layers is "
+                f"{spec.mtp_num_hidden_layers}"
+                + (", and the weights hold no mtp.* tensors)" if spec.mtp_num_hidden_layers else ")"),
+                "drop --mtp, or export a checkpoint that ships its MTP head (Qwen3.5 checkpoints do; qwen3.5-tiny and "
+                "the published-shape presets carry one)",
+            )
+        tokens = special_tokens(source, source.tokenizer_files)
+        draft_ids, draft_record = _draft_vocab(source, options, tokens, say)
+        chunk = min(prefill_chunk or tgt.default_prefill_chunk, max_context)
+        tgt.check(precision, max_context, chunk, options)
+        _check_memory(spec, model, target, precision, verify)
+        ctx = ExportContext(
+            spec=spec,
             precision=precision,
-            quantization=lowered.quantization or _quant_summary(ctx),
             max_context=max_context,
-            prefill_chunk=chunk,
-            entry=lowered.entry,
-            inputs=tgt.io_inputs(ctx),
-            outputs=tgt.io_outputs(ctx),
-            states=[
-                dict(
-                    s,
-                    init="zeros",
-                    reset="zeros",
-                    **({"in_place": lowered.state_in_place[s["name"]]} if s["name"] in lowered.state_in_place else {}),
-                )
-                for s in ctx.states
-            ],
-            usage=list(tgt.usage),
-            tokens=tokens,
-            tokenizer={"files": tok_files},
-            passes=ctx.report,
-            lowering=lowered.details,
-            tools=tool_versions("torch", "transformers", *tgt.tool_packages),
+            target=target,
+            options=pass_options(
+                tgt, options, prefill_chunk=chunk, block_size=block_size, deltanet_int8=deltanet_int8, verify=verify
+            ),
         )
-        if "speculative" in lowered.details:  # --mtp: the draft head and the verify contract
-            manifest["speculative"] = lowered.details.pop("speculative")
-            manifest["lowering"] = lowered.details
-            if draft_record is not None:  # --mtp-draft-vocab N: the ids the draft's logits cover, in the bundle
-                from deltaship.export import draft_vocab
+        if vision:  # the checkpoint's vision side is checked before any work
+            from deltaship.models.vision import check_vision
 
-                draft_vocab.write(tmp, draft_ids)
-                manifest["speculative"]["draft"]["vocab"] = draft_record
-                manifest["speculative"]["files"].append(draft_record["file"])
-        if vision_block is not None:
-            manifest["vision"] = vision_block
-            manifest["usage"] += [
-                "Images (the `vision` block, docs/bundle-format.md 'Images'): encode each image with "
-                f"{vision_block['graphs']['vision']}, splice its features into the token embeddings with "
-                f"{vision_block['graphs']['embedding']}, and run {vision_block['graphs']['decoder']} on them with "
-                "3-row M-RoPE positions; prompts without images keep using the entry graph.",
-            ]
-        if source.sample_prompt() is not None:  # an app's default prompt (the web kit's page)
-            manifest["sample_prompt"] = source.sample_prompt()
-        manifest["memory"] = _memory(spec, ctx.states, tgt)
-        manifest["app_runtimes"] = {**tgt.app_runtimes, **(lowered.app_runtimes or {})}
-        if verify:
-            from deltaship.export.verify import verify_bundle
+            check_vision(source, ctx)
+        ctx.kv_cache = kv_cache
+        ctx.draft_ids = draft_ids
+        run_pipeline(ctx, tgt.pipeline(), progress=say)
+        kv_record = None
+        if kv_cache in ("int8", "int4"):  # _check_kv_cache let only a target that stores them through
+            from deltaship.export.kv_quant import prepare
 
-            # The runtime reads the manifest: write a provisional one in the staging directory.
-            provisional = write_manifest(tmp, dict(manifest))
-            rec = verify_bundle(tmp, provisional, source, ctx, threads=threads, progress=say)
-            manifest["verification"] = rec
-            _report_verification(say, rec)
-            if rec["status"] == "failed" and rec["tolerance"]["fails_export"]:
-                from deltaship.export.verify import verification_error
+            kv_record = prepare(ctx, source, kv_cache, progress=say)
 
-                raise verification_error(rec, target, precision)
-            if vision_block is not None and rec["status"] != "skipped":
-                from deltaship.export.verify_vision import verify_vision
+        def build(tmp: Path) -> dict[str, Any]:
+            say(f"lowering to {target}")
+            detail = lambda m: say(f"lowering to {target}: {m}", inline=True)  # noqa: E731
+            lowered = tgt.lower(ctx, source.weights, tmp, progress=detail, tokens=tokens)
+            if kv_record is not None:
+                lowered.details["kv_quantization"] = kv_record
+            say.done() if isinstance(say, Progress) else None
+            vision_block = None
+            if vision:
+                import importlib
 
-                say("verifying image + text prompts against transformers")
-                vrec = verify_vision(tmp, provisional, source, ctx=ctx)
-                manifest["vision"]["verification"] = vrec
-                say(
-                    f"vision verification {vrec['status']}: max |logit diff| {vrec['max_rel_logit_diff']:.3g} of the "
-                    f"logit std, greedy agreement {vrec['greedy_agreement']:.3f} over {len(vrec['images'])} images"
-                )
-            if rec["status"] != "skipped":
-                from deltaship.bundle.evaluate import evaluate
+                say("lowering the vision tower")
+                vision_block = importlib.import_module(tgt.vision_module).lower_vision(tmp, source, ctx)
+            tok_files = []
+            for f in source.tokenizer_files:
+                shutil.copy(f, tmp / f.name)
+                tok_files.append(f.name)
+            tgt.finish_bundle(tmp)  # after the copy: the target may adjust the copied files
+            manifest = new_manifest(
+                source={
+                    "model": source.name,
+                    "kind": source.kind,
+                    "architecture": spec.architecture,
+                    "sha256": source.fingerprint(),
+                    "notes": source.notes(),
+                },
+                model_card=source.model_card(),
+                model=spec.to_dict() | {"num_layers": spec.num_layers, "parameters": spec.parameter_count()},
+                target=target,
+                precision=precision,
+                quantization=lowered.quantization or _quant_summary(ctx),
+                max_context=max_context,
+                prefill_chunk=chunk,
+                entry=lowered.entry,
+                inputs=tgt.io_inputs(ctx),
+                outputs=tgt.io_outputs(ctx),
+                states=[
+                    dict(
+                        s,
+                        init="zeros",
+                        reset="zeros",
+                        **(
+                            {"in_place": lowered.state_in_place[s["name"]]}
+                            if s["name"] in lowered.state_in_place
+                            else {}
+                        ),
+                    )
+                    for s in ctx.states
+                ],
+                usage=list(tgt.usage),
+                tokens=tokens,
+                tokenizer={"files": tok_files},
+                passes=ctx.report,
+                lowering=lowered.details,
+                tools=tool_versions("torch", "transformers", *tgt.tool_packages),
+            )
+            if "speculative" in lowered.details:  # --mtp: the draft head and the verify contract
+                manifest["speculative"] = lowered.details.pop("speculative")
+                manifest["lowering"] = lowered.details
+                if draft_record is not None:  # --mtp-draft-vocab N: the ids the draft's logits cover, in the bundle
+                    from deltaship.export import draft_vocab
 
-                manifest["fidelity"] = evaluate(
-                    tmp, tokens=min(EVAL_TOKENS, max_context), threads=threads, progress=say, source=source
-                )
-                f = manifest["fidelity"]
-                say(
-                    f"fidelity on {f['tokens']} tokens: perplexity {f['perplexity']:.3f} (reference "
-                    f"{f['reference_perplexity']:.3f}), KL {f['kl_divergence']:.3g}, top-1 {f['top1_agreement']:.3f}"
-                )
-        else:
-            manifest["verification"] = {"status": "skipped", "reason": "--no-verify"}
-        if cache is not None:  # after verification: the bundle is what it will be, but for the cache
-            from deltaship.chat.store import write_prompt_cache
+                    draft_vocab.write(tmp, draft_ids)
+                    manifest["speculative"]["draft"]["vocab"] = draft_record
+                    manifest["speculative"]["files"].append(draft_record["file"])
+            if vision_block is not None:
+                manifest["vision"] = vision_block
+                manifest["usage"] += [
+                    "Images (the `vision` block, docs/bundle-format.md 'Images'): encode each image with "
+                    f"{vision_block['graphs']['vision']}, splice its features into the token embeddings with "
+                    f"{vision_block['graphs']['embedding']}, and run {vision_block['graphs']['decoder']} on them with "
+                    "3-row M-RoPE positions; prompts without images keep using the entry graph.",
+                ]
+            if source.sample_prompt() is not None:  # an app's default prompt (the web kit's page)
+                manifest["sample_prompt"] = source.sample_prompt()
+            manifest["memory"] = _memory(spec, ctx.states, tgt)
+            manifest["app_runtimes"] = {**tgt.app_runtimes, **(lowered.app_runtimes or {})}
+            if verify:
+                from deltaship.export.verify import verify_bundle
 
-            say("feeding the system message for the prompt cache")
-            provisional = write_manifest(tmp, dict(manifest))
-            manifest["chat"] = {"prompt_cache": write_prompt_cache(tmp, provisional, *cache, threads=threads)}
+                # The runtime reads the manifest: write a provisional one in the staging directory.
+                provisional = write_manifest(tmp, dict(manifest))
+                rec = verify_bundle(tmp, provisional, source, ctx, threads=threads, progress=say)
+                manifest["verification"] = rec
+                _report_verification(say, rec)
+                if rec["status"] == "failed" and rec["tolerance"]["fails_export"]:
+                    from deltaship.export.verify import verification_error
+
+                    raise verification_error(rec, target, precision)
+                if vision_block is not None and rec["status"] != "skipped":
+                    from deltaship.export.verify_vision import verify_vision
+
+                    say("verifying image + text prompts against transformers")
+                    vrec = verify_vision(tmp, provisional, source, ctx=ctx)
+                    manifest["vision"]["verification"] = vrec
+                    say(
+                        f"vision verification {vrec['status']}: max |logit diff| "
+                        f"{vrec['max_rel_logit_diff']:.3g} of the logit std, greedy agreement "
+                        f"{vrec['greedy_agreement']:.3f} over {len(vrec['images'])} images"
+                    )
+                if rec["status"] != "skipped":
+                    from deltaship.bundle.evaluate import evaluate
+
+                    manifest["fidelity"] = evaluate(
+                        tmp, tokens=min(EVAL_TOKENS, max_context), threads=threads, progress=say, source=source
+                    )
+                    f = manifest["fidelity"]
+                    say(
+                        f"fidelity on {f['tokens']} tokens: perplexity {f['perplexity']:.3f} (reference "
+                        f"{f['reference_perplexity']:.3f}), KL {f['kl_divergence']:.3g}, "
+                        f"top-1 {f['top1_agreement']:.3f}"
+                    )
+            else:
+                manifest["verification"] = {"status": "skipped", "reason": "--no-verify"}
+            if cache is not None:  # after verification: the bundle is what it will be, but for the cache
+                from deltaship.chat.store import write_prompt_cache
+
+                say("feeding the system message for the prompt cache")
+                provisional = write_manifest(tmp, dict(manifest))
+                manifest["chat"] = {"prompt_cache": write_prompt_cache(tmp, provisional, *cache, threads=threads)}
+            return manifest
+
+        manifest = write_bundle(dest, force, build)
+        say(f"wrote {out} ({manifest['bundle_bytes'] / 2**20:.1f} MiB)")
         return manifest
+    except MemoryError as e:  # a MemoryError inside write_bundle has been turned into this already
+        raise DeltashipEnvironmentError(
+            f"out of memory while exporting {model}; nothing was written",
+            "pass --no-verify or a smaller --prefill-chunk, close other programs, or use a machine with more memory",
+        ) from e
+    finally:
+        if dest is not None:
+            dest.release()
 
-    manifest = write_bundle(out, force, build)
-    say(f"wrote {out} ({manifest['bundle_bytes'] / 2**20:.1f} MiB)")
-    return manifest
+
+def _check_memory(spec, model: str, target: str, precision: str, verify: bool) -> None:
+    """Refuse, before the work, an export whose planned peak does not fit what this process may use (a cgroup's
+    limit is an OOM kill without a message, RLIMIT_AS a crash in native code)."""
+    from deltaship.devices.limits import check_memory, mem_available
+    from deltaship.devices.plan import EXPORT_BASE_BYTES, export_peak_bytes
+
+    peak = export_peak_bytes(spec, target, precision, verify, budget=mem_available())
+    check_memory(
+        peak,
+        f"exporting {model} to {target} {precision}" + (" with verification" if verify else ""),
+        "pass --no-verify (the fp32 reference and the bundle's session are the largest part)"
+        if verify
+        else "export a smaller model or precision",
+        base=EXPORT_BASE_BYTES,
+    )
 
 
 def _draft_vocab(source, options: TargetOptions, tokens: dict[str, Any], say) -> tuple[Any, dict[str, Any] | None]:

@@ -17,7 +17,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -196,6 +195,7 @@ def profile(
     head's measured one). image_sizes: for a bundle exported with --vision (host), the image sizes to profile
     encode latency, memory and image+question TTFT at (profiling/vision.py; default 224, 448, 896 and a document
     page; 'none': skip)."""
+    from deltaship.bundle.destination import check_output_file
     from deltaship.bundle.reader import read_manifest, require_intact
     from deltaship.devices.catalog import get_tier
     from deltaship.devices.discovery import fingerprint
@@ -208,6 +208,9 @@ def profile(
         raise DeltashipError(f"--provider {provider} is for --device host", "drop --provider, or profile on the host")
     say = progress or (lambda m: None)
     path = Path(bundle)
+    for option, out in (("--json", json_out), ("--report", report)):
+        if out is not None and str(out) != "-":
+            check_output_file(Path(out), (path,), option)  # before any work; a file inside the bundle breaks it
     manifest = read_manifest(path)
     require_intact(path, manifest, hashes=True)
     cfg = {
@@ -375,12 +378,9 @@ def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | P
 
 
 def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    from deltaship.bundle.destination import replace_file
+
+    replace_file(path, text, "--json")  # whole or not at all
 
 
 def load_records(path: str | Path) -> dict[str, Any]:

@@ -281,13 +281,22 @@ def _image_plot(res: list[dict[str, Any]]) -> bytes | None:
     return _png(fig)
 
 
-def write_plots(doc: dict[str, Any], directory: Path) -> list[Path]:
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, data in plots(doc).items():
-        (directory / name).write_bytes(data)
-        paths.append(directory / name)
-    return paths
+def write_plots(doc: dict[str, Any], directory: Path, inputs: tuple[str | Path, ...] = ()) -> list[Path]:
+    """The PNG plots in `directory` (replaced whole, through the bundle writer; plots.json marks it as
+    deltaship's, so a later --plots may replace it and nothing else)."""
+    from deltaship.bundle.destination import PLOTS_MARKER
+    from deltaship.bundle.writer import write_dir
+
+    def build(tmp: Path) -> list[Path]:
+        names = []
+        for name, data in plots(doc).items():
+            (tmp / name).write_bytes(data)
+            names.append(name)
+        marker, key, value = PLOTS_MARKER
+        (tmp / marker).write_text(json.dumps({key: value, "files": names}, indent=1) + "\n")
+        return [directory / n for n in names]
+
+    return write_dir(directory, True, build, inputs, option="--plots", replaces=("plots",))
 
 
 def summary(doc: dict[str, Any]) -> list[tuple[str, str]]:
@@ -387,5 +396,7 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
         + "</body></html>"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page)
+    from deltaship.bundle.destination import replace_file
+
+    replace_file(path, page, "--report")  # whole or not at all
     return path

@@ -59,3 +59,28 @@ def test_profiling_doc_lists_every_tier_of_the_catalog():
     m = re.search(r"\(`deltaship/devices/tiers\.toml`: ([^()]*?), with budgets", text)
     assert m, "docs/profiling.md no longer lists the tiers after `deltaship/devices/tiers.toml`:"
     assert m.group(1).split(", ") == catalog, "docs/profiling.md's tier list differs from deltaship/devices/tiers.toml"
+
+
+def reliability_references(text: str) -> list[tuple[str, str]]:
+    """(test file, test name) for every test docs/reliability.md names: `tests/f.py::name`, and `::name` for
+    another test of the file named last before it."""
+    refs, current = [], None
+    for file, name in re.findall(r"`(tests/[\w/]+\.py)?::(\w+)`", text):
+        current = file or current
+        assert current is not None, f"::{name} names no file before it"
+        refs.append((current, name))
+    return refs
+
+
+def test_reliability_names_only_tests_that_exist():
+    """Each promise of docs/reliability.md names the test that keeps it: the test must exist, so a renamed or
+    dropped test cannot leave a promise that nothing checks."""
+    refs = reliability_references((DOCS / "reliability.md").read_text())
+    assert len(refs) >= 40, refs
+    missing = [
+        f"{file}::{name}"
+        for file, name in refs
+        if not re.search(rf"^\s*(async )?def {name}\(", (ROOT / file).read_text(), re.M)
+    ]
+    assert not missing, f"docs/reliability.md names tests that do not exist: {missing}"
+    assert reliability_references("`tests/a.py::x`, `::y`") == [("tests/a.py", "x"), ("tests/a.py", "y")]

@@ -251,6 +251,46 @@ def test_a_broken_executorch_program_is_one_error(tiny_pte, tmp_path):
         open_bundle(b)
 
 
+def set_state(mode: str, key: str, value):
+    """An edit of the first state of this Core ML mode (`io` tensors or Core ML `state`s)."""
+    return lambda m: next(s for s in m["states"] if s["mode"] == mode).__setitem__(key, value)
+
+
+# Core ML: each package's model spec (its ModelDescription, read without coremltools) against the manifest, by
+# name, for the functions the session calls (deltaship/runtimes/coreml_contract.py)
+COREML_EDITS = [  # (change, the error it gives)
+    (set_state("state", "dtype", "float32"), r"dtype float32 in the manifest, float16 in model.mlpackage"),
+    (set_state("io", "coreml_input", "past_x"), r"model.mlpackage function 'prefill' has no 'past_x'"),
+    (set_state("io", "coreml_output", "y"), r"states \(output\) '.*': model.mlpackage .* has no 'y'"),
+    (lambda m: m["states"].pop(), r"model.mlpackage function 'prefill' (holds|takes) .*, which the manifest"),
+    (lambda m: m["inputs"][0].__setitem__("dtype", "int64"), r"inputs 'input_ids': dtype int64 in the manifest"),
+    (lambda m: m["outputs"][0].__setitem__("shape", [1, 999]), r"outputs 'logits': shape \[1, 999\] in the"),
+    (lambda m: m.__setitem__("prefill_chunk", 16), r"inputs 'input_ids': shape \[1, 'T'\] in the manifest, \[1, 8\]"),
+]
+
+
+@pytest.mark.slow  # a Core ML export (shared with test_coreml's package contract)
+def test_an_edited_coreml_state_is_refused_naming_the_state(bundles, tmp_path):
+    """A state shape or dtype, a state's Core ML name, an input or output edited in a Core ML bundle's manifest is
+    one DeltashipError naming the field before the evaluator (or Core ML) loads the package, and inspect calls the
+    bundle not intact."""
+    built = bundles("grouped_values", "coreml", "fp16")  # io DeltaNet states, fp16 Core ML KV-cache states
+    b = copy(built, tmp_path)
+    assert inspect(b)["intact"]  # the exported bundle agrees with its package
+    m = edit(b, lambda m: m["states"][1].__setitem__("shape", [1, 4, 32, 31]))
+    state = m["states"][1]["name"]
+    with pytest.raises(DeltashipError, match=rf"states '{state}': shape \[1, 4, 32, 31\] in the manifest, \[1, "):
+        open_bundle(b)
+    info = inspect(b)
+    assert not info["intact"] and any(state in p for p in info["problems"])
+    for change, match in COREML_EDITS:
+        b = copy(built, tmp_path, f"b{len(list(tmp_path.iterdir()))}")
+        edit(b, change)
+        with pytest.raises(DeltashipError, match=match):
+            open_bundle(b)
+        assert not inspect(b)["intact"]
+
+
 def test_a_broken_tokenizer_is_one_error(tiny, tmp_path):
     """Reported: a tokenizer.json that does not parse gave a traceback (its hash updated, so the check passes)."""
     b = copy(tiny, tmp_path)

@@ -289,6 +289,21 @@ def test_an_edited_coreml_state_is_refused_naming_the_state(bundles, tmp_path):
         with pytest.raises(DeltashipError, match=match):
             open_bundle(b)
         assert not inspect(b)["intact"]
+    # the package's own index and spec are untrusted too: a root model path out of the bundle, a spec that does
+    # not parse (their hashes updated) are one error each
+    b = copy(built, tmp_path, "index")
+    index = b / "model.mlpackage" / "Manifest.json"
+    info = json.loads(index.read_text())
+    info["itemInfoEntries"][info["rootModelIdentifier"]]["path"] = "../../../manifest.json"
+    index.write_text(json.dumps(info))
+    rehash(b, "model.mlpackage/Manifest.json")
+    with pytest.raises(DeltashipError, match=r"model.mlpackage/Manifest.json root model = .* refused before opening"):
+        open_bundle(b)
+    b = copy(built, tmp_path, "spec")
+    (b / "model.mlpackage/Data/com.apple.CoreML/model.mlmodel").write_bytes(b"\x12\xff\xff\xff")
+    rehash(b, "model.mlpackage/Data/com.apple.CoreML/model.mlmodel")
+    with pytest.raises(DeltashipError, match="not a readable Core ML model spec"):
+        open_bundle(b)
 
 
 def test_a_broken_tokenizer_is_one_error(tiny, tmp_path):

@@ -28,6 +28,7 @@ _FEATURE_NAME, _FEATURE_TYPE = 1, 3
 _TYPE_ARRAY, _TYPE_STATE, _STATE_ARRAY = 5, 8, 1
 _ARRAY_SHAPE, _ARRAY_DTYPE = 1, 2
 _RUNTIME_FUNCTIONS = ("prefill", "decode")  # what runtimes/coreml.py calls
+HIDDEN = "lowering.hidden_states"
 
 
 def _varint(buf, i: int) -> tuple[int, int]:
@@ -190,11 +191,12 @@ def package_problems(bundle: Path, manifest: dict[str, Any]) -> list[str]:
             have, tokens = functions[fname], tokens_of.get(fname)
             named_in = {part["input"], "position"}
             held = set(draft)
-            first = inputs.get(part["input"], dict(hidden, name=part["input"]))
-            problems += _one(have["inputs"], "inputs", first, part["input"], where, tokens)
+            # a part after the first takes, and one before the last returns, lowering.hidden_states
+            field, first = ("inputs", inputs[part["input"]]) if part["input"] in inputs else (HIDDEN, hidden)
+            problems += _one(have["inputs"], field, dict(first, name=part["input"]), part["input"], where, tokens)
             problems += _one(have["inputs"], "inputs", inputs.get("position", {}), "position", where, tokens)
-            last = outputs.get(part["output"], dict(hidden, name=part["output"]))
-            problems += _one(have["outputs"], "outputs", last, part["output"], where, tokens)
+            field, last = ("outputs", outputs[part["output"]]) if part["output"] in outputs else (HIDDEN, hidden)
+            problems += _one(have["outputs"], field, dict(last, name=part["output"]), part["output"], where, tokens)
             for name in part["states"]:
                 s = states.get(name)
                 if s is None:

@@ -176,7 +176,9 @@ def program_problems(bundle: Path, manifest: dict[str, Any]) -> list[str]:
     problems: list[str] = []
     for method, prefix, block, states in _methods(manifest):
         if method not in methods:
-            problems.append(f"{prefix or 'entry '}method {method!r}: {entry} has no such method")
+            problems.append(
+                f"{prefix + 'program_method' if prefix else 'entry'} {method!r}: {entry} has no such method"
+            )
             continue
         got, where = methods[method], f"{entry} method {method!r}"
         chunk = manifest.get("prefill_chunk") if method == "forward" else None

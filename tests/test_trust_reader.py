@@ -266,6 +266,7 @@ COREML_EDITS = [  # (change, the error it gives)
     (lambda m: m["inputs"][0].__setitem__("dtype", "int64"), r"inputs 'input_ids': dtype int64 in the manifest"),
     (lambda m: m["outputs"][0].__setitem__("shape", [1, 999]), r"outputs 'logits': shape \[1, 999\] in the"),
     (lambda m: m.__setitem__("prefill_chunk", 16), r"inputs 'input_ids': shape \[1, 'T'\] in the manifest, \[1, 8\]"),
+    (lambda m: m["lowering"]["parts"][0]["functions"].__setitem__("verify_9", []), r"model.mlpackage has no verify_9"),
 ]
 
 

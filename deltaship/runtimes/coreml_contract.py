@@ -183,6 +183,10 @@ def package_problems(bundle: Path, manifest: dict[str, Any]) -> list[str]:
             raise DeltashipError(
                 f"{path}: not a readable Core ML model spec ({e})", "export the bundle again"
             ) from None
+        named = part.get("functions") or {}
+        missing = sorted(f for f in named if isinstance(f, str) and f not in functions)
+        if missing:  # the verify and draft functions are only looked up by name (their io is not compared yet)
+            problems.append(f"lowering.parts[].functions: {package} has no {', '.join(missing)}")
         for fname in _RUNTIME_FUNCTIONS:
             where = f"{package} function {fname!r}"
             if fname not in functions:

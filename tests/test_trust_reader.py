@@ -190,6 +190,123 @@ def test_an_edited_state_shape_is_refused_naming_the_state(tiny, tmp_path):
         open_bundle(b)
 
 
+# ExecuTorch: a .pte names no inputs, so the check compares the program's methods in order (counts, dtypes,
+# static dims) and its mutable buffers by name (deltaship/runtimes/executorch_contract.py); tiny_pte marks it slow.
+ET_EDITS = [  # (change, the error it gives)
+    (lambda m: m["states"][0].__setitem__("dtype", "float16"), r"states 'past.0.conv': dtype float16 in the"),
+    (lambda m: m["states"][2].__setitem__("buffer", "past_9_conv"), r"'past_9_conv' is not a mutable buffer"),
+    (lambda m: m["states"].pop(), r"method 'forward' holds past_\d+_value, which the manifest does not name"),
+    (lambda m: m["inputs"][0].__setitem__("dtype", "int32"), r"inputs 'tokens': dtype int32 in the manifest"),
+    (lambda m: m["inputs"].pop(), r"inputs: 1 in the manifest, model.pte method 'forward' has 2"),
+    (lambda m: m["outputs"][0].__setitem__("shape", [1, 999]), r"outputs 'logits': shape \[1, 999\] in the"),
+    (lambda m: m.__setitem__("prefill_chunk", 64), r"prefill_chunk: 64 in the manifest, but .* at most 16 tokens"),
+]
+
+
+def test_an_edited_executorch_state_is_refused_naming_the_state(tiny_pte, tmp_path):
+    """A state shape, dtype or buffer, an input or output edited in an ExecuTorch bundle's manifest is one
+    DeltashipError naming the field before executorch loads the program, and inspect calls the bundle not intact."""
+    b = copy(tiny_pte("fp32"), tmp_path)
+    assert inspect(b)["intact"]  # the exported bundle agrees with its program
+    m = edit(b, lambda m: m["states"][1].__setitem__("shape", [1, 4, 32, 31]))
+    state = m["states"][1]["name"]
+    with pytest.raises(
+        DeltashipError, match=rf"states '{state}': shape \[1, 4, 32, 31\] in the manifest, \[1, 4, 32, 32\]"
+    ):
+        open_bundle(b)
+    info = inspect(b)
+    assert not info["intact"] and any(state in p for p in info["problems"])
+    for change, match in ET_EDITS:
+        b = copy(tiny_pte("fp32"), tmp_path, f"b{len(list(tmp_path.iterdir()))}")
+        edit(b, change)
+        with pytest.raises(DeltashipError, match=match):
+            open_bundle(b)
+        assert not inspect(b)["intact"]
+
+
+def test_a_broken_executorch_program_is_one_error(tiny_pte, tmp_path):
+    """A .pte whose flatbuffer is corrupted (its hash updated) is one DeltashipError or, where the bytes still
+    parse, a list of problems: never an IndexError or a struct.error from the reader."""
+    import random
+
+    from deltaship.targets import get_target
+
+    b = copy(tiny_pte("fp32"), tmp_path)
+    pte = (b / "model.pte").read_bytes()
+    program = int.from_bytes(pte[16:24], "little")  # the extended header's program size: the flatbuffer's bytes
+    rng = random.Random(0)
+    target = get_target("executorch")
+    for _ in range(100):
+        data = bytearray(pte[:program])
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(program)] = rng.randrange(256)
+        (b / "model.pte").write_bytes(bytes(data))
+        try:
+            assert isinstance(target.artifact_problems(b, read_manifest(b)), list)
+        except DeltashipError as e:
+            assert "not a readable ExecuTorch program" in e.message
+    (b / "model.pte").write_bytes(b"ET12 not a program")
+    rehash(b, "model.pte")
+    with pytest.raises(DeltashipError, match="not a readable ExecuTorch program"):
+        open_bundle(b)
+
+
+def set_state(mode: str, key: str, value):
+    """An edit of the first state of this Core ML mode (`io` tensors or Core ML `state`s)."""
+    return lambda m: next(s for s in m["states"] if s["mode"] == mode).__setitem__(key, value)
+
+
+# Core ML: each package's model spec (its ModelDescription, read without coremltools) against the manifest, by
+# name, for the functions the session calls (deltaship/runtimes/coreml_contract.py)
+COREML_EDITS = [  # (change, the error it gives)
+    (set_state("state", "dtype", "float32"), r"dtype float32 in the manifest, float16 in model.mlpackage"),
+    (set_state("io", "coreml_input", "past_x"), r"model.mlpackage function 'prefill' has no 'past_x'"),
+    (set_state("io", "coreml_output", "y"), r"states \(output\) '.*': model.mlpackage .* has no 'y'"),
+    (lambda m: m["states"].pop(), r"model.mlpackage function 'prefill' (holds|takes) .*, which the manifest"),
+    (lambda m: m["inputs"][0].__setitem__("dtype", "int64"), r"inputs 'input_ids': dtype int64 in the manifest"),
+    (lambda m: m["outputs"][0].__setitem__("shape", [1, 999]), r"outputs 'logits': shape \[1, 999\] in the"),
+    (lambda m: m.__setitem__("prefill_chunk", 16), r"inputs 'input_ids': shape \[1, 'T'\] in the manifest, \[1, 8\]"),
+    (lambda m: m["lowering"]["parts"][0]["functions"].__setitem__("verify_9", []), r"model.mlpackage has no verify_9"),
+]
+
+
+@pytest.mark.slow  # a Core ML export (shared with test_coreml's package contract)
+def test_an_edited_coreml_state_is_refused_naming_the_state(bundles, tmp_path):
+    """A state shape or dtype, a state's Core ML name, an input or output edited in a Core ML bundle's manifest is
+    one DeltashipError naming the field before the evaluator (or Core ML) loads the package, and inspect calls the
+    bundle not intact."""
+    built = bundles("grouped_values", "coreml", "fp16")  # io DeltaNet states, fp16 Core ML KV-cache states
+    b = copy(built, tmp_path)
+    assert inspect(b)["intact"]  # the exported bundle agrees with its package
+    m = edit(b, lambda m: m["states"][1].__setitem__("shape", [1, 4, 32, 31]))
+    state = m["states"][1]["name"]
+    with pytest.raises(DeltashipError, match=rf"states '{state}': shape \[1, 4, 32, 31\] in the manifest, \[1, "):
+        open_bundle(b)
+    info = inspect(b)
+    assert not info["intact"] and any(state in p for p in info["problems"])
+    for change, match in COREML_EDITS:
+        b = copy(built, tmp_path, f"b{len(list(tmp_path.iterdir()))}")
+        edit(b, change)
+        with pytest.raises(DeltashipError, match=match):
+            open_bundle(b)
+        assert not inspect(b)["intact"]
+    # the package's own index and spec are untrusted too: a root model path out of the bundle, a spec that does
+    # not parse (their hashes updated) are one error each
+    b = copy(built, tmp_path, "index")
+    index = b / "model.mlpackage" / "Manifest.json"
+    info = json.loads(index.read_text())
+    info["itemInfoEntries"][info["rootModelIdentifier"]]["path"] = "../../../manifest.json"
+    index.write_text(json.dumps(info))
+    rehash(b, "model.mlpackage/Manifest.json")
+    with pytest.raises(DeltashipError, match=r"model.mlpackage/Manifest.json root model = .* refused before opening"):
+        open_bundle(b)
+    b = copy(built, tmp_path, "spec")
+    (b / "model.mlpackage/Data/com.apple.CoreML/model.mlmodel").write_bytes(b"\x12\xff\xff\xff")
+    rehash(b, "model.mlpackage/Data/com.apple.CoreML/model.mlmodel")
+    with pytest.raises(DeltashipError, match="not a readable Core ML model spec"):
+        open_bundle(b)
+
+
 def test_a_broken_tokenizer_is_one_error(tiny, tmp_path):
     """Reported: a tokenizer.json that does not parse gave a traceback (its hash updated, so the check passes)."""
     b = copy(tiny, tmp_path)

@@ -12,8 +12,8 @@ from deltaship.errors import DeltashipError
 
 def inspect(bundle: str | Path, check_hashes: bool = True) -> dict[str, Any]:
     """The manifest plus a fresh check of it against the bundle schema, of every file's size and sha256, and
-    of the artifact's own inputs, outputs and states against the manifest's (where the target's toolchain
-    is installed). A manifest naming a path outside the bundle is refused (DeltashipError), unopened."""
+    of the artifact's own inputs, outputs and states against the manifest's (read without the toolchain). A
+    manifest naming a path outside the bundle is refused (DeltashipError), unopened."""
     manifest = read_manifest(bundle, validate=False)
     problems = schema_problems(manifest)
     schema_ok = not problems

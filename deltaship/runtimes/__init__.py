@@ -29,7 +29,7 @@ def open_bundle(
 ) -> Session:
     """Open a bundle for generation. The manifest is checked against the bundle schema and its paths
     (inside the bundle, listed in `files`), the files against its sizes (and sha256), and the artifact's
-    inputs, outputs and states against the manifest's (ONNX), before the runtime loads anything.
+    inputs, outputs and states against the manifest's (every target), before the runtime loads anything.
 
     provider: "cpu", or "cuda" (ONNX bundles on ONNX Runtime's CUDA execution provider).
     runtime: which runtime runs it (the target's `runtimes`, e.g. "genai" for an ONNX bundle in

@@ -143,6 +143,11 @@ class CoreMLTarget(Target):
             },
         ]
 
+    def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
+        from deltaship.runtimes.coreml_contract import package_problems  # reads the protobuf itself: no coremltools
+
+        return package_problems(bundle, manifest)
+
     def open_session(
         self,
         bundle: Path,

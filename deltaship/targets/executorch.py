@@ -153,6 +153,11 @@ class ExecuTorchTarget(Target):
             },
         ]
 
+    def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
+        from deltaship.runtimes.executorch_contract import program_problems  # reads the flatbuffer itself: no toolchain
+
+        return program_problems(bundle, manifest)
+
     def open_session(
         self,
         bundle: Path,

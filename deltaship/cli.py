@@ -351,7 +351,7 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         "--prefill-chunk",
         type=_count("--prefill-chunk"),
         default=None,
-        help=f"tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}; {chunks})",
+        help=f"tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}; {chunks}; --device: the largest that fits)",
     )
     e.add_argument(
         "--block-size", type=_count("--block-size"), default=32, help="quantization block size (int8/int4; default 32)"
@@ -551,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-chunk",
         type=_count("--prefill-chunk"),
         default=None,
-        help="tokens per prefill call (default: each target's)",
+        help="tokens per prefill call (default: each target's in the table; the pick takes the largest that fits)",
     )
     pl.add_argument("--targets", default=None, help="comma-separated targets (default: each tier's)")
     pl.add_argument(

@@ -675,7 +675,7 @@ def check_kotlin_kit(kit: Path, bundle: Path) -> list[str]:
     model = bundle / spec["files"]["model"]
     if model.is_file() and "tokens" in spec:
         ins, outs = onnx_io(model)
-        kin = [spec["tokens"], spec["position"]] + [spec["past_length"]] * bool(spec.get("past_length"))
+        kin = [spec["tokens"], spec["position"]] + [spec[k] for k in ("past_length", "keep_rows") if spec.get(k)]
         kin += [dict(s, name=s["input"]) for s in spec["states"]]
         kout = [spec["logits"]] + [dict(s, name=s["output"]) for s in spec["states"]]
         for kind, have, feats in (("input", ins, kin), ("output", outs, kout)):
@@ -685,6 +685,10 @@ def check_kotlin_kit(kit: Path, bundle: Path) -> list[str]:
                         f"{kind} {f['name']}: kotlin {(f['shape'], f['dtype'])}, graph {have.get(f['name'])}"
                     )
             missing = set(have) - {f["name"] for f in feats}
+            if kind == "output":  # an --mtp decoder's verify and rollback outputs: the plain driver fetches none
+                spec_block = json.loads((bundle / "manifest.json").read_text()).get("speculative", {})
+                missing -= {o["name"] for o in spec_block.get("verify", {}).get("outputs", [])}
+                missing -= set(spec_block.get("rollback", {}).get("deltanet_outputs", {}).values())
             if missing:
                 problems.append(f"graph {kind}s the kotlin never names: {sorted(missing)}")
         if spec["vocab_size"] != outs.get(spec["logits"]["name"], ([0], ""))[0][-1]:
@@ -951,3 +955,34 @@ def test_kit_safe_path_rule_matches_deltaship_replayed_in_python(tmp_path):
         expected = name_problem(name) is None and name != "out/model.onnx"
         assert _replay(b, name, re.compile(kotlin)) == expected, ("kotlin", name)
         assert _replay(b, name, swift) == expected, ("swift", name)
+
+
+def test_kotlin_kit_feeds_an_mtp_bundles_num_logits_to_keep(tmp_path):
+    """An --mtp ONNX decoder takes num_logits_to_keep (kind logits_to_keep, no default in the graph): the kit
+    names it in KitSpec.kt, the plain driver feeds it [0] (the last row), and the check finds the names in the
+    artifact; replayed on onnxruntime, that feed gives deltaship's greedy tokens."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from deltaship.apps.kotlin import parse_kit_spec
+    from deltaship.runtimes import open_bundle
+
+    bundle = _export(tmp_path, "onnx", "fp32", mtp=True)
+    write_kit(bundle, tmp_path / "kit", "android")
+    assert check_kotlin_kit(tmp_path / "kit", bundle) == []
+    src = _kotlin_sources(tmp_path / "kit")
+    spec = parse_kit_spec(src["KitSpec.kt"])
+    assert spec["keep_rows"] == {"name": "num_logits_to_keep", "shape": [-1], "dtype": "int64"}
+    assert "feeds[keepRows.name] = keep" in src["DeltashipOrtModel.kt"]
+    sess = ort.InferenceSession(str(bundle / "model.onnx"), providers=["CPUExecutionProvider"])
+    prompt = [3, 17, 42, 9, 100, 5, 7]
+    states = json.loads((bundle / "manifest.json").read_text())["states"]
+    feeds = {st["name"]: np.zeros(st["shape"], np.float32) for st in states} | {
+        "input_ids": np.array([prompt], np.int64),
+        "current_sequence_length": np.array([len(prompt)], np.int32),
+        "past_sequence_length": np.array([[len(prompt) - 1]], np.int32),
+        spec["keep_rows"]["name"]: np.zeros(1, np.int64),
+    }
+    logits = sess.run(["logits"], feeds)[0].reshape(-1)
+    want = open_bundle(bundle).generate(prompt, 1, stop_at_eos=False).output_ids
+    assert int(np.argmax(logits)) == want[0]

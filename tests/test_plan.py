@@ -109,8 +109,9 @@ def test_a_device_tier_takes_a_quantized_kv_cache_only_when_the_own_one_does_not
     own = estimate(spec, probe, "onnx", "int4", 65536).total_bytes  # fp32 KV: ONNX int4 keeps fp32 activations
     int8 = estimate(spec, probe, "onnx", "int4", 65536, "int8").total_bytes
     int4 = estimate(spec, probe, "onnx", "int4", 65536, "int4").total_bytes
-    assert int4 < int8 < own
-    tight = _tiers_file(tmp_path, (int8 + own) // 2, 65536)
+    own_128 = estimate(spec, probe, "onnx", "int4", 65536, None, 128).total_bytes  # the smallest measured chunk
+    assert int4 < int8 < own_128 < own
+    tight = _tiers_file(tmp_path, (int8 + own_128) // 2, 65536)
     pick = choose_for_tier(spec, "t", tight)
     assert (pick.target, pick.precision, pick.context, pick.kv_dtype) == ("onnx", "int4", 65536, "int8")
     assert pick.fits and pick.kv_exportable
@@ -147,7 +148,7 @@ def test_device_max_context_is_the_longest_that_fits(tmp_path):
     )
 
 
-def test_export_for_a_device_writes_the_quantized_kv_cache_the_plan_picked(tmp_path):
+def test_export_for_a_device_writes_the_kv_cache_and_chunk_the_plan_picked(tmp_path):
     from deltaship.devices.catalog import get_tier
     from deltaship.devices.plan import estimate
     from deltaship.export import export
@@ -156,11 +157,14 @@ def test_export_for_a_device_writes_the_quantized_kv_cache_the_plan_picked(tmp_p
     spec = PRESETS["qwen3.5-tiny"].spec()
     ctx = spec.max_position_embeddings
     probe = get_tier("phone-4gb")
-    own = estimate(spec, probe, "onnx", "fp32", ctx).total_bytes
-    int8 = estimate(spec, probe, "onnx", "fp32", ctx, "int8").total_bytes
+    # the own cache fits at no chunk of 128 or more, an int8 one at 128 (under 128 the prefill cost is unmeasured)
+    own = estimate(spec, probe, "onnx", "fp32", ctx, None, 128).total_bytes
+    int8 = estimate(spec, probe, "onnx", "fp32", ctx, "int8", 128).total_bytes
+    assert int8 < own and estimate(spec, probe, "onnx", "fp32", ctx, "int8", 256).total_bytes > (own + int8) // 2
     tiers = _tiers_file(tmp_path, (own + int8) // 2, ctx, precisions=("fp32",))
     m = export("qwen3.5-tiny", tmp_path / "b", device="t", tiers_file=tiers, verify=False, progress=False)
     assert (m["target"], m["precision"], m["max_context"], m["memory"]["kv_dtype"]) == ("onnx", "fp32", ctx, "int8")
+    assert m["prefill_chunk"] == 128  # the chunk the plan picked, not the target's 512
 
 
 def test_max_context_max_needs_a_device(tmp_path):
@@ -186,3 +190,84 @@ def test_plan_table_says_gib_once_and_no_g_suffix():
     assert re.search(r"\s\d+\.\d\d\s+\d+\.\d\d", row)
     widths = {len(ln) for ln in lines[1:] if ln.startswith(("tier ", "phone-4gb"))}
     assert len(lines[2]) == len(lines[1]) and max(widths) - min(widths) <= len("  <- recommended") + 1
+
+
+def test_the_plan_reaches_the_asked_context_with_a_smaller_prefill_chunk():
+    # reported: at 262,144 tokens a 512-token chunk's attention scores are 4 GiB, and the plan halved the context
+    from deltaship.devices.catalog import get_tier
+    from deltaship.devices.plan import choose_for_tier, estimate
+    from deltaship.models.presets import PRESETS
+    from deltaship.targets import get_target
+
+    rows = plan("qwen3.5-0.8b", tier="phone-8gb", context=262144)
+    pick = next(r for r in rows if r["recommended"])
+    default = get_target(pick["target"]).default_prefill_chunk
+    assert pick["context"] == 262144 and pick["fits"] and pick["kv_exportable"]
+    assert pick["prefill_chunk"] < default
+    spec, tier = PRESETS["qwen3.5-0.8b"].spec(), get_tier("phone-8gb")
+    args = (spec, tier, pick["target"], pick["precision"], 262144, pick["kv_dtype"])
+    assert not estimate(*args, default).fits and estimate(*args, pick["prefill_chunk"]).fits  # the chunk made it fit
+    # the largest chunk that fits: twice it does not
+    assert not estimate(*args, 2 * pick["prefill_chunk"]).fits
+    (line,) = verdicts(rows)
+    assert (
+        f"at context 262144 with --prefill-chunk {pick['prefill_chunk']} " in line and "Recommended instead" not in line
+    )
+    assert f"not the target's {default}" in line and "docs/results/executorch.md" in line  # the prefill-speed cost
+    chosen = choose_for_tier(spec, "phone-8gb", context=262144)  # export --device picks the same
+    assert (chosen.target, chosen.precision, chosen.kv_dtype, chosen.context, chosen.prefill_chunk) == (
+        pick["target"],
+        pick["precision"],
+        pick["kv_dtype"],
+        262144,
+        pick["prefill_chunk"],
+    )
+    from deltaship.devices.plan import format_table
+
+    header, row = (
+        ln
+        for ln in format_table(rows).splitlines()
+        if ln.startswith(("tier ", "phone-8gb")) and (ln.startswith("tier ") or "recommended" in ln)
+    )
+    assert header.split()[5] == "chunk" and row.split()[5] == str(pick["prefill_chunk"])  # the table shows it
+
+
+def test_a_chunk_below_the_measured_range_comes_after_a_quantized_kv_cache(tmp_path):
+    # own KV fits only at a chunk under 128 (unmeasured prefill cost); an int8 KV fits at the default 512: int8 KV
+    from deltaship.devices.catalog import get_tier
+    from deltaship.devices.plan import choose_for_tier, estimate
+    from deltaship.models.presets import PRESETS
+
+    spec, probe, ctx = PRESETS["qwen3.5-0.8b"].spec(), get_tier("phone-4gb"), 65536
+    own_64 = estimate(spec, probe, "onnx", "int4", ctx, None, 64).total_bytes
+    own_128 = estimate(spec, probe, "onnx", "int4", ctx, None, 128).total_bytes
+    int8_512 = estimate(spec, probe, "onnx", "int4", ctx, "int8").total_bytes
+    assert int8_512 < own_64 < own_128
+    tiers = _tiers_file(tmp_path, (own_64 + own_128) // 2, ctx)
+    pick = choose_for_tier(spec, "t", tiers)
+    assert (pick.kv_dtype, pick.prefill_chunk, pick.context) == ("int8", 512, ctx)
+    # a chunk of 128 or more (measured: a few percent slower) keeps the own KV cache
+    tiers = _tiers_file(tmp_path, own_128 + 1, ctx)
+    pick = choose_for_tier(spec, "t", tiers)
+    assert (pick.kv_dtype, pick.prefill_chunk, pick.context) == ("fp32", 128, ctx)
+
+
+def test_export_device_options_carry_the_planned_chunk(tmp_path):
+    from deltaship.export import device_options
+    from deltaship.models.presets import PRESETS
+
+    spec = PRESETS["qwen3.5-0.8b"].spec()
+    o = device_options(spec, "phone-8gb", None, None, None, 262144, None, None)
+    rec = next(r for r in plan("qwen3.5-0.8b", tier="phone-8gb", context=262144) if r["recommended"])
+    assert (o["target"], o["precision"], o["max_context"], o["prefill_chunk"]) == (
+        rec["target"],
+        rec["precision"],
+        262144,
+        rec["prefill_chunk"],
+    )
+    assert o["kv_cache"] == rec["kv_dtype"] and f"prefill chunk {rec['prefill_chunk']}" in o["say"]
+    # the target's default chunk fits: left to the target (None); the user's chunk is kept as given
+    roomy = device_options(spec, "gpu-80gb", None, None, None, 4096, None, None)
+    assert roomy["prefill_chunk"] is None and roomy["max_context"] == 4096
+    fixed = device_options(spec, "phone-8gb", None, None, None, 262144, None, 16)
+    assert fixed["prefill_chunk"] == 16 and fixed["max_context"] == 262144

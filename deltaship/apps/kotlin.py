@@ -87,6 +87,8 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
         # exports), the start position [1] (kind position), or one position per token [1, T] (kind position_ids)
         "position": feature(kinds.get("current_sequence_length") or kinds.get("position") or kinds["position_ids"]),
         "past_length": feature(kinds["past_sequence_length"]) if "past_sequence_length" in kinds else None,
+        # an --mtp decoder's num_logits_to_keep: fed [0] (the last row; only speculative verify asks for more)
+        "keep_rows": feature(kinds["logits_to_keep"]) if "logits_to_keep" in kinds else None,
         "logits": feature(logits),
         "states": [
             {
@@ -99,7 +101,14 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
         ],
         "gradle": [f"com.microsoft.onnxruntime:onnxruntime-android:{tools['onnxruntime']}"],
     }
-    extra = set(kinds) - {"tokens", "position", "position_ids", "current_sequence_length", "past_sequence_length"}
+    extra = set(kinds) - {
+        "tokens",
+        "position",
+        "position_ids",
+        "current_sequence_length",
+        "past_sequence_length",
+        "logits_to_keep",
+    }
     if extra:
         raise DeltashipError(
             f"ONNX bundle inputs of kinds {sorted(extra)}: this kit feeds only tokens and position",
@@ -165,6 +174,8 @@ def render_kit_spec(spec: dict[str, Any]) -> str:
             "    // PAST_LENGTH one less; without: POSITION is the start [1] or each token's position [1, -1]",
             f"    val POSITION = {feat(spec['position'])}",
             "    val PAST_LENGTH: Feature? = " + (feat(spec["past_length"]) if spec.get("past_length") else "null"),
+            "    // an --mtp decoder's num_logits_to_keep, fed zeros (the last row's logits only)",
+            "    val KEEP_ROWS: Feature? = " + (feat(spec["keep_rows"]) if spec.get("keep_rows") else "null"),
             f"    val LOGITS = {feat(spec['logits'])}",
             "    val STATES = listOf(",
         ]
@@ -203,11 +214,10 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
         for key in ("TOKENS", "POSITION", "LOGITS"):
             m = _FEATURE.fullmatch(val(key))
             out[key.lower()] = {"name": m.group(1), "shape": ints(m.group(2)), "dtype": _FROM_KOTLIN[m.group(3)]}
-        past = re.search(r"\bval PAST_LENGTH: Feature\? = (.+)", text)
-        m = _FEATURE.fullmatch(past.group(1).strip()) if past else None
-        out["past_length"] = (
-            {"name": m.group(1), "shape": ints(m.group(2)), "dtype": _FROM_KOTLIN[m.group(3)]} if m else None
-        )
+        for key, name in (("past_length", "PAST_LENGTH"), ("keep_rows", "KEEP_ROWS")):
+            found = re.search(rf"\bval {name}: Feature\? = (.+)", text)
+            m = _FEATURE.fullmatch(found.group(1).strip()) if found else None
+            out[key] = {"name": m.group(1), "shape": ints(m.group(2)), "dtype": _FROM_KOTLIN[m.group(3)]} if m else None
         out["vocab_size"] = int(val("VOCAB_SIZE"))
         out["states"] = [
             {"input": m.group(1), "output": m.group(2), "shape": ints(m.group(3)), "dtype": _FROM_KOTLIN[m.group(4)]}

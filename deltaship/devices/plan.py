@@ -42,6 +42,7 @@ class PlanRow:
     kv_scratch_bytes: int = 0  # part of activation_bytes: the attention kernel's scratch (fp16 KV on ORT)
     longest: bool = False  # context is the longest that fits (plan(context="max"))
     fits_at_chunk: int = 0  # when it does not fit: the largest prefill chunk (power of two) at which it would
+    prefill_chunk: int = 0  # tokens per prefill call the row was planned at (the target's default unless chosen)
 
 
 def weight_bytes(spec: ModelSpec, target: str, precision: str) -> int:
@@ -177,7 +178,7 @@ def longest_context(
     """
 
     def at(n: int) -> PlanRow:
-        return estimate(spec, tier, target, precision, n, kv_dtype, prefill_chunk)
+        return _at(spec, tier, target, precision, n, kv_dtype, prefill_chunk)
 
     lo, hi = 1, spec.max_position_embeddings
     if at(hi).fits:
@@ -189,6 +190,48 @@ def longest_context(
     row = at(lo)
     row.longest, row.capped = True, lo == spec.max_position_embeddings
     return row
+
+
+# A smaller prefill chunk changes no output (chunked prefill == one-shot), only prefill speed: ExecuTorch 0.8B
+# prefill at chunk 128 is 2-5% slower than at 512 (docs/results/executorch.md); below 128 nothing is measured.
+FREE_CHUNK = 128
+
+
+def chunks(target: str, context: int, fixed: int | None = None) -> list[int]:
+    """The prefill chunks to plan at, largest first: `fixed` (the user's), else the target's default and each
+    power-of-two half of it down to 1 (all valid Core ML chunks too)."""
+    first = min(fixed or get_target(target).default_prefill_chunk, context)
+    if fixed:
+        return [first]
+    out = [first]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+def slow_chunk(row: PlanRow) -> bool:
+    """The row's chunk is below both FREE_CHUNK and the target's default: an unmeasured prefill-speed cost."""
+    return row.prefill_chunk < min(FREE_CHUNK, get_target(row.target).default_prefill_chunk, row.context)
+
+
+def _at(
+    spec: ModelSpec, tier: Tier, target: str, precision: str, context: int, kv: str | None, chunk: int | None
+) -> PlanRow:
+    """estimate() with the chunk it was planned at recorded on the row."""
+    row = estimate(spec, tier, target, precision, context, kv, chunk)
+    row.prefill_chunk = min(chunk or get_target(target).default_prefill_chunk, context)
+    return row
+
+
+def _largest_chunk_fit(
+    spec: ModelSpec, tier: Tier, target: str, precision: str, context: int, kv: str, fixed: int | None
+) -> PlanRow | None:
+    """The row at the largest prefill chunk (see chunks) at which (target, precision, kv) fits `context`."""
+    for chunk in chunks(target, context, fixed):
+        row = _at(spec, tier, target, precision, context, kv, chunk)
+        if row.fits:
+            return row
+    return None
 
 
 def fits_at_chunk(spec: ModelSpec, row: PlanRow, tier: Tier) -> int:
@@ -266,18 +309,18 @@ def plan(
             pick = _longest(t, tier_rows, targets)
         else:
             ctx = min(context or t.context, spec.max_position_embeddings)
-            tier_rows = [estimate(spec, t, tg, pr, ctx, kv, prefill_chunk) for tg, pr, kv in combos]
+            tier_rows = [_at(spec, t, tg, pr, ctx, kv, prefill_chunk) for tg, pr, kv in combos]
             for r in tier_rows:
                 r.capped = context is not None and context > ctx
                 if not r.fits:
                     r.fits_at_chunk = fits_at_chunk(spec, r, t) if prefill_chunk is None else 0
             pick = recommend(spec, t, ctx, targets, prefill_chunk)
-        key = lambda r: (r.target, r.precision, r.context, r.kv_dtype)  # noqa: E731
+        key = lambda r: (r.target, r.precision, r.context, r.kv_dtype, r.prefill_chunk)  # noqa: E731
         for r in tier_rows:
             r.recommended = pick is not None and key(r) == key(pick)
         if pick is not None and not any(r.recommended for r in tier_rows):
             pick.recommended = True
-            tier_rows.append(pick)  # the pick needed a shorter context
+            tier_rows.append(pick)  # the pick needed a shorter context or a smaller prefill chunk
         rows += tier_rows
     return [asdict(r) for r in rows]
 
@@ -285,7 +328,7 @@ def plan(
 def recommend(
     spec: ModelSpec, tier: Tier, context: int, targets: list[str] | None = None, prefill_chunk: int | None = None
 ) -> PlanRow | None:
-    """The tier's pick at `context` (halved down to 512 when nothing fits there): see _first_fit."""
+    """The tier's pick at `context` (a smaller prefill chunk first, then halved down to 512): see _first_fit."""
     return _first_fit(spec, tier, list(targets or tier.targets), list(tier.precisions), context, True, prefill_chunk)
 
 
@@ -302,9 +345,13 @@ def _first_fit(
     """The first row that fits, in the tier's order of targets then precisions (most accurate first), with the
     target's own KV dtype; only when none fits at that context, the same again with each quantized KV cache the
     target exports (int8, then int4: a narrower cache costs accuracy, so it is the price of the context, not a
-    default). With halve, the context is then halved down to 512 (or `context` when shorter)."""
+    default). Each at the largest prefill chunk that fits (see chunks; `prefill_chunk` fixes it): a smaller chunk
+    changes no output, only the prefill speed, so it comes before a shorter context; a chunk under FREE_CHUNK (an
+    unmeasured slowdown) only when no row fits at a measured-cheap one, own or quantized KV cache. With halve,
+    when nothing fits at any chunk, the context is halved down to 512 (or `context` when shorter)."""
     ctx = context
     while True:
+        found = []
         for quantized in (False, True):
             for tg in targets:
                 for pr in precisions:
@@ -314,9 +361,11 @@ def _first_fit(
                     else:
                         kvs = [k for k in exportable_kv_dtypes(tg, pr) if k != own] if quantized else [own]
                     for kv in kvs:
-                        row = estimate(spec, tier, tg, pr, ctx, kv, prefill_chunk)
-                        if row.fits and row.kv_exportable:
-                            return row
+                        row = _largest_chunk_fit(spec, tier, tg, pr, ctx, kv, prefill_chunk)
+                        if row is not None and row.kv_exportable:
+                            found.append((slow_chunk(row), quantized, len(found), row))
+        if found:
+            return min(found, key=lambda f: f[:3])[3]
         if not halve or ctx // 2 < min(512, context):
             return None
         ctx //= 2
@@ -330,12 +379,14 @@ def choose_for_tier(
     precision: str | None = None,
     context: int | str | None = None,
     kv_dtype: str | None = None,
+    prefill_chunk: int | None = None,
 ) -> PlanRow:
     """What `export --device TIER` builds: the tier's preferred target and most accurate precision that fit
-    (within the target, precision, context and KV dtype the user fixed), with the target's own KV cache or, when
-    only a quantized one fits, that; at the tier's typical context, halved down to 512 when nothing fits there
-    and the user fixed none. context "max": the longest context any exportable combination reaches (see
-    _longest). Refused, with the plan's numbers, when nothing fits."""
+    (within the target, precision, context, KV dtype and prefill chunk the user fixed), with the target's own KV
+    cache or, when only a quantized one fits, that, at the largest prefill chunk that fits (row.prefill_chunk); at
+    the tier's typical context, halved down to 512 when nothing fits there at any chunk and the user fixed none
+    (see _first_fit). context "max": the longest context any exportable combination reaches at the target's
+    chunk (see _longest). Refused, with the plan's numbers, when nothing fits."""
     from deltaship.devices.catalog import get_tier
 
     t = get_tier(tier, tiers_file)
@@ -354,7 +405,7 @@ def choose_for_tier(
         precisions = list(dict.fromkeys(pr for _, pr in can))
     if context == "max":
         rows = [
-            longest_context(spec, t, tg, pr, kv)
+            longest_context(spec, t, tg, pr, kv, prefill_chunk)
             for tg in targets
             for pr in precisions
             for kv in ([kv_dtype] if kv_dtype else exportable_kv_dtypes(tg, pr))
@@ -363,7 +414,7 @@ def choose_for_tier(
         tried = rows
     else:
         start = context or min(t.context, spec.max_position_embeddings)
-        pick = _first_fit(spec, t, targets, precisions, start, context is None, kv_dtype=kv_dtype)
+        pick = _first_fit(spec, t, targets, precisions, start, context is None, prefill_chunk, kv_dtype)
         tried = [
             estimate(spec, t, tg, pr, start, kv)
             for tg in targets
@@ -410,7 +461,8 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
         if pick is not None and (pick["context"] == asked or pick.get("longest")):
             line = (
                 f"{name}: {pick['target']} {pick['precision']}{_kv_note(pick, tier_rows)} at context {pick['context']} "
-                f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB): the tier prefers "
+                f"{_chunk_note(pick)}({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB): "
+                "the tier prefers "
                 f"{' > '.join(tier.targets)} and {' > '.join(tier.precisions)} (most accurate first)"
             )
             smaller = [
@@ -427,7 +479,7 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
                 line += f"; {s['precision']} also fits, in {s['total_bytes'] / GIB:.2f} GiB"
             if pick.get("capped"):
                 line += "; the context stops at the model's max_position_embeddings (longer needs YaRN rope scaling)"
-            lines.append(line + _planned_kv(tier_rows, pick))
+            lines.append(line + _chunk_cost(pick, tier_rows) + _planned_kv(tier_rows, pick))
             continue
         at_asked = [r for r in tier_rows if r["context"] == asked]
         best = min([r for r in at_asked if r.get("kv_exportable", True)] or at_asked, key=lambda r: r["total_bytes"])
@@ -452,9 +504,9 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
         if pick is not None:
             line += (
                 f". Recommended instead: {pick['target']} {pick['precision']}{_kv_note(pick, tier_rows)} at context "
-                f"{pick['context']} "
+                f"{pick['context']} {_chunk_note(pick)}"
                 f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB)"
-            )
+            ) + _chunk_cost(pick, tier_rows)
         else:
             line += (
                 f"; it would fit a tier with {best['total_bytes'] / GIB:.2f} GiB or more to spend (--tiers FILE), "
@@ -462,6 +514,39 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
             )
         lines.append(line)
     return lines
+
+
+def _smaller_chunk(r: dict) -> bool:
+    """The row was planned at a prefill chunk below its target's default (a chunk the planner chose)."""
+    return 0 < r.get("prefill_chunk", 0) < min(get_target(r["target"]).default_prefill_chunk, r["context"])
+
+
+def _chunk_note(r: dict) -> str:
+    """'with --prefill-chunk 128 ' when the row needs a chunk below its target's default; nothing otherwise."""
+    return f"with --prefill-chunk {r['prefill_chunk']} " if _smaller_chunk(r) else ""
+
+
+def _chunk_cost(pick: dict, rows: list[dict]) -> str:
+    """Why the pick's chunk is smaller than its target's default, and what that costs in prefill speed."""
+    if not _smaller_chunk(pick):
+        return ""
+    default = min(get_target(pick["target"]).default_prefill_chunk, pick["context"])
+    same = (pick["target"], pick["precision"], pick["kv_dtype"], pick["context"], default)
+    at_default = next(
+        (r for r in rows if (r["target"], r["precision"], r["kv_dtype"], r["context"], r.get("prefill_chunk")) == same),
+        None,
+    )
+    why = f" (needs {at_default['total_bytes'] / GIB:.2f} GiB)" if at_default else ""
+    cost = (
+        "measured: ExecuTorch 0.8B prefill at chunk 128 is 2-5% slower than at 512, docs/results/executorch.md"
+        if pick["prefill_chunk"] >= FREE_CHUNK
+        else f"not measured below {FREE_CHUNK}, an estimate: slower still, towards one-token calls, which prefill "
+        "4-13x slower than 512-token ones, ExecuTorch 0.8B int4 and fp32, docs/results/executorch.md"
+    )
+    return (
+        f"; prefill chunk {pick['prefill_chunk']}, not the target's {default}{why}: fewer attention scores per chunk, "
+        f"the same outputs, a slower prefill ({cost})"
+    )
 
 
 def _kv_note(r: dict, rows: list[dict]) -> str:
@@ -501,7 +586,7 @@ def format_table(rows: list[dict]) -> str:
     """The rows as a table: memory by part (KV cache, DeltaNet states, activations, runtime) in GiB."""
     head = (
         "memory in GiB\n"
-        f"{'tier':<12} {'target':<11} {'prec':<5} {'kv':<5} {'context':>7} {'weights':>8} {'kv':>8} "
+        f"{'tier':<12} {'target':<11} {'prec':<5} {'kv':<5} {'context':>7} {'chunk':>5} {'weights':>8} {'kv':>8} "
         f"{'deltanet':>8} {'activ.':>8} {'runtime':>8} {'total':>8} {'budget':>8}  fit"
     )
     lines = [head, "-" * len(head.splitlines()[-1])]
@@ -511,6 +596,7 @@ def format_table(rows: list[dict]) -> str:
         kv = r.get("kv_dtype", "") + ("" if r.get("kv_exportable", True) else "*")
         lines.append(
             f"{r['tier']:<12} {r['target']:<11} {r['precision']:<5} {kv:<5} {r['context']:>7} "
+            f"{r.get('prefill_chunk') or '':>5} "
             f"{g(r['weights_bytes'])} {g(r['kv_bytes'])} {g(r['deltanet_bytes'])} "
             f"{g(r['activation_bytes'])} {g(r['runtime_bytes'])} {g(r['total_bytes'])} "
             f"{g(r['budget_bytes'])}  {mark}"
@@ -533,6 +619,7 @@ __all__ = [
     "default_kv_dtype",
     "parse_context",
     "fits_at_chunk",
+    "chunks",
     "export_peak_bytes",
 ]
 

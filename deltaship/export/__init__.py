@@ -8,12 +8,15 @@ import shutil
 import sys
 import types
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
 from deltaship.options import threads as check_threads
 from deltaship.progress import Progress
 from deltaship.targets import PRECISIONS, Target, TargetOptions, all_targets, flag, get_target
+
+if TYPE_CHECKING:
+    from deltaship.models.spec import ModelSpec
 
 EVAL_TOKENS = 256  # held-out tokens evaluated at export (deltaship eval defaults to 512)
 
@@ -130,6 +133,38 @@ def special_tokens(source, tokenizer_dir_files: list[Path]) -> dict[str, Any]:
     return out
 
 
+def device_options(
+    spec: ModelSpec,
+    device: str,
+    tiers_file: str | None,
+    target: str | None,
+    precision: str | None,
+    max_context: int | str | None,
+    kv_cache: str | None,
+    prefill_chunk: int | None,
+) -> dict[str, Any]:
+    """The export options `deltaship plan` picks for tier `device` (what the user fixed is kept): target,
+    precision, max_context, kv_cache (None: the target's own) and prefill_chunk (None: the target's default; a
+    smaller one when only that fits), plus `say`, the line that tells the user."""
+    from deltaship.devices.plan import choose_for_tier, default_kv_dtype
+
+    pick = choose_for_tier(spec, device, tiers_file, target, precision, max_context, kv_cache, prefill_chunk)
+    own_chunk = min(get_target(pick.target).default_prefill_chunk, pick.context)
+    chunk = prefill_chunk if prefill_chunk is not None or pick.prefill_chunk == own_chunk else pick.prefill_chunk
+    return {
+        "target": pick.target,
+        "precision": pick.precision,
+        "max_context": pick.context,
+        # only a quantized cache made it fit
+        "kv_cache": pick.kv_dtype if pick.kv_dtype != default_kv_dtype(pick.target, pick.precision) else kv_cache,
+        "prefill_chunk": chunk,
+        "say": f"device {device}: {pick.target} {pick.precision} with an {pick.kv_dtype} KV cache at context "
+        f"{pick.context}"
+        + (f", prefill chunk {chunk}" if chunk is not None else "")
+        + f" ({pick.total_bytes / 2**30:.2f} of {pick.budget_bytes / 2**30:.2f} GiB, deltaship plan)",
+    }
+
+
 def export(
     model: str,
     out: str | Path,
@@ -185,19 +220,16 @@ def export(
         say = progress if callable(progress) else Progress(bool(progress))
         source = None
         if device is not None:  # the plan for the tier picks what the user did not fix
-            from deltaship.devices.plan import choose_for_tier, default_kv_dtype
-
             dest = Destination(Path(out), force, inputs=(model,))
             say(f"loading {model}")
             source = load_source(model, allow_download=allow_download)
-            pick = choose_for_tier(source.spec, device, tiers_file, target, precision, max_context, kv_cache)
-            target, precision, max_context = pick.target, pick.precision, pick.context
-            if pick.kv_dtype != default_kv_dtype(target, precision):
-                kv_cache = pick.kv_dtype  # only a quantized cache made it fit
-            say(
-                f"device {device}: {target} {precision} with an {pick.kv_dtype} KV cache at context {max_context} "
-                f"({pick.total_bytes / 2**30:.2f} of {pick.budget_bytes / 2**30:.2f} GiB, deltaship plan)"
+            picked = device_options(
+                source.spec, device, tiers_file, target, precision, max_context, kv_cache, prefill_chunk
             )
+            target, precision, max_context, kv_cache, prefill_chunk = (
+                picked[k] for k in ("target", "precision", "max_context", "kv_cache", "prefill_chunk")
+            )
+            say(picked["say"])
         elif max_context == "max":
             raise DeltashipError(
                 "--max-context max needs --device: the longest context that fits is the tier's",

@@ -63,6 +63,14 @@ def counts_positions(manifest: dict[str, Any]) -> bool:
     return any(i.get("kind") == "current_sequence_length" for i in manifest.get("inputs", []))
 
 
+KEEP_ROWS = "num_logits_to_keep"  # an --mtp decoder's input (kind logits_to_keep); a plain call feeds [0]
+
+
+def keeps_rows(manifest: dict[str, Any]) -> bool:
+    """Whether the decoder takes num_logits_to_keep (--mtp bundles that compute their verify rows in the graph)."""
+    return any(i.get("kind") == "logits_to_keep" for i in manifest.get("inputs", []))
+
+
 def position_feeds(counted: bool, position: int, tokens: int) -> dict[str, np.ndarray]:
     """The position inputs of a call of `tokens` tokens starting at `position`, in either form."""
     if counted:
@@ -86,11 +94,13 @@ class DecodeInputs:
     the OrtValues wrap numpy arrays (ortvalue_from_numpy shares host memory), which set() writes directly; on a
     device it copies host arrays in (OrtValue.update_inplace)."""
 
-    def __init__(self, ort, device: str = "cpu", counted: bool = True):
+    def __init__(self, ort, device: str = "cpu", counted: bool = True, keep_rows: bool = False):
         self.device = device
         self.counted = counted
         args = ("cuda", 0) if device == "cuda" else ()
         self._host = {"input_ids": np.zeros((1, 1), np.int64), **position_feeds(counted, 0, 1)}
+        if keep_rows:  # an --mtp decoder's num_logits_to_keep: [0], the last row (export/onnx/mtp.py)
+            self._host[KEEP_ROWS] = np.zeros(1, np.int64)
         self.values = {n: ort.OrtValue.ortvalue_from_numpy(a, *args) for n, a in self._host.items()}
         self.input_ids = self.values["input_ids"]
 
@@ -243,7 +253,8 @@ class OnnxSession(OnnxSpeculation, Session):
         self.counted = counts_positions(manifest)
         # host buffers (ORT copies them where the graph reads them), as prefill's bind_cpu_input; cuda_graph=True
         # puts them on the device (_graph_buffers): a captured graph reads only device addresses
-        self._decode_in = DecodeInputs(ort, "cpu", self.counted)
+        self.keep_rows = keeps_rows(manifest)
+        self._decode_in = DecodeInputs(ort, "cpu", self.counted, self.keep_rows)
         self._run_opts: dict[str, Any] = {}
         if cuda_graph:
             self._graph_buffers("cuda")
@@ -256,7 +267,7 @@ class OnnxSession(OnnxSpeculation, Session):
         # a captured graph writes its output to the address it was captured with, on the device
         args = ("cuda", 0) if device == "cuda" else ()
         self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits, *args)
-        self._decode_in = DecodeInputs(ort, device, self.counted)
+        self._decode_in = DecodeInputs(ort, device, self.counted, self.keep_rows)
         self._decode_io.clear()
         self._run_opts = {}
         for gid in ("-1", "1", "2"):  # -1: no capture (prefill); 1, 2: decode on either buffer parity
@@ -341,6 +352,8 @@ class OnnxSession(OnnxSpeculation, Session):
             io.bind_cpu_input("input_ids", ids.reshape(1, -1))
             for name, arr in position_feeds(self.counted, self.position, ids.size).items():
                 io.bind_cpu_input(name, arr)
+            if self.keep_rows:
+                io.bind_cpu_input(KEEP_ROWS, np.zeros(1, np.int64))
             self._bind_states(io)
         if opts is None:
             self.sess.run_with_iobinding(io)

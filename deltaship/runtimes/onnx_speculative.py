@@ -18,7 +18,8 @@ _VERIFY_WIDTH = 4096
 
 
 class OnnxSpeculation:
-    """Mixed into OnnxSession; needs its sess, states, _vals, _cur, _bufs, _decode_io, counted and position."""
+    """Mixed into OnnxSession; needs its sess, states, _vals, _cur, _bufs, _decode_io, counted, keep_rows and
+    position."""
 
     _draft_sess: Any = None
     _verify_positions: np.ndarray | None = None
@@ -49,9 +50,15 @@ class OnnxSpeculation:
                 self._verify_positions = np.zeros((1, _VERIFY_WIDTH + self.prefill_chunk + 1), np.int64)
             self._verify_positions[0, 0] = self.position
             io.bind_cpu_input("position_ids", self._verify_positions[:, :width])
-        # an overridable initializer (default [-1]): bind_cpu_input does not find it, an OrtValue binds
-        rows_value = self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(rows, np.int64))
-        io.bind_ortvalue_input("logit_rows", rows_value)
+        rows = np.asarray(rows, np.int64)
+        rows = np.where(rows < 0, rows + ids.size, rows)
+        first = int(rows.min())
+        if self.keep_rows:  # the graph returns the call's last n rows, n = num_logits_to_keep's largest element
+            # [T] copies of n (not [1]): input_ids [1, T] and it keep the memory-pattern key described above
+            io.bind_cpu_input("num_logits_to_keep", np.full(ids.size, ids.size - first, np.int64))
+        else:  # an older bundle: logit_rows, an overridable initializer (an OrtValue binds it, bind_cpu_input not)
+            rows_value = self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(rows, np.int64))
+            io.bind_ortvalue_input("logit_rows", rows_value)
         spares = self._spares()
         for s in self.states:
             name = s["name"]
@@ -79,7 +86,8 @@ class OnnxSpeculation:
         self._verify_serial += 1
         self._after_verify = (self._verify_serial, self._forward_marker(), self.position, keep)
         values = io.get_outputs()  # in binding order: the states, the rollback states, logits_rows, hidden_states
-        return values[-2].numpy()[0], values[-1].numpy()[0]
+        logits = values[-2].numpy()[0]
+        return (logits[rows - first] if self.keep_rows else logits), values[-1].numpy()[0]
 
     def _rollback_outputs(self) -> dict[str, str]:
         """{DeltaNet state: the output holding it after the call's first token} (empty in bundles exported before

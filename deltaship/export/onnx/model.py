@@ -287,7 +287,19 @@ def io_inputs(ctx) -> list[dict]:
             "kind": "past_sequence_length",
             "doc": "p + T - 1 (onnxruntime-genai's count, which it feeds with current_sequence_length); not read",
         },
-    ]
+    ] + (
+        [  # --mtp (export/onnx/mtp.py add_verify_io): verify calls ask for more rows of logits_rows
+            {
+                "name": "num_logits_to_keep",
+                "shape": ["keep"],
+                "dtype": "int64",
+                "kind": "logits_to_keep",
+                "doc": "feed [0] (onnxruntime-genai does by itself); speculative verify calls feed the rows they want",
+            }
+        ]
+        if "mtp" in ctx.programs
+        else []
+    )
 
 
 def io_outputs(ctx) -> list[dict]:

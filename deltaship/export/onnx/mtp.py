@@ -83,22 +83,50 @@ class SharingBuilder(GraphBuilder):
         return name
 
 
+KEEP_ROWS = "num_logits_to_keep"  # the one extra input onnxruntime-genai feeds by itself (int64 [1] = 0)
+
+
 def add_verify_io(path: Path, spec) -> None:
-    """Name the verify I/O's dims in the written model.onnx and give logit_rows a default ([-1]: the last row) as
-    an overridable initializer, so a caller that does not know about speculation (onnxruntime-genai) runs the
-    graph as before. Done on the file, after the decoder's lowering wrote it (its weights stay where they are)."""
+    """Name the verify I/O's dims in the written model.onnx and compute the program's logit_rows in the graph:
+    the last max(1, n) rows of the call, n = num_logits_to_keep (its largest element; [T] copies in a verify call,
+    so that input_ids [1, T] and it keep ONNX Runtime's memory-pattern key apart from prefill's). A plain call feeds
+    [0]: the last row, which is all `logits` needs. Not an initializer that is also an input (ONNX Runtime warns
+    about one at every session start, in every app) and not an optional-typed input (onnxruntime-genai reads every
+    input's tensor type and crashes on one): a plain int64 input named as the one genai feeds itself, with 0.
+    Done on the file, after the decoder's lowering wrote it (its weights stay where they are)."""
+    from onnx import TensorProto, helper, numpy_helper
+
     model = onnx.load(str(path), load_external_data=False)
     g = model.graph
     shapes = {
-        "logit_rows": (onnx.TensorProto.INT64, ["rows"]),
-        "logits_rows": (onnx.TensorProto.FLOAT, [1, "rows", spec.vocab_size]),
-        "hidden_states": (onnx.TensorProto.FLOAT, [1, "tokens", spec.hidden_size]),
+        "logits_rows": (TensorProto.FLOAT, [1, "rows", spec.vocab_size]),
+        "hidden_states": (TensorProto.FLOAT, [1, "tokens", spec.hidden_size]),
     }
     for values in (g.input, g.output):
         for i, v in enumerate(values):
             if v.name in shapes:
-                values[i].CopyFrom(onnx.helper.make_tensor_value_info(v.name, *shapes[v.name]))
-    g.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), "logit_rows"))
+                values[i].CopyFrom(helper.make_tensor_value_info(v.name, *shapes[v.name]))
+    i = next(k for k, v in enumerate(g.input) if v.name == "logit_rows")
+    g.input[i].CopyFrom(helper.make_tensor_value_info(KEEP_ROWS, TensorProto.INT64, ["keep"]))
+    g.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([1], np.int64), "keep_rows_one"),
+            numpy_helper.from_array(np.array(1, np.int64), "keep_rows_step"),
+        ]
+    )
+    rows = [
+        helper.make_node("Shape", ["input_ids"], ["keep_rows_t"], start=1, end=2),
+        helper.make_node("ReduceMax", [KEEP_ROWS], ["keep_rows_asked"], keepdims=1),
+        helper.make_node("Max", ["keep_rows_asked", "keep_rows_one"], ["keep_rows_least_one"]),
+        helper.make_node("Min", ["keep_rows_least_one", "keep_rows_t"], ["keep_rows_n"]),
+        helper.make_node("Sub", ["keep_rows_t", "keep_rows_n"], ["keep_rows_start"]),
+        helper.make_node("Squeeze", ["keep_rows_start"], ["keep_rows_start_s"]),
+        helper.make_node("Squeeze", ["keep_rows_t"], ["keep_rows_t_s"]),
+        helper.make_node("Range", ["keep_rows_start_s", "keep_rows_t_s", "keep_rows_step"], ["logit_rows"]),
+    ]
+    nodes = rows + list(g.node)
+    del g.node[:]
+    g.node.extend(nodes)
     onnx.save(model, str(path))
 
 
@@ -178,10 +206,11 @@ def lower_mtp(
             "file": MODEL_FILE,
             "inputs": [
                 {
-                    "name": "logit_rows",
-                    "shape": ["rows"],
+                    "name": KEEP_ROWS,
+                    "shape": ["keep"],
                     "dtype": "int64",
-                    "doc": "rows of this call whose logits come back in logits_rows; default [-1] (the last)",
+                    "doc": "n (its largest element): logits_rows holds the last max(1, n) rows of the call; a plain "
+                    "call feeds [0] (onnxruntime-genai does by itself)",
                 }
             ],
             "outputs": [
@@ -189,7 +218,7 @@ def lower_mtp(
                     "name": "logits_rows",
                     "shape": [1, "rows", ctx.spec.vocab_size],
                     "dtype": "float32",
-                    "doc": "logits after each row in logit_rows (one LM-head matmul; `logits` is its last row)",
+                    "doc": "logits after each of the call's last rows (one LM-head matmul; `logits` is its last row)",
                 },
                 {
                     "name": "hidden_states",
@@ -219,6 +248,7 @@ _SPECULATIVE_KINDS = {
     "position": "position",
     "logits": "logits",
     "logit_rows": "logit_rows",
+    KEEP_ROWS: "logits_to_keep",
     "logits_rows": "logits",
 }
 

@@ -118,16 +118,21 @@ export function checkManifest(manifest, where) {
  * int64 [1, T] (one position per token, older bundles). Logits are [1, V] or [1, 1, V]
  * (or [1, T, V]: the last row is the one that matters).
  * @param {object} manifest a checked manifest
+ * An --mtp bundle's `num_logits_to_keep` (kind logits_to_keep) is fed [0]: only speculative verify calls ask
+ * for more rows.
  * @returns {{tokens: string, position: {name: string, form: 'start'|'ids'}|{form: 'counts', current: string,
- *            past: string}|null, logits: string, states: object[]}}
+ *            past: string}|null, keepRows: string|null, logits: string, states: object[]}}
  */
 export function ioPlan(manifest) {
   let tokens = null;
   let position = null;
+  let keepRows = null;
   const counts = {};
   for (const inp of manifest.inputs) {
     if (inp.kind === 'tokens') {
       tokens = inp.name;
+    } else if (inp.kind === 'logits_to_keep') {
+      keepRows = inp.name; // an --mtp decoder's verify rows: a plain call feeds [0] (the last row)
     } else if (inp.kind === 'current_sequence_length' || inp.kind === 'past_sequence_length') {
       counts[inp.kind === 'current_sequence_length' ? 'current' : 'past'] = inp.name;
     } else if (inp.kind === 'position_ids' || inp.name === 'position_ids') {
@@ -155,7 +160,7 @@ export function ioPlan(manifest) {
     throw new DeltashipError('manifest has no input of kind "tokens" or no output of kind "logits"',
       'export the bundle again with `deltaship export --target onnx ...`');
   }
-  return { tokens, position, logits: logits.name, states: manifest.states };
+  return { tokens, position, keepRows, logits: logits.name, states: manifest.states };
 }
 
 /**
@@ -340,6 +345,7 @@ export class Session {
       const pos = BigInt64Array.from({ length: T }, (_, i) => BigInt(this.position + i));
       feeds[plan.position.name] = new ort.Tensor('int64', pos, [1, T]);
     }
+    if (plan.keepRows) feeds[plan.keepRows] = new ort.Tensor('int64', BigInt64Array.of(0n), [1]);
     for (const s of plan.states) feeds[s.name] = this.states[s.name];
     let out;
     if (this.shared.size) {

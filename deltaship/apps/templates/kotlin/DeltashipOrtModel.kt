@@ -104,6 +104,9 @@ class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = Or
         feeds[KitSpec.TOKENS.name] = ids
         feeds[KitSpec.POSITION.name] = pos
         if (pastLength != null && past != null) feeds[pastLength.name] = past
+        val keepRows = KitSpec.KEEP_ROWS  // --mtp: num_logits_to_keep, zeros: the last row's logits only
+        val keep = keepRows?.let { f -> integers(f, t) { 0L } }
+        if (keepRows != null && keep != null) feeds[keepRows.name] = keep
         for (s in KitSpec.STATES) {
             feeds[s.input] = if (previous == null) zeros.getValue(s.input) else previous.get(s.output).get() as OnnxTensor
         }
@@ -111,6 +114,7 @@ class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = Or
         ids.close()
         pos.close()
         past?.close()
+        keep?.close()
         previous?.close()
         carried = result
         position += t

@@ -1,0 +1,135 @@
+"""Open an ONNX graph on Qualcomm's QNN HTP backend (onnxruntime-qnn), every node on the HTP.
+
+onnxruntime-qnn is a plugin execution provider: its library is registered with ONNX Runtime once per
+process, then a session asks for its device with CPU fallback disabled, so a node QNN refuses makes
+the session fail instead of running silently on the CPU. On x86-64 Linux the HTP backend is a
+simulator; on a device the same options pick the real NPU. A refusal is turned into one error that
+names the refused nodes and QNN's reasons, read from ONNX Runtime's verbose log of QNN's validation.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from deltaship.errors import DeltashipEnvironmentError, DeltashipError
+
+# The Snapdragon 8 Elite (SM8750): the default SoC the HTP simulator models.
+DEFAULT_SOC_MODEL = "69"
+DEFAULT_HTP_ARCH = "79"
+
+# "Validation FAILED for 1 nodes in OrtNodeUnit (MatMul) :" then, for a refusal, tab-indented lines
+# "Operator type: MatMul Node name: n Node index: 0" and "REASON : Cannot get shape".
+_VALIDATION = re.compile(
+    r"LogNodeSupport\] Validation (PASSED|FAILED) for \d+ nodes in \w+ \((\w+)\) :[^\n]*"
+    r"(?:\n\t[^\n]*?Node name: ?([^\n]*?) Node index[^\n]*)?(?:\n\tREASON : ([^\n]*))?"
+)
+_REGISTERED = False
+
+
+@dataclass(frozen=True)
+class NodeCheck:
+    """One line of QNN's validation: an ONNX op (or a fused unit) and whether the HTP accepted it."""
+
+    op: str
+    passed: bool
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class QnnOpen:
+    """A session with every node on the HTP, and QNN's validation lines that accepted them."""
+
+    session: object  # onnxruntime.InferenceSession
+    checks: tuple[NodeCheck, ...]
+
+
+def _qnn():
+    """Import onnxruntime with the QNN plugin registered (lazily: the plugin is optional)."""
+    global _REGISTERED
+    try:
+        import onnxruntime as ort  # toolchain import, kept lazy: runtimes/ loads without it
+        import onnxruntime_qnn
+    except ImportError as e:
+        raise DeltashipEnvironmentError(
+            f"the QNN HTP backend needs onnxruntime-qnn ({e})",
+            "pip install onnxruntime-qnn==2.7.0 --no-deps (it sits beside onnxruntime 1.31)",
+        ) from None
+    if not _REGISTERED:
+        ort.register_execution_provider_library(onnxruntime_qnn.get_ep_name(), onnxruntime_qnn.get_library_path())
+        _REGISTERED = True
+    return ort, onnxruntime_qnn
+
+
+def parse_validation(log: str) -> tuple[NodeCheck, ...]:
+    """QNN's per-node validation lines from ONNX Runtime's verbose log."""
+    checks = []
+    for m in _VALIDATION.finditer(log):
+        passed, op, node, reason = m.group(1) == "PASSED", m.group(2), m.group(3) or "", m.group(4) or ""
+        checks.append(NodeCheck(op=op, passed=passed, node=node.strip(), reason=reason.strip()))
+    return tuple(checks)
+
+
+def _refusal(c: NodeCheck) -> str:
+    return f"{c.op}{f' node {c.node!r}' if c.node else ''} ({c.reason or 'refused'})"
+
+
+def open_htp(
+    model: bytes | str | Path,
+    *,
+    soc_model: str = DEFAULT_SOC_MODEL,
+    htp_arch: str = DEFAULT_HTP_ARCH,
+    fp16: bool = True,
+) -> QnnOpen:
+    """A session on the QNN HTP backend with CPU fallback disabled.
+
+    Raises DeltashipError naming each op QNN refused (with QNN's reason) when a node cannot run on
+    the HTP. `model` is the serialized ONNX model or its path.
+    """
+    ort, qnn = _qnn()
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == qnn.get_ep_name()]
+    if not devices:
+        raise DeltashipEnvironmentError(
+            f"onnxruntime {ort.__version__} lists no {qnn.get_ep_name()} device after registering the plugin",
+            "reinstall onnxruntime-qnn 2.7.0 beside onnxruntime >= 1.24.2",
+        )
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    opts.log_severity_level = 0  # verbose: QNN's per-node validation lines are the evidence
+    opts.add_provider_for_devices(
+        devices,
+        {
+            "backend_path": qnn.get_qnn_htp_path(),
+            "enable_htp_fp16_precision": "1" if fp16 else "0",
+            "soc_model": soc_model,
+            "htp_arch": htp_arch,
+        },
+    )
+    source = model if isinstance(model, bytes) else str(model)
+    # ONNX Runtime logs from C++ to file descriptor 2: read it back for the validation lines.
+    with tempfile.TemporaryFile(mode="w+b") as log_file:
+        saved = os.dup(2)
+        os.dup2(log_file.fileno(), 2)
+        error = None
+        try:
+            session = ort.InferenceSession(source, sess_options=opts)
+        except Exception as e:  # ORT raises its own Fail/InvalidArgument types
+            error = e
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log_file.seek(0)
+        log = log_file.read().decode("utf-8", "replace")
+    checks = parse_validation(log)
+    refused = [c for c in checks if not c.passed]
+    if error is not None or refused:
+        named = "; ".join(dict.fromkeys(_refusal(c) for c in refused)) or str(error).strip()
+        raise DeltashipError(
+            f"QNN HTP (soc {soc_model}) cannot run every node of this graph: {named}",
+            "lower the refused ops to forms the HTP accepts (docs/npu.md lists them)",
+        )
+    return QnnOpen(session=session, checks=checks)

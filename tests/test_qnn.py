@@ -66,3 +66,79 @@ def test_htp_refusal_names_the_op_and_qnns_reason():
     model, _ = _matmul_relu(tokens="T")  # a dynamic token dimension: QNN wants static shapes
     with pytest.raises(DeltashipError, match=r"MatMul node 'mm' \(Cannot get shape\)"):
         open_htp(model)
+
+
+@pytest.fixture(scope="module")
+def tiny_decode(tmp_path_factory):
+    """The tiny preset's QNN decode graph at max context 32: (lower_decode's result, decode.onnx)."""
+    return _tiny_decode(tmp_path_factory.mktemp("qnn"), max_context=32)
+
+
+def _tiny_decode(tmp_path, max_context: int):
+    """The tiny preset's QNN decode graph (fp16), lowered from the ONNX target's passes."""
+    from helpers import export_context
+
+    from deltaship.export.qnn.model import lower_decode
+    from deltaship.models.source import load_source
+
+    ctx = export_context("qwen3.5-tiny", "fp16", max_context=max_context)
+    return lower_decode(ctx, load_source("qwen3.5-tiny").weights, tmp_path), tmp_path / "decode.onnx"
+
+
+def _fp32_greedy(tmp_path, prompts: list[list[int]], new_tokens: int, max_context: int) -> list[list[int]]:
+    """Greedy tokens of the tiny preset's fp32 ONNX bundle (the ONNX target, CPU)."""
+    from deltaship.export import export
+    from deltaship.runtimes import open_bundle
+
+    bundle = tmp_path / "fp32"
+    export("qwen3.5-tiny", bundle, target="onnx", precision="fp32", max_context=max_context, progress=False)
+    session = open_bundle(bundle)
+    out = []
+    for prompt in prompts:
+        session.reset()
+        logits, tokens = session.prefill(prompt), []
+        for _ in range(new_tokens):
+            tokens.append(int(np.argmax(logits)))
+            logits = session.decode(tokens[-1])
+        out.append(tokens)
+    return out
+
+
+def test_qnn_decode_graph_is_static_and_standard(tiny_decode):
+    """What QNN asks of a graph: every input and output shape static, no contrib (com.microsoft) op, no Split
+    (zeros on the HTP simulator inside the graph) and no Range."""
+    import onnx
+
+    lowered, path = tiny_decode
+    m = onnx.load(path)
+    for v in [*m.graph.input, *m.graph.output]:
+        dims = v.type.tensor_type.shape.dim
+        assert dims and all(d.HasField("dim_value") for d in dims), f"{v.name} has a dynamic dimension"
+    assert {n.domain for n in m.graph.node} <= {"", "ai.onnx"}
+    assert not {"Split", "Range", "LinearAttention", "GroupQueryAttention"} & set(lowered["onnx_ops"])
+    assert lowered["onnx_ops"]["Where"] == 4  # key and value rows written at the position, 2 attention layers
+
+
+@needs_qnn
+def test_qnn_decode_graph_runs_on_htp_and_matches_fp32_greedy(tiny_decode, tmp_path):
+    """Every node of the tiny decode graph on the HTP (CPU fallback disabled); greedy tokens equal the fp32 ONNX
+    bundle's over a 7-token prompt (fed one token a step: the decode graph is the only graph so far)."""
+    from deltaship.runtimes.qnn import QnnDecoder
+
+    decoder = QnnDecoder(tiny_decode[1])
+    assert decoder.opened.checks and all(c.passed for c in decoder.opened.checks)
+    prompt = list(b"def fib")
+    assert decoder.greedy(prompt, 8) == _fp32_greedy(tmp_path, [prompt], 8, max_context=32)[0]
+
+
+@pytest.mark.slow
+@needs_qnn
+def test_qnn_decode_greedy_16_tokens_for_prompts_of_1_7_and_200(tmp_path):
+    from helpers import code_prompt
+
+    from deltaship.runtimes.qnn import QnnDecoder
+
+    prompts = [list(b"d"), list(b"def fib"), (code_prompt(100) * 3)[:200]]  # code_prompt is ~100 bytes long
+    _, path = _tiny_decode(tmp_path, max_context=256)
+    got = [QnnDecoder(path).greedy(p, 16) for p in prompts]
+    assert got == _fp32_greedy(tmp_path, prompts, 16, max_context=256)

@@ -133,3 +133,64 @@ def open_htp(
             "lower the refused ops to forms the HTP accepts (docs/npu.md lists them)",
         )
     return QnnOpen(session=session, checks=checks)
+
+
+_ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
+
+
+class QnnDecoder:
+    """Greedy decoding with a QNN decode graph (input_ids [1, 1], position [1], past.* -> logits, present.*).
+
+    The states live here as numpy arrays, zeroed at reset(); each step feeds one token at its position and
+    keeps the graph's present.* outputs as the next step's past.* inputs. A prompt is fed one token a step
+    (the decode graph is the only graph so far)."""
+
+    def __init__(self, model: str | Path, **htp_options: str):
+        import numpy as np  # numpy only with a session
+
+        self._np = np
+        self.opened = open_htp(model, **htp_options)
+        sess = self.opened.session
+        self.state_inputs = [i for i in sess.get_inputs() if i.name not in ("input_ids", "position")]
+        self.state_outputs = [o.name for o in sess.get_outputs()][1:]
+        if len(self.state_inputs) != len(self.state_outputs):
+            raise DeltashipError(
+                f"{model}: {len(self.state_inputs)} state inputs but {len(self.state_outputs)} state outputs",
+                "re-export the qnn decode graph",
+            )
+        self._quiet = self._ort_run_options()
+        self.reset()
+
+    @staticmethod
+    def _ort_run_options():
+        import onnxruntime as ort  # the session above imported it
+
+        quiet = ort.RunOptions()
+        quiet.log_severity_level = 3  # the session logs verbosely (for the validation lines); runs need not
+        return quiet
+
+    def reset(self) -> None:
+        np = self._np
+        self.states = [np.zeros(i.shape, dtype=_ORT_DTYPES[i.type]) for i in self.state_inputs]
+        self.position = 0
+
+    def step(self, token: int):
+        """Logits [V] (fp32) after `token` at the next position."""
+        np = self._np
+        feed = {"input_ids": np.array([[token]], np.int64), "position": np.array([self.position], np.int64)}
+        feed.update({i.name: s for i, s in zip(self.state_inputs, self.states)})
+        out = self.opened.session.run(None, feed, self._quiet)
+        self.states = out[1:]
+        self.position += 1
+        return out[0].reshape(-1).astype(np.float32)
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        """The argmax continuation of `prompt` (from a fresh state), `new_tokens` tokens."""
+        self.reset()
+        for t in prompt:
+            logits = self.step(t)
+        out = []
+        for _ in range(new_tokens):
+            out.append(int(logits.argmax()))
+            logits = self.step(out[-1])
+        return out

@@ -20,6 +20,10 @@ needs_qnn = pytest.mark.skipif(
     reason="onnxruntime-qnn (the QNN HTP simulator) is not installed: pip install onnxruntime-qnn==2.7.0 --no-deps",
 )
 F16 = TensorProto.FLOAT16
+# The HTP computes in fp16 (enable_htp_fp16_precision): max abs logit difference against the fp32 ONNX bundle on the
+# tiny preset after a 7-token prompt (chunk of 4 + 3 steps): measured 0.016; the prefill recurrence reading the first
+# token's decay for every token gave 0.072.
+QNN_FP16_LOGITS_TOL = 0.04
 
 
 def _matmul_relu(tokens: int | str = 4) -> tuple[bytes, np.ndarray]:
@@ -70,23 +74,28 @@ def test_htp_refusal_names_the_op_and_qnns_reason():
 
 @pytest.fixture(scope="module")
 def tiny_decode(tmp_path_factory):
-    """The tiny preset's QNN decode graph at max context 32: (lower_decode's result, decode.onnx)."""
-    return _tiny_decode(tmp_path_factory.mktemp("qnn"), max_context=32)
+    """The tiny preset's QNN graphs at max context 32, prefill chunk 4: (lower_decode's result, decode.onnx,
+    prefill.onnx)."""
+    return _tiny_graphs(tmp_path_factory.mktemp("qnn"), max_context=32, chunk=4)
 
 
-def _tiny_decode(tmp_path, max_context: int):
-    """The tiny preset's QNN decode graph (fp16), lowered from the ONNX target's passes."""
+def _tiny_graphs(tmp_path, max_context: int, chunk: int):
+    """The tiny preset's QNN decode and prefill graphs (fp16), lowered from the ONNX target's passes."""
     from helpers import export_context
 
-    from deltaship.export.qnn.model import lower_decode
+    from deltaship.export.qnn.model import lower_decode, lower_prefill
     from deltaship.models.source import load_source
 
     ctx = export_context("qwen3.5-tiny", "fp16", max_context=max_context)
-    return lower_decode(ctx, load_source("qwen3.5-tiny").weights, tmp_path), tmp_path / "decode.onnx"
+    weights = load_source("qwen3.5-tiny").weights
+    lowered = lower_decode(ctx, weights, tmp_path)
+    lower_prefill(ctx, weights, tmp_path, chunk)
+    return lowered, tmp_path / "decode.onnx", tmp_path / "prefill.onnx"
 
 
-def _fp32_greedy(tmp_path, prompts: list[list[int]], new_tokens: int, max_context: int) -> list[list[int]]:
-    """Greedy tokens of the tiny preset's fp32 ONNX bundle (the ONNX target, CPU)."""
+def _fp32_greedy(tmp_path, prompts: list[list[int]], new_tokens: int, max_context: int, logits_after=None):
+    """Greedy tokens of the tiny preset's fp32 ONNX bundle (the ONNX target, CPU); each prompt's logits after its
+    last token are appended to `logits_after` when given."""
     from deltaship.export import export
     from deltaship.runtimes import open_bundle
 
@@ -97,6 +106,8 @@ def _fp32_greedy(tmp_path, prompts: list[list[int]], new_tokens: int, max_contex
     for prompt in prompts:
         session.reset()
         logits, tokens = session.prefill(prompt), []
+        if logits_after is not None:
+            logits_after.append(np.asarray(logits, np.float32).reshape(-1))
         for _ in range(new_tokens):
             tokens.append(int(np.argmax(logits)))
             logits = session.decode(tokens[-1])
@@ -109,7 +120,7 @@ def test_qnn_decode_graph_is_static_and_standard(tiny_decode):
     (zeros on the HTP simulator inside the graph) and no Range."""
     import onnx
 
-    lowered, path = tiny_decode
+    lowered, path, _ = tiny_decode
     m = onnx.load(path)
     for v in [*m.graph.input, *m.graph.output]:
         dims = v.type.tensor_type.shape.dim
@@ -119,26 +130,47 @@ def test_qnn_decode_graph_is_static_and_standard(tiny_decode):
     assert lowered["onnx_ops"]["Where"] == 4  # key and value rows written at the position, 2 attention layers
 
 
+def test_qnn_lowering_table_covers_every_canonical_op():
+    from deltaship.export.onnx.lowering import LOWERINGS
+    from deltaship.export.qnn.lowering import QNN_LOWERINGS
+    from deltaship.models.ops import CANONICAL_OPS
+
+    assert not QNN_LOWERINGS.missing(CANONICAL_OPS.values())
+    assert not QNN_LOWERINGS.missing(LOWERINGS)  # every op the ONNX target lowers, rewritten or as it is
+
+
 @needs_qnn
 def test_qnn_decode_graph_runs_on_htp_and_matches_fp32_greedy(tiny_decode, tmp_path):
-    """Every node of the tiny decode graph on the HTP (CPU fallback disabled); greedy tokens equal the fp32 ONNX
-    bundle's over a 7-token prompt (fed one token a step: the decode graph is the only graph so far)."""
+    """Every node of the tiny decode and prefill graphs on the HTP (CPU fallback disabled); greedy tokens equal the
+    fp32 ONNX bundle's over a 7-token prompt (one prefill chunk of 4, then 3 decode steps)."""
     from deltaship.runtimes.qnn import QnnDecoder
 
-    decoder = QnnDecoder(tiny_decode[1])
-    assert decoder.opened.checks and all(c.passed for c in decoder.opened.checks)
+    decoder = QnnDecoder(tiny_decode[1], prefill=tiny_decode[2])
+    for opened in (decoder.opened, decoder.prefill_opened):
+        assert opened.checks and all(c.passed for c in opened.checks)
+    assert decoder.chunk == 4 and decoder.max_context == 32
     prompt = list(b"def fib")
-    assert decoder.greedy(prompt, 8) == _fp32_greedy(tmp_path, [prompt], 8, max_context=32)[0]
+    want_logits: list = []
+    assert decoder.greedy(prompt, 8) == _fp32_greedy(tmp_path, [prompt], 8, 32, want_logits)[0]
+    decoder.reset()
+    diff = np.abs(decoder.prefill(prompt) - want_logits[0]).max()
+    assert diff < QNN_FP16_LOGITS_TOL, diff
+    decoder.reset()
+    decoder.position = 31  # the static KV buffers hold 32 positions: a 2-token call would write past them
+    with pytest.raises(DeltashipError, match="past the graph's static KV buffers of 32 positions"):
+        decoder.prefill([1, 2])
 
 
 @pytest.mark.slow
 @needs_qnn
-def test_qnn_decode_greedy_16_tokens_for_prompts_of_1_7_and_200(tmp_path):
+def test_qnn_greedy_16_tokens_for_prompts_of_1_7_and_200(tmp_path):
+    """Prefill chunk 16 (the 200-token prompt: 12 chunks and 8 decode steps), max context 256."""
     from helpers import code_prompt
 
     from deltaship.runtimes.qnn import QnnDecoder
 
     prompts = [list(b"d"), list(b"def fib"), (code_prompt(100) * 3)[:200]]  # code_prompt is ~100 bytes long
-    _, path = _tiny_decode(tmp_path, max_context=256)
-    got = [QnnDecoder(path).greedy(p, 16) for p in prompts]
+    _, decode, prefill = _tiny_graphs(tmp_path, max_context=256, chunk=16)
+    decoder = QnnDecoder(decode, prefill=prefill)
+    got = [decoder.greedy(p, 16) for p in prompts]
     assert got == _fp32_greedy(tmp_path, prompts, 16, max_context=256)

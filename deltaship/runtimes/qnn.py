@@ -139,17 +139,20 @@ _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor
 
 
 class QnnDecoder:
-    """Greedy decoding with a QNN decode graph (input_ids [1, 1], position [1], past.* -> logits, present.*).
+    """Greedy decoding with QNN graphs: decode (input_ids [1, 1], position [1], past.* -> logits, present.*) and,
+    optionally, prefill (the same with input_ids [1, C]: C tokens a call).
 
-    The states live here as numpy arrays, zeroed at reset(); each step feeds one token at its position and
-    keeps the graph's present.* outputs as the next step's past.* inputs. A prompt is fed one token a step
-    (the decode graph is the only graph so far)."""
+    The states live here as numpy arrays, zeroed at reset(); each call feeds its tokens from the current
+    position and keeps the graph's present.* outputs as the next call's past.* inputs. A prompt is fed in
+    whole prefill chunks, the rest (and every prompt without a prefill graph) one token a step."""
 
-    def __init__(self, model: str | Path, **htp_options: str):
+    def __init__(self, model: str | Path, prefill: str | Path | None = None, **htp_options: str):
         import numpy as np  # numpy only with a session
 
         self._np = np
         self.opened = open_htp(model, **htp_options)
+        self.prefill_opened = open_htp(prefill, **htp_options) if prefill is not None else None
+        self.chunk = self.prefill_opened.session.get_inputs()[0].shape[1] if self.prefill_opened else 0
         sess = self.opened.session
         self.state_inputs = [i for i in sess.get_inputs() if i.name not in ("input_ids", "position")]
         self.state_outputs = [o.name for o in sess.get_outputs()][1:]
@@ -158,6 +161,8 @@ class QnnDecoder:
                 f"{model}: {len(self.state_inputs)} state inputs but {len(self.state_outputs)} state outputs",
                 "re-export the qnn decode graph",
             )
+        keys = [i.shape[2] for i in self.state_inputs if i.name.endswith(".key")]
+        self.max_context = min(keys) if keys else None  # the static KV buffers' rows
         self._quiet = self._ort_run_options()
         self.reset()
 
@@ -174,21 +179,40 @@ class QnnDecoder:
         self.states = [np.zeros(i.shape, dtype=_ORT_DTYPES[i.type]) for i in self.state_inputs]
         self.position = 0
 
+    def _call(self, session, tokens: list[int]):
+        np = self._np
+        if self.max_context is not None and self.position + len(tokens) > self.max_context:
+            raise DeltashipError(
+                f"the sequence would reach position {self.position + len(tokens)}, past the graph's static KV "
+                f"buffers of {self.max_context} positions",
+                "export with a larger --max-context, or start a new sequence (reset)",
+            )
+        feed = {"input_ids": np.array([tokens], np.int64), "position": np.array([self.position], np.int64)}
+        feed.update({i.name: s for i, s in zip(self.state_inputs, self.states)})
+        out = session.run(None, feed, self._quiet)
+        self.states = out[1:]
+        self.position += len(tokens)
+        return out[0].reshape(-1).astype(np.float32)
+
     def step(self, token: int):
         """Logits [V] (fp32) after `token` at the next position."""
-        np = self._np
-        feed = {"input_ids": np.array([[token]], np.int64), "position": np.array([self.position], np.int64)}
-        feed.update({i.name: s for i, s in zip(self.state_inputs, self.states)})
-        out = self.opened.session.run(None, feed, self._quiet)
-        self.states = out[1:]
-        self.position += 1
-        return out[0].reshape(-1).astype(np.float32)
+        return self._call(self.opened.session, [token])
+
+    def prefill(self, prompt: list[int]):
+        """Logits [V] (fp32) after the last token of `prompt`, fed from the current position."""
+        if not prompt:
+            raise DeltashipError("an empty prompt: there are no logits to continue from", "pass at least one token")
+        whole = len(prompt) - len(prompt) % self.chunk if self.chunk else 0
+        for i in range(0, whole, self.chunk):
+            logits = self._call(self.prefill_opened.session, prompt[i : i + self.chunk])
+        for t in prompt[whole:]:
+            logits = self.step(t)
+        return logits
 
     def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
         """The argmax continuation of `prompt` (from a fresh state), `new_tokens` tokens."""
         self.reset()
-        for t in prompt:
-            logits = self.step(t)
+        logits = self.prefill(prompt)
         out = []
         for _ in range(new_tokens):
             out.append(int(logits.argmax()))

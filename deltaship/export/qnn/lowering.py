@@ -3,9 +3,11 @@
 QNN's HTP backend takes static shapes and standard ops only (docs/npu.md lists the op forms it accepted
 on the simulator). The ONNX target's contrib ops have no QNN form, so here, over a program captured for a
 fixed token count:
-- the gated delta rule (one token) is batched MatMuls and elementwise ops per value head;
+- the gated delta rule is one step per token (unrolled over the static token count), batched MatMuls and
+  elementwise ops per value head;
 - the DeltaNet gates are Softplus and Sigmoid;
-- attention writes the new key/value row into the static cache with Where(one-hot position) and attends
+- attention writes the new key/value rows into the static cache (Where(one-hot position) for one token, a
+  one-hot MatMul for several) and attends
   with MatMul + additive causal mask + Softmax, q heads grouped per KV head (no repeated cache);
 - a static `arange` is a constant (no Range node);
 - a split is one Slice per piece (see _split);
@@ -26,6 +28,7 @@ from deltaship.export.onnx.lowering import DS, LOWERINGS, TORCH_TO_ONNX, Lowerer
 
 QNN_LOWERINGS = OpLowerings("qnn")
 _OVERRIDES: dict = {}
+_NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 MASKED = -30000.0  # an additive mask that stays finite in fp16 (the HTP computes in fp16)
 
 
@@ -57,33 +60,40 @@ def _static_tokens(node, what: str) -> int:
 
 
 @_override(DS.gated_delta_rule.default)
-def _gated_delta_step(L: Lowerer, node, q, k, v, g, beta, state):
-    """One token: S = exp(g) S; S += k (beta (v - S^T k))^T; o = q^T S / sqrt(dk), per value head, fp32."""
-    if _static_tokens(node, "the gated delta rule") != 1:
-        raise DeltashipError(
-            f"qnn lowering: the gated delta rule at {node.args[0].meta['val'].shape[1]} tokens (FX node "
-            f"{node.name!r}); only the one-token decode step is lowered so far",
-            "capture the decode program (static=1); the chunked prefill form is not written yet",
-        )
+def _gated_delta(L: Lowerer, node, q, k, v, g, beta, state):
+    """T tokens, one step each (unrolled; T is static): S = exp(g) S; S += k (beta (v - S^T k))^T;
+    o = q^T S / sqrt(dk), per value head, fp32."""
+    t = _static_tokens(node, "the gated delta rule")
     _, _, hk, dk = L.meta(q).shape
     _, _, hv, dv = L.meta(v).shape
     r = hv // hk
 
-    def per_value_head(t) -> str:  # [1, 1, Hk, d] -> [Hv, 1, d], q/k head h serving value heads h*r .. h*r+r-1
-        t = _shape(L, _f32(L, t), [hk, 1, dk])
+    def per_value_head(x, d: int) -> str:  # [1, T, Hk, d] -> [T, Hv, 1, d]: head h serves value heads h*r .. h*r+r-1
+        x = _shape(L, _f32(L, x), [t, hk, 1, d])
         if r > 1:
-            t = L.b.one("Expand", [t, L.b.const(np.array([hk, r, dk], np.int64))])
-        return _shape(L, t, [hv, 1, dk])
+            x = L.b.one("Expand", [x, L.b.const(np.array([t, hk, r, d], np.int64))])
+        return _shape(L, x, [t, hv, 1, d])
 
-    qh = L.b.one("Mul", [per_value_head(q), L.b.const(np.array(dk**-0.5, np.float32))])
-    kh = per_value_head(k)
-    vh = _shape(L, _f32(L, v), [hv, 1, dv])
-    decay = L.b.one("Exp", [_shape(L, _f32(L, g), [hv, 1, 1])])
-    s = L.b.one("Mul", [_shape(L, _f32(L, state), [hv, dk, dv]), decay])
-    kv_mem = L.b.one("MatMul", [kh, s])  # [Hv, 1, dv]
-    delta = L.b.one("Mul", [L.b.one("Sub", [vh, kv_mem]), _shape(L, _f32(L, beta), [hv, 1, 1])])
-    s = L.b.one("Add", [s, L.b.one("MatMul", [L.b.one("Transpose", [kh], perm=[0, 2, 1]), delta])])
-    o = _shape(L, L.b.one("MatMul", [qh, s]), [1, 1, hv, dv])
+    def token(x: str, i: int, shape) -> str:  # row i of x [T, ...] as `shape`
+        bounds = [L.b.const(np.array([v], np.int64)) for v in (i, i + 1, 0)]
+        return _shape(L, L.b.one("Slice", [x, *bounds]), shape)
+
+    qs = L.b.one("Mul", [per_value_head(q, dk), L.b.const(np.array(dk**-0.5, np.float32))])
+    ks = per_value_head(k, dk)
+    vs = _shape(L, _f32(L, v), [t, hv, 1, dv])
+    decays = L.b.one("Exp", [_shape(L, _f32(L, g), [t, hv, 1, 1])])
+    betas = _shape(L, _f32(L, beta), [t, hv, 1, 1])
+    s = _shape(L, _f32(L, state), [hv, dk, dv])
+    outs = []
+    for i in range(t):
+        kh = token(ks, i, [hv, 1, dk])
+        s = L.b.one("Mul", [s, token(decays, i, [hv, 1, 1])])
+        kv_mem = L.b.one("MatMul", [kh, s])  # [Hv, 1, dv]
+        delta = L.b.one("Mul", [L.b.one("Sub", [token(vs, i, [hv, 1, dv]), kv_mem]), token(betas, i, [hv, 1, 1])])
+        s = L.b.one("Add", [s, L.b.one("MatMul", [L.b.one("Transpose", [kh], perm=[0, 2, 1]), delta])])
+        outs.append(L.b.one("MatMul", [token(qs, i, [hv, 1, dk]), s]))  # [Hv, 1, dv]
+    o = outs[0] if t == 1 else L.b.one("Concat", outs, axis=1)  # [Hv, T, dv]
+    o = _shape(L, L.b.one("Transpose", [o], perm=[1, 0, 2]), [1, t, hv, dv])
     if L.dtype_of(v) != torch.float32:
         o = L.b.one("Cast", [o], to=TORCH_TO_ONNX[L.dtype_of(v)])
     new_state = _shape(L, s, [1, hv, dk, dv])
@@ -102,14 +112,8 @@ def _delta_gates(L: Lowerer, node, a, b, dt_bias, decay_scale):
 
 @_override(DS.attention_with_kv_cache.default)
 def _attention(L: Lowerer, node, q, k, v, k_cache, v_cache, pos):
-    """Write row pos of the static cache, attend causally over rows 0 .. pos (fp32 scores)."""
+    """Write rows pos .. pos+T-1 of the static cache, attend causally over rows 0 .. pos+t (fp32 scores)."""
     t = _static_tokens(node, "attention")
-    if t != 1:
-        raise DeltashipError(
-            f"qnn lowering: attention over {t} tokens (FX node {node.name!r}); only the one-token decode step is "
-            "lowered so far",
-            "capture the decode program (static=1); the prefill chunk's cache write is not written yet",
-        )
     _, _, h, d = L.meta(q).shape
     _, hkv, s, _ = L.meta(k_cache).shape
     rep = h // hkv
@@ -119,12 +123,19 @@ def _attention(L: Lowerer, node, q, k, v, k_cache, v_cache, pos):
     at = L.b.one("Add", [L.as_tensor(pos), steps])  # [1, T]: the new tokens' positions
     hot = L.b.one("Equal", [rows, at])  # [S, T]
 
-    def write(new, cache) -> str:  # new [1, 1, Hkv, D] -> cache [1, Hkv, S, D] with row pos = the token
+    def write(new, cache) -> str:  # new [1, T, Hkv, D] -> cache [1, Hkv, S, D] with row pos+j = token j
         new = L.b.one("Transpose", [L.as_tensor(new)], perm=[0, 2, 1, 3])  # [1, Hkv, T, D]
-        if L.dtype_of(cache) != L.meta(node.args[1]).dtype:
+        if L.dtype_of(cache) != L.dtype_of(node.args[1]):
             new = L.b.one("Cast", [new], to=cdt)
-        at_row = L.b.one("Unsqueeze", [hot, L.b.const(np.array([0, 1], np.int64))])  # [1, 1, S, 1]
-        return L.b.one("Where", [at_row, new, L.as_tensor(cache)])
+        if t == 1:
+            at_row = L.b.one("Unsqueeze", [hot, L.b.const(np.array([0, 1], np.int64))])  # [1, 1, S, 1]
+            return L.b.one("Where", [at_row, new, L.as_tensor(cache)])
+        # T rows: the one-hot [S, T] places them (a MatMul, exact: one 1 per row); the other rows keep the cache
+        hot_f = L.b.one("Cast", [hot], to=cdt)
+        placed = L.b.one("MatMul", [hot_f, new])  # [1, Hkv, S, D]
+        written = L.b.one("ReduceMax", [hot_f, L.b.const(np.array([1], np.int64))], keepdims=1)  # [S, 1]
+        kept = L.b.one("Mul", [L.as_tensor(cache), L.b.one("Sub", [L.b.const(np.array(1, _NP[cdt])), written])])
+        return L.b.one("Add", [kept, placed])
 
     kc, vc = write(k, k_cache), write(v, v_cache)
     # q heads grouped by KV head: head i reads KV head i // rep

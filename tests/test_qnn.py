@@ -164,13 +164,14 @@ def test_qnn_decode_graph_runs_on_htp_and_matches_fp32_greedy(tiny_decode, tmp_p
 @pytest.mark.slow
 @needs_qnn
 def test_qnn_greedy_16_tokens_for_prompts_of_1_7_and_200(tmp_path):
-    """Prefill chunk 16 (the 200-token prompt: 12 chunks and 8 decode steps), max context 256."""
+    """Prefill chunk 8 (the 200-token prompt: 25 chunks), max context 256. (At chunk 16 the HTP simulator
+    miscomputes the unrolled graph: docs/npu.md.)"""
     from helpers import code_prompt
 
     from deltaship.runtimes.qnn import QnnDecoder
 
     prompts = [list(b"d"), list(b"def fib"), (code_prompt(100) * 3)[:200]]  # code_prompt is ~100 bytes long
-    _, decode, prefill = _tiny_graphs(tmp_path, max_context=256, chunk=16)
+    _, decode, prefill = _tiny_graphs(tmp_path, max_context=256, chunk=8)
     decoder = QnnDecoder(decode, prefill=prefill)
     got = [decoder.greedy(p, 16) for p in prompts]
     assert got == _fp32_greedy(tmp_path, prompts, 16, max_context=256)

@@ -59,8 +59,10 @@ class Lowerer:
         progress: Callable[[str], None] | None = None,
         deltanet_ops: str = "standard",
         opset: int = 21,
+        lowerings: OpLowerings | None = None,
     ):
         self.ep, self.plan, self.weights, self.quant = program, plan, weights, quant
+        self.lowerings = lowerings if lowerings is not None else LOWERINGS  # a target's own table (export/qnn)
         self.b = builder
         self.accuracy_level = accuracy_level
         self.deltanet_ops = deltanet_ops  # "standard" or "contrib" (see DELTANET_OPS in export/onnx)
@@ -199,7 +201,7 @@ class Lowerer:
             if node.op == "output":
                 self._outputs(node, output_names)
                 continue
-            fn = LOWERINGS.get(node.target)
+            fn = self.lowerings.get(node.target)
             if fn is None:
                 raise DeltashipError(
                     f"onnx lowering: no lowering for op {node.target} (FX node {node.name!r}, from "

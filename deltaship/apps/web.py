@@ -15,6 +15,7 @@ from typing import Any
 
 from deltaship.bundle import read_manifest
 from deltaship.bundle.format import a_bundle
+from deltaship.chat.pieces import CHAT_RECORD, bundle_pieces
 from deltaship.errors import DeltashipError
 
 JS_PACKAGE = Path(__file__).parent / "js"
@@ -69,6 +70,9 @@ def write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
     (out / "bundle").mkdir()
     for name in ["manifest.json", *files]:
         shutil.copy2(bundle / name, out / "bundle" / name)
+    chat = bundle_pieces(bundle, m)  # refuses a template that per-role pieces cannot express
+    if chat is not None:
+        (out / CHAT_RECORD).write_text(json.dumps(chat, indent=2, ensure_ascii=False) + "\n")
     if platform == "web":
         (out / "index.html").write_text(_INDEX_HTML)
         (out / "main.js").write_text(_MAIN_JS)

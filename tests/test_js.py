@@ -206,11 +206,18 @@ def _chromium() -> str:
 
 
 def _browser_run(
-    node, bundles: dict[str, Path], name: str, ep: str, tmp_path: Path, flags: list[str], wait_s: int = 240
+    node,
+    bundles: dict[str, Path],
+    name: str,
+    ep: str,
+    tmp_path: Path,
+    flags: list[str],
+    wait_s: int = 240,
+    query: dict | None = None,
 ) -> dict:
     server = _Server(bundles)
     query = urllib.parse.urlencode(
-        {"bundle": f"/bundles/{name}/", "ep": ep, "n": NEW_TOKENS, "prompts": json.dumps(PROMPTS)}
+        {"bundle": f"/bundles/{name}/", "ep": ep, "n": NEW_TOKENS, "prompts": json.dumps(PROMPTS), **(query or {})}
     )
     url = f"http://127.0.0.1:{server.port}/test/page.html?{query}"
     cmd = [
@@ -271,6 +278,8 @@ def test_desktop_kit_runs_in_node(node, tiny, tmp_path):
         "README.md",
         "package.json",
         "deltaship-runtime/src/node.js",
+        "deltaship-runtime/src/chat.js",
+        "chat.json",
         "bundle/model.onnx",
         "bundle/model.onnx.data",
         "bundle/manifest.json",
@@ -512,3 +521,16 @@ def test_node_chat_starts_from_the_shipped_prompt_cache(node, tmp_path):
     js = _records(run.stdout)
     _assert_same_turns(js, py)
     assert js[0]["prefill_tokens"] == len(js[0]["history_ids"]) - cached and cached > 0
+
+
+def test_chromium_chat_matches_deltaship_chat(node, tiny, tmp_path):
+    """The same conversation in headless Chromium (wasm): the saved conversation goes through a Blob and back."""
+    from deltaship.bundle import read_manifest
+    from deltaship.chat.pieces import bundle_pieces
+
+    script = CHAT_SCRIPT.replace("import os\n", "import os\n/save\n/load\n").splitlines()
+    chat = {"pieces": bundle_pieces(tiny["fp32"], read_manifest(tiny["fp32"]))["pieces"], "system": "Code.",
+            "script": script}  # fmt: skip
+    report = _browser_run(node, tiny, "fp32", "wasm", tmp_path, [], query={"n": CHAT_N, "chat": json.dumps(chat)})
+    assert "error" not in report, report["error"]
+    _assert_same_turns(report["records"], _python_chat(tiny["fp32"], CHAT_SCRIPT, "--system", "Code."))

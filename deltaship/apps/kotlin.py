@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.apps import kit_name
+from deltaship.chat.pieces import bundle_pieces
 from deltaship.errors import DeltashipError
 
 TEMPLATES = Path(__file__).parent / "templates" / "kotlin"
@@ -94,9 +95,11 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
                 "output": s["output"],
                 "shape": _shape(s["shape"]),
                 "dtype": _dtype(s["name"], s["dtype"]),
+                "checkpoint": s["kind"].startswith("deltanet"),  # what a chat turn's checkpoint copies
             }
             for s in manifest["states"]
         ],
+        "chat": _chat_spec(bundle, manifest),  # None: no chat template in the bundle (no DeltashipChat.kt)
         "gradle": [f"com.microsoft.onnxruntime:onnxruntime-android:{tools['onnxruntime']}"],
     }
     extra = set(kinds) - {"tokens", "position", "position_ids", "current_sequence_length", "past_sequence_length"}
@@ -169,16 +172,93 @@ def render_kit_spec(spec: dict[str, Any]) -> str:
             "    val STATES = listOf(",
         ]
         lines += [
-            f'        StateSpec("{s["input"]}", "{s["output"]}", {arr(s["shape"])}, DType.{_DTYPES[s["dtype"]]}),'
+            f'        StateSpec("{s["input"]}", "{s["output"]}", {arr(s["shape"])}, DType.{_DTYPES[s["dtype"]]}'
+            + (", checkpoint = true" if s.get("checkpoint") else "")
+            + "),"
             for s in spec["states"]
         ]
         lines += ["    )"]
+        lines += _render_chat(spec.get("chat"))
     lines += ["}", ""]
     return "\n".join(lines)
 
 
+_CHAT_FIELDS = [  # ChatPieces' constructor arguments, in order, and where chat.json keeps each
+    ("start", ("start",)),
+    ("systemPrefix", ("roles", "system", "prefix")),
+    ("systemSuffix", ("roles", "system", "suffix")),
+    ("userPrefix", ("roles", "user", "prefix")),
+    ("userSuffix", ("roles", "user", "suffix")),
+    ("assistantPrefix", ("roles", "assistant", "prefix")),
+    ("assistantSuffix", ("roles", "assistant", "suffix")),
+    ("generationPrompt", ("generation_prompt",)),
+    ("generationPromptNoThinking", ("generation_prompt_no_thinking",)),
+]
+
+
+def _kotlin_string(text: str) -> str:
+    """A Kotlin string literal: JSON's escapes (which Kotlin shares for these) plus `$`, Kotlin's template sign."""
+    return json.dumps(text, ensure_ascii=True).replace("$", "\\$")
+
+
+def _chat_spec(bundle: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    chat = bundle_pieces(bundle, manifest)  # refuses a template per-role pieces cannot express
+    if chat is None:
+        return None
+    cache = chat["prompt_cache"]
+    return {
+        "pieces": chat["pieces"],
+        "stop_ids": chat["stop_ids"],
+        "prompt_cache_file": cache["file"] if cache else None,
+    }
+
+
+def _render_chat(chat: dict[str, Any] | None) -> list[str]:
+    if chat is None:
+        return ["    val CHAT: ChatPieces? = null"]
+    pieces = chat["pieces"]
+    lines = [
+        "    // the chat template's pieces per role (deltaship/chat/pieces.py), rendered from the bundle's template",
+        "    val CHAT: ChatPieces? = ChatPieces(",
+    ]
+    for name, path in _CHAT_FIELDS:
+        value: Any = pieces
+        for k in path:
+            value = value[k]
+        lines.append(f"        {name} = {_kotlin_string(value)},")
+    cache = chat["prompt_cache_file"]
+    lines += [
+        f"        dropThink = {'true' if pieces['drop_think'] else 'false'},",
+        "        stopIds = setOf(" + ", ".join(str(i) for i in chat["stop_ids"]) + "),",
+        "        promptCacheFile = " + (json.dumps(cache) if cache else "null") + ",",
+        "    )",
+    ]
+    return lines
+
+
+def _parse_chat(text: str) -> dict[str, Any] | None:
+    m = re.search(r"val CHAT: ChatPieces\? = ChatPieces\((.*?)\n    \)", text, re.S)
+    if m is None:
+        return None
+    fields = dict(re.findall(r"^\s+(\w+) = (.*),$", m.group(1), re.M))
+    pieces: dict[str, Any] = {"roles": {"system": {}, "user": {}, "assistant": {}}}
+    for name, path in _CHAT_FIELDS:
+        target = pieces
+        for k in path[:-1]:
+            target = target[k]
+        target[path[-1]] = json.loads(fields[name].replace("\\$", "$"))
+    pieces["drop_think"] = fields["dropThink"] == "true"
+    stop = fields["stopIds"].removeprefix("setOf(").removesuffix(")")
+    cache = fields["promptCacheFile"]
+    return {
+        "pieces": pieces,
+        "stop_ids": [int(x) for x in stop.split(",") if x.strip()],
+        "prompt_cache_file": None if cache == "null" else json.loads(cache),
+    }
+
+
 _FEATURE = re.compile(r'Feature\("([^"]*)", longArrayOf\(([-\d, ]*)\), DType\.(\w+)\)')
-_STATE = re.compile(r'StateSpec\("([^"]*)", "([^"]*)", longArrayOf\(([-\d, ]*)\), DType\.(\w+)\)')
+_STATE = re.compile(r'StateSpec\("([^"]*)", "([^"]*)", longArrayOf\(([-\d, ]*)\), DType\.(\w+)(, checkpoint = true)?\)')
 _FROM_KOTLIN = {v: k for k, v in _DTYPES.items()}
 
 
@@ -210,9 +290,16 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
         )
         out["vocab_size"] = int(val("VOCAB_SIZE"))
         out["states"] = [
-            {"input": m.group(1), "output": m.group(2), "shape": ints(m.group(3)), "dtype": _FROM_KOTLIN[m.group(4)]}
+            {
+                "input": m.group(1),
+                "output": m.group(2),
+                "shape": ints(m.group(3)),
+                "dtype": _FROM_KOTLIN[m.group(4)],
+                "checkpoint": m.group(5) is not None,
+            }
             for m in _STATE.finditer(text)
         ]
+        out["chat"] = _parse_chat(text)
     return out
 
 
@@ -228,7 +315,9 @@ def generate(bundle: Path, manifest: dict[str, Any], out: Path) -> dict[str, Any
     src = out / SOURCE_DIR
     src.mkdir(parents=True)
     drivers = (
-        ["DeltashipOrtModel.kt"] + (["DeltashipGenAiModel.kt"] if "genai" in spec else [])
+        ["DeltashipOrtModel.kt"]
+        + (["DeltashipChat.kt"] if spec.get("chat") else [])
+        + (["DeltashipGenAiModel.kt"] if "genai" in spec else [])
         if spec["runtime"] == "onnxruntime"
         else ["DeltashipExecuTorchModel.kt"]
     )

@@ -425,7 +425,8 @@ model.close()
   `llama::gated_delta_rule`) and XNNPACK. The Android build preset of ExecuTorch
   (`tools/cmake/preset/android.cmake`) turns on `EXECUTORCH_BUILD_KERNELS_LLM`, so the published AAR
   should register them (not checked on a device); a custom AAR needs them too.
-- Prompts are used as given: apply the chat template yourself. `reset()` forgets the conversation.
+- Prompts are used as given: apply the chat template yourself, or use `DeltashipChat` (below). `reset()` forgets
+  the conversation.
 - The runner splits a prompt into calls of `get_max_seq_len` tokens; a .pte whose `get_max_seq_len` is the
   context rather than the prefill chunk ({spec["prefill_chunk"]}) fails on prompts longer than the chunk
   (ExecuTorch's error: "Attempted to resize a bounded tensor"). Read the value in Python with
@@ -484,6 +485,15 @@ onnxruntime-android has no text tokenizer. `generate(prompt: String, tokenizer, 
   `ai.djl.android:tokenizer-native` AAR, same version): wrap `HuggingFaceTokenizer.newInstance(path)`'s
   `encode(text).ids` / `decode(ids)` in a `TextTokenizer`.
 - Tokenize on a server or at build time and pass token ids to `generate(IntArray, ...)`.
-Prompts are used as given: apply the chat template yourself.
+Prompts are used as given: apply the chat template yourself, or chat with `DeltashipChat` (when the bundle has a
+chat template: `KitSpec.CHAT` holds it as per-role pieces, rendered at `deltaship app` time):
+
+```kotlin
+val chat = DeltashipChat(DeltashipOrtModel(dir), tokenizer, system = "Be brief.")
+chat.usePromptCache(dir)                         // a bundle exported with --prompt-cache of that system message
+val reply = chat.send("Hello", maxNewTokens = 64) // text, ids, stopped, prefillTokens
+chat.retry(); chat.undo()
+val bytes = chat.save(); chat.load(bytes)         // a file or a database blob
+```
 {genai}"""
     )

@@ -505,6 +505,13 @@ def test_node_chat_matches_deltaship_chat(node, tiny, tmp_path):
     run = _node_chat(node, bundle, pieces, f"/load {saved}\n", "--system", "Code.")
     assert run.returncode == 1 and "does not match its sha256" in run.stderr and "nothing was loaded" in run.stderr
 
+    # thinking off: the generation prompt closes an empty think block, which the next turn's rendering drops too
+    script = "import os\ndef main():\n/retry\n"
+    py = _python_chat(bundle, script, "--no-thinking")
+    run = _node_chat(node, bundle, pieces, script, "--no-thinking")
+    assert run.returncode == 0, run.stderr
+    _assert_same_turns(_records(run.stdout), py)
+
 
 def test_node_chat_starts_from_the_shipped_prompt_cache(node, tmp_path):
     """A bundle exported with --prompt-cache: the JS chat starts from prompt_cache.safetensors (its first turn feeds

@@ -541,3 +541,20 @@ def test_chromium_chat_matches_deltaship_chat(node, tiny, tmp_path):
     report = _browser_run(node, tiny, "fp32", "wasm", tmp_path, [], query={"n": CHAT_N, "chat": json.dumps(chat)})
     assert "error" not in report, report["error"]
     _assert_same_turns(report["records"], _python_chat(tiny["fp32"], CHAT_SCRIPT, "--system", "Code."))
+
+
+def test_node_chat_continues_a_deltaship_chat_session_file(node, tiny, tmp_path):
+    """A `deltaship chat --session FILE` file (named by its bundle's manifest.json sha256) loads in the JS chat, and
+    the conversation goes on as it does in Python: retry, then a new message."""
+    import shutil as sh
+
+    bundle, pieces = tiny["fp32"], _chat_json(tiny["fp32"], tmp_path)
+    session = tmp_path / "talk.dschat"
+    _python_chat(bundle, "import os\ndef main():\n", "--system", "Code.", "--session", str(session))
+    sh.copy(session, tmp_path / "copy.dschat")
+    py = _python_chat(bundle, "/retry\nx = 1\n", "--session", str(session))
+    run = _node_chat(node, bundle, pieces, f"/load {tmp_path / 'copy.dschat'}\n/retry\nx = 1\n", "--system", "Code.")
+    assert run.returncode == 0, run.stderr
+    js = _records(run.stdout)
+    assert js[0]["command"] == "load" and js[0]["history_tokens"] > len(py[0]["history_ids"])
+    _assert_same_turns(js, py)

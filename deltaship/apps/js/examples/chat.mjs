@@ -47,7 +47,8 @@ try {
   const { pieces } = JSON.parse(await readFile(values.pieces, 'utf8'));
   const cached = Object.hasOwn(session.manifest.files, PROMPT_CACHE_FILE) ? await readFile(join(dir, PROMPT_CACHE_FILE)) : null;
   const system = values.system ?? session.manifest.chat?.prompt_cache?.system ?? null;
-  const opts = { pieces, promptCache: cached, thinking: !values['no-thinking'] };
+  const manifestBytes = await readFile(join(dir, 'manifest.json'));
+  const opts = { pieces, promptCache: cached, thinking: !values['no-thinking'], manifestBytes };
   if (values['check-state']) fresh = await openBundle(dir, { threads: 1 });
   chat = await Chat.create(session, { ...opts, system });
   const gen = { maxNewTokens: Number(values['max-new-tokens']) };

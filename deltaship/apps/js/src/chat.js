@@ -267,15 +267,16 @@ export class Chat {
   }
 
   /**
-   * A conversation saved by `save` (or by deltaship's Python chat with a files_sha256 identity), on a session of
+   * A conversation saved by `save` (or by deltaship's Python chat: `Chat.save`, `--session`), on a session of
    * the same bundle; every hash, dtype and shape is checked before the session is touched.
    * @param {import('./core.js').Session} session
    * @param {Uint8Array|ArrayBuffer} bytes
-   * @param {{pieces: object, promptCache?: Uint8Array|null}} opts
+   * @param {{pieces: object, promptCache?: Uint8Array|null, manifestBytes?: Uint8Array}} opts manifestBytes: the
+   *   bundle's manifest.json, to load a `deltaship chat --session` file (it names the bundle by that file's sha256)
    */
   static async load(session, bytes, opts) {
     const { meta, tensors } = await readSessionBytes(bytes, 'the saved chat');
-    await checkIdentity(meta, session, 'the saved chat');
+    await checkIdentity(meta, session, 'the saved chat', opts.manifestBytes);
     const chat = new Chat(session, { ...opts, system: meta.system, thinking: meta.template_kwargs?.enable_thinking !== false });
     loadState(session, meta.position, tensors, 'the saved chat');
     chat.ids = [...meta.ids];
@@ -433,12 +434,18 @@ export async function readSessionBytes(input, where) {
   return { meta, tensors };
 }
 
-function checkIdentity(meta, session, where) {
-  return filesIdentity(session.manifest).then((have) => {
-    const got = meta.bundle?.files_sha256;
-    if (got !== have) {
-      throw new DeltashipError(`${where}: saved with another bundle (files sha256 ${String(got).slice(0, 12)}..., this one ${have.slice(0, 12)}...)`,
-        'load it with the bundle it was saved with');
-    }
-  });
+// A file names its bundle by files_sha256 (JS saves, prompt caches) or manifest_sha256 (`deltaship chat --session`
+// files): the latter is checked against the bytes of the bundle's manifest.json, when the caller passes them.
+async function checkIdentity(meta, session, where, manifestBytes = null) {
+  const byManifest = meta.bundle?.manifest_sha256 !== undefined;
+  if (byManifest && !manifestBytes) {
+    throw new DeltashipError(`${where}: names its bundle by the sha256 of manifest.json (a deltaship chat --session file)`,
+      'pass manifestBytes (the bytes of the bundle\'s manifest.json) to Chat.load');
+  }
+  const [key, have] = byManifest ? ['manifest_sha256', await sha256Hex(manifestBytes)] : ['files_sha256', await filesIdentity(session.manifest)];
+  const got = meta.bundle?.[key];
+  if (got !== have) {
+    throw new DeltashipError(`${where}: saved with another bundle (${key.replace('_', ' ')} ${String(got).slice(0, 12)}..., this one ${have.slice(0, 12)}...)`,
+      'load it with the bundle it was saved with');
+  }
 }

@@ -91,7 +91,15 @@ def write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
         )
         + "\n"
     )
-    (out / "README.md").write_text(_readme(m, platform, files))
+    readme = _readme(m, platform, files)
+    if chat is not None:
+        readme += (
+            "\n## Chat\n\n`chat.json` holds the bundle's chat template as per-role pieces (rendered by `deltaship app`); "
+            "`Chat` in `deltaship-runtime/src/chat.js` takes them: `await Chat.create(session, { pieces, system })`, "
+            "then `send(text)`, `retry()`, `undo()`, `reset()`, `save()` (bytes: keep them in IndexedDB or a file) and "
+            "`Chat.load(session, bytes, { pieces })`.\n"
+        )
+    (out / "README.md").write_text(readme)
     return sorted(p for p in out.rglob("*") if p.is_file())
 
 

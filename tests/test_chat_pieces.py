@@ -68,3 +68,25 @@ def test_templates_pieces_cannot_express_are_refused(source, why):
     with pytest.raises(DeltashipError, match=why) as e:
         template_pieces(ChatTemplate(source), "bundle X: the chat template")
     assert "bundle X" in str(e.value) and "ChatML-style" in e.value.fix
+
+
+def test_app_time_refusal_names_the_bundle(tmp_path):
+    """bundle_pieces (what `deltaship app` calls for every kit with chat) refuses a template pieces cannot express,
+    naming the bundle; a bundle without any chat template gets a kit without chat (None)."""
+    import hashlib
+    import json
+
+    from deltaship.chat.pieces import bundle_pieces
+
+    def bundle(files: dict[str, str]) -> dict:
+        for name, text in files.items():
+            (tmp_path / name).write_text(text)
+        listed = {n: {"sha256": hashlib.sha256(t.encode()).hexdigest(), "size": len(t)} for n, t in files.items()}
+        return {"files": listed, "tokenizer": {"files": list(files)}, "tokens": {"eos": [1]}}
+
+    bad = "{% for m in messages %}{{ loop.index }}{{ m.content }}{% endfor %}"
+    manifest = bundle({"tokenizer.json": "{}", "chat_template.jinja": bad})
+    with pytest.raises(DeltashipError, match=f"{tmp_path}: the chat template cannot be split into per-role pieces"):
+        bundle_pieces(tmp_path, manifest)
+    (tmp_path / "chat_template.jinja").unlink()
+    assert bundle_pieces(tmp_path, bundle({"tokenizer.json": "{}", "tokenizer_config.json": json.dumps({})})) is None

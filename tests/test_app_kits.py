@@ -925,7 +925,7 @@ def test_genai_driver_when_the_bundle_has_genai_config(android_bundles, tmp_path
     if not (bundle / "genai_config.json").exists():  # bundles from before genai_config.json was written
         (bundle / "genai_config.json").write_text(json.dumps({"model": {"type": "decoder", "context_length": 128}}))
     record = write_kit(bundle, tmp_path / "kit", "android")
-    assert record["drivers"] == ["DeltashipOrtModel.kt", "DeltashipGenAiModel.kt"]
+    assert record["drivers"] == ["DeltashipOrtModel.kt", "DeltashipChat.kt", "DeltashipGenAiModel.kt"]
     assert any(d.startswith("com.microsoft.onnxruntime:onnxruntime-genai-android:") for d in record["gradle"])
     assert check_kotlin_kit(tmp_path / "kit", bundle) == []
     driver = _kotlin_sources(tmp_path / "kit")["DeltashipGenAiModel.kt"]

@@ -713,11 +713,72 @@ def check_kotlin_kit(kit: Path, bundle: Path) -> list[str]:
         fwd = meta["forward"]
         if [d for d, _ in fwd["inputs"]] != ["Long", "Long"] or len(fwd["inputs"][1][1]) != 1:  # Long = int64
             problems.append(f"forward takes {fwd['inputs']}, not (tokens int64 [1, T], input_pos int64 [1])")
-    stray = set().union(*(identifier_literals(t) for t in texts.values())) - names - GENAI_OPTIONS
+    if spec.get("states"):
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        deltanet = {s["name"] for s in manifest["states"] if s["kind"].startswith("deltanet")}
+        copied = {s["input"] for s in spec["states"] if s["checkpoint"]}
+        if copied != deltanet:
+            problems.append(
+                f"states a checkpoint copies {sorted(copied)} are not the DeltaNet states {sorted(deltanet)}"
+            )
+        problems += _kotlin_chat_problems(spec.get("chat"), texts, bundle, manifest, spec)
+        if spec.get("chat") and spec["chat"]["prompt_cache_file"]:
+            names.add(spec["chat"]["prompt_cache_file"])  # checked above: the bundle's listed prompt cache
+    drivers = [t for f, t in texts.items() if f != "DeltashipChat.kt"]
+    stray = set().union(*(identifier_literals(t) for t in drivers)) - names - GENAI_OPTIONS
+    stray |= identifier_literals(texts.get("DeltashipChat.kt", "")) - _chat_format_names()
     if stray:
         problems.append(f"names in the kotlin sources that are not in the bundle: {sorted(stray)}")
     problems += [f"{f}: {p}" for f, t in texts.items() for p in unbalanced(t)]
     problems += [f"build.gradle.kts: {p}" for p in unbalanced((kit / "build.gradle.kts").read_text())]
+    return problems
+
+
+def _chat_format_names() -> set[str]:
+    """The names DeltashipChat.kt may spell: the saved-session metadata's keys (session.schema.json), safetensors'
+    header keys and dtype codes, the roles, the stop reasons and the template setting it passes."""
+    from importlib import resources
+
+    from deltaship.chat.store import META_KEY, META_SHA_KEY
+
+    keys: set[str] = set()
+
+    def walk(o):
+        if isinstance(o, dict):
+            keys.update(o.get("properties", {}))
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    walk(json.loads(resources.files("deltaship.chat").joinpath("session.schema.json").read_text()))
+    safetensors = {"__metadata__", "data_offsets", "dtype", "shape", "F32", "F16", "I8", "U8", "I32", "I64"}
+    return keys | safetensors | {META_KEY, META_SHA_KEY, "system", "user", "assistant", "eos", "length", "context",
+                                 "enable_thinking"}  # fmt: skip
+
+
+def _kotlin_chat_problems(chat, texts: dict, bundle: Path, manifest: dict, spec: dict) -> list[str]:
+    """KitSpec.CHAT against the bundle: the pieces deltaship derives from its template, stop ids, prompt cache."""
+    from deltaship.chat.pieces import bundle_pieces
+
+    want = bundle_pieces(bundle, manifest)
+    if chat is None or want is None:
+        return (
+            []
+            if chat is None and want is None and "DeltashipChat.kt" not in texts
+            else ["CHAT and the bundle's template disagree"]
+        )
+    problems = []
+    if chat["pieces"] != want["pieces"]:
+        problems.append(f"CHAT pieces {chat['pieces']} are not the bundle template's {want['pieces']}")
+    if chat["stop_ids"] != want["stop_ids"] or not all(0 <= i < spec["vocab_size"] for i in chat["stop_ids"]):
+        problems.append(f"CHAT stopIds {chat['stop_ids']} are not the bundle's {want['stop_ids']}")
+    cache = (want["prompt_cache"] or {}).get("file")
+    if chat["prompt_cache_file"] != cache or (cache and cache not in manifest["files"]):
+        problems.append(f"CHAT promptCacheFile {chat['prompt_cache_file']} is not the bundle's {cache}")
+    if "DeltashipChat.kt" not in texts:
+        problems.append("KitSpec.CHAT is set but DeltashipChat.kt is missing")
     return problems
 
 
@@ -764,7 +825,7 @@ def test_kotlin_kit_names_match_the_artifact(android_bundles, tmp_path, which):
             assert api in driver
     else:
         # every ONNX bundle carries genai_config.json: the onnxruntime-genai driver comes beside the plain one
-        assert sorted(record["drivers"]) == ["DeltashipGenAiModel.kt", "DeltashipOrtModel.kt"]
+        assert sorted(record["drivers"]) == ["DeltashipChat.kt", "DeltashipGenAiModel.kt", "DeltashipOrtModel.kt"]
         assert f'onnxruntime-android:{manifest["tools"]["onnxruntime"]}"' in gradle
         assert len(record["kotlin"]["states"]) == len(manifest["states"])
     assert "not compiled or run by deltaship" in (tmp_path / "kit" / "README.md").read_text().lower()
@@ -868,7 +929,7 @@ def test_genai_driver_when_the_bundle_has_genai_config(android_bundles, tmp_path
     if not (bundle / "genai_config.json").exists():  # bundles from before genai_config.json was written
         (bundle / "genai_config.json").write_text(json.dumps({"model": {"type": "decoder", "context_length": 128}}))
     record = write_kit(bundle, tmp_path / "kit", "android")
-    assert record["drivers"] == ["DeltashipOrtModel.kt", "DeltashipGenAiModel.kt"]
+    assert record["drivers"] == ["DeltashipOrtModel.kt", "DeltashipChat.kt", "DeltashipGenAiModel.kt"]
     assert any(d.startswith("com.microsoft.onnxruntime:onnxruntime-genai-android:") for d in record["gradle"])
     assert check_kotlin_kit(tmp_path / "kit", bundle) == []
     driver = _kotlin_sources(tmp_path / "kit")["DeltashipGenAiModel.kt"]
@@ -903,6 +964,11 @@ def test_kotlin_kit_opens_every_bundle_file_through_safe_path(bundles, tmp_path)
     for driver in [src / "DeltashipOrtModel.kt", *KOTLIN_TEMPLATES.glob("Deltaship*.kt")]:
         text = driver.read_text()
         assert "File(bundleDir" not in text and "Model(bundleDir.path)" not in text, driver.name
+        if driver.name == "DeltashipChat.kt":  # opens only the prompt cache
+            assert "safePath(bundleDir, name).readBytes()" in text and "readBytes()" not in text.replace(
+                "safePath(bundleDir, name).readBytes()", ""
+            )
+            continue
         assert "safePath(bundleDir, KitSpec.MODEL_FILE)" in text, driver.name
     assert (
         "safePath(bundleDir, KitSpec.TOKENIZER_FILE)" in (KOTLIN_TEMPLATES / "DeltashipExecuTorchModel.kt").read_text()
@@ -986,3 +1052,310 @@ def test_kotlin_kit_feeds_an_mtp_bundles_num_logits_to_keep(tmp_path):
     logits = sess.run(["logits"], feeds)[0].reshape(-1)
     want = open_bundle(bundle).generate(prompt, 1, stop_at_eos=False).output_ids
     assert int(np.argmax(logits)) == want[0]
+
+
+# ---- Kotlin chat (DeltashipChat.kt + DeltashipOrtModel's checkpoint / restore), replayed in Python ----------
+
+
+@pytest.fixture(scope="module")
+def chat_onnx(tmp_path_factory) -> Path:
+    """The tiny preset's ONNX bundle with a prompt cache of the system message "Code." (no ExecuTorch export)."""
+    root = tmp_path_factory.mktemp("kotlin-chat")
+    (root / "system.txt").write_text("Code.\n")
+    return _export(root, "onnx", "fp32", prompt_cache=root / "system.txt")
+
+
+class _KotlinChatReplay:
+    """DeltashipOrtModel (forward, checkpoint, canRestore, restore, stateBytes, loadStates) and DeltashipChat.kt
+    (render from KitSpec.CHAT, respond, undo, save, load, usePromptCache), step for step, from KitSpec.kt alone."""
+
+    def __init__(self, bundle: Path, spec: dict, tokenizer):
+        import numpy as np
+        import onnxruntime as ort
+
+        self.np, self.bundle, self.spec, self.tok = np, bundle, spec, tokenizer
+        self.types = {"int64": np.int64, "int32": np.int32, "float32": np.float32, "float16": np.float16}
+        self.sess = ort.InferenceSession(str(bundle / spec["files"]["model"]), providers=["CPUExecutionProvider"])
+        self.rewinds: list[int] = []
+        self.model_reset()
+        self.system, self.pieces, self.stop = "Code.", spec["chat"]["pieces"], set(spec["chat"]["stop_ids"])
+        self.reset()
+
+    # DeltashipOrtModel
+    def model_reset(self):
+        self.carried = {s["input"]: self.np.zeros(s["shape"], self.types[s["dtype"]]) for s in self.spec["states"]}
+        self.position = 0
+        self.rewinds.append(0)
+
+    def forward(self, tokens):
+        np, spec = self.np, self.spec
+        t, end = len(tokens), self.position + len(tokens)
+        feeds = {spec["tokens"]["name"]: np.array([tokens], np.int64), **self.carried}
+        feeds[spec["position"]["name"]] = np.array([end], self.types[spec["position"]["dtype"]])
+        feeds[spec["past_length"]["name"]] = np.array([[end - 1]], self.types[spec["past_length"]["dtype"]])
+        names = [spec["logits"]["name"]] + [s["output"] for s in spec["states"]]
+        out = dict(zip(names, self.sess.run(names, feeds)))
+        self.carried = {s["input"]: out[s["output"]] for s in spec["states"]}
+        self.position += t
+        return out[spec["logits"]["name"]].reshape(-1)[-spec["vocab_size"] :]
+
+    def prefill(self, ids):
+        n = self.spec["prefill_chunk"]
+        return [self.forward(ids[i : i + n]) for i in range(0, len(ids), n)][-1]
+
+    def checkpoint(self):
+        copies = {s["input"]: self.carried[s["input"]].copy() for s in self.spec["states"] if s["checkpoint"]}
+        return (self.position, copies, len(self.rewinds))
+
+    def can_restore(self, cp):
+        return all(r >= cp[0] for r in self.rewinds[cp[2] :])
+
+    def restore(self, cp):
+        assert self.can_restore(cp)
+        self.carried.update({k: v.copy() for k, v in cp[1].items()})
+        self.position = cp[0]
+        self.rewinds.append(cp[0])
+
+    # DeltashipChat.kt
+    def render_ids(self, msgs, gen):
+        from deltaship.chat.pieces import render_pieces
+
+        return self.tok.encode(render_pieces(self.pieces, msgs, gen))
+
+    def reset(self):
+        self.messages = [{"role": "system", "content": self.system}]
+        self.turns: list[dict] = []
+        self.model_reset()
+        self.ids: list[int] = []
+
+    def use_prompt_cache(self):
+        from safetensors.numpy import load
+
+        data = (self.bundle / self.spec["chat"]["prompt_cache_file"]).read_bytes()
+        meta, tensors = self._read(data, load)
+        assert meta["system"] == self.system and meta["ids"] == self.render_ids(self.messages, False)
+        self.reset()
+        self.load_states(meta["position"], self._whole(tensors, meta["position"]))
+        self.ids = list(meta["ids"])
+
+    def load_states(self, at, states):
+        self.model_reset()
+        self.carried.update(states)
+        self.position = at
+
+    def send(self, text, n):
+        turn = {"messages_before": len(self.messages), "before": None, "before_reply": None}
+        self.messages.append({"role": "user", "content": text})
+        return self._respond(turn, n)
+
+    def retry(self, n):
+        turn = self.turns.pop()
+        del self.messages[turn["messages_before"] + 1 :]
+        return self._respond(turn, n)
+
+    def undo(self):
+        turn = self.turns.pop()
+        del self.messages[turn["messages_before"] :]
+        cp = turn["before"]
+        if cp is not None and self.can_restore(cp):
+            self.restore(cp)
+            del self.ids[cp[0] :]
+        else:
+            self.model_reset()
+            self.ids = []
+
+    def _respond(self, turn, n):
+        from deltaship.chat.conversation import _common_prefix as common_prefix
+
+        target = self.render_ids(self.messages, True)
+        previous = self.messages[: turn["messages_before"]]
+        boundary = common_prefix(self.render_ids(previous, False), target) if previous else 0
+        prompt = common_prefix(self.render_ids(self.messages, False), target)
+        common = common_prefix(self.ids, target)
+        if common < len(self.ids) or common >= len(target):
+            limit = min(common, len(target) - 1)
+            cps = [c for t in [*self.turns, turn] for c in (t["before"], t["before_reply"]) if c is not None]
+            ok = [c for c in cps if c[0] <= limit and self.can_restore(c)]
+            if ok:
+                cp = max(ok, key=lambda c: c[0])
+                self.restore(cp)
+                del self.ids[cp[0] :]
+            else:
+                self.model_reset()
+                self.ids = []
+        logits = None
+        for key, at in (("before", boundary), ("before_reply", max(boundary, min(prompt, len(target) - 1)))):
+            if len(self.ids) < at:
+                logits = self.prefill(target[len(self.ids) : at])
+                self.ids += target[len(self.ids) : at]
+            cp = turn[key]
+            kept = cp is not None and self.can_restore(cp) and cp[0] == len(self.ids)
+            if len(self.ids) == at and not kept:
+                turn[key] = self.checkpoint()
+        if len(self.ids) < len(target):
+            logits = self.prefill(target[len(self.ids) :])
+            self.ids += target[len(self.ids) :]
+        out = []
+        while len(out) < n:
+            tok = int(self.np.argmax(logits))
+            out.append(tok)
+            if tok in self.stop or len(out) >= n:
+                break
+            logits = self.forward([tok])
+            self.ids.append(tok)
+        self.messages.append({"role": "assistant", "content": self.tok.decode([t for t in out if t not in self.stop])})
+        self.turns.append(turn)
+        return out
+
+    def save(self) -> bytes:
+        import hashlib
+
+        from safetensors.numpy import save
+
+        tensors = {f"state/{s['input']}": self.carried[s["input"]] for s in self.spec["states"]}
+        checkpoints, last = [], None
+        if self.turns:
+            t = self.turns[-1]
+            last = {"messages_before": t["messages_before"]}
+            for key in ("before", "before_reply"):
+                cp = t[key]
+                if cp is None or not self.can_restore(cp):
+                    last[key] = None
+                    continue
+                tensors.update({f"checkpoint/{len(checkpoints)}/{k}": v for k, v in cp[1].items()})
+                last[key] = len(checkpoints)
+                checkpoints.append({"position": cp[0]})
+        sha = {k: hashlib.sha256(self.np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in tensors.items()}
+        meta = {"format": "deltaship-chat-session", "version": 1, "position": self.position, "ids": self.ids,
+                "system": self.system, "template_kwargs": {}, "messages": self.messages, "checkpoints": checkpoints,
+                "last_turn": last, "tensors": {k: {"sha256": v} for k, v in sha.items()}}  # fmt: skip
+        text = json.dumps(meta)
+        return save(
+            tensors, {"deltaship_chat": text, "deltaship_chat_sha256": hashlib.sha256(text.encode()).hexdigest()}
+        )
+
+    def load(self, data: bytes):
+        from safetensors.numpy import load
+
+        meta, tensors = self._read(data, load)
+        self.reset()
+        self.messages = meta["messages"]
+        self.load_states(meta["position"], self._whole(tensors, meta["position"]))
+        self.ids = list(meta["ids"])
+        last = meta["last_turn"]
+        if last:
+            names = [s["input"] for s in self.spec["states"] if s["checkpoint"]]
+
+            def cp(key):
+                i = last[key]
+                if i is None:
+                    return None
+                return (meta["checkpoints"][i]["position"], {k: tensors[f"checkpoint/{i}/{k}"] for k in names},
+                        len(self.rewinds))  # fmt: skip
+
+            self.turns = [{"messages_before": last["messages_before"], "before": cp("before"),
+                           "before_reply": cp("before_reply")}]  # fmt: skip
+
+    def _read(self, data, load):
+        import hashlib
+
+        from safetensors import safe_open  # noqa: F401  (the header's metadata, as readSession reads it)
+
+        n = int.from_bytes(data[:8], "little")
+        text = json.loads(data[8 : 8 + n])["__metadata__"]["deltaship_chat"]
+        meta, tensors = json.loads(text), load(data)
+        for k, v in tensors.items():
+            assert hashlib.sha256(v.tobytes()).hexdigest() == meta["tensors"][k]["sha256"], k
+        return meta, tensors
+
+    def _whole(self, tensors, position):
+        """wholeStates: a KV cache saved up to the position is put into a zero cache along its MAX_CONTEXT axis."""
+        out = {}
+        for s in self.spec["states"]:
+            a = tensors[f"state/{s['input']}"]
+            if list(a.shape) != s["shape"]:
+                axis = next(i for i in range(1, len(s["shape"])) if s["shape"][i] == self.spec["max_context"])
+                whole = self.np.zeros(s["shape"], a.dtype)
+                idx = [slice(None)] * a.ndim
+                idx[axis] = slice(0, position)
+                whole[tuple(idx)] = a
+                a = whole
+            out[s["input"]] = a
+        return out
+
+
+def _replay_conversation(bundle: Path, spec: dict) -> list[tuple]:
+    """send, send, retry, send, undo, save / load into a new chat, send: (reply ids, ids held) after each, and the
+    DeltaNet states' largest difference from a fresh prefill of what the chat holds."""
+    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.tokenizer import load_tokenizer
+
+    session = open_bundle(bundle)
+    tok = load_tokenizer(bundle, session.manifest)
+    chat = _KotlinChatReplay(bundle, spec, tok)
+    chat.use_prompt_cache()
+    steps = []
+
+    def record(reply):
+        fresh = _KotlinChatReplay(bundle, spec, tok)
+        fresh.prefill(chat.ids)
+        diff = max(float(abs(chat.carried[k] - fresh.carried[k]).max()) for k in fresh.carried if "key" not in k
+                   and "value" not in k)  # fmt: skip
+        steps.append((reply, list(chat.ids), diff))
+
+    record(chat.send("a", 6))
+    record(chat.send("b", 6))
+    record(chat.retry(6))
+    record(chat.send("c", 6))
+    chat.undo()
+    record(None)
+    saved = chat.save()
+    chat = _KotlinChatReplay(bundle, spec, tok)
+    chat.load(saved)
+    record(chat.send("d", 6))
+    return steps
+
+
+def _python_conversation(bundle: Path) -> list[tuple]:
+    from deltaship.chat import Chat
+
+    chat = Chat(bundle, system="Code.", threads=1)
+    steps = [(chat.send(m, max_new_tokens=6).ids if m else chat.retry(max_new_tokens=6).ids, chat.ids)
+             for m in ("a", "b", None, "c")]  # fmt: skip
+    chat.undo()
+    steps.append((None, chat.ids))
+    steps.append((chat.send("d", max_new_tokens=6).ids, chat.ids))
+    return steps
+
+
+def test_kotlin_chat_replay_gives_deltaship_chat(chat_onnx, tmp_path):
+    """DeltashipChat.kt's loop over DeltashipOrtModel's checkpoint / restore, replayed from KitSpec.kt alone (its
+    CHAT pieces and which states a checkpoint copies), starting from the shipped prompt cache and going through a
+    save and a load, gives deltaship's Python chat's replies and held tokens turn by turn; after every step the
+    DeltaNet states equal a fresh prefill of the held tokens. The spec check passes on the kit."""
+    from deltaship.apps.kotlin import parse_kit_spec
+
+    write_kit(chat_onnx, tmp_path / "kit", "android")
+    assert check_kotlin_kit(tmp_path / "kit", chat_onnx) == []
+    spec = parse_kit_spec(_kotlin_sources(tmp_path / "kit")["KitSpec.kt"])
+    assert spec["chat"]["prompt_cache_file"] == "prompt_cache.safetensors"
+    replay, python = _replay_conversation(chat_onnx, spec), _python_conversation(chat_onnx)
+    for step, (r, p) in enumerate(zip(replay, python)):
+        assert r[0] == p[0] and r[1] == p[1], f"step {step}: replay {r[:2]} != deltaship chat {p}"
+        assert r[2] < 1e-4, f"step {step}: DeltaNet states differ from a fresh prefill by {r[2]}"
+
+
+def test_kotlin_chat_mutations_are_caught(chat_onnx, tmp_path):
+    """A DeltaNet state that checkpoints do not copy (its `checkpoint = true` dropped from KitSpec.kt) is caught by
+    the spec check and breaks the replay (restore leaves that state as it was); so do changed template pieces."""
+    from deltaship.apps.kotlin import parse_kit_spec
+
+    write_kit(chat_onnx, tmp_path / "kit", "android")
+    spec_file = next((tmp_path / "kit" / "src").rglob("KitSpec.kt"))
+    text = spec_file.read_text()
+    spec_file.write_text(text.replace(", checkpoint = true", ""))
+    assert any("not the DeltaNet states" in p for p in check_kotlin_kit(tmp_path / "kit", chat_onnx))
+    steps = _replay_conversation(chat_onnx, parse_kit_spec(spec_file.read_text()))
+    assert max(s[2] for s in steps) > 1e-3
+    spec_file.write_text(text.replace('userSuffix = "<|im_end|>\\n"', 'userSuffix = "<|im_end|>"'))
+    assert any("CHAT pieces" in p for p in check_kotlin_kit(tmp_path / "kit", chat_onnx))

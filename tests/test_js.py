@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import urllib.parse
 from pathlib import Path
@@ -205,11 +206,18 @@ def _chromium() -> str:
 
 
 def _browser_run(
-    node, bundles: dict[str, Path], name: str, ep: str, tmp_path: Path, flags: list[str], wait_s: int = 240
+    node,
+    bundles: dict[str, Path],
+    name: str,
+    ep: str,
+    tmp_path: Path,
+    flags: list[str],
+    wait_s: int = 240,
+    query: dict | None = None,
 ) -> dict:
     server = _Server(bundles)
     query = urllib.parse.urlencode(
-        {"bundle": f"/bundles/{name}/", "ep": ep, "n": NEW_TOKENS, "prompts": json.dumps(PROMPTS)}
+        {"bundle": f"/bundles/{name}/", "ep": ep, "n": NEW_TOKENS, "prompts": json.dumps(PROMPTS), **(query or {})}
     )
     url = f"http://127.0.0.1:{server.port}/test/page.html?{query}"
     cmd = [
@@ -270,6 +278,8 @@ def test_desktop_kit_runs_in_node(node, tiny, tmp_path):
         "README.md",
         "package.json",
         "deltaship-runtime/src/node.js",
+        "deltaship-runtime/src/chat.js",
+        "chat.json",
         "bundle/model.onnx",
         "bundle/model.onnx.data",
         "bundle/manifest.json",
@@ -417,3 +427,134 @@ def test_web_kit_page_waits_for_the_model_never_navigates_then_generates(node, t
     assert r["state"] == "done" and r["href"] == f"http://127.0.0.1:{server.port}/", r
     want = generate(tiny["fp32"], prompt="def ", max_new_tokens=64)["text"]
     assert r["out"] == "def " + want and len(want) > 8, r
+
+
+# ---- chat (src/chat.js) -----------------------------------------------------------------------------------
+CHAT_N = 10  # new tokens per reply
+CHAT_SCRIPT = "import os\ndef main():\n/retry\nclass A:\n/undo\nx = 1\n"
+
+
+def _chat_json(bundle: Path, tmp_path: Path) -> Path:
+    """chat.json as `deltaship app` writes it beside a web/desktop kit's bundle."""
+    from deltaship.bundle import read_manifest
+    from deltaship.chat.pieces import bundle_pieces
+
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(bundle_pieces(bundle, read_manifest(bundle))))
+    return path
+
+
+def _records(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+def _python_chat(bundle: Path, script: str, *args: str) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run(
+        [sys.executable, "-m", "deltaship", "chat", str(bundle), "--json", "--max-new-tokens", str(CHAT_N), *args],
+        input=script, capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return _records(run.stdout)
+
+
+def _node_chat(node: str, bundle: Path, pieces: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [node, "examples/chat.mjs", str(bundle), "--pieces", str(pieces), "--json", "--max-new-tokens", str(CHAT_N),
+         "--check-state", *args],
+        cwd=PKG, input=script, text=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+
+
+def _assert_same_turns(js: list[dict], py: list[dict]) -> None:
+    for r in js:  # after every command the chat's DeltaNet states equal a fresh prefill of what it holds
+        assert r["state_diff"] < 1e-4, r
+    js = [r for r in js if r["command"] not in ("save", "load")]
+    assert [r["command"] for r in js] == [r["command"] for r in py]
+    for j, p in zip(js, py):
+        for key in ("reply_ids", "history_ids", "prefill_tokens", "history_tokens", "stopped"):
+            assert j.get(key) == p.get(key), f"{p['command']}: {key}: JS {j.get(key)} != deltaship chat {p.get(key)}"
+    assert any(len(set(r.get("reply_ids", []))) > 3 for r in py)  # a trained model, not a constant
+
+
+def test_node_chat_matches_deltaship_chat(node, tiny, tmp_path):
+    """JS `Chat` (send, send, retry, undo, send, with a save and a load of the conversation after the first turn)
+    gives `deltaship chat --json`'s tokens turn by turn: reply, history held, tokens fed. Mutation checked by hand:
+    with `Session.restore` not writing the DeltaNet states back (core.js `this.writeStates(cp.states)` removed), the
+    retry's state_diff is 0.16, its reply differs, and this test fails."""
+    bundle, pieces = tiny["fp32"], _chat_json(tiny["fp32"], tmp_path)
+    py = _python_chat(bundle, CHAT_SCRIPT, "--system", "Code.")
+    saved = tmp_path / "talk.dschat"
+    script = CHAT_SCRIPT.replace("import os\n", f"import os\n/save {saved}\n/load {saved}\n")
+    run = _node_chat(node, bundle, pieces, script, "--system", "Code.")
+    assert run.returncode == 0, run.stderr
+    js = _records(run.stdout)
+    _assert_same_turns(js, py)
+    retry = next(r for r in js if r["command"] == "retry")
+    second = js[3]
+    assert retry["prefill_tokens"] < second["prefill_tokens"]  # the retry feeds only the generation prompt again
+
+    # the saved file is deltaship's saved-session layout: Python loads it, and an altered byte is refused by JS
+    from deltaship.chat import Chat
+
+    loaded = Chat.load(saved, bundle)
+    assert len(loaded.ids) == js[1]["history_tokens"] and loaded.history[-1]["content"] == js[0]["reply"]
+    data = bytearray(saved.read_bytes())
+    data[-5] ^= 1
+    saved.write_bytes(bytes(data))
+    run = _node_chat(node, bundle, pieces, f"/load {saved}\n", "--system", "Code.")
+    assert run.returncode == 1 and "does not match its sha256" in run.stderr and "nothing was loaded" in run.stderr
+
+    # thinking off: the generation prompt closes an empty think block, which the next turn's rendering drops too
+    script = "import os\ndef main():\n/retry\n"
+    py = _python_chat(bundle, script, "--no-thinking")
+    run = _node_chat(node, bundle, pieces, script, "--no-thinking")
+    assert run.returncode == 0, run.stderr
+    _assert_same_turns(_records(run.stdout), py)
+
+
+def test_node_chat_starts_from_the_shipped_prompt_cache(node, tmp_path):
+    """A bundle exported with --prompt-cache: the JS chat starts from prompt_cache.safetensors (its first turn feeds
+    only its own tokens) and gives deltaship chat's tokens."""
+    (tmp_path / "system.txt").write_text("You write Python code.\n")
+    bundle = tmp_path / "cached"
+    export("qwen3.5-tiny", bundle, prefill_chunk=8, max_context=256, verify=False, progress=False,
+           prompt_cache=tmp_path / "system.txt")  # fmt: skip
+    cached = json.loads((bundle / "manifest.json").read_text())["chat"]["prompt_cache"]["tokens"]
+    script = "import os\ndef main():\n/retry\n"
+    py = _python_chat(bundle, script)
+    run = _node_chat(node, bundle, _chat_json(bundle, tmp_path), script)
+    assert run.returncode == 0, run.stderr
+    js = _records(run.stdout)
+    _assert_same_turns(js, py)
+    assert js[0]["prefill_tokens"] == len(js[0]["history_ids"]) - cached and cached > 0
+
+
+def test_chromium_chat_matches_deltaship_chat(node, tiny, tmp_path):
+    """The same conversation in headless Chromium (wasm): the saved conversation goes through a Blob and back."""
+    from deltaship.bundle import read_manifest
+    from deltaship.chat.pieces import bundle_pieces
+
+    script = CHAT_SCRIPT.replace("import os\n", "import os\n/save\n/load\n").splitlines()
+    chat = {"pieces": bundle_pieces(tiny["fp32"], read_manifest(tiny["fp32"]))["pieces"], "system": "Code.",
+            "script": script}  # fmt: skip
+    report = _browser_run(node, tiny, "fp32", "wasm", tmp_path, [], query={"n": CHAT_N, "chat": json.dumps(chat)})
+    assert "error" not in report, report["error"]
+    _assert_same_turns(report["records"], _python_chat(tiny["fp32"], CHAT_SCRIPT, "--system", "Code."))
+
+
+def test_node_chat_continues_a_deltaship_chat_session_file(node, tiny, tmp_path):
+    """A `deltaship chat --session FILE` file (named by its bundle's manifest.json sha256) loads in the JS chat, and
+    the conversation goes on as it does in Python: retry, then a new message."""
+    import shutil as sh
+
+    bundle, pieces = tiny["fp32"], _chat_json(tiny["fp32"], tmp_path)
+    session = tmp_path / "talk.dschat"
+    _python_chat(bundle, "import os\ndef main():\n", "--system", "Code.", "--session", str(session))
+    sh.copy(session, tmp_path / "copy.dschat")
+    py = _python_chat(bundle, "/retry\nx = 1\n", "--session", str(session))
+    run = _node_chat(node, bundle, pieces, f"/load {tmp_path / 'copy.dschat'}\n/retry\nx = 1\n", "--system", "Code.")
+    assert run.returncode == 0, run.stderr
+    js = _records(run.stdout)
+    assert js[0]["command"] == "load" and js[0]["history_tokens"] > len(py[0]["history_ids"])
+    _assert_same_turns(js, py)

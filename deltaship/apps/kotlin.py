@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.apps import kit_name
+from deltaship.chat.pieces import bundle_pieces
 from deltaship.errors import DeltashipError
 
 TEMPLATES = Path(__file__).parent / "templates" / "kotlin"
@@ -96,9 +97,11 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
                 "output": s["output"],
                 "shape": _shape(s["shape"]),
                 "dtype": _dtype(s["name"], s["dtype"]),
+                "checkpoint": s["kind"].startswith("deltanet"),  # what a chat turn's checkpoint copies
             }
             for s in manifest["states"]
         ],
+        "chat": _chat_spec(bundle, manifest),  # None: no chat template in the bundle (no DeltashipChat.kt)
         "gradle": [f"com.microsoft.onnxruntime:onnxruntime-android:{tools['onnxruntime']}"],
     }
     extra = set(kinds) - {
@@ -180,16 +183,93 @@ def render_kit_spec(spec: dict[str, Any]) -> str:
             "    val STATES = listOf(",
         ]
         lines += [
-            f'        StateSpec("{s["input"]}", "{s["output"]}", {arr(s["shape"])}, DType.{_DTYPES[s["dtype"]]}),'
+            f'        StateSpec("{s["input"]}", "{s["output"]}", {arr(s["shape"])}, DType.{_DTYPES[s["dtype"]]}'
+            + (", checkpoint = true" if s.get("checkpoint") else "")
+            + "),"
             for s in spec["states"]
         ]
         lines += ["    )"]
+        lines += _render_chat(spec.get("chat"))
     lines += ["}", ""]
     return "\n".join(lines)
 
 
+_CHAT_FIELDS = [  # ChatPieces' constructor arguments, in order, and where chat.json keeps each
+    ("start", ("start",)),
+    ("systemPrefix", ("roles", "system", "prefix")),
+    ("systemSuffix", ("roles", "system", "suffix")),
+    ("userPrefix", ("roles", "user", "prefix")),
+    ("userSuffix", ("roles", "user", "suffix")),
+    ("assistantPrefix", ("roles", "assistant", "prefix")),
+    ("assistantSuffix", ("roles", "assistant", "suffix")),
+    ("generationPrompt", ("generation_prompt",)),
+    ("generationPromptNoThinking", ("generation_prompt_no_thinking",)),
+]
+
+
+def _kotlin_string(text: str) -> str:
+    """A Kotlin string literal: JSON's escapes (which Kotlin shares for these) plus `$`, Kotlin's template sign."""
+    return json.dumps(text, ensure_ascii=True).replace("$", "\\$")
+
+
+def _chat_spec(bundle: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    chat = bundle_pieces(bundle, manifest)  # refuses a template per-role pieces cannot express
+    if chat is None:
+        return None
+    cache = chat["prompt_cache"]
+    return {
+        "pieces": chat["pieces"],
+        "stop_ids": chat["stop_ids"],
+        "prompt_cache_file": cache["file"] if cache else None,
+    }
+
+
+def _render_chat(chat: dict[str, Any] | None) -> list[str]:
+    if chat is None:
+        return ["    val CHAT: ChatPieces? = null"]
+    pieces = chat["pieces"]
+    lines = [
+        "    // the chat template's pieces per role (deltaship/chat/pieces.py), rendered from the bundle's template",
+        "    val CHAT: ChatPieces? = ChatPieces(",
+    ]
+    for name, path in _CHAT_FIELDS:
+        value: Any = pieces
+        for k in path:
+            value = value[k]
+        lines.append(f"        {name} = {_kotlin_string(value)},")
+    cache = chat["prompt_cache_file"]
+    lines += [
+        f"        dropThink = {'true' if pieces['drop_think'] else 'false'},",
+        "        stopIds = setOf(" + ", ".join(str(i) for i in chat["stop_ids"]) + "),",
+        "        promptCacheFile = " + (json.dumps(cache) if cache else "null") + ",",
+        "    )",
+    ]
+    return lines
+
+
+def _parse_chat(text: str) -> dict[str, Any] | None:
+    m = re.search(r"val CHAT: ChatPieces\? = ChatPieces\((.*?)\n    \)", text, re.S)
+    if m is None:
+        return None
+    fields = dict(re.findall(r"^\s+(\w+) = (.*),$", m.group(1), re.M))
+    pieces: dict[str, Any] = {"roles": {"system": {}, "user": {}, "assistant": {}}}
+    for name, path in _CHAT_FIELDS:
+        target = pieces
+        for k in path[:-1]:
+            target = target[k]
+        target[path[-1]] = json.loads(fields[name].replace("\\$", "$"))
+    pieces["drop_think"] = fields["dropThink"] == "true"
+    stop = fields["stopIds"].removeprefix("setOf(").removesuffix(")")
+    cache = fields["promptCacheFile"]
+    return {
+        "pieces": pieces,
+        "stop_ids": [int(x) for x in stop.split(",") if x.strip()],
+        "prompt_cache_file": None if cache == "null" else json.loads(cache),
+    }
+
+
 _FEATURE = re.compile(r'Feature\("([^"]*)", longArrayOf\(([-\d, ]*)\), DType\.(\w+)\)')
-_STATE = re.compile(r'StateSpec\("([^"]*)", "([^"]*)", longArrayOf\(([-\d, ]*)\), DType\.(\w+)\)')
+_STATE = re.compile(r'StateSpec\("([^"]*)", "([^"]*)", longArrayOf\(([-\d, ]*)\), DType\.(\w+)(, checkpoint = true)?\)')
 _FROM_KOTLIN = {v: k for k, v in _DTYPES.items()}
 
 
@@ -220,9 +300,16 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
             out[key] = {"name": m.group(1), "shape": ints(m.group(2)), "dtype": _FROM_KOTLIN[m.group(3)]} if m else None
         out["vocab_size"] = int(val("VOCAB_SIZE"))
         out["states"] = [
-            {"input": m.group(1), "output": m.group(2), "shape": ints(m.group(3)), "dtype": _FROM_KOTLIN[m.group(4)]}
+            {
+                "input": m.group(1),
+                "output": m.group(2),
+                "shape": ints(m.group(3)),
+                "dtype": _FROM_KOTLIN[m.group(4)],
+                "checkpoint": m.group(5) is not None,
+            }
             for m in _STATE.finditer(text)
         ]
+        out["chat"] = _parse_chat(text)
     return out
 
 
@@ -238,7 +325,9 @@ def generate(bundle: Path, manifest: dict[str, Any], out: Path) -> dict[str, Any
     src = out / SOURCE_DIR
     src.mkdir(parents=True)
     drivers = (
-        ["DeltashipOrtModel.kt"] + (["DeltashipGenAiModel.kt"] if "genai" in spec else [])
+        ["DeltashipOrtModel.kt"]
+        + (["DeltashipChat.kt"] if spec.get("chat") else [])
+        + (["DeltashipGenAiModel.kt"] if "genai" in spec else [])
         if spec["runtime"] == "onnxruntime"
         else ["DeltashipExecuTorchModel.kt"]
     )
@@ -346,7 +435,8 @@ model.close()
   `llama::gated_delta_rule`) and XNNPACK. The Android build preset of ExecuTorch
   (`tools/cmake/preset/android.cmake`) turns on `EXECUTORCH_BUILD_KERNELS_LLM`, so the published AAR
   should register them (not checked on a device); a custom AAR needs them too.
-- Prompts are used as given: apply the chat template yourself. `reset()` forgets the conversation.
+- Prompts are used as given: apply the chat template yourself, or use `DeltashipChat` (below). `reset()` forgets
+  the conversation.
 - The runner splits a prompt into calls of `get_max_seq_len` tokens; a .pte whose `get_max_seq_len` is the
   context rather than the prefill chunk ({spec["prefill_chunk"]}) fails on prompts longer than the chunk
   (ExecuTorch's error: "Attempted to resize a bounded tensor"). Read the value in Python with
@@ -405,6 +495,15 @@ onnxruntime-android has no text tokenizer. `generate(prompt: String, tokenizer, 
   `ai.djl.android:tokenizer-native` AAR, same version): wrap `HuggingFaceTokenizer.newInstance(path)`'s
   `encode(text).ids` / `decode(ids)` in a `TextTokenizer`.
 - Tokenize on a server or at build time and pass token ids to `generate(IntArray, ...)`.
-Prompts are used as given: apply the chat template yourself.
+Prompts are used as given: apply the chat template yourself, or chat with `DeltashipChat` (when the bundle has a
+chat template: `KitSpec.CHAT` holds it as per-role pieces, rendered at `deltaship app` time):
+
+```kotlin
+val chat = DeltashipChat(DeltashipOrtModel(dir), tokenizer, system = "Be brief.")
+chat.usePromptCache(dir)                         // a bundle exported with --prompt-cache of that system message
+val reply = chat.send("Hello", maxNewTokens = 64) // text, ids, stopped, prefillTokens
+chat.retry(); chat.undo()
+val bytes = chat.save(); chat.load(bytes)         // a file or a database blob
+```
 {genai}"""
     )

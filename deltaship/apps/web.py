@@ -15,6 +15,7 @@ from typing import Any
 
 from deltaship.bundle import read_manifest
 from deltaship.bundle.format import a_bundle
+from deltaship.chat.pieces import CHAT_RECORD, bundle_pieces
 from deltaship.errors import DeltashipError
 
 JS_PACKAGE = Path(__file__).parent / "js"
@@ -69,6 +70,9 @@ def write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
     (out / "bundle").mkdir()
     for name in ["manifest.json", *files]:
         shutil.copy2(bundle / name, out / "bundle" / name)
+    chat = bundle_pieces(bundle, m)  # refuses a template that per-role pieces cannot express
+    if chat is not None:
+        (out / CHAT_RECORD).write_text(json.dumps(chat, indent=2, ensure_ascii=False) + "\n")
     if platform == "web":
         (out / "index.html").write_text(_INDEX_HTML)
         (out / "main.js").write_text(_MAIN_JS)
@@ -87,7 +91,15 @@ def write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
         )
         + "\n"
     )
-    (out / "README.md").write_text(_readme(m, platform, files))
+    readme = _readme(m, platform, files)
+    if chat is not None:
+        readme += (
+            "\n## Chat\n\n`chat.json` holds the bundle's chat template as per-role pieces (rendered by `deltaship app`); "
+            "`Chat` in `deltaship-runtime/src/chat.js` takes them: `await Chat.create(session, { pieces, system })`, "
+            "then `send(text)`, `retry()`, `undo()`, `reset()`, `save()` (bytes: keep them in IndexedDB or a file) and "
+            "`Chat.load(session, bytes, { pieces })`.\n"
+        )
+    (out / "README.md").write_text(readme)
     return sorted(p for p in out.rglob("*") if p.is_file())
 
 

@@ -273,6 +273,7 @@ export class Session {
     }
     this.position = 0;
     this.states = null;
+    this.rewinds = []; // each rewind's target position: KV entries at or past it may be rewritten
     this.reset();
   }
 
@@ -286,7 +287,62 @@ export class Session {
       if (t) this.shared.add(s.name);
       this.states[s.name] = t ?? zeros(this.ort, s);
     }
+    this.rewinds?.push(0);
     this.position = 0;
+  }
+
+  /** The manifest entries of the fixed-size states a checkpoint copies (DeltaNet conv and recurrent). */
+  deltanetStates() {
+    return this.plan.states.filter((s) => String(s.kind ?? '').startsWith('deltanet'));
+  }
+
+  /**
+   * The sequence's state now: a copy of the DeltaNet states' data (fixed size) and the position. The KV caches
+   * are not copied: they only grow, so going back moves the position (the next call overwrites what lies past it).
+   * @returns {Promise<{position: number, states: object, owner: Session, serial: number}>}
+   */
+  async checkpoint() {
+    const states = {};
+    for (const s of this.deltanetStates()) {
+      const t = this.states[s.name];
+      states[s.name] = (t.location === 'gpu-buffer' ? await t.getData() : t.data).slice();
+    }
+    return { position: this.position, states, owner: this, serial: this.rewinds.length };
+  }
+
+  /** Whether `cp` is this session's and no rewind before its position happened since (its KV entries hold). */
+  canRestore(cp) {
+    return cp?.owner === this && this.rewinds.slice(cp.serial).every((r) => r >= cp.position);
+  }
+
+  /** Go back to a checkpoint of this session: its DeltaNet states are copied back, the position moves to it. */
+  restore(cp) {
+    if (!this.canRestore(cp)) {
+      throw new DeltashipError(`the checkpoint at position ${cp?.position} is not this session's, or is stale (the session went back before it since)`,
+        'restore a checkpoint taken by this session after its last rewind, or reset and prefill the tokens again');
+    }
+    this.writeStates(cp.states);
+    this.#rewind(cp.position);
+  }
+
+  /** Replace states' data ({name: typed array}, each the full state) in place or with new CPU tensors. */
+  writeStates(arrays) {
+    for (const s of this.plan.states) {
+      const data = arrays[s.name];
+      if (data === undefined) continue;
+      const old = this.states[s.name];
+      if (this.shared.has(s.name) && old.location !== 'gpu-buffer') {
+        old.data.set(data);
+      } else {
+        if (old.location === 'gpu-buffer') old.dispose();
+        this.states[s.name] = new this.ort.Tensor(s.dtype, data.slice(), s.shape);
+      }
+    }
+  }
+
+  #rewind(position) {
+    this.rewinds.push(position);
+    this.position = position;
   }
 
   /** Free the states and the ONNX Runtime session. */

@@ -7,6 +7,7 @@ import { DeltashipError, Session, checkManifest, modelFiles, safePath } from './
 import { inside } from './files.js';
 
 export { DeltashipError, Session, sample, checkManifest, ioPlan, SCHEMA_VERSIONS } from './core.js';
+export { Chat, renderChat, readSessionBytes, PROMPT_CACHE_FILE } from './chat.js';
 
 async function readJson(path, what, fix) {
   let text;

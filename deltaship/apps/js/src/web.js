@@ -3,6 +3,7 @@ import { Tokenizer } from '@huggingface/tokenizers';
 import { DeltashipError, Session, checkManifest, modelFiles, safePath } from './core.js';
 
 export { DeltashipError, Session, sample, checkManifest, ioPlan, SCHEMA_VERSIONS } from './core.js';
+export { Chat, renderChat, readSessionBytes, PROMPT_CACHE_FILE } from './chat.js';
 
 async function fetchJson(url, what, fix) {
   let res;

@@ -22,8 +22,14 @@ class Feature(val name: String, val shape: LongArray, val dtype: DType) {
     fun shapeFor(tokens: Int) = LongArray(shape.size) { if (shape[it] < 0) tokens.toLong() else shape[it] }
 }
 
-/** A state: input [input] takes the previous call's output [output] (zeros at the start and on reset). */
-class StateSpec(val input: String, val output: String, val shape: LongArray, val dtype: DType)
+/**
+ * A state: input [input] takes the previous call's output [output] (zeros at the start and on reset). [checkpoint]:
+ * a DeltaNet state (fixed size), which a turn checkpoint copies; the KV caches only grow, so going back moves the position.
+ */
+class StateSpec(val input: String, val output: String, val shape: LongArray, val dtype: DType, val checkpoint: Boolean = false)
+
+/** The sequence at [position]: copies of the DeltaNet states' bytes (input name -> bytes), taken by [DeltashipOrtModel.checkpoint]. */
+class Checkpoint(val position: Int, val states: Map<String, ByteArray>, internal val owner: Any, internal val serial: Int)
 
 /** Text in and out for [DeltashipOrtModel.generate]: the kit leaves the tokenizer to the app (see README). */
 interface TextTokenizer {
@@ -45,6 +51,8 @@ class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = Or
     // states, the DeltaNet states after the first token), and every fetched output is copied out (19 MiB a call at 0.8B).
     private val fetched: Set<String> = KitSpec.STATES.map { it.output }.toSet() + KitSpec.LOGITS.name
     private var carried: OrtSession.Result? = null  // the previous call's outputs, closed after the next call
+    private val restored = HashMap<String, OnnxTensor>()  // states written by restore/loadStates, fed by the next call
+    private val rewinds = ArrayList<Int>()  // each rewind's target position: KV entries at or past it may be rewritten
 
     /** Tokens the state holds. */
     var position = 0
@@ -81,7 +89,53 @@ class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = Or
     fun reset() {
         carried?.close()
         carried = null
+        restored.values.forEach { it.close() }
+        restored.clear()
         position = 0
+        rewinds.add(0)
+    }
+
+    /** The bytes of state [s] as the next call would feed it. */
+    fun stateBytes(s: StateSpec): ByteArray {
+        val t = restored[s.input] ?: carried?.get(s.output)?.get() as OnnxTensor? ?: zeros.getValue(s.input)
+        val buffer = t.byteBuffer.order(ByteOrder.nativeOrder())
+        return ByteArray(buffer.remaining()).also { buffer.get(it) }
+    }
+
+    /** The sequence now: one copy of the DeltaNet states (KitSpec.STATES with checkpoint) and the position. */
+    fun checkpoint(): Checkpoint =
+        Checkpoint(position, KitSpec.STATES.filter { it.checkpoint }.associate { it.input to stateBytes(it) }, this, rewinds.size)
+
+    /** A checkpoint of this model from saved bytes (a loaded conversation's), valid until the next rewind before it. */
+    fun checkpointOf(at: Int, states: Map<String, ByteArray>) = Checkpoint(at, states, this, rewinds.size)
+
+    /** Whether [cp] is this model's and no rewind before its position happened since (its KV entries hold). */
+    fun canRestore(cp: Checkpoint) = cp.owner === this && rewinds.drop(cp.serial).all { it >= cp.position }
+
+    /** Back to [cp]: its DeltaNet states are fed by the next call, the position moves to it (the KV caches stay). */
+    fun restore(cp: Checkpoint) {
+        check(canRestore(cp)) { "the checkpoint at position ${cp.position} is not this model's or is stale: reset and prefill again" }
+        writeStates(cp.states)
+        position = cp.position
+        rewinds.add(cp.position)
+    }
+
+    /** Replaces states (input name -> the whole state's bytes); the others keep what the last call gave. */
+    fun writeStates(states: Map<String, ByteArray>) {
+        for (s in KitSpec.STATES) {
+            val bytes = states[s.input] ?: continue
+            val buffer = ByteBuffer.allocateDirect(bytes.size).order(ByteOrder.nativeOrder())
+            buffer.put(bytes).rewind()
+            restored.remove(s.input)?.close()
+            restored[s.input] = OnnxTensor.createTensor(env, buffer, s.shape, s.dtype.ort)
+        }
+    }
+
+    /** Puts back a saved state (every state whole, see [DeltashipChat.save]) at [at]. */
+    fun loadStates(at: Int, states: Map<String, ByteArray>) {
+        reset()
+        writeStates(states)
+        position = at
     }
 
     /** One call of 1 to KitSpec.PREFILL_CHUNK tokens; returns the logits after the last one. */
@@ -108,7 +162,8 @@ class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = Or
         val keep = keepRows?.let { f -> integers(f, t) { 0L } }
         if (keepRows != null && keep != null) feeds[keepRows.name] = keep
         for (s in KitSpec.STATES) {
-            feeds[s.input] = if (previous == null) zeros.getValue(s.input) else previous.get(s.output).get() as OnnxTensor
+            feeds[s.input] = restored[s.input]
+                ?: if (previous == null) zeros.getValue(s.input) else previous.get(s.output).get() as OnnxTensor
         }
         val result = session.run(feeds, fetched)
         ids.close()
@@ -116,6 +171,8 @@ class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = Or
         past?.close()
         keep?.close()
         previous?.close()
+        restored.values.forEach { it.close() }
+        restored.clear()
         carried = result
         position += t
         val logits = (result.get(KitSpec.LOGITS.name).get() as OnnxTensor).floatBuffer  // fp16 is converted
@@ -185,6 +242,7 @@ class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = Or
 
     override fun close() {
         carried?.close()
+        restored.values.forEach { it.close() }
         zeros.values.forEach { it.close() }
         session.close()
     }

@@ -1,0 +1,71 @@
+#!/usr/bin/env node
+// Chat with a deltaship ONNX bundle in node, the line protocol of `deltaship chat`: each stdin line is a user
+// message; /retry, /undo, /reset, /save FILE and /load FILE are commands. --json prints one object per turn
+// ({command, reply, reply_ids, history_ids, prefill_tokens, stopped}) and per command.
+//   node examples/chat.mjs BUNDLE_DIR --pieces chat.json [--system TEXT] [--no-thinking] [--max-new-tokens N] [--json]
+// chat.json: what `deltaship app` writes beside the bundle (`pieces`: the chat template per role).
+import { readFile, writeFile } from 'node:fs/promises';
+import { join } from 'node:path';
+import { createInterface } from 'node:readline';
+import { parseArgs } from 'node:util';
+import { Chat, PROMPT_CACHE_FILE, openBundle } from '../src/node.js';
+
+const { values, positionals } = parseArgs({
+  allowPositionals: true,
+  options: {
+    pieces: { type: 'string' },
+    system: { type: 'string' },
+    'no-thinking': { type: 'boolean', default: false },
+    'max-new-tokens': { type: 'string', default: '256' },
+    json: { type: 'boolean', default: false },
+    'check-state': { type: 'boolean', default: false },
+  },
+});
+if (positionals.length !== 1 || !values.pieces) {
+  console.error('usage: node examples/chat.mjs BUNDLE_DIR --pieces chat.json [--system TEXT] [--json]');
+  process.exit(2);
+}
+const [dir] = positionals;
+let chat;
+let fresh = null; // --check-state: a second session, fed chat.ids from zero after every command
+const print = async (o) => {
+  if (fresh) {
+    fresh.reset();
+    if (chat.ids.length) await fresh.prefill(chat.ids);
+    let diff = chat.session.position === chat.ids.length ? 0 : Infinity;
+    for (const st of fresh.deltanetStates()) {
+      const a = chat.session.states[st.name].data;
+      const b = fresh.states[st.name].data;
+      for (let i = 0; i < a.length; i++) diff = Math.max(diff, Math.abs(a[i] - b[i]));
+    }
+    o.state_diff = diff; // the chat's DeltaNet states against a fresh prefill of everything it holds
+  }
+  console.log(values.json ? JSON.stringify(o) : (o.reply ?? `(${o.command})`));
+};
+try {
+  const session = await openBundle(dir, { threads: 1 });
+  const { pieces } = JSON.parse(await readFile(values.pieces, 'utf8'));
+  const cached = Object.hasOwn(session.manifest.files, PROMPT_CACHE_FILE) ? await readFile(join(dir, PROMPT_CACHE_FILE)) : null;
+  const system = values.system ?? session.manifest.chat?.prompt_cache?.system ?? null;
+  const manifestBytes = await readFile(join(dir, 'manifest.json'));
+  const opts = { pieces, promptCache: cached, thinking: !values['no-thinking'], manifestBytes };
+  if (values['check-state']) fresh = await openBundle(dir, { threads: 1 });
+  chat = await Chat.create(session, { ...opts, system });
+  const gen = { maxNewTokens: Number(values['max-new-tokens']) };
+  const turn = (command, r) => print({ command, reply: r.text, reply_ids: r.ids, history_ids: r.historyIds,
+    prefill_tokens: r.prefillTokens, stopped: r.stopped });
+  for await (const line of createInterface({ input: process.stdin })) {
+    const [cmd, ...rest] = line.split(' ');
+    if (cmd === '/retry') await turn('retry', await chat.retry(gen));
+    else if (cmd === '/undo') { await chat.undo(); await print({ command: 'undo', history_tokens: chat.ids.length }); }
+    else if (cmd === '/reset') { await chat.reset(); await print({ command: 'reset', history_tokens: chat.ids.length }); }
+    else if (cmd === '/save') { await writeFile(rest.join(' '), await chat.save()); await print({ command: 'save', history_tokens: chat.ids.length }); }
+    else if (cmd === '/load') {
+      chat = await Chat.load(session, await readFile(rest.join(' ')), opts);
+      await print({ command: 'load', history_tokens: chat.ids.length });
+    } else await turn('send', await chat.send(line, gen));
+  }
+} catch (e) {
+  console.error(e.message);
+  process.exit(e.name === 'DeltashipError' ? 1 : 3);
+}

@@ -933,8 +933,9 @@ def test_genai_driver_when_the_bundle_has_genai_config(android_bundles, tmp_path
     assert any(d.startswith("com.microsoft.onnxruntime:onnxruntime-genai-android:") for d in record["gradle"])
     assert check_kotlin_kit(tmp_path / "kit", bundle) == []
     driver = _kotlin_sources(tmp_path / "kit")["DeltashipGenAiModel.kt"]
+    # genai opens the directory of genai_config.json, reached through safePath (the closed-world rule)
+    assert "Model(\n        safePath(bundleDir, KitSpec.GENAI_CONFIG_FILE).parentFile" in driver
     for api in (
-        "Model(bundleDir.path)",
         "Tokenizer(model)",
         "GeneratorParams(model)",
         "Generator(model, params)",

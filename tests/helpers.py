@@ -87,8 +87,8 @@ def text_config(name: str) -> dict:
     )
 
 
-def randomize(model, seed: int) -> None:
-    """Weights with structure enough that greedy decoding has clear winners (std 0.15, random norms)."""
+def randomize(model, seed: int, std: float = 0.15) -> None:
+    """Weights with structure enough that greedy decoding has clear winners (matrices at `std`, random norms)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -103,7 +103,7 @@ def randomize(model, seed: int) -> None:
             elif p.ndim == 1:  # zero-centred norms
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
             else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+                p.copy_(std * torch.randn(p.shape, generator=g))
 
 
 def write_checkpoint(name: str, directory: Path, seed: int = 0, **overrides) -> Path:

@@ -205,6 +205,24 @@ def _chromium() -> str:
     )
 
 
+def _chromium_results(server: _Server, cmd: list[str], wait_s: int, page: str) -> dict:
+    """Run Chromium's command line until the page posts its results to `server` (or `wait_s` pass), then close
+    both; the first result posted."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        posted = server.posted.wait(timeout=wait_s)
+    finally:
+        proc.terminate()
+        try:
+            log = proc.communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log = proc.communicate()[0]
+        server.close()
+    assert posted, f"{page} reported nothing within {wait_s} s; Chromium said:\n{log[-4000:]}"
+    return server.results[0]
+
+
 def _browser_run(
     node,
     bundles: dict[str, Path],
@@ -230,19 +248,7 @@ def _browser_run(
         *flags,
         url,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        posted = server.posted.wait(timeout=wait_s)
-    finally:
-        proc.terminate()
-        try:
-            log = proc.communicate(timeout=20)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log = proc.communicate()[0]
-        server.close()
-    assert posted, f"the page reported nothing within {wait_s} s; Chromium said:\n{log[-4000:]}"
-    return server.results[0]
+    return _chromium_results(server, cmd, wait_s, "the page")
 
 
 @pytest.mark.parametrize("variant", ["fp32", "external", "contrib"])
@@ -404,19 +410,7 @@ def test_web_kit_page_waits_for_the_model_never_navigates_then_generates(node, t
         f"--user-data-dir={tmp_path / 'profile'}",
         f"http://127.0.0.1:{server.port}/",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        posted = server.posted.wait(timeout=240)
-    finally:
-        proc.terminate()
-        try:
-            log = proc.communicate(timeout=20)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log = proc.communicate()[0]
-        server.close()
-    assert posted, f"the kit's page reported nothing within 240 s; Chromium said:\n{log[-4000:]}"
-    r = server.results[0]
+    r = _chromium_results(server, cmd, 240, "the kit's page")
     assert "reloaded" not in r, f"a click before the model was ready reloaded the page: {r}"
     assert [p for p in server.requests if p == "/" or p.startswith(("/?", "/index"))] == ["/"], server.requests
     assert r["disabledAtParse"] and r["loading"] and r["loading"]["disabled"], r

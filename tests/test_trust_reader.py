@@ -175,16 +175,22 @@ def test_manifest_values_are_validated_by_every_reader(tiny, tmp_path, change, m
     assert "FAILED" in describe(info)  # the human form of a broken manifest is a report, not a KeyError
 
 
+def assert_state_shape_edit_refused(b: Path, then: str = "") -> None:
+    """A second state's shape edited in b's manifest: opening the bundle is one DeltashipError naming the state and
+    the manifest's shape (followed by `then`, a pattern), and inspect calls the bundle not intact."""
+    m = edit(b, lambda m: m["states"][1].__setitem__("shape", [1, 4, 32, 31]))
+    state = m["states"][1]["name"]
+    with pytest.raises(DeltashipError, match=rf"states '{state}': shape \[1, 4, 32, 31\] in the manifest{then}"):
+        open_bundle(b)
+    info = inspect(b)
+    assert not info["intact"] and any(state in p for p in info["problems"])
+
+
 def test_an_edited_state_shape_is_refused_naming_the_state(tiny, tmp_path):
     """Reported: a state shape edited in the manifest gave onnxruntime's 'invalid dimensions' traceback, and
     inspect called the bundle intact."""
     b = copy(tiny, tmp_path)
-    m = edit(b, lambda m: m["states"][1].__setitem__("shape", [1, 4, 32, 31]))
-    state = m["states"][1]["name"]
-    with pytest.raises(DeltashipError, match=rf"states '{state}': shape \[1, 4, 32, 31\] in the manifest"):
-        open_bundle(b)
-    info = inspect(b)
-    assert not info["intact"] and any(state in p for p in info["problems"])
+    assert_state_shape_edit_refused(b)
     edit(b, lambda m: m["inputs"][0].__setitem__("dtype", "int32"))
     with pytest.raises(DeltashipError, match=r"inputs 'input_ids': dtype int32 in the manifest, int64 in model.onnx"):
         open_bundle(b)
@@ -278,12 +284,7 @@ def test_an_edited_coreml_state_is_refused_naming_the_state(bundles, tmp_path):
     built = bundles("grouped_values", "coreml", "fp16")  # io DeltaNet states, fp16 Core ML KV-cache states
     b = copy(built, tmp_path)
     assert inspect(b)["intact"]  # the exported bundle agrees with its package
-    m = edit(b, lambda m: m["states"][1].__setitem__("shape", [1, 4, 32, 31]))
-    state = m["states"][1]["name"]
-    with pytest.raises(DeltashipError, match=rf"states '{state}': shape \[1, 4, 32, 31\] in the manifest, \[1, "):
-        open_bundle(b)
-    info = inspect(b)
-    assert not info["intact"] and any(state in p for p in info["problems"])
+    assert_state_shape_edit_refused(b, r", \[1, ")
     for change, match in COREML_EDITS:
         b = copy(built, tmp_path, f"b{len(list(tmp_path.iterdir()))}")
         edit(b, change)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import MULTIMODAL, write_checkpoint
+from helpers import MULTIMODAL, randomize, write_checkpoint
 
 from deltaship.errors import DeltashipError
 
@@ -220,19 +220,7 @@ def _vision_checkpoint(d: Path, std: float, seed: int) -> Path:
     model = Qwen3_5ForConditionalGeneration(
         Qwen3_5Config(text_config=TEXT, vision_config=vision, tie_word_embeddings=True, **TOKENS)
     )
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.0, 2.5, generator=g))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.empty(p.shape).uniform_(-1, 1, generator=g))
-            elif name.endswith("linear_attn.norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif p.ndim == 1:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(std * torch.randn(p.shape, generator=g))
+    randomize(model, seed, std)
     model.save_pretrained(d)
     (d / "preprocessor_config.json").write_text(json.dumps(PRE))
     (d / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PRE))

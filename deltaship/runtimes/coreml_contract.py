@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.bundle.paths import bundle_path
+from deltaship.bundle.protobuf import fields, varint
 from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object
 
@@ -31,67 +32,31 @@ _RUNTIME_FUNCTIONS = ("prefill", "decode")  # what runtimes/coreml.py calls
 HIDDEN = "lowering.hidden_states"
 
 
-def _varint(buf, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        if i >= len(buf):
-            raise ValueError("a varint runs past the end")
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
-
-
-def _fields(buf, start: int = 0, end: int | None = None):
-    """(field number, wire type, value) of each field of the message buf[start:end]: a varint's value, or the
-    (start, end) of a length-delimited field."""
-    i, end = start, len(buf) if end is None else end
-    while i < end:
-        tag, i = _varint(buf, i)
-        kind = tag & 7
-        if kind == 0:
-            value, i = _varint(buf, i)
-        elif kind in (1, 5):
-            value, i = None, i + (8 if kind == 1 else 4)
-        elif kind == 2:
-            n, i = _varint(buf, i)
-            if i + n > end:
-                raise ValueError("a field runs past its message")
-            value, i = (i, i + n), i + n
-        else:
-            raise ValueError(f"wire type {kind}")
-        yield tag >> 3, kind, value
-
-
 def _feature(buf, a: int, b: int) -> tuple[str, tuple[str, list[int]]]:
     """FeatureDescription -> (name, (dtype, shape)) of a multi-array or a state's array ("not an array" else)."""
     name, have = "", ("not an array", [])
-    for f, kind, v in _fields(buf, a, b):
+    for f, kind, v in fields(buf, a, b):
         if f == _FEATURE_NAME and kind == 2:
             name = bytes(buf[v[0] : v[1]]).decode("utf-8", "replace")
         elif f == _FEATURE_TYPE and kind == 2:
-            for g, kind2, w in _fields(buf, *v):
+            for g, kind2, w in fields(buf, *v):
                 if g == _TYPE_ARRAY and kind2 == 2:
                     have = _array(buf, *w)
                 elif g == _TYPE_STATE and kind2 == 2:
-                    arrays = [x for h, k, x in _fields(buf, *w) if h == _STATE_ARRAY and k == 2]
+                    arrays = [x for h, k, x in fields(buf, *w) if h == _STATE_ARRAY and k == 2]
                     have = _array(buf, *arrays[0]) if arrays else have
     return name, have
 
 
 def _array(buf, a: int, b: int) -> tuple[str, list[int]]:
     shape, code = [], 0
-    for f, kind, v in _fields(buf, a, b):
+    for f, kind, v in fields(buf, a, b):
         if f == _ARRAY_SHAPE and kind == 0:
             shape.append(v)
         elif f == _ARRAY_SHAPE and kind == 2:  # packed
             i = v[0]
             while i < v[1]:
-                d, i = _varint(buf, i)
+                d, i = varint(buf, i)
                 shape.append(d)
         elif f == _ARRAY_DTYPE and kind == 0:
             code = v
@@ -100,7 +65,7 @@ def _array(buf, a: int, b: int) -> tuple[str, list[int]]:
 
 def _function(buf, a: int, b: int) -> tuple[str, dict[str, dict]]:
     name, io = "", {"inputs": {}, "outputs": {}, "states": {}}
-    for f, kind, v in _fields(buf, a, b):
+    for f, kind, v in fields(buf, a, b):
         if f == _FUNC_NAME and kind == 2:
             name = bytes(buf[v[0] : v[1]]).decode("utf-8", "replace")
         elif kind == 2 and f in (_FUNC_INPUT, _FUNC_OUTPUT, _FUNC_STATE):
@@ -116,11 +81,11 @@ def package_functions(path: Path) -> dict[str, dict[str, dict[str, tuple[str, li
     import mmap
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        for field, kind, v in _fields(buf):
+        for field, kind, v in fields(buf):
             if field != _MODEL_DESCRIPTION or kind != 2:
                 continue  # the ML program and the rest: skipped unread
             functions, single = {}, {"inputs": {}, "outputs": {}, "states": {}}
-            for g, kind2, w in _fields(buf, *v):
+            for g, kind2, w in fields(buf, *v):
                 if g == _DESC_FUNCTIONS and kind2 == 2:
                     name, io = _function(buf, *w)
                     functions[name] = io

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.bundle.paths import bundle_path
+from deltaship.bundle.protobuf import messages, varints
 from deltaship.errors import DeltashipError
 
 # onnx.TensorProto data types by the manifest's dtype names
@@ -26,41 +27,6 @@ _NODE_ATTRIBUTES, _ATTR_TENSOR, _ATTR_GRAPH, _ATTR_TENSORS, _ATTR_GRAPHS, _ATTR_
 _TENSOR_NAME, _TENSOR_EXTERNAL, _SPARSE_VALUES = 8, 13, 1
 
 
-def _varint(buf, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, i
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
-
-
-def _fields(buf, start: int, end: int):
-    """(field number, start, end) of each length-delimited field of the message buf[start:end]."""
-    i = start
-    while i < end:
-        tag, i = _varint(buf, i)
-        kind = tag & 7
-        if kind == 0:
-            _, i = _varint(buf, i)
-        elif kind == 1:
-            i += 8
-        elif kind == 5:
-            i += 4
-        elif kind == 2:
-            n, i = _varint(buf, i)
-            if i + n > end:
-                raise ValueError("a field runs past its message")
-            yield tag >> 3, i, i + n
-            i += n
-        else:
-            raise ValueError(f"wire type {kind}")
-
-
 class _Graph:
     """What the check needs of an ONNX file, read field by field from a memory map: the weights (raw_data) are
     skipped, never parsed or copied, so a 1.8 GB single-file model costs what its graph structure does."""
@@ -71,16 +37,16 @@ class _Graph:
         self.outputs: list[bytes] = []
         self.initializers: set[str] = set()
         self.external: list[tuple[str, str | None]] = []  # (tensor name, location)
-        for f, a, b in _fields(buf, 0, len(buf)):
+        for f, a, b in messages(buf, 0, len(buf)):
             if f == _MODEL_GRAPH:
                 self._graph(a, b, top=True)
             elif f == _MODEL_FUNCTIONS:
-                for g, c, d in _fields(buf, a, b):
+                for g, c, d in messages(buf, a, b):
                     if g == _FUNCTION_NODES:
                         self._node(c, d)
 
     def _graph(self, a: int, b: int, top: bool = False) -> None:
-        for f, c, d in _fields(self.buf, a, b):
+        for f, c, d in messages(self.buf, a, b):
             if f == _GRAPH_NODES:
                 self._node(c, d)
             elif f == _GRAPH_INITIALIZERS:
@@ -95,10 +61,10 @@ class _Graph:
                 self.outputs.append(bytes(self.buf[c:d]))
 
     def _node(self, a: int, b: int) -> None:
-        for f, c, d in _fields(self.buf, a, b):
+        for f, c, d in messages(self.buf, a, b):
             if f != _NODE_ATTRIBUTES:
                 continue
-            for g, e, h in _fields(self.buf, c, d):
+            for g, e, h in messages(self.buf, c, d):
                 if g in (_ATTR_TENSOR, _ATTR_TENSORS):
                     self._tensor(e, h)
                 elif g in (_ATTR_GRAPH, _ATTR_GRAPHS):
@@ -107,19 +73,19 @@ class _Graph:
                     self._sparse(e, h)
 
     def _sparse(self, a: int, b: int) -> None:
-        for f, c, d in _fields(self.buf, a, b):
+        for f, c, d in messages(self.buf, a, b):
             if f in (1, 2):  # values, indices
                 self._tensor(c, d)
 
     def _tensor(self, a: int, b: int) -> str:
         name, location, external = "", None, False
-        for f, c, d in _fields(self.buf, a, b):
+        for f, c, d in messages(self.buf, a, b):
             if f == _TENSOR_NAME:
                 name = bytes(self.buf[c:d]).decode("utf-8", "replace")
             elif f == _TENSOR_EXTERNAL:
                 external = True
                 key = value = None
-                for g, e, h in _fields(self.buf, c, d):
+                for g, e, h in messages(self.buf, c, d):
                     text = bytes(self.buf[e:h]).decode("utf-8", "replace")
                     key, value = (text, value) if g == 1 else (key, text)
                 if key == "location":
@@ -140,42 +106,24 @@ def _read(bundle: Path, manifest: dict[str, Any], name: str, field: str) -> _Gra
         raise DeltashipError(f"{path}: not a readable ONNX model ({e})", "export the bundle again") from None
 
 
-def _varints(buf, start: int, end: int):
-    """(field number, value) of each varint field of the message buf[start:end]."""
-    i = start
-    while i < end:
-        tag, i = _varint(buf, i)
-        kind = tag & 7
-        if kind == 0:
-            value, i = _varint(buf, i)
-            yield tag >> 3, value
-        elif kind == 2:
-            n, i = _varint(buf, i)
-            i += n
-        elif kind in (1, 5):
-            i += 8 if kind == 1 else 4
-        else:
-            raise ValueError(f"wire type {kind}")
-
-
 def _value_info(raw: bytes) -> tuple[str, str, list]:
     """ValueInfoProto -> (name, dtype, dims): name 1, type 2 -> tensor_type 1 -> elem_type 1, shape 2 -> dim 1 ->
     dim_value 1 | dim_param 2."""
     name, elem, dims = "", 0, []
-    for f, a, b in _fields(raw, 0, len(raw)):
+    for f, a, b in messages(raw, 0, len(raw)):
         if f == 1:
             name = raw[a:b].decode("utf-8", "replace")
         elif f == 2:
-            for g, c, d in _fields(raw, a, b):
+            for g, c, d in messages(raw, a, b):
                 if g != 1:
                     continue
-                elem = dict(_varints(raw, c, d)).get(1, 0)
-                for h, e, k in _fields(raw, c, d):
+                elem = dict(varints(raw, c, d)).get(1, 0)
+                for h, e, k in messages(raw, c, d):
                     if h != 2:
                         continue
-                    for _, m, n in _fields(raw, e, k):  # each dim
-                        value = dict(_varints(raw, m, n)).get(1)
-                        params = [raw[x:y].decode("utf-8", "replace") for q, x, y in _fields(raw, m, n) if q == 2]
+                    for _, m, n in messages(raw, e, k):  # each dim
+                        value = dict(varints(raw, m, n)).get(1)
+                        params = [raw[x:y].decode("utf-8", "replace") for q, x, y in messages(raw, m, n) if q == 2]
                         param = params[0] if params else ""
                         dims.append(value if value is not None else param)
     return name, _DTYPES.get(elem, f"onnx type {elem}"), dims

@@ -393,6 +393,37 @@ def _app(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """--temperature, --top-k, --top-p and --seed, one definition for every command that samples (generate, chat);
+    deltaship.options checks them, and refuses the last three without --temperature."""
+    parser.add_argument(
+        "--temperature",
+        type=_arg(float, options.temperature, "a number"),
+        default=0.0,
+        help="0 = greedy (default); a finite T > 0 samples. --top-k, --top-p and --seed need it: greedy decoding "
+        "would ignore them, so they are refused without it",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=_arg(int, options.top_k, "an integer >= 1"),
+        default=None,
+        help="with --temperature: sample from the K most likely tokens (default: all)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=_arg(float, options.top_p, "a number in (0, 1]"),
+        default=None,
+        help="with --temperature: sample from the smallest set of tokens whose probability reaches P, in (0, 1] "
+        "(default 1: all)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=_arg(int, options.seed, "an integer >= 0"),
+        default=None,
+        help="with --temperature: seed of the sampler, >= 0, for repeatable samples (default: a fresh one)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from deltaship import __version__
     from deltaship.runtimes import runtime_names
@@ -482,32 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the bundle in this runtime, as an app embeds it (e.g. genai: onnxruntime-genai for ONNX "
         "bundles; default: deltaship's own session for the bundle's target)",
     )
-    g.add_argument(
-        "--temperature",
-        type=_arg(float, options.temperature, "a number"),
-        default=0.0,
-        help="0 = greedy (default); a finite T > 0 samples. --top-k, --top-p and --seed need it: greedy decoding "
-        "would ignore them, so they are refused without it",
-    )
-    g.add_argument(
-        "--top-k",
-        type=_arg(int, options.top_k, "an integer >= 1"),
-        default=None,
-        help="with --temperature: sample from the K most likely tokens (default: all)",
-    )
-    g.add_argument(
-        "--top-p",
-        type=_arg(float, options.top_p, "a number in (0, 1]"),
-        default=None,
-        help="with --temperature: sample from the smallest set of tokens whose probability reaches P, in (0, 1] "
-        "(default 1: all)",
-    )
-    g.add_argument(
-        "--seed",
-        type=_arg(int, options.seed, "an integer >= 0"),
-        default=None,
-        help="with --temperature: seed of the sampler, >= 0, for repeatable samples (default: a fresh one)",
-    )
+    _add_sampling_arguments(g)
     g.add_argument("--no-stop-at-eos", action="store_true", help="keep going past end-of-sequence tokens")
     g.add_argument(
         "--speculative",
@@ -663,7 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_eval)
 
     c = sub.add_parser("chat", help="talk with a bundle: multi-turn chat with retry, undo and saved sessions")
-    c.add_argument("bundle")
+    c.add_argument("bundle", help="the bundle directory (deltaship export --out)")
     c.add_argument("--system", default=None, help="the system message")
     c.add_argument(
         "--session",
@@ -671,12 +677,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="load FILE if it exists; save the conversation to it after every turn",
     )
-    c.add_argument("--max-new-tokens", type=int, default=256)
-    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--seed", type=int, default=None, help="each reply's sampler starts from this seed")
-    c.add_argument("--threads", type=int, default=None)
+    c.add_argument(
+        "--max-new-tokens",
+        type=_arg(int, options.max_new_tokens, "an integer >= 1"),
+        default=256,
+        help="each reply has at most this many tokens (default 256; fewer at an end-of-turn token or a full context)",
+    )
+    _add_sampling_arguments(c)  # --seed: each reply's sampler starts from it
+    c.add_argument("--threads", type=THREADS, default=None, help="runtime threads (default: the runtime's)")
     c.add_argument("--no-thinking", action="store_true", help="the template's enable_thinking=false: answer directly")
     c.add_argument(
         "--json",

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from deltaship import options
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
 from deltaship.runtimes.base import check_sampling
 
@@ -26,8 +27,8 @@ def chat(
     session: str | Path | None = None,
     max_new_tokens: int = 256,
     temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     no_thinking: bool = False,
     json: bool = False,
@@ -37,6 +38,9 @@ def chat(
 ) -> int:
     """Talk with a bundle. session: a file loaded if it exists and saved (atomically) after every turn; a new one is
     written at once with the system message fed (an empty conversation so saved is a prompt cache)."""
+    options.max_new_tokens(max_new_tokens)
+    options.sampling(temperature, top_k, top_p, seed)  # as `generate`'s: top_k/top_p/seed need a temperature
+    top_k, top_p = top_k or 0, 1.0 if top_p is None else top_p  # None: no cut (the session's 0 and 1.0)
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     kwargs = {"enable_thinking": False} if no_thinking else {}

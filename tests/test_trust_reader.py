@@ -100,7 +100,7 @@ def test_entry_left_out_of_files_is_refused(tiny, tmp_path):
     [
         (lambda m: m["files"].__setitem__("../../../../../../etc/passwd", listing(ROOT)), "files"),
         (lambda m: m.__setitem__("entry", "../../../../../../etc/passwd"), "entry"),
-        (lambda m: m["tokenizer"]["files"].append("../../../../../../etc/passwd"), r"tokenizer.files\[2\]"),
+        (lambda m: m["tokenizer"]["files"].append("../../../../../../etc/passwd"), r"tokenizer.files\[\d+\]"),
     ],
     ids=["files", "entry", "tokenizer"],
 )

@@ -97,7 +97,7 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
                 "output": s["output"],
                 "shape": _shape(s["shape"]),
                 "dtype": _dtype(s["name"], s["dtype"]),
-                "checkpoint": s["kind"].startswith("deltanet"),  # what a chat turn's checkpoint copies
+                "checkpoint": str(s.get("kind", "")).startswith("deltanet"),  # what a chat turn's checkpoint copies
             }
             for s in manifest["states"]
         ],

@@ -320,6 +320,8 @@ def plan(
             r.recommended = pick is not None and key(r) == key(pick)
         if pick is not None and not any(r.recommended for r in tier_rows):
             pick.recommended = True
+            if context not in (None, "max"):
+                pick.capped = context > spec.max_position_embeddings and pick.context == spec.max_position_embeddings
             tier_rows.append(pick)  # the pick needed a shorter context or a smaller prefill chunk
         rows += tier_rows
     return [asdict(r) for r in rows]

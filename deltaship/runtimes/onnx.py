@@ -32,12 +32,24 @@ from deltaship.runtimes.onnx_speculative import OnnxSpeculation
 _NP = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
 
 
-def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool = False, turn_taking: bool = False):
+def _options(
+    ort,
+    threads: int | None,
+    profile_prefix: str | None,
+    strict: bool = False,
+    turn_taking: bool = False,
+    cpu: bool = True,
+):
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = int(threads)
         opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if cpu:
+        # No memory pattern on the CPU: ORT plans one block per input shape at the second run of that shape and takes
+        # it from the arena beside the chunks the first run left there, so a second prefill of the same length holds
+        # both (docs/results/memory.md); the arena alone reuses its chunks.
+        opts.enable_mem_pattern = False
     if profile_prefix:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
@@ -51,6 +63,42 @@ def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool 
         # (within the runs' spread, but kept for sessions that do not take turns: docs/results/mtp.md)
         opts.add_session_config_entry("session.force_spinning_stop", "1")
     return opts
+
+
+def release_mapped_pages(data_file: Path) -> int:
+    """Drop this process's resident pages of the bundle's external data file; return the bytes of mappings advised.
+
+    ONNX Runtime maps external initializers copy-on-write and keeps the mappings of those it still uses after
+    prepacking (the embedding's rows, the LM head's scales): their pages, touched while loading and prepacking, stay
+    resident though decode reads a few rows of them. MADV_DONTNEED on a mapping none of whose pages were written
+    (no anonymous pages in /proc/self/smaps) only forgets clean pages: a later read faults them in again from the
+    file (docs/results/memory.md). Linux only; 0 elsewhere.
+    """
+    import ctypes
+    import mmap
+
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    try:
+        smaps = Path("/proc/self/smaps").read_text().splitlines()
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    target, spans, cur = str(data_file.resolve()), [], None
+    for line in smaps:
+        fields = line.split(maxsplit=5)
+        if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            cur = None
+            if len(fields) == 6 and fields[5] == target:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                cur = [lo, hi, True]
+                spans.append(cur)
+        elif cur is not None and fields[:1] == ["Anonymous:"] and int(fields[1]) != 0:
+            cur[2] = False  # a page of it was written: its copy lives only here
+    done = 0
+    for lo, hi, clean in spans:
+        if advice is not None and clean and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), advice) == 0:
+            done += hi - lo
+    return done
 
 
 def counts_positions(manifest: dict[str, Any]) -> bool:
@@ -183,7 +231,7 @@ class OnnxSession(OnnxSpeculation, Session):
                     self.sess = ort.InferenceSession(
                         str(model_path),
                         providers=accel,
-                        sess_options=_options(ort, threads, prefix, strict=True, turn_taking=turn_taking),
+                        sess_options=_options(ort, threads, prefix, strict=True, turn_taking=turn_taking, cpu=False),
                     )
                 except Exception as e:
                     if "fallback to CPU EP has been explicitly disabled" not in str(e):
@@ -192,7 +240,9 @@ class OnnxSession(OnnxSpeculation, Session):
                     # lengths); with fp32 activations attention itself runs there (see runtime_name).
                     self.cpu_fallback = True
             if not hasattr(self, "sess"):
-                opts = _options(ort, threads, prefix, turn_taking=turn_taking)
+                opts = _options(
+                    ort, threads, prefix, turn_taking=turn_taking, cpu=self.providers[0] == "CPUExecutionProvider"
+                )
                 self.sess = ort.InferenceSession(str(model_path), sess_options=opts, providers=ep_list)
         except Exception as e:  # ORT raises its own exception types
             if cuda_graph and "graph capture" in str(e):
@@ -212,6 +262,8 @@ class OnnxSession(OnnxSpeculation, Session):
                 "check the GPU driver and CUDA libraries (onnxruntime-gpu 1.31 needs CUDA 13)",
             )
         self.device = "cuda" if got.startswith("CUDA") else "cpu"
+        data = self.bundle / (Path(manifest["entry"]).name + ".data")
+        self.released_bytes = release_mapped_pages(data) if self.device == "cpu" and data.is_file() else 0
         if self.device == "cuda" and _fp16_activations(manifest) and not capturable:
             raise DeltashipError(
                 f"{bundle}: this bundle's graph copies GroupQueryAttention's total_sequence_length from the GPU to "

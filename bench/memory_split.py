@@ -33,9 +33,9 @@ VARIANTS: dict[str, list[tuple[str, str, object]]] = {
     "no-prepack": [("config", "session.disable_prepacking", "1")],
     "no-arena": [("attr", "enable_cpu_mem_arena", False)],
     "no-mem-pattern": [("attr", "enable_mem_pattern", False)],
-    # deltaship's CPU session as it was before it turned the memory pattern off
-    "mem-pattern": [("attr", "enable_mem_pattern", True)],
-    "mem-pattern-keep-mapped": [("attr", "enable_mem_pattern", True), ("deltaship", "release_mapped_pages", False)],
+    # deltaship's session as it was before: prefill calls without arena shrinkage, mapped pages kept
+    "no-shrink": [("deltaship", "prefill_run_config", False)],
+    "main": [("deltaship", "prefill_run_config", False), ("deltaship", "release_mapped_pages", False)],
     "no-arena-no-pattern": [("attr", "enable_cpu_mem_arena", False), ("attr", "enable_mem_pattern", False)],
     "env-allocators": [("config", "session.use_env_allocators", "1")],
     "no-folding": [("config", "optimization.disable_specified_optimizers", "ConstantFolding")],
@@ -142,6 +142,8 @@ def worker(a) -> int:
     for kind, key, value in settings:
         if kind == "deltaship" and key == "release_mapped_pages" and not value:
             onnx_rt.release_mapped_pages = lambda data_file: 0
+        if kind == "deltaship" and key == "prefill_run_config" and not value:
+            onnx_rt.PREFILL_RUN_CONFIG = {}
         if kind == "env_arena":  # max_mem 0 (no cap), strategy, default initial chunk, default dead bytes
             info = onnxruntime.OrtMemoryInfo(
                 "Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, onnxruntime.OrtMemType.DEFAULT
@@ -238,7 +240,7 @@ def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str)
     nearest measured precision (fp16 -> fp32, int8 -> int4)."""
     from deltaship.bundle.reader import read_manifest
 
-    factors: dict[tuple[str, str], tuple[float, float, str]] = {}
+    factors: dict[tuple[str, str], tuple] = {}
     for p in splits:
         for run in json.loads(p.read_text())["runs"]:
             if run["variant"] != "default":
@@ -251,11 +253,10 @@ def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str)
             z = _sizes(m["source"]["model"], m["target"], m["precision"], m["max_context"], chunk)
             wf = (sess - pre) / z["w"]
             lf = (steps["deltaship session (states, IOBinding)"]["VmHWM"] - pre) / z["w"]
-            # the growth of the first prefill at most (a second one reuses the arena); states apart
-            names = [st["step"] for st in run["steps"]]
-            after = run["steps"][names.index("deltaship session (states, IOBinding)") :]
-            ran = max(st["VmRSS"] for st in after)
-            af = max(0.0, ran - sess - z["states"]) / z["act"]
+            # the prefill's growth: the peak after the session less the session, where the peak came after loading
+            # (the arena gives its regions back after each prefill, so RSS afterwards does not show it)
+            peak, at_load = run["steps"][-1]["VmHWM"], steps["deltaship session (states, IOBinding)"]["VmHWM"]
+            af = max(0.0, peak - sess - z["states"]) / z["act"] if peak > at_load else None
             factors[(m["target"], m["precision"])] = (wf, af, lf, f"{m['source']['model']} {m['precision']}")
     lines = [
         "# Memory terms of `deltaship plan`, measured: bench/memory_split.py --fit (docs/results/memory.md).",
@@ -273,6 +274,8 @@ def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str)
         key = (b["target"], b["precision"])
         near = (b["target"], {"fp16": "fp32", "int8": "int4"}.get(b["precision"], b["precision"]))
         wf, af, lf, src = factors.get(key) or factors[near]
+        if af is None:  # the load peak hid the prefill's: the activation factor of another precision of the target
+            af = next(f[1] for (t, _), f in sorted(factors.items()) if t == b["target"] and f[1] is not None)
         peak = next(r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes")
         chunk = min(max(doc["config"]["prompt_lengths"]), b["prefill_chunk"])
         z = _sizes(b["source"], b["target"], b["precision"], b["max_context"], chunk)

@@ -87,10 +87,17 @@ def test_profile_reads_the_peak_before_the_warm_loads(shared_export, monkeypatch
     assert next(r for r in doc["results"] if r["metric"] == "load_warm_s")["n"] >= 2
 
 
-def test_cpu_sessions_run_without_the_memory_pattern():
-    import onnxruntime as ort
+def test_cpu_prefill_gives_the_arena_back_and_decode_does_not(shared_export):
+    """A multi-token call on the CPU runs with arena shrinkage (a second prefill of the same length must not hold the
+    first one's chunks and ORT's planned block at once); a decode step runs with none (it keeps the memory pattern)."""
+    from deltaship.runtimes import open_bundle
 
-    from deltaship.runtimes.onnx import _options
-
-    assert _options(ort, 2, None).enable_mem_pattern is False
-    assert _options(ort, 2, None, cpu=False).enable_mem_pattern is True  # the CUDA EP keeps ORT's default
+    bundle = shared_export("memory-plan-tiny-onnx-int4", "qwen3.5-tiny", target="onnx", precision="int4", verify=False)
+    s = open_bundle(bundle, threads=1)
+    seen = []
+    real = s.sess.run_with_iobinding
+    s.sess.run_with_iobinding = lambda io, opts=None: (seen.append(opts), real(io, opts))[1]
+    s.prefill([1, 2, 3, 4])
+    s.decode(5)
+    assert seen[0] is not None and seen[0].get_run_config_entry("memory.enable_memory_arena_shrinkage") == "cpu:0"
+    assert seen[1] is None

@@ -38,18 +38,12 @@ def _options(
     profile_prefix: str | None,
     strict: bool = False,
     turn_taking: bool = False,
-    cpu: bool = True,
 ):
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = int(threads)
         opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if cpu:
-        # No memory pattern on the CPU: ORT plans one block per input shape at the second run of that shape and takes
-        # it from the arena beside the chunks the first run left there, so a second prefill of the same length holds
-        # both (docs/results/memory.md); the arena alone reuses its chunks.
-        opts.enable_mem_pattern = False
     if profile_prefix:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
@@ -63,6 +57,13 @@ def _options(
         # (within the runs' spread, but kept for sessions that do not take turns: docs/results/mtp.md)
         opts.add_session_config_entry("session.force_spinning_stop", "1")
     return opts
+
+
+# Run options of a multi-token call on the CPU: give the arena's free regions back when the call ends. ORT plans one
+# block per input shape from the second run of that shape (the memory pattern) and takes it from the arena beside the
+# chunks the first run left there, so without this a second prefill of the same length held both; a decode step
+# keeps the pattern and the arena as they are (docs/results/memory.md).
+PREFILL_RUN_CONFIG = {"memory.enable_memory_arena_shrinkage": "cpu:0"}
 
 
 def release_mapped_pages(data_file: Path) -> int:
@@ -231,7 +232,7 @@ class OnnxSession(OnnxSpeculation, Session):
                     self.sess = ort.InferenceSession(
                         str(model_path),
                         providers=accel,
-                        sess_options=_options(ort, threads, prefix, strict=True, turn_taking=turn_taking, cpu=False),
+                        sess_options=_options(ort, threads, prefix, strict=True, turn_taking=turn_taking),
                     )
                 except Exception as e:
                     if "fallback to CPU EP has been explicitly disabled" not in str(e):
@@ -240,9 +241,7 @@ class OnnxSession(OnnxSpeculation, Session):
                     # lengths); with fp32 activations attention itself runs there (see runtime_name).
                     self.cpu_fallback = True
             if not hasattr(self, "sess"):
-                opts = _options(
-                    ort, threads, prefix, turn_taking=turn_taking, cpu=self.providers[0] == "CPUExecutionProvider"
-                )
+                opts = _options(ort, threads, prefix, turn_taking=turn_taking)
                 self.sess = ort.InferenceSession(str(model_path), sess_options=opts, providers=ep_list)
         except Exception as e:  # ORT raises its own exception types
             if cuda_graph and "graph capture" in str(e):
@@ -294,6 +293,11 @@ class OnnxSession(OnnxSpeculation, Session):
         # puts them on the device (_graph_buffers): a captured graph reads only device addresses
         self._decode_in = DecodeInputs(ort, "cpu", self.counted)
         self._run_opts: dict[str, Any] = {}
+        if self.device == "cpu" and PREFILL_RUN_CONFIG:
+            prefill_opts = ort.RunOptions()
+            for key, value in PREFILL_RUN_CONFIG.items():
+                prefill_opts.add_run_config_entry(key, value)
+            self._run_opts["-1"] = prefill_opts  # multi-token calls (_graph_id -1)
         if cuda_graph:
             self._graph_buffers("cuda")
         # the multimodal decoder's position_ids (runtimes/vision.py): a slice (a view, no copy) of one row

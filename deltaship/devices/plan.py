@@ -8,7 +8,10 @@ for this machine. `context="max"` searches, per row, the longest context that fi
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
 
 from deltaship.devices.catalog import GIB, Tier, load_catalog
 from deltaship.errors import DeltashipError
@@ -43,6 +46,52 @@ class PlanRow:
     longest: bool = False  # context is the longest that fits (plan(context="max"))
     fits_at_chunk: int = 0  # when it does not fit: the largest prefill chunk (power of two) at which it would
     prefill_chunk: int = 0  # tokens per prefill call the row was planned at (the target's default unless chosen)
+    weights_loaded_bytes: int = 0  # weights as resident once the runtime has loaded them (measured factor)
+    terms: str = ""  # where the runtime and activation terms come from (memory_terms.toml, or an estimate)
+
+
+MEMORY_TERMS = Path(__file__).with_name("memory_terms.toml")
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """A (target, precision)'s measured memory terms: the process before any weight (the interpreter, the runtime's
+    library, the session), resident bytes per stored weight byte once loaded (prepacked copies, originals kept), the
+    peak while loading per stored byte (originals and packed copies at once), and the measured growth of one prefill
+    chunk relative to activation_bytes()."""
+
+    runtime_bytes: int
+    weights_factor: float
+    activation_factor: float
+    source: str
+    load_factor: float = 1.0
+    measured: bool = False
+
+
+@cache
+def _terms_table() -> dict:
+    try:
+        with open(MEMORY_TERMS, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:  # a source tree before the first measurement: every term an estimate
+        return {}
+
+
+def memory_terms(target: str, precision: str) -> MemoryTerms:
+    """Measured terms for (target, precision) from memory_terms.toml; the target's estimate where none was measured."""
+    table = _terms_table()
+    row = table.get(target, {}).get(precision)
+    if row is None:
+        return MemoryTerms(get_target(target).runtime_base_bytes, 1.0, 1.0, "estimate (not measured)")
+    machine = table.get("machine", {})
+    return MemoryTerms(
+        int(row["runtime_bytes"]),
+        float(row["weights_factor"]),
+        float(row["activation_factor"]),
+        f"measured {machine.get('date', '?')} on {machine.get('name', '?')} ({row.get('from', '')})",
+        float(row.get("load_factor", row["weights_factor"])),
+        True,
+    )
 
 
 def weight_bytes(spec: ModelSpec, target: str, precision: str) -> int:
@@ -104,13 +153,22 @@ def attention_scores_bytes(
 
 
 def activation_bytes(
-    spec: ModelSpec, target: str, precision: str, context: int, prefill_chunk: int | None = None
+    spec: ModelSpec,
+    target: str,
+    precision: str,
+    context: int,
+    prefill_chunk: int | None = None,
+    all_layers: bool = False,
 ) -> int:
-    """One prefill chunk's activations: MLP, projections, the attention scores and one row of logits."""
+    """One prefill chunk's activations: MLP, projections, the attention scores and one row of logits. all_layers:
+    the MLP and projections of every layer, the shape a measured prefill's growth follows across model sizes
+    (docs/results/memory.md), which a measured activation_factor (memory_terms) scales to what the runtime holds."""
     tgt = get_target(target)
     act = tgt.storage_format(precision).act
     t = min(prefill_chunk or tgt.default_prefill_chunk, context)
-    per_token = 2 * spec.intermediate_size + 2 * spec.conv_dim + 6 * spec.hidden_size
+    per_token = (spec.num_layers if all_layers else 1) * (
+        2 * spec.intermediate_size + 2 * spec.conv_dim + 6 * spec.hidden_size
+    )
     return (
         act * t * per_token
         + attention_scores_bytes(spec, target, precision, context, prefill_chunk)
@@ -119,8 +177,10 @@ def activation_bytes(
 
 
 def overhead_bytes(spec: ModelSpec, target: str, precision: str, context: int, prefill_chunk: int | None = None) -> int:
-    """The runtime, plus one prefill chunk's activations (MLP, projections, attention scores, logits)."""
-    return get_target(target).runtime_base_bytes + activation_bytes(spec, target, precision, context, prefill_chunk)
+    """The runtime, plus one prefill chunk's activations (MLP, projections, attention scores, logits), as measured."""
+    terms = memory_terms(target, precision)
+    act = activation_bytes(spec, target, precision, context, prefill_chunk, all_layers=terms.measured)
+    return terms.runtime_bytes + int(act * terms.activation_factor)
 
 
 def estimate(
@@ -134,13 +194,17 @@ def estimate(
 ) -> PlanRow:
     """Memory of (target, precision, KV dtype) at `context` tokens on `tier`, by part."""
     kv = kv_dtype or default_kv_dtype(target, precision)
+    terms = memory_terms(target, precision)
     w = weight_bytes(spec, target, precision)
+    loaded = int(w * terms.weights_factor)
     dn = spec.deltanet_state_bytes(get_target(target).storage_format(precision).act)
     kvb = context * kv_bytes_per_token(spec, target, precision, kv)
     scratch = context * tier.threads * get_target(target).kv_scratch_bytes_per_token(spec, kv)
-    a = activation_bytes(spec, target, precision, context, prefill_chunk) + scratch
-    rt = get_target(target).runtime_base_bytes
-    total = w + dn + kvb + a + rt
+    act = activation_bytes(spec, target, precision, context, prefill_chunk, all_layers=terms.measured)
+    a = int(act * terms.activation_factor) + scratch
+    rt = terms.runtime_bytes
+    # the peak is the larger of loading (originals and prepacked copies at once) and running a prefill chunk
+    total = rt + max(loaded + dn + kvb + a, int(w * terms.load_factor))
     return PlanRow(
         tier.name,
         target,
@@ -148,7 +212,7 @@ def estimate(
         context,
         w,
         dn + kvb,
-        a + rt,
+        total - w - dn - kvb,  # the runtime, the activations and what loading adds to the stored weights
         total,
         tier.budget_bytes,
         total <= tier.budget_bytes,
@@ -160,6 +224,8 @@ def estimate(
         runtime_bytes=rt,
         attention_scores_bytes=attention_scores_bytes(spec, target, precision, context, prefill_chunk),
         kv_scratch_bytes=scratch,
+        weights_loaded_bytes=loaded,
+        terms=terms.source,
     )
 
 
@@ -588,7 +654,8 @@ def format_table(rows: list[dict]) -> str:
     """The rows as a table: memory by part (KV cache, DeltaNet states, activations, runtime) in GiB."""
     head = (
         "memory in GiB\n"
-        f"{'tier':<12} {'target':<11} {'prec':<5} {'kv':<5} {'context':>7} {'chunk':>5} {'weights':>8} {'kv':>8} "
+        f"{'tier':<12} {'target':<11} {'prec':<5} {'kv':<5} {'context':>7} {'chunk':>5} {'weights':>8} {'loaded':>8} "
+        f"{'kv':>8} "
         f"{'deltanet':>8} {'activ.':>8} {'runtime':>8} {'total':>8} {'budget':>8}  fit"
     )
     lines = [head, "-" * len(head.splitlines()[-1])]
@@ -599,12 +666,19 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['tier']:<12} {r['target']:<11} {r['precision']:<5} {kv:<5} {r['context']:>7} "
             f"{r.get('prefill_chunk') or '':>5} "
-            f"{g(r['weights_bytes'])} {g(r['kv_bytes'])} {g(r['deltanet_bytes'])} "
+            f"{g(r['weights_bytes'])} {g(r.get('weights_loaded_bytes') or r['weights_bytes'])} "
+            f"{g(r['kv_bytes'])} {g(r['deltanet_bytes'])} "
             f"{g(r['activation_bytes'])} {g(r['runtime_bytes'])} {g(r['total_bytes'])} "
             f"{g(r['budget_bytes'])}  {mark}"
         )
     if any(not r.get("kv_exportable", True) for r in rows):
         lines.append("* a KV-cache dtype the target cannot export yet (planned)")
+    lines.append(
+        "loaded: the weights as resident once the runtime has loaded them (prepacked copies); total: the runtime plus "
+        "the larger of loading and a prefill chunk"
+    )
+    for terms in sorted({(r["target"], r["precision"], r.get("terms", "")) for r in rows}):
+        lines.append(f"  {terms[0]} {terms[1]}: {terms[2]}")
     return "\n".join(lines)
 
 
@@ -715,3 +789,30 @@ def format_vision(vp: dict) -> str:
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def planned_peak(manifest: dict, prompt_length: int, threads: int | None = None) -> dict | None:
+    """The plan's memory for a bundle as `profile` runs it (its context, a prefill of `prompt_length` tokens in the
+    bundle's chunks), by part; None when the bundle's model cannot be loaded here (a checkpoint not on this
+    machine). `profile` prints it beside the measured peak RSS."""
+    from deltaship.devices.catalog import Tier
+    from deltaship.models.source import load_source
+
+    try:
+        spec = load_source(manifest["source"]["model"]).spec
+    except (DeltashipError, KeyError, OSError):
+        return None
+    chunk = min(prompt_length, manifest.get("prefill_chunk") or prompt_length)
+    ctx = manifest["max_context"]
+    tier = Tier("host", "host", 1 << 62, 1 << 62, (manifest["target"],), (manifest["precision"],), ctx, threads or 1)
+    row = estimate(spec, tier, manifest["target"], manifest["precision"], manifest["max_context"], None, chunk)
+    return {
+        "total_bytes": row.total_bytes,
+        "weights_loaded_bytes": row.weights_loaded_bytes,
+        "state_bytes": row.state_bytes,
+        "activation_bytes": row.activation_bytes,
+        "runtime_bytes": row.runtime_bytes,
+        "context": row.context,
+        "prefill_chunk": chunk,
+        "terms": row.terms,
+    }

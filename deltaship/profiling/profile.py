@@ -351,6 +351,7 @@ def profile(
         doc["threads"] = threads
     else:
         raise DeltashipError(f"unknown device {device!r}", "use host, ssh://user@host[:port] or adb:SERIAL")
+    _memory_plan(doc, manifest)
     return _finish(doc, t, json_out, report)
 
 
@@ -375,6 +376,19 @@ def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | P
 
         write_html(doc, Path(report))
     return doc
+
+
+def _memory_plan(doc: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """doc["memory_plan"]: what `deltaship plan` predicts for this bundle and workload, beside the measured peak."""
+    from deltaship.devices.plan import planned_peak
+
+    peak = next((r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes" and r.get("samples")), None)
+    prompts = doc.get("config", {}).get("prompt_lengths") or []
+    if peak is None or not prompts:
+        return
+    plan = planned_peak(manifest, max(prompts), doc.get("threads"))
+    if plan is not None:
+        doc["memory_plan"] = {**plan, "peak_rss_bytes": peak, "plan_over_measured": plan["total_bytes"] / peak}
 
 
 def _write(path: Path, text: str) -> None:

@@ -93,6 +93,14 @@ def format_results(doc: dict[str, Any], speculative: bool = True) -> str:
         from deltaship.profiling.speculative import format_speculative
 
         lines += ["", format_speculative(doc["speculative"])]
+    if doc.get("memory_plan"):
+        m, g = doc["memory_plan"], 2**30
+        lines.append(
+            f"peak RSS: measured {m['peak_rss_bytes'] / g:.3f} GiB, plan {m['total_bytes'] / g:.3f} GiB "
+            f"(x{m['plan_over_measured']:.2f}: weights as loaded {m['weights_loaded_bytes'] / g:.3f}, states "
+            f"{m['state_bytes'] / g:.3f}, activations {m['activation_bytes'] / g:.3f}, runtime "
+            f"{m['runtime_bytes'] / g:.3f}; context {m['context']}, prefill chunk {m['prefill_chunk']}; {m['terms']})"
+        )
     if doc.get("fit"):
         f = doc["fit"]
         lines.append(
@@ -321,6 +329,9 @@ def summary(doc: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{_fmt(r['median'], r['unit'])} {SHOWN.get(r['unit'], r['unit'])}",
             )
         )
+    if doc.get("memory_plan"):
+        m = doc["memory_plan"]
+        out.append(("peak RSS planned (deltaship plan)", f"{m['total_bytes'] / 2**30:.3f} GiB"))
     if doc.get("fit"):
         out.append((f"fits {doc['fit']['tier']}", "yes" if doc["fit"]["fits"] else "no"))
     if doc.get("speculative"):

@@ -34,7 +34,13 @@ from deltaship.runtimes.onnx_speculative import OnnxSpeculation
 _NP = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
 
 
-def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool = False, turn_taking: bool = False):
+def _options(
+    ort,
+    threads: int | None,
+    profile_prefix: str | None,
+    strict: bool = False,
+    turn_taking: bool = False,
+):
     opts = ort.SessionOptions()
     opts.log_severity_level = ort_log_severity()  # its warnings are about the graph, not the user's input
     if threads:
@@ -54,6 +60,49 @@ def _options(ort, threads: int | None, profile_prefix: str | None, strict: bool 
         # (within the runs' spread, but kept for sessions that do not take turns: docs/results/mtp.md)
         opts.add_session_config_entry("session.force_spinning_stop", "1")
     return opts
+
+
+# Run options of a multi-token call on the CPU: give the arena's free regions back when the call ends. ORT plans one
+# block per input shape from the second run of that shape (the memory pattern) and takes it from the arena beside the
+# chunks the first run left there, so without this a second prefill of the same length held both; a decode step
+# keeps the pattern and the arena as they are (docs/results/memory.md).
+PREFILL_RUN_CONFIG = {"memory.enable_memory_arena_shrinkage": "cpu:0"}
+
+
+def release_mapped_pages(data_file: Path) -> int:
+    """Drop this process's resident pages of the bundle's external data file; return the bytes of mappings advised.
+
+    ONNX Runtime maps external initializers copy-on-write and keeps the mappings of those it still uses after
+    prepacking (the embedding's rows, the LM head's scales): their pages, touched while loading and prepacking, stay
+    resident though decode reads a few rows of them. MADV_DONTNEED on a mapping none of whose pages were written
+    (no anonymous pages in /proc/self/smaps) only forgets clean pages: a later read faults them in again from the
+    file (docs/results/memory.md). Linux only; 0 elsewhere.
+    """
+    import ctypes
+    import mmap
+
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    try:
+        smaps = Path("/proc/self/smaps").read_text().splitlines()
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    target, spans, cur = str(data_file.resolve()), [], None
+    for line in smaps:
+        fields = line.split(maxsplit=5)
+        if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            cur = None
+            if len(fields) == 6 and fields[5] == target:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                cur = [lo, hi, True]
+                spans.append(cur)
+        elif cur is not None and fields[:1] == ["Anonymous:"] and int(fields[1]) != 0:
+            cur[2] = False  # a page of it was written: its copy lives only here
+    done = 0
+    for lo, hi, clean in spans:
+        if advice is not None and clean and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), advice) == 0:
+            done += hi - lo
+    return done
 
 
 def counts_positions(manifest: dict[str, Any]) -> bool:
@@ -225,6 +274,8 @@ class OnnxSession(OnnxSpeculation, Session):
                 "check the GPU driver and CUDA libraries (onnxruntime-gpu 1.31 needs CUDA 13)",
             )
         self.device = "cuda" if got.startswith("CUDA") else "cpu"
+        data = self.bundle / (Path(manifest["entry"]).name + ".data")
+        self.released_bytes = release_mapped_pages(data) if self.device == "cpu" and data.is_file() else 0
         if self.device == "cuda" and _fp16_activations(manifest) and not capturable:
             raise DeltashipError(
                 f"{bundle}: this bundle's graph copies GroupQueryAttention's total_sequence_length from the GPU to "
@@ -256,6 +307,11 @@ class OnnxSession(OnnxSpeculation, Session):
         self.keep_rows = keeps_rows(manifest)
         self._decode_in = DecodeInputs(ort, "cpu", self.counted, self.keep_rows)
         self._run_opts: dict[str, Any] = {}
+        if self.device == "cpu" and PREFILL_RUN_CONFIG:
+            prefill_opts = ort.RunOptions()
+            for key, value in PREFILL_RUN_CONFIG.items():
+                prefill_opts.add_run_config_entry(key, value)
+            self._run_opts["-1"] = prefill_opts  # multi-token calls (_graph_id -1)
         if cuda_graph:
             self._graph_buffers("cuda")
         # the multimodal decoder's position_ids (runtimes/vision.py): a slice (a view, no copy) of one row

@@ -15,7 +15,10 @@ from deltaship.export.onnx.lowering import LOWERINGS, STANDARD_OPSET, Lowerer
 OPSET = 21
 IR_VERSION = 10  # ONNX Runtime 1.31 reads IR <= 13; onnx 1.23 would write 14 by default
 IR_VERSIONS = {OPSET: IR_VERSION, STANDARD_OPSET: 13}  # the IR each opset was released with (onnx VERSION_TABLE)
-EXTERNAL_THRESHOLD = 1_800_000_000  # protobuf cannot hold a model over 2 GB
+# Weights past this go to model.onnx.data (protobuf cannot hold 2 GB anyway): ONNX Runtime maps that file and unmaps
+# each weight it prepacks, while weights inside model.onnx stay resident beside their prepacked copies
+# (docs/results/memory.md). Small models stay one file.
+EXTERNAL_THRESHOLD = 64 << 20
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 # How the DeltaNet ops are written. The recurrence is always ONNX Runtime's LinearAttention. Its CPU

@@ -1,0 +1,103 @@
+"""The memory plan is measured, not hoped: `plan`'s total against the peak RSS `profile` measures, and the
+session's release of mapped weight pages (docs/results/memory.md)."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import pytest
+
+from deltaship.devices.plan import memory_terms
+from deltaship.profiling.profile import profile
+from deltaship.profiling.report import format_results
+
+# the workload the terms were fitted on (bench/memory_split.py --fit): a 512-token prefill at the preset's context
+WORKLOAD = dict(prompt_lengths=[512], gen=8, contexts=[], warmups=1, reps=2, min_seconds=0, breakdown=False)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
+def test_plan_is_within_ten_percent_of_the_measured_peak_rss(shared_export, precision):
+    bundle = shared_export(
+        f"memory-plan-tiny-onnx-{precision}", "qwen3.5-tiny", target="onnx", precision=precision, verify=False
+    )
+    doc = profile(bundle, threads=2, **WORKLOAD)
+    m = doc["memory_plan"]
+    assert m["terms"].startswith("measured"), m["terms"]
+    assert abs(m["plan_over_measured"] - 1) <= 0.10, m
+    text = format_results(doc)  # `profile` prints both, side by side
+    assert f"measured {m['peak_rss_bytes'] / 2**30:.3f} GiB, plan {m['total_bytes'] / 2**30:.3f} GiB" in text
+
+
+def test_unmeasured_terms_say_they_are_estimates():
+    assert memory_terms("onnx", "int4").source.startswith("measured")
+    terms = memory_terms("coreml", "int4")  # no Core ML runtime here: nothing measured
+    assert terms.source.startswith("estimate") and terms.weights_factor == 1.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_release_mapped_pages_forgets_clean_pages_and_keeps_written_ones(tmp_path):
+    from deltaship.runtimes.onnx import release_mapped_pages
+
+    path = tmp_path / "model.onnx.data"
+    page = mmap.PAGESIZE
+    path.write_bytes(bytes(range(256)) * (64 * page // 256))
+
+    def resident(m: mmap.mmap) -> int:
+        target, rss, cur = str(path.resolve()), 0, False
+        for line in open("/proc/self/smaps"):
+            f = line.split()
+            if "-" in f[0] and not f[0].endswith(":"):
+                cur = len(f) == 6 and f[5] == target
+            elif cur and f[0] == "Rss:":
+                rss += int(f[1]) * 1024
+        return rss
+
+    with open(path, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)  # private and writable, as ONNX Runtime maps it
+        assert sum(m[i] for i in range(0, len(m), page)) == 0  # touch every page
+        assert resident(m) >= 32 * page
+        assert release_mapped_pages(path) == len(m)
+        assert resident(m) < 8 * page
+        assert m[:256] == bytes(range(256)) and m[-1] == 255  # read back from the file
+        m[5] = 7  # a written page lives only in this process: the mapping is left alone
+        assert release_mapped_pages(path) == 0
+        assert m[5] == 7
+        m.close()
+
+
+def test_profile_reads_the_peak_before_the_warm_loads(shared_export, monkeypatch):
+    """The peak is an app's that opened the bundle once: sessions opened and closed again for load_warm_s leave freed
+    memory behind in the allocator, which must not count."""
+    import deltaship.runtimes as runtimes
+    from deltaship.profiling import worker
+
+    bundle = shared_export("memory-plan-tiny-onnx-int4", "qwen3.5-tiny", target="onnx", precision="int4", verify=False)
+    real, opened = runtimes.open_bundle, []
+
+    def counting(*args, **kwargs):
+        opened.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runtimes, "open_bundle", counting)
+    monkeypatch.setattr(worker, "peak_rss_bytes", lambda: len(opened))  # "peak" = sessions opened when it is read
+    doc = worker.run(dict(bundle=str(bundle), threads=1, prompt_lengths=[8], gen=2, contexts=[], reps=2, warmups=0))
+    peak = next(r for r in doc["results"] if r["metric"] == "peak_rss_bytes")
+    assert peak["samples"] == [1] and len(opened) >= 3  # read after the one cold load, before the warm ones
+    assert next(r for r in doc["results"] if r["metric"] == "load_warm_s")["n"] >= 2
+
+
+def test_cpu_prefill_gives_the_arena_back_and_decode_does_not(shared_export):
+    """A multi-token call on the CPU runs with arena shrinkage (a second prefill of the same length must not hold the
+    first one's chunks and ORT's planned block at once); a decode step runs with none (it keeps the memory pattern)."""
+    from deltaship.runtimes import open_bundle
+
+    bundle = shared_export("memory-plan-tiny-onnx-int4", "qwen3.5-tiny", target="onnx", precision="int4", verify=False)
+    s = open_bundle(bundle, threads=1)
+    seen = []
+    real = s.sess.run_with_iobinding
+    s.sess.run_with_iobinding = lambda io, opts=None: (seen.append(opts), real(io, opts))[1]
+    s.prefill([1, 2, 3, 4])
+    s.decode(5)
+    assert seen[0] is not None and seen[0].get_run_config_entry("memory.enable_memory_arena_shrinkage") == "cpu:0"
+    assert seen[1] is None

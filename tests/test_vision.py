@@ -812,9 +812,9 @@ def test_profile_image_sizes(vl_bundle, tmp_path):
         assert rows[("image_peak_rss_bytes", name)]["median"] >= rows[("image_rss_growth_bytes", name)]["median"]
     assert ("prefill_tok_s", None) in rows  # the text records are still there
     text = format_results(doc)
-    assert "image_ttft_s" in text and "img page" in text
+    assert "image_ttft_ms" in text and "img page" in text  # the table names metrics in the unit it shows
     page_html = report.read_text()
-    assert "images.png" in page_html and "image_encode_s (img 64x64 (4 tok))" in page_html
+    assert "images.png" in page_html and "image_encode_ms (img 64x64 (4 tok))" in page_html
     assert json.loads((tmp_path / "p.json").read_text())["results"] == json.loads(json.dumps(doc["results"]))
     # a text-only bundle: none by default, refused when asked for
     with pytest.raises(DeltashipError, match="no vision tower"):

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
-
-import jsonschema
+from typing import TYPE_CHECKING, Any
 
 from deltaship.bundle.format import SCHEMA_FILE
 
@@ -16,8 +14,16 @@ def schema() -> dict[str, Any]:
     return json.loads(SCHEMA_FILE.read_text())
 
 
+if TYPE_CHECKING:
+    import jsonschema
+
+
 @lru_cache(maxsize=1)
-def _validator() -> jsonschema.Draft202012Validator:
+def _validator() -> "jsonschema.Draft202012Validator":
+    # imported when a manifest is first checked: the ONNX Runtime worker (runtimes/ort_worker.py) imports this
+    # package in a Python that has only onnxruntime and numpy, and checks no manifest there
+    import jsonschema
+
     return jsonschema.Draft202012Validator(schema())
 
 

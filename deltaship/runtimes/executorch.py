@@ -67,6 +67,11 @@ class Program:
     def __init__(self, program: Any):
         self._program = program
 
+    @property
+    def method_names(self) -> set[str]:
+        """The program's method names (as executorch.runtime.Program.method_names)."""
+        return {self._program.get_method_name(i) for i in range(self._program.num_methods())}
+
     def load_method(self, name: str) -> "Method":
         return Method(self._program.load_method(name))
 

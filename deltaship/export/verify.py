@@ -97,15 +97,19 @@ def reference_continuation(model, prompt: list[int], steps: int) -> tuple[list[i
 
     p = len(prompt)
     ids = list(prompt)
-    out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-    while True:
-        ids.append(int(out.logits[0, -1].argmax()))
-        if len(ids) - p == steps:
-            break
-        out = model(torch.tensor([ids[-1:]]), use_cache=True, **{CACHE_NAME: output_cache(out)})
-    rows = model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()[p - 1 : p - 1 + steps]
-    if rows.argmax(-1).tolist() == ids[p:]:
-        return ids[p:], rows
+    try:
+        out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        while True:
+            ids.append(int(out.logits[0, -1].argmax()))
+            if len(ids) - p == steps:
+                break
+            out = model(torch.tensor([ids[-1:]]), use_cache=True, **{CACHE_NAME: output_cache(out)})
+    except ValueError:  # transformers' cache of a model without attention layers (DeltaNet only) cannot decode
+        ids = None
+    if ids is not None:
+        rows = model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()[p - 1 : p - 1 + steps]
+        if rows.argmax(-1).tolist() == ids[p:]:
+            return ids[p:], rows
     ids = list(prompt)
     for _ in range(steps):
         out = model(torch.tensor([ids]), use_cache=False, logits_to_keep=1)

@@ -274,8 +274,9 @@ class OnnxSession(OnnxSpeculation, Session):
                 "check the GPU driver and CUDA libraries (onnxruntime-gpu 1.31 needs CUDA 13)",
             )
         self.device = "cuda" if got.startswith("CUDA") else "cpu"
-        data = self.bundle / (Path(manifest["entry"]).name + ".data")
-        self.released_bytes = release_mapped_pages(data) if self.device == "cpu" and data.is_file() else 0
+        data = f"{manifest['entry']}.data"  # the external data beside the entry, listed and hashed when there is one
+        if self.device == "cpu" and data in manifest["files"]:
+            release_mapped_pages(bundle_path(self.bundle, manifest, data, "files"))
         if self.device == "cuda" and _fp16_activations(manifest) and not capturable:
             raise DeltashipError(
                 f"{bundle}: this bundle's graph copies GroupQueryAttention's total_sequence_length from the GPU to "

@@ -9,6 +9,7 @@ import { join } from 'node:path';
 import { createInterface } from 'node:readline';
 import { parseArgs } from 'node:util';
 import { Chat, PROMPT_CACHE_FILE, openBundle } from '../src/node.js';
+import { inside } from '../src/files.js';
 
 const { values, positionals } = parseArgs({
   allowPositionals: true,
@@ -45,7 +46,9 @@ const print = async (o) => {
 try {
   const session = await openBundle(dir, { threads: 1 });
   const { pieces } = JSON.parse(await readFile(values.pieces, 'utf8'));
-  const cached = Object.hasOwn(session.manifest.files, PROMPT_CACHE_FILE) ? await readFile(join(dir, PROMPT_CACHE_FILE)) : null;
+  const cached = Object.hasOwn(session.manifest.files, PROMPT_CACHE_FILE)
+    ? await readFile(await inside(dir, PROMPT_CACHE_FILE, 'chat.prompt_cache.file')) // inside the bundle, symlinks followed
+    : null;
   const system = values.system ?? session.manifest.chat?.prompt_cache?.system ?? null;
   const manifestBytes = await readFile(join(dir, 'manifest.json'));
   const opts = { pieces, promptCache: cached, thinking: !values['no-thinking'], manifestBytes };

@@ -168,18 +168,19 @@ def check_output_file(path: Path, inputs: Iterable[str | Path] = (), option: str
             )
 
 
-def replace_file(path: Path, text: str, option: str = "--report") -> None:
-    """Write a file output whole or not at all: a private file beside it, flushed, renamed over it."""
+def replace_file(path: Path, data: str | bytes, option: str = "--report", mode: int | None = None) -> None:
+    """Write a file output whole or not at all: a private file beside it, flushed, renamed over it.
+    `mode`: the file's permissions (default: a normal file's under the umask; 0o600 keeps it private)."""
     path = Path(path)
     with environment_errors(path, option):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{stem(path)}.partial-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            with open(tmp, "w") as f:
-                f.write(text)
+            with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o666 & ~_umask())
+            os.chmod(tmp, 0o666 & ~_umask() if mode is None else mode)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from deltaship.bundle.destination import replace_file
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
 
@@ -98,21 +97,11 @@ def save_chat(chat, path: Path, shipped: bool = False) -> Path:
         metadata={META_KEY: text, META_SHA_KEY: hashlib.sha256(text.encode()).hexdigest()},
     )
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    try:  # whole or not at all, private to the user (a conversation)
+        replace_file(path, blob, "--session", mode=0o600)
+    except DeltashipEnvironmentError:
+        raise
     except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
         raise DeltashipEnvironmentError(f"{path}: could not save the chat session: {e}", "check the disk") from None
     return path
 

@@ -57,3 +57,12 @@ def read_json_object(path: str | Path, what: str, fix: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise DeltashipError(f"{path}: expected a JSON object at the top level of a {what}", fix)
     return data
+
+
+def read_int(path: Path) -> int | None:
+    """A small file holding one non-negative integer (a pid, a cgroup limit); None when unreadable or not one."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None

@@ -27,6 +27,7 @@ from filelock import FileLock, Timeout
 
 from deltaship.bundle.format import MANIFEST, SCHEMA
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
+from deltaship.files import read_int
 
 NAME_MAX = 255
 _LONGEST_SUFFIX = len(".partial-") + 10 + 1 + 8  # pid (at most 10 digits), "-", 8 random hex digits
@@ -279,11 +280,7 @@ def _holder(path: Path) -> int | None:
                 return int(f[4])
     except (OSError, ValueError):
         pass
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
+    return read_int(path)
 
 
 def _alive(pid: int) -> bool:

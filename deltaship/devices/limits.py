@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaship.errors import DeltashipEnvironmentError
+from deltaship.files import read_int
 
 IGNORE_ENV = "DELTASHIP_IGNORE_MEMORY_CHECK"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -31,14 +32,6 @@ class Limit:
     @property
     def headroom(self) -> int:
         return max(0, self.limit - self.used)
-
-
-def _int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 def _status(key: str) -> int:
@@ -72,7 +65,7 @@ def cgroup_limits(root: Path = CGROUP_ROOT) -> list[Limit]:
             if not d.is_dir():  # a namespaced mount: the cgroup is the root
                 d = root
             while True:
-                limit, used = _int(d / "memory.max"), _int(d / "memory.current")
+                limit, used = read_int(d / "memory.max"), read_int(d / "memory.current")
                 if limit is not None and used is not None:
                     used -= _reclaimable(d, ("file",))
                     out.append(Limit(f"cgroup memory.max ({d / 'memory.max'})", limit, max(0, used)))
@@ -84,7 +77,7 @@ def cgroup_limits(root: Path = CGROUP_ROOT) -> list[Limit]:
             d = base / path.lstrip("/")
             if not d.is_dir():
                 d = base
-            limit, used = _int(d / "memory.limit_in_bytes"), _int(d / "memory.usage_in_bytes")
+            limit, used = read_int(d / "memory.limit_in_bytes"), read_int(d / "memory.usage_in_bytes")
             if limit is not None and used is not None and limit < _NO_LIMIT:
                 used -= _reclaimable(d, ("total_cache", "cache"))
                 name = f"cgroup memory.limit_in_bytes ({d / 'memory.limit_in_bytes'})"

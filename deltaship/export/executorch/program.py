@@ -251,6 +251,70 @@ def preprocess_shares_weights():
             setattr(XnnpackBackend, name, own)
 
 
+@contextlib.contextmanager
+def xnnpack_passes_that_apply():
+    """Within this block, XNNPACK's preprocess runs on each partition only the passes of its list that can change it.
+
+    XnnpackBackend.preprocess runs its whole pass list (17 passes) on every partition, and each pass re-traces the
+    partition with fake tensors whether it rewrote anything or not. Five rewrite ops a partition may not hold:
+    bilinear upsampling, the SDPA pattern (left out when an op of every variant of the pattern is missing, so the
+    subgraph matcher cannot match), batch norm (two passes) and PReLU; a partition without them skips those five
+    re-traces. The passes left run as before, in order, so the program is the same bytes. It swaps the module
+    attribute xnnpack_preprocess.XNNPACKPassManager for the duration: not for lowerings in threads of one process."""
+    from executorch.backends.xnnpack import xnnpack_preprocess
+
+    own = xnnpack_preprocess.XNNPACKPassManager
+
+    class Applicable(own):
+        def __init__(self, exported_program, passes=None):
+            super().__init__(exported_program, passes)
+            if not passes:  # the default list (an explicit one is the caller's choice)
+                self.passes = applicable_xnnpack_passes(self.passes, exported_program.graph)
+
+    xnnpack_preprocess.XNNPACKPassManager = Applicable
+    try:
+        yield
+    finally:
+        xnnpack_preprocess.XNNPACKPassManager = own
+
+
+def applicable_xnnpack_passes(passes: list, graph: torch.fx.Graph) -> list:
+    """`passes` without the pattern passes of xnnpack_passes_that_apply that cannot match an op of `graph`."""
+    from executorch.backends.xnnpack._passes import (
+        ConvertToSDPAPass,
+        ConvertToUpsampleBilinear2d,
+        DecomposeBatchNorm,
+        FuseBatchNormPass,
+        PReLUReshapePass,
+    )
+    from executorch.backends.xnnpack.partition.graphs import sdpa
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    edge = exir_ops.edge.aten
+    present = {n.target for n in graph.nodes if n.op == "call_function"}
+    # copies the passes before these may add or remove (clone removal, dim-order reverts) never rule a pattern out
+    dim_order = exir_ops.edge.dim_order_ops
+    copies = {
+        edge.clone.default,
+        edge._to_copy.default,
+        dim_order._clone_dim_order.default,
+        dim_order._to_dim_order_copy.default,
+    }
+
+    def may_match(patterns) -> bool:
+        return any({n.target for n in g.graph.nodes if n.op == "call_function"} - copies <= present for g in patterns)
+
+    batch_norm = {edge.native_batch_norm.default, edge._native_batch_norm_legit_no_training.default}
+    needed = {
+        ConvertToUpsampleBilinear2d: lambda: edge.upsample_bilinear2d.vec in present,  # its patterns: this op alone
+        ConvertToSDPAPass: lambda: may_match(sdpa.get_graphs()),
+        FuseBatchNormPass: lambda: bool(batch_norm & present),
+        DecomposeBatchNorm: lambda: bool(batch_norm & present),
+        PReLUReshapePass: lambda: edge._prelu_kernel.default in present,
+    }
+    return [p for p in passes if p not in needed or needed[p]()]
+
+
 def _same_storage(t: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(t.detach(), requires_grad=False) if isinstance(t, nn.Parameter) else t.detach()
 
@@ -424,7 +488,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         for other in ("verify", "mtp_draft"):
             reshapes += infer_reshape_dims(programs[other])
     say("lowering to XNNPACK")
-    with preprocess_shares_weights(), heartbeat(say, "still lowering to XNNPACK"):
+    with preprocess_shares_weights(), xnnpack_passes_that_apply(), heartbeat(say, "still lowering to XNNPACK"):
         edge = to_edge_transform_and_lower(
             # One partitioner for every precision: ExecuTorch's dynamically-quantized partitioner works op by
             # op, which puts each linear in a delegate call of its own (about 7 per layer).

@@ -77,20 +77,20 @@ def test_executorch_llm_runner_drives_the_program(pte):
 
 
 def test_node_xnnpack_cannot_take_fails_unless_allowed(tmp_path, monkeypatch, checkpoints):
-    """softplus lowers to ops XNNPACK does not take: the export names them, or accepts them when asked."""
+    """softplus lowers to ops XNNPACK does not take: the export names them, or accepts them when asked. One export,
+    with the fallback allowed, gives the nodes; the check the lowering runs on them refuses them without it, and a
+    lowering that refuses leaves no bundle behind."""
     import torch
     import torch.nn.functional as F
 
-    from deltaship.export.executorch import lowering
+    from deltaship.export.executorch import lowering, program
+    from deltaship.export.executorch.program import check_portable
 
     def softplus_gates(self, a, b, dt_bias, decay_scale):
         return decay_scale.float() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b.float())
 
     monkeypatch.setattr(lowering.ExecuTorchKernels, "delta_gates", softplus_gates)
     model = str(checkpoints["deltanet_only"])
-    with pytest.raises(DeltashipError, match="XNNPACK does not take these nodes.*aten_"):
-        export(model, tmp_path / "a", target="executorch", max_context=32, progress=False, verify=False)
-    assert not (tmp_path / "a").exists()
     m = export(
         model,
         tmp_path / "b",
@@ -100,7 +100,19 @@ def test_node_xnnpack_cannot_take_fails_unless_allowed(tmp_path, monkeypatch, ch
         verify=False,
         allow_portable_fallback=True,
     )
-    assert not all(expected_portable(op) for op in m["lowering"]["portable_nodes"])
+    portable = m["lowering"]["portable_nodes"]
+    assert not all(expected_portable(op) for op in portable)
+    check_portable(portable, allow=True)
+    with pytest.raises(DeltashipError, match="XNNPACK does not take these nodes.*aten_"):
+        check_portable(portable)
+
+    def refusing(ctx, weights, out_dir, progress=None, tokens=None):
+        check_portable(portable, allow=ctx.options.get("allow_portable_fallback"))
+
+    monkeypatch.setattr(program, "lower", refusing)  # the lowering, as the export calls it
+    with pytest.raises(DeltashipError, match="XNNPACK does not take these nodes.*aten_"):
+        export(model, tmp_path / "a", target="executorch", max_context=32, progress=False, verify=False)
+    assert not (tmp_path / "a").exists()
 
 
 def test_program_from_another_executorch_version_is_a_clear_error(pte, tmp_path):
@@ -250,6 +262,66 @@ def test_xnnpack_preprocess_shares_and_leaves_weights_untouched(checkpoints, tmp
         assert vars(XnnpackBackend).get(hook) is not before
         raise KeyError("lowering failed")
     assert vars(XnnpackBackend).get(hook) is before  # and after a failure
+
+
+def test_xnnpack_preprocess_skips_only_the_passes_that_cannot_change_a_partition():
+    """XNNPACK's pass list on a partition leaves out the bilinear-upsample, SDPA, batch-norm and PReLU passes only
+    when the partition has none of their ops (all of an SDPA pattern's), the rest in order; the block swaps the pass
+    manager preprocess uses and puts XNNPACK's own back, also after a failure."""
+    import torch
+    from executorch.backends.xnnpack import xnnpack_preprocess
+    from executorch.backends.xnnpack._passes import (
+        ConvertToSDPAPass,
+        ConvertToUpsampleBilinear2d,
+        DecomposeBatchNorm,
+        FuseBatchNormPass,
+        PReLUReshapePass,
+        XNNPACKPassManager,
+    )
+    from executorch.backends.xnnpack.partition.graphs import sdpa
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    from deltaship.export.executorch.program import applicable_xnnpack_passes, xnnpack_passes_that_apply
+
+    def graph(*targets):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        for t in targets:
+            x = g.call_function(t, (x,))
+        g.output(x)
+        return g
+
+    edge = exir_ops.edge.aten
+    full = XNNPACKPassManager(None).passes
+    optional = [ConvertToUpsampleBilinear2d, ConvertToSDPAPass, FuseBatchNormPass, DecomposeBatchNorm, PReLUReshapePass]
+    assert applicable_xnnpack_passes(full, graph(edge.linear.default, edge.add.Tensor)) == [
+        p for p in full if p not in optional
+    ]
+    bn, prelu, up = (
+        edge._native_batch_norm_legit_no_training.default,
+        edge._prelu_kernel.default,
+        edge.upsample_bilinear2d.vec,
+    )
+    assert applicable_xnnpack_passes(full, graph(bn, prelu, up)) == [p for p in full if p is not ConvertToSDPAPass]
+    pattern = [n.target for n in sdpa.get_graphs()[0].graph.nodes if n.op == "call_function"]
+    assert ConvertToSDPAPass in applicable_xnnpack_passes(full, graph(*pattern))
+    assert ConvertToSDPAPass not in applicable_xnnpack_passes(
+        full, graph(*[t for t in pattern if t != edge.bmm.default])
+    )
+    own = xnnpack_preprocess.XNNPACKPassManager
+    with pytest.raises(KeyError), xnnpack_passes_that_apply():
+        manager = xnnpack_preprocess.XNNPACKPassManager
+        assert manager is not own and manager(_Program(graph(edge.add.Tensor))).passes == [
+            p for p in full if p not in optional
+        ]
+        assert manager(_Program(graph()), passes=[PReLUReshapePass]).passes == [PReLUReshapePass]  # asked for
+        raise KeyError("lowering failed")
+    assert xnnpack_preprocess.XNNPACKPassManager is own
+
+
+class _Program:
+    def __init__(self, graph):
+        self.graph = graph
 
 
 def test_a_session_opens_without_the_exporter_and_quietly(pte):

@@ -94,6 +94,21 @@ def expected_portable(op: str) -> bool:
     return op in PORTABLE_OK_SYMBOLIC or op.startswith(PORTABLE_OK_PREFIXES)
 
 
+def check_portable(portable: dict[str, int], kv_cache: str | None = None, n_kv: int = 0, allow: bool = False) -> None:
+    """Refuse a program with nodes XNNPACK did not take (op -> count, as get_delegation_info names them) beyond the
+    expected ones, unless `allow` (--allow-portable-fallback). A stored int8/int4 KV cache (`kv_cache`) rounds the
+    new keys/values, (un)packs and dequantizes the cache outside XNNPACK: up to `n_kv` of those ops (one each for K
+    and V a layer)."""
+    kv_ops = KV_PORTABLE.get(kv_cache, set()) if kv_cache else set()
+    unexpected = {op: n for op, n in portable.items() if not expected_portable(op) and not (op in kv_ops and n <= n_kv)}
+    if unexpected and not allow:
+        raise DeltashipError(
+            "executorch lowering: XNNPACK does not take these nodes, which would run as slow portable kernels: "
+            + ", ".join(f"{op} x{n}" for op, n in sorted(unexpected.items())),
+            "report this; or pass --allow-portable-fallback to accept the portable kernels",
+        )
+
+
 class ProgramState(nn.Module):
     """Holds every state tensor as a buffer and threads them through the canonical model."""
 
@@ -512,17 +527,12 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
             for op, v in more.delegation_by_operator.items():
                 if v.non_delegated and op != "aten_index_select_default":
                     portable[op] = max(portable.get(op, 0), int(v.non_delegated))
-    # an int8/int4 KV cache rounds the new keys/values, (un)packs and dequantizes the cache outside XNNPACK (one
-    # each for K and V a layer)
-    kv_ops = KV_PORTABLE.get(ctx.kv_cache, set()) if ctx.kv_quant else set()
-    n_kv = 2 * len(ctx.kv_quant)
-    unexpected = {op: n for op, n in portable.items() if not expected_portable(op) and not (op in kv_ops and n <= n_kv)}
-    if unexpected and not ctx.options.get("allow_portable_fallback"):
-        raise DeltashipError(
-            "executorch lowering: XNNPACK does not take these nodes, which would run as slow portable kernels: "
-            + ", ".join(f"{op} x{n}" for op, n in sorted(unexpected.items())),
-            "report this; or pass --allow-portable-fallback to accept the portable kernels",
-        )
+    check_portable(
+        portable,
+        ctx.kv_cache if ctx.kv_quant else None,
+        2 * len(ctx.kv_quant),
+        ctx.options.get("allow_portable_fallback"),
+    )
     say("to_executorch")
     with heartbeat(say, "to_executorch (memory planning, serialization)"):
         prog = edge.to_executorch(

@@ -10,7 +10,7 @@ from filelock import FileLock
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from helpers import ALL_CONFIGS, write_checkpoint  # noqa: E402
+from helpers import ALL_CONFIGS, TINY_DRAFT_VOCAB, write_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -64,15 +64,19 @@ def bundles(tmp_path_factory, checkpoints):
 @pytest.fixture(scope="session")
 def tiny_pte(tmp_path_factory):
     """The trained tiny preset as an ExecuTorch bundle (max context 128, prefill chunk 16), exported once per
-    session and precision for every test that needs a .pte of it: an ExecuTorch export takes minutes."""
+    session and precision for every test that needs a .pte of it: an ExecuTorch export takes minutes. fp32 and int4
+    carry the MTP head (methods 'verify' and 'mtp_draft' beside 'forward', which the plain session and ExecuTorch's
+    runner run alone), int4's drafting over a TINY_DRAFT_VOCAB-id vocabulary: the speculative tests
+    (test_mtp_executorch, test_draft_vocab) read these programs instead of exporting their own."""
     from deltaship.export import export
 
     root = _shared_root(tmp_path_factory, "tiny-pte")
+    heads = {"fp32": {"mtp": True}, "int4": {"mtp": True, "mtp_draft_vocab": TINY_DRAFT_VOCAB}}
 
     def get(precision: str = "fp32") -> Path:
         def build(out: Path) -> None:
             export("qwen3.5-tiny", out, target="executorch", precision=precision, max_context=128, prefill_chunk=16,
-                   verify=False, progress=False)  # fmt: skip
+                   verify=False, progress=False, **heads.get(precision, {}))  # fmt: skip
 
         return _build_once(root / precision, build)
 

@@ -71,6 +71,9 @@ TINY_CONFIGS: dict[str, dict] = {
 MULTIMODAL = "multimodal"  # "base" wrapped in Qwen3_5ForConditionalGeneration, with vision and MTP tensors
 ALL_CONFIGS = list(TINY_CONFIGS) + [MULTIMODAL]
 VOCAB = 160
+# the tiny preset's MTP draft vocabulary in the tests: the smallest N that covers 99% of the ranking text's tokens
+# with the 3 special ids kept (tests/test_draft_vocab.py; conftest's int4 .pte drafts over it too)
+TINY_DRAFT_VOCAB = 53
 
 
 def text_config(name: str) -> dict:

@@ -7,12 +7,12 @@ import json
 
 import numpy as np
 import pytest
-from helpers import code_prompt, speculative_runs
+from helpers import TINY_DRAFT_VOCAB, code_prompt, speculative_runs
 
 from deltaship.errors import DeltashipError
 
 CHUNK = 16  # prefill chunk: the long prompt spans several chunks
-N = 53  # the smallest N that covers 99% of the ranking text's tokens with the 3 special ids kept (below)
+N = TINY_DRAFT_VOCAB  # the smallest N that covers 99% of the ranking text's tokens with the 3 special ids kept
 
 
 def _export(out, **opts):
@@ -253,19 +253,23 @@ def test_weight_plan_takes_rows_and_reads_a_block_of_them():
 
 
 @pytest.mark.parametrize("target", ["executorch", "coreml"])
-def test_other_targets_draft_over_the_subset_losslessly(tmp_path, target):
+def test_other_targets_draft_over_the_subset_losslessly(tmp_path, target, request):
     """ExecuTorch (method mtp_draft) and Core ML (function mtp_draft, in the evaluator) take the option too: the
     draft's logits are [1, N] and greedy speculative decoding gives the plain greedy tokens (slow tier). ExecuTorch
-    at int4 (its fp32 is tests/test_mtp_executorch.py's), over 64 new tokens."""
+    at int4 (conftest's tiny_pte: its fp32 is tests/test_mtp_executorch.py's), over 64 new tokens."""
     from deltaship.bundle import read_manifest, schema_problems
     from deltaship.export import export
     from deltaship.runtimes import open_bundle
 
-    out = tmp_path / target
     int4 = target == "executorch"
-    export("qwen3.5-tiny", out, target=target, precision="int4" if int4 else "fp32", max_context=128,
-           prefill_chunk=CHUNK, mtp=True, mtp_draft_vocab=N, verify=False, progress=False)  # fmt: skip
+    if int4:  # the shared int4 program: chunk CHUNK, context 128, the head drafting over N ids
+        out = request.getfixturevalue("tiny_pte")("int4")
+    else:
+        out = tmp_path / target
+        export("qwen3.5-tiny", out, target=target, precision="fp32", max_context=128, prefill_chunk=CHUNK, mtp=True,
+               mtp_draft_vocab=N, verify=False, progress=False)  # fmt: skip
     m = read_manifest(out)
+    assert m["precision"] == ("int4" if int4 else "fp32") and m["prefill_chunk"] == CHUNK
     assert not schema_problems(m) and m["speculative"]["draft"]["vocab"]["size"] == N
     session = open_bundle(out)
     session.reset_draft()

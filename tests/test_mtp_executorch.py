@@ -12,18 +12,10 @@ TINY_CHUNK = 16  # the long prompt spans several chunks (and the head's first ca
 
 
 @pytest.fixture(scope="module")
-def tiny_mtp_pte(shared_export):
-    """The trained tiny preset as an fp32 .pte with its MTP head (one export per test run, ~3-5 min on 2 cores)."""
-    return shared_export(
-        "tiny-mtp-pte-fp32",
-        "qwen3.5-tiny",
-        target="executorch",
-        precision="fp32",
-        max_context=256,
-        prefill_chunk=TINY_CHUNK,
-        mtp=True,
-        verify=False,
-    )
+def tiny_mtp_pte(tiny_pte):
+    """The trained tiny preset as an fp32 .pte with its MTP head (conftest: context 128, chunk TINY_CHUNK; one export
+    per test run, shared with every test of a tiny .pte)."""
+    return tiny_pte("fp32")
 
 
 @pytest.mark.slow

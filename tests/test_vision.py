@@ -697,34 +697,48 @@ def test_torch_tower_matches_transformers(vl_checkpoint, hf_model):
         np.testing.assert_allclose(got, _hf_tower(hf_model, grid, inputs), atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def et_vl_bundle(vl_checkpoint, tmp_path_factory) -> tuple[Path, dict]:
+    """An ExecuTorch bundle with --vision (verified at export, as the ONNX one), and its manifest."""
+    from deltaship.export import export
+
+    out = tmp_path_factory.mktemp("et-vl") / "bundle"
+    m = export(str(vl_checkpoint), out, target="executorch", max_context=128, prefill_chunk=8, progress=False,
+               vision=True)  # fmt: skip
+    return out, m
+
+
 @pytest.mark.slow
-def test_executorch_vision_encoder(vl_checkpoint, hf_model, tmp_path):
-    """One .pte method `vision_encoder`, dynamic patch count: three image sizes through one program."""
+def test_executorch_vision_encoder(et_vl_bundle, vl_checkpoint, hf_model):
+    """The bundle's vision.pte method `vision_encoder`, dynamic patch count: three image sizes through one program,
+    up to the bound the preprocessor allows (256 patches, the largest image's)."""
     import torch
     from executorch.runtime import Runtime
 
-    from deltaship.export.executorch.vision import INPUTS, METHOD, lower_vision_pte
+    from deltaship.export.executorch.vision import INPUTS, METHOD
 
-    spec, weights, cases = _tower_cases(vl_checkpoint)
-    info = lower_vision_pte(spec, weights, tmp_path / "vision.pte", max_patches=256)
-    assert info["max_patches"] == 256
-    method = Runtime.get().load_program(str(tmp_path / "vision.pte")).load_method(METHOD)
+    out, m = et_vl_bundle
+    spec, _, cases = _tower_cases(vl_checkpoint)
+    assert (
+        m["vision"]["max_image_tokens"] * spec.merge_unit
+        == 256
+        == max(inputs[INPUTS[0]].shape[0] for _, inputs in cases)
+    )
+    assert m["vision"]["graphs"]["vision"] == METHOD
+    method = Runtime.get().load_program(str(out / m["vision"]["graphs"]["program"])).load_method(METHOD)
     for grid, inputs in cases:
         got = method.execute([torch.from_numpy(inputs[n]) for n in INPUTS])[0].numpy()
         np.testing.assert_allclose(got, _hf_tower(hf_model, grid, inputs), atol=1e-4)
 
 
 @pytest.mark.slow
-def test_executorch_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_path):
+def test_executorch_bundle_images_match_transformers(et_vl_bundle, hf_model):
     """An ExecuTorch bundle with --vision: vision.pte's vision_encoder, token_embedding and text_decoder give
     transformers' greedy tokens for two images, with prefill chunk boundaries inside the second image's span."""
-    from deltaship.export import export
     from deltaship.runtimes import open_bundle
     from deltaship.runtimes.vision import ExecuTorchMultimodal, Multimodal
 
-    out = tmp_path / "et"
-    m = export(str(vl_checkpoint), out, target="executorch", max_context=128, prefill_chunk=8, progress=False,
-               vision=True)  # fmt: skip
+    out, m = et_vl_bundle
     assert m["vision"]["verification"]["status"] == "passed"  # checked at export, as the ONNX bundle
     assert {"vision.pte", "decoder_mm.pte", "model.pte"} <= set(m["files"])
     mm = Multimodal(open_bundle(out))

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from deltaship.errors import DeltashipError
+from deltaship.export.executorch.program import xnnpack_passes_that_apply
 from deltaship.models.qwen3_5_vision import load_tower
 from deltaship.models.vision import VisionSpec, VisionWeights
 
@@ -49,11 +50,12 @@ def lower_vision_pte(spec: VisionSpec, weights: VisionWeights, path: Path, max_p
     with torch.no_grad():
         ep = torch.export.export(tower, example_inputs(spec, 8), dynamic_shapes=dyn, strict=False)
         ep = ep.run_decompositions({})
-    edge = to_edge_transform_and_lower(
-        {METHOD: ep},
-        partitioner=[XnnpackPartitioner()],
-        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
-    )
+    with xnnpack_passes_that_apply():
+        edge = to_edge_transform_and_lower(
+            {METHOD: ep},
+            partitioner=[XnnpackPartitioner()],
+            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+        )
     prog = edge.to_executorch(
         ExecutorchBackendConfig(
             extract_delegate_segments=True,
@@ -195,11 +197,12 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
     # text_decoder in a program of its own: in one program with the other two methods, its calls after the
     # first (input_pos > 0) gave wrong logits (ExecuTorch 1.5.1; not narrowed down further)
     for file, names in ((PTE_FILE, (METHOD, "token_embedding")), (DECODER_PTE, ("text_decoder",))):
-        edge = to_edge_transform_and_lower(
-            {name: programs[name] for name in names},
-            partitioner=[XnnpackPartitioner()],
-            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
-        )
+        with xnnpack_passes_that_apply():
+            edge = to_edge_transform_and_lower(
+                {name: programs[name] for name in names},
+                partitioner=[XnnpackPartitioner()],
+                compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+            )
         prog = edge.to_executorch(
             ExecutorchBackendConfig(
                 extract_delegate_segments=True,

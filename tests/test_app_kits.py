@@ -165,12 +165,12 @@ def test_onnx_contract_variants_from_the_manifest():
 
 
 @pytest.fixture(scope="module")
-def coreml_bundles(tmp_path_factory) -> dict[str, Path]:
-    """fp32 (every state an fp32 input/output, one package) and int4 split into several packages
-    (KV cache as fp16 MLStates, hidden states passed between packages)."""
+def coreml_bundles(tmp_path_factory, tiny_coreml_mtp) -> dict[str, Path]:
+    """fp32 (every state an fp32 input/output, one package: conftest's, which also carries the MTP head) and int4
+    split into several packages (KV cache as fp16 MLStates, hidden states passed between packages; no head)."""
     root = tmp_path_factory.mktemp("coreml")
     return {
-        "fp32": _export(root, "coreml", "fp32"),
+        "fp32": tiny_coreml_mtp("fp32"),
         "int4-parts": _export(root, "coreml", "int4", coreml_part_gb=0.0015),
     }
 
@@ -556,7 +556,9 @@ def test_swift_speculative_contract_reproduces_plain_greedy(tiny_coreml_mtp, tmp
 
 
 def test_swift_kit_without_the_head_says_so(coreml_bundles, tmp_path):
-    record = write_kit(coreml_bundles["fp32"], tmp_path / "kit", "ios")
+    bundle = coreml_bundles["int4-parts"]
+    assert "speculative" not in json.loads((bundle / "manifest.json").read_text())
+    record = write_kit(bundle, tmp_path / "kit", "ios")
     assert record["swift"]["speculative"] is None
     text = (tmp_path / "kit" / "Sources" / record["name"] / "KitSpec.swift").read_text()
     assert "static let speculative: SpeculativeSpec? = nil" in text

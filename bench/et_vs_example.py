@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deltaship.profiling.stats import ratio_ci, summarize
+from deltaship.stats import ratio_ci, summarize
 
 HERE = Path(__file__).parent
 ET = Path(list(__import__("importlib.util").util.find_spec("executorch").submodule_search_locations)[0])

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deltaship.profiling.stats import ratio_ci, summarize
+from deltaship.stats import ratio_ci, summarize
 
 HERE = Path(__file__).parent
 WORK = Path(tempfile.gettempdir()) / "deltaship-bench" / "peers"

@@ -43,7 +43,7 @@ def _build_once(out: Path, build) -> Path:
 def bundles(tmp_path_factory, checkpoints):
     """Exported bundles, built on first use and shared: bundles(config, target, precision)."""
     from deltaship.bundle import read_manifest, schema_problems
-    from deltaship.export import export
+    from deltaship.compile import export
 
     root = _shared_root(tmp_path_factory, "bundles")
 
@@ -68,7 +68,7 @@ def tiny_pte(tmp_path_factory):
     carry the MTP head (methods 'verify' and 'mtp_draft' beside 'forward', which the plain session and ExecuTorch's
     runner run alone), int4's drafting over a TINY_DRAFT_VOCAB-id vocabulary: the speculative tests
     (test_mtp_executorch, test_draft_vocab) read these programs instead of exporting their own."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     root = _shared_root(tmp_path_factory, "tiny-pte")
     heads = {"fp32": {"mtp": True}, "int4": {"mtp": True, "mtp_draft_vocab": TINY_DRAFT_VOCAB}}
@@ -89,7 +89,7 @@ def shared_export(tmp_path_factory):
     module asks first. A module-scoped fixture is built again each time pytest-xdist hands its worker a test of
     that module after one of another (the module's fixtures are torn down in between): at minutes an ExecuTorch
     export, the 2026-11-26 run paid the MTP .pte twice. Module fixtures that export call this instead."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     root = _shared_root(tmp_path_factory, "shared-exports")
 
@@ -105,7 +105,7 @@ def tiny_coreml_mtp(tmp_path_factory):
     once per session and build for every test that needs one (speculative decoding, its profile, the Swift kit):
     fp32 (every state an io tensor), int4, or fp16-state (the DeltaNet states and both KV caches as Core ML states,
     which the snapshot copies out of the state buffers)."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     root = _shared_root(tmp_path_factory, "coreml-mtp")
 

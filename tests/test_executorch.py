@@ -47,6 +47,7 @@ def test_program_contract_and_metadata(pte):
     assert "llama::gated_delta_rule" in lw["gated_delta_rule"]
     # XNNPACK is cut only at the stateful kernels (one per layer) and at the last-token select before the head
     assert 0 < lw["delegate_partitions"] <= m["model"]["num_layers"] + 2, lw["delegate_partitions"]
+    assert lw["reshapes_inferred"] > 0  # the prompt axis as -1 (program.infer_reshape_dims): what keeps that count
     assert all(expected_portable(op) for op in lw["portable_nodes"])
     assert {s["kind"] for s in m["states"]} == {"deltanet_conv", "deltanet_recurrent", "kv_cache_key", "kv_cache_value"}
     kv = next(s for s in m["states"] if s["kind"] == "kv_cache_key")

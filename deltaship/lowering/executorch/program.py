@@ -194,6 +194,33 @@ def static_conv_weights(model: nn.Module) -> None:
             m.conv_weight = nn.Parameter(m.conv_weight.detach().unsqueeze(1), requires_grad=False)
 
 
+def reshape_inferring_partitioner():
+    """XNNPACK's partitioner, rewriting each method's reshapes (infer_reshape_dims) on the way.
+
+    infer_reshape_dims needs the functional ATen graph, which to_edge_transform_and_lower builds itself (its
+    run_decompositions({})) between the partitioner's two hooks: transform_for_pre_decomposition, then
+    ops_to_not_decompose on the functional program. Rewriting there spares a whole re-trace of every method (a
+    run_decompositions({}) of deltaship's own beforehand, which ExecuTorch's then repeated); the program is the same
+    bytes. `reshapes` counts the rewrites."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner  # lazy: executorch
+
+    class ReshapeInferring(XnnpackPartitioner):
+        reshapes = 0
+        _functional_next = False
+
+        def transform_for_pre_decomposition(self, exported_program):
+            self._functional_next = True  # ExecuTorch functionalizes the program next, then asks which ops to keep
+            return super().transform_for_pre_decomposition(exported_program)
+
+        def ops_to_not_decompose(self, ep):
+            if self._functional_next:  # once a method, on its functional graph
+                self._functional_next = False
+                self.reshapes += infer_reshape_dims(ep)
+            return super().ops_to_not_decompose(ep)
+
+    return ReshapeInferring()
+
+
 def infer_reshape_dims(ep: torch.export.ExportedProgram) -> int:
     """Reshapes whose target shape has exactly one symbolic size get -1 there instead.
 
@@ -479,7 +506,6 @@ def prepare(ctx, weights, say=lambda m: None):
 
 
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.devtools.backend_debug import get_delegation_info
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
@@ -494,21 +520,18 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     example = (torch.zeros(1, min(2, chunk), dtype=torch.long), torch.zeros(1, dtype=torch.long))
     with torch.no_grad(), heartbeat(say, "torch.export"):
         ep = torch.export.export(wrapper, example, dynamic_shapes=({1: t} if chunk > 1 else None, None), strict=False)
-        ep = ep.run_decompositions({})
-    reshapes = infer_reshape_dims(ep)
     programs: Any = ep
     speculative = "mtp_states" in ctx.programs
     if speculative:  # --mtp: methods 'verify' and 'mtp_draft' beside 'forward', one set of weights and states
         programs = {"forward": ep, **export_speculative(ctx, model, kernels, chunk, say)}
-        for other in ("verify", "mtp_draft"):
-            reshapes += infer_reshape_dims(programs[other])
+    partitioner = reshape_inferring_partitioner()
     say("lowering to XNNPACK")
     with preprocess_shares_weights(), xnnpack_passes_that_apply(), heartbeat(say, "still lowering to XNNPACK"):
         edge = to_edge_transform_and_lower(
             # One partitioner for every precision: ExecuTorch's dynamically-quantized partitioner works op by
             # op, which puts each linear in a delegate call of its own (about 7 per layer).
             programs,
-            partitioner=[XnnpackPartitioner()],
+            partitioner=[partitioner],
             compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
             constant_methods=metadata(ctx, tokens or {}),
         )
@@ -560,7 +583,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "delegate_partitions_per_layer": round(info.num_delegated_subgraphs / n_layers, 2),
         "portable_nodes": portable,
         "kernels_swapped": swapped,
-        "reshapes_inferred": reshapes,
+        "reshapes_inferred": partitioner.reshapes,
         "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op; all T tokens in one call, "
         "a token loop inside the kernel)",
         "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]" + kv_detail(ctx),
@@ -591,11 +614,9 @@ def export_speculative(ctx, model: nn.Module, kernels, chunk: int, say) -> dict[
             (ids, pos, torch.arange(n, dtype=torch.long)),
             dynamic_shapes=(dyn, None, {0: rows} if chunk > 1 else None),
             strict=False,
-        ).run_decompositions({})
+        )
         say("torch.export: method mtp_draft")
-        out["mtp_draft"] = torch.export.export(
-            draft, (hidden, ids, pos), dynamic_shapes=(dyn, dyn, None), strict=False
-        ).run_decompositions({})
+        out["mtp_draft"] = torch.export.export(draft, (hidden, ids, pos), dynamic_shapes=(dyn, dyn, None), strict=False)
     return out
 
 

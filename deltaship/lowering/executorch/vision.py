@@ -49,7 +49,6 @@ def lower_vision_pte(spec: VisionSpec, weights: VisionWeights, path: Path, max_p
     dyn = tuple({0: 4 * k} for _ in INPUTS)
     with torch.no_grad():
         ep = torch.export.export(tower, example_inputs(spec, 8), dynamic_shapes=dyn, strict=False)
-        ep = ep.run_decompositions({})
     with xnnpack_passes_that_apply():
         edge = to_edge_transform_and_lower(
             {METHOD: ep},
@@ -193,7 +192,6 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
                 tower, example_inputs(vspec, 8, dt), dynamic_shapes=tuple({0: 4 * k} for _ in INPUTS), strict=False
             ),
         }
-        programs = {name: ep.run_decompositions({}) for name, ep in programs.items()}
     # text_decoder in a program of its own: in one program with the other two methods, its calls after the
     # first (input_pos > 0) gave wrong logits (ExecuTorch 1.5.1; not narrowed down further)
     for file, names in ((PTE_FILE, (METHOD, "token_embedding")), (DECODER_PTE, ("text_decoder",))):

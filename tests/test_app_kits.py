@@ -785,7 +785,8 @@ def _kotlin_chat_problems(chat, texts: dict, bundle: Path, manifest: dict, spec:
 
 
 def pte_metadata(pte: Path) -> dict:
-    """Constant methods' values and forward's input dtypes/shapes, read with executorch.runtime."""
+    """Constant methods' values and forward's input dtypes/shapes, read with executorch.runtime (a method with inputs
+    besides forward, as --mtp's, is neither)."""
     from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers llama:: kernels)
     from executorch.runtime import Runtime
 
@@ -807,7 +808,7 @@ def pte_metadata(pte: Path) -> dict:
                     for i in range(m.num_inputs())
                 ]
             }
-        else:
+        elif program.load_method(name).metadata.num_inputs() == 0:  # not --mtp's verify / mtp_draft
             out[name] = list(program.load_method(name).execute([]))
     return out
 

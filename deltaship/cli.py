@@ -17,39 +17,40 @@ from deltaship import options
 from deltaship.errors import EXIT_BROKEN_PIPE, EXIT_SIGINT, EXIT_SIGTERM, DeltashipError
 from deltaship.failures import describe, os_error, quiet_stdout, stdout_closed
 
+# export()'s keyword arguments whose flag has another name: parameter -> (the flag's dest, the flag negates it)
+EXPORT_FLAGS = {
+    "verify": ("no_verify", True),
+    "fidelity": ("no_fidelity", True),
+    "progress": ("quiet", True),
+    "tiers_file": ("tiers", False),
+}
+
+
+def export_arguments(a: argparse.Namespace) -> dict[str, Any]:
+    """`export()`'s keyword arguments from the flags add_export_arguments() parsed: one per parameter of its
+    signature, and the target options (the fields of each target's Options dataclass) the user set."""
+    import inspect
+
+    from deltaship.compile import export
+    from deltaship.targets import all_targets
+
+    args: dict[str, Any] = {}
+    for name, p in inspect.signature(export).parameters.items():
+        if p.kind is not p.VAR_KEYWORD:
+            dest, negated = EXPORT_FLAGS.get(name, (name, False))
+            args[name] = not getattr(a, dest) if negated else getattr(a, dest)
+    for t in all_targets():
+        for f in t.Options.fields():
+            if getattr(a, f.name) not in (None, False):  # only the target options the user set
+                args[f.name] = getattr(a, f.name)
+    return args
+
 
 def run_export(a: argparse.Namespace) -> int:
     """`export()` with the arguments add_export_arguments() parsed."""
     from deltaship.compile import export
-    from deltaship.targets import all_targets
 
-    given = {
-        f.name: getattr(a, f.name)
-        for t in all_targets()
-        for f in t.Options.fields()
-        if getattr(a, f.name) not in (None, False)
-    }  # only the target options the user set
-    export(
-        model=a.model,
-        out=a.out,
-        target=a.target,
-        precision=a.precision,
-        max_context=a.max_context,
-        device=a.device,
-        tiers_file=a.tiers,
-        force=a.force,
-        verify=not a.no_verify,
-        prefill_chunk=a.prefill_chunk,
-        block_size=a.block_size,
-        deltanet_int8=a.deltanet_int8,
-        threads=a.threads,
-        progress=not a.quiet,
-        allow_download=a.allow_download,
-        kv_cache=a.kv_cache,
-        prompt_cache=a.prompt_cache,
-        **({"vision": True} if getattr(a, "vision", False) else {}),
-        **given,
-    )
+    export(**export_arguments(a))
     return 0
 
 
@@ -298,6 +299,7 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     """The `export` options, on any parser (`deltaship export`, `optimum-cli export deltaship`); run_export()
     calls export() with them. out_positional: the bundle directory is a positional OUT (optimum-cli's way)."""
     from deltaship.models.presets import PRESETS
+    from deltaship.models.spec import KV_DTYPES
     from deltaship.targets import DEFAULT_PREFILL_CHUNK, PRECISIONS, all_targets, target_names
 
     e.add_argument(
@@ -344,6 +346,11 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         help="download a Hugging Face id that is not in the local cache (default: never download)",
     )
     e.add_argument("--no-verify", action="store_true", help="skip the parity check against transformers")
+    e.add_argument(
+        "--no-fidelity",
+        action="store_true",
+        help="verify, but skip the held-out fidelity eval that follows (the manifest's `fidelity`)",
+    )
     chunks = ", ".join(
         f"{t.name} {t.default_prefill_chunk}" for t in all_targets() if t.default_prefill_chunk != DEFAULT_PREFILL_CHUNK
     )
@@ -359,7 +366,7 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     e.add_argument("--deltanet-int8", action="store_true", help="with int4: keep DeltaNet projections at int8")
     e.add_argument(
         "--kv-cache",
-        choices=("fp32", "fp16", "int8", "int4"),
+        choices=tuple(KV_DTYPES),
         default=None,
         help="KV-cache dtype (default: the target's own at --precision; `deltaship plan --kv-dtypes` shows "
         "what each would take)",

@@ -14,20 +14,20 @@ from deltaship.targets import (
     PRECISIONS,
     StorageFormat,
     Target,
-    TargetOptions,
     get_target,
     option,
     register,
     table,
     unregister,
 )
+from deltaship.targets.onnx import OnnxOptions
 from deltaship.targets.tolerances import Tolerance
 
 PACKAGE = Path(__file__).resolve().parents[1] / "deltaship"
 
 
 @dataclass(frozen=True)
-class ToyOptions(TargetOptions):
+class ToyOptions(OnnxOptions):  # ONNX's lowering reads ONNX's options, typed
     toy_knob: int = field(default=3, metadata=option("a toy option", choices=(3, 5)))
 
 
@@ -40,7 +40,6 @@ class ToyTarget(Target):
     Options = ToyOptions
     tool_packages = ("onnx", "onnxruntime")
     usage = ("toy usage",)
-    pass_options = {"accuracy_level": 4, "onnx_deltanet_ops": "standard"}  # what ONNX's lowering reads
     tolerances = {p: Tolerance(1e-3, 1.0, 1e-3, True) for p in PRECISIONS}
     formats = {p: StorageFormat(bits=8, scale=0, block=1, head_copy=False, act=1) for p in PRECISIONS}
     runtime_base_bytes = 1 << 20

@@ -12,7 +12,6 @@ fed the reference's tokens one by one (teacher forcing), so every logit row is c
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,30 +20,10 @@ import torch
 
 from deltaship.errors import DeltashipError, DeltashipUnavailable
 from deltaship.models.source import ModelSource
+from deltaship.oracle.budget import available_memory, reference_fits, reference_need
 from deltaship.progress import Progress, heartbeat
 from deltaship.targets import tolerance
 from deltaship.targets.tolerances import Bar, fp32_bar
-
-MEMORY_FRACTION = 0.6  # the fp32 reference may use at most this share of available memory
-
-
-def available_memory() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def reference_need(spec) -> int:
-    """Bytes the fp32 transformers reference needs (weights plus working memory)."""
-    return int(spec.parameter_count()["total"] * 4 * 1.3)
-
-
-def reference_fits(spec) -> bool:
-    return reference_need(spec) <= MEMORY_FRACTION * available_memory()
 
 
 def default_prompts(vocab: int, chunk: int, max_context: int, steps: int, seed: int = 1234) -> list[list[int]]:
@@ -242,16 +221,17 @@ def verify_bundle(
         progress("verify: parity against the matched transformers reference")
     ref = matched_reference_model(source, ctx.plan, ctx.quant, ctx.precision, rounded=ctx.rounded)
     kv_rounded = contextlib.nullcontext(ref)
-    # a KV cache narrower than fp32 activations (int8/int4 with scales, or fp16): the reference rounds it too
-    narrow_kv = bool(ctx.kv_quant) or (ctx.kv_cache == "fp16" and ctx.dtype == torch.float32)
-    if ctx.kv_quant:  # an int8/int4 KV cache: the reference's attention sees keys and values rounded the same way
+    # a KV cache narrower than the activations (int8/int4 with scales, or fp16): the reference rounds it too
+    if ctx.kv_scales:  # an int8/int4 KV cache: the reference's attention sees keys and values rounded the same way
         from deltaship.lowering.kv_quant import rounded_cache_attention
 
-        bits = next(iter(ctx.kv_quant.values()))["bits"]
-        scales = {layer: (q["key"], q["value"]) for layer, q in ctx.kv_quant.items()}
+        bits = next(iter(ctx.kv_scales.values()))["bits"]
+        scales = {layer: (q["key"], q["value"]) for layer, q in ctx.kv_scales.items()}
         kv_rounded = rounded_cache_attention(ref, scales, bits)
         record["reference"] += f", keys and values rounded as the int{bits} KV cache stores them"
-    elif narrow_kv:  # an fp16 cache under fp32 activations: keys and values rounded to fp16
+    elif (
+        ctx.kv.narrower and not ctx.kv.quantized
+    ):  # an fp16 cache under fp32 activations: keys and values rounded to fp16
         from deltaship.lowering.kv_quant import rounded_cache_attention
 
         kv_rounded = rounded_cache_attention(ref, None, 16)
@@ -273,14 +253,14 @@ def verify_bundle(
                 raise err
             cases.append((prompt, toks, ref_rows, got))
             rows.append({"prompt_length": len(prompt), **compare(got, ref_rows, toks, tol.tie_margin)})
-            if ctx.precision == "fp32" and not narrow_kv:
+            if ctx.precision == "fp32" and not ctx.kv.narrower:
                 rows[-1].update(fidelity(got, ref_rows))
     del ref, matched
     worst = max(r["max_rel_logit_diff"] for r in rows)
     agree = min(r["tie_aware_agreement"] for r in rows)
     bar = fp32_bar(tol.max_rel_logit_diff, None)
     fails = worst > bar.value or agree < tol.min_greedy_agreement
-    if fails and ctx.precision == "fp32" and not narrow_kv:  # only then: the common path pays nothing
+    if fails and ctx.precision == "fp32" and not ctx.kv.narrower:  # only then: the common path pays nothing
         if progress:
             progress("verify: measuring what fp32 reaches on this checkpoint (the reference in float64)")
         bar = fp32_bar(tol.max_rel_logit_diff, fp32_reach(source, [c[:3] for c in cases]))
@@ -292,7 +272,7 @@ def verify_bundle(
                 row["tie_aware_agreement"] = compare(got, ref_rows, toks, margin)["tie_aware_agreement"]
             agree = min(r["tie_aware_agreement"] for r in rows)
         record["bar"] = bar.as_dict()
-    if ctx.precision != "fp32" or narrow_kv:
+    if ctx.precision != "fp32" or ctx.kv.narrower:
         if progress:
             progress("verify: fidelity against the unrounded fp32 reference")
         plain = reference_model(source)

@@ -51,12 +51,12 @@ def parse_draft_vocab(value: Any) -> int | None:
     return n
 
 
-def check_draft_vocab(options: dict[str, Any]) -> None:
-    """The option combinations, checked with the other export options (the vocabulary size is checked later,
-    once the checkpoint is loaded: check_size)."""
-    n = parse_draft_vocab(options.get("mtp_draft_vocab"))
-    text = options.get("mtp_draft_vocab_text")
-    if (n is not None or text is not None) and not options.get("mtp"):
+def check_draft_vocab(options: Any) -> None:
+    """The option combinations of a target's typed options (mtp, mtp_draft_vocab, mtp_draft_vocab_text), checked
+    with the other export options (the vocabulary size is checked once the checkpoint is loaded, in rank)."""
+    n = parse_draft_vocab(getattr(options, "mtp_draft_vocab", None))
+    text = getattr(options, "mtp_draft_vocab_text", None)
+    if (n is not None or text is not None) and not getattr(options, "mtp", False):
         given = "--mtp-draft-vocab" if n is not None else "--mtp-draft-vocab-text"
         raise DeltashipError(
             f"{given} shapes the multi-token-prediction draft head, which is exported only with --mtp",

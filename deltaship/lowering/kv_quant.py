@@ -23,7 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltaship.errors import DeltashipError
+from deltaship.lowering.settings import KvCachePlan
 from deltaship.models.trained import HELDOUT
+from deltaship.oracle.budget import available_memory, reference_fits, reference_need
 
 CALIBRATION_TOKENS = 512
 CALIBRATION_OFFSET = 2048  # characters of heldout.txt skipped: eval scores its first tokens
@@ -110,12 +113,24 @@ def quantized_states(states: list[dict], kv_cache: str) -> list[dict]:
     return out
 
 
-def prepare(ctx, source, kv_cache: str, progress=None) -> dict[str, Any]:
-    """Calibrate the static scales into ctx.kv_quant and switch the KV states to the quantized dtype;
-    returns the manifest's record of the calibration."""
-    from deltaship.check.verify import available_memory, reference_fits, reference_need
-    from deltaship.errors import DeltashipError
+def stored_states(states: list[dict], kv: KvCachePlan) -> list[dict]:
+    """The state contract with the KV caches as `kv` stores them: int8/int4 codes (quantized_states), or fp16
+    under fp32 activations; the states of a cache at the activations' dtype unchanged. Each lowering applies it
+    once, to the states its program holds."""
+    if kv.quantized:
+        return quantized_states(states, kv.dtype)
+    if kv.narrower:  # fp16 buffers under fp32 activations, widened where attention reads them
+        return [
+            dict(s, dtype="float16") if s["kind"].startswith("kv_cache") and s["dtype"] == "float32" else s
+            for s in states
+        ]
+    return states
 
+
+def prepare(source, kv: KvCachePlan, max_context: int, progress=None) -> tuple[dict[int, dict[str, Any]], dict]:
+    """Calibrate an int8/int4 cache's static scales on the fp32 reference: ({attention layer: {"bits", "key",
+    "value"}}, the manifest's record of the calibration)."""
+    kv_cache = kv.dtype
     bits = BITS[kv_cache]
     if not reference_fits(source.spec):
         raise DeltashipError(
@@ -125,13 +140,12 @@ def prepare(ctx, source, kv_cache: str, progress=None) -> dict[str, Any]:
         )
     if progress:
         progress(f"calibrating {kv_cache} KV-cache scales on the fp32 reference")
-    bounds, how = calibrate(source, ctx.max_context)
-    ctx.kv_quant = {
+    bounds, how = calibrate(source, max_context)
+    kv_scales = {
         layer: {"bits": bits, "key": scales(b["key"], bits), "value": scales(b["value"], bits)}
         for layer, b in bounds.items()
     }
-    ctx.states = quantized_states(ctx.states, kv_cache)
-    return {
+    return kv_scales, {
         "kv_dtype": kv_cache,
         "bits": bits,
         "scales": "static, per KV head and channel, fp32, stored in the graph",

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 from deltaship.errors import DeltashipError
+from deltaship.lowering.lowered import Lowered
+from deltaship.lowering.settings import PassParams
 from deltaship.targets.tolerances import Tolerance
 
 if TYPE_CHECKING:  # typing only: importing these pulls in torch
@@ -107,25 +109,6 @@ class TextRuntime:
     profile: str
 
 
-@dataclass
-class Lowered:
-    """What a target's lowering wrote into the staging directory.
-
-    files: the artifact files it wrote (relative paths); entry: the file a runtime opens first;
-    details: target-specific facts for the manifest's `lowering` block; quantization: the scheme as the
-    toolchain applied it (None: the passes' own choices are reported); state_in_place: past-state name
-    -> execution providers on which its past and present may share one buffer; app_runtimes: entries of the
-    manifest's `app_runtimes` that differ for this artifact from the target's (e.g. ONNX at opset 27, or a
-    runtime that cannot run it, "unavailable: why")."""
-
-    files: list[str]
-    entry: str
-    details: dict[str, Any] = field(default_factory=dict)
-    quantization: dict[str, Any] | None = None
-    state_in_place: dict[str, list[str]] = field(default_factory=dict)
-    app_runtimes: dict[str, str] | None = None  # entries replacing the target's app_runtimes
-
-
 class Target(ABC):
     """One deployment target. Subclass, fill the class attributes, implement the methods, `@register`."""
 
@@ -137,7 +120,7 @@ class Target(ABC):
     tool_packages: ClassVar[tuple[str, ...]] = ()  # the toolchain its export needs (import names)
     extra: ClassVar[str] = ""  # the pip extra that installs them: pip install "deltaship[<extra>]"
     usage: ClassVar[tuple[str, ...]] = ()  # how an app drives the artifact (goes into the manifest)
-    pass_options: ClassVar[Mapping[str, Any]] = {}  # fixed parameters this target's passes read
+    pass_params: ClassVar[PassParams] = PassParams()  # fixed parameters this target's passes read
     tolerances: ClassVar[Mapping[str, Tolerance]]  # precision -> parity tolerance (see deltaship.targets.tolerances)
     formats: ClassVar[Mapping[str, StorageFormat]]  # precision -> how weights are stored
     runtime_base_bytes: ClassVar[int] = 0  # the runtime's own resident memory (planner)
@@ -175,6 +158,10 @@ class Target(ABC):
             values[f.name] = value
         return self.Options(**values)
 
+    def typed_options(self, options: TargetOptions | Mapping[str, Any] | None) -> TargetOptions:
+        """`options` as this target's typed options (None or a mapping of export() keyword arguments: parsed)."""
+        return options if isinstance(options, TargetOptions) else self.parse_options(options or {})
+
     def require_tools(self, packages: tuple[str, ...] | None = None) -> None:
         """Refuse, naming the pip extra, when a package of this target's toolchain is not installed."""
         import importlib.util
@@ -190,12 +177,12 @@ class Target(ABC):
         """Option combinations this target cannot build (raise DeltashipError); called before any work."""
 
     # ---- export --------------------------------------------------------------------------------
-    def activation_dtype(self, precision: str, options: Mapping[str, Any]) -> str:
+    def activation_dtype(self, precision: str, options: TargetOptions | None = None) -> str:
         """The dtype activations and float weights are computed in: fp16 for fp16 builds, fp32 otherwise
-        (quantized builds keep fp32 activations unless the target says otherwise)."""
+        (quantized builds keep fp32 activations unless the target says otherwise). options None: the defaults."""
         return "float16" if precision == "fp16" else "float32"
 
-    def kv_cache_dtypes(self, precision: str, options: Mapping[str, Any]) -> tuple[str, ...]:
+    def kv_cache_dtypes(self, precision: str, options: TargetOptions | None = None) -> tuple[str, ...]:
         """The KV-cache dtypes (deltaship.models.spec.KV_DTYPES names) this target exports at `precision`, its
         default first: the activation dtype, unless the target overrides this with quantized caches."""
         return ({"float32": "fp32", "float16": "fp16"}[self.activation_dtype(precision, options)],)
@@ -212,17 +199,10 @@ class Target(ABC):
         progress: Callable[[str], None] | None = None,
         tokens: dict[str, Any] | None = None,
     ) -> Lowered:
-        """Write the artifact files for the passes' result into out_dir, with `lowering_module`'s `lower()`,
-        which returns a dict: the `Lowered` fields `files`, `entry` (and, where it has them, `quantization`,
-        `state_in_place`), every other key being a detail for the manifest."""
-        r = importlib.import_module(self.lowering_module).lower(ctx, weights, out_dir, progress=progress, tokens=tokens)
-        return Lowered(
-            files=r.pop("files"),
-            entry=r.pop("entry"),
-            quantization=r.pop("quantization", None),
-            state_in_place=r.pop("state_in_place", {}),
-            app_runtimes=r.pop("app_runtimes", None),
-            details=r,
+        """Write the artifact files for the passes' result into out_dir, with `lowering_module`'s `lower()`, which
+        returns the `Lowered`."""
+        return importlib.import_module(self.lowering_module).lower(
+            ctx, weights, out_dir, progress=progress, tokens=tokens
         )
 
     def finish_bundle(self, bundle_dir: Path) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltaship.lowering.settings import PassParams
 from deltaship.targets.base import (
     StorageFormat,
     Target,
@@ -62,7 +63,7 @@ class CoreMLTarget(Target):
     tool_packages = ("coremltools",)
     extra = "coreml"
     # int8 per output channel, fp16 scales, blocks that divide each row (what Core ML's int4/int8 take)
-    pass_options = {"int8_block": "channel", "scale_dtype": "float16", "block_must_divide": True}
+    pass_params = PassParams(int8_block="channel", scale_dtype="float16", block_must_divide=True)
     usage = (
         "Load model.mlpackage with Core ML (iOS 18 / macOS 15): MLModel(configuration:) with functionName "
         "'prefill' or 'decode'; both share the weights and the states.",
@@ -104,9 +105,9 @@ class CoreMLTarget(Target):
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: CoreMLOptions) -> None:
         from deltaship.lowering.coreml.package import check_options
 
-        check_options(precision, max_context, prefill_chunk, options.as_dict())
+        check_options(precision, max_context, prefill_chunk, options)
 
-    def activation_dtype(self, precision: str, options) -> str:
+    def activation_dtype(self, precision: str, options: CoreMLOptions | None = None) -> str:
         return "float32" if precision == "fp32" else "float16"  # Core ML computes in fp16 below fp32
 
     def pipeline(self) -> tuple:

@@ -113,7 +113,7 @@ class ExecuTorchTarget(Target):
         "--cpu_threads {threads}"
     )  # ExecuTorch's llama_main
 
-    def kv_cache_dtypes(self, precision: str, options) -> tuple[str, ...]:
+    def kv_cache_dtypes(self, precision: str, options: TargetOptions | None = None) -> tuple[str, ...]:
         # fp16, int8 and int4 (packed) caches with fp32 activations: llama::update_cache of the stored values,
         # widened back to fp32 for custom_sdpa (deltaship/lowering/executorch/lowering.py store_kv / load_kv)
         own = super().kv_cache_dtypes(precision, options)

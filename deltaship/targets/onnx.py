@@ -185,11 +185,12 @@ class OnnxTarget(Target):
                 "--accuracy-level applies to ONNX int8/int4 bundles (MatMulNBits) only", "drop --accuracy-level"
             )
 
-    def activation_dtype(self, precision: str, options) -> str:
+    def activation_dtype(self, precision: str, options: OnnxOptions | None = None) -> str:
         # quantized builds may ask for fp16 activations: ONNX Runtime's CUDA GroupQueryAttention takes fp16 only
-        return "float16" if precision == "fp16" or options.get("onnx_activations") == "fp16" else "float32"
+        fp16 = precision == "fp16" or self.typed_options(options).onnx_activations == "fp16"
+        return "float16" if fp16 else "float32"
 
-    def kv_cache_dtypes(self, precision: str, options) -> tuple[str, ...]:
+    def kv_cache_dtypes(self, precision: str, options: OnnxOptions | None = None) -> tuple[str, ...]:
         # GroupQueryAttention's quantized cache (k/v_quant_type PER_CHANNEL, kv_cache_bit_width 8 or 4) runs
         # on the CPU EP of ONNX Runtime 1.31 with fp32 activations; with fp16 ones it was not checked.
         own = super().kv_cache_dtypes(precision, options)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from deltaship.errors import DeltashipError
+from deltaship.lowering.lowered import Lowered
 from deltaship.lowering.passes import PassError
 from deltaship.progress import heartbeat
 
@@ -30,7 +31,8 @@ def verify_function(tokens: int) -> str:
 MAX_STATE_POSITIONS = 16384  # a KV-cache state longer than this has a dimension the Neural Engine rejects
 
 
-def check_options(precision: str, max_context: int, chunk: int, options: dict) -> None:
+def check_options(precision: str, max_context: int, chunk: int, options) -> None:
+    """The Core ML combinations of `options` (its typed CoreMLOptions) with the precision, context and chunk."""
     if chunk > 64 and chunk % 64 or chunk <= 64 and chunk & (chunk - 1):
         raise DeltashipError(
             f"--prefill-chunk {chunk}: the Core ML prefill chunk must be a power of two up to 64 "
@@ -44,7 +46,7 @@ def check_options(precision: str, max_context: int, chunk: int, options: dict) -
             f"({MAX_STATE_POSITIONS})",
             f"pass --max-context {MAX_STATE_POSITIONS} or less",
         )
-    bits = options.get("coreml_palettize")
+    bits = options.coreml_palettize
     if bits is not None and (precision != "fp16" or int(bits) not in (2, 3, 4, 6, 8)):
         raise DeltashipError(
             f"--coreml-palettize {bits} needs --precision fp16 and 2, 3, 4, 6 or 8 bits (got precision {precision})",
@@ -150,12 +152,12 @@ class StaticCapture:
     name = "static_capture"
 
     def requires(self, ctx) -> None:
-        check_options(ctx.precision, ctx.max_context, int(ctx.options["prefill_chunk"]), ctx.options)
+        check_options(ctx.precision, ctx.max_context, ctx.settings.prefill_chunk, ctx.options)
 
     def run(self, ctx) -> dict[str, int]:
         ctx.states = ctx.model.state_specs(ctx.dtype)
-        chunk = int(ctx.options["prefill_chunk"])
-        budget = int(float(ctx.options["coreml_part_gb"]) * 1e9)  # weights per package
+        chunk = ctx.settings.prefill_chunk
+        budget = int(float(ctx.options.coreml_part_gb) * 1e9)  # weights per package
         ctx.parts = plan_parts(ctx, budget)
         ctx.programs = {}
         for i, (a, b) in enumerate(ctx.parts):
@@ -201,11 +203,11 @@ class StaticCapture:
 
 def state_modes(ctx) -> dict[str, str]:
     """name -> "state" (Core ML state, fp16) or "io" (fp32 input/output pair)."""
-    deltanet = ctx.options["coreml_states"]
+    deltanet = ctx.options.coreml_states
     if deltanet not in ("io", "state"):
         raise DeltashipError(f"coreml_states must be 'io' or 'state', got {deltanet!r}", "use io or state")
     modes = {}
-    for s in ctx.states + getattr(ctx, "mtp_states", []):
+    for s in ctx.states + ctx.mtp_states:
         if ctx.precision == "fp32":
             modes[s["name"]] = "io"  # Core ML states are fp16 only: an fp32 build keeps everything exact
         elif s["kind"].startswith("kv_cache"):
@@ -360,7 +362,7 @@ def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[s
     if set(funcs) != set(emitted):
         problems.append(f"functions {sorted(funcs)} != {sorted(emitted)}")
     part_states = _part_states(ctx, *ctx.parts[index])
-    draft_states = getattr(ctx, "mtp_states", [])
+    draft_states = ctx.mtp_states
     want_states = {mil_name(s["name"]): s for s in part_states if modes[s["name"]] == "state"}
     for fname, f in funcs.items():
         states_of = draft_states if fname == DRAFT_FUNCTION else part_states
@@ -391,7 +393,7 @@ def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[s
     }
 
 
-def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
+def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> Lowered:
     import coremltools as ct
 
     from deltaship.lowering.coreml.lowering import WeightCache
@@ -404,9 +406,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         wcache = WeightCache(ctx.plan, weights, ctx.quant, say)  # per part: only its weights are held
         prog, modes, emitted = build_program(ctx, weights, i, wcache)
         const_names.update(wcache.const_names)
-        if ctx.options.get("coreml_palettize"):
+        if ctx.options.coreml_palettize:
             say(f"palettizing part {i + 1}/{n}")
-            pal = palettize(prog, int(ctx.options["coreml_palettize"]))
+            pal = palettize(prog, int(ctx.options.coreml_palettize))
         reports.append(ane_report(prog))
         say(f"converting part {i + 1}/{n} (coremltools)")
         with heartbeat(say, f"still converting part {i + 1}/{n} (coremltools)"):
@@ -431,7 +433,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
                 "functions": emitted,
             }
         )
-    if ctx.options.get("coreml_palettize"):  # the matched reference reads the values back from the package
+    if ctx.options.coreml_palettize:  # the matched reference reads the values back from the package
         ctx.rounded = rounded_from_package(
             [out_dir / p["package"] for p in parts], const_names, tied=ctx.spec.tie_word_embeddings
         )
@@ -456,12 +458,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         for op, v in r["by_op"].items():
             cur = report["by_op"].setdefault(op, {"count": 0, "reason": v["reason"]})
             cur["count"] += v["count"]
-    return {
-        "files": files,
-        "entry": parts[0]["package"],
+    details = {
         "parts": parts,
-        **({"quantization": pal} if ctx.options.get("coreml_palettize") else {}),
-        "functions": {f: {"tokens": ctx.options["prefill_chunk"] if f == "prefill" else 1} for f in FUNCTIONS},
+        "functions": {f: {"tokens": ctx.settings.prefill_chunk if f == "prefill" else 1} for f in FUNCTIONS},
         "hidden_states": {
             "shape": [1, "T", ctx.spec.hidden_size],
             "dtype": str(ctx.dtype).replace("torch.", ""),
@@ -471,12 +470,18 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "spec_check": {**checks[0], "parts_checked": len(checks)},
         "ane_report": report,
         "compute": "fp32" if ctx.precision == "fp32" else "fp16 (DeltaNet recurrence in fp32)",
-        **({"speculative": speculative_block(ctx, modes, out_dir / PACKAGE)} if _has_mtp(ctx) else {}),
     }
+    return Lowered(
+        files=files,
+        entry=parts[0]["package"],
+        details=details,
+        quantization=pal if ctx.options.coreml_palettize else None,
+        speculative=speculative_block(ctx, modes, out_dir / PACKAGE) if _has_mtp(ctx) else None,
+    )
 
 
 def _has_mtp(ctx) -> bool:
-    return bool(getattr(ctx, "mtp_states", None))
+    return bool(ctx.mtp_states)
 
 
 def blob_sharing(path: Path) -> dict[str, int]:
@@ -520,7 +525,7 @@ def speculative_block(ctx, modes: dict[str, str], package: Path) -> dict[str, An
     """The manifest's `speculative` block of a package exported with --mtp (docs/speculative.md)."""
     h, v = ctx.spec.hidden_size, ctx.spec.vocab_size
     hdt = str(ctx.dtype).replace("torch.", "")
-    sizes = verify_sizes(int(ctx.options["prefill_chunk"]))
+    sizes = verify_sizes(ctx.settings.prefill_chunk)
     sharing = blob_sharing(package)
     draft_states = [
         dict(

@@ -258,7 +258,7 @@ def embedding_function(tokens: int) -> str:
     return f"token_embedding_{tokens}"
 
 
-def lower_vision(bundle: Path, source, ctx) -> dict:
+def lower_vision(bundle: Path, source, ctx, pipeline: tuple) -> dict:
     """Beside model.mlpackage (the text-only path, unchanged): multimodal.mlpackage with functions vision_N (one
     image, enumerated patch counts, masked), token_embedding_T (ids -> embeddings; the host splices the image
     features in) and text_decoder_T (embeddings + 3-row M-RoPE positions + position -> logits of the last token)
@@ -275,7 +275,7 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
 
     vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
-    ctx2 = rerun_pipeline(ctx)  # the text pipeline again: the decoder to wrap
+    ctx2 = rerun_pipeline(ctx, pipeline)  # the text pipeline again: the decoder to wrap
     if len(ctx2.parts) > 1:
         raise DeltashipError(
             "--vision on Core ML: the decoder needs several packages", "raise --coreml-part-gb or drop --vision"
@@ -285,7 +285,7 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
             "--vision on Core ML: RoPE scaling (YaRN) with M-RoPE is not exported yet",
             "export --target onnx --vision, or a checkpoint without rope scaling",
         )
-    spec, chunk = ctx.spec, int(ctx.options["prefill_chunk"])
+    spec, chunk = ctx.spec, ctx.settings.prefill_chunk
     mask = interleave_mask(tuple(mrope), spec.rotary_dim // 2).astype(np.float32)
     decoder = MRopeDecoder(ctx2.model, mask)
     embedding = TokenEmbedding(ctx2.model)

@@ -98,7 +98,7 @@ def full_width_select(spec, mrope_section) -> np.ndarray:
     return out
 
 
-def lower_vision(bundle: Path, source, ctx) -> dict:
+def lower_vision(bundle: Path, source, ctx, pipeline: tuple) -> dict:
     """Beside model.pte: vision.pte with methods vision_encoder (one image) and token_embedding (ids ->
     embeddings; the host splices the image features in), and decoder_mm.pte with text_decoder (embeddings +
     3-row M-RoPE positions + input_pos -> logits, on state buffers of its own); the manifest's `vision` block."""
@@ -119,7 +119,7 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
     vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
     # the text program consumed ctx's model: build the decoder again for the multimodal program
-    ctx2 = rerun_pipeline(ctx)  # the text pipeline again: the decoder to wrap
+    ctx2 = rerun_pipeline(ctx, pipeline)  # the text pipeline again: the decoder to wrap
     model, kernels, _, _ = prepare(ctx2, source.weights)
     if getattr(model.model.rotary, "scaled", False):
         raise DeltashipError(
@@ -158,7 +158,7 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
         def forward(self, tokens):
             return self.table(tokens)
 
-    chunk = int(ctx.options["prefill_chunk"])
+    chunk = ctx.settings.prefill_chunk
     t = torch.export.Dim("tokens", min=1, max=chunk)
     h = ctx.spec.hidden_size
     n = min(2, chunk)

@@ -167,9 +167,7 @@ def write_genai_config(
     if not ((tokens or {}).get("eos") or ctx.spec.eos_token_id):
         return {"config": None, "unavailable": NO_EOS}
     share = deltanet_states_share_in_place(nodes, ctx.states, in_place)
-    cfg = genai_config(
-        ctx.spec, ctx.states, tokens, ctx.max_context, int(ctx.options["prefill_chunk"]), model_file, share
-    )
+    cfg = genai_config(ctx.spec, ctx.states, tokens, ctx.max_context, ctx.settings.prefill_chunk, model_file, share)
     (Path(out_dir) / GENAI_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
     return {"config": GENAI_CONFIG, "type": MODEL_TYPE, "past_present_share_buffer": share}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -60,15 +60,19 @@ class Lowerer:
         deltanet_ops: str = "standard",
         opset: int = 21,
         lowerings: OpLowerings | None = None,
+        kv_scales: Mapping[int, Mapping[str, Any]] | None = None,
+        rollback: dict[str, str] | None = None,
     ):
+        """kv_scales: an int8/int4 KV cache's static scales by attention layer (deltaship/lowering/kv_quant.py);
+        rollback: {} (--mtp) to have every DeltaNet state's value after the call's first token written to an output
+        rollback.* (named here, {past state name: rollback output}; the caller declares them, model.py)."""
         self.ep, self.plan, self.weights, self.quant = program, plan, weights, quant
         self.lowerings = lowerings if lowerings is not None else LOWERINGS  # a target's own table (export/qnn)
         self.b = builder
         self.accuracy_level = accuracy_level
         self.deltanet_ops = deltanet_ops  # "standard" or "contrib" (see DELTANET_OPS in export/onnx)
-        # {past state name: rollback output}: set to {} (--mtp) to have every DeltaNet state's value after the
-        # call's first token written to an output rollback.* (named here; the caller declares them, model.py)
-        self.rollback: dict[str, str] | None = None
+        self.kv_scales = kv_scales or {}
+        self.rollback = rollback
         self.opset = opset  # 27: DeltaNet in the standard ai.onnx ops (see STANDARD_OPSET in export/onnx/model.py)
         self.progress = progress
         self.env: dict[str, Any] = {}
@@ -642,7 +646,7 @@ def _attention(L: Lowerer, node, q, k, v, k_cache, v_cache, pos):
     seqlens_k, total = _attention_lengths(L, L.as_tensor(pos), qp)
     past_k, past_v = L.as_tensor(k_cache), L.as_tensor(v_cache)
     inputs, quant = [qp, kp, vp, past_k, past_v, seqlens_k, total], {}
-    kvq = getattr(L, "kv_quant", {}).get(int(past_k.split(".")[1])) if past_k.startswith("past.") else None
+    kvq = L.kv_scales.get(int(past_k.split(".")[1])) if past_k.startswith("past.") else None
     if kvq:  # int8/int4 cache, static per-channel scales (deltaship/lowering/kv_quant.py)
         inputs += ["", "", "", "", "", L.b.const(kvq["key"]), L.b.const(kvq["value"])]
         quant = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": kvq["bits"]}

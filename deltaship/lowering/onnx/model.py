@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 import torch
 
+from deltaship.lowering.kv_quant import stored_states
+from deltaship.lowering.lowered import Lowered
 from deltaship.lowering.onnx.builder import NP_TO_ONNX, GraphBuilder
 from deltaship.lowering.onnx.genai import GENAI_CONFIG, adapt_tokenizer_config, write_genai_config
 from deltaship.lowering.onnx.lowering import LOWERINGS, STANDARD_OPSET, Lowerer
@@ -330,10 +332,11 @@ def _quantized_state_io(b: GraphBuilder, states: list[dict]) -> None:
                 vis[i] = onnx.helper.make_tensor_value_info(v.name, elem[s["dtype"]], s["shape"])
 
 
-def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict:
+def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> Lowered:
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
-    accuracy_level = int(ctx.options["accuracy_level"])  # MatMulNBits: 4 = int8 activation blocks, 0 = float
-    external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))
+    ctx.states = stored_states(ctx.states, ctx.kv)  # an int8/int4 KV cache: its codes' dtype and shape
+    accuracy_level = int(ctx.options.accuracy_level)  # MatMulNBits: 4 = int8 activation blocks, 0 = float
+    external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.external_data)
     external = external or "mtp" in ctx.programs  # mtp.onnx reads the shared weights from model.onnx.data
     b = GraphBuilder(out_dir / DATA_FILE if external else None)
     # The program takes position [1] and returns logits [1, V]; the graph's contract is the one
@@ -344,8 +347,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     )
     outputs = [_PROGRAM_LOGITS] + [s["output"] for s in ctx.states]
     outputs += ["logits_rows", "hidden_states"] if speculative else []
-    deltanet_ops = ctx.options["onnx_deltanet_ops"]
-    opset = int(ctx.options.get("onnx_opset") or OPSET)
+    deltanet_ops = ctx.options.onnx_deltanet_ops
+    opset = int(ctx.options.onnx_opset or OPSET)
     _conv_state_layout(ctx.states, opset)
     lw = Lowerer(
         ctx.program,
@@ -357,12 +360,12 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         progress=progress,
         deltanet_ops=deltanet_ops,
         opset=opset,
+        kv_scales=ctx.kv_scales,
+        # --mtp: the DeltaNet states after each call's first token as outputs too (the rollback of a rejected
+        # draft). Not at opset 27: ONNX Runtime 1.32's standard LinearAttention fails on the empty second call of a
+        # one-token step (a Reshape of its function body, checked); those bundles roll back by snapshot only.
+        rollback={} if speculative and opset < STANDARD_OPSET else None,
     )
-    lw.kv_quant = ctx.kv_quant
-    # --mtp: the DeltaNet states after each call's first token as outputs too (the rollback of a rejected draft).
-    # Not at opset 27: ONNX Runtime 1.32's standard LinearAttention fails on the empty second call of a one-token
-    # step (a Reshape of its function body, checked); those bundles roll back by snapshot only.
-    lw.rollback = {} if speculative and opset < STANDARD_OPSET else None
     lw.run(inputs, outputs)
     if lw.rollback is not None:
         _rollback_outputs(b, ctx.states, lw.rollback)
@@ -370,7 +373,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     _genai_io(b, ctx.spec.vocab_size)
     _quantized_state_io(b, ctx.states)
     capture = None
-    if ctx.options.get("onnx_cuda_graph"):  # GQA's lengths and the start position computed on the device
+    if ctx.options.onnx_cuda_graph:  # GQA's lengths and the start position computed on the device
         from deltaship.lowering.onnx.graph_capture import make_capturable
 
         capture = make_capturable(b, ctx.max_context, CURRENT_LENGTH, _PROGRAM_POSITION, _LENGTH_NODES[0])
@@ -398,13 +401,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         app_runtimes["onnxruntime-genai"] = f"unavailable: {genai['unavailable']}"
         if callable(progress):
             progress(f"no {GENAI_CONFIG}: {genai['unavailable']} (onnxruntime-genai cannot run this bundle)")
-    return {
-        "files": [MODEL_FILE]
-        + ([GENAI_CONFIG] if genai["config"] else [])
-        + ([DATA_FILE] if external else [])
-        + (drafts["files"] if drafts else []),
-        "entry": MODEL_FILE,
-        **({"speculative": drafts} if drafts else {}),
+    details = {
         **({"cuda_graph": capture} if capture else {}),
         "onnx_ops": ops,
         "external_data": external,
@@ -412,13 +409,22 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "ir_version": IR_VERSIONS[opset],
         "conv_state_layout": CONV_STATE_LAYOUT[opset],
         **({"runtime_requirements": dict(STANDARD_RUNTIME)} if standard else {}),
-        **({"app_runtimes": app_runtimes} if app_runtimes else {}),
         "accuracy_level": accuracy_level,
         "weight_bytes": b.weight_bytes,
-        "state_in_place": in_place,
         "genai": genai,
         "deltanet_ops": {"mode": mode, **DELTANET_OPS[mode]},
     }
+    return Lowered(
+        files=[MODEL_FILE]
+        + ([GENAI_CONFIG] if genai["config"] else [])
+        + ([DATA_FILE] if external else [])
+        + (drafts["files"] if drafts else []),
+        entry=MODEL_FILE,
+        details=details,
+        state_in_place=in_place,
+        app_runtimes=app_runtimes or None,
+        speculative=drafts,
+    )
 
 
 __all__ = ["lower", "io_inputs", "io_outputs", "adapt_tokenizer_config", "LOWERINGS", "MODEL_FILE"]

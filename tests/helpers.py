@@ -170,7 +170,7 @@ def export_context(ckpt: Path, precision: str, max_context: int = 128, target: s
     from deltaship.models.source import load_source
 
     settings = build_settings(
-        str(ckpt), ckpt / "unused", target=target, precision=precision, max_context=max_context, **options
+        str(ckpt), "unused", target=target, precision=precision, max_context=max_context, **options
     )
     lowering = lowering_settings(settings, load_source(str(ckpt)).spec, max_context, 8, None)
     return run_passes(lowering, settings.tgt.pipeline()[:-1], None)

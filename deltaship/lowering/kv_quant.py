@@ -90,9 +90,10 @@ def scales(bound: np.ndarray, bits: int) -> np.ndarray:
     return s.astype(np.float32)[None, :, None, :]
 
 
-def quantized_states(states: list[dict], kv_cache: str) -> list[dict]:
-    """The state contract with the KV caches stored quantized (int4: head_dim halved, two values a byte)."""
-    bits = BITS[kv_cache]
+def quantized_states(states: list[dict], kv: KvCachePlan) -> list[dict]:
+    """The state contract with the KV caches stored quantized as `kv` plans (int4: head_dim halved, two values a
+    byte)."""
+    bits = kv.bits
     out = []
     for s in states:
         if s["kind"].startswith("kv_cache"):
@@ -103,9 +104,9 @@ def quantized_states(states: list[dict], kv_cache: str) -> list[dict]:
                 shape=shape,
                 dtype=STATE_DTYPE[bits],
                 quantization={
-                    "kv_dtype": kv_cache,
+                    "kv_dtype": kv.dtype,
                     "bits": bits,
-                    "scheme": "symmetric, static per-channel scales (per KV head and head_dim channel)",
+                    "scheme": kv.scheme,
                     "packing": "two 4-bit values a byte along head_dim" if bits == 4 else "none",
                 },
             )
@@ -118,7 +119,7 @@ def stored_states(states: list[dict], kv: KvCachePlan) -> list[dict]:
     under fp32 activations; the states of a cache at the activations' dtype unchanged. Each lowering applies it
     once, to the states its program holds."""
     if kv.quantized:
-        return quantized_states(states, kv.dtype)
+        return quantized_states(states, kv)
     if kv.narrower:  # fp16 buffers under fp32 activations, widened where attention reads them
         return [
             dict(s, dtype="float16") if s["kind"].startswith("kv_cache") and s["dtype"] == "float32" else s

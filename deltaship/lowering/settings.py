@@ -16,26 +16,27 @@ import numpy as np
 from deltaship.models.spec import ModelSpec
 
 QUANTIZED_KV = ("int8", "int4")  # KV dtypes stored with static per-channel scales (deltaship/lowering/kv_quant.py)
+# how an int8/int4 cache's codes relate to the values (the manifest's states[].quantization.scheme)
+STATIC_SCALES = "symmetric, static per-channel scales (per KV head and head_dim channel)"
 ACTIVATION_KV = {"float32": "fp32", "float16": "fp16"}  # an activation dtype -> the KV dtype of the same width
 
 
 @dataclass(frozen=True)
 class KvCachePlan:
     """How the KV cache is stored. dtype: a deltaship.models.spec.KV_DTYPES name; narrower: narrower than the
-    activations (the reference rounds keys and values as the cache stores them); calibration: how the scales of an
-    int8/int4 cache are made (None: no scales)."""
+    activations (the reference rounds keys and values as the cache stores them); scheme: an int8/int4 cache's
+    scales, calibrated at export on the fp32 reference (deltaship/lowering/kv_quant.py; None: no scales)."""
 
     dtype: str
     narrower: bool
-    calibration: str | None = None
+    scheme: str | None = None
 
     @classmethod
     def plan(cls, dtype: str, activation_dtype: str) -> KvCachePlan:
         """The plan for a cache of `dtype` under activations of `activation_dtype` ("float32" or "float16")."""
         own = ACTIVATION_KV[activation_dtype]
         narrower = dtype != own and (dtype in QUANTIZED_KV or own == "fp32")
-        calibration = "static per-channel scales, calibrated on the fp32 reference" if dtype in QUANTIZED_KV else None
-        return cls(dtype, narrower, calibration)
+        return cls(dtype, narrower, STATIC_SCALES if dtype in QUANTIZED_KV else None)
 
     @property
     def quantized(self) -> bool:

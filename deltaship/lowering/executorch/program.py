@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltaship.bundle.writer import tool_versions
 from deltaship.errors import DeltashipError
 from deltaship.lowering.executorch.requirements import program_operators, runtime_requirements
 from deltaship.lowering.kv_quant import stored_states
@@ -225,8 +226,6 @@ def preprocess_shares_weights():
 
     name = "copy_exported_program_for_preprocess"
     if not hasattr(BackendDetails, name):  # the hook of executorch 1.5; without it the copies would be back
-        from deltaship.bundle.writer import tool_versions
-
         raise RuntimeError(
             f"executorch {tool_versions('executorch')['executorch']} has no BackendDetails.{name}: "
             "deltaship's ExecuTorch lowering is written for executorch 1.5.1"
@@ -479,8 +478,6 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
 
 def lower_details(ctx, info, portable, swapped, reshapes, chunk, operators, delegates) -> dict[str, Any]:
     """The manifest's `lowering` block of a .pte."""
-    from deltaship.bundle.writer import tool_versions
-
     n_layers = ctx.spec.num_layers
     return {
         "delegate_partitions": int(info.num_delegated_subgraphs),

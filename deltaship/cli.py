@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import signal
@@ -14,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from deltaship import options
+from deltaship.compile import export
 from deltaship.errors import EXIT_BROKEN_PIPE, EXIT_SIGINT, EXIT_SIGTERM, DeltashipError
 from deltaship.failures import describe, os_error, quiet_stdout, stdout_closed
+from deltaship.targets import all_targets
 
 # export()'s keyword arguments whose flag has another name: parameter -> (the flag's dest, the flag negates it)
 EXPORT_FLAGS = {
@@ -29,11 +32,6 @@ EXPORT_FLAGS = {
 def export_arguments(a: argparse.Namespace) -> dict[str, Any]:
     """`export()`'s keyword arguments from the flags add_export_arguments() parsed: one per parameter of its
     signature, and the target options (the fields of each target's Options dataclass) the user set."""
-    import inspect
-
-    from deltaship.compile import export
-    from deltaship.targets import all_targets
-
     args: dict[str, Any] = {}
     for name, p in inspect.signature(export).parameters.items():
         if p.kind is not p.VAR_KEYWORD:
@@ -48,8 +46,6 @@ def export_arguments(a: argparse.Namespace) -> dict[str, Any]:
 
 def run_export(a: argparse.Namespace) -> int:
     """`export()` with the arguments add_export_arguments() parsed."""
-    from deltaship.compile import export
-
     export(**export_arguments(a))
     return 0
 

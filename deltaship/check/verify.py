@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from deltaship.errors import DeltashipError, DeltashipUnavailable
+from deltaship.lowering.kv_quant import rounded_cache_attention
 from deltaship.models.source import ModelSource
 from deltaship.oracle.budget import available_memory, reference_fits, reference_need
 from deltaship.progress import Progress, heartbeat
@@ -223,8 +224,6 @@ def verify_bundle(
     kv_rounded = contextlib.nullcontext(ref)
     # a KV cache narrower than the activations (int8/int4 with scales, or fp16): the reference rounds it too
     if ctx.kv_scales:  # an int8/int4 KV cache: the reference's attention sees keys and values rounded the same way
-        from deltaship.lowering.kv_quant import rounded_cache_attention
-
         bits = next(iter(ctx.kv_scales.values()))["bits"]
         scales = {layer: (q["key"], q["value"]) for layer, q in ctx.kv_scales.items()}
         kv_rounded = rounded_cache_attention(ref, scales, bits)
@@ -232,8 +231,6 @@ def verify_bundle(
     elif (
         ctx.kv.narrower and not ctx.kv.quantized
     ):  # an fp16 cache under fp32 activations: keys and values rounded to fp16
-        from deltaship.lowering.kv_quant import rounded_cache_attention
-
         kv_rounded = rounded_cache_attention(ref, None, 16)
         record["reference"] += ", keys and values rounded to fp16 as the KV cache stores them"
     detail = (lambda m: progress(m, inline=True)) if isinstance(progress, Progress) else (lambda m: None)

@@ -21,6 +21,8 @@ import numpy as np
 from deltaship.bundle.destination import Destination
 from deltaship.bundle.writer import write_manifest
 from deltaship.chat.store import write_prompt_cache
+from deltaship.check.evaluate import evaluate
+from deltaship.check.vision import verify_vision
 from deltaship.compile.settings import ExportSettings
 from deltaship.devices.limits import check_memory, mem_available
 from deltaship.devices.plan import EXPORT_BASE_BYTES, choose_for_tier, default_kv_dtype, export_peak_bytes
@@ -31,6 +33,7 @@ from deltaship.lowering.settings import KvCachePlan, LoweringSettings
 from deltaship.models.presets import PRESETS
 from deltaship.models.source import ModelSource, load_source
 from deltaship.models.spec import ModelSpec
+from deltaship.models.vision import check_vision as check_vision_side
 from deltaship.progress import Progress
 from deltaship.targets import get_target
 
@@ -200,9 +203,7 @@ def check_export_memory(spec: ModelSpec, settings: ExportSettings) -> None:
 def check_vision(settings: ExportSettings, source: ModelSource, lowering: LoweringSettings) -> None:
     """--vision: the checkpoint's vision side, checked before any work."""
     if settings.vision:
-        from deltaship.models.vision import check_vision as check  # lazy: torch
-
-        check(source, lowering)
+        check_vision_side(source, lowering)
 
 
 def calibrate_kv(
@@ -273,8 +274,6 @@ def verify(
     if rec["status"] == "failed" and rec["tolerance"]["fails_export"]:
         raise verification_error(rec, settings.target, settings.precision)
     if "vision" in manifest and rec["status"] != "skipped":
-        from deltaship.check.vision import verify_vision  # lazy: torch
-
         say("verifying image + text prompts against transformers")
         vrec = verify_vision(tmp, provisional, source, ctx=ctx)
         manifest["vision"]["verification"] = vrec
@@ -293,8 +292,6 @@ def fidelity(
     skipped or the settings leave it out."""
     if not settings.checks.fidelity or verification["status"] == "skipped":
         return None
-    from deltaship.check.evaluate import evaluate  # lazy: torch
-
     f = evaluate(
         tmp,
         tokens=min(settings.checks.fidelity_tokens, max_context),

@@ -111,7 +111,7 @@ def rank(
     counts = np.zeros(vocab, np.int64)
     record: dict[str, Any] = {"file": DRAFT_VOCAB_FILE, "size": n, "vocab_size": vocab, "special_ids": specials}
     if tokenizer_file is not None:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: tokenizers, only where text is encoded
 
         text, where = ranking_text(text_file)
         ids = np.asarray(Tokenizer.from_file(str(tokenizer_file)).encode(text).ids, np.int64)

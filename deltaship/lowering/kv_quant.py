@@ -27,6 +27,7 @@ from deltaship.errors import DeltashipError
 from deltaship.lowering.settings import KvCachePlan
 from deltaship.models.trained import HELDOUT
 from deltaship.oracle.budget import available_memory, reference_fits, reference_need
+from deltaship.oracle.reference import reference_model
 
 CALIBRATION_TOKENS = 512
 CALIBRATION_OFFSET = 2048  # characters of heldout.txt skipped: eval scores its first tokens
@@ -40,7 +41,7 @@ def calibration_ids(source, n: int) -> tuple[list[int], str]:
 
     tok = next((f for f in source.tokenizer_files if f.name == "tokenizer.json"), None)
     if tok is not None and HELDOUT.is_file():
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: tokenizers, only where text is encoded
 
         text = HELDOUT.read_text(encoding="utf-8", errors="replace")[CALIBRATION_OFFSET:]
         ids = Tokenizer.from_file(str(tok)).encode(text).ids[:n]
@@ -53,8 +54,7 @@ def calibration_ids(source, n: int) -> tuple[list[int], str]:
 @torch.no_grad()
 def calibrate(source, max_context: int) -> tuple[dict[int, dict[str, np.ndarray]], str]:
     """{attention layer: {"key": bound [Hkv, D], "value": bound [Hkv, D]}} and how the prompt was made."""
-    from deltaship.oracle.compat import output_cache
-    from deltaship.oracle.reference import reference_model
+    from deltaship.oracle.compat import output_cache  # lazy: transformers
 
     spec = source.spec
     ids, how = calibration_ids(source, min(CALIBRATION_TOKENS, max_context))
@@ -172,13 +172,15 @@ class rounded_cache_attention:
         }
 
     def __enter__(self):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # lazy: transformers
 
         self.impl = self.model.config._attn_implementation
         if self.impl in ALL_ATTENTION_FUNCTIONS:
             inner = ALL_ATTENTION_FUNCTIONS[self.impl]
         else:  # "eager" is the modeling file's own function, not registered
-            from transformers.models.qwen3_5.modeling_qwen3_5 import eager_attention_forward as inner
+            from transformers.models.qwen3_5.modeling_qwen3_5 import (  # lazy: transformers
+                eager_attention_forward as inner,
+            )
         q = QMAX.get(self.bits)
 
         def rounded(module, query, key, value, *args, **kwargs):

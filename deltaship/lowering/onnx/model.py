@@ -321,7 +321,7 @@ def io_outputs(ctx) -> list[dict]:
 
 
 def _quantized_state_io(b: GraphBuilder, states: list[dict]) -> None:
-    """The program declares the KV caches in the activation dtype; a quantized cache (ctx.kv_quant, which
+    """The program declares the KV caches in the activation dtype; a quantized cache (ctx.kv_scales, which
     GroupQueryAttention's quantized-cache attributes read) is int8, or uint8 holding two int4 values."""
     elem = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8}
     by_name = {n: s for s in states if s["dtype"] in elem for n in (s["name"], s["output"])}

@@ -12,7 +12,8 @@ from deltaship.devices.plan import memory_terms
 from deltaship.profiling.profile import profile
 from deltaship.profiling.report import format_results
 
-# the workload the terms were fitted on (bench/memory_split.py --fit): a 512-token prefill at the preset's context
+# the workload the terms were fitted on (bench/memory/memory_split.py --fit): a 512-token prefill at the
+# preset's context
 WORKLOAD = dict(prompt_lengths=[512], gen=8, contexts=[], warmups=1, reps=2, min_seconds=0, breakdown=False)
 
 

@@ -1,6 +1,6 @@
 """Drift of fp16 DeltaNet states over a long run (Core ML), the measurement behind the default.
 
-    python bench/coreml_state_drift.py [--tokens 1000] --out docs/results/coreml-drift.md
+    python bench/export/coreml_state_drift.py [--tokens 1000] --out docs/results/coreml-drift.md
 
 Exports the trained qwen3.5-tiny to Core ML fp16 twice: DeltaNet conv/recurrent states as fp32
 inputs/outputs ("io") and as fp16 Core ML states ("state"; the KV cache is an fp16 state in both).
@@ -67,7 +67,7 @@ def main() -> int:
     lines = [
         "# Core ML: drift of the DeltaNet state over a long run",
         "",
-        f"`python bench/coreml_state_drift.py --tokens {a.tokens}`: trained qwen3.5-tiny, Core ML fp16, "
+        f"`python bench/export/coreml_state_drift.py --tokens {a.tokens}`: trained qwen3.5-tiny, Core ML fp16, "
         f"{len(ids)} held-out tokens fed one by one (saved ML program evaluated on Linux), against "
         "transformers fp32.",
         "",

@@ -1,10 +1,10 @@
 """Export the published-shape presets and record what each export costs: peak RSS, wall time, bundle size.
 
-    python bench/export_runs.py memory --out docs/results/export-memory.md --json bench/results/export-memory.json
+    python bench/export/export_runs.py memory --out docs/results/export-memory.md --json bench/results/export-memory.json
         # 9B int4/fp16 ONNX, 4B int4 for every target
-    python bench/export_runs.py coreml --out docs/results/export-coreml.md --json bench/results/export-coreml.json
+    python bench/export/export_runs.py coreml --out docs/results/export-coreml.md --json bench/results/export-coreml.json
         # every preset to Core ML, sizes per precision
-    python bench/export_runs.py q08 --verify --out Q08.md   # the 0.8B as a user exports it (verification included)
+    python bench/export/export_runs.py q08 --verify --out Q08.md   # the 0.8B as a user exports it (verification included)
 
 Each export runs as its own process under `/usr/bin/time -v` (peak RSS of the export process is
 getrusage's maxrss), random weights at the published shapes (speed and memory do not depend on the
@@ -108,7 +108,7 @@ def run_one(preset: str, target: str, precision: str, extra: list[str], work: Pa
 
 def package_tree() -> str | None:
     """The git tree of the committed deltaship/ package, or None when it has uncommitted changes."""
-    root = HERE.parent
+    root = HERE.parents[1]  # the repository root
     dirty = subprocess.run(["git", "status", "--porcelain", "deltaship"], cwd=root, capture_output=True, text=True)
     if dirty.returncode or dirty.stdout.strip():
         return None
@@ -189,7 +189,7 @@ def main() -> int:
     lines = [
         f"# Export runs: {a.set}",
         "",
-        f"`python bench/export_runs.py {a.set}{' --verify' if a.verify else ''}`: each export its own process "
+        f"`python bench/export/export_runs.py {a.set}{' --verify' if a.verify else ''}`: each export its own process "
         "under /usr/bin/time -v, on this machine (2 cores, 24 GiB); random weights at the published shapes.",
         "",
         *([f"Run conditions: {a.note}", ""] if a.note else []),

@@ -1,6 +1,6 @@
 """Fidelity of every target x precision on the trained built-in model, as one markdown table.
 
-    python bench/fidelity_table.py [--tokens 512] --out docs/results/fidelity.md
+    python bench/export/fidelity_table.py [--tokens 512] --out docs/results/fidelity.md
 
 Exports qwen3.5-tiny (trained on Python's standard library, shipped with the package) for each
 target and precision, then runs `deltaship eval` on each bundle: perplexity on the held-out text,
@@ -73,7 +73,7 @@ def main() -> int:
     lines = [
         "# Fidelity on the trained qwen3.5-tiny",
         "",
-        f"`python bench/fidelity_table.py --tokens {a.tokens}`: held-out Python standard library source (bytes), "
+        f"`python bench/export/fidelity_table.py --tokens {a.tokens}`: held-out Python standard library source (bytes), "
         "each bundle run token by token in its own runtime; reference = transformers fp32 on the same tokens.",
         "",
         "| target | precision | bundle MiB | perplexity | reference perplexity | top-1 agreement | KL (nats/token) |",

@@ -2,13 +2,13 @@
 
 Run on a machine with an NVIDIA GPU and onnxruntime-gpu 1.31 installed in place of onnxruntime:
 
-    python bench/gpu_tier.py parity --out OUTDIR
+    python bench/gpu/gpu_tier.py parity --out OUTDIR
         tiny bundles (fp32, fp16, int4 with fp32 and with fp16 activations) exported on the spot, each run
         through the CUDA provider and the CPU provider: greedy tokens and logits against transformers'
         fp32 reference (teacher-forced), and CUDA against CPU on the same bundle; which nodes stay on the
         CPU (ORT refuses the session when CPU fallback is disabled) is recorded.
 
-bench/gpu_tier.sh drives the whole GPU run (this parity, the exports, `deltaship profile --provider cuda`,
+bench/gpu/gpu_tier.sh drives the whole GPU run (this parity, the exports, `deltaship profile --provider cuda`,
 the transformers baseline); docs/results/gpu.md holds the measured numbers and the commands.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 TINY_CASES = [("fp32", {}), ("fp16", {}), ("int4", {}), ("int4", {"onnx_activations": "fp16"})]

@@ -5,15 +5,15 @@
 # .gpu/c*/ortpart* (each under the transfer limit; one call per part, each copying its part to $W/ch, since
 # the working tree is sent afresh with each call), transformers 5.23 as a wheel in .gpu/c4; docs/results/gpu.md
 # says how the parts are made.
-#   bash bench/gpu_tier.sh keep     # copy the carried parts into $W/ch
-#   bash bench/gpu_tier.sh start    # background: export the 9B int4 bundle (fp16 activations) on the machine's CPUs
-#   bash bench/gpu_tier.sh status   # the exports' logs
-#   bash bench/gpu_tier.sh install  # unpack onnxruntime-gpu + transformers into /tmp/site, check the CUDA provider
-#   bash bench/gpu_tier.sh parity   # tiny bundles: CUDA against transformers and against the CPU provider
-#   bash bench/gpu_tier.sh same     # 0.8B int4 (fp16 and fp32 activations) and the 9B profiled on CUDA into $OUT
-#   bash bench/gpu_tier.sh baseline # transformers eager (bf16) on the same GPU, 0.8B and 9B
+#   bash bench/gpu/gpu_tier.sh keep     # copy the carried parts into $W/ch
+#   bash bench/gpu/gpu_tier.sh start    # background: export the 9B int4 bundle (fp16 activations) on the machine's CPUs
+#   bash bench/gpu/gpu_tier.sh status   # the exports' logs
+#   bash bench/gpu/gpu_tier.sh install  # unpack onnxruntime-gpu + transformers into /tmp/site, check the CUDA provider
+#   bash bench/gpu/gpu_tier.sh parity   # tiny bundles: CUDA against transformers and against the CPU provider
+#   bash bench/gpu/gpu_tier.sh same     # 0.8B int4 (fp16 and fp32 activations) and the 9B profiled on CUDA into $OUT
+#   bash bench/gpu/gpu_tier.sh baseline # transformers eager (bf16) on the same GPU, 0.8B and 9B
 set -u
-W=/root/gpu
+W=${DELTASHIP_GPU_WORK:-/tmp/deltaship-gpu-tier}  # kept between calls (the runs in docs/results/gpu.md used /root/gpu)
 mkdir -p "$W"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 cuda_libs() {
@@ -50,7 +50,7 @@ install)
   python3 -c 'import onnxruntime as o, transformers as t; print("onnxruntime", o.__version__, o.get_available_providers(), "transformers", t.__version__)' ;;
 parity)  # tiny bundles on CUDA against transformers and against the CPU provider
   export LD_LIBRARY_PATH=$(cuda_libs)
-  python3 bench/gpu_tier.py parity --out "$OUT" 2>&1 | grep -v "W:onnx\|E:onnx" ;;
+  python3 bench/gpu/gpu_tier.py parity --out "$OUT" 2>&1 | grep -v "W:onnx\|E:onnx" ;;
 same)  # one machine, one call: the 0.8B with fp16 and fp32 activations and the 9B (exported by start), on CUDA
   export LD_LIBRARY_PATH=$(cuda_libs)
   for acts in fp16 fp32; do
@@ -67,5 +67,5 @@ baseline)  # transformers eager on the same GPU; with .gpu/c5 carried: transform
   if [ -d .gpu/c5 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/c5/*.whl || exit 1
   fi
-  for m in 0.8b 9b; do python3 bench/gpu_transformers.py --model qwen3.5-$m --json "$OUT/transformers-$m.json" 2>&1 | grep -v "falling back"; done ;;
+  for m in 0.8b 9b; do python3 bench/gpu/gpu_transformers.py --model qwen3.5-$m --json "$OUT/transformers-$m.json" 2>&1 | grep -v "falling back"; done ;;
 esac

@@ -1,6 +1,6 @@
 """transformers eager on the GPU: the baseline a user starts from, for the GPU tier table (docs/results/gpu.md).
 
-    python bench/gpu_transformers.py --model qwen3.5-9b [--dtype bfloat16] [--json OUT.json]
+    python bench/gpu/gpu_transformers.py --model qwen3.5-9b [--dtype bfloat16] [--json OUT.json]
 
 Qwen3_5ForCausalLM at the preset's published shape, random weights (speed does not depend on the values),
 on cuda:0. Prefill tokens/s for 128- and 512-token prompts
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> int:

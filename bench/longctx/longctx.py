@@ -1,10 +1,10 @@
 """Decode latency and resident memory at long context, per KV dtype, at a published shape (random weights).
 
-    python bench/longctx.py [--preset qwen3.5-0.8b] [--contexts 4096,32768,131072,262143] [--kv fp16,int8,int4]
+    python bench/longctx/longctx.py [--preset qwen3.5-0.8b] [--contexts 4096,32768,131072,262143] [--kv fp16,int8,int4]
                             [--executorch fp16,int8,int4] [--max-context 262144] [--work DIR] [--reuse]
                             [--json bench/results/longctx.json]
-    python bench/longctx.py --table bench/results/longctx.json     # the markdown table of docs/results/longctx.md
-    python bench/longctx.py --annotate FILE.json   # add the kernel-scratch arithmetic to a run measured before it
+    python bench/longctx/longctx.py --table bench/results/longctx.json     # the markdown table of docs/results/longctx.md
+    python bench/longctx/longctx.py --annotate FILE.json   # add the kernel-scratch arithmetic to a run measured before it
 
 For each target and KV dtype, in one invocation: an ONNX bundle (int4 weights; fp16 KV needs --onnx-activations
 fp16, the others fp32 activations; the KV cache is the app's input: the export allocates none of it) and an
@@ -30,10 +30,11 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 MAX_CONTEXT = 262144
@@ -194,7 +195,7 @@ def main() -> int:
     ap.add_argument("--kv", default="fp16,int8,int4", help="ONNX KV dtypes (fp32 too)")
     ap.add_argument("--executorch", default="fp16,int8,int4", help="ExecuTorch KV dtypes (fp32 too); '' for none")
     ap.add_argument("--max-context", type=int, default=MAX_CONTEXT, help="the bundles' max context")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/deltaship-longctx"))
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "deltaship-bench" / "longctx")
     ap.add_argument("--reuse", action="store_true", help="reuse bundles already exported in --work")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=3)
@@ -205,7 +206,7 @@ def main() -> int:
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     doc = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "python bench/longctx.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/longctx/longctx.py " + " ".join(sys.argv[1:]),
         "commit": commit.stdout.strip(),
         "machine": f"{platform.system()} {platform.machine()}, {_cpu()}",
         "cpus": __import__("os").cpu_count(),

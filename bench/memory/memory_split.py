@@ -1,6 +1,6 @@
 """Where a deltaship ONNX session's memory goes, step by step, measured in fresh processes.
 
-    python bench/memory_split.py BUNDLE [BUNDLE ...] [--variants default,no-prepack,...] [--rounds 2]
+    python bench/memory/memory_split.py BUNDLE [BUNDLE ...] [--variants default,no-prepack,...] [--rounds 2]
         [--prompt 512] [--gen 32] [--threads 2] [--json bench/results/memory-split.json]
 
 Each (bundle, variant) runs in its own process (`--worker`), which records after every step its VmRSS,
@@ -259,7 +259,7 @@ def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str)
             af = max(0.0, peak - sess - z["states"]) / z["act"] if peak > at_load else None
             factors[(m["target"], m["precision"])] = (wf, af, lf, f"{m['source']['model']} {m['precision']}")
     lines = [
-        "# Memory terms of `deltaship plan`, measured: bench/memory_split.py --fit (docs/results/memory.md).",
+        "# Memory terms of `deltaship plan`, measured: bench/memory/memory_split.py --fit (docs/results/memory.md).",
         "# runtime_bytes: the process before any weight; weights_factor: resident bytes per stored weight byte once",
         "# loaded; activation_factor: a prefill chunk's measured growth over the plan's activation formula;",
         "# load_factor: the peak while loading per stored weight byte (originals and prepacked copies at once).",
@@ -300,7 +300,7 @@ def main() -> int:
         ap.add_argument("--fit", nargs="+", type=Path, help="split runs (--json outputs)")
         ap.add_argument("--profiles", nargs="+", type=Path, required=True, help="deltaship profile --json documents")
         ap.add_argument(
-            "--write-terms", type=Path, default=Path(__file__).parents[1] / "deltaship/devices/memory_terms.toml"
+            "--write-terms", type=Path, default=Path(__file__).parents[2] / "deltaship/devices/memory_terms.toml"
         )
         ap.add_argument("--machine", required=True)
         a = ap.parse_args()

@@ -1,6 +1,6 @@
 """Which ONNX op forms QNN's HTP backend accepts, for a decomposed DeltaNet decode step.
 
-    python bench/qnn_ops.py [--soc 69 --arch 79] [--only NAME ...] [--out docs/results/qnn-ops.md]
+    python bench/npu/qnn_ops.py [--soc 69 --arch 79] [--only NAME ...] [--out docs/results/qnn-ops.md]
 
 Builds one tiny static-shape model per op form (fp16 unless the name says otherwise), opens it with
 onnxruntime-qnn's HTP backend (the x86-64 simulator here) with CPU fallback disabled, and records QNN's

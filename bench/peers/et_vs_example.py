@@ -1,15 +1,15 @@
 """deltaship's .pte against ExecuTorch's own Qwen3.5 export, same checkpoint, same machine, same run.
 
-    python bench/et_vs_example.py [--rounds 3] [--threads 2] [--work DIR] --out docs/results/executorch.md
+    python bench/peers/et_vs_example.py [--rounds 3] [--threads 2] [--work DIR] --out docs/results/executorch.md
 
-The 0.8B preset is written as a bf16 Hugging Face checkpoint (bench/make_checkpoint.py). ExecuTorch's
+The 0.8B preset is written as a bf16 Hugging Face checkpoint (bench/tools/make_checkpoint.py). ExecuTorch's
 example (examples/models/qwen3_5 in the executorch 1.5.1 wheel) is exported from it with its shipped
 yaml (static shape: the prompt goes one token per call) and with model.enable_dynamic_shape=True, at
-fp32 and 8da4w (group 128, 4-bit embedding group 32, as bench/peers.py builds it); deltaship exports the same
+fp32 and 8da4w (group 128, 4-bit embedding group 32, as bench/peers/peers.py builds it); deltaship exports the same
 checkpoint at fp32 and int4 (8da4w, --block-size 128). Each measurement runs in a fresh process
-(bench/et_worker.py): prefill of a 512-token prompt, 64 greedy decode steps, peak RSS; rounds
+(bench/peers/et_worker.py): prefill of a 512-token prompt, 64 greedy decode steps, peak RSS; rounds
 alternate between the programs. Writes the markdown page given by --out; the programs stay in
---work (default: deltaship-bench/et in the system temp dir), where bench/et_ops.py finds them.
+--work (default: deltaship-bench/et in the system temp dir), where bench/runtimes/et_ops.py finds them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import numpy as np
 
 from deltaship.profiling.stats import ratio_ci, summarize
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent  # et_worker.py
+TOOLS = HERE.parent / "tools"  # make_checkpoint.py
 ET = Path(list(__import__("importlib.util").util.find_spec("executorch").submodule_search_locations)[0])
 
 
@@ -76,7 +77,7 @@ def build(work: Path, threads: int) -> dict[str, dict]:
     log = work / "build.log"
     ckpt = work / "q08-ckpt"
     if not (ckpt / "model.safetensors").is_file():
-        run([sys.executable, str(HERE / "make_checkpoint.py"), "qwen3.5-0.8b", str(ckpt)], log)
+        run([sys.executable, str(TOOLS / "make_checkpoint.py"), "qwen3.5-0.8b", str(ckpt)], log)
     programs: dict[str, dict] = {}
     # ExecuTorch's own export
     params = work / "0_8b_config.json"
@@ -177,7 +178,7 @@ def report(programs: dict, samples: dict, threads: int, rounds: int) -> str:
     lines = [
         "# deltaship .pte vs ExecuTorch's own Qwen3.5 export (0.8B, random weights, published shape)",
         "",
-        f"`python bench/et_vs_example.py --rounds {rounds} --threads {threads}`: one machine, one run, "
+        f"`python bench/peers/et_vs_example.py --rounds {rounds} --threads {threads}`: one machine, one run, "
         "programs alternated, each measurement a fresh process; medians with bootstrap 95% CI.",
         "",
         "| program | tokens per call | prefill 512 tok/s | decode tok/s | peak RSS GiB | .pte MiB |",

@@ -1,6 +1,6 @@
-"""One measurement of one .pte in a fresh process (used by bench/et_vs_example.py).
+"""One measurement of one .pte in a fresh process (used by bench/peers/et_vs_example.py).
 
-    python bench/et_worker.py PROGRAM.pte CHUNK THREADS
+    python bench/peers/et_worker.py PROGRAM.pte CHUNK THREADS
 
 Drives the program the way ExecuTorch's LLM runner does (forward(tokens [1, T], input_pos [1]) with
 T <= CHUNK): prefill of a 512-token prompt, then 64 greedy decode steps. Prints one JSON line:

@@ -1,8 +1,8 @@
 """onnxruntime-genai and deltaship's own ONNX driver on one bundle, in ONE process, alternating prompt by prompt.
 
-    python bench/genai_paired.py BUNDLE [--threads 2] [--pairs 12] [--prompt 128] [--decode 16]
+    python bench/peers/genai_paired.py BUNDLE [--threads 2] [--pairs 12] [--prompt 128] [--decode 16]
 
-bench/genai_vs_own.py compares whole `deltaship profile` runs, one process per runtime; this one loads both
+bench/peers/genai_vs_own.py compares whole `deltaship profile` runs, one process per runtime; this one loads both
 runtimes in one process (the same libonnxruntime build: genai dlopens the onnxruntime wheel's) and alternates them
 per prompt (A B, then B A, ...), so that load on the machine, and anything particular to a process, weighs on both
 alike. Each pair gives a ratio own time / genai time (> 1: genai faster); the medians of the ratios are printed as
@@ -10,7 +10,7 @@ JSON, with the median times. Both runtimes go through deltaship's Session API (r
 runtimes/genai.py: genai's append_tokens + get_logits per call), reset before each prompt.
 
 With --processes each runtime lives in a process of its own (as in an app, and as in the whole-profile runs of
-bench/genai_vs_own.py), started once and driven over a pipe: the parent still alternates them prompt by prompt,
+bench/peers/genai_vs_own.py), started once and driven over a pipe: the parent still alternates them prompt by prompt,
 and a worker waits blocked on its pipe while the other one runs, so the pairing still cancels the machine's drift.
 """
 
@@ -26,7 +26,7 @@ from statistics import median, quantiles
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def one(session, ids: list[int], steps: int) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 """onnxruntime-genai (the runtime apps embed) against deltaship's own ONNX driver, on one bundle.
 
-    python bench/genai_vs_own.py [--model qwen3.5-0.8b] [--precision int4] [--threads 2] \
+    python bench/peers/genai_vs_own.py [--model qwen3.5-0.8b] [--precision int4] [--threads 2] \
         --out docs/results/genai.md --json bench/results/genai-vs-own.json
 
 Exports the model once (ONNX, random weights at the published shapes for the built-in presets), then
@@ -141,7 +141,7 @@ def main() -> None:
                 {"metric": key[0], "prompt_length": key[1], "own": a_med, "genai": b_med, "ratio": b_med / a_med}
             )
     rounds = per_round(records)
-    command = " ".join(["python", "bench/genai_vs_own.py", *sys.argv[1:]])
+    command = " ".join(["python", "bench/peers/genai_vs_own.py", *sys.argv[1:]])
     result = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "commit": commit,

@@ -1,18 +1,18 @@
 """deltaship against the tools a user would otherwise pick: one machine, one run, alternating.
 
-    python bench/peers.py [--rounds 3] [--threads 2] [--skip llamacpp,...] --out docs/results/peers.md
+    python bench/peers/peers.py [--rounds 3] [--threads 2] [--skip llamacpp,...] --out docs/results/peers.md
 
 0.8B preset (random weights, published shape) written once as a bf16 checkpoint, text-only and in the
 multimodal layout onnxruntime-genai's builder needs. Peers: transformers eager (fp32, bf16),
 onnxruntime-genai's model builder (fp32, int4; its own venv under the work dir, so that its
 onnxruntime does not replace ours), ExecuTorch's own Qwen3.5 export (fp32, 8da4w; shipped static
-config and dynamic shape; built by bench/et_vs_example.py), llama.cpp through llama-cpp-python
+config and dynamic shape; built by bench/peers/et_vs_example.py), llama.cpp through llama-cpp-python
 (F32, Q4_0; its own venv, built from source, only where it builds). deltaship: ONNX fp32/int4 and
 ExecuTorch fp32/int4 from the same checkpoint. Every measurement is a fresh process
-(bench/peer_worker.py); rounds alternate between the tools; medians with bootstrap 95% CIs.
+(bench/tools/peer_worker.py); rounds alternate between the tools; medians with bootstrap 95% CIs.
 Also measures this machine's memory bandwidth and the decode roofline of each artifact.
 Artifacts, venvs and raw samples are kept in deltaship-bench/ under the system temp dir (reused by
-later runs; bench/et_vs_example.py builds into deltaship-bench/et there by default).
+later runs; bench/peers/et_vs_example.py builds into deltaship-bench/et there by default).
 """
 
 from __future__ import annotations
@@ -30,9 +30,12 @@ import numpy as np
 
 from deltaship.profiling.stats import ratio_ci, summarize
 
-HERE = Path(__file__).parent
+TOOLS = Path(__file__).resolve().parents[1] / "tools"  # make_checkpoint.py, peer_worker.py, bandwidth.py
+sys.path.insert(0, str(TOOLS))
+from bandwidth import bandwidth  # noqa: E402  (bench/tools/)
+
 WORK = Path(tempfile.gettempdir()) / "deltaship-bench" / "peers"
-ET = Path(tempfile.gettempdir()) / "deltaship-bench" / "et"  # bench/et_vs_example.py's default --work
+ET = Path(tempfile.gettempdir()) / "deltaship-bench" / "et"  # bench/peers/et_vs_example.py's default --work
 
 
 def sh(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> None:
@@ -59,7 +62,7 @@ def build(skip: set[str]) -> dict[str, dict]:
     log = WORK / "build.log"
     text, mm = ET / "q08-ckpt", WORK / "q08-mm"
     if not (text / "model.safetensors").exists():
-        sh([sys.executable, str(HERE / "make_checkpoint.py"), "qwen3.5-0.8b", str(text)], log)
+        sh([sys.executable, str(TOOLS / "make_checkpoint.py"), "qwen3.5-0.8b", str(text)], log)
     tools: dict[str, dict] = {}
     # deltaship
     for prec in ("fp32", "int4"):
@@ -105,7 +108,7 @@ def build(skip: set[str]) -> dict[str, dict]:
                 "py": sys.executable,
                 "precision": d,
             }
-    # ExecuTorch's own export (bench/et_vs_example.py builds them)
+    # ExecuTorch's own export (bench/peers/et_vs_example.py builds them)
     if "et" not in skip:
         for name, prec in (
             ("et-example-fp32-static", "fp32"),
@@ -131,7 +134,7 @@ def build(skip: set[str]) -> dict[str, dict]:
             log,
         )
         if not (mm / "model.safetensors").exists():
-            sh([sys.executable, str(HERE / "make_checkpoint.py"), "qwen3.5-0.8b", str(mm), "--multimodal"], log)
+            sh([sys.executable, str(TOOLS / "make_checkpoint.py"), "qwen3.5-0.8b", str(mm), "--multimodal"], log)
         for prec in ("fp32", "int4"):
             out = WORK / f"genai-{prec}"
             if not (out / "genai_config.json").exists():
@@ -265,20 +268,6 @@ def state_traffic_bytes(context: int) -> int:
     return 2 * (b["deltanet_recurrent"] + b["deltanet_conv"]) + b["kv_cache"]
 
 
-def bandwidth(threads: int) -> float:
-    """Read bandwidth: a multi-threaded sum over a 1 GiB array, best of 5 (GB/s)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    a = torch.ones(1 << 28, dtype=torch.float32)
-    best = 0.0
-    for _ in range(5):
-        t0 = time.monotonic()
-        float(a.sum())
-        best = max(best, a.numel() * 4 / (time.monotonic() - t0) / 1e9)
-    return best
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -303,7 +292,7 @@ def main() -> int:
         for name, t in tools.items():
             cmd = [
                 t["py"],
-                str(HERE / "peer_worker.py"),
+                str(TOOLS / "peer_worker.py"),
                 t["tool"],
                 str(t["path"]) + t.get("suffix", ""),
                 str(a.threads),
@@ -330,7 +319,7 @@ def report(tools: dict, samples: dict, bw: list[float], a) -> str:
     lines = [
         "# deltaship against its peers (0.8B, random weights at the published shape)",
         "",
-        f"`python bench/peers.py --rounds {a.rounds} --threads {a.threads}"
+        f"`python bench/peers/peers.py --rounds {a.rounds} --threads {a.threads}"
         f"{' --only ' + a.only if a.only else ''}` on this machine (2 cores, AMD EPYC; "
         f"{a.threads} threads for every tool); every measurement a fresh process, tools alternated each round; "
         "median and bootstrap 95% CI over the rounds. Memory read bandwidth (multi-threaded sum of 1 GiB, "

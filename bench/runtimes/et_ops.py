@@ -1,9 +1,9 @@
 """Where an ExecuTorch program spends its time, per op (ExecuTorch's ETDump), for a prefill and a decode step.
 
-    python bench/et_ops.py [PTE_OR_BUNDLE ...] [--prompt 512] [--threads 2] [--runs 3] \
+    python bench/runtimes/et_ops.py [PTE_OR_BUNDLE ...] [--prompt 512] [--threads 2] [--runs 3] \
         --out docs/results/executorch-ops.md
 
-Defaults to the programs `bench/et_vs_example.py --only-build` leaves in deltaship-bench/et under the system temp dir (deltaship's
+Defaults to the programs `bench/peers/et_vs_example.py --only-build` leaves in deltaship-bench/et under the system temp dir (deltaship's
 fp32 and int4 bundles and ExecuTorch's own dynamic-shape example). Each program is loaded once with
 ETDump on; a `--prompt`-token prefill (one call, or ceil(prompt / max chunk) calls for a program
 whose tokens input is capped) and a decode step after it run `--runs` times after a warmup.
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-WORK = Path(tempfile.gettempdir()) / "deltaship-bench" / "et"  # where bench/et_vs_example.py builds by default
+WORK = Path(tempfile.gettempdir()) / "deltaship-bench" / "et"  # where bench/peers/et_vs_example.py builds by default
 DEFAULTS = [WORK / n for n in ("deltaship-int4", "deltaship-fp32", "et-example-8da4w-dynamic.pte")]
 MARKERS = {"DELEGATE_CALL", "OPERATOR_CALL", "Program::load_method", "Method::init"}
 
@@ -121,7 +121,7 @@ def main() -> int:
     missing = [str(p) for p in a.programs if not pte_of(p).is_file()]
     if missing:
         print(
-            f"no program at {', '.join(missing)}: run `python bench/et_vs_example.py --only-build` first",
+            f"no program at {', '.join(missing)}: run `python bench/peers/et_vs_example.py --only-build` first",
             file=sys.stderr,
         )
         return 2
@@ -136,10 +136,10 @@ def main() -> int:
     lines = [
         f"# ExecuTorch time per op (ETDump): {a.prompt}-token prefill and one decode step",
         "",
-        f"`python bench/et_ops.py --prompt {a.prompt} --threads {a.threads} --runs {a.runs}`: ms per run, median "
+        f"`python bench/runtimes/et_ops.py --prompt {a.prompt} --threads {a.threads} --runs {a.runs}`: ms per run, median "
         f"of {a.runs} after a warmup, ExecuTorch's event timestamps (delegate ops by XNNPACK's operator name, "
         "portable and custom kernels as native_call_*). Programs built by "
-        "`bench/et_vs_example.py --only-build`.",
+        "`bench/peers/et_vs_example.py --only-build`.",
         "",
     ]
     for phase, title in (("prefill", f"prefill, {a.prompt} tokens"), ("decode", "one decode step")):

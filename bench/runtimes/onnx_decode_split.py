@@ -1,6 +1,6 @@
 """Where an ONNX decode step's time goes, without the profiler's per-node cost.
 
-    python bench/onnx_decode_split.py BUNDLE [--threads 2] [--steps 40]
+    python bench/runtimes/onnx_decode_split.py BUNDLE [--threads 2] [--steps 40]
 
 ORT's profiler adds a few microseconds to every node, which at one token is as much as the small
 nodes themselves cost (docs/results/onnx-ops.md's decode table is profiled). This measures, unprofiled:
@@ -33,10 +33,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
-from peers import bandwidth  # bench/, this script's directory
 
 from deltaship.bundle.reader import read_manifest
 from deltaship.runtimes.onnx import OnnxSession, _options
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from bandwidth import bandwidth  # noqa: E402  (bench/tools/)
 
 
 def median_ms(fn, steps: int, warmup: int = 3) -> float:

@@ -1,6 +1,6 @@
 """Where an ONNX bundle spends its time, per op type (ONNX Runtime's profiler), for both DeltaNet lowerings.
 
-    python bench/onnx_ops.py [--model qwen3.5-0.8b] [--precision int4] [--threads 2] [--runs 5] \
+    python bench/runtimes/onnx_ops.py [--model qwen3.5-0.8b] [--precision int4] [--threads 2] [--runs 5] \
         --out docs/results/onnx-ops.md
 
 Exports the model twice (--onnx-deltanet-ops standard and contrib), then for each: one decode step at
@@ -74,7 +74,7 @@ def main() -> int:
     lines = [
         "# ONNX Runtime time per op type: DeltaNet in standard ops vs ORT's contrib kernels",
         "",
-        f"`python bench/onnx_ops.py --model {a.model} --precision {a.precision} --threads {a.threads} --runs "
+        f"`python bench/runtimes/onnx_ops.py --model {a.model} --precision {a.precision} --threads {a.threads} --runs "
         f"{a.runs}`: ms per call, mean of {a.runs} profiled runs (ORT {__import__('onnxruntime').__version__}, "
         "CPU execution provider).",
         "",

@@ -1,6 +1,6 @@
 """Python overhead of one decode step of deltaship's ONNX driver (everything in OnnxSession._forward but the run).
 
-    python bench/onnx_step_overhead.py BUNDLE [--steps 2000]
+    python bench/runtimes/onnx_step_overhead.py BUNDLE [--steps 2000]
 
 Times `_forward` of a one-token call twice on one session: as is, and with the session's run_with_iobinding
 replaced by a no-op, so the second is the driver's own per-step cost (bindings, position, state bookkeeping,

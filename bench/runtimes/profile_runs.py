@@ -1,6 +1,6 @@
 """Profile bundles on this host and plan every preset for every tier.
 
-    python bench/profile_runs.py [--threads 2] [--work DIR] --out docs/results/profiles.md
+    python bench/runtimes/profile_runs.py [--threads 2] [--work DIR] --out docs/results/profiles.md
 
 Exports qwen3.5-tiny and qwen3.5-0.8b (ONNX int4 and fp32, ExecuTorch int4), profiles each with
 `deltaship profile` (prompt lengths 128 and 512, 64 decode steps, context sweep 128/1024/4096, tier
@@ -71,7 +71,7 @@ def main() -> int:
     lines = [
         "# Profiles on this host, and the memory plan",
         "",
-        f"`python bench/profile_runs.py --threads {a.threads}`: Linux x86-64, 2 cores, 24 GiB; each profile "
+        f"`python bench/runtimes/profile_runs.py --threads {a.threads}`: Linux x86-64, 2 cores, 24 GiB; each profile "
         "is `deltaship profile BUNDLE --prompt-lengths 128,512 --gen 64 --contexts 128,1024,4096` "
         "(tiny: 4000, its limit is 4096; medians, bootstrap 95% CI). Reports: *.html in the work dir.",
         *(["", f"Run conditions: {a.note}"] if a.note else []),

@@ -1,6 +1,6 @@
 """Image-encode latency of the vision tower at the published shapes: one image per call, as a bundle runs it.
 
-    python bench/vision_encode.py --out docs/results/vision-encode.md [--models qwen3.5-0.8b,qwen3.5-2b]
+    python bench/runtimes/vision_encode.py --out docs/results/vision-encode.md [--models qwen3.5-0.8b,qwen3.5-2b]
         [--sizes 224,448,896] [--reps 5] [--threads 0] [--executorch] [--note "loaded machine"]
 
 For each preset, builds the tower alone from the preset's random vision weights (the tower does not depend on
@@ -146,7 +146,7 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit,
         "machine": machine(),
-        "command": "python bench/vision_encode.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+        "command": "python bench/runtimes/vision_encode.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
         "note": a.note,
         "threads": a.threads,
         "rows": rows,

@@ -1,7 +1,7 @@
 """ONNX Runtime's MatMulNBits (int4, block 32) alone, at the 0.8B's shapes: ms per call at M = 1..4 rows (a verify
 call of M tokens), accuracy levels 0 (fp32 compute) and 4 (int8 compute, what deltaship's int4 bundles use).
 
-    python bench/matmulnbits_rows.py
+    python bench/speculative/matmulnbits_rows.py
 
 Random weights; only the LM head (127 MB of int4) is too large for the cache, so only its row is a streaming
 (bandwidth-bound) measurement; the two MLP shapes run from the cache and show the compute side.

@@ -8,7 +8,7 @@ decoding and the one-token bandwidth roofline.
         --max-context 512 --no-verify --out B08ET
     deltaship export --model qwen3.5-tiny --target onnx --precision int4 --mtp --max-context 1024 --out TINY
     deltaship export --model qwen3.5-tiny --target executorch --precision int4 --mtp --max-context 1024 --out TINYET
-    python bench/mtp_costs.py --big onnx=B08 --big executorch=B08ET --tiny onnx=TINY --tiny executorch=TINYET \
+    python bench/speculative/mtp_costs.py --big onnx=B08 --big executorch=B08ET --tiny onnx=TINY --tiny executorch=TINYET \
         --out bench/results/mtp.json
 
 Every bundle is profiled by `deltaship profile BUNDLE --speculative mtp:K` (deltaship/profiling/speculative.py, a
@@ -21,7 +21,7 @@ restore, then greedy decode tokens/s without and with the head over 8 fixed prom
   decode tokens/s with the head timed at the tiny's acceptance imposed (the driver's real calls, each draft
   accepted at that rate by rigging the verify logits: ImposedAcceptance in deltaship/profiling/speculative.py);
   the projected speculative tokens/s at the tiny's acceptance (from the per-call costs); the one-token roofline: the machine's read bandwidth
-  (a multi-threaded sum over 1 GiB, best of 5, as bench/peers.py) over the bytes of the decoder's weight files
+  (a multi-threaded sum over 1 GiB, best of 5: bench/tools/bandwidth.py) over the bytes of the decoder's weight files
   (ONNX: model.onnx + model.onnx.data, the head's mtp.onnx.data left out; ExecuTorch: the whole model.pte, the
   head's own weights included, since they share one file), i.e. every stored weight read once per token.
 """
@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tools"))
+from bandwidth import bandwidth  # noqa: E402  (bench/tools/)
 
 
 def decoder_bytes(bundle: Path) -> int:
@@ -58,8 +59,6 @@ def pairs(values: list[str]) -> dict[str, Path]:
 
 
 def main() -> int:
-    from peers import bandwidth
-
     from deltaship.profiling.profile import profile
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +81,7 @@ def main() -> int:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
         ).stdout.strip(),
         "machine": f"{platform.machine()}, {platform.processor() or platform.platform()}",
-        "command": " ".join(["python", "bench/mtp_costs.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "bench/speculative/mtp_costs.py", *sys.argv[1:]]),
         "depth": a.depth,
         "threads": a.threads,
         "targets": {},

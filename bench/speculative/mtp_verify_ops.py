@@ -1,7 +1,7 @@
 """Where a verify call of T tokens spends its time against one plain decode step, per op type (ONNX Runtime's
 profiler), on an ONNX bundle exported with --mtp.
 
-    python bench/mtp_verify_ops.py BUNDLE [--context 128] [--steps 8] [--threads 2] [--tokens 1,2,3]
+    python bench/speculative/mtp_verify_ops.py BUNDLE [--context 128] [--steps 8] [--threads 2] [--tokens 1,2,3]
 
 Per op type (and the LM head's MatMulNBits apart, by node name): the median kernel ms per call of a decode step and
 of verify calls of each T with every row's logits, plus `verify last row`: the verify call of the largest T asking

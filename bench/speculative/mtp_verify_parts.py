@@ -7,7 +7,7 @@ asks: the LM head's second row). Optional further --mtp bundles (other `--block-
     deltaship export --model qwen3.5-0.8b --target onnx --precision int4 --max-context 512 --no-verify --out PLAIN
     deltaship export --model qwen3.5-0.8b --target onnx --precision int4 --mtp --mtp-draft-vocab 32768 \
         --max-context 512 --no-verify [--block-size 128] --out MTP
-    python bench/mtp_verify_parts.py PLAIN MTP [MTP128 ...] [--rounds 40] [--context 128] [--out bench/results/x.json]
+    python bench/speculative/mtp_verify_parts.py PLAIN MTP [MTP128 ...] [--rounds 40] [--context 128] [--out bench/results/x.json]
 
 One process, every session with 2 threads that stop spinning when a call returns (as deltaship sets for --mtp
 bundles; a spinning session would slow the next session's call), every call at `--context` (seek: costs do not
@@ -39,7 +39,7 @@ def main() -> None:
     a = ap.parse_args()
     load = os.getloadavg()[0]
 
-    from mtp_verify_ops import interleaved  # bench/, beside this script
+    from mtp_verify_ops import interleaved  # bench/speculative/, beside this script
 
     import deltaship.runtimes.onnx as onnx_runtime
     from deltaship.bundle.reader import read_manifest
@@ -70,7 +70,7 @@ def main() -> None:
     if a.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
         doc = {
-            "command": "python bench/mtp_verify_parts.py " + " ".join(map(str, a.bundles)),
+            "command": "python bench/speculative/mtp_verify_parts.py " + " ".join(map(str, a.bundles)),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": commit.strip(),
             "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, threads {a.threads}",

@@ -3,7 +3,7 @@ with the sessions' intra-op threads spinning after a call (ONNX Runtime's defaul
 (`session.force_spinning_stop`, what deltaship sets for the sessions of an --mtp bundle), alternated in fresh
 processes (A B, B A, ...).
 
-    python bench/onnx_spinning.py B08 [--pairs 4] [--gen 32] [--acceptance 0.776] [--out bench/results/x.json]
+    python bench/speculative/onnx_spinning.py B08 [--pairs 4] [--gen 32] [--acceptance 0.776] [--out bench/results/x.json]
 
 B08: an int4 --mtp ONNX bundle (e.g. `deltaship export --model qwen3.5-0.8b --target onnx --precision int4 --mtp
 --mtp-draft-vocab 32768 --max-context 512 --no-verify --out B08`). Speculative decoding runs at an imposed
@@ -82,7 +82,7 @@ def main() -> int:
         summary[mode]["speculative_over_plain"] = round(summary[mode]["speculative"] / summary[mode]["plain"], 3)
     doc = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": " ".join(["python", "bench/onnx_spinning.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "bench/speculative/onnx_spinning.py", *sys.argv[1:]]),
         "acceptance_imposed": a.acceptance,
         "median_tok_s": summary,
         "runs": runs,

@@ -1,6 +1,6 @@
 """Write a preset (published shape, seeded random weights) as a Hugging Face checkpoint directory.
 
-    python bench/make_checkpoint.py qwen3.5-0.8b OUT_DIR [--multimodal] [--dtype BF16]
+    python bench/tools/make_checkpoint.py qwen3.5-0.8b OUT_DIR [--multimodal] [--dtype BF16]
 
 For the peer tools, which read checkpoints from disk: the text-only layout (Qwen3_5ForCausalLM) or,
 with --multimodal, Qwen3_5ForConditionalGeneration's (decoder under model.language_model, a small

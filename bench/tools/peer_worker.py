@@ -1,6 +1,6 @@
-"""One measurement of one tool in a fresh process (used by bench/peers.py). Prints one JSON line.
+"""One measurement of one tool in a fresh process (used by bench/peers/peers.py). Prints one JSON line.
 
-    python bench/peer_worker.py TOOL ARTIFACT THREADS
+    python bench/tools/peer_worker.py TOOL ARTIFACT THREADS
 
 TOOL: deltaship (any deltaship bundle, through its session), transformers-fp32, transformers-bf16 (ARTIFACT
 = checkpoint dir), genai (onnxruntime-genai model dir), et-example (an ExecuTorch .pte; ARTIFACT may end

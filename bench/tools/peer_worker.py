@@ -1,4 +1,5 @@
-"""One measurement of one tool in a fresh process (used by bench/peers/peers.py). Prints one JSON line.
+"""One measurement of one tool in a fresh process (used by bench/peers/peers.py, bench/memory/memory_peers.py and
+bench/gpu/run.py). Prints one JSON line.
 
     python bench/tools/peer_worker.py TOOL ARTIFACT THREADS
 

@@ -25,7 +25,7 @@ from deltaship.logs import quiet_import_notices
 quiet_import_notices()  # torchao's and torch's import-time notices, whoever imports them first
 
 if TYPE_CHECKING:
-    from deltaship.export import export
+    from deltaship.compile import export
     from deltaship.hf.bundle_model import BundleModel
 
 __all__ = ["export", "load", "Chat", "__version__"]
@@ -41,7 +41,7 @@ def load(
     `transformers.AutoTokenizer.from_pretrained(bundle)`. The bundle's files are checked first."""
     from deltaship.errors import DeltashipError
     from deltaship.hf.bundle_model import BundleModel
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     path = Path(bundle)
     if not (path / "manifest.json").is_file():
@@ -53,12 +53,10 @@ def load(
 
 
 def __getattr__(name: str) -> Any:
-    # `deltaship.export` is both the package and its export() function: the package module is callable
-    # (deltaship/export/__init__.py), so `from deltaship import export; export(...)` works either way.
-    if name == "export":
-        import deltaship.export as module
+    if name == "export":  # deltaship.compile.export (the lowering package is deltaship.lowering: no name clash)
+        from deltaship.compile import export
 
-        return module
+        return export
     if name == "Chat":  # deltaship.Chat.load(path, session): a saved conversation
         from deltaship.chat import Chat
 

@@ -20,7 +20,7 @@ from deltaship.failures import describe, os_error, quiet_stdout, stdout_closed
 
 def run_export(a: argparse.Namespace) -> int:
     """`export()` with the arguments add_export_arguments() parsed."""
-    from deltaship.export import export
+    from deltaship.compile import export
     from deltaship.targets import all_targets
 
     given = {
@@ -167,7 +167,7 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _inspect(a: argparse.Namespace) -> int:
-    from deltaship.bundle.inspect import describe, inspect
+    from deltaship.check.inspect import describe, inspect
 
     info = inspect(a.bundle)
     print(json.dumps(info, indent=2) if a.json else describe(info))
@@ -175,7 +175,7 @@ def _inspect(a: argparse.Namespace) -> int:
 
 
 def _eval(a: argparse.Namespace) -> int:
-    from deltaship.bundle.evaluate import evaluate
+    from deltaship.check.evaluate import evaluate
 
     res = evaluate(a.bundle, model=a.model, tokens=a.tokens, threads=a.threads)
     if a.json:
@@ -426,7 +426,7 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from deltaship import __version__
-    from deltaship.runtimes import runtime_names
+    from deltaship.targets import runtime_names
 
     p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
     p.add_argument("--version", action="version", version=f"deltaship {__version__}")

@@ -43,7 +43,7 @@ def _build_once(out: Path, build) -> Path:
 def bundles(tmp_path_factory, checkpoints):
     """Exported bundles, built on first use and shared: bundles(config, target, precision)."""
     from deltaship.bundle import read_manifest, schema_problems
-    from deltaship.export import export
+    from deltaship.compile import export
 
     root = _shared_root(tmp_path_factory, "bundles")
 
@@ -65,7 +65,7 @@ def bundles(tmp_path_factory, checkpoints):
 def tiny_pte(tmp_path_factory):
     """The trained tiny preset as an ExecuTorch bundle (max context 128, prefill chunk 16), exported once per
     session and precision for every test that needs a .pte of it: an ExecuTorch export takes minutes."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     root = _shared_root(tmp_path_factory, "tiny-pte")
 
@@ -85,7 +85,7 @@ def shared_export(tmp_path_factory):
     module asks first. A module-scoped fixture is built again each time pytest-xdist hands its worker a test of
     that module after one of another (the module's fixtures are torn down in between): at minutes an ExecuTorch
     export, the 2026-11-26 run paid the MTP .pte twice. Module fixtures that export call this instead."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     root = _shared_root(tmp_path_factory, "shared-exports")
 
@@ -101,7 +101,7 @@ def tiny_coreml_mtp(tmp_path_factory):
     once per session and build for every test that needs one (speculative decoding, its profile, the Swift kit):
     fp32 (every state an io tensor), int4, or fp16-state (the DeltaNet states and both KV caches as Core ML states,
     which the snapshot copies out of the state buffers)."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     root = _shared_root(tmp_path_factory, "coreml-mtp")
 

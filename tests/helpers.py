@@ -144,15 +144,15 @@ def _add_mtp_tensors(directory: Path) -> None:
 
 def reference(ckpt: Path):
     """transformers' model for a test checkpoint, fp32, eval."""
-    from deltaship.export.reference import reference_model
     from deltaship.models.source import load_source
+    from deltaship.oracle.reference import reference_model
 
     return reference_model(load_source(str(ckpt)))
 
 
 def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
     """transformers' own cached greedy decoding, and its fp32 logits rows [steps, vocab]."""
-    from deltaship.export.verify import reference_continuation
+    from deltaship.check.verify import reference_continuation
 
     return reference_continuation(model, prompt, steps)
 
@@ -165,8 +165,8 @@ def set_json(path: Path, key: str, value) -> None:
 
 def export_context(ckpt: Path, precision: str, max_context: int = 128, target: str = "onnx", **options):
     """The target's export passes up to (not including) capture: the weight plan and quantization choices."""
-    from deltaship.export import check_options, pass_options
-    from deltaship.export.passes import ExportContext, run_pipeline
+    from deltaship.compile import check_options, pass_options
+    from deltaship.lowering.passes import ExportContext, run_pipeline
     from deltaship.models.source import load_source
     from deltaship.targets import get_target
 

@@ -21,7 +21,7 @@ PRESET = "qwen3.5-tiny"
 
 
 def _export(root: Path, target: str, precision: str, **opts) -> Path:
-    from deltaship.export import export
+    from deltaship.compile import export
 
     out = root / f"{target}-{precision}"
     export(
@@ -320,8 +320,8 @@ def test_swift_kit_contract_reproduces_deltaship_generate(coreml_bundles, tmp_pa
     import numpy as np
 
     from deltaship.apps.swift import parse_kit_spec
-    from deltaship.export.coreml.mil_eval import Interpreter, load_program
-    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.mil_eval import Interpreter, load_program
+    from deltaship.targets import open_bundle
 
     bundle = coreml_bundles[which]
     record = write_kit(bundle, tmp_path / "kit", "ios")
@@ -436,8 +436,8 @@ def test_swift_speculative_contract_reproduces_plain_greedy(tiny_coreml_mtp, tmp
     import numpy as np
 
     from deltaship.apps.swift import parse_kit_spec
-    from deltaship.export.coreml.mil_eval import Interpreter, load_program
-    from deltaship.runtimes import open_bundle
+    from deltaship.runtimes.mil_eval import Interpreter, load_program
+    from deltaship.targets import open_bundle
 
     bundle = tiny_coreml_mtp(build)
     record = write_kit(bundle, tmp_path / "kit", "ios")
@@ -839,7 +839,7 @@ def test_onnx_kit_contract_reproduces_deltaship_generate(android_bundles, tmp_pa
     import onnxruntime as ort
 
     from deltaship.apps.kotlin import parse_kit_spec
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     bundle = android_bundles["onnx"]
     write_kit(bundle, tmp_path / "kit", "android")
@@ -1032,7 +1032,7 @@ def test_kotlin_kit_feeds_an_mtp_bundles_num_logits_to_keep(tmp_path):
     import onnxruntime as ort
 
     from deltaship.apps.kotlin import parse_kit_spec
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     bundle = _export(tmp_path, "onnx", "fp32", mtp=True)
     write_kit(bundle, tmp_path / "kit", "android")
@@ -1288,8 +1288,8 @@ class _KotlinChatReplay:
 def _replay_conversation(bundle: Path, spec: dict) -> list[tuple]:
     """send, send, retry, send, undo, save / load into a new chat, send: (reply ids, ids held) after each, and the
     DeltaNet states' largest difference from a fresh prefill of what the chat holds."""
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.tokenizer import load_tokenizer
+    from deltaship.targets import open_bundle
 
     session = open_bundle(bundle)
     tok = load_tokenizer(bundle, session.manifest)

@@ -10,8 +10,18 @@ from pathlib import Path
 import pytest
 
 from deltaship.errors import DeltashipError
-from deltaship.targets import PRECISIONS, StorageFormat, Target, TargetOptions, get_target, option, register, unregister
-from deltaship.tolerances import Tolerance, table
+from deltaship.targets import (
+    PRECISIONS,
+    StorageFormat,
+    Target,
+    TargetOptions,
+    get_target,
+    option,
+    register,
+    table,
+    unregister,
+)
+from deltaship.targets.tolerances import Tolerance
 
 PACKAGE = Path(__file__).resolve().parents[1] / "deltaship"
 
@@ -26,7 +36,7 @@ class ToyTarget(Target):
 
     name = "toy"
     description = "a test target (ONNX's lowering and session)"
-    lowering_module = "deltaship.export.onnx.model"
+    lowering_module = "deltaship.lowering.onnx.model"
     Options = ToyOptions
     tool_packages = ("onnx", "onnxruntime")
     usage = ("toy usage",)
@@ -53,11 +63,12 @@ def toy():
 
 
 def test_a_registered_target_is_everywhere(toy, tmp_path, capsys):
-    from deltaship.bundle import describe, inspect, schema_problems
+    from deltaship.bundle import schema_problems
+    from deltaship.check.inspect import describe, inspect
     from deltaship.cli import build_parser
+    from deltaship.compile import export
     from deltaship.devices.plan import plan
-    from deltaship.export import export
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["export", "--help"])
@@ -84,7 +95,7 @@ def test_a_registered_target_is_everywhere(toy, tmp_path, capsys):
 
 
 def test_target_options_are_typed_and_owned(toy, tmp_path):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     with pytest.raises(DeltashipError, match="--toy-knob must be 3 or 5, got 4"):
         export("qwen3.5-tiny", tmp_path / "a", target="toy", toy_knob=4, progress=False)
@@ -146,8 +157,8 @@ def test_every_deltaship_import_names_an_existing_module():
 def test_a_missing_toolchain_names_the_extra(tmp_path, monkeypatch):
     import importlib.util
 
-    from deltaship.export import export
-    from deltaship.runtimes import open_bundle
+    from deltaship.compile import export
+    from deltaship.targets import open_bundle
 
     bundle = tmp_path / "b"
     export("qwen3.5-tiny", bundle, max_context=32, verify=False, progress=False)

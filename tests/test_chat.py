@@ -24,7 +24,7 @@ from deltaship.chat import Chat
 from deltaship.chat.store import read_session_file
 from deltaship.errors import DeltashipError
 from deltaship.models.presets import PRESETS
-from deltaship.runtimes import open_bundle
+from deltaship.targets import open_bundle
 
 CONTEXT = 192
 N = 10  # new tokens per reply
@@ -32,7 +32,7 @@ N = 10  # new tokens per reply
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> Path:
-    from deltaship.export import export
+    from deltaship.compile import export
 
     out = tmp_path_factory.mktemp("chat") / "tiny-onnx"
     export("qwen3.5-tiny", out, target="onnx", precision="fp32", max_context=CONTEXT, verify=False, progress=False)
@@ -438,7 +438,7 @@ def test_shipped_prompt_cache(tmp_path):
     """export --prompt-cache: the bundle holds the state after the system message; a chat with that system message
     starts from it (nothing fed for it) and replies as one that fed it; another system message feeds its own."""
     from deltaship.chat.store import PROMPT_CACHE_FILE
-    from deltaship.export import export
+    from deltaship.compile import export
 
     system = "You write Python code."
     (tmp_path / "system.txt").write_text(system + "\n")
@@ -476,7 +476,7 @@ def test_shipped_prompt_cache(tmp_path):
 
 
 def test_prompt_cache_needs_a_tokenizer(tmp_path):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     (tmp_path / "s.txt").write_text("hi")
     with pytest.raises(DeltashipError, match="--prompt-cache: qwen3.5-0.8b has no tokenizer"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deltaship.runtimes import open_bundle
+from deltaship.targets import open_bundle
 
 ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false")
 

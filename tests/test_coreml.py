@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from helpers import reference, reference_greedy, write_checkpoint
 
 from deltaship.errors import DeltashipError
-from deltaship.export.coreml import mil_eval
-from deltaship.export.onnx.quant import quantize_blocks
-from deltaship.runtimes import open_bundle
+from deltaship.lowering.coreml import mil_eval
+from deltaship.quant import quantize_blocks
+from deltaship.targets import open_bundle
 
 
 # ---- the evaluator's own implementations, against torch -------------------------------------------
@@ -115,7 +115,7 @@ def test_package_contract(bundles):
 def test_wide_lm_head_is_split_under_the_ane_limit(tmp_path):
     """A vocabulary over 16384: the head becomes pieces of at most 16384 outputs, and parity holds."""
     ckpt = write_checkpoint("base", tmp_path / "wide", seed=3, vocab_size=20000)
-    from deltaship.export import export
+    from deltaship.compile import export
 
     m = export(
         str(ckpt), tmp_path / "b", target="coreml", precision="fp32", max_context=32, prefill_chunk=8, progress=False
@@ -138,7 +138,7 @@ def test_fp32_build_matches_transformers_through_the_saved_program(bundles, chec
 
 
 def test_refusals(tmp_path, checkpoints):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     long_ctx = write_checkpoint("base", tmp_path / "long", seed=4, max_position_embeddings=65536)
     with pytest.raises(DeltashipError, match="prefill chunk must be a power of two"):
@@ -159,7 +159,7 @@ def test_refusals(tmp_path, checkpoints):
 def test_palettized_build_matches_the_values_it_holds(tmp_path, checkpoints):
     """4-bit palettization: look-up tables in the package, and parity against transformers running the
     very values read back from the package."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     m = export(
         str(checkpoints["base"]),

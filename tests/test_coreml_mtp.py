@@ -20,9 +20,9 @@ def _prompt(n: int) -> list[int]:
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_speculative_greedy_equals_plain_greedy(tiny_coreml_mtp, precision):
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.coreml import CoreMLEvalSession
     from deltaship.runtimes.speculative import generate_speculative
+    from deltaship.targets import open_bundle
 
     session = open_bundle(tiny_coreml_mtp(precision))
     assert isinstance(session, CoreMLEvalSession)
@@ -77,10 +77,10 @@ def test_mtp_head_matches_transformers_reference(tmp_path):
     logit std; and the verify functions' rows and hidden states against transformers' own."""
     import torch
 
-    from deltaship.export import export
-    from deltaship.export.reference import reference_mtp
+    from deltaship.compile import export
     from deltaship.models.source import load_source
-    from deltaship.runtimes import open_bundle
+    from deltaship.oracle.reference import reference_mtp
+    from deltaship.targets import open_bundle
 
     ckpt = tmp_path / "odd_heads"
     write_checkpoint("odd_heads", ckpt, seed=5, mtp_num_hidden_layers=1)
@@ -111,8 +111,8 @@ def test_mtp_head_matches_transformers_reference(tmp_path):
 def test_snapshot_restore_rolls_the_deltanet_states_back(tiny_coreml_mtp, build):
     """A verify call undone by restore leaves the session where it was: the next call gives the same logits
     (io states: host arrays; Core ML states: the state buffers, copied out and back)."""
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.speculative import generate_speculative
+    from deltaship.targets import open_bundle
 
     session = open_bundle(tiny_coreml_mtp(build))
     session.reset()

@@ -30,8 +30,8 @@ def test_coreml_vision_encoder_matches_transformers(vl_checkpoint, hf_model, tmp
     to 64) and a 16x16 grid (256, exact); the padding is masked out of attention and dropped after the merger."""
     import coremltools as ct
 
-    from deltaship.export.coreml.mil_eval import Interpreter, load_program
-    from deltaship.export.coreml.vision import encode, lower_vision_package, padded_inputs
+    from deltaship.lowering.coreml.vision import encode, lower_vision_package, padded_inputs
+    from deltaship.runtimes.mil_eval import Interpreter, load_program
 
     spec, weights, cases = _tower_cases(vl_checkpoint)
     counts = (64, 256)
@@ -56,7 +56,7 @@ def test_coreml_vision_encoder_matches_transformers(vl_checkpoint, hf_model, tmp
 
 
 def test_coreml_vision_refusals():
-    from deltaship.export.coreml.vision import check_patch_counts, padded_inputs
+    from deltaship.lowering.coreml.vision import check_patch_counts, padded_inputs
 
     with pytest.raises(DeltashipError, match="multiple of 4"):
         check_patch_counts((64, 30))
@@ -70,10 +70,10 @@ def test_coreml_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_pa
     transformers' greedy tokens for two images (the second with prefill chunk boundaries inside its span, both
     padded to an enumerated patch count) and for a 2-frame video; the text path stays model.mlpackage."""
 
-    from deltaship.export import export
+    from deltaship.compile import export
     from deltaship.models.vision import preprocess_frames, preprocess_image
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.vision import CoreMLMultimodal, Multimodal
+    from deltaship.targets import open_bundle
 
     out = tmp_path / "cm"
     m = export(str(vl_checkpoint), out, target="coreml", max_context=128, prefill_chunk=8, progress=False,
@@ -107,7 +107,7 @@ def test_coreml_random_preset_with_other_vision_shapes_verifies(tiny_vl_preset, 
     """Other vision shapes (a two-block 64-wide tower with 4 heads, the published preprocessor): export --vision
     for Core ML verifies its image prompts against transformers holding the same random weights; the image
     limit (1,024 merged tokens) gives the enumerated patch counts up to 4,096."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     m = export(tiny_vl_preset, tmp_path / "b", target="coreml", max_context=128, prefill_chunk=8, vision=True,
                progress=False)  # fmt: skip

@@ -13,7 +13,7 @@ from deltaship.errors import DeltashipError
 
 @pytest.fixture(scope="module")
 def tiny_onnx(tmp_path_factory):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     out = tmp_path_factory.mktemp("cg") / "tiny-int4"
     export(
@@ -32,7 +32,7 @@ def tiny_onnx(tmp_path_factory):
 
 
 def _export(tmp_path_factory, name: str, precision: str, max_context: int = 64, **options):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     out = tmp_path_factory.mktemp("cg") / name
     export(
@@ -58,7 +58,7 @@ def fp16_pair(tmp_path_factory):
 
 
 def test_cuda_graph_without_the_cuda_provider_is_a_clear_error(tiny_onnx):
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     with pytest.raises(DeltashipError) as e:
         open_bundle(tiny_onnx, cuda_graph=True)
@@ -69,7 +69,7 @@ def test_cuda_graph_without_the_cuda_provider_is_a_clear_error(tiny_onnx):
 def test_cuda_graph_on_an_onnxruntime_without_cuda_names_the_package(tiny_onnx):
     import onnxruntime as ort
 
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime has the CUDA provider")
@@ -106,7 +106,7 @@ def test_decode_inputs_are_preallocated_and_written_in_place():
 
 
 def test_graph_id_is_uncaptured_for_prefill_and_follows_the_buffer_parity_for_decode(tiny_onnx):
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     s = open_bundle(tiny_onnx)
     assert s._graph_id(np.array([1, 2, 3])) == "-1"
@@ -157,7 +157,7 @@ def test_the_capture_graph_has_no_copies_between_cpu_and_gpu(fp16_pair):
 def test_the_capture_graph_gives_the_plain_graphs_tokens_on_the_cpu(fp16_pair):
     from helpers import code_prompt
 
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     plain, capture = (open_bundle(b) for b in fp16_pair)
     said = set()
@@ -176,7 +176,7 @@ def test_the_capture_graph_runs_unchanged_in_onnxruntime_genai(fp16_pair):
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is in the dev extra; CI installs it")
     from helpers import code_prompt
 
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     for n in (1, 20):
         own = open_bundle(fp16_pair[1]).generate(code_prompt(n), 24, stop_at_eos=False).output_ids
@@ -185,7 +185,7 @@ def test_the_capture_graph_runs_unchanged_in_onnxruntime_genai(fp16_pair):
 
 
 def test_a_plain_bundle_asked_for_a_cuda_graph_names_the_export_option(fp16_pair):
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     with pytest.raises(DeltashipError) as e:
         open_bundle(fp16_pair[0], provider="cuda", cuda_graph=True)
@@ -201,7 +201,7 @@ def test_a_plain_bundle_asked_for_a_cuda_graph_names_the_export_option(fp16_pair
     ],
 )
 def test_export_refuses_what_the_capture_rewrite_does_not_cover(tmp_path, precision, options, words):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     with pytest.raises(DeltashipError) as e:
         export(
@@ -221,7 +221,7 @@ def test_an_uncaptured_cuda_session_binds_each_decode_call_afresh(tiny_onnx):
     # a host array bound for a device input is copied at bind time, so a kept decode binding would replay the first
     # call's token and position (wrong tokens on an H200 until this was fixed): a session on the device must not
     # keep one. Here the session's buffers stay on the CPU and only its device is said to be the GPU.
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     plain = open_bundle(tiny_onnx, cuda_graph=False)
     device = open_bundle(tiny_onnx, cuda_graph=False)
@@ -248,7 +248,7 @@ def _has_cuda() -> bool:
 def test_captured_decode_gives_the_cpu_providers_tokens(tmp_path_factory, precision, options):
     from helpers import code_prompt
 
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     b = _export(tmp_path_factory, f"cuda-{precision}", precision, 128, onnx_cuda_graph=True, **options)
     cpu, graph = open_bundle(b), open_bundle(b, provider="cuda", cuda_graph=True)
@@ -264,7 +264,7 @@ def test_captured_decode_gives_the_cpu_providers_tokens(tmp_path_factory, precis
 def test_graph_buffers_give_the_same_tokens_on_the_cpu(tiny_onnx):
     # the cuda_graph binding path (fixed decode buffers, logits OrtValue, gpu_graph_id run options) with its buffers
     # on the CPU: same greedy tokens and logits as the plain session, and the buffers never move
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     plain = open_bundle(tiny_onnx)
     graph = open_bundle(tiny_onnx)
@@ -284,7 +284,7 @@ def test_graph_buffers_give_the_same_tokens_on_the_cpu(tiny_onnx):
 def test_decode_reuses_one_binding_per_parity_with_the_same_results(tiny_onnx):
     # a plain CPU session binds a one-token call once per parity of the alternating states and then only writes
     # the token and position; the results equal those of a session that binds every decode step afresh
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     kept, fresh = open_bundle(tiny_onnx), open_bundle(tiny_onnx)
     prompt = [5, 17, 99, 3, 250, 8, 8, 1, 42, 7]
@@ -313,8 +313,8 @@ def test_a_bundle_with_position_ids_still_runs(fp16_pair, tmp_path):
     import json
     import shutil
 
-    from deltaship.export.onnx.model import position_ids_io
-    from deltaship.runtimes import open_bundle
+    from deltaship.lowering.onnx.model import position_ids_io
+    from deltaship.targets import open_bundle
 
     old = tmp_path / "old"
     shutil.copytree(fp16_pair[0], old)

@@ -16,7 +16,7 @@ N = 53  # the smallest N that covers 99% of the ranking text's tokens with the 3
 
 
 def _export(out, **opts):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     export(
         "qwen3.5-tiny",
@@ -52,8 +52,8 @@ def tiny_dv(tmp_path_factory):
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_greedy_with_a_draft_vocab_equals_plain_greedy(tiny_dv, precision):
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.speculative import draft_token_ids
+    from deltaship.targets import open_bundle
 
     bundle = tiny_dv(precision)
     session = open_bundle(bundle)
@@ -67,8 +67,8 @@ def test_greedy_with_a_draft_vocab_equals_plain_greedy(tiny_dv, precision):
 def test_draft_logits_are_the_full_heads_at_the_ids(tiny_dv):
     """fp32: the N-id draft's logits equal the full-vocabulary draft's logits at those ids, and its hidden states
     are the same (the head's layer is untouched)."""
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.speculative import draft_token_ids
+    from deltaship.targets import open_bundle
 
     full, sub = open_bundle(tiny_dv("full")), open_bundle(tiny_dv("fp32"))
     ids = draft_token_ids(sub.bundle, sub.manifest)
@@ -92,8 +92,8 @@ def test_manifest_file_and_inspect(tiny_dv):
     import onnx
 
     from deltaship.bundle import read_manifest, schema_problems
-    from deltaship.bundle.inspect import describe, inspect
-    from deltaship.export.draft_vocab import DRAFT_VOCAB_FILE
+    from deltaship.check.inspect import describe, inspect
+    from deltaship.lowering.draft_vocab import DRAFT_VOCAB_FILE
 
     bundle = tiny_dv("fp32")
     m = read_manifest(bundle)
@@ -120,8 +120,8 @@ def test_manifest_file_and_inspect(tiny_dv):
 
 
 def test_sampling_with_a_draft_vocab_runs_and_is_seeded(tiny_dv):
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.speculative import generate_speculative
+    from deltaship.targets import open_bundle
 
     session = open_bundle(tiny_dv("fp32"))
     kw = dict(temperature=0.8, top_k=40, seed=3, stop_at_eos=False)
@@ -150,7 +150,7 @@ def test_accept_or_resample_is_exact_with_a_draft_outside_part_of_the_vocab():
 
 
 def test_ranking_without_a_tokenizer_is_ascending_and_says_so():
-    from deltaship.export.draft_vocab import rank, special_ids
+    from deltaship.lowering.draft_vocab import rank, special_ids
 
     ids, rec = rank(1000, 10, special_ids({"eos": [999], "bos": None, "pad": 998}, 1000), None)
     assert ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 998, 999]
@@ -159,7 +159,7 @@ def test_ranking_without_a_tokenizer_is_ascending_and_says_so():
 
 
 def test_ranking_on_a_user_text(tmp_path):
-    from deltaship.export.draft_vocab import rank
+    from deltaship.lowering.draft_vocab import rank
     from deltaship.models.presets import write_tiny_tokenizer
 
     write_tiny_tokenizer(tmp_path)
@@ -183,7 +183,7 @@ def test_ranking_on_a_user_text(tmp_path):
     ],
 )
 def test_bad_draft_vocab_is_refused(tmp_path, opts, match):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     with pytest.raises(DeltashipError, match=match):
         export("qwen3.5-tiny", tmp_path / "b", max_context=32, verify=False, progress=False, **opts)
@@ -215,7 +215,7 @@ def test_ios_kit_refuses_a_draft_vocab_bundle():
 
 
 def test_weight_plan_takes_rows_and_reads_a_block_of_them():
-    from deltaship.export.weight_plan import PlanError, WeightPlan
+    from deltaship.lowering.weight_plan import PlanError, WeightPlan
 
     table = np.arange(40, dtype=np.float32).reshape(10, 4)
 
@@ -258,8 +258,8 @@ def test_other_targets_draft_over_the_subset_losslessly(tmp_path, target):
     draft's logits are [1, N] and greedy speculative decoding gives the plain greedy tokens (slow tier). ExecuTorch
     at int4 (its fp32 is tests/test_mtp_executorch.py's), over 64 new tokens."""
     from deltaship.bundle import read_manifest, schema_problems
-    from deltaship.export import export
-    from deltaship.runtimes import open_bundle
+    from deltaship.compile import export
+    from deltaship.targets import open_bundle
 
     out = tmp_path / target
     int4 = target == "executorch"

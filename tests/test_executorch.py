@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 
+from deltaship.compile import export
 from deltaship.errors import DeltashipError
-from deltaship.export import export
-from deltaship.export.executorch.program import expected_portable
-from deltaship.runtimes import open_bundle
+from deltaship.lowering.executorch.program import expected_portable
+from deltaship.targets import open_bundle
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_node_xnnpack_cannot_take_fails_unless_allowed(tmp_path, monkeypatch, ch
     import torch
     import torch.nn.functional as F
 
-    from deltaship.export.executorch import lowering
+    from deltaship.lowering.executorch import lowering
 
     def softplus_gates(self, a, b, dt_bias, decay_scale):
         return decay_scale.float() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b.float())
@@ -129,7 +129,7 @@ def test_vocabulary_tables_quantized_by_row_blocks_equal_whole_table_quantizatio
     import torch
     from executorch.examples.models.llama.source_transformation.quantize import get_quant_embedding_transform
 
-    from deltaship.export.executorch import quant
+    from deltaship.lowering.executorch import quant
 
     w = (np.random.default_rng(0).standard_normal((300, 64)) * 0.05).astype(np.float32)
     monkeypatch.setattr(quant, "ROW_BLOCK", 1000)
@@ -159,7 +159,7 @@ def test_lowered_weights_released_and_program_unchanged(tmp_path):
     from executorch.exir.lowered_backend_module import LoweredBackendModule
     from executorch.runtime import Runtime
 
-    from deltaship.export.executorch.program import release_lowered_weights
+    from deltaship.lowering.executorch.program import release_lowered_weights
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 32)).eval()
@@ -244,7 +244,7 @@ def test_xnnpack_preprocess_shares_and_leaves_weights_untouched(checkpoints, tmp
     assert given_ptrs and given_ptrs <= partition_ptrs
     assert not changed, changed
     assert vars(XnnpackBackend).get(hook) is before  # restored after the export
-    from deltaship.export.executorch.program import preprocess_shares_weights
+    from deltaship.lowering.executorch.program import preprocess_shares_weights
 
     with pytest.raises(KeyError), preprocess_shares_weights():
         assert vars(XnnpackBackend).get(hook) is not before

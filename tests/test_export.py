@@ -11,16 +11,15 @@ import torch
 from helpers import export_context
 
 from deltaship.bundle import SCHEMA_VERSION, read_manifest, schema_problems
+from deltaship.compile import export, pass_options
 from deltaship.errors import DeltashipError
-from deltaship.export import export, pass_options
-from deltaship.export.passes import ExportContext, PassError, run_pipeline
-from deltaship.export.weight_plan import PlanError, WeightPlan
+from deltaship.lowering.passes import ExportContext, PassError, run_pipeline
+from deltaship.lowering.weight_plan import PlanError, WeightPlan
 from deltaship.models import qwen3_5 as fam
 from deltaship.models.ops import CANONICAL_OPS
 from deltaship.models.presets import PRESETS
 from deltaship.models.weights import RandomWeights
-from deltaship.runtimes import open_bundle
-from deltaship.targets import all_targets, get_target
+from deltaship.targets import all_targets, get_target, open_bundle
 
 PIPELINE = get_target("onnx").pipeline()
 
@@ -82,9 +81,9 @@ def test_structure_after_passes():
 
 
 def test_every_canonical_op_has_a_lowering_for_every_target():
-    from deltaship.export.coreml.lowering import MIL_LOWERINGS
-    from deltaship.export.executorch.lowering import LOWERINGS as ET
-    from deltaship.export.onnx.lowering import LOWERINGS as ONNX
+    from deltaship.lowering.coreml.lowering import MIL_LOWERINGS
+    from deltaship.lowering.executorch.lowering import LOWERINGS as ET
+    from deltaship.lowering.onnx.lowering import LOWERINGS as ONNX
 
     tables = {t.target: t for t in (ONNX, ET, MIL_LOWERINGS)}
     assert set(tables) == {t.name for t in all_targets()}
@@ -98,8 +97,8 @@ def test_every_canonical_op_has_a_lowering_for_every_target():
 
 
 def test_unknown_op_fails_naming_it(tmp_path):
-    from deltaship.export.onnx.lowering import LOWERINGS
-    from deltaship.export.onnx.model import lower
+    from deltaship.lowering.onnx.lowering import LOWERINGS
+    from deltaship.lowering.onnx.model import lower
 
     ctx = export_context_only(PIPELINE)
     saved = LOWERINGS.pop(torch.ops.aten.sigmoid.default)
@@ -114,7 +113,7 @@ def test_eager_canonical_model_matches_transformers(checkpoints):
     """The rewritten model itself (before any lowering) against the oracle."""
     from helpers import reference
 
-    from deltaship.export.passes import materialize
+    from deltaship.lowering.passes import materialize
     from deltaship.models.source import load_source
 
     ckpt = checkpoints["grouped_values"]
@@ -259,7 +258,7 @@ def test_external_data_bundle_runs_and_verifies(tmp_path, checkpoints):
 def test_large_tables_are_streamed_in_row_blocks(tmp_path, checkpoints, monkeypatch, precision):
     """Tables over ROW_BLOCK rows (embedding, LM head) are converted and written a block of rows at a
     time; forced here with small blocks (the untied head and the embedding of `grouped_values`)."""
-    from deltaship.export.onnx import lowering
+    from deltaship.lowering.onnx import lowering
 
     monkeypatch.setattr(lowering, "ROW_BLOCK", 48)
     calls = []

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from deltaship.bundle.reader import read_manifest
+from deltaship.compile import export
 from deltaship.errors import DeltashipError
-from deltaship.export import export
-from deltaship.runtimes import open_bundle
+from deltaship.targets import open_bundle
 
 PROMPT_LENGTHS = (1, 7, 20)  # one token, less than a prefill chunk (8), more than two chunks
 NEW_TOKENS = 12

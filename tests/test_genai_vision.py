@@ -45,7 +45,7 @@ def vl_bundle(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from deltaship.export import export
+    from deltaship.compile import export
     from deltaship.models.presets import _bytes_to_unicode
 
     torch.manual_seed(0)
@@ -128,9 +128,9 @@ def test_genai_config_names_the_multimodal_graphs_inputs(vl_bundle):
 def test_genai_runs_image_prompts_as_deltaship_does(vl_bundle, images):
     """One non-square image, another, then both (different grids): genai's own loop gives deltaship's logits after
     the prompt and greedy tokens over 16 new tokens, from the same pixel rows and prompt ids."""
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.tokenizer import load_tokenizer
     from deltaship.runtimes.vision import Multimodal, image_prompt
+    from deltaship.targets import open_bundle
 
     session = open_bundle(vl_bundle)
     mm = Multimodal(session)
@@ -157,8 +157,8 @@ def test_genai_runs_image_prompts_as_deltaship_does(vl_bundle, images):
 
 def test_genai_runs_text_prompts_of_a_vision_bundle(vl_bundle):
     """Without an image genai takes the same embedding + multimodal decoder path (one call for the whole prompt)."""
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.genai import open_genai
+    from deltaship.targets import open_bundle
 
     ids = list(range(40, 60))
     want = open_bundle(vl_bundle).generate(ids, NEW_TOKENS).output_ids
@@ -208,7 +208,7 @@ def test_generate_with_runtime_genai_takes_images(vl_bundle, images, tmp_path):
 def test_genai_runs_an_fp16_vision_bundle(vl_bundle, images, tmp_path):
     """fp16: genai casts its pixel rows to the tower's dtype; image features and embeddings stay fp16."""
     from deltaship.commands.generate import generate
-    from deltaship.export import export
+    from deltaship.compile import export
 
     ckpt = vl_bundle.parent / "ckpt"
     out = tmp_path / "fp16"
@@ -231,7 +231,7 @@ def test_generate_with_runtime_genai_names_a_size_genai_rounds_otherwise(vl_bund
     path = tmp_path / "half.png"
     _image(80, 100, seed=5).save(path)
     res = generate(vl_bundle, prompt=PROMPT, images=[str(path)], max_new_tokens=2, runtime="genai")
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     want = Multimodal(open_bundle(vl_bundle)).load([path])[0]
     differs = res["images"][0]["resized"] != list(want.resized)

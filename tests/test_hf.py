@@ -44,7 +44,7 @@ def put_in_cache(cache: Path, repo_id: str, ckpt: Path, commit: str = COMMIT, re
 
 
 def export_tiny(model: str, out: Path) -> dict:
-    from deltaship.export import export
+    from deltaship.compile import export
 
     return export(
         model, out, target="onnx", precision="fp32", max_context=64, prefill_chunk=8, verify=False, progress=False
@@ -147,7 +147,7 @@ PROMPTS = ["import os\nimport ", "class Foo:\n    def __init__(self"]  # greedy 
 
 
 def export_preset(out: Path, target: str, **opts) -> Path:
-    from deltaship.export import export
+    from deltaship.compile import export
 
     export("qwen3.5-tiny", out, target=target, precision="fp32", verify=False, progress=False, **opts)
     return out
@@ -198,7 +198,7 @@ def test_eos_stops_both_the_same_way(onnx_bundle):
     from transformers import AutoTokenizer
 
     from deltaship import load
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
     ids = tok(PROMPTS[0])["input_ids"]
@@ -240,7 +240,7 @@ def test_sampling_is_seeded_and_continuing_a_cache_equals_one_call(onnx_bundle):
     from transformers import AutoTokenizer
 
     from deltaship import load
-    from deltaship.hf.compat import CACHE_NAME, output_cache
+    from deltaship.oracle.compat import CACHE_NAME, output_cache
 
     model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
     enc = tok(PROMPTS[0], return_tensors="pt")
@@ -271,7 +271,7 @@ def test_batches_and_padding_are_refused_clearly(onnx_bundle):
     from transformers import AutoTokenizer
 
     from deltaship import load
-    from deltaship.hf.compat import CACHE_NAME
+    from deltaship.oracle.compat import CACHE_NAME
 
     model, tok = load(onnx_bundle), AutoTokenizer.from_pretrained(onnx_bundle)
     enc = tok(PROMPTS[0], return_tensors="pt")
@@ -331,7 +331,7 @@ def test_import_deltaship_is_thin_and_export_is_callable():
     import sys
 
     code = (
-        "import sys, deltaship; from deltaship import export, load; import deltaship.export as m; "
+        "import sys, deltaship; from deltaship import export, load; import deltaship.compile as m; "
         "assert m is export and callable(export) and 'torch' not in sys.modules, sorted(sys.modules); "
         "print(deltaship.__version__)"
     )

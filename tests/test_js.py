@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from deltaship.commands import generate
-from deltaship.export import export
+from deltaship.compile import export
 
 PKG = Path(__file__).resolve().parent.parent / "deltaship" / "apps" / "js"
 # byte-level tokenizer: 1 token, 7 tokens, and 26 tokens (over three chunks of 8)

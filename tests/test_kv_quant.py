@@ -1,6 +1,6 @@
 """Quantized KV caches (`export --kv-cache int8|int4`): ONNX Runtime's GroupQueryAttention stores the cache
 as int8 (int4: two values a byte) with static per-channel scales calibrated on the fp32 reference
-(deltaship/export/kv_quant.py). Parity against transformers (whose cache is fp32) within the tolerance
+(deltaship/lowering/kv_quant.py). Parity against transformers (whose cache is fp32) within the tolerance
 table's fp32+kv-int8 row, greedy tokens equal to the fp32-KV bundle, drift by depth, the manifest's
 state contract and memory block, and the targets that refuse a quantized cache."""
 
@@ -40,7 +40,7 @@ def tiny_kv(shared_export):
 
 def _text_ids(bundle, n: int) -> list[int]:
     from deltaship.bundle import read_manifest
-    from deltaship.bundle.evaluate import eval_tokens
+    from deltaship.check.evaluate import eval_tokens
 
     ids, _ = eval_tokens(bundle, read_manifest(bundle), n)
     return ids
@@ -106,12 +106,11 @@ def test_int8_kv_bundle_matches_transformers_within_its_tolerance_row(tiny_kv):
     """Against the fp32 reference (whose cache is fp32) the int8 cache's rounding is all that differs: inside
     the fp32+kv-int8 row, on prompts of 1, 7 and more than one prefill chunk. Against the reference whose
     attention sees keys and values rounded with the bundle's own scales, it is close to exact."""
-    from deltaship.export.kv_quant import rounded_cache_attention
-    from deltaship.export.reference import reference_model
-    from deltaship.export.verify import compare, reference_continuation, teacher_forced
+    from deltaship.check.verify import compare, reference_continuation, teacher_forced
+    from deltaship.lowering.kv_quant import rounded_cache_attention
     from deltaship.models.source import load_source
-    from deltaship.runtimes import open_bundle
-    from deltaship.tolerances import tolerance
+    from deltaship.oracle.reference import reference_model
+    from deltaship.targets import open_bundle, tolerance
 
     tol = tolerance("onnx", "fp32", "int8")
     assert tol.max_rel_logit_diff > tolerance("onnx", "fp32").max_rel_logit_diff and tol.fails_export
@@ -146,10 +145,9 @@ def test_int8_kv_bundles_of_other_shapes_verify_and_match_the_rounded_reference(
     from helpers import reference
 
     from deltaship.bundle import read_manifest
-    from deltaship.export.kv_quant import rounded_cache_attention
-    from deltaship.export.verify import compare, default_prompts, reference_continuation, teacher_forced
-    from deltaship.runtimes import open_bundle
-    from deltaship.tolerances import tolerance
+    from deltaship.check.verify import compare, default_prompts, reference_continuation, teacher_forced
+    from deltaship.lowering.kv_quant import rounded_cache_attention
+    from deltaship.targets import open_bundle, tolerance
 
     bundle = bundles(config, "onnx", "fp32", kv_cache="int8", verify=True)
     m = read_manifest(bundle)
@@ -169,7 +167,7 @@ def test_int8_kv_bundles_of_other_shapes_verify_and_match_the_rounded_reference(
 
 
 def test_int8_kv_greedy_tokens_equal_the_fp32_kv_bundle(tiny_kv):
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     fp, q8 = open_bundle(tiny_kv("fp32")), open_bundle(tiny_kv("int8"))
     text = _text_ids(tiny_kv("fp32"), 60)
@@ -182,9 +180,8 @@ def test_int8_kv_greedy_tokens_equal_the_fp32_kv_bundle(tiny_kv):
 def test_kv_cache_drift_by_depth(tiny_kv):
     """Logit drift of the int8 and int4 caches against the fp32 cache, teacher-forced through held-out text,
     at several depths: both stay inside their tolerance rows, and int4's is the larger on average."""
-    from deltaship.export.verify import compare
-    from deltaship.runtimes import open_bundle
-    from deltaship.tolerances import tolerance
+    from deltaship.check.verify import compare
+    from deltaship.targets import open_bundle, tolerance
 
     text = _text_ids(tiny_kv("fp32"), CTX)
     base = open_bundle(tiny_kv("fp32")).prefill(text[:1])
@@ -210,7 +207,7 @@ def test_kv_cache_drift_by_depth(tiny_kv):
 def test_eval_reports_what_the_kv_cache_costs_by_depth(tiny_kv):
     """`deltaship eval` of an int8/int4-KV bundle is the KV cache's cost (fp32 weights): perplexity, KL and
     KL by depth against the fp32 reference, int4 costing more than int8 and fp32 next to nothing."""
-    from deltaship.bundle.evaluate import evaluate
+    from deltaship.check.evaluate import evaluate
 
     res = {kv: evaluate(tiny_kv(kv), tokens=CTX) for kv in ("fp32", "int8", "int4")}
     for kv, r in res.items():
@@ -233,7 +230,7 @@ def test_int4_kv_bundle_packs_two_values_a_byte(tiny_kv):
 
 def test_genai_runs_the_int8_kv_bundle_as_deltaship_does(tiny_kv):
     og = pytest.importorskip("onnxruntime_genai", reason="optional runtime: pip install onnxruntime-genai==0.18.*")
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     bundle = tiny_kv("int8")
     ids = _text_ids(bundle, 20)
@@ -260,7 +257,7 @@ def test_genai_runs_the_int8_kv_bundle_as_deltaship_does(tiny_kv):
     ],
 )
 def test_targets_without_a_quantized_cache_refuse_it_and_say_why(tgt, precision, options, why):
-    from deltaship.export import check_options
+    from deltaship.compile import check_options
 
     for kv in ("int8", "int4"):
         with pytest.raises(DeltashipError, match=f"--kv-cache {kv} is not available for --target {tgt}") as e:
@@ -269,7 +266,7 @@ def test_targets_without_a_quantized_cache_refuse_it_and_say_why(tgt, precision,
 
 
 def test_onnx_offers_quantized_caches_with_fp32_activations():
-    from deltaship.export import check_options
+    from deltaship.compile import check_options
     from deltaship.targets import get_target
 
     for precision in ("fp32", "int8", "int4"):
@@ -282,7 +279,7 @@ def test_static_scales_bound_every_rope_angle():
     never exceeds it: no clipping past the calibration prompt."""
     import torch
 
-    from deltaship.export.kv_quant import QMAX, key_bound, scales
+    from deltaship.lowering.kv_quant import QMAX, key_bound, scales
 
     rng = np.random.default_rng(0)
     d, rot, half = 8, 4, 2
@@ -316,7 +313,7 @@ def test_executorch_stored_kv_round_trips_and_packs_int4_two_codes_a_byte():
     2i + 1 + 8 in the high one, fp16 rounds to nearest; the error is within the tolerance table's stated bounds."""
     import torch
 
-    from deltaship.export.executorch.lowering import load_kv, store_kv
+    from deltaship.lowering.executorch.lowering import load_kv, store_kv
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 5, 2, 8, generator=g) * 3
@@ -341,8 +338,7 @@ def test_executorch_int4_kv_bundle_packs_verifies_and_matches_onnx_int4(tiny_pte
     """An int4 cache, two codes a byte, with the same calibration as ONNX's: verified at export against the
     reference rounding the cache the same way (its own row), the manifest's arithmetic, and ONNX's logits."""
     from deltaship.bundle import read_manifest, schema_problems
-    from deltaship.runtimes import open_bundle
-    from deltaship.tolerances import tolerance
+    from deltaship.targets import open_bundle, tolerance
 
     bundle = tiny_pte_kv("int4")
     m = read_manifest(bundle)
@@ -372,9 +368,8 @@ def test_executorch_fp16_kv_bundle_verifies_and_runs_in_the_text_runner(tiny_pte
     and ExecuTorch's own TextLLMRunner gives deltaship's greedy text for the fp16 and the int4 cache."""
     from deltaship.bundle import read_manifest, schema_problems
     from deltaship.commands import generate
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.et_runner import generate_with_runner
-    from deltaship.tolerances import tolerance
+    from deltaship.targets import open_bundle, tolerance
 
     bundle = tiny_pte_kv("fp16")
     m = read_manifest(bundle)
@@ -402,8 +397,7 @@ def test_executorch_int8_kv_bundle_verifies_and_matches_onnx_int8(tiny_pte_int8_
     """Verified at export within the fp32+kv-int8 row; the cache is int8 in the manifest; and with the same
     calibration (same reference, same prompt, so the same scales) it gives the ONNX int8 bundle's logits."""
     from deltaship.bundle import read_manifest, schema_problems
-    from deltaship.runtimes import open_bundle
-    from deltaship.tolerances import tolerance
+    from deltaship.targets import open_bundle, tolerance
 
     m = read_manifest(tiny_pte_int8_kv)
     assert not schema_problems(m)
@@ -423,11 +417,11 @@ def test_executorch_int8_kv_bundle_verifies_and_matches_onnx_int8(tiny_pte_int8_
 
 @pytest.mark.slow
 def test_executorch_int8_kv_greedy_tokens_equal_the_fp32_kv_bundle(tiny_pte_int8_kv, tiny_pte):
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     fp, q8 = open_bundle(tiny_pte("fp32")), open_bundle(tiny_pte_int8_kv)
     from deltaship.bundle import read_manifest
-    from deltaship.bundle.evaluate import eval_tokens
+    from deltaship.check.evaluate import eval_tokens
 
     text, _ = eval_tokens(tiny_pte_int8_kv, read_manifest(tiny_pte_int8_kv), 60)
     for n in (1, 7, 2 * CHUNK + 5):

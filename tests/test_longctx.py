@@ -12,12 +12,11 @@ import pytest
 import torch
 from helpers import reference_greedy, text_config, write_checkpoint
 
+from deltaship.check.verify import compare
 from deltaship.errors import DeltashipError
-from deltaship.export.verify import compare
 from deltaship.models import qwen3_5 as fam
 from deltaship.models.spec import ModelSpec
-from deltaship.targets import target_names
-from deltaship.tolerances import tolerance
+from deltaship.targets import target_names, tolerance
 
 # A tiny model pretrained (nominally) on 64 positions, extended 4x by YaRN to 256. partial_rotary_factor 0.5
 # gives 4 rotary frequencies, so the ramp keeps some and interpolates others.
@@ -171,7 +170,7 @@ def test_context_past_max_position_embeddings_says_how_to_extend_it():
 
 
 def test_export_refuses_a_context_the_rope_does_not_cover(tmp_path):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     with pytest.raises(
         DeltashipError,
@@ -213,8 +212,8 @@ def test_reference_model_applies_the_checkpoint_yarn(yarn_checkpoint, yarn_oracl
 @pytest.mark.parametrize("target", list(target_names()))
 def test_yarn_bundle_matches_transformers_past_the_original_context(target, yarn_checkpoint, yarn_oracle, tmp_path):
     """~100-token prompt + 32 greedy steps reaches position 132, twice the original 64 positions."""
-    from deltaship.export import export
-    from deltaship.runtimes import open_bundle
+    from deltaship.compile import export
+    from deltaship.targets import open_bundle
 
     out = tmp_path / f"yarn-{target}"
     manifest = export(
@@ -251,7 +250,7 @@ def test_yarn_bundle_matches_transformers_past_the_original_context(target, yarn
 
 def test_executorch_layout_applies_the_attention_factor_on_rotary_channels_only():
     """XnnpackRotary's full-width cos/sin (and the rotate-half matmul) equal the canonical partial rotary."""
-    from deltaship.export.executorch.modules import (
+    from deltaship.lowering.executorch.modules import (
         XnnpackRotary,
         full_width_cos_scale,
         full_width_inv_freq,
@@ -497,7 +496,7 @@ def test_plan_context_is_checked(bad, match):
     ],
 )
 def test_kv_cache_option_accepts_what_the_target_stores(target, precision, options, kv, ok):
-    from deltaship.export import check_options
+    from deltaship.compile import check_options
     from deltaship.targets import get_target
 
     if ok:
@@ -514,7 +513,7 @@ def test_kv_cache_option_accepts_what_the_target_stores(target, precision, optio
 
 
 def test_kv_cache_option_is_checked_before_work_and_recorded(tmp_path):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     with pytest.raises(DeltashipError, match="unknown --kv-cache 'int2'"):
         export("qwen3.5-tiny", tmp_path / "a", kv_cache="int2", progress=False, verify=False)

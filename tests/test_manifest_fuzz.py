@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltaship.bundle import inspect, read_manifest, require_intact
-from deltaship.bundle.inspect import describe
+from deltaship.bundle import read_manifest, require_intact
+from deltaship.check.inspect import describe, inspect
 from deltaship.errors import DeltashipError
-from deltaship.runtimes import open_bundle, require_artifact
 from deltaship.runtimes.tokenizer import load_tokenizer
+from deltaship.targets import open_bundle, require_artifact
 
 TOKENIZER = Path(__file__).parents[1] / "deltaship" / "models" / "data" / "qwen3.5-tiny" / "tokenizer.json"
 PATHS = [

@@ -91,7 +91,7 @@ def test_profile_reads_the_peak_before_the_warm_loads(shared_export, monkeypatch
 def test_cpu_prefill_gives_the_arena_back_and_decode_does_not(shared_export):
     """A multi-token call on the CPU runs with arena shrinkage (a second prefill of the same length must not hold the
     first one's chunks and ORT's planned block at once); a decode step runs with none (it keeps the memory pattern)."""
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     bundle = shared_export("memory-plan-tiny-onnx-int4", "qwen3.5-tiny", target="onnx", precision="int4", verify=False)
     s = open_bundle(bundle, threads=1)

@@ -15,7 +15,7 @@ TINY_CHUNK = 16  # prefill chunk of the tiny bundles here: the long prompt spans
 @pytest.fixture(scope="module")
 def tiny_mtp(tmp_path_factory):
     """The trained tiny preset exported for ONNX with its MTP head, by precision (built on first use)."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     root = tmp_path_factory.mktemp("tiny-mtp")
     cache = {}
@@ -43,7 +43,7 @@ def tiny_mtp(tmp_path_factory):
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_speculative_greedy_equals_plain_greedy(tiny_mtp, precision):
     from deltaship.bundle import read_manifest, schema_problems
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     bundle = tiny_mtp(precision)
     assert not schema_problems(read_manifest(bundle))
@@ -67,8 +67,8 @@ def test_generate_cli_reports_acceptance(tiny_mtp):
 
 
 def test_speculative_sampling_runs_and_is_seeded(tiny_mtp):
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.speculative import generate_speculative
+    from deltaship.targets import open_bundle
 
     session = open_bundle(tiny_mtp("fp32"))
     a, _ = generate_speculative(session, code_prompt(7), 32, 2, temperature=0.8, top_k=20, seed=3, stop_at_eos=False)
@@ -106,10 +106,10 @@ def test_mtp_head_matches_transformers_reference(mtp_checkpoint, tmp_path):
     head built from transformers' Qwen3.5 decoder layer: fp32 logits within 2e-3 of the logit std."""
     import torch
 
-    from deltaship.export import export
-    from deltaship.export.reference import reference_mtp
+    from deltaship.compile import export
     from deltaship.models.source import load_source
-    from deltaship.runtimes import open_bundle
+    from deltaship.oracle.reference import reference_mtp
+    from deltaship.targets import open_bundle
 
     out = tmp_path / "b"
     export(str(mtp_checkpoint), out, target="onnx", max_context=64, prefill_chunk=8, mtp=True, progress=False)
@@ -136,7 +136,7 @@ def test_mtp_head_matches_transformers_reference(mtp_checkpoint, tmp_path):
 
 
 def test_inspect_reports_the_mtp_head(mtp_checkpoint, tiny_mtp):
-    from deltaship.bundle.inspect import describe, inspect
+    from deltaship.check.inspect import describe, inspect
 
     text = describe(inspect(tiny_mtp("fp32")))
     assert "mtp head    1 layer(s)" in text and "mtp.onnx" in text and "MiB read from the decoder's data file" in text
@@ -181,7 +181,7 @@ def test_bad_speculative_value():
 
 
 def test_export_mtp_without_a_head_names_the_option(checkpoints, tmp_path):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     with pytest.raises(DeltashipError) as e:
         export(str(checkpoints["base"]), tmp_path / "b", mtp=True, max_context=32, progress=False)
@@ -224,7 +224,7 @@ def test_published_presets_carry_a_random_mtp_head():
 
 
 def test_eval_reports_mtp_acceptance(tiny_mtp):
-    from deltaship.bundle.evaluate import evaluate
+    from deltaship.check.evaluate import evaluate
 
     res = evaluate(tiny_mtp("fp32"), tokens=96)
     m = res["mtp"]
@@ -237,7 +237,7 @@ def test_genai_runs_an_mtp_bundle_as_a_plain_one(tiny_mtp):
     """The verify I/O is invisible to a caller that knows nothing of it: onnxruntime-genai's own greedy loop gives
     deltaship's plain greedy tokens on the --mtp bundle (genai feeds num_logits_to_keep [0] by itself: the last row)."""
     og = pytest.importorskip("onnxruntime_genai", reason="optional runtime: pip install onnxruntime-genai==0.18.*")
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     bundle = tiny_mtp("int4")
     ids = code_prompt(20)
@@ -334,7 +334,7 @@ def test_profile_speculative_bad_input(tiny_mtp):
 def test_onnx_rollback_without_copies(tiny_mtp):
     """The ONNX session's snapshot copies nothing: a verify call writes the DeltaNet states out of place, and the
     restore puts the states before it back bit for bit; a restore across other calls is refused."""
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     s = open_bundle(tiny_mtp("fp32"))
     deltanet = [st["name"] for st in s.manifest["states"] if st["kind"].startswith("deltanet")]
@@ -362,7 +362,7 @@ def test_rollback_to_first_keeps_the_first_token_of_a_verify_call(tiny_mtp):
     rollback_to_first (a buffer swap), the session is where decoding that one token would have left it, and goes on
     the same. Refused after any other call, and on a bundle whose manifest lists no rollback outputs; a restore
     across a verify call that ran with no snapshot pending (it updates the states in place) is refused too."""
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     s = open_bundle(tiny_mtp("fp32"))
     deltanet = [st["name"] for st in s.manifest["states"] if st["kind"].startswith("deltanet")]
@@ -402,8 +402,8 @@ def test_rollback_to_first_keeps_the_first_token_of_a_verify_call(tiny_mtp):
 def test_rollback_outputs_leave_plain_decoding_as_it_was(tiny_mtp, tmp_path):
     """The --mtp graph splits each LinearAttention at the first token: plain prefill and decode give the logits of
     the bundle exported without --mtp, and its recurrent states stay updated in place (no copy per call)."""
-    from deltaship.export import export
-    from deltaship.runtimes import open_bundle
+    from deltaship.compile import export
+    from deltaship.targets import open_bundle
 
     plain = tmp_path / "plain"
     export("qwen3.5-tiny", plain, target="onnx", precision="fp32", max_context=256, prefill_chunk=TINY_CHUNK,
@@ -423,8 +423,8 @@ def test_rollback_outputs_leave_plain_decoding_as_it_was(tiny_mtp, tmp_path):
 def test_depth_one_rolls_back_without_snapshots(tiny_mtp):
     """At depth 1 every rejection is the first draft's: the driver keeps the call's first token (rollback_to_first)
     and never snapshots, restores or re-feeds; the tokens stay plain greedy's."""
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.speculative import generate_speculative
+    from deltaship.targets import open_bundle
 
     s = open_bundle(tiny_mtp("fp32"))
     calls = {"snapshot": 0, "restore": 0}
@@ -462,8 +462,8 @@ def test_imposed_acceptance_accepts_at_the_rate(tiny_mtp, rate):
     """The profile's imposed acceptance (timing a head that accepts nothing): the driver accepts drafts at the given
     rate, whatever the head drafted."""
     from deltaship.profiling.speculative import ImposedAcceptance
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.speculative import generate_speculative
+    from deltaship.targets import open_bundle
 
     s = ImposedAcceptance(open_bundle(tiny_mtp("fp32")), rate)
     drafted = accepted = 0
@@ -481,9 +481,9 @@ def test_executorch_int4_verification_reference_leaves_the_mtp_head_out():
     pytest.importorskip("executorch")
     from helpers import export_context
 
-    from deltaship.export.executorch.program import prepare
-    from deltaship.export.reference import matched_reference_model
+    from deltaship.lowering.executorch.program import prepare
     from deltaship.models.source import load_source
+    from deltaship.oracle.reference import matched_reference_model
 
     source = load_source("qwen3.5-tiny")
     ctx = export_context("qwen3.5-tiny", "int4", target="executorch", mtp=True)
@@ -497,7 +497,7 @@ def test_speculative_sessions_stop_spinning_between_calls(tiny_mtp, bundles):
     """The decoder and the draft head of an --mtp bundle take turns call after call: their ONNX Runtime threads stop
     spinning when a call returns (spinning, each took the cores from the other's call: docs/results/mtp.md); a
     plain bundle keeps ONNX Runtime's default."""
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     def stops(sess) -> bool:
         opts = sess.get_session_options()

@@ -29,7 +29,7 @@ def tiny_mtp_pte(shared_export):
 @pytest.mark.slow
 def test_et_speculative_greedy_equals_plain_greedy(tiny_mtp_pte):
     from deltaship.bundle import read_manifest, schema_problems
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     manifest = read_manifest(tiny_mtp_pte)
     assert not schema_problems(manifest)
@@ -52,7 +52,7 @@ def test_et_speculative_greedy_equals_plain_greedy(tiny_mtp_pte):
 def test_et_verify_writes_the_state_forward_reads(tiny_mtp_pte):
     """'verify' and 'forward' share their buffers: a prompt consumed by verify continues under forward exactly as
     one consumed by forward, and a snapshot/restore puts the DeltaNet buffers back bit for bit."""
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     session = open_bundle(tiny_mtp_pte)
     prompt = np.array(code_prompt(20), np.int64)
@@ -90,7 +90,7 @@ def test_et_generate_cli_reports_acceptance(tiny_mtp_pte):
 
 
 def test_every_target_takes_mtp():
-    from deltaship.export import check_options
+    from deltaship.compile import check_options
 
     for target in ("onnx", "executorch", "coreml"):  # Core ML: tests/test_coreml_mtp.py
         assert check_options(target, "fp32", 256, 32, False, None, {"mtp": True}).mtp

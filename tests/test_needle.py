@@ -20,7 +20,7 @@ TRIALS = 16
 
 @pytest.fixture(scope="module")
 def tiny_kv_bundles(tmp_path_factory):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     root = tmp_path_factory.mktemp("needle")
     for kv in ("fp32", "int8", "int4"):
@@ -32,7 +32,7 @@ def needle_cases(distance: int, trials: int, seed: int = 0) -> list[tuple[list[i
     """(prompt ids, needle ids) pairs: the needle, `distance` bytes of held-out Python, the question."""
     from tokenizers import Tokenizer
 
-    from deltaship.bundle.evaluate import HELDOUT
+    from deltaship.check.evaluate import HELDOUT
     from deltaship.models.trained import DATA
 
     text = HELDOUT.read_text(encoding="utf-8", errors="replace")
@@ -64,7 +64,7 @@ def retrieval(session, cases) -> tuple[float, float]:
 
 @pytest.mark.slow  # three exports and ~500 decode steps
 def test_needle_retrieval_survives_the_quantized_kv_cache(tiny_kv_bundles):
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     for distance in DISTANCES:
         cases = needle_cases(distance, TRIALS)

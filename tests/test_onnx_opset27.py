@@ -20,10 +20,10 @@ import onnx
 import pytest
 
 from deltaship.bundle import read_manifest, schema_problems
+from deltaship.compile import export
 from deltaship.errors import DeltashipUnavailable
-from deltaship.export import export
-from deltaship.runtimes import open_bundle
 from deltaship.runtimes.ort_worker import ENV
+from deltaship.targets import open_bundle
 
 ORT_VERSION = "1.32.0"
 GENAI_VERSION = "0.18.0"  # onnxruntime-genai drives the onnxruntime installed beside it
@@ -123,7 +123,7 @@ def test_opset27_graph_is_standard_onnx(tiny):
     assert m["lowering"]["conv_state_layout"] == "channels_first"
     assert "1.32" in m["app_runtimes"]["onnxruntime"] and "1.32" in m["app_runtimes"]["onnxruntime-genai"]
     assert m["app_runtimes"]["onnxruntime-node"].startswith("not run")
-    from deltaship.bundle.inspect import describe, inspect
+    from deltaship.check.inspect import describe, inspect
 
     text = describe(inspect(bundle))
     assert "runtime     opset 27: needs onnxruntime >=1.32" in text and "zeros/zeros channels_first" in text

@@ -1,7 +1,7 @@
 """Parity against transformers' Qwen3.5, for every target and precision, over the table of tiny configs.
 
 One runner serves all targets: each bundle runs in its own runtime (onnxruntime, ...). Tolerances
-come from deltaship.tolerances, the one table.
+come from deltaship.targets.tolerances, the one table.
 """
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ import pytest
 import torch
 from helpers import ALL_CONFIGS, export_context, reference, reference_greedy
 
-from deltaship.export.reference import matched_reference_model
-from deltaship.export.verify import compare, teacher_forced
+from deltaship.check.verify import compare, teacher_forced
 from deltaship.models.source import load_source
-from deltaship.runtimes import open_bundle
-from deltaship.targets import target_names
-from deltaship.tolerances import tolerance
+from deltaship.oracle.reference import matched_reference_model
+from deltaship.targets import open_bundle, target_names, tolerance
 
 TARGETS = list(target_names())
 CHUNK = 8  # the bundles fixture exports with prefill_chunk=8
@@ -160,7 +158,7 @@ def _matched_parity(bundle, ckpt, precision, tol, target="onnx", **opts) -> dict
     ctx = export_context(ckpt, precision, target=target, **opts)
     source = load_source(str(ckpt))
     if target == "executorch" and precision in ("int8", "int4"):  # torchao's rounding, redone (deterministic)
-        from deltaship.export.executorch.program import prepare
+        from deltaship.lowering.executorch.program import prepare
 
         prepare(ctx, source.weights)
     ref = matched_reference_model(source, ctx.plan, ctx.quant, precision, rounded=ctx.rounded)
@@ -258,8 +256,8 @@ def test_onnx_contrib_deltanet_ops_are_as_exact(config, bundles, refs):
 def test_reference_continuation_with_the_cache_is_the_uncached_one():
     """verify's reference continuation decodes with the cache (two passes over the prompt instead of steps + 1):
     the tokens and logit rows are those of the uncached loop, a full pass per token."""
-    from deltaship.export.reference import reference_model
-    from deltaship.export.verify import reference_continuation
+    from deltaship.check.verify import reference_continuation
+    from deltaship.oracle.reference import reference_model
 
     model = reference_model(load_source("qwen3.5-tiny"))
     rng = np.random.default_rng(5)

@@ -43,7 +43,7 @@ def test_a_device_tier_picks_what_fits_or_refuses_with_the_plan():
 
 
 def test_export_for_a_device_uses_the_pick(tmp_path):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     m = export("qwen3.5-tiny", tmp_path / "b", device="laptop-16gb", target="onnx", verify=False, progress=False)
     assert m["target"] == "onnx" and m["precision"] == "fp16" and m["max_context"] == 4096
@@ -149,9 +149,9 @@ def test_device_max_context_is_the_longest_that_fits(tmp_path):
 
 
 def test_export_for_a_device_writes_the_kv_cache_and_chunk_the_plan_picked(tmp_path):
+    from deltaship.compile import export
     from deltaship.devices.catalog import get_tier
     from deltaship.devices.plan import estimate
-    from deltaship.export import export
     from deltaship.models.presets import PRESETS
 
     spec = PRESETS["qwen3.5-tiny"].spec()
@@ -171,7 +171,7 @@ def test_max_context_max_needs_a_device(tmp_path):
     from deltaship.cli import main
 
     with pytest.raises(DeltashipError, match="--max-context max needs --device"):
-        from deltaship.export import export
+        from deltaship.compile import export
 
         export("qwen3.5-tiny", tmp_path / "b", max_context="max", verify=False, progress=False)
     assert not (tmp_path / "b").exists()
@@ -253,7 +253,7 @@ def test_a_chunk_below_the_measured_range_comes_after_a_quantized_kv_cache(tmp_p
 
 
 def test_export_device_options_carry_the_planned_chunk(tmp_path):
-    from deltaship.export import device_options
+    from deltaship.compile import device_options
     from deltaship.models.presets import PRESETS
 
     spec = PRESETS["qwen3.5-0.8b"].spec()

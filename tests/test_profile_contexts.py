@@ -13,7 +13,7 @@ CTX = 4096
 @pytest.fixture(scope="module")
 def tiny_long(tmp_path_factory):
     """The trained tiny preset as an ONNX bundle (fp32 KV cache, 2 KiB a token) at a context of 4096."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     out = tmp_path_factory.mktemp("longctx") / "tiny"
     export("qwen3.5-tiny", out, target="onnx", max_context=CTX, prefill_chunk=32, verify=False, progress=False)
@@ -35,7 +35,7 @@ def test_fill_reaches_the_depth_in_executorch(tiny_pte):
 
 def _fill_reaches_the_depth(bundle, depth: int, prefix: int = 16) -> None:
     from deltaship.profiling.longctx import SyntheticFill
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     session = open_bundle(bundle, threads=1, check_hashes=False)
     fill = SyntheticFill(session, prefix)

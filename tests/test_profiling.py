@@ -18,7 +18,7 @@ from deltaship.devices.catalog import load_catalog
 from deltaship.devices.plan import plan, weight_bytes
 from deltaship.errors import DeltashipError
 from deltaship.models.presets import PRESETS
-from deltaship.profiling.stats import ratio_ci, summarize
+from deltaship.stats import ratio_ci, summarize
 
 FAST = dict(prompt_lengths=[16, 40], gen=6, contexts=[8, 48], reps=3, warmups=1, min_seconds=0.1)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -27,7 +27,7 @@ SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/ss
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> Path:
-    from deltaship.export import export
+    from deltaship.compile import export
 
     out = tmp_path_factory.mktemp("prof") / "tiny"
     export("qwen3.5-tiny", out, max_context=64, prefill_chunk=32, progress=False, verify=False)
@@ -85,7 +85,7 @@ def test_plan_arithmetic_and_fit():
 
 def test_plan_weights_match_a_real_bundle(bundle, tmp_path):
     """The planner's weight bytes for ONNX fp32 and int4 equal the bundle's model file to within its graph."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     m = json.loads((bundle / "manifest.json").read_text())
     planned = weight_bytes(PRESETS["qwen3.5-tiny"].spec(), "onnx", "fp32")

@@ -83,7 +83,7 @@ def _tiny_graphs(tmp_path, max_context: int, chunk: int):
     """The tiny preset's QNN decode and prefill graphs (fp16), lowered from the ONNX target's passes."""
     from helpers import export_context
 
-    from deltaship.export.qnn.model import lower_decode, lower_prefill
+    from deltaship.lowering.qnn.model import lower_decode, lower_prefill
     from deltaship.models.source import load_source
 
     ctx = export_context("qwen3.5-tiny", "fp16", max_context=max_context)
@@ -96,8 +96,8 @@ def _tiny_graphs(tmp_path, max_context: int, chunk: int):
 def _fp32_greedy(tmp_path, prompts: list[list[int]], new_tokens: int, max_context: int, logits_after=None):
     """Greedy tokens of the tiny preset's fp32 ONNX bundle (the ONNX target, CPU); each prompt's logits after its
     last token are appended to `logits_after` when given."""
-    from deltaship.export import export
-    from deltaship.runtimes import open_bundle
+    from deltaship.compile import export
+    from deltaship.targets import open_bundle
 
     bundle = tmp_path / "fp32"
     export("qwen3.5-tiny", bundle, target="onnx", precision="fp32", max_context=max_context, progress=False)
@@ -131,8 +131,8 @@ def test_qnn_decode_graph_is_static_and_standard(tiny_decode):
 
 
 def test_qnn_lowering_table_covers_every_canonical_op():
-    from deltaship.export.onnx.lowering import LOWERINGS
-    from deltaship.export.qnn.lowering import QNN_LOWERINGS
+    from deltaship.lowering.onnx.lowering import LOWERINGS
+    from deltaship.lowering.qnn.lowering import QNN_LOWERINGS
     from deltaship.models.ops import CANONICAL_OPS
 
     assert not QNN_LOWERINGS.missing(CANONICAL_OPS.values())

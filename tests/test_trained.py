@@ -13,8 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from train_tiny import corpus_files, is_heldout  # noqa: E402  (the training script, outside the package)
 
-from deltaship.bundle.evaluate import HELDOUT, evaluate
-from deltaship.export import export
+from deltaship.check.evaluate import HELDOUT, evaluate
+from deltaship.compile import export
 from deltaship.models.source import load_source
 
 

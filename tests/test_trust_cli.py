@@ -26,7 +26,7 @@ from deltaship.errors import DeltashipError
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> Path:
-    from deltaship.export import export
+    from deltaship.compile import export
 
     out = tmp_path_factory.mktemp("trust-cli") / "tiny"
     export("qwen3.5-tiny", out, target="onnx", precision="fp32", max_context=96, verify=False, progress=False)
@@ -189,7 +189,7 @@ def test_disk_full_while_writing_logits_is_exit_3_and_leaves_nothing(bundle, tmp
 
 
 def _inspect_raises(monkeypatch, exc: BaseException) -> None:
-    module = importlib.import_module("deltaship.bundle.inspect")
+    module = importlib.import_module("deltaship.check.inspect")
 
     def boom(bundle):
         raise exc
@@ -245,7 +245,7 @@ def test_debug_prints_the_traceback(how, capsys, monkeypatch):
 
 
 SHORT_INSPECT = (  # inspect with a one-line description: it stays in stdout's buffer until the last flush
-    "import importlib, sys; m = importlib.import_module('deltaship.bundle.inspect'); "
+    "import importlib, sys; m = importlib.import_module('deltaship.check.inspect'); "
     "m.describe = lambda info: 'one line'; from deltaship.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 
@@ -310,7 +310,7 @@ def test_api_generate_refuses_what_the_cli_refuses(bundle, kwargs, needle):
 
 def test_api_load_export_profile_raise_deltaship_errors(bundle, tmp_path):
     from deltaship.commands import evaluate, profile
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     with pytest.raises(DeltashipError, match="no manifest.json"):
         deltaship.load(tmp_path / "missing")

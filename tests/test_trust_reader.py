@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from deltaship.bundle import inspect, read_manifest, require_intact
+from deltaship.bundle import read_manifest, require_intact
+from deltaship.check.inspect import inspect
 from deltaship.commands import generate
 from deltaship.errors import DeltashipError
-from deltaship.runtimes import open_bundle
 from deltaship.runtimes.tokenizer import load_tokenizer
+from deltaship.targets import open_bundle
 
 ROOT = Path("/etc/passwd")
 
@@ -170,7 +171,7 @@ def test_manifest_values_are_validated_by_every_reader(tiny, tmp_path, change, m
         assert "does not follow the bundle schema" in e.value.message
     info = inspect(b)
     assert not info["intact"] and any(p for p in info["problems"] if "manifest" in p)
-    from deltaship.bundle.inspect import describe
+    from deltaship.check.inspect import describe
 
     assert "FAILED" in describe(info)  # the human form of a broken manifest is a report, not a KeyError
 

@@ -104,8 +104,8 @@ def test_mtp_head_and_vision_tower_are_checked(tmp_path):
 def test_nonfinite_reference_is_not_blamed_on_deltaship(good, tmp_path, monkeypatch):
     """transformers' logits NaN (as on a checkpoint that overflows in fp32): the error says the reference is
     non-finite and points at the checkpoint; it never says "deltaship bug"."""
-    import deltaship.export.verify as verify
-    from deltaship.export import export
+    import deltaship.check.verify as verify
+    from deltaship.compile import export
 
     real = verify.reference_continuation
 
@@ -127,8 +127,8 @@ def test_nonfinite_reference_is_not_blamed_on_deltaship(good, tmp_path, monkeypa
 def test_nonfinite_bundle_logits_are_named(good, tmp_path, monkeypatch):
     """Bundle logits with NaN where the reference's are finite: the message names the output, the first row
     (prefill or decode step) and the counts, before any generic parity message."""
-    import deltaship.export.verify as verify
-    from deltaship.export import export
+    import deltaship.check.verify as verify
+    from deltaship.compile import export
 
     real = verify.teacher_forced
 
@@ -147,7 +147,7 @@ def test_nonfinite_bundle_logits_are_named(good, tmp_path, monkeypatch):
 
 
 def test_fp32_bar():
-    from deltaship.tolerances import FP32_REACH_FACTOR, fp32_bar
+    from deltaship.targets.tolerances import FP32_REACH_FACTOR, fp32_bar
 
     assert fp32_bar(1e-3, None).which == "table" and fp32_bar(1e-3, None).value == 1e-3
     assert fp32_bar(1e-3, 1e-6).value == 1e-3 and fp32_bar(1e-3, 1e-6).which == "table"
@@ -160,7 +160,7 @@ def test_fp32_bar():
 def _perturb_lowering(monkeypatch, part: str, scale: float) -> None:
     """A lowering bug: the bundle's copy of one tensor (every tensor whose name holds `part`) scaled; the reference
     reads the checkpoint and is unaffected."""
-    from deltaship.export.weight_plan import WeightPlan
+    from deltaship.lowering.weight_plan import WeightPlan
 
     real = WeightPlan.tensor
 
@@ -177,8 +177,8 @@ def test_wrong_bundle_fails_with_the_fp32_bar_measured(good, tmp_path, monkeypat
     fp32's reach is measured (the float64 reference), and the message names the bar it missed with both numbers;
     a bar as loose as the table's with fp32's reach faked large would let it through (the failure comes from the
     bar)."""
-    import deltaship.export.verify as verify
-    from deltaship.export import export
+    import deltaship.check.verify as verify
+    from deltaship.compile import export
 
     _perturb_lowering(monkeypatch, "layers.1.mlp.down_proj", 1.02)
     with pytest.raises(DeltashipError) as e:
@@ -194,8 +194,8 @@ def test_wrong_bundle_fails_with_the_fp32_bar_measured(good, tmp_path, monkeypat
 
 def test_passing_fp32_verification_measures_nothing_more(good, tmp_path, monkeypatch):
     """The common path pays nothing: a passing fp32 verification never builds the float64 reference."""
-    import deltaship.export.verify as verify
-    from deltaship.export import export
+    import deltaship.check.verify as verify
+    from deltaship.compile import export
 
     def boom(*a, **k):
         raise AssertionError("fp32_reach ran on a passing verification")
@@ -229,7 +229,7 @@ def _vision_checkpoint(d: Path, std: float, seed: int) -> Path:
 
 
 def _vision_bundle(ckpt: Path, out: Path) -> Path:
-    from deltaship.export import export
+    from deltaship.compile import export
 
     export(str(ckpt), out, max_context=128, prefill_chunk=8, progress=False, vision=True, verify=False)
     return out
@@ -242,7 +242,7 @@ def test_large_init_vision_refusal_names_both_bars(tmp_path):
     float64 by ~6e-6, so this is not fp32 noise and stays refused; the message names the table's bar and the
     fp32-reachable one, with both numbers."""
     from deltaship.bundle import read_manifest
-    from deltaship.export.verify_vision import verify_vision
+    from deltaship.check.vision import verify_vision
     from deltaship.models.source import load_source
 
     ckpt = _vision_checkpoint(tmp_path / "ckpt", 1.5, 1)
@@ -259,7 +259,7 @@ def test_large_init_vision_refusal_names_both_bars(tmp_path):
 def test_vision_fp32_bar_relaxes_and_a_wrong_tower_still_fails(tmp_path, monkeypatch):
     """Where fp32 reaches far (faked: fp32_reach large), a vision bundle under that bar passes and the record says
     which bar; a tower with one weight off by 2% still fails with fp32's reach measured for real."""
-    import deltaship.export.verify_vision as vv
+    import deltaship.check.vision as vv
     from deltaship.bundle import read_manifest
     from deltaship.models.source import load_source
     from deltaship.models.vision import VisionWeights

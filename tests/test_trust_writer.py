@@ -228,7 +228,7 @@ def test_sigkill_at_each_write_stage_is_recovered_by_the_next_run(bundle, capsys
 
 # ---- the machine's errors ---------------------------------------------------------------------------------
 def test_disk_full_is_one_line_exit_3_and_the_old_bundle_stays(bundle, capsys, monkeypatch):
-    import deltaship.export as ex
+    import deltaship.compile as ex
 
     before = tree_digest(bundle)
 
@@ -259,7 +259,7 @@ def test_memory_error_while_writing_is_exit_3(tmp_path, capsys, monkeypatch):
 def test_export_whose_plan_passes_the_memory_limit_is_refused_before_work(tmp_path, capsys, monkeypatch):
     fake = [limits.Limit("cgroup memory.max (fake)", 600 << 20, 500 << 20)]  # leaves 100 MiB
     monkeypatch.setattr(limits, "memory_limits", lambda: fake)
-    import deltaship.export.passes as passes
+    import deltaship.lowering.passes as passes
 
     monkeypatch.setattr(passes, "run_pipeline", lambda *a, **k: pytest.fail("the export started"))
     rc = main(["export", "--model", "qwen3.5-tiny", "--out", str(tmp_path / "b"), "--max-context", "128"])

@@ -125,7 +125,7 @@ def vl_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vl_bundle(vl_checkpoint, tmp_path_factory) -> Path:
     from deltaship.bundle import read_manifest, schema_problems
-    from deltaship.export import export
+    from deltaship.compile import export
 
     out = tmp_path_factory.mktemp("vlb") / "bundle"
     # verified at export: the text path, then image + text prompts against transformers (vision.verification)
@@ -190,8 +190,8 @@ def test_vision_graph_computes_the_grid_tensors(grid, tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto
 
-    from deltaship.export.onnx.builder import GraphBuilder
-    from deltaship.export.onnx.vision import _grid_tensors
+    from deltaship.lowering.onnx.builder import GraphBuilder
+    from deltaship.lowering.onnx.vision import _grid_tensors
 
     spec = VisionSpec.from_config({"model_type": "qwen3_5", "vision_config": VISION} | TOKENS)
     b = GraphBuilder()
@@ -233,7 +233,7 @@ def test_mrope_section_must_fit_the_rotary():
 
 
 def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
-    from deltaship.export import export
+    from deltaship.compile import export
 
     with pytest.raises(DeltashipError, match="fp32 or fp16 only"):  # the published-shape preset's tower is found
         export("qwen3.5-0.8b", tmp_path / "a", precision="int8", vision=True, verify=False, progress=False)
@@ -345,8 +345,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_image_generation_matches_transformers(case, vl_bundle, hf_model):
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.vision import Multimodal
+    from deltaship.targets import open_bundle
 
     images = [_image(h, w, seed=i + h) for i, (h, w) in enumerate(CASES[case])]
     mm = Multimodal(open_bundle(vl_bundle))
@@ -374,8 +374,8 @@ def test_video_matches_transformers(n_frames, vl_bundle, hf_model):
     pair, against transformers' video path (its get_rope_index splits video_grid_thw per temporal patch)."""
 
     from deltaship.models.vision import preprocess_frames
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.vision import Multimodal
+    from deltaship.targets import open_bundle
 
     mm = Multimodal(open_bundle(vl_bundle))
     frames = [np.asarray(_image(64, 96, seed=5 + i)) for i in range(n_frames)]
@@ -551,12 +551,11 @@ def test_fp16_vision_bundle_verifies(target, vl_checkpoint, hf_model, tmp_path):
     4-frame video prompt match that reference."""
 
     from deltaship.bundle import read_manifest, schema_problems
-    from deltaship.export import export
-    from deltaship.export.verify_vision import round_to_fp16
+    from deltaship.check.vision import round_to_fp16
+    from deltaship.compile import export
     from deltaship.models.vision import preprocess_frames
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.vision import Multimodal
-    from deltaship.tolerances import tolerance
+    from deltaship.targets import open_bundle, tolerance
 
     out = tmp_path / "fp16"
     if target == "executorch":
@@ -583,8 +582,8 @@ def test_fp16_vision_bundle_verifies(target, vl_checkpoint, hf_model, tmp_path):
 
 def test_mrope_positions_matter(vl_bundle, monkeypatch):
     """Feeding the image span 1-D positions changes the logits far past the tolerance: the 3-row path is live."""
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.vision import Multimodal
+    from deltaship.targets import open_bundle
 
     mm = Multimodal(open_bundle(vl_bundle))
     im = preprocess_image(_image(160, 96, seed=1), mm.pre)
@@ -599,7 +598,7 @@ def test_mrope_positions_matter(vl_bundle, monkeypatch):
 
 def test_text_prompt_on_vision_bundle_takes_the_text_graph(vl_bundle, bundles):
     from deltaship.bundle import read_manifest
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     m = read_manifest(vl_bundle)
     assert m["entry"] == "model.onnx" and m["vision"]["graphs"]["decoder"] == "decoder_mm.onnx"
@@ -703,7 +702,7 @@ def test_executorch_vision_encoder(vl_checkpoint, hf_model, tmp_path):
     import torch
     from executorch.runtime import Runtime
 
-    from deltaship.export.executorch.vision import INPUTS, METHOD, lower_vision_pte
+    from deltaship.lowering.executorch.vision import INPUTS, METHOD, lower_vision_pte
 
     spec, weights, cases = _tower_cases(vl_checkpoint)
     info = lower_vision_pte(spec, weights, tmp_path / "vision.pte", max_patches=256)
@@ -718,9 +717,9 @@ def test_executorch_vision_encoder(vl_checkpoint, hf_model, tmp_path):
 def test_executorch_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_path):
     """An ExecuTorch bundle with --vision: vision.pte's vision_encoder, token_embedding and text_decoder give
     transformers' greedy tokens for two images, with prefill chunk boundaries inside the second image's span."""
-    from deltaship.export import export
-    from deltaship.runtimes import open_bundle
+    from deltaship.compile import export
     from deltaship.runtimes.vision import ExecuTorchMultimodal, Multimodal
+    from deltaship.targets import open_bundle
 
     out = tmp_path / "et"
     m = export(str(vl_checkpoint), out, target="executorch", max_context=128, prefill_chunk=8, progress=False,
@@ -757,7 +756,7 @@ def test_preset_reference_holds_the_preset_tower(tiny_vl_preset):
     the canonical module on the preset's random vision weights."""
     import torch
 
-    from deltaship.export.verify_vision import preset_reference
+    from deltaship.check.vision import preset_reference
     from deltaship.models.qwen3_5_vision import load_tower
     from deltaship.models.source import load_source
     from deltaship.models.vision import VisionWeights, encoder_inputs, vision_spec_of
@@ -778,7 +777,7 @@ def test_preset_reference_holds_the_preset_tower(tiny_vl_preset):
 def test_random_preset_exports_and_verifies_with_vision(tiny_vl_preset, tmp_path):
     """export --vision from a random-weights preset (no checkpoint directory): preprocessor synthesized, the
     image prompts verified against transformers holding the same random weights."""
-    from deltaship.export import export
+    from deltaship.compile import export
 
     manifest = export(tiny_vl_preset, tmp_path / "b", vision=True, progress=False)
     assert manifest["vision"]["verification"]["status"] == "passed"

@@ -176,7 +176,7 @@ def train_mtp(
     """Train the multi-token-prediction head of the checkpoint in `out` (the trunk frozen) on the same split, then
     re-save its safetensors with the `mtp.*` tensors and `mtp_num_hidden_layers: 1` in config.json.
 
-    The head (deltaship.export.reference.ReferenceMTP: transformers' Qwen3.5 norms and decoder layer) learns to
+    The head (deltaship.oracle.reference.ReferenceMTP: transformers' Qwen3.5 norms and decoder layer) learns to
     predict the token two positions on from the trunk's final-normed hidden state and the next token."""
     import logging
 
@@ -184,9 +184,9 @@ def train_mtp(
 
     for name in ("torchao", "torch.utils._pytree", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    from deltaship.export.reference import ReferenceMTP, reference_model
     from deltaship.models.safetensors_io import SafetensorsFile, write_safetensors
     from deltaship.models.source import load_source
+    from deltaship.oracle.reference import ReferenceMTP, reference_model
 
     t_start = time.monotonic()
     torch.manual_seed(seed)
@@ -232,8 +232,8 @@ def train_mtp(
     save_head()
     import tempfile
 
-    from deltaship.export import export
-    from deltaship.runtimes import open_bundle
+    from deltaship.compile import export
+    from deltaship.targets import open_bundle
 
     tmp = Path(tempfile.mkdtemp(prefix="deltaship-mtp-train-"))
     export(

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deltaship.bundle.evaluate import HELDOUT
-from deltaship.export import export
-from deltaship.export.reference import reference_model
-from deltaship.export.verify import log_softmax
+from deltaship.check.evaluate import HELDOUT
+from deltaship.check.verify import log_softmax
+from deltaship.compile import export
 from deltaship.models.source import load_source
-from deltaship.runtimes import open_bundle
+from deltaship.oracle.reference import reference_model
 from deltaship.runtimes.tokenizer import load_tokenizer
+from deltaship.targets import open_bundle
 
 
 def main() -> int:

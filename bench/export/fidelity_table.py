@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deltaship.bundle.evaluate import evaluate
-from deltaship.export import export
+from deltaship.check.evaluate import evaluate
+from deltaship.compile import export
 
 TARGETS = ("onnx", "executorch", "coreml")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")

@@ -48,7 +48,7 @@ def code_prompt(n: int) -> list[int]:
 
 
 def export_all(work: Path, only: list[str] | None) -> None:
-    from deltaship.export import export
+    from deltaship.compile import export
 
     for name, (model, precision, opts) in BUNDLES.items():
         out = work / name
@@ -74,7 +74,7 @@ REHEARSE = False  # --rehearse: every "cuda" session on the CPU provider (the gr
 
 
 def _open(bundle: Path, provider: str, graph: bool = False):
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     if REHEARSE:  # a run of this script's own code on a machine without a GPU, as tests/test_cuda_graph.py does
         s = open_bundle(bundle)

@@ -33,12 +33,11 @@ def _case_name(precision: str, opts: dict) -> str:
 
 
 def parity(out: Path) -> dict:
-    from deltaship.export import export
-    from deltaship.export.reference import reference_model
-    from deltaship.export.verify import compare, default_prompts, fidelity, reference_continuation, teacher_forced
+    from deltaship.check.verify import compare, default_prompts, fidelity, reference_continuation, teacher_forced
+    from deltaship.compile import export
     from deltaship.models.source import load_source
-    from deltaship.runtimes import open_bundle
-    from deltaship.tolerances import tolerance
+    from deltaship.oracle.reference import reference_model
+    from deltaship.targets import open_bundle, tolerance
 
     source = load_source("qwen3.5-tiny")
     ref = reference_model(source)

@@ -35,10 +35,10 @@ def main() -> int:
     a = p.parse_args()
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from deltaship.export.reference import recompute_rotary
-    from deltaship.hf.compat import CACHE_NAME, output_cache  # transformers 5.24 renamed past_key_values
     from deltaship.models import qwen3_5 as fam
     from deltaship.models.presets import get_preset
+    from deltaship.oracle.compat import CACHE_NAME, output_cache  # transformers 5.24 renamed past_key_values
+    from deltaship.oracle.reference import recompute_rotary
 
     spec = get_preset(a.model).spec()
     cfg = Qwen3_5TextConfig(**fam.hf_config(spec))

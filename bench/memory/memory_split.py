@@ -116,7 +116,7 @@ def worker(a) -> int:
     step("import onnxruntime")
     import deltaship.runtimes.onnx as onnx_rt
     from deltaship.bundle.reader import read_manifest
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     step("import deltaship runtime")
     bundle = Path(a.bundle)

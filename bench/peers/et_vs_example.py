@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deltaship.profiling.stats import ratio_ci, summarize
+from deltaship.stats import ratio_ci, summarize
 
 HERE = Path(__file__).parent  # et_worker.py
 TOOLS = HERE.parent / "tools"  # make_checkpoint.py

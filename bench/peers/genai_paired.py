@@ -50,7 +50,7 @@ def worker(conn, bundle: str, threads: int, runtime: str, reopen: int = 0) -> No
     metric before it measures prefill and decode."""
     import gc
 
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     kwargs = {"runtime": "genai"} if runtime == "genai" else {}
     for _ in range(reopen):
@@ -102,7 +102,7 @@ def main() -> int:
         }
         run = {name: r.run for name, r in remotes.items()}
     else:
-        from deltaship.runtimes import open_bundle
+        from deltaship.targets import open_bundle
 
         sessions = {
             "own": open_bundle(a.bundle, threads=a.threads, check_hashes=False),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deltaship.profiling.stats import ratio_ci, summarize
+from deltaship.stats import ratio_ci, summarize
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"  # make_checkpoint.py, peer_worker.py, bandwidth.py
 sys.path.insert(0, str(TOOLS))

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from deltaship.bundle.reader import read_manifest
-from deltaship.export import export
+from deltaship.compile import export
 from deltaship.runtimes.onnx import OnnxSession
 
 

@@ -19,9 +19,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from deltaship.compile import export
 from deltaship.devices.catalog import load_catalog
 from deltaship.devices.plan import format_table, overhead_bytes, plan, state_bytes, weight_bytes
-from deltaship.export import export
 from deltaship.models.presets import PRESETS
 from deltaship.profiling.profile import profile
 from deltaship.profiling.report import format_results

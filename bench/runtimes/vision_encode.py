@@ -36,7 +36,7 @@ from deltaship.models.vision import (
     preprocess_image,
     vision_spec_of,
 )
-from deltaship.profiling.stats import summarize
+from deltaship.stats import summarize
 
 
 def machine() -> str:
@@ -63,7 +63,7 @@ def bench_model(name: str, sizes: list[int], reps: int, threads: int, executorch
     import onnxruntime as ort
     from PIL import Image
 
-    from deltaship.export.onnx.vision import build_vision
+    from deltaship.lowering.onnx.vision import build_vision
 
     source = load_source(name)
     spec = vision_spec_of(source)
@@ -92,7 +92,7 @@ def bench_model(name: str, sizes: list[int], reps: int, threads: int, executorch
         import torch
         from executorch.runtime import Runtime
 
-        from deltaship.export.executorch.vision import INPUTS, lower_vision_pte
+        from deltaship.lowering.executorch.vision import INPUTS, lower_vision_pte
 
         pte = tmp / f"{name}-vision.pte"
         t = time.perf_counter()

@@ -25,8 +25,8 @@ def worker(bundle: str, spin: bool, gen: int, acceptance: float) -> dict:
 
     import deltaship.runtimes.onnx as onnx_runtime
     from deltaship.profiling.speculative import ImposedAcceptance
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.speculative import generate_speculative
+    from deltaship.targets import open_bundle
 
     options = onnx_runtime._options
 

@@ -35,7 +35,7 @@ def now() -> float:
 
 class Deltaship:
     def __init__(self, path: str, threads: int):
-        from deltaship.runtimes import open_bundle
+        from deltaship.targets import open_bundle
 
         self.s = open_bundle(path, threads=threads, check_hashes=False)
 
@@ -52,7 +52,7 @@ class Transformers:
         import torch
         from transformers import Qwen3_5ForCausalLM
 
-        from deltaship.hf.compat import CACHE_NAME, output_cache  # transformers 5.24 renamed past_key_values
+        from deltaship.oracle.compat import CACHE_NAME, output_cache  # transformers 5.24 renamed past_key_values
 
         self.cache_name, self.output_cache = CACHE_NAME, output_cache
         torch.set_num_threads(threads)

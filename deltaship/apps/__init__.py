@@ -19,7 +19,7 @@ from deltaship.bundle.destination import Destination
 from deltaship.bundle.format import TARGET_TITLES, a_bundle
 from deltaship.bundle.writer import write_dir
 from deltaship.errors import DeltashipError
-from deltaship.runtimes import require_artifact
+from deltaship.targets import require_artifact
 
 PLATFORMS = ("android", "ios", "web", "desktop")
 KIT_RECORD = "kit.json"

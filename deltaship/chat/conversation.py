@@ -71,7 +71,7 @@ class Chat:
         if isinstance(session_or_bundle, Session):
             self.session = session_or_bundle
         else:
-            from deltaship.runtimes import open_bundle
+            from deltaship.targets import open_bundle
 
             self.session = open_bundle(session_or_bundle, threads=threads)
         s = self.session

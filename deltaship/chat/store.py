@@ -185,7 +185,7 @@ def load_chat(path: Path, session_or_bundle, **kwargs: Any):
     if isinstance(session_or_bundle, Session):
         session = session_or_bundle
     else:
-        from deltaship.runtimes import open_bundle
+        from deltaship.targets import open_bundle
 
         session = open_bundle(session_or_bundle, threads=kwargs.pop("threads", None))
     state, cps = _checked_state(path, meta, tensors, session)
@@ -275,7 +275,7 @@ def write_prompt_cache(
     """Feed the system message in the bundle being built and save that state into it (PROMPT_CACHE_FILE); return
     the manifest's chat.prompt_cache record. `manifest` is the provisional one, with every file but the cache."""
     from deltaship.chat.conversation import Chat
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     session = open_bundle(bundle_dir, threads=threads)
     chat = Chat(session, system=system, template_kwargs=template_kwargs, prompt_cache=False)

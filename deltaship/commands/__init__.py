@@ -6,12 +6,12 @@ API too. Each imports its toolchain only when called.
 
 from __future__ import annotations
 
-from deltaship.bundle.evaluate import evaluate
-from deltaship.bundle.inspect import describe, inspect
+from deltaship.check.evaluate import evaluate
+from deltaship.check.inspect import describe, inspect
 from deltaship.commands.chat import chat
 from deltaship.commands.generate import generate
+from deltaship.compile import export
 from deltaship.devices.plan import plan
-from deltaship.export import export
 from deltaship.profiling.profile import profile
 
 __all__ = ["export", "generate", "chat", "inspect", "describe", "plan", "profile", "evaluate"]

@@ -74,7 +74,7 @@ def _locked(session: str | Path | None):
 def _open(bundle, system: str | None, session, kwargs: dict, threads: int | None):
     """The conversation: loaded from the session file if it exists, else new (and saved there at once)."""
     from deltaship.chat import Chat
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     sess = open_bundle(bundle, threads=threads)
     if session is not None and Path(session).exists():

@@ -11,8 +11,8 @@ import numpy as np
 
 from deltaship import options
 from deltaship.errors import DeltashipError
-from deltaship.runtimes import open_bundle, text_runtime
 from deltaship.runtimes.tokenizer import load_tokenizer
+from deltaship.targets import open_bundle, text_runtime
 
 
 def parse_ids(text: str) -> list[int]:

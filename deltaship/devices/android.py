@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from deltaship.devices.discovery import adb_fingerprint
 from deltaship.errors import DeltashipError
-from deltaship.profiling.stats import summarize
+from deltaship.stats import summarize
 
 REMOTE_ROOT = "/data/local/tmp/deltaship"
 

@@ -711,7 +711,7 @@ VERIFY_RUNTIME_BYTES = 200 << 20  # the runtime's own libraries and buffers in t
 def export_peak_bytes(spec: ModelSpec, target: str, precision: str, verify: bool, budget: int | None = None) -> int:
     """The resident peak of `deltaship export` (an estimate fitted to docs/results/export-memory.md). With
     verification add the bundle's session and the fp32 transformers reference, which export skips (and so does
-    this estimate) when it needs more than 0.6 of `budget`, as deltaship.export.verify.reference_fits does."""
+    this estimate) when it needs more than 0.6 of `budget`, as deltaship.check.verify.reference_fits does."""
     fp16 = 2 * spec.parameter_count()["total"]
     peak = EXPORT_BASE_BYTES + int(EXPORT_WEIGHT_FACTOR.get(target, 1.2) * fp16)
     if verify:

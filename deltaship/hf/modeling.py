@@ -26,7 +26,7 @@ from transformers import (
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from deltaship.errors import DeltashipError
-from deltaship.hf.compat import CACHE_NAME
+from deltaship.oracle.compat import CACHE_NAME
 
 
 class DeltashipConfig(PretrainedConfig):
@@ -115,7 +115,7 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
         **session_options: Any,
     ) -> "DeltashipModelForCausalLM":
         """Open a bundle directory (manifest.json + artifact) for generation; its files are checked first."""
-        from deltaship.runtimes import open_bundle
+        from deltaship.targets import open_bundle
 
         path = Path(bundle_dir)
         if not (path / "manifest.json").is_file():

@@ -90,7 +90,7 @@ class SourceModule(nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError(
             f"{type(self).__name__} is the checkpoint's layout and cannot run; "
-            "run the export passes (deltaship.export.passes) first"
+            "run the export passes (deltaship.lowering.passes) first"
         )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
+# held-out text (not trained on) for fidelity, KV calibration, draft-vocabulary ranking and acceptance
+HELDOUT = DATA / "qwen3.5-tiny" / "heldout.txt"
 
 
 def checkpoint_dir(preset: str) -> Path | None:

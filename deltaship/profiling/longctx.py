@@ -185,7 +185,7 @@ def sweep(
     prefix: int = PREFIX,
 ) -> list[dict[str, Any]]:
     """decode_latency_s and rss_bytes at each depth (increasing), after the synthetic fill; raw records."""
-    from deltaship.profiling.stats import summarize
+    from deltaship.stats import summarize
 
     manifest = session.manifest
     memory = manifest.get("memory") or {}

@@ -279,7 +279,7 @@ def profile(
                 "profile a Core ML bundle on a Mac, or export for onnx/executorch (a --mtp Core ML bundle's "
                 "`deltaship profile BUNDLE --speculative mtp` runs here, through coremltools' evaluator)",
             )
-        from deltaship.runtimes import text_runtime
+        from deltaship.targets import text_runtime
 
         text = text_runtime(path, runtime)
         if text is not None:  # a runtime that takes text (ExecuTorch's C++ LLM runner): its own stats
@@ -294,7 +294,7 @@ def profile(
                 doc["runtime"] = out["runtime"]
             return _finish(doc, t, json_out, report)
         if provider != "cpu" or runtime is not None:
-            from deltaship.runtimes import open_bundle
+            from deltaship.targets import open_bundle
 
             # fails here, clearly, if it cannot run
             open_bundle(path, provider=provider, runtime=runtime, check_hashes=False)
@@ -415,7 +415,7 @@ def load_records(path: str | Path) -> dict[str, Any]:
 
 def compare(a: str | Path, b: str | Path) -> list[dict[str, Any]]:
     """B relative to A for every metric both have: ratio of medians with a bootstrap 95% interval."""
-    from deltaship.profiling.stats import ratio_ci
+    from deltaship.stats import ratio_ci
 
     da, db = load_records(a), load_records(b)
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from deltaship.errors import DeltashipError
+from deltaship.models.trained import HELDOUT
 
 # the trained tiny head's measured depth-1 acceptance (int4 ONNX, 8 held-out prompts x 128 greedy tokens)
 PROJECTION_ACCEPTANCE = 0.75
@@ -40,7 +41,6 @@ PROJECTION_SOURCE = (
 )
 PROMPTS = 8
 PROMPT_BYTES = 64
-HELDOUT = Path(__file__).resolve().parent.parent / "models" / "data" / "qwen3.5-tiny" / "heldout.txt"
 
 
 def random_weights(manifest: dict[str, Any]) -> bool:
@@ -202,10 +202,10 @@ class ImposedAcceptance:
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """In a fresh process: open the bundle, measure the costs and the generation, return records and a summary."""
     from deltaship.bundle.reader import read_manifest
-    from deltaship.profiling.stats import ratio_ci
     from deltaship.profiling.worker import now, record, repeat
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.speculative import generate_speculative, require_speculative, rolls_back_to_first
+    from deltaship.stats import ratio_ci
+    from deltaship.targets import open_bundle
 
     bundle, threads, depth = Path(cfg["bundle"]), cfg.get("threads"), int(cfg["depth"])
     warmups, reps, min_s = cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 2.0)

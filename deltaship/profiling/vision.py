@@ -117,8 +117,8 @@ def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from deltaship.models.vision import preprocess_image
     from deltaship.profiling.worker import now, peak_rss_bytes, record, repeat, rss_bytes
-    from deltaship.runtimes import open_bundle
     from deltaship.runtimes.vision import Multimodal
+    from deltaship.targets import open_bundle
 
     rep = (cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 1.0))
     name = cfg["image"]

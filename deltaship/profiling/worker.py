@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from deltaship.profiling.stats import summarize
+from deltaship.stats import summarize
 
 SCHEMA_VERSION = 1
 
@@ -153,7 +153,7 @@ def record(metric: str, unit: str, samples: list[float], **where: Any) -> dict[s
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     from deltaship.bundle.reader import read_manifest
-    from deltaship.runtimes import open_bundle
+    from deltaship.targets import open_bundle
 
     bundle, threads = cfg["bundle"], cfg.get("threads")
     warmups, reps, min_s = cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 1.0)

@@ -89,7 +89,7 @@ class _CoreMLBase(CoreMLSpeculation, Session):
 
 
 class CoreMLEvalSession(_CoreMLBase):
-    """Linux: the converted program, evaluated op by op (deltaship.export.coreml.mil_eval)."""
+    """Linux: the converted program, evaluated op by op (deltaship.runtimes.mil_eval)."""
 
     latency_note = (
         "the saved ML program evaluated op by op with numpy on Linux (deltaship's MIL evaluator), not Core ML: "
@@ -100,7 +100,7 @@ class CoreMLEvalSession(_CoreMLBase):
         self, bundle: Path, manifest: dict[str, Any], threads: int | None = None, prefill_chunk: int | None = None
     ):
         super().__init__(bundle, manifest, prefill_chunk)
-        from deltaship.export.coreml.mil_eval import Interpreter, load_program
+        from deltaship.runtimes.mil_eval import Interpreter, load_program
 
         self.interps = [Interpreter(load_program(self._package(p))) for p in self.parts]
         self._states = {s["coreml_input"]: np.zeros(s["shape"], np.float16) for s in self.ml_states}

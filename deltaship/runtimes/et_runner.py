@@ -234,7 +234,7 @@ def profile_with_runner(
     Returns {"runtime", "results": records}, each record {"metric", "unit", "prompt_length", "gen",
     "samples", median/p90/cv...} as the profiler's worker writes them: prefill_tok_s, decode_tok_s, ttft_s.
     The runner's clock is in milliseconds: keep prompts and gen long enough that a phase takes tens of ms."""
-    from deltaship.profiling.stats import summarize
+    from deltaship.stats import summarize
 
     if gen < 2:
         raise DeltashipError("decode speed needs at least 2 new tokens", "pass --gen 2 or more")

@@ -25,7 +25,7 @@ from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object
 from deltaship.runtimes.base import Generation, Session
 
-GENAI_CONFIG = "genai_config.json"  # written by deltaship.export.onnx.genai
+GENAI_CONFIG = "genai_config.json"  # written by deltaship.lowering.onnx.genai
 INSTALL = 'pip install "onnxruntime-genai>=0.18,<0.19"'
 PNG_SIGNATURE, JPEG_SIGNATURE = b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff"
 

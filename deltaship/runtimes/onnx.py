@@ -13,7 +13,7 @@ buffers give two address sets, so two graphs, `gpu_graph_id` 1 and 2 by the buff
 the position inputs live in preallocated device buffers written in place (DecodeInputs), logits in a fixed
 device buffer. Prefill runs with `gpu_graph_id` -1 (not captured: its length varies). ORT refuses the session
 when the graph needs Memcpy nodes (CPU-placed nodes feeding GPU ones), so only bundles exported with
---onnx-cuda-graph (deltaship/export/onnx/graph_capture.py) are opened this way; see docs/results/gpu.md.
+--onnx-cuda-graph (deltaship/lowering/onnx/graph_capture.py) are opened this way; see docs/results/gpu.md.
 """
 
 from __future__ import annotations

@@ -353,7 +353,7 @@ class ExecuTorchMultimodal(Multimodal):
             self.decoder._method.get_attribute(name).zero_()
 
     def encode(self, image: ImageInput) -> np.ndarray:
-        from deltaship.export.executorch.vision import INPUTS
+        from deltaship.lowering.executorch.vision import INPUTS
 
         inputs = encoder_inputs(self.spec, image)
         if self.dtype != np.float32:
@@ -386,7 +386,7 @@ class CoreMLMultimodal(Multimodal):
     text_decoder_T, T = the prefill chunk or 1, on io states of its own (model.mlpackage keeps the text path's)."""
 
     def _open(self) -> None:
-        from deltaship.export.coreml.mil_eval import Interpreter, load_program
+        from deltaship.runtimes.mil_eval import Interpreter, load_program
 
         self.functions = self.block["functions"]
         self.counts = tuple(int(n) for n in self.functions["vision"])
@@ -398,7 +398,7 @@ class CoreMLMultimodal(Multimodal):
         self._io = {s["name"]: np.zeros(s["shape"], np.float32) for s in self.block["decoder_states"]}
 
     def encode(self, image: ImageInput) -> np.ndarray:
-        from deltaship.export.coreml.vision import encode
+        from deltaship.lowering.coreml.vision import encode
 
         return encode(self.interp, encoder_inputs(self.spec, image), self.counts)
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 from deltaship.errors import DeltashipError
-from deltaship.tolerances import Tolerance
+from deltaship.targets.tolerances import Tolerance
 
 if TYPE_CHECKING:  # typing only: importing these pulls in torch
-    from deltaship.export.passes import ExportContext
+    from deltaship.lowering.passes import ExportContext
     from deltaship.runtimes.base import Session
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
@@ -36,7 +36,7 @@ def option(help: str, *, choices: tuple | None = None, metavar: str | None = Non
 
 
 def draft_vocab_field() -> Any:
-    """--mtp-draft-vocab, taken by every target that takes --mtp (checked in deltaship/export/draft_vocab.py)."""
+    """--mtp-draft-vocab, taken by every target that takes --mtp (checked in deltaship/lowering/draft_vocab.py)."""
     return field(
         default="full",
         metadata=option(
@@ -131,14 +131,14 @@ class Target(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str]
-    lowering_module: ClassVar[str]  # the package under deltaship/export/ whose lower() writes the artifact
+    lowering_module: ClassVar[str]  # the package under deltaship/lowering/ whose lower() writes the artifact
     Options: ClassVar[type[TargetOptions]] = TargetOptions
     default_prefill_chunk: ClassVar[int] = DEFAULT_PREFILL_CHUNK
     tool_packages: ClassVar[tuple[str, ...]] = ()  # the toolchain its export needs (import names)
     extra: ClassVar[str] = ""  # the pip extra that installs them: pip install "deltaship[<extra>]"
     usage: ClassVar[tuple[str, ...]] = ()  # how an app drives the artifact (goes into the manifest)
     pass_options: ClassVar[Mapping[str, Any]] = {}  # fixed parameters this target's passes read
-    tolerances: ClassVar[Mapping[str, Tolerance]]  # precision -> parity tolerance (see deltaship.tolerances)
+    tolerances: ClassVar[Mapping[str, Tolerance]]  # precision -> parity tolerance (see deltaship.targets.tolerances)
     formats: ClassVar[Mapping[str, StorageFormat]]  # precision -> how weights are stored
     runtime_base_bytes: ClassVar[int] = 0  # the runtime's own resident memory (planner)
     # Why the KV dtypes kv_cache_dtypes() leaves out are not built (the --kv-cache refusal says it)
@@ -202,7 +202,7 @@ class Target(ABC):
 
     @abstractmethod
     def pipeline(self) -> tuple:
-        """The ordered export passes, explicitly (deltaship.export.passes and the target's own)."""
+        """The ordered export passes, explicitly (deltaship.lowering.passes and the target's own)."""
 
     def lower(
         self,

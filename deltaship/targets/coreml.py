@@ -1,7 +1,7 @@
 """The Core ML target: one stateful multifunction .mlpackage (iOS 18 / macOS 15).
 
-Lowering: deltaship/export/coreml; sessions: deltaship/runtimes/coreml.py (Core ML on macOS, the MIL
-evaluator of deltaship/export/coreml/mil_eval.py elsewhere)."""
+Lowering: deltaship/lowering/coreml; sessions: deltaship/runtimes/coreml.py (Core ML on macOS, the MIL
+evaluator of deltaship/runtimes/mil_eval.py elsewhere)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deltaship.targets import register
 from deltaship.targets.base import (
     StorageFormat,
     Target,
@@ -18,7 +17,8 @@ from deltaship.targets.base import (
     draft_vocab_text_field,
     option,
 )
-from deltaship.tolerances import Tolerance
+from deltaship.targets.registry import register
+from deltaship.targets.tolerances import Tolerance
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class CoreMLOptions(TargetOptions):
 class CoreMLTarget(Target):
     name = "coreml"
     description = "model.mlpackage for Core ML (iOS 18 / macOS 15): prefill and decode functions, MLState"
-    lowering_module = "deltaship.export.coreml.package"
+    lowering_module = "deltaship.lowering.coreml.package"
     Options = CoreMLOptions
     default_prefill_chunk = 64  # a fixed-shape prefill function; its recurrence is unrolled in chunks of 64
     tool_packages = ("coremltools",)
@@ -89,7 +89,7 @@ class CoreMLTarget(Target):
         "int8": StorageFormat(bits=8, scale=2, block=4096, head_copy=True, act=2),
         "int4": StorageFormat(bits=4, scale=2, block=32, head_copy=True, act=2),
     }
-    vision_module = "deltaship.export.coreml.vision"  # multimodal.mlpackage (export --vision)
+    vision_module = "deltaship.lowering.coreml.vision"  # multimodal.mlpackage (export --vision)
     runtimes = ("coreml",)
     app_runtimes = {
         "coreml": "not run (no Mac): the saved ML program is evaluated op by op on Linux against transformers; "
@@ -102,7 +102,7 @@ class CoreMLTarget(Target):
     )
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: CoreMLOptions) -> None:
-        from deltaship.export.coreml.package import check_options
+        from deltaship.lowering.coreml.package import check_options
 
         check_options(precision, max_context, prefill_chunk, options.as_dict())
 
@@ -110,8 +110,8 @@ class CoreMLTarget(Target):
         return "float32" if precision == "fp32" else "float16"  # Core ML computes in fp16 below fp32
 
     def pipeline(self) -> tuple:
-        from deltaship.export import passes as p
-        from deltaship.export.coreml.package import StaticCapture
+        from deltaship.lowering import passes as p
+        from deltaship.lowering.coreml.package import StaticCapture
 
         # Captured with static shapes, one program per package part and function.
         return (

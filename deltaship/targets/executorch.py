@@ -1,6 +1,6 @@
 """The ExecuTorch target: a stateful .pte (XNNPACK) for phones, quantized with torchao.
 
-Lowering: deltaship/export/executorch; session: deltaship/runtimes/executorch.py."""
+Lowering: deltaship/lowering/executorch; session: deltaship/runtimes/executorch.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deltaship.targets import register
 from deltaship.targets.base import (
     StorageFormat,
     Target,
@@ -18,7 +17,8 @@ from deltaship.targets.base import (
     draft_vocab_text_field,
     option,
 )
-from deltaship.tolerances import Tolerance
+from deltaship.targets.registry import register
+from deltaship.targets.tolerances import Tolerance
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ExecuTorchOptions(TargetOptions):
 class ExecuTorchTarget(Target):
     name = "executorch"
     description = "model.pte for the ExecuTorch runtime (XNNPACK), state held in the program"
-    lowering_module = "deltaship.export.executorch.program"
+    lowering_module = "deltaship.lowering.executorch.program"
     Options = ExecuTorchOptions
     tool_packages = ("executorch", "torchao")
     extra = "executorch"
@@ -73,7 +73,7 @@ class ExecuTorchTarget(Target):
         "int4": Tolerance(2.0, 0.75, 0.1, False),
         # fp32 with a narrower KV cache, against the reference that rounds keys and values the same way (so what
         # is left is float order). The dequantization error per element, within the calibrated bound b of a
-        # channel (static per-channel scales, deltaship/export/kv_quant.py; beyond b the value clips to b):
+        # channel (static per-channel scales, deltaship/lowering/kv_quant.py; beyond b the value clips to b):
         # int8 |x - x'| <= b / 254 (scale / 2, scale = b / 127), as on ONNX; int4 |x - x'| <= b / 14 (scale / 2,
         # scale = b / 7); fp16 |x - x'| <= 2^-11 |x| (round to nearest, |x| < 65504). Measured on the trained tiny
         # preset against the same-rounding reference: int4 2.9e-6, fp16 3.2e-5 logit std; against the unrounded
@@ -89,7 +89,7 @@ class ExecuTorchTarget(Target):
         "int4": StorageFormat(bits=4, scale=4, block=32, head_copy=True, act=4),
     }
     runtimes = ("executorch",)
-    vision_module = "deltaship.export.executorch.vision"  # vision.pte + decoder_mm.pte (export --vision)
+    vision_module = "deltaship.lowering.executorch.vision"  # vision.pte + decoder_mm.pte (export --vision)
     vision_precisions = ("fp32", "fp16")
     # ExecuTorch's C++ LLM runner (TextLLMRunner: what the Android LlmModule and the iOS runner wrap), text in/out
     text_runtimes = {
@@ -115,13 +115,13 @@ class ExecuTorchTarget(Target):
 
     def kv_cache_dtypes(self, precision: str, options) -> tuple[str, ...]:
         # fp16, int8 and int4 (packed) caches with fp32 activations: llama::update_cache of the stored values,
-        # widened back to fp32 for custom_sdpa (deltaship/export/executorch/lowering.py store_kv / load_kv)
+        # widened back to fp32 for custom_sdpa (deltaship/lowering/executorch/lowering.py store_kv / load_kv)
         own = super().kv_cache_dtypes(precision, options)
         return own + ("fp16", "int8", "int4") if own == ("fp32",) else own
 
     def pipeline(self) -> tuple:
-        from deltaship.export import passes as p
-        from deltaship.export.executorch.modules import XnnpackLayout
+        from deltaship.lowering import passes as p
+        from deltaship.lowering.executorch.modules import XnnpackLayout
 
         # No projection fusion (XNNPACK cannot split a dynamic-length result) and no capture (export/executorch
         # captures the eager model with its real, quantized weights); XNNPACK's layer layout instead.

@@ -1,6 +1,6 @@
 """The ONNX target: model.onnx for ONNX Runtime (CPU and CUDA execution providers).
 
-Lowering: deltaship/export/onnx; session: deltaship/runtimes/onnx.py."""
+Lowering: deltaship/lowering/onnx; session: deltaship/runtimes/onnx.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.errors import DeltashipError, DeltashipUnavailable
-from deltaship.targets import register
 from deltaship.targets.base import (
     StorageFormat,
     Target,
@@ -18,7 +17,8 @@ from deltaship.targets.base import (
     draft_vocab_text_field,
     option,
 )
-from deltaship.tolerances import Tolerance
+from deltaship.targets.registry import register
+from deltaship.targets.tolerances import Tolerance
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class OnnxOptions(TargetOptions):
 class OnnxTarget(Target):
     name = "onnx"
     description = "model.onnx for ONNX Runtime (CPU, CUDA)"
-    lowering_module = "deltaship.export.onnx.model"
+    lowering_module = "deltaship.lowering.onnx.model"
     Options = OnnxOptions
     tool_packages = ("onnx", "onnxruntime")
     extra = "onnx"
@@ -110,7 +110,7 @@ class OnnxTarget(Target):
         # weights, is what these bounds cover (with --accuracy-level 0 the fp32 row applies).
         "int8": Tolerance(2.0, 0.75, 0.1, False),
         "int4": Tolerance(2.0, 0.75, 0.1, False),
-        # fp32 with an int8/int4 KV cache (static per-channel scales, deltaship/export/kv_quant.py), against the
+        # fp32 with an int8/int4 KV cache (static per-channel scales, deltaship/lowering/kv_quant.py), against the
         # reference that rounds keys and values with the same scales: what is left is an element whose
         # rounding flips with the float order (one scale step), which a random-weights model amplifies (0.12
         # measured on tests' odd_heads checkpoint; 0.0024 on the trained tiny model).
@@ -152,7 +152,7 @@ class OnnxTarget(Target):
 
     op_breakdown = True  # ONNX Runtime's profiler
     android_runner_args = "-e cpu -x {threads} -r {reps} {model}"  # onnxruntime_perf_test
-    vision_module = "deltaship.export.onnx.multimodal"  # vision.onnx, embedding.onnx, decoder_mm.onnx
+    vision_module = "deltaship.lowering.onnx.multimodal"  # vision.onnx, embedding.onnx, decoder_mm.onnx
     vision_precisions = ("fp32", "fp16")
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: OnnxOptions) -> None:
@@ -196,7 +196,7 @@ class OnnxTarget(Target):
         return own + ("int8", "int4") if own == ("fp32",) else own
 
     def pipeline(self) -> tuple:
-        from deltaship.export import passes as p
+        from deltaship.lowering import passes as p
 
         return (
             p.LoadStructure(),
@@ -210,17 +210,17 @@ class OnnxTarget(Target):
         )
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
-        from deltaship.export.onnx import model as impl  # the names live beside the lowering that writes them
+        from deltaship.lowering.onnx import model as impl  # the names live beside the lowering that writes them
 
         return impl.io_inputs(ctx)
 
     def io_outputs(self, ctx) -> list[dict[str, Any]]:
-        from deltaship.export.onnx import model as impl
+        from deltaship.lowering.onnx import model as impl
 
         return impl.io_outputs(ctx)
 
     def finish_bundle(self, bundle_dir: Path) -> None:
-        from deltaship.export.onnx.genai import adapt_tokenizer_config
+        from deltaship.lowering.onnx.genai import adapt_tokenizer_config
 
         adapt_tokenizer_config(bundle_dir)  # a tokenizer class onnxruntime-genai accepts
 

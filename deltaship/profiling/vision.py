@@ -117,14 +117,13 @@ def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from deltaship.models.vision import preprocess_image
     from deltaship.profiling.worker import now, peak_rss_bytes, record, repeat, rss_bytes
-    from deltaship.runtimes.vision import Multimodal
-    from deltaship.targets import open_bundle
+    from deltaship.targets import open_bundle, open_multimodal
 
     rep = (cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 1.0))
     name = cfg["image"]
     w, h = size(name)
     session = open_bundle(cfg["bundle"], threads=cfg.get("threads"), check_hashes=False)
-    mm = Multimodal(session)
+    mm = open_multimodal(session)
     base_rss = rss_bytes()
     pixels = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
     image = Image.fromarray(pixels)

@@ -24,7 +24,13 @@ from deltaship.targets.base import (
     flag,
     option,
 )
-from deltaship.targets.open import open_bundle, require_artifact, runtime_names, text_runtime  # noqa: E402
+from deltaship.targets.open import (  # noqa: E402
+    open_bundle,
+    open_multimodal,
+    require_artifact,
+    runtime_names,
+    text_runtime,
+)
 from deltaship.targets.registry import (
     all_targets,
     get_target,
@@ -53,6 +59,7 @@ __all__ = [
     "PRECISIONS",
     "DEFAULT_PREFILL_CHUNK",
     "open_bundle",
+    "open_multimodal",
     "require_artifact",
     "runtime_names",
     "text_runtime",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltaship.runtimes.mil_eval import package_constants
 from deltaship.targets.base import (
     StorageFormat,
     Target,
@@ -90,6 +91,7 @@ class CoreMLTarget(Target):
         "int4": StorageFormat(bits=4, scale=2, block=32, head_copy=True, act=2),
     }
     vision_module = "deltaship.lowering.coreml.vision"  # multimodal.mlpackage (export --vision)
+    multimodal_session = "deltaship.runtimes.vision:CoreMLMultimodal"  # generate --image beside its session
     runtimes = ("coreml",)
     app_runtimes = {
         "coreml": "not run (no Mac): the saved ML program is evaluated op by op on Linux against transformers; "
@@ -108,6 +110,11 @@ class CoreMLTarget(Target):
 
     def activation_dtype(self, precision: str, options) -> str:
         return "float32" if precision == "fp32" else "float16"  # Core ML computes in fp16 below fp32
+
+    def lowering_tools(self) -> dict[str, Any]:
+        # the palettized build's matched reference reads the weights back from the saved package, with the runtimes'
+        # evaluator (the lowering does not import the runtimes)
+        return {"package_constants": package_constants}
 
     def pipeline(self) -> tuple:
         from deltaship.lowering import passes as p

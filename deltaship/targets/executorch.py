@@ -90,6 +90,7 @@ class ExecuTorchTarget(Target):
     }
     runtimes = ("executorch",)
     vision_module = "deltaship.lowering.executorch.vision"  # vision.pte + decoder_mm.pte (export --vision)
+    multimodal_session = "deltaship.runtimes.vision:ExecuTorchMultimodal"  # generate --image beside its session
     vision_precisions = ("fp32", "fp16")
     # ExecuTorch's C++ LLM runner (TextLLMRunner: what the Android LlmModule and the iOS runner wrap), text in/out
     text_runtimes = {

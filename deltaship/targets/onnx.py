@@ -153,6 +153,7 @@ class OnnxTarget(Target):
     op_breakdown = True  # ONNX Runtime's profiler
     android_runner_args = "-e cpu -x {threads} -r {reps} {model}"  # onnxruntime_perf_test
     vision_module = "deltaship.lowering.onnx.multimodal"  # vision.onnx, embedding.onnx, decoder_mm.onnx
+    multimodal_session = "deltaship.runtimes.vision:OnnxMultimodal"  # generate --image beside its session
     vision_precisions = ("fp32", "fp16")
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: OnnxOptions) -> None:

@@ -89,6 +89,12 @@ def require_artifact(bundle: str | Path, manifest: dict[str, Any]) -> None:
         )
 
 
+def open_multimodal(session: Session):
+    """Image + text generation beside an open session of a --vision bundle: the driver its target names
+    (`Target.multimodal_session`), e.g. `open_multimodal(open_bundle(path)).generate(ids, images, 32)`."""
+    return get_target(session.manifest["target"]).open_multimodal(session)
+
+
 def runtime_names() -> tuple[str, ...]:
     """Every runtime some target's bundles run in (the choices of `--runtime`)."""
     return tuple(dict.fromkeys(r for t in all_targets() for r in (*t.runtimes, *t.text_runtimes)))

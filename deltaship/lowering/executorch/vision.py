@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deltaship.bundle.vision_io import ENCODER_INPUTS
 from deltaship.errors import DeltashipError
 from deltaship.models.qwen3_5_vision import load_tower
 from deltaship.models.vision import VisionSpec, VisionWeights
@@ -22,7 +23,7 @@ METHOD = "vision_encoder"
 # merged tokens per image an ExecuTorch bundle plans for: 4,096 patches (a 1024 x 1024 image at patch 16, merge 2);
 # attention scores of one block at that bound: heads x 4096^2 floats (0.8 GiB at 12 heads)
 MAX_IMAGE_TOKENS = 1024
-INPUTS = ("pixel_values", "pos_indices", "pos_weights", "rope_cos", "rope_sin")
+INPUTS = ENCODER_INPUTS  # the method's inputs, in order (the runtime feeds the same contract)
 
 
 def example_inputs(spec: VisionSpec, patches: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:

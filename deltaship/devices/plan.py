@@ -702,9 +702,6 @@ __all__ = [
 
 # ---- an export's own memory (deltaship export, before it starts) -------------------------------------------
 EXPORT_BASE_BYTES = 400 << 20  # the interpreter with torch, transformers and a toolchain imported
-# Resident bytes per byte of fp16 weights at the export's peak (docs/results/export-memory.md): ONNX and Core ML
-# stream the weights tensor by tensor; ExecuTorch holds the quantized program and XNNPACK's packed copy.
-EXPORT_WEIGHT_FACTOR = {"onnx": 0.07, "coreml": 0.7, "executorch": 1.15}
 VERIFY_RUNTIME_BYTES = 200 << 20  # the runtime's own libraries and buffers in the verification session
 
 
@@ -713,7 +710,7 @@ def export_peak_bytes(spec: ModelSpec, target: str, precision: str, verify: bool
     verification add the bundle's session and the fp32 transformers reference, which export skips (and so does
     this estimate) when it needs more than 0.6 of `budget`, as deltaship.check.verify.reference_fits does."""
     fp16 = 2 * spec.parameter_count()["total"]
-    peak = EXPORT_BASE_BYTES + int(EXPORT_WEIGHT_FACTOR.get(target, 1.2) * fp16)
+    peak = EXPORT_BASE_BYTES + int(get_target(target).export_weight_factor * fp16)
     if verify:
         reference = int(spec.parameter_count()["total"] * 4 * 1.3)
         if budget is None or reference <= 0.6 * budget:

@@ -32,8 +32,10 @@ from deltaship.targets.open import (  # noqa: E402
     text_runtime,
 )
 from deltaship.targets.registry import (
+    a_bundle,
     all_targets,
     get_target,
+    on_platform,
     register,
     table,
     target_names,
@@ -54,6 +56,8 @@ __all__ = [
     "get_target",
     "target_names",
     "all_targets",
+    "a_bundle",
+    "on_platform",
     "table",
     "tolerance",
     "PRECISIONS",

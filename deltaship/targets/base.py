@@ -131,6 +131,7 @@ class Target(ABC):
     """One deployment target. Subclass, fill the class attributes, implement the methods, `@register`."""
 
     name: ClassVar[str]
+    title: ClassVar[str | None] = None  # how messages name it ("ONNX": "an ONNX bundle"); None: its name
     description: ClassVar[str]
     lowering_module: ClassVar[str]  # the package under deltaship/lowering/ whose lower() writes the artifact
     Options: ClassVar[type[TargetOptions]] = TargetOptions
@@ -142,6 +143,8 @@ class Target(ABC):
     tolerances: ClassVar[Mapping[str, Tolerance]]  # precision -> parity tolerance (see deltaship.targets.tolerances)
     formats: ClassVar[Mapping[str, StorageFormat]]  # precision -> how weights are stored
     runtime_base_bytes: ClassVar[int] = 0  # the runtime's own resident memory (planner)
+    # resident bytes per byte of fp16 weights at its export's peak (planner; docs/results/export-memory.md)
+    export_weight_factor: ClassVar[float] = 1.2
     # Why the KV dtypes kv_cache_dtypes() leaves out are not built (the --kv-cache refusal says it)
     kv_cache_note: ClassVar[str] = "int8/int4 KV caches are not built for this target yet"
     providers: ClassVar[tuple[str, ...]] = ("cpu",)  # execution providers its sessions run on
@@ -150,6 +153,9 @@ class Target(ABC):
     # The runtimes apps embed that deltaship's test suite runs this target's bundles in, with the versions
     # checked and how (goes into the manifest as `app_runtimes`).
     app_runtimes: ClassVar[Mapping[str, str]] = {}
+    # The app platforms whose kits (deltaship app --platform) run its bundles: platform -> the runtime an app there
+    # embeds (an `app_runtimes` key)
+    app_platforms: ClassVar[Mapping[str, str]] = {}
     host_runtime: ClassVar[str | None] = None  # the package that runs its bundles on this host (profiling)
     op_breakdown: ClassVar[bool] = False  # its session times each op kind (Session.profile_ops)
     android_runner_args: ClassVar[str | None] = None  # default argument line of its Android runner binary

@@ -56,6 +56,7 @@ class CoreMLOptions(TargetOptions):
 @register
 class CoreMLTarget(Target):
     name = "coreml"
+    title = "Core ML"
     description = "model.mlpackage for Core ML (iOS 18 / macOS 15): prefill and decode functions, MLState"
     lowering_module = "deltaship.lowering.coreml.package"
     Options = CoreMLOptions
@@ -97,7 +98,9 @@ class CoreMLTarget(Target):
         "coreml": "not run (no Mac): the saved ML program is evaluated op by op on Linux against transformers; "
         "the Swift kit's names are checked against the package's spec",
     }
+    app_platforms = {"ios": "coreml"}  # the kits that run its bundles (deltaship app)
     runtime_base_bytes = 128 << 20
+    export_weight_factor = 0.7  # export peak per fp16 weight byte: the weights stream tensor by tensor
     kv_cache_note = (
         "Core ML states (ct.StateType) hold fp16 or fp32 tensors only, so an int8/int4 KV cache would need a "
         "quantize/dequantize of the whole cache around each call's state read and write, which is not built"

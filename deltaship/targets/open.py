@@ -9,13 +9,12 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from deltaship.bundle.format import a_bundle
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
 from deltaship.options import threads as check_threads
 from deltaship.runtimes import PROVIDERS
 from deltaship.runtimes.base import Session
-from deltaship.targets.registry import all_targets, get_target, target_names
+from deltaship.targets.registry import a_bundle, all_targets, get_target, target_names
 
 
 def open_bundle(

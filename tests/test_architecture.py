@@ -317,3 +317,19 @@ def test_a_missing_toolchain_names_the_extra(tmp_path, monkeypatch):
     with pytest.raises(DeltashipError, match="needs onnxruntime"):
         export("qwen3.5-tiny", tmp_path / "c", max_context=32, verify=False, progress=False)
     assert not (tmp_path / "c").exists()
+
+
+def test_one_generic_aten_table_serves_both_graph_lowerers():
+    """The aten ops lowered the same way by ONNX and Core ML are one function each (deltaship/lowering/aten.py),
+    over primitives both lowerers implement; a lowerer that registered its own copy would fail at import."""
+    from deltaship.lowering.aten import GENERIC, GraphOps
+    from deltaship.lowering.coreml.lowering import MIL_LOWERINGS, MILLowerer
+    from deltaship.lowering.onnx.lowering import LOWERINGS, Lowerer
+
+    assert len(GENERIC) >= 19
+    for op in GENERIC:
+        assert LOWERINGS.get(op) is GENERIC.get(op) is MIL_LOWERINGS.get(op), op
+    primitives = [n for n in vars(GraphOps) if not n.startswith("_")]
+    assert {"value", "elementwise", "cast", "expand_dims", "concat", "split"} <= set(primitives)
+    for cls in (Lowerer, MILLowerer):
+        assert not [n for n in primitives if not callable(getattr(cls, n, None))], cls

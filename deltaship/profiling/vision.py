@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from deltaship.errors import DeltashipError
+from deltaship.targets import open_bundle, open_multimodal
 
 # the default sizes: three square photos and a document page at OCR resolution (US letter at 200 dpi)
 DEFAULT_SIZES = ["224x224", "448x448", "896x896", "page"]
@@ -117,7 +118,6 @@ def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from deltaship.models.vision import preprocess_image
     from deltaship.profiling.worker import now, peak_rss_bytes, record, repeat, rss_bytes
-    from deltaship.targets import open_bundle, open_multimodal
 
     rep = (cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 1.0))
     name = cfg["image"]

@@ -155,7 +155,8 @@ def test_a_run_that_dies_is_recorded_not_a_number(bundle, tmp_path):
     memory), so the kill is certain. The earlier 64 MiB cap sat close to the worker's real need with the
     tiny bundle, and the test failed once with it (the failure's output was not kept).
     """
-    from deltaship.profiling.profile import MemoryCap, profile
+    from deltaship.profiling.launch import MemoryCap
+    from deltaship.profiling.profile import profile
 
     cap = MemoryCap(10 << 20)
     enforceable = cap.procs is not None

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +21,10 @@ from typing import Any, Callable
 
 from deltaship.errors import DeltashipError
 from deltaship.options import threads as check_threads
+from deltaship.profiling.launch import MemoryCap, run_worker
+from deltaship.profiling.report import write_html
+from deltaship.profiling.speculative.workload import check as check_speculative
+from deltaship.profiling.speculative.workload import profile_speculative
 from deltaship.profiling.worker import SCHEMA_VERSION
 
 DEFAULTS = dict(prompt_lengths=[128, 512], gen=64, contexts=[128, 1024, 4096], warmups=2, reps=5, min_seconds=2.0)
@@ -63,105 +65,6 @@ def check_workload(manifest: dict[str, Any], prompt_lengths: list[int], gen: int
         )
 
 
-# ---- memory caps ------------------------------------------------------------------------------
-class MemoryCap:
-    """A cgroup with a memory limit that the worker joins; `mechanism` says what was possible."""
-
-    def __init__(self, limit: int):
-        self.limit, self.path, self.mechanism, self.procs = limit, None, "none", None
-        name = f"deltaship-{os.getpid()}-{int(time.time())}"
-        candidates = []
-        if Path("/sys/fs/cgroup/cgroup.controllers").exists():
-            candidates.append((Path("/sys/fs/cgroup"), "memory.max", "cgroup v2 memory.max"))
-        if Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
-            candidates.append(
-                (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "cgroup v1 memory.limit_in_bytes")
-            )
-        for root, limit_file, mech in candidates:
-            d = root / name
-            try:
-                d.mkdir()
-                (d / limit_file).write_text(str(limit))
-                swap = d / "memory.memsw.limit_in_bytes"  # v1: count swap too, where the kernel allows
-                if swap.exists():
-                    try:
-                        swap.write_text(str(limit))
-                    except OSError:
-                        pass
-                self.path, self.mechanism, self.procs = d, mech, d / "cgroup.procs"
-                return
-            except OSError:
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
-
-    def join(self) -> None:  # runs in the child before exec
-        if self.procs is not None:
-            self.procs.write_text(str(os.getpid()))
-
-    def close(self) -> None:
-        if self.path is not None:
-            try:
-                self.path.rmdir()
-            except OSError:
-                pass
-
-
-def _died(rc: int, stderr: str) -> dict[str, Any]:
-    if rc < 0:
-        sig = signal.Signals(-rc).name
-        why = "killed by the kernel (out of memory)" if sig == "SIGKILL" else f"killed by {sig}"
-    elif rc == 137:
-        sig, why = "SIGKILL", "killed (exit 137: out of memory)"
-    else:
-        sig = None
-        oom = any(s in stderr for s in ("MemoryError", "bad_alloc", "Failed to allocate", "out of memory"))
-        why = "out of memory" if oom else f"exited with status {rc}"
-    return {
-        "metric": "run",
-        "status": "died",
-        "reason": why,
-        "signal": sig,
-        "exit_status": rc,
-        "stderr_tail": stderr.strip()[-2000:],
-        "samples": [],
-        "flags": ["died"],
-    }
-
-
-def run_worker(
-    cfg: dict[str, Any], cap: MemoryCap | None = None, timeout: float = 3600, module: str = "deltaship.profiling.worker"
-) -> tuple[dict | None, dict | None]:
-    """(worker output, None) or (None, a 'died' record). module: the worker (profiling/vision.py has one too)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.get("threads") or ""), TOKENIZERS_PARALLELISM="false")
-    if not cfg.get("threads"):
-        env.pop("OMP_NUM_THREADS")
-    try:
-        r = subprocess.run(
-            [sys.executable, "-m", module, json.dumps(cfg)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
-            preexec_fn=cap.join if cap and cap.procs else None,
-        )
-    except subprocess.TimeoutExpired:
-        return None, {
-            "metric": "run",
-            "status": "died",
-            "reason": f"timed out after {timeout:.0f}s",
-            "samples": [],
-            "flags": ["died", "timeout"],
-        }
-    if r.returncode != 0:
-        return None, _died(r.returncode, r.stderr)
-    try:
-        return json.loads(r.stdout), None
-    except json.JSONDecodeError:
-        return None, _died(1, "worker printed no JSON: " + r.stdout[-500:] + r.stderr[-500:])
-
-
 def profile(
     bundle: str | Path,
     device: str = "host",
@@ -191,7 +94,7 @@ def profile(
     """Profile a bundle on a device; return (and optionally write) the versioned JSON document.
 
     speculative="mtp[:K]": profile speculative decoding with the bundle's MTP head instead of the plain workload
-    (deltaship/profiling/speculative.py); acceptance: the rate its projection assumes (default: the trained tiny
+    (deltaship/profiling/speculative/); acceptance: the rate its projection assumes (default: the trained tiny
     head's measured one). image_sizes: for a bundle exported with --vision (host), the image sizes to profile
     encode latency, memory and image+question TTFT at (profiling/vision.py; default 224, 448, 896 and a document
     page; 'none': skip)."""
@@ -230,11 +133,10 @@ def profile(
         mc = int(manifest["max_context"])
         cfg["contexts"] = sorted({min(c, mc - 1) for c in cfg["contexts"]})
     if speculative is not None:
-        from deltaship.profiling import speculative as spec
         from deltaship.runtimes.speculative import parse_speculative
 
         depth = parse_speculative(speculative)
-        spec.check(
+        check_speculative(
             path,
             manifest,
             cfg,
@@ -247,7 +149,7 @@ def profile(
         )
         doc = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         doc.update(bundle=bundle_summary(manifest, path), config={**cfg, "speculative": speculative}, emulation=None)
-        doc.update(spec.profile_speculative(path, cfg, depth, threads, say, acceptance))
+        doc.update(profile_speculative(path, cfg, depth, threads, say, acceptance))
         return _finish(doc, None, json_out, report)
     check_workload(manifest, cfg["prompt_lengths"], cfg["gen"], cfg["contexts"])
     from deltaship.profiling.vision import check_sizes
@@ -372,8 +274,6 @@ def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | P
         else:
             _write(Path(json_out), text)
     if report is not None:
-        from deltaship.profiling.report import write_html
-
         write_html(doc, Path(report))
     return doc
 

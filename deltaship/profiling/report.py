@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from deltaship.profiling.speculative.report import format_speculative, headline, plot_speculative
+
 UNITS = {"s": 1e3, "tok/s": 1.0, "bytes": 1 / 2**20}
 SHOWN = {"s": "ms", "tok/s": "tok/s", "bytes": "MiB"}
 
@@ -90,8 +92,6 @@ def format_results(doc: dict[str, Any], speculative: bool = True) -> str:
             "(after P=), whatever --prompt-lengths; decode_latency_ms is per --contexts depth"
         )
     if speculative and doc.get("speculative"):
-        from deltaship.profiling.speculative import format_speculative
-
         lines += ["", format_speculative(doc["speculative"])]
     if doc.get("memory_plan"):
         m, g = doc["memory_plan"], 2**30
@@ -220,8 +220,6 @@ def plots(doc: dict[str, Any]) -> dict[str, bytes]:
         ax.set_title("Prefill throughput")
         out["prefill.png"] = _png(fig)
     if doc.get("speculative"):
-        from deltaship.profiling.speculative import plot_speculative
-
         out["speculative.png"] = _png(plot_speculative(doc["speculative"], plt))
     return out
 
@@ -335,8 +333,6 @@ def summary(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if doc.get("fit"):
         out.append((f"fits {doc['fit']['tier']}", "yes" if doc["fit"]["fits"] else "no"))
     if doc.get("speculative"):
-        from deltaship.profiling.speculative import headline
-
         out += headline(doc["speculative"])
     return out
 
@@ -377,8 +373,6 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
     if doc.get("fit"):
         body.append(f"<p id='fit'>fits {e(doc['fit']['tier'])}: {'yes' if doc['fit']['fits'] else 'no'}</p>")
     if doc.get("speculative"):
-        from deltaship.profiling.speculative import format_speculative
-
         spec = format_speculative(doc["speculative"])
         body.append("<h2>Speculative decoding</h2><pre id='speculative'>" + e(spec) + "</pre>")
     body.append("<h2>Results</h2><pre id='table'>" + e(format_results(doc, speculative=False)) + "</pre>")

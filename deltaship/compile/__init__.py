@@ -417,7 +417,7 @@ def export(
             else:
                 manifest["verification"] = {"status": "skipped", "reason": "--no-verify"}
             if cache is not None:  # after verification: the bundle is what it will be, but for the cache
-                from deltaship.chat.store import write_prompt_cache
+                from deltaship.chat.conversation import write_prompt_cache
 
                 say("feeding the system message for the prompt cache")
                 provisional = write_manifest(tmp, dict(manifest))

@@ -34,6 +34,7 @@ from deltaship.models.vision import (
     rope_positions,
 )
 from deltaship.runtimes.base import Generation, check_sampling, decode_loop
+from deltaship.runtimes.onnx_io import session_options
 
 IMAGE_MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 VIDEO_PAD = "<|video_pad|>"
@@ -274,12 +275,11 @@ class OnnxMultimodal(Multimodal):
     def _open(self) -> None:
         s, block = self.session, self.block
         ort = s._ort
-        from deltaship.runtimes.onnx import _options
 
         def open_graph(name: str):
             return ort.InferenceSession(
                 str(bundle_path(s.bundle, s.manifest, block["graphs"][name], f"vision.graphs.{name}")),
-                sess_options=_options(ort, s.threads, None),
+                sess_options=session_options(ort, s.threads, None),
                 providers=s.providers,
             )
 

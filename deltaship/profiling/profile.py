@@ -11,6 +11,7 @@ A run that dies (OOM kill, signal, disconnect) is recorded as such, never as a n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -23,6 +24,7 @@ from deltaship.errors import DeltashipError
 from deltaship.options import threads as check_threads
 from deltaship.profiling.launch import MemoryCap, run_worker
 from deltaship.profiling.report import write_html
+from deltaship.profiling.settings import ProfileSettings
 from deltaship.profiling.speculative.workload import check as check_speculative
 from deltaship.profiling.speculative.workload import profile_speculative
 from deltaship.profiling.worker import SCHEMA_VERSION
@@ -67,37 +69,22 @@ def check_workload(manifest: dict[str, Any], prompt_lengths: list[int], gen: int
 
 def profile(
     bundle: str | Path,
-    device: str = "host",
-    prompt_lengths: list[int] | None = None,
-    gen: int | None = None,
-    contexts: list[int] | None = None,
-    threads: int | None = None,
-    warmups: int | None = None,
-    reps: int | None = None,
-    min_seconds: float | None = None,
-    tier: str | None = None,
-    tiers_file: str | None = None,
-    breakdown: bool = True,
-    json_out: str | Path | None = None,
-    report: str | Path | None = None,
-    ssh_options: list[str] | None = None,
-    remote_deltaship: str = "deltaship",
-    runner: str | None = None,
-    runner_args: str | None = None,
+    settings: ProfileSettings | None = None,
+    *,
     progress: Callable[[str], None] | None = None,
-    provider: str = "cpu",
-    runtime: str | None = None,
-    speculative: str | None = None,
-    acceptance: float | None = None,
-    image_sizes: str | list[str] | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """Profile a bundle on a device; return (and optionally write) the versioned JSON document.
 
+    settings: a ProfileSettings (profiling/settings.py says what each field does), and/or its fields as keyword
+    arguments (`profile(bundle, gen=16, threads=2)`; they replace the settings' values).
     speculative="mtp[:K]": profile speculative decoding with the bundle's MTP head instead of the plain workload
     (deltaship/profiling/speculative/); acceptance: the rate its projection assumes (default: the trained tiny
     head's measured one). image_sizes: for a bundle exported with --vision (host), the image sizes to profile
     encode latency, memory and image+question TTFT at (profiling/vision.py; default 224, 448, 896 and a document
     page; 'none': skip)."""
+    s = dataclasses.replace(settings or ProfileSettings(), **options)
+    threads = s.threads  # the tier's or the runtime's default when not given (recorded as what ran)
     from deltaship.bundle.destination import check_output_file
     from deltaship.bundle.reader import read_manifest, require_intact
     from deltaship.devices.catalog import get_tier
@@ -105,13 +92,13 @@ def profile(
     from deltaship.runtimes import PROVIDERS
 
     check_threads(threads)  # as the CLI's --threads, before any work (a remote device gets it too)
-    if provider not in PROVIDERS:
-        raise DeltashipError(f"unknown provider {provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
-    if provider != "cpu" and device != "host":
-        raise DeltashipError(f"--provider {provider} is for --device host", "drop --provider, or profile on the host")
+    if s.provider not in PROVIDERS:
+        raise DeltashipError(f"unknown provider {s.provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
+    if s.provider != "cpu" and s.device != "host":
+        raise DeltashipError(f"--provider {s.provider} is for --device host", "drop --provider, or profile on the host")
     say = progress or (lambda m: None)
     path = Path(bundle)
-    for option, out in (("--json", json_out), ("--report", report)):
+    for option, out in (("--json", s.json_out), ("--report", s.report)):
         if out is not None and str(out) != "-":
             check_output_file(Path(out), (path,), option)  # before any work; a file inside the bundle breaks it
     manifest = read_manifest(path)
@@ -119,43 +106,43 @@ def profile(
     cfg = {
         k: v
         for k, v in dict(
-            prompt_lengths=prompt_lengths,
-            gen=gen,
-            contexts=contexts,
-            warmups=warmups,
-            reps=reps,
-            min_seconds=min_seconds,
+            prompt_lengths=s.prompt_lengths,
+            gen=s.gen,
+            contexts=s.contexts,
+            warmups=s.warmups,
+            reps=s.reps,
+            min_seconds=s.min_seconds,
         ).items()
         if v is not None
     }
     cfg = {**DEFAULTS, **cfg}
-    if contexts is None:  # the default depths, the deepest clipped to what the bundle's KV cache holds
+    if s.contexts is None:  # the default depths, the deepest clipped to what the bundle's KV cache holds
         mc = int(manifest["max_context"])
         cfg["contexts"] = sorted({min(c, mc - 1) for c in cfg["contexts"]})
-    if speculative is not None:
+    if s.speculative is not None:
         from deltaship.runtimes.speculative import parse_speculative
 
-        depth = parse_speculative(speculative)
+        depth = parse_speculative(s.speculative)
         check_speculative(
             path,
             manifest,
             cfg,
             depth,
-            device=device,
-            runtime=runtime,
-            provider=provider,
-            tier=tier,
-            acceptance=acceptance,
+            device=s.device,
+            runtime=s.runtime,
+            provider=s.provider,
+            tier=s.tier,
+            acceptance=s.acceptance,
         )
         doc = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        doc.update(bundle=bundle_summary(manifest, path), config={**cfg, "speculative": speculative}, emulation=None)
-        doc.update(profile_speculative(path, cfg, depth, threads, say, acceptance))
-        return _finish(doc, None, json_out, report)
+        doc.update(bundle=bundle_summary(manifest, path), config={**cfg, "speculative": s.speculative}, emulation=None)
+        doc.update(profile_speculative(path, cfg, depth, threads, say, s.acceptance))
+        return _finish(doc, None, s.json_out, s.report)
     check_workload(manifest, cfg["prompt_lengths"], cfg["gen"], cfg["contexts"])
     from deltaship.profiling.vision import check_sizes
 
-    sizes = check_sizes(manifest, image_sizes, device, provider, runtime)
-    t = get_tier(tier, tiers_file) if tier else None
+    sizes = check_sizes(manifest, s.image_sizes, s.device, s.provider, s.runtime)
+    t = get_tier(s.tier, s.tiers_file) if s.tier else None
     doc: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -163,15 +150,15 @@ def profile(
         "config": cfg,
         "emulation": None,
     }
-    if device.startswith("ssh://"):
+    if s.device.startswith("ssh://"):
         from deltaship.profiling.remote import profile_ssh
 
-        doc = profile_ssh(path, device, cfg, threads, tier, ssh_options, remote_deltaship, say)
-    elif device.startswith("adb:"):
+        doc = profile_ssh(path, s.device, cfg, threads, s.tier, s.ssh_options, s.remote_deltaship, say)
+    elif s.device.startswith("adb:"):
         from deltaship.devices.android import profile_adb
 
-        doc.update(profile_adb(path, manifest, device[4:], cfg, runner, runner_args, say))
-    elif device == "host":
+        doc.update(profile_adb(path, manifest, s.device[4:], cfg, s.runner, s.runner_args, say))
+    elif s.device == "host":
         from deltaship.targets import get_target
 
         target = manifest["target"]
@@ -183,24 +170,24 @@ def profile(
             )
         from deltaship.targets import text_runtime
 
-        text = text_runtime(path, runtime)
+        text = text_runtime(path, s.runtime)
         if text is not None:  # a runtime that takes text (ExecuTorch's C++ LLM runner): its own stats
             module, spec = text
             doc["device"], doc["results"], doc["threads"] = fingerprint("host"), [], threads
             for p in cfg["prompt_lengths"]:
-                say(f"profiling {path.name} in {runtime}: prompt {p} tokens, {cfg['gen']} new")
+                say(f"profiling {path.name} in {s.runtime}: prompt {p} tokens, {cfg['gen']} new")
                 out = getattr(module, spec.profile)(
                     path, prompt_length=p, gen=cfg["gen"], reps=cfg["reps"], warmups=cfg["warmups"]
                 )
                 doc["results"] += out["results"]
                 doc["runtime"] = out["runtime"]
-            return _finish(doc, t, json_out, report)
-        if provider != "cpu" or runtime is not None:
+            return _finish(doc, t, s.json_out, s.report)
+        if s.provider != "cpu" or s.runtime is not None:
             from deltaship.targets import open_bundle
 
             # fails here, clearly, if it cannot run
-            open_bundle(path, provider=provider, runtime=runtime, check_hashes=False)
-            cfg["provider"], cfg["runtime"] = provider, runtime
+            open_bundle(path, provider=s.provider, runtime=s.runtime, check_hashes=False)
+            cfg["provider"], cfg["runtime"] = s.provider, s.runtime
         doc["device"] = fingerprint("host")
         cap = None
         if t is not None:
@@ -215,7 +202,7 @@ def profile(
                 else "not enforceable on this host (no writable cgroup); peak RSS compared after the run",
                 "emulated": True,
             }
-        if threads is None and provider == "cpu":
+        if threads is None and s.provider == "cpu":
             from deltaship.devices.discovery import default_threads
 
             threads = default_threads()  # the runtime's own default, passed so that the record says what ran
@@ -227,7 +214,7 @@ def profile(
             else:
                 doc["results"], doc["rss_trace"], doc["runtime"] = out["results"], out["rss_trace"], out["runtime"]
                 doc["imported_toolchains"] = out["imported_toolchains"]
-                if breakdown and get_target(target).op_breakdown and cfg["contexts"]:
+                if s.breakdown and get_target(target).op_breakdown and cfg["contexts"]:
                     say(
                         "per-op breakdown at each context (separate process: the profiler's own session "
                         "would inflate the peak RSS)"
@@ -252,9 +239,9 @@ def profile(
                 cap.close()
         doc["threads"] = threads
     else:
-        raise DeltashipError(f"unknown device {device!r}", "use host, ssh://user@host[:port] or adb:SERIAL")
+        raise DeltashipError(f"unknown device {s.device!r}", "use host, ssh://user@host[:port] or adb:SERIAL")
     _memory_plan(doc, manifest)
-    return _finish(doc, t, json_out, report)
+    return _finish(doc, t, s.json_out, s.report)
 
 
 def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | Path | None) -> dict[str, Any]:

@@ -181,10 +181,9 @@ def test_worker_holds_one_session_at_a_time(bundle, monkeypatch):
     import gc
     import weakref
 
-    import deltaship.runtimes as runtimes
     from deltaship.profiling import worker
 
-    real, alive, most = runtimes.open_bundle, set(), [0]
+    real, alive, most = worker.open_bundle, set(), [0]
 
     def counting(*args, **kwargs):
         gc.collect()
@@ -195,7 +194,7 @@ def test_worker_holds_one_session_at_a_time(bundle, monkeypatch):
         most[0] = max(most[0], len(alive))
         return session
 
-    monkeypatch.setattr(runtimes, "open_bundle", counting)
+    monkeypatch.setattr(worker, "open_bundle", counting)
     doc = worker.run(dict(bundle=str(bundle), threads=1, **dict(FAST, contexts=[8])))
     assert most[0] == 1
     warm = next(r for r in doc["results"] if r["metric"] == "load_warm_s")

@@ -56,7 +56,7 @@ def _sha(a: np.ndarray) -> str:
 
 def save_chat(chat, path: Path, shipped: bool = False) -> Path:
     """shipped: a prompt cache inside the bundle, which names the bundle by its files (files_identity)."""
-    from safetensors.numpy import save
+    from safetensors.numpy import save  # lazy: safetensors: session files only
 
     s = chat.session
     tensors: dict[str, np.ndarray] = {f"state/{n}": a for n, a in s.state_file_arrays().items()}
@@ -112,7 +112,7 @@ def _refuse(path: Path, what: str, fix: str = "load a session saved by deltaship
 
 def read_session_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The metadata and tensors of a saved session, every check done (hashes, schema, version)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors: session files only
 
     path = Path(path)
     if not path.is_file():
@@ -143,7 +143,7 @@ def read_session_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
             f"format version {version!r}, newer than this deltaship reads ({VERSION})",
             "upgrade deltaship to load it",
         )
-    import jsonschema
+    import jsonschema  # lazy: jsonschema: the schema check only
 
     schema = json.loads(resources.files("deltaship.chat").joinpath("session.schema.json").read_text())
     try:

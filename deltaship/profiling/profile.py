@@ -20,14 +20,26 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from deltaship.bundle.destination import check_output_file, replace_file
+from deltaship.bundle.reader import read_manifest, require_intact
+from deltaship.devices.android import profile_adb
+from deltaship.devices.catalog import get_tier
+from deltaship.devices.discovery import default_threads, fingerprint
+from deltaship.devices.plan import planned_peak
 from deltaship.errors import DeltashipError
 from deltaship.options import threads as check_threads
 from deltaship.profiling.launch import MemoryCap, run_worker
+from deltaship.profiling.remote import profile_ssh
 from deltaship.profiling.report import write_html
 from deltaship.profiling.settings import ProfileSettings
 from deltaship.profiling.speculative.workload import check as check_speculative
 from deltaship.profiling.speculative.workload import profile_speculative
+from deltaship.profiling.vision import check_sizes, profile_images
 from deltaship.profiling.worker import SCHEMA_VERSION
+from deltaship.runtimes import PROVIDERS
+from deltaship.runtimes.speculative import parse_speculative
+from deltaship.stats import ratio_ci
+from deltaship.targets import get_target, open_bundle, text_runtime
 
 DEFAULTS = dict(prompt_lengths=[128, 512], gen=64, contexts=[128, 1024, 4096], warmups=2, reps=5, min_seconds=2.0)
 
@@ -85,11 +97,6 @@ def profile(
     page; 'none': skip)."""
     s = dataclasses.replace(settings or ProfileSettings(), **options)
     threads = s.threads  # the tier's or the runtime's default when not given (recorded as what ran)
-    from deltaship.bundle.destination import check_output_file
-    from deltaship.bundle.reader import read_manifest, require_intact
-    from deltaship.devices.catalog import get_tier
-    from deltaship.devices.discovery import fingerprint
-    from deltaship.runtimes import PROVIDERS
 
     check_threads(threads)  # as the CLI's --threads, before any work (a remote device gets it too)
     if s.provider not in PROVIDERS:
@@ -120,8 +127,6 @@ def profile(
         mc = int(manifest["max_context"])
         cfg["contexts"] = sorted({min(c, mc - 1) for c in cfg["contexts"]})
     if s.speculative is not None:
-        from deltaship.runtimes.speculative import parse_speculative
-
         depth = parse_speculative(s.speculative)
         check_speculative(
             path,
@@ -139,7 +144,6 @@ def profile(
         doc.update(profile_speculative(path, cfg, depth, threads, say, s.acceptance))
         return _finish(doc, None, s.json_out, s.report)
     check_workload(manifest, cfg["prompt_lengths"], cfg["gen"], cfg["contexts"])
-    from deltaship.profiling.vision import check_sizes
 
     sizes = check_sizes(manifest, s.image_sizes, s.device, s.provider, s.runtime)
     t = get_tier(s.tier, s.tiers_file) if s.tier else None
@@ -151,16 +155,10 @@ def profile(
         "emulation": None,
     }
     if s.device.startswith("ssh://"):
-        from deltaship.profiling.remote import profile_ssh
-
         doc = profile_ssh(path, s.device, cfg, threads, s.tier, s.ssh_options, s.remote_deltaship, say)
     elif s.device.startswith("adb:"):
-        from deltaship.devices.android import profile_adb
-
         doc.update(profile_adb(path, manifest, s.device[4:], cfg, s.runner, s.runner_args, say))
     elif s.device == "host":
-        from deltaship.targets import get_target
-
         target = manifest["target"]
         if get_target(target).host_runtime is None:
             raise DeltashipError(
@@ -168,7 +166,6 @@ def profile(
                 "profile a Core ML bundle on a Mac, or export for onnx/executorch (a --mtp Core ML bundle's "
                 "`deltaship profile BUNDLE --speculative mtp` runs here, through coremltools' evaluator)",
             )
-        from deltaship.targets import text_runtime
 
         text = text_runtime(path, s.runtime)
         if text is not None:  # a runtime that takes text (ExecuTorch's C++ LLM runner): its own stats
@@ -183,8 +180,6 @@ def profile(
                 doc["runtime"] = out["runtime"]
             return _finish(doc, t, s.json_out, s.report)
         if s.provider != "cpu" or s.runtime is not None:
-            from deltaship.targets import open_bundle
-
             # fails here, clearly, if it cannot run
             open_bundle(path, provider=s.provider, runtime=s.runtime, check_hashes=False)
             cfg["provider"], cfg["runtime"] = s.provider, s.runtime
@@ -203,8 +198,6 @@ def profile(
                 "emulated": True,
             }
         if threads is None and s.provider == "cpu":
-            from deltaship.devices.discovery import default_threads
-
             threads = default_threads()  # the runtime's own default, passed so that the record says what ran
         try:
             say(f"profiling {path.name} on the host ({threads or 'default'} threads)")
@@ -230,8 +223,6 @@ def profile(
                     bout, bdied = run_worker(bcfg, None)
                     doc["results"] += [r for r in bout["results"] if r["metric"] == "decode_op_s"] if bout else [bdied]
             if sizes:
-                from deltaship.profiling.vision import profile_images
-
                 run = lambda c: run_worker(c, cap, module="deltaship.profiling.vision")  # noqa: E731
                 doc["results"] += profile_images(path, sizes, cfg, threads, run, say)
         finally:
@@ -267,8 +258,6 @@ def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | P
 
 def _memory_plan(doc: dict[str, Any], manifest: dict[str, Any]) -> None:
     """doc["memory_plan"]: what `deltaship plan` predicts for this bundle and workload, beside the measured peak."""
-    from deltaship.devices.plan import planned_peak
-
     peak = next((r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes" and r.get("samples")), None)
     prompts = doc.get("config", {}).get("prompt_lengths") or []
     if peak is None or not prompts:
@@ -279,8 +268,6 @@ def _memory_plan(doc: dict[str, Any], manifest: dict[str, Any]) -> None:
 
 
 def _write(path: Path, text: str) -> None:
-    from deltaship.bundle.destination import replace_file
-
     replace_file(path, text, "--json")  # whole or not at all
 
 
@@ -302,8 +289,6 @@ def load_records(path: str | Path) -> dict[str, Any]:
 
 def compare(a: str | Path, b: str | Path) -> list[dict[str, Any]]:
     """B relative to A for every metric both have: ratio of medians with a bootstrap 95% interval."""
-    from deltaship.stats import ratio_ci
-
     da, db = load_records(a), load_records(b)
 
     def key(r: dict) -> tuple:  # speculative profiles: verify and draft calls apart by their length

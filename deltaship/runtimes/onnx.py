@@ -18,8 +18,11 @@ when the graph needs Memcpy nodes (CPU-placed nodes feeding GPU ones), so only b
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +53,6 @@ def release_mapped_pages(data_file: Path) -> int:
     (no anonymous pages in /proc/self/smaps) only forgets clean pages: a later read faults them in again from the
     file (docs/results/memory.md). Linux only; 0 elsewhere.
     """
-    import ctypes
-    import mmap
-
     advice = getattr(mmap, "MADV_DONTNEED", None)
     try:
         smaps = Path("/proc/self/smaps").read_text().splitlines()
@@ -154,7 +154,7 @@ class OnnxSession(OnnxSpeculation, Session):
             raise DeltashipError(
                 "cuda_graph=True needs in_place=True (the KV cache must stay in one buffer)", "drop in_place=False"
             )
-        import onnxruntime as ort
+        import onnxruntime as ort  # lazy: onnxruntime: the runtime this session loads
 
         if providers is None and provider == "cuda":
             have = ort.get_available_providers()
@@ -168,8 +168,6 @@ class OnnxSession(OnnxSpeculation, Session):
         self._ort = ort
         prefix = None
         if profiling:
-            import tempfile
-
             prefix = str(Path(tempfile.mkdtemp(prefix="deltaship-ortprof-")) / "ort")
         self.threads = threads
         self.providers = providers or ["CPUExecutionProvider"]

@@ -28,6 +28,8 @@ from typing import Any, Callable
 import numpy as np
 
 from deltaship.errors import DeltashipError
+from deltaship.models.vision import preprocess_image
+from deltaship.profiling.worker import now, peak_rss_bytes, record, repeat, rss_bytes
 from deltaship.targets import open_bundle, open_multimodal
 
 # the default sizes: three square photos and a document page at OCR resolution (US letter at 200 dpi)
@@ -114,10 +116,7 @@ def profile_images(
 
 # ---- the worker -------------------------------------------------------------------------------
 def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
-    from PIL import Image
-
-    from deltaship.models.vision import preprocess_image
-    from deltaship.profiling.worker import now, peak_rss_bytes, record, repeat, rss_bytes
+    from PIL import Image  # lazy: PIL: images only
 
     rep = (cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 1.0))
     name = cfg["image"]

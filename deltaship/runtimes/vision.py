@@ -1,13 +1,13 @@
-"""Images through an ONNX bundle exported with --vision (no torch import).
+"""Images beside an open session of a bundle exported with --vision (no torch import for ONNX bundles).
 
-`Multimodal(session)` drives the bundle's vision.onnx, embedding.onnx and decoder_mm.onnx beside an open
-OnnxSession, on the session's own state buffers: each image is encoded on its own (full attention within it),
-the prompt's image placeholder rows of the token embedding are replaced by the image features (a prefill chunk
-may start or end inside an image span: each call gets the feature rows of its own placeholders), and the
-decoder gets 3-row M-RoPE positions: T/H/W over each image's merged grid, then, for every later token (decode
-included), its cache position plus the prompt's rope delta. A prompt without images takes the session's
-text-only graph (model.onnx) as before.
-"""
+`deltaship.targets.open_multimodal(session)` gives the driver the bundle's target names (Target.multimodal_session):
+OnnxMultimodal drives vision.onnx, embedding.onnx and decoder_mm.onnx on the OnnxSession's own state buffers;
+ExecuTorchMultimodal the programs' methods, CoreMLMultimodal the multimodal package's functions. Each image is
+encoded on its own (full attention within it), the prompt's image placeholder rows of the token embedding are
+replaced by the image features (a prefill chunk may start or end inside an image span: each call gets the feature
+rows of its own placeholders), and the decoder gets 3-row M-RoPE positions: T/H/W over each image's merged grid,
+then, for every later token (decode included), its cache position plus the prompt's rope delta. A prompt without
+images takes the session's text-only path as before."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from deltaship.models.vision import (
     rope_positions,
 )
 from deltaship.runtimes.base import Generation, check_sampling, decode_loop
+from deltaship.runtimes.onnx_io import session_options
 
 IMAGE_MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 VIDEO_PAD = "<|video_pad|>"
@@ -277,12 +278,11 @@ class OnnxMultimodal(Multimodal):
     def _open(self) -> None:
         s, block = self.session, self.block
         ort = s._ort
-        from deltaship.runtimes.onnx import _options
 
         def open_graph(name: str):
             return ort.InferenceSession(
                 str(bundle_path(s.bundle, s.manifest, block["graphs"][name], f"vision.graphs.{name}")),
-                sess_options=_options(ort, s.threads, None),
+                sess_options=session_options(ort, s.threads, None),
                 providers=s.providers,
             )
 

@@ -25,7 +25,14 @@ from torch import Tensor, nn
 from deltaship.bundle.vision_io import MASKED_ENCODER_INPUTS, check_patch_counts, vision_function
 from deltaship.errors import DeltashipError
 from deltaship.models.qwen3_5_vision import _rotate, load_tower
-from deltaship.models.vision import VisionSpec, VisionWeights
+from deltaship.models.vision import (
+    PREPROCESSOR_CONFIG,
+    VisionSpec,
+    VisionWeights,
+    check_vision,
+    interleave_mask,
+    write_preprocessor,
+)
 
 
 class MaskedTower(nn.Module):
@@ -219,9 +226,8 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
     from deltaship.lowering.coreml.package import mil_name, state_modes
     from deltaship.lowering.passes import example_inputs as state_inputs
     from deltaship.lowering.passes import rerun_pipeline
-    from deltaship.models.vision import PREPROCESSOR_CONFIG, check_vision, interleave_mask, write_preprocessor
 
-    vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
+    vspec, pre, pre_cfg, mrope = check_vision(source, ctx.spec)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
     ctx2 = rerun_pipeline(ctx)  # the text pipeline again: the decoder to wrap
     if len(ctx2.parts) > 1:

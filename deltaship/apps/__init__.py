@@ -18,6 +18,7 @@ from deltaship.bundle import read_manifest, require_intact
 from deltaship.bundle.destination import Destination
 from deltaship.bundle.writer import write_dir
 from deltaship.errors import DeltashipError
+from deltaship.runtimes.ort_worker import required_onnxruntime, version_tuple
 from deltaship.targets import a_bundle, get_target, on_platform, require_artifact
 
 PLATFORMS = ("android", "ios", "web", "desktop")
@@ -108,8 +109,6 @@ def _write_kit(bundle: Path, manifest: dict[str, Any], dest: Destination, platfo
 def _check_runtime_version(bundle: Path, manifest: dict[str, Any], platform: str) -> None:
     """Refuse a bundle that needs a newer onnxruntime (an --onnx-opset 27 bundle: >= 1.32) than the kit pins:
     the JS package's onnxruntime-web/-node, or the Android kit's onnxruntime-android (the export's onnxruntime)."""
-    from deltaship.runtimes.ort_worker import required_onnxruntime, version_tuple
-
     need = required_onnxruntime(manifest)
     if not need:
         return

@@ -89,7 +89,7 @@ def add_scratch(run: dict, manifest: dict, threads: int) -> None:
 
 
 def measure(bundle: Path, contexts: list[int], threads: int | None, reps: int) -> dict:
-    from deltaship.profiling.profile import run_worker
+    from deltaship.profiling.launch import run_worker
 
     cfg = dict(bundle=str(bundle), threads=threads, prompt_lengths=[], gen=0, contexts=contexts, reps=reps)
     cfg.update(warmups=1, min_seconds=0.0, breakdown=False)

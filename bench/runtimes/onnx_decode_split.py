@@ -35,7 +35,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from deltaship.bundle.reader import read_manifest
-from deltaship.runtimes.onnx import OnnxSession, _options
+from deltaship.runtimes.onnx import OnnxSession
+from deltaship.runtimes.onnx_io import session_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from bandwidth import bandwidth  # noqa: E402  (bench/tools/)
@@ -53,7 +54,7 @@ def median_ms(fn, steps: int, warmup: int = 3) -> float:
 
 
 def session(model: onnx.ModelProto | bytes, threads: int, optimize: bool = True) -> ort.InferenceSession:
-    so = _options(ort, threads, None)  # the options deltaship's own sessions use
+    so = session_options(ort, threads, None)  # the options deltaship's own sessions use
     if not optimize:  # keep every node of a chain (ORT would fold repeated Reshapes into one)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     data = model if isinstance(model, bytes) else model.SerializeToString()

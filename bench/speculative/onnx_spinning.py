@@ -24,7 +24,7 @@ def worker(bundle: str, spin: bool, gen: int, acceptance: float) -> dict:
     import numpy as np
 
     import deltaship.runtimes.onnx as onnx_runtime
-    from deltaship.profiling.speculative import ImposedAcceptance
+    from deltaship.profiling.speculative.imposed import ImposedAcceptance
     from deltaship.runtimes.speculative import generate_speculative
     from deltaship.targets import open_bundle
 

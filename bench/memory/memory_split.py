@@ -10,7 +10,7 @@ of the ONNX Runtime library. Steps: bare Python, `import numpy`, `import onnxrun
 runtime's imports, the ONNX Runtime session (weights as loaded, prepacked copies), deltaship's session
 around it (state buffers, IOBinding), a warmup prefill, a `--prompt`-token prefill (arena growth:
 attention scores, MLP activations), `--gen` decode steps. A variant is a set of ONNX Runtime session
-options added on top of deltaship's own (`deltaship.runtimes.onnx._options`); rounds alternate the
+options added on top of deltaship's own (`deltaship.runtimes.onnx_io.session_options`); rounds alternate the
 variants, and prefill/decode times are kept so that each variant's speed is compared with the default's
 in the same run (ratios, not absolute numbers: the machine may be shared).
 ONNX Runtime's Python API has no allocator statistics (the C API's AllocatorGetStats is not exposed), so
@@ -125,7 +125,7 @@ def worker(a) -> int:
     needles["weights_file"] = str(bundle.resolve() / data[0]) if data else ""
     settings = VARIANTS[a.variant]
 
-    base_options = onnx_rt._options
+    base_options = onnx_rt.session_options
 
     def options(ort, *args, **kw):
         opts = base_options(ort, *args, **kw)
@@ -138,7 +138,7 @@ def worker(a) -> int:
                 setattr(opts, key, value)
         return opts
 
-    onnx_rt._options = options
+    onnx_rt.session_options = options  # the name OnnxSession calls
     for kind, key, value in settings:
         if kind == "deltaship" and key == "release_mapped_pages" and not value:
             onnx_rt.release_mapped_pages = lambda data_file: 0

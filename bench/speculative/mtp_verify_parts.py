@@ -44,9 +44,9 @@ def main() -> None:
     import deltaship.runtimes.onnx as onnx_runtime
     from deltaship.bundle.reader import read_manifest
 
-    options = onnx_runtime._options
+    options = onnx_runtime.session_options
     # the plain bundle's session takes turns too, so that no call pays for another session's spinning threads
-    onnx_runtime._options = lambda *args, **kw: options(*args, **{**kw, "turn_taking": True})
+    onnx_runtime.session_options = lambda *args, **kw: options(*args, **{**kw, "turn_taking": True})
     two = np.array([7, 9], np.int64)
     calls: dict[str, tuple] = {}
     for b in a.bundles:

@@ -24,19 +24,20 @@ def worker(bundle: str, spin: bool, gen: int, acceptance: float) -> dict:
     import numpy as np
 
     import deltaship.runtimes.onnx as onnx_runtime
+    import deltaship.runtimes.onnx_speculative as onnx_speculative
     from deltaship.profiling.speculative.imposed import ImposedAcceptance
     from deltaship.runtimes.speculative import generate_speculative
     from deltaship.targets import open_bundle
 
-    options = onnx_runtime._options
+    options = onnx_runtime.session_options
 
     def spinning(*a, **k):
         opts = options(*a, **k)
         opts.add_session_config_entry("session.force_spinning_stop", "0")  # ORT's default: spin after a call
         return opts
 
-    if spin:
-        onnx_runtime._options = spinning
+    if spin:  # the decoder's session and the draft head's each take their options by this name
+        onnx_runtime.session_options = onnx_speculative.session_options = spinning
     s = open_bundle(bundle, threads=2, check_hashes=False)
     prompts = [list(range(100 + 7 * i, 164 + 7 * i)) for i in range(4)]
 

@@ -122,7 +122,7 @@ def compile_bundle(settings: ExportSettings, source: ModelSource, dest: Destinat
     tokens = steps.special_tokens(source)
     draft_ids, draft_record = steps.draft_vocabulary(settings, source, tokens, say)
     lowering = steps.lowering_settings(settings, source.spec, max_context, chunk, draft_ids)
-    steps.check_vision(settings, source, lowering)
+    steps.check_vision(settings, source, source.spec)
     kv_scales, kv_record = steps.calibrate_kv(settings.kv, source, max_context, say)
     ctx = steps.run_passes(steps.with_scales(lowering, kv_scales), settings.tgt.pipeline(), say)
 

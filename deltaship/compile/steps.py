@@ -20,7 +20,7 @@ import numpy as np
 
 from deltaship.bundle.destination import Destination
 from deltaship.bundle.writer import write_manifest
-from deltaship.chat.store import write_prompt_cache
+from deltaship.chat.conversation import write_prompt_cache
 from deltaship.check.evaluate import evaluate
 from deltaship.check.vision import verify_vision
 from deltaship.compile.settings import ExportSettings
@@ -200,10 +200,17 @@ def check_export_memory(spec: ModelSpec, settings: ExportSettings) -> None:
     )
 
 
-def check_vision(settings: ExportSettings, source: ModelSource, lowering: LoweringSettings) -> None:
-    """--vision: the checkpoint's vision side, checked before any work."""
+def check_vision(settings: ExportSettings, source: ModelSource, spec: ModelSpec) -> None:
+    """--vision: the checkpoint's vision side, and that the target exports a vision tower at this precision,
+    checked before any work."""
     if settings.vision:
-        check_vision_side(source, lowering)
+        check_vision_side(
+            source,
+            spec,
+            target=settings.target,
+            precision=settings.precision,
+            vision_precisions=settings.tgt.vision_precisions,
+        )
 
 
 def calibrate_kv(

@@ -407,8 +407,15 @@ def _linear(L: Lowerer, node, x, weight, bias=None):
     return L.b.one("MatMul", [L.as_tensor(x), w])
 
 
-# ---- canonical ops -------------------------------------------------------------------------
+# ---- the model file: opset, IR version, file names (model.py and mtp.py write them) ---------
+OPSET = 21
+IR_VERSION = 10  # ONNX Runtime 1.31 reads IR <= 13; onnx 1.23 would write 14 by default
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
 STANDARD_OPSET = 27  # onnx 1.23: ai.onnx LinearAttention and CausalConvWithState (ONNX Runtime >= 1.32)
+
+
+# ---- canonical ops -------------------------------------------------------------------------
 
 
 def _rms(L: Lowerer, x: str, scale: str, eps: float) -> str:

@@ -12,17 +12,21 @@ from deltaship.lowering.kv_quant import stored_states
 from deltaship.lowering.lowered import Lowered
 from deltaship.lowering.onnx.builder import NP_TO_ONNX, GraphBuilder
 from deltaship.lowering.onnx.genai import GENAI_CONFIG, adapt_tokenizer_config, write_genai_config
-from deltaship.lowering.onnx.lowering import LOWERINGS, STANDARD_OPSET, Lowerer
+from deltaship.lowering.onnx.lowering import (
+    DATA_FILE,
+    IR_VERSION,
+    LOWERINGS,
+    MODEL_FILE,
+    OPSET,
+    STANDARD_OPSET,
+    Lowerer,
+)
 
-OPSET = 21
-IR_VERSION = 10  # ONNX Runtime 1.31 reads IR <= 13; onnx 1.23 would write 14 by default
 IR_VERSIONS = {OPSET: IR_VERSION, STANDARD_OPSET: 13}  # the IR each opset was released with (onnx VERSION_TABLE)
 # Weights past this go to model.onnx.data (protobuf cannot hold 2 GB anyway): ONNX Runtime maps that file and unmaps
 # each weight it prepacks, while weights inside model.onnx stay resident beside their prepacked copies
 # (docs/results/memory.md). Small models stay one file.
 EXTERNAL_THRESHOLD = 64 << 20
-MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"
 # How the DeltaNet ops are written. The recurrence is always ONNX Runtime's LinearAttention. Its CPU
 # CausalConvWithState and GatedRMSNorm kernels (ORT 1.31) measured 3x and 14x slower than the same math
 # in standard ops on a 512-token prefill at 0.8B sizes (and slower at one token too; bench/runtimes/onnx_ops.py),

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 
 from deltaship.lowering.onnx.builder import NP_TO_ONNX, GraphBuilder
-from deltaship.lowering.onnx.lowering import Lowerer
+from deltaship.lowering.onnx.lowering import DATA_FILE, IR_VERSION, MODEL_FILE, OPSET, Lowerer
 
 MTP_FILE = "mtp.onnx"
 MTP_DATA_FILE = "mtp.onnx.data"
@@ -143,7 +143,6 @@ def lower_mtp(
     """Write mtp.onnx (the MTP head: draft logits from the trunk's hidden states and the next tokens); return its
     manifest's `speculative` block (its `files` are mtp.onnx's). rollback: the decoder's rollback outputs by DeltaNet
     state (None: the graph has none)."""
-    from deltaship.lowering.onnx.model import DATA_FILE, IR_VERSION, MODEL_FILE, OPSET
 
     program, states = ctx.programs["mtp"]
     if main.external is None:

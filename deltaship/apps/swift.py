@@ -497,8 +497,8 @@ for try await piece in model.generate(prompt: "Hello", maxNewTokens: 64) {{   //
   conv/recurrent states (and, in fp32 builds, the KV cache too). Large models come in several packages:
   the hidden states of one are the input of the next, each with its own state.
 - Tokenization: swift-transformers' `AutoTokenizer.from(modelFolder:)` reads the bundle's
-  `tokenizer.json` / `tokenizer_config.json`. Prompts are used as given: apply a chat template yourself
-  (`tokenizer.applyChatTemplate`) and pass token ids to `generate(tokens:)` for chat.
+  `tokenizer.json` / `tokenizer_config.json`. Prompts are used as given: for a conversation use `DeltashipChat`
+  (below, when the bundle has a chat template), or apply a template yourself and pass token ids to `generate(tokens:)`.
 {chat_readme(spec)}{speculative_readme(spec)}
 ## Why not swift-transformers' `LanguageModel`
 swift-transformers' `LanguageModel` / `LanguageModelWithStatefulKVCache` (Sources/Models/LanguageModel.swift)

@@ -454,7 +454,8 @@ public actor DeltashipChat {
         for s in KitSpec.sessionStates {
             var shape = s.shape
             if let axis = s.sequenceAxis { shape[axis] = position }
-            tensors.append(("state/\(s.name)", s.fileDataType, shape, try await model.stateFileBytes(s)))
+            let bytes = try await model.stateFileBytes(s)
+            tensors.append(("state/\(s.name)", s.fileDataType, shape, bytes))
         }
         var checkpoints: [[String: Any]] = []
         var last: Any = NSNull()
@@ -477,13 +478,15 @@ public actor DeltashipChat {
         }
         var described: [String: Any] = [:]
         for t in tensors {
-            described[t.name] = ["dtype": Self.typeName(t.type), "shape": t.shape, "sha256": Self.sha256(t.data)]
+            let entry: [String: Any] = ["dtype": Self.typeName(t.type), "shape": t.shape, "sha256": Self.sha256(t.data)]
+            described[t.name] = entry
         }
         let kwargs: [String: Any] = thinking ? [:] : ["enable_thinking": false]
+        let systemValue: Any = system.map { $0 as Any } ?? NSNull()
         let meta: [String: Any] = [
             "format": Self.format, "version": 1,
             "bundle": ["files_sha256": identity.filesSha256, "target": identity.target],
-            "position": position, "ids": ids, "system": system ?? NSNull(), "template_kwargs": kwargs,
+            "position": position, "ids": ids, "system": systemValue, "template_kwargs": kwargs,
             "messages": messages.map { ["role": $0.role.rawValue, "content": $0.content] },
             "checkpoints": checkpoints, "last_turn": last, "tensors": described,
         ]
@@ -494,8 +497,9 @@ public actor DeltashipChat {
         ]
         var offset = 0
         for t in tensors {
-            header[t.name] = ["dtype": Self.safetensorsCode(t.type), "shape": t.shape,
-                              "data_offsets": [offset, offset + t.data.count]]
+            let entry: [String: Any] = ["dtype": Self.safetensorsCode(t.type), "shape": t.shape,
+                                        "data_offsets": [offset, offset + t.data.count]]
+            header[t.name] = entry
             offset += t.data.count
         }
         var headerBytes = try JSONSerialization.data(withJSONObject: header, options: options)
@@ -536,7 +540,7 @@ public actor DeltashipChat {
     /// The shipped prompt cache, when it holds this chat's system message and thinking setting and its tokens are
     /// this chat's rendering of it (else the message is fed as usual).
     func applyPromptCache() async throws {
-        guard let system, let name = pieces.promptCacheFile else { return }
+        guard let system = system, let name = pieces.promptCacheFile else { return }
         let saved = try Self.readSession(try Data(contentsOf: try safePath(bundle, name)))
         guard saved.system == system, saved.thinking == thinking,
               saved.ids == renderIds(messages, generationPrompt: false) else { return }
@@ -618,7 +622,7 @@ public actor DeltashipChat {
         }
 
         func checkpointArrays() throws -> [(Int, [String: MLMultiArray])] {
-            try checkpointPositions.enumerated().map { i, p in
+            try checkpointPositions.enumerated().map { (i, p) -> (Int, [String: MLMultiArray]) in
                 var arrays: [String: MLMultiArray] = [:]
                 for s in KitSpec.sessionStates where s.checkpoint {
                     arrays[s.name] = try DeltashipModel.stateArray(s, tensors["checkpoint/\(i)/\(s.name)"]!, position: 0)

@@ -94,6 +94,28 @@ def reprefill(session, ids: list[int]) -> float:
     return time.perf_counter() - t
 
 
+def memory(session, counts: str, rss0: int) -> dict:
+    """The RSS growth and the bytes of N checkpoints held at once (each N on its own, freed before the next).
+    Meaningful in a fresh process: memory freed by earlier work is reused by the allocator without growing RSS."""
+    session.reset()
+    session.prefill(list(range(16)))
+    rows = []
+    for n in (int(x) for x in counts.split(",")):
+        before = rss()
+        held = [session.checkpoint() for _ in range(n)]
+        rows.append({"checkpoints": n, "bytes": sum(c.nbytes() for c in held), "rss_growth_bytes": rss() - before})
+        del held
+    return {"rss_after_open_bytes": rss0, "rows": rows}
+
+
+def memory_only(args) -> dict:
+    from deltaship.targets import open_bundle
+
+    session = open_bundle(Path(args.bundle), threads=args.threads)
+    return {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
+            "memory": memory(session, args.checkpoints, rss())}  # fmt: skip
+
+
 def run(args) -> dict:
     from deltaship.models.presets import get_preset, write_tiny_tokenizer
     from deltaship.runtimes.tokenizer import BundleTokenizer
@@ -205,15 +227,8 @@ def run(args) -> dict:
     }
     say(f"prompt cache: {out['prompt_cache']}")
 
-    # ---- memory held by N checkpoints
-    rows = []
-    for n in (int(x) for x in args.checkpoints.split(",")):
-        before = rss()
-        held = [session.checkpoint() for _ in range(n)]
-        rows.append({"checkpoints": n, "bytes": sum(c.nbytes() for c in held), "rss_growth_bytes": rss() - before})
-        del held
-    out["memory"] = {"rss_after_open_bytes": rss0, "rows": rows}
-    say(f"memory: {rows}")
+    out["memory"] = memory(session, args.checkpoints, rss0)
+    say(f"memory: {out['memory']}")
     out["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     out["load_average_end"] = list(os.getloadavg())
     return out
@@ -306,6 +321,8 @@ def markdown(r: dict, command: str) -> str:
         "",
         "## Memory held by N checkpoints",
         "",
+        mem.get("note", "Each N held at once, then freed."),
+        "",
         "| checkpoints | bytes held | RSS growth |",
         "|---:|---:|---:|",
     ]
@@ -337,7 +354,16 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--memory-only", action="store_true", help="only the checkpoints' memory, in this fresh process")
+    ap.add_argument("--render", type=Path, help="write --markdown from this JSON (a run's) instead of running")
     args = ap.parse_args()
+    if args.memory_only:
+        print(json.dumps(memory_only(args), indent=2))
+        return
+    if args.render:
+        r = json.loads(args.render.read_text())
+        args.markdown.write_text(markdown(r, r["command"]))
+        return
     r = run(args)
     command = "python bench/chat/chat.py " + " ".join(sys.argv[1:])
     if args.json:

@@ -2010,3 +2010,17 @@ def test_swift_chat_mutations_are_caught(chat_coreml, python_swift_steps, tmp_pa
         mutation = None
     replay, _ = _swift_conversation(chat_coreml, spec, mutation)
     assert _steps_differ(replay, python_swift_steps)
+
+
+def test_swift_string_literals_round_trip():
+    """The chat pieces go into KitSpec.swift as Swift literals: quotes, backslashes, Swift's `\\(` interpolation,
+    newlines, tabs and non-ASCII characters are escaped so the literal is the text, and parse back to it."""
+    from deltaship.apps.swift import parse_swift_string, swift_string
+
+    for text in ["<|im_start|>user\n", 'say "hi" \\(x) \\n', "\t\r\u2063é\U0001f600", ""]:
+        literal = swift_string(text)
+        assert parse_swift_string(literal) == text
+        body = literal[1:-1]
+        assert not re.search(r'(?<!\\)(\\\\)*"', body), literal  # no quote left unescaped
+        assert not re.search(r"(?<!\\)(\\\\)*\\\(", body), literal  # no live interpolation
+        assert all(" " <= c <= "~" for c in body)

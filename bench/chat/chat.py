@@ -268,7 +268,10 @@ def markdown(r: dict, command: str) -> str:
         "",
         "Re-prefill: a second session of the same bundle, reset, fed every token the chat's state held when the reply "
         "began, one token sampled (what a runtime that cannot rewind a recurrent state does each turn). Measured for "
-        "the turns that have a number.",
+        "the turns that have a number. Tokens fed per turn: the turn's own ~100, plus the previous reply's ~20 "
+        "(its role header and 8 tokens) fed again from the checkpoint before it, because the template renders a past "
+        "reply without the generation prompt's `<think>` ([chat.md](../chat.md#how-a-turn-is-fed)): the reply's tokens, "
+        "never the history. A turn's TTFT still grows slowly with the history: its attention reads a longer KV cache.",
         "",
         f"## /retry and /undo after {ru['history_tokens']:,} tokens of history",
         "",
@@ -333,8 +336,8 @@ def markdown(r: dict, command: str) -> str:
     lines += [
         "",
         f"A chat keeps two checkpoints per turn for its last 16 turns (32 at most: "
-        f"{32 * r['checkpoint_bytes'] / mib:.0f} MiB here); the RSS after opening the two sessions was "
-        f"{mem['rss_after_open_bytes'] / mib:.0f} MiB.",
+        f"{32 * r['checkpoint_bytes'] / mib:.0f} MiB here); the measuring process's RSS after opening its session "
+        f"was {mem['rss_after_open_bytes'] / mib:.0f} MiB.",
         "",
     ]
     return "\n".join(lines)

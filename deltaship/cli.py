@@ -243,6 +243,7 @@ def _plan(a: argparse.Namespace) -> int:
 def _profile(a: argparse.Namespace) -> int:
     from deltaship.profiling.profile import compare, profile
     from deltaship.profiling.report import format_compare, format_results
+    from deltaship.profiling.settings import ProfileSettings
 
     if a.compare:
         if a.bundle is not None:
@@ -258,32 +259,7 @@ def _profile(a: argparse.Namespace) -> int:
         from deltaship.bundle.destination import check_destination
 
         check_destination(Path(a.plots), True, (a.bundle,), "--plots", replaces=("plots",))
-    doc = profile(
-        a.bundle,
-        device=a.device,
-        prompt_lengths=a.prompt_lengths,
-        gen=a.gen,
-        contexts=a.contexts,
-        threads=a.threads,
-        warmups=a.warmups,
-        reps=a.reps,
-        min_seconds=a.min_seconds,
-        tier=a.tier,
-        tiers_file=a.tiers,
-        breakdown=not a.no_breakdown,
-        json_out=a.json,
-        report=a.report,
-        ssh_options=a.ssh_option,
-        remote_deltaship=a.remote_deltaship,
-        runner=a.runner,
-        runner_args=a.runner_args,
-        progress=say,
-        provider=a.provider,
-        runtime=a.runtime,
-        speculative=a.speculative,
-        acceptance=a.acceptance,
-        image_sizes=a.image_sizes,
-    )
+    doc = profile(a.bundle, ProfileSettings.from_args(a), progress=say)
     if a.plots:
         from deltaship.profiling.report import write_plots
 

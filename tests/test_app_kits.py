@@ -78,7 +78,7 @@ def test_platforms_and_refusals(tmp_path, monkeypatch):
     with pytest.raises(DeltashipError, match="no manifest.json"):
         write_kit(tmp_path, tmp_path / "kit", "android")
     stub_bundle(bundle, "onnx")
-    monkeypatch.setitem(apps._KITS, "web", ("deltaship.apps.not_written_yet", ("onnx",), "x"))
+    monkeypatch.setitem(apps._KITS, "web", "deltaship.apps.not_written_yet")
     with pytest.raises(DeltashipError, match="web kit generator .*not installed"):
         write_kit(bundle, tmp_path / "kit", "web")
     assert not (tmp_path / "kit").exists() and not list(tmp_path.glob(".kit.*"))  # nothing left behind
@@ -99,7 +99,7 @@ def test_web_and_desktop_dispatch_to_the_web_module(tmp_path, monkeypatch):
         return [out / "index.js"]
 
     monkeypatch.setitem(sys.modules, "fake_web_kit", types.SimpleNamespace(write_kit=fake_write_kit))
-    monkeypatch.setitem(apps._KITS, "desktop", ("fake_web_kit", ("onnx",), "x"))
+    monkeypatch.setitem(apps._KITS, "desktop", "fake_web_kit")
     bundle = stub_bundle(tmp_path / "b", "onnx")
     record = write_kit(bundle, tmp_path / "kit", "desktop")
     assert calls and calls[0][0] == bundle and calls[0][2] == "desktop" and calls[0][1] != "kit"  # a temp dir
@@ -124,7 +124,7 @@ def test_app_message_lists_the_final_paths(tmp_path, monkeypatch, capsys):
         return sorted(p for p in out.rglob("*") if p.is_file())
 
     monkeypatch.setitem(sys.modules, "fake_web_kit", types.SimpleNamespace(write_kit=fake_write_kit))
-    monkeypatch.setitem(apps._KITS, "web", ("fake_web_kit", ("onnx",), "x"))
+    monkeypatch.setitem(apps._KITS, "web", "fake_web_kit")
     monkeypatch.chdir(tmp_path)
     stub_bundle(Path("b"), "onnx")
     assert main(["app", "b", "--platform", "web", "--out", "dist/web"]) == 0
@@ -681,7 +681,7 @@ def test_existing_kit_needs_force(coreml_bundles, tmp_path):
     assert (tmp_path / "kit" / "mine.txt").exists()
     write_kit(bundle, tmp_path / "kit", "ios", force=True)
     assert not (tmp_path / "kit" / "mine.txt").exists()
-    with pytest.raises(DeltashipError, match="is a Core ML bundle; the android kit runs ONNX or ExecuTorch bundles"):
+    with pytest.raises(DeltashipError, match="is a Core ML bundle; the android kit runs ExecuTorch or ONNX bundles"):
         write_kit(bundle, tmp_path / "kit2", "android")
 
 

@@ -21,6 +21,7 @@ from deltaship.apps.swift_speculative import render as render_speculative
 from deltaship.apps.swift_speculative import speculative_spec
 from deltaship.chat.pieces import bundle_pieces
 from deltaship.errors import DeltashipError
+from deltaship.targets import on_platform
 
 TEMPLATES = Path(__file__).parent / "templates"
 SWIFT_TRANSFORMERS = ("https://github.com/huggingface/swift-transformers.git", "1.3.0")
@@ -33,9 +34,11 @@ CHAT_DRIVER = "DeltashipChat.swift"  # copied too when the bundle has a chat tem
 def kit_spec(manifest: dict[str, Any], bundle: Path | None = None) -> dict[str, Any]:
     """What the Swift code names, from the manifest: functions, chunk, context, eos, per part the features, every
     state as checkpoints and saved sessions see it, and (with `bundle`) the chat template's pieces."""
-    if manifest.get("target") != "coreml":
+    runs = on_platform("ios")
+    if manifest.get("target") not in {t.name for t in runs}:
         raise DeltashipError(
-            f"the Swift kit runs Core ML bundles, not {manifest.get('target')}", "export with --target coreml"
+            f"the Swift kit runs {' or '.join(t.title or t.name for t in runs)} bundles, not {manifest.get('target')}",
+            "export with " + " or ".join(f"--target {t.name}" for t in runs),
         )
     lowering = manifest["lowering"]
     funcs = list(lowering["functions"])

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from deltaship.errors import DeltashipError
-from deltaship.targets import tolerance
+from deltaship.targets import open_bundle, open_multimodal, tolerance
 from deltaship.targets.tolerances import fp32_bar
 
 
@@ -36,12 +36,10 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
     from deltaship.check.verify import bundle_not_finite, reference_not_finite
     from deltaship.models.vision import preprocess_image
     from deltaship.oracle.reference import quiet_third_party
-    from deltaship.runtimes.vision import Multimodal
-    from deltaship.targets import open_bundle
 
     quiet_third_party()
     tol = tolerance(manifest["target"], manifest["precision"])
-    mm = Multimodal(open_bundle(bundle, check_hashes=False))
+    mm = open_multimodal(open_bundle(bundle, check_hashes=False))
     sp = mm.spec
     model = reference(source, torch.float32)
     if manifest["precision"] == "fp16":

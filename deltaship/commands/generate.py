@@ -12,7 +12,7 @@ import numpy as np
 from deltaship import options
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.tokenizer import load_tokenizer
-from deltaship.targets import open_bundle, text_runtime
+from deltaship.targets import open_bundle, open_multimodal, text_runtime
 
 
 def parse_ids(text: str) -> list[int]:
@@ -148,9 +148,9 @@ def generate(
     )
     mm, notices, loaded = None, [], []
     if images or videos:
-        from deltaship.runtimes.vision import Multimodal, image_prompt
+        from deltaship.runtimes.vision import image_prompt
 
-        mm = Multimodal(session)  # refuses a bundle without a vision tower
+        mm = open_multimodal(session)  # refuses a bundle without a vision tower
         loaded = mm.load(images or [], notices)
         clips = [mm.load_video(v, notices, fps) for v in videos or []]
         loaded += clips

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
+from deltaship.models.vision import check_vision
 from deltaship.options import threads as check_threads
 from deltaship.progress import Progress
 from deltaship.targets import PRECISIONS, Target, TargetOptions, all_targets, flag, get_target
@@ -291,9 +292,7 @@ def export(
             ),
         )
         if vision:  # the checkpoint's vision side is checked before any work
-            from deltaship.models.vision import check_vision
-
-            check_vision(source, ctx)
+            check_vision(source, spec, target=target, precision=precision, vision_precisions=tgt.vision_precisions)
         ctx.kv_cache = kv_cache
         ctx.draft_ids = draft_ids
         run_pipeline(ctx, tgt.pipeline(), progress=say)
@@ -418,7 +417,7 @@ def export(
             else:
                 manifest["verification"] = {"status": "skipped", "reason": "--no-verify"}
             if cache is not None:  # after verification: the bundle is what it will be, but for the cache
-                from deltaship.chat.store import write_prompt_cache
+                from deltaship.chat.conversation import write_prompt_cache
 
                 say("feeding the system message for the prompt cache")
                 provisional = write_manifest(tmp, dict(manifest))

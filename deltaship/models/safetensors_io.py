@@ -2,7 +2,7 @@
 
 Reading (`SafetensorsFile`) is `safetensors.safe_open`: lazy, memory-mapped, no pickle. Writing stays
 here because the library's `save_file` needs every tensor in memory at once, and the published-shape
-checkpoints deltaship writes for benchmarks (bench/make_checkpoint.py: 9B in bf16 is 18 GB) do not fit;
+checkpoints deltaship writes for benchmarks (bench/tools/make_checkpoint.py: 9B in bf16 is 18 GB) do not fit;
 `write_safetensors_lazy` produces and writes one tensor at a time (the format: an 8-byte header length,
 a JSON header of dtypes, shapes and byte ranges, then the raw data).
 """

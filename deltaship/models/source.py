@@ -10,6 +10,7 @@ from pathlib import Path
 from deltaship.errors import DeltashipError
 from deltaship.models.presets import PRESETS, get_preset, write_tiny_tokenizer
 from deltaship.models.spec import ModelSpec, read_config
+from deltaship.models.vision.spec import VisionSpec
 from deltaship.models.weights import CheckpointWeights, RandomWeights, WeightSource
 
 TOKENIZER_FILES = (
@@ -121,8 +122,6 @@ def load_source(model: str | Path, *, allow_download: bool = False) -> ModelSour
         if text == "qwen3.5-tiny":
             tdir = Path(tempfile.mkdtemp(prefix="deltaship-tok-"))
             files = [tdir / f for f in write_tiny_tokenizer(tdir)]
-        from deltaship.models.vision import VisionSpec
-
         mm = preset.multimodal_config()
         vision = VisionSpec.from_config(mm, where=f"preset {text}") if mm is not None else None
         weights = RandomWeights(spec, seed=preset.seed, vision=vision)

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from deltaship.bundle.format import a_bundle
 from deltaship.bundle.paths import bundle_path
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
@@ -37,9 +36,11 @@ _LEGACY_IMPORTS = ("executorch.extension.llm.custom_ops.custom_ops", "executorch
 def _open(bundle: str | Path, check_hashes: bool) -> tuple[Path, dict[str, Any]]:
     path = Path(bundle)
     manifest = read_manifest(path)
-    if manifest.get("target") != "executorch":
+    entry = str(manifest.get("entry", ""))
+    if not entry.endswith(".pte"):  # the runner loads an ExecuTorch program (text_runtime asks the target first)
         raise DeltashipError(
-            f"{path}: --runtime et-runner runs ExecuTorch bundles; this is {a_bundle(manifest.get('target'))}",
+            f"{path}: --runtime et-runner runs ExecuTorch programs (.pte); this bundle's entry is {entry!r} "
+            f"(target {manifest.get('target')!r})",
             "export with --target executorch, or drop --runtime et-runner to use this bundle's own runtime",
         )
     require_intact(path, manifest, hashes=check_hashes)

@@ -18,7 +18,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from deltaship.bundle.format import a_bundle
 from deltaship.bundle.paths import bundle_path
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
@@ -74,9 +73,11 @@ class GenaiSession(Session):
         prefill_chunk: int | None = None,
     ):
         super().__init__(bundle, manifest, prefill_chunk)
-        if manifest.get("target") != "onnx":
+        entry = str(manifest.get("entry", ""))
+        if not entry.endswith(".onnx"):  # what genai opens is an ONNX graph (open_bundle asks the target first)
             raise DeltashipError(
-                f"{bundle}: onnxruntime-genai runs ONNX bundles; this is {a_bundle(manifest.get('target'))}",
+                f"{bundle}: onnxruntime-genai runs ONNX graphs; this bundle's entry is {entry!r} "
+                f"(target {manifest.get('target')!r})",
                 "export with --target onnx, or drop --runtime genai",
             )
         why = str((manifest.get("app_runtimes") or {}).get("onnxruntime-genai", ""))

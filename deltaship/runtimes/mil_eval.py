@@ -33,6 +33,13 @@ def load_program(path: str | Path):
     return prog
 
 
+def package_constants(path: str | Path, function: str = "decode") -> dict[str, np.ndarray]:
+    """Every constant `function` of a saved .mlpackage holds, decompressed (constexpr_* ops evaluated), by its MIL
+    value name: the weights as Core ML would compute with them."""
+    prog = load_program(path)
+    return Interpreter(prog)._materialise(function, prog.functions[function])
+
+
 def _np_dtype(var) -> np.dtype:
     from coremltools.converters.mil.mil import types
 

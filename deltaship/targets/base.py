@@ -25,6 +25,7 @@ from deltaship.targets.tolerances import Tolerance
 if TYPE_CHECKING:  # typing only: importing these pulls in torch
     from deltaship.lowering.passes import ExportContext
     from deltaship.runtimes.base import Session
+    from deltaship.runtimes.vision import Multimodal
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill call, unless a target says otherwise
@@ -130,6 +131,7 @@ class Target(ABC):
     """One deployment target. Subclass, fill the class attributes, implement the methods, `@register`."""
 
     name: ClassVar[str]
+    title: ClassVar[str | None] = None  # how messages name it ("ONNX": "an ONNX bundle"); None: its name
     description: ClassVar[str]
     lowering_module: ClassVar[str]  # the package under deltaship/lowering/ whose lower() writes the artifact
     Options: ClassVar[type[TargetOptions]] = TargetOptions
@@ -141,6 +143,8 @@ class Target(ABC):
     tolerances: ClassVar[Mapping[str, Tolerance]]  # precision -> parity tolerance (see deltaship.targets.tolerances)
     formats: ClassVar[Mapping[str, StorageFormat]]  # precision -> how weights are stored
     runtime_base_bytes: ClassVar[int] = 0  # the runtime's own resident memory (planner)
+    # resident bytes per byte of fp16 weights at its export's peak (planner; docs/results/export-memory.md)
+    export_weight_factor: ClassVar[float] = 1.2
     # Why the KV dtypes kv_cache_dtypes() leaves out are not built (the --kv-cache refusal says it)
     kv_cache_note: ClassVar[str] = "int8/int4 KV caches are not built for this target yet"
     providers: ClassVar[tuple[str, ...]] = ("cpu",)  # execution providers its sessions run on
@@ -149,11 +153,17 @@ class Target(ABC):
     # The runtimes apps embed that deltaship's test suite runs this target's bundles in, with the versions
     # checked and how (goes into the manifest as `app_runtimes`).
     app_runtimes: ClassVar[Mapping[str, str]] = {}
+    # The app platforms whose kits (deltaship app --platform) run its bundles: platform -> the runtime an app there
+    # embeds (an `app_runtimes` key)
+    app_platforms: ClassVar[Mapping[str, str]] = {}
     host_runtime: ClassVar[str | None] = None  # the package that runs its bundles on this host (profiling)
     op_breakdown: ClassVar[bool] = False  # its session times each op kind (Session.profile_ops)
     android_runner_args: ClassVar[str | None] = None  # default argument line of its Android runner binary
     # the module whose lower_vision() adds the vision tower (export --vision; generate --image); None: text only
     vision_module: ClassVar[str | None] = None
+    # "module:Class": the runtimes' driver of its --vision bundles' image side (a deltaship.runtimes.vision
+    # Multimodal) beside an open session (open_multimodal); None: its bundles take no images
+    multimodal_session: ClassVar[str | None] = None
     # the precisions `export --vision` builds and verifies (tower, splice and multimodal decoder at the text
     # decoder's activation dtype)
     vision_precisions: ClassVar[tuple[str, ...]] = ("fp32",)
@@ -215,7 +225,9 @@ class Target(ABC):
         """Write the artifact files for the passes' result into out_dir, with `lowering_module`'s `lower()`,
         which returns a dict: the `Lowered` fields `files`, `entry` (and, where it has them, `quantization`,
         `state_in_place`), every other key being a detail for the manifest."""
-        r = importlib.import_module(self.lowering_module).lower(ctx, weights, out_dir, progress=progress, tokens=tokens)
+        r = importlib.import_module(self.lowering_module).lower(
+            ctx, weights, out_dir, progress=progress, tokens=tokens, **self.lowering_tools()
+        )
         return Lowered(
             files=r.pop("files"),
             entry=r.pop("entry"),
@@ -224,6 +236,11 @@ class Target(ABC):
             app_runtimes=r.pop("app_runtimes", None),
             details=r,
         )
+
+    def lowering_tools(self) -> dict[str, Any]:
+        """Keyword arguments for `lowering_module`'s `lower()` from the layers beside the lowering, which it does not
+        import (e.g. a runtime's evaluator that reads a saved artifact back); none by default."""
+        return {}
 
     def finish_bundle(self, bundle_dir: Path) -> None:
         """Adjust the bundle's copied files (tokenizer, configs) after the lowering; nothing by default."""
@@ -258,6 +275,17 @@ class Target(ABC):
         **options: Any,
     ) -> "Session":
         """A session over one of this target's bundles in `runtime` (one of `runtimes`; None: the first)."""
+
+    def open_multimodal(self, session: "Session") -> "Multimodal":
+        """Image + text generation beside `session`, an open session of one of this target's bundles (refused,
+        with the fix, when the bundle has no vision tower)."""
+        if self.multimodal_session is None:
+            raise DeltashipError(
+                f"{self.name} bundles take no images (the {self.name} target has no vision tower export)",
+                "export with a target that takes --vision (deltaship export --help), or drop --image/--video",
+            )
+        module, _, cls = self.multimodal_session.partition(":")
+        return getattr(importlib.import_module(module), cls)(session)
 
     def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
         """Where the artifact itself (its inputs, outputs and states, the files it reads) disagrees with the

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltaship.runtimes.mil_eval import package_constants
 from deltaship.targets.base import (
     StorageFormat,
     Target,
@@ -55,6 +56,7 @@ class CoreMLOptions(TargetOptions):
 @register
 class CoreMLTarget(Target):
     name = "coreml"
+    title = "Core ML"
     description = "model.mlpackage for Core ML (iOS 18 / macOS 15): prefill and decode functions, MLState"
     lowering_module = "deltaship.lowering.coreml.package"
     Options = CoreMLOptions
@@ -90,12 +92,15 @@ class CoreMLTarget(Target):
         "int4": StorageFormat(bits=4, scale=2, block=32, head_copy=True, act=2),
     }
     vision_module = "deltaship.lowering.coreml.vision"  # multimodal.mlpackage (export --vision)
+    multimodal_session = "deltaship.runtimes.vision:CoreMLMultimodal"  # generate --image beside its session
     runtimes = ("coreml",)
     app_runtimes = {
         "coreml": "not run (no Mac): the saved ML program is evaluated op by op on Linux against transformers; "
         "the Swift kit's names are checked against the package's spec",
     }
+    app_platforms = {"ios": "coreml"}  # the kits that run its bundles (deltaship app)
     runtime_base_bytes = 128 << 20
+    export_weight_factor = 0.7  # export peak per fp16 weight byte: the weights stream tensor by tensor
     kv_cache_note = (
         "Core ML states (ct.StateType) hold fp16 or fp32 tensors only, so an int8/int4 KV cache would need a "
         "quantize/dequantize of the whole cache around each call's state read and write, which is not built"
@@ -108,6 +113,11 @@ class CoreMLTarget(Target):
 
     def activation_dtype(self, precision: str, options) -> str:
         return "float32" if precision == "fp32" else "float16"  # Core ML computes in fp16 below fp32
+
+    def lowering_tools(self) -> dict[str, Any]:
+        # the palettized build's matched reference reads the weights back from the saved package, with the runtimes'
+        # evaluator (the lowering does not import the runtimes)
+        return {"package_constants": package_constants}
 
     def pipeline(self) -> tuple:
         from deltaship.lowering import passes as p

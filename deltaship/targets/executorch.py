@@ -40,6 +40,7 @@ class ExecuTorchOptions(TargetOptions):
 @register
 class ExecuTorchTarget(Target):
     name = "executorch"
+    title = "ExecuTorch"
     description = "model.pte for the ExecuTorch runtime (XNNPACK), state held in the program"
     lowering_module = "deltaship.lowering.executorch.program"
     Options = ExecuTorchOptions
@@ -90,6 +91,7 @@ class ExecuTorchTarget(Target):
     }
     runtimes = ("executorch",)
     vision_module = "deltaship.lowering.executorch.vision"  # vision.pte + decoder_mm.pte (export --vision)
+    multimodal_session = "deltaship.runtimes.vision:ExecuTorchMultimodal"  # generate --image beside its session
     vision_precisions = ("fp32", "fp16")
     # ExecuTorch's C++ LLM runner (TextLLMRunner: what the Android LlmModule and the iOS runner wrap), text in/out
     text_runtimes = {
@@ -101,7 +103,9 @@ class ExecuTorchTarget(Target):
         "same greedy text, prompts shorter and longer than a chunk (tests/test_et_runner.py)",
         "executorch-android": "not run (no Android device): the Kotlin kit's names are checked against the program",
     }
+    app_platforms = {"android": "executorch-android"}  # the kits that run its bundles (deltaship app)
     runtime_base_bytes = 48 << 20
+    export_weight_factor = 1.15  # export peak per fp16 weight byte: the quantized program + XNNPACK's copy
     kv_cache_note = (
         "fp16, int8 and int4 caches (int8/int4 with static scales) are built with fp32 activations (not "
         "--precision fp16), and ExecuTorch's own dynamic per-token cache (llama::custom_quantized_sdpa, scales "

@@ -80,6 +80,7 @@ class OnnxOptions(TargetOptions):
 @register
 class OnnxTarget(Target):
     name = "onnx"
+    title = "ONNX"
     description = "model.onnx for ONNX Runtime (CPU, CUDA)"
     lowering_module = "deltaship.lowering.onnx.model"
     Options = OnnxOptions
@@ -124,6 +125,7 @@ class OnnxTarget(Target):
         "int4": StorageFormat(bits=4, scale=4, block=32, head_copy=False, act=4),
     }
     runtime_base_bytes = 96 << 20
+    export_weight_factor = 0.07  # export peak per fp16 weight byte: the weights stream tensor by tensor
     kv_cache_note = (
         "int8/int4 KV caches (GroupQueryAttention's quantized cache) are built with fp32 activations only "
         "(--precision fp32, or int8/int4 weights without --onnx-activations fp16)"
@@ -139,6 +141,8 @@ class OnnxTarget(Target):
         "(tests/test_js.py)",
         "onnxruntime-android": "not run (no Android device): the Kotlin kit's names are checked against the graph",
     }
+    # the kits that run its bundles (deltaship app)
+    app_platforms = {"android": "onnxruntime-android", "web": "onnxruntime-web", "desktop": "onnxruntime-node"}
     host_runtime = "onnxruntime"
 
     def kv_scratch_bytes_per_token(self, spec, kv_dtype: str) -> int:
@@ -153,6 +157,7 @@ class OnnxTarget(Target):
     op_breakdown = True  # ONNX Runtime's profiler
     android_runner_args = "-e cpu -x {threads} -r {reps} {model}"  # onnxruntime_perf_test
     vision_module = "deltaship.lowering.onnx.multimodal"  # vision.onnx, embedding.onnx, decoder_mm.onnx
+    multimodal_session = "deltaship.runtimes.vision:OnnxMultimodal"  # generate --image beside its session
     vision_precisions = ("fp32", "fp16")
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: OnnxOptions) -> None:

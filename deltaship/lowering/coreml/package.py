@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -283,16 +283,17 @@ def palettize(prog, bits: int) -> dict[str, Any]:
 
 
 def rounded_from_package(
-    paths: list[Path], names: dict[str, tuple[str, str, int]], tied: bool = False
+    package_constants: Callable[[Path], Mapping[str, np.ndarray]],
+    paths: list[Path],
+    names: dict[str, tuple[str, str, int]],
+    tied: bool = False,
 ) -> dict[str, np.ndarray]:
-    """The weight values the saved packages really hold (decompressed), by canonical parameter name."""
-    from deltaship.runtimes.mil_eval import Interpreter, load_program
-
+    """The weight values the saved packages really hold (decompressed), by canonical parameter name.
+    `package_constants` reads a package's constants back (deltaship.runtimes.mil_eval, which the lowering does not
+    import: the target passes it in)."""
     pieces: dict[str, list] = {}
     for path in paths:
-        prog = load_program(path)
-        values = Interpreter(prog)._materialise("decode", prog.functions["decode"])
-        for vname, arr in values.items():
+        for vname, arr in package_constants(path).items():
             name = vname.removesuffix("_palettized")  # what coremltools' compression passes call the result
             if name in names:
                 fqn, form, piece = names[name]
@@ -391,7 +392,17 @@ def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[s
     }
 
 
-def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
+def lower(
+    ctx,
+    weights,
+    out_dir: Path,
+    progress=None,
+    tokens: dict | None = None,
+    *,
+    package_constants: Callable[[Path], Mapping[str, np.ndarray]],
+) -> dict[str, Any]:
+    """Write the package(s) for the passes' result; `package_constants` reads a saved package's weights back
+    (for the matched reference of a palettized build)."""
     import coremltools as ct
 
     from deltaship.lowering.coreml.lowering import WeightCache
@@ -433,7 +444,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         )
     if ctx.options.get("coreml_palettize"):  # the matched reference reads the values back from the package
         ctx.rounded = rounded_from_package(
-            [out_dir / p["package"] for p in parts], const_names, tied=ctx.spec.tie_word_embeddings
+            package_constants, [out_dir / p["package"] for p in parts], const_names, tied=ctx.spec.tie_word_embeddings
         )
     for s in ctx.states:
         s["mode"] = modes[s["name"]]

@@ -14,15 +14,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deltaship.bundle.vision_io import ENCODER_INPUTS
 from deltaship.errors import DeltashipError
 from deltaship.models.qwen3_5_vision import load_tower
-from deltaship.models.vision import VisionSpec, VisionWeights
+from deltaship.models.vision import (
+    PREPROCESSOR_CONFIG,
+    VIDEO_PREPROCESSOR_CONFIG,
+    VisionSpec,
+    VisionWeights,
+    check_vision,
+    interleave_mask,
+    write_preprocessor,
+)
 
 METHOD = "vision_encoder"
 # merged tokens per image an ExecuTorch bundle plans for: 4,096 patches (a 1024 x 1024 image at patch 16, merge 2);
 # attention scores of one block at that bound: heads x 4096^2 floats (0.8 GiB at 12 heads)
 MAX_IMAGE_TOKENS = 1024
-INPUTS = ("pixel_values", "pos_indices", "pos_weights", "rope_cos", "rope_sin")
+INPUTS = ENCODER_INPUTS  # the method's inputs, in order (the runtime feeds the same contract)
 
 
 def example_inputs(spec: VisionSpec, patches: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
@@ -88,8 +97,6 @@ class MRopeRotary(torch.nn.Module):
 
 
 def full_width_select(spec, mrope_section) -> np.ndarray:
-    from deltaship.models.vision import interleave_mask
-
     half = spec.rotary_dim // 2
     mask = interleave_mask(tuple(mrope_section), half)  # [3, half]
     out = np.zeros((3, spec.head_dim), np.float32)
@@ -109,14 +116,8 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
 
     from deltaship.lowering.executorch.program import ProgramState, prepare
     from deltaship.lowering.passes import rerun_pipeline
-    from deltaship.models.vision import (
-        PREPROCESSOR_CONFIG,
-        VIDEO_PREPROCESSOR_CONFIG,
-        check_vision,
-        write_preprocessor,
-    )
 
-    vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
+    vspec, pre, pre_cfg, mrope = check_vision(source, ctx.spec)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
     # the text program consumed ctx's model: build the decoder again for the multimodal program
     ctx2 = rerun_pipeline(ctx)  # the text pipeline again: the decoder to wrap

@@ -23,7 +23,7 @@ MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 # How the DeltaNet ops are written. The recurrence is always ONNX Runtime's LinearAttention. Its CPU
 # CausalConvWithState and GatedRMSNorm kernels (ORT 1.31) measured 3x and 14x slower than the same math
-# in standard ops on a 512-token prefill at 0.8B sizes (and slower at one token too; bench/onnx_ops.py),
+# in standard ops on a 512-token prefill at 0.8B sizes (and slower at one token too; bench/runtimes/onnx_ops.py),
 # so "standard" is the default (the onnx_deltanet_ops option, deltaship/targets/onnx.py); "contrib" keeps the
 # fused contrib ops, e.g. for an execution provider that implements them better.
 DELTANET_OPS = {

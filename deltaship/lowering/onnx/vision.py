@@ -334,7 +334,7 @@ def lower_vision(bundle: Path, source, ctx) -> dict[str, Any]:
     `vision` block."""
     from deltaship.models.qwen3_5 import rotary_inv_freq
 
-    vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
+    vspec, pre, pre_cfg, mrope = check_vision(source, ctx.spec)
     spec = ctx.spec
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
     dtype = np.float16 if ctx.precision == "fp16" else np.float32  # as model.onnx's activations

@@ -1487,7 +1487,7 @@ def chat_coreml(coreml_bundles, tmp_path_factory) -> Path:
     import shutil
 
     from deltaship.bundle.writer import write_manifest
-    from deltaship.chat.store import write_prompt_cache
+    from deltaship.chat.conversation import write_prompt_cache
 
     bundle = tmp_path_factory.mktemp("swift-chat") / "coreml-int4-chat"
     shutil.copytree(coreml_bundles["int4-parts"], bundle)
@@ -2024,3 +2024,26 @@ def test_swift_string_literals_round_trip():
         assert not re.search(r'(?<!\\)(\\\\)*"', body), literal  # no quote left unescaped
         assert not re.search(r"(?<!\\)(\\\\)*\\\(", body), literal  # no live interpolation
         assert all(" " <= c <= "~" for c in body)
+
+
+@pytest.mark.parametrize("mutation", ["session feature", "file dtype", "chat piece", "chat driver name"])
+def test_swift_chat_check_catches_a_changed_name(chat_coreml, tmp_path, mutation):
+    """The spec check fails when KitSpec.sessionStates names a feature the package does not hold or a saved layout
+    deltaship's session does not write, when KitSpec.chat's pieces are not the template's, or when
+    DeltashipChat.swift spells a name the saved-session format does not have."""
+    spec, spec_file = _swift_kit_spec(chat_coreml, tmp_path / "kit")
+    text = spec_file.read_text()
+    want = {"session feature": "is not held so", "file dtype": "session layout", "chat piece": "chat pieces",
+            "chat driver name": "not in the packages"}[mutation]  # fmt: skip
+    if mutation == "session feature":
+        spec_file.write_text(text.replace('feature: "past_0_conv"', 'feature: "past_0_convx"', 1))
+    elif mutation == "file dtype":
+        spec_file.write_text(text.replace("fileDataType: .float32", "fileDataType: .float16", 1))
+    elif mutation == "chat piece":
+        spec_file.write_text(text.replace('userSuffix: "<|im_end|>\\n"', 'userSuffix: "<|im_end|>"', 1))
+    else:
+        driver = spec_file.parent / "DeltashipChat.swift"
+        driver.write_text(driver.read_text().replace('"messages_before"', '"messages_befor"', 1))
+    assert spec_file.read_text() != text or mutation == "chat driver name"
+    problems = check_swift_kit(tmp_path / "kit", chat_coreml)
+    assert any(want in p for p in problems), problems

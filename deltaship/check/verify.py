@@ -22,8 +22,9 @@ from deltaship.errors import DeltashipError, DeltashipUnavailable
 from deltaship.lowering.kv_quant import rounded_cache_attention
 from deltaship.models.source import ModelSource
 from deltaship.oracle.budget import available_memory, reference_fits, reference_need
+from deltaship.oracle.reference import matched_reference_model, quiet_third_party, reference_model
 from deltaship.progress import Progress, heartbeat
-from deltaship.targets import tolerance
+from deltaship.targets import open_bundle, tolerance
 from deltaship.targets.tolerances import Bar, fp32_bar
 
 
@@ -74,6 +75,7 @@ def reference_continuation(model, prompt: list[int], steps: int) -> tuple[list[i
     then a token at a time: two passes over the prompt rather than steps + 1); when the full pass would choose
     otherwise somewhere (a near-tie that the two orders of summation break differently), the continuation is
     redone a token at a time without the cache, so the rows always chose the tokens."""
+    # lazy: transformers
     from deltaship.oracle.compat import CACHE_NAME, output_cache  # transformers, imported on use like the reference
 
     p = len(prompt)
@@ -134,7 +136,6 @@ def bundle_not_finite(got: np.ndarray, where: str, step_names: list[str], precis
 def fp32_reach(source: ModelSource, cases: list[tuple[list[int], list[int], np.ndarray]]) -> float:
     """What fp32 itself can reach on this checkpoint: the float32 reference's logit rows (cases: prompt, its
     greedy tokens, the rows) against transformers in float64 on the same tokens, as compare()'s relative error."""
-    from deltaship.oracle.reference import reference_model
 
     hi = reference_model(source, dtype=torch.float64)
     worst = 0.0
@@ -190,11 +191,9 @@ def verify_bundle(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the bundle in its runtime against the transformers references; return the manifest record."""
-    from deltaship.oracle.reference import matched_reference_model, quiet_third_party, reference_model
-    from deltaship.targets import open_bundle
 
     quiet_third_party()
-    import transformers
+    import transformers  # lazy: transformers
 
     tol = tolerance(manifest["target"], manifest["precision"], manifest.get("memory", {}).get("kv_dtype"))
     record: dict[str, Any] = {

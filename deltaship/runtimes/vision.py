@@ -32,10 +32,14 @@ from deltaship.models.vision import (
     encoder_inputs,
     frame_timestamps,
     load_image,
+    load_video,
+    preprocess_frames,
     preprocess_image,
     rope_positions,
 )
+from deltaship.runtimes import mil_eval
 from deltaship.runtimes.base import Generation, check_sampling, decode_loop
+from deltaship.runtimes.executorch import load_program
 from deltaship.runtimes.onnx_io import session_options
 
 IMAGE_MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
@@ -125,7 +129,6 @@ class Multimodal(ABC):
     ) -> ImageInput:
         """One video input: a video file (frames sampled at `fps` per second, default the video preprocessor's),
         or frame image files in time order (a list, or one comma-separated string; taken `fps` apart)."""
-        from deltaship.models.vision import load_video, preprocess_frames
 
         fps = self.video_pre.fps if fps is None else fps
         options.number("--fps", fps, 0, above=True)  # finite and > 0, as the CLI's --fps
@@ -339,8 +342,6 @@ class ExecuTorchMultimodal(Multimodal):
     text_decoder (its own state buffers: the text-only model.pte keeps its own)."""
 
     def _open(self) -> None:
-        from deltaship.runtimes.executorch import load_program
-
         graphs = self.block["graphs"]
         program = load_program(self._file("program"))
         self._t = self.session._torch
@@ -387,11 +388,9 @@ class CoreMLMultimodal(Multimodal):
     text_decoder_T, T = the prefill chunk or 1, on io states of its own (model.mlpackage keeps the text path's)."""
 
     def _open(self) -> None:
-        from deltaship.runtimes.mil_eval import Interpreter, load_program
-
         self.functions = self.block["functions"]
         self.counts = tuple(int(n) for n in self.functions["vision"])
-        self.interp = Interpreter(load_program(self._file("package")))
+        self.interp = mil_eval.Interpreter(mil_eval.load_program(self._file("package")))
         self._reset()
 
     def _reset(self) -> None:

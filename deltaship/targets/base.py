@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,7 +175,6 @@ class Target(ABC):
 
     def require_tools(self, packages: tuple[str, ...] | None = None) -> None:
         """Refuse, naming the pip extra, when a package of this target's toolchain is not installed."""
-        import importlib.util
 
         missing = [p for p in (packages or self.tool_packages) if importlib.util.find_spec(p) is None]
         if missing:

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.lowering.settings import PassParams
+from deltaship.runtimes.coreml import open_coreml_session
+from deltaship.runtimes.coreml_contract import package_problems
 from deltaship.runtimes.mil_eval import package_constants
 from deltaship.targets.base import (
     StorageFormat,
@@ -108,7 +110,7 @@ class CoreMLTarget(Target):
     )
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: CoreMLOptions) -> None:
-        from deltaship.lowering.coreml.package import check_options
+        from deltaship.lowering.coreml.package import check_options  # lazy: torch
 
         check_options(precision, max_context, prefill_chunk, options)
 
@@ -121,7 +123,7 @@ class CoreMLTarget(Target):
         return {"package_constants": package_constants}
 
     def pipeline(self) -> tuple:
-        from deltaship.lowering import passes as p
+        from deltaship.lowering import passes as p  # lazy: torch
         from deltaship.lowering.coreml.package import StaticCapture
 
         # Captured with static shapes, one program per package part and function.
@@ -155,8 +157,6 @@ class CoreMLTarget(Target):
         ]
 
     def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
-        from deltaship.runtimes.coreml_contract import package_problems  # reads the protobuf itself: no coremltools
-
         return package_problems(bundle, manifest)
 
     def open_session(
@@ -171,6 +171,5 @@ class CoreMLTarget(Target):
         **options: Any,
     ):
         self.require_tools(("coremltools",))  # its runtime, with the pip extra named when missing
-        from deltaship.runtimes.coreml import open_coreml_session
 
         return open_coreml_session(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltaship.runtimes.executorch import ExecuTorchSession
+from deltaship.runtimes.executorch_contract import program_problems
 from deltaship.targets.base import (
     StorageFormat,
     Target,
@@ -124,7 +126,7 @@ class ExecuTorchTarget(Target):
         return own + ("fp16", "int8", "int4") if own == ("fp32",) else own
 
     def pipeline(self) -> tuple:
-        from deltaship.lowering import passes as p
+        from deltaship.lowering import passes as p  # lazy: torch
         from deltaship.lowering.executorch.modules import XnnpackLayout
 
         # No projection fusion (XNNPACK cannot split a dynamic-length result) and no capture (export/executorch
@@ -158,8 +160,6 @@ class ExecuTorchTarget(Target):
         ]
 
     def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
-        from deltaship.runtimes.executorch_contract import program_problems  # reads the flatbuffer itself: no toolchain
-
         return program_problems(bundle, manifest)
 
     def open_session(
@@ -174,6 +174,5 @@ class ExecuTorchTarget(Target):
         **options: Any,
     ):
         self.require_tools(("executorch",))  # its runtime, with the pip extra named when missing
-        from deltaship.runtimes.executorch import ExecuTorchSession
 
         return ExecuTorchSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

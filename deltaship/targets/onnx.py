@@ -4,11 +4,17 @@ Lowering: deltaship/lowering/onnx; session: deltaship/runtimes/onnx.py."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from deltaship.errors import DeltashipError, DeltashipUnavailable
+from deltaship.lowering.onnx.genai import adapt_tokenizer_config
+from deltaship.runtimes.genai import GenaiSession
+from deltaship.runtimes.onnx import OnnxSession
+from deltaship.runtimes.onnx_contract import graph_problems
+from deltaship.runtimes.ort_worker import ENV, RemoteOnnxSession, required_onnxruntime, version_tuple
 from deltaship.targets.base import (
     StorageFormat,
     Target,
@@ -202,7 +208,7 @@ class OnnxTarget(Target):
         return own + ("int8", "int4") if own == ("fp32",) else own
 
     def pipeline(self) -> tuple:
-        from deltaship.lowering import passes as p
+        from deltaship.lowering import passes as p  # lazy: torch
 
         return (
             p.LoadStructure(),
@@ -216,23 +222,20 @@ class OnnxTarget(Target):
         )
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
+        # lazy: torch
         from deltaship.lowering.onnx import model as impl  # the names live beside the lowering that writes them
 
         return impl.io_inputs(ctx)
 
     def io_outputs(self, ctx) -> list[dict[str, Any]]:
-        from deltaship.lowering.onnx import model as impl
+        from deltaship.lowering.onnx import model as impl  # lazy: torch
 
         return impl.io_outputs(ctx)
 
     def finish_bundle(self, bundle_dir: Path) -> None:
-        from deltaship.lowering.onnx.genai import adapt_tokenizer_config
-
         adapt_tokenizer_config(bundle_dir)  # a tokenizer class onnxruntime-genai accepts
 
     def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
-        from deltaship.runtimes.onnx_contract import graph_problems  # reads the protobuf itself: no toolchain
-
         return graph_problems(bundle, manifest)
 
     def open_session(
@@ -248,15 +251,9 @@ class OnnxTarget(Target):
     ):
         self.require_tools(("onnxruntime",))  # its runtime, with the pip extra named when missing
         if runtime == "genai":
-            from deltaship.runtimes.genai import GenaiSession
-
             return GenaiSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk)
         need_newer = _needs_newer_onnxruntime(manifest)
         if need_newer:
-            import os
-
-            from deltaship.runtimes.ort_worker import ENV, RemoteOnnxSession
-
             if runtime == "genai" or not os.environ.get(ENV) or provider != "cpu" or options:
                 raise DeltashipUnavailable(
                     f"{bundle}: this bundle needs onnxruntime >= {need_newer[0]} (lowering.opset "
@@ -267,7 +264,6 @@ class OnnxTarget(Target):
             return RemoteOnnxSession(
                 os.environ[ENV], Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk
             )
-        from deltaship.runtimes.onnx import OnnxSession
 
         return OnnxSession(
             Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, provider=provider, **options
@@ -276,9 +272,7 @@ class OnnxTarget(Target):
 
 def _needs_newer_onnxruntime(manifest: dict[str, Any]) -> tuple[str, str] | None:
     """(required, installed) when the bundle names a newer onnxruntime than the installed one (opset 27)."""
-    import onnxruntime
-
-    from deltaship.runtimes.ort_worker import required_onnxruntime, version_tuple
+    import onnxruntime  # lazy: onnxruntime
 
     need = required_onnxruntime(manifest)
     if need and version_tuple(onnxruntime.__version__) < version_tuple(need):

@@ -11,6 +11,7 @@ parameter, so two functions built from the same parameters share them after dedu
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -45,7 +46,7 @@ class Written:
 
 
 def _mil():
-    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil import Builder as mb  # lazy: coremltools
     from coremltools.converters.mil.mil import types
 
     return mb, types
@@ -102,7 +103,7 @@ class WeightCache:
             q = self.quant[form].get(fqn) if form in ("linear", "embedding") else None
             shape = self.plan.shape(fqn)
             if q is not None:
-                from coremltools.converters.mil.mil import types
+                from coremltools.converters.mil.mil import types  # lazy: coremltools
 
                 bits, block = q["bits"], q["block_size"]
                 half = 1 << (bits - 1)
@@ -135,9 +136,8 @@ def share_across_functions(prog) -> dict[str, int]:
     coremltools' own pass compares candidates with np.allclose, which upcasts both to float64: for a
     quantized 248320-row table that is gigabytes. Here consts are matched by identity (WeightCache hands
     every function the same array) and otherwise by dtype, shape and a hash of their bytes."""
-    import hashlib
 
-    from coremltools.converters.mil.mil import ListVar
+    from coremltools.converters.mil.mil import ListVar  # lazy: coremltools
 
     groups: dict[tuple, list] = {}
     digests: dict[int, str] = {}
@@ -247,7 +247,7 @@ class MILLowerer:
     # ---- driver ------------------------------------------------------------------------------
     def build(self, input_names: list[str], state_names: list[str], output_names: list[str]):
         """Build the MIL function; returns (function, output name list actually emitted)."""
-        import coremltools as ct
+        import coremltools as ct  # lazy: coremltools
         from coremltools.converters.mil.mil import Function
 
         mb, types = self.mb, self.types

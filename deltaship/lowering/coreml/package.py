@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -9,8 +11,9 @@ import numpy as np
 import torch
 
 from deltaship.errors import DeltashipError
+from deltaship.lowering.coreml.lowering import ANE_MAX_DIM, MILLowerer, WeightCache, share_across_functions
 from deltaship.lowering.lowered import Lowered
-from deltaship.lowering.passes import PassError
+from deltaship.lowering.passes import PassError, example_inputs
 from deltaship.progress import heartbeat
 
 PACKAGE = "model.mlpackage"
@@ -139,8 +142,6 @@ def _part_states(ctx, start: int, stop: int) -> list[dict]:
 
 
 def _capture_part(part: Part, states: list[dict], tokens: int, hidden: int, dtype) -> torch.export.ExportedProgram:
-    from deltaship.lowering.passes import example_inputs
-
     ids, pos, st = example_inputs(states, tokens)
     inp = ids if part.first else torch.zeros(1, tokens, hidden, dtype=dtype, device="meta")
     return torch.export.export(part, (inp, pos, st), strict=False)
@@ -174,7 +175,6 @@ class StaticCapture:
                     "built for a single package",
                     "raise --coreml-part-gb, export at int8/int4, or drop --mtp",
                 )
-            from deltaship.lowering.passes import example_inputs
 
             verify = VerifyPart(ctx.model)
             for t in verify_sizes(chunk):
@@ -229,9 +229,7 @@ def part_io(ctx, index: int) -> tuple[str, str]:
 
 def build_program(ctx, weights, index: int = 0, wcache=None, progress=None):
     """One package part: both functions in one MIL Program, weights deduplicated across them."""
-    from coremltools.converters.mil.mil import Program
-
-    from deltaship.lowering.coreml.lowering import MILLowerer, WeightCache, share_across_functions
+    from coremltools.converters.mil.mil import Program  # lazy: coremltools
 
     modes = state_modes(ctx)
     wcache = wcache or WeightCache(ctx.plan, weights, ctx.quant, progress)
@@ -267,9 +265,9 @@ def build_program(ctx, weights, index: int = 0, wcache=None, progress=None):
 def palettize(prog, bits: int) -> dict[str, Any]:
     """Replace the linear and embedding weights by n-bit look-up tables (coremltools.optimize), per
     group of 16 output channels, uniform levels (fast and deterministic on 248320-row heads)."""
-    import coremltools.optimize as cto
+    import coremltools.optimize as cto  # lazy: coremltools
     from coremltools.converters.mil.mil.passes.graph_pass import PassOption
-    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY  # lazy: coremltools
 
     op_cfg = cto.coreml.OpPalettizerConfig(
         nbits=int(bits), mode="uniform", granularity="per_grouped_channel", group_size=16, weight_threshold=2048
@@ -311,7 +309,6 @@ def rounded_from_package(
 def ane_report(prog) -> dict[str, Any]:
     """Ops likely to leave the Neural Engine (a heuristic from what the ANE is known not to take:
     fp32 compute, dimensions over 16384, and a few op types)."""
-    from deltaship.lowering.coreml.lowering import ANE_MAX_DIM
 
     likely: dict[str, int] = {}
     reasons: dict[str, str] = {}
@@ -353,7 +350,7 @@ def ane_report(prog) -> dict[str, Any]:
 
 def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[str]], index: int = 0) -> dict[str, Any]:
     """The saved package against the manifest: deployment target, functions, inputs, states, outputs."""
-    import coremltools as ct
+    import coremltools as ct  # lazy: coremltools
 
     spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
     problems = []
@@ -405,9 +402,7 @@ def lower(
 ) -> Lowered:
     """Write the package(s) for the passes' result; `package_constants` reads a saved package's weights back
     (for the matched reference of a palettized build)."""
-    import coremltools as ct
-
-    from deltaship.lowering.coreml.lowering import WeightCache
+    import coremltools as ct  # lazy: coremltools
 
     say = progress or (lambda m: None)
     n = len(ctx.parts)
@@ -498,10 +493,8 @@ def _has_mtp(ctx) -> bool:
 def blob_sharing(path: Path) -> dict[str, int]:
     """How the package's weight blob is shared: its size, the entries any function's const points at, those
     read by more than one function, and bytes stored twice (distinct entries with identical contents)."""
-    import hashlib
-    import struct
 
-    import coremltools as ct
+    import coremltools as ct  # lazy: coremltools
 
     spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
     users: dict[int, set[str]] = {}

@@ -24,6 +24,10 @@ from torch import Tensor, nn
 
 from deltaship.bundle.vision_io import MASKED_ENCODER_INPUTS, check_patch_counts, vision_function
 from deltaship.errors import DeltashipError
+from deltaship.lowering.coreml.lowering import MILLowerer, WeightCache, share_across_functions, weight_const_name
+from deltaship.lowering.coreml.package import mil_name, state_modes
+from deltaship.lowering.passes import example_inputs as state_inputs
+from deltaship.lowering.passes import rerun_pipeline
 from deltaship.models.qwen3_5_vision import _rotate, load_tower
 from deltaship.models.vision import (
     PREPROCESSOR_CONFIG,
@@ -71,8 +75,6 @@ class ModuleWeights:
         self.const_names: dict[str, tuple[str, str, int]] = {}
 
     def named(self, fqn: str, form: str, piece: int | None = None) -> str:
-        from deltaship.lowering.coreml.lowering import weight_const_name
-
         name = weight_const_name("visual." + fqn, form, piece)
         self.const_names[name] = (fqn, form, piece or 0)
         return name
@@ -103,9 +105,7 @@ def example_inputs(spec: VisionSpec, patches: int) -> tuple[Tensor, ...]:
 
 def build_program(spec: VisionSpec, weights: VisionWeights, patch_counts: tuple[int, ...]):
     """The MIL program: one function per patch count (fp32)."""
-    from coremltools.converters.mil.mil import Program
-
-    from deltaship.lowering.coreml.lowering import MILLowerer, share_across_functions
+    from coremltools.converters.mil.mil import Program  # lazy: coremltools
 
     counts = check_patch_counts(patch_counts)
     tower = MaskedTower(load_tower(spec, weights)).eval()
@@ -126,7 +126,7 @@ def build_program(spec: VisionSpec, weights: VisionWeights, patch_counts: tuple[
 
 def lower_vision_package(spec: VisionSpec, weights: VisionWeights, path: Path, patch_counts: tuple[int, ...]) -> dict:
     """Write a .mlpackage with functions vision_N (one image of up to N patches each); returns its description."""
-    import coremltools as ct
+    import coremltools as ct  # lazy: coremltools
 
     prog = build_program(spec, weights, patch_counts)
     model = ct.convert(
@@ -219,13 +219,8 @@ def lower_vision(bundle: Path, source, ctx, pipeline: tuple) -> dict:
     features in) and text_decoder_T (embeddings + 3-row M-RoPE positions + position -> logits of the last token)
     for T = the prefill chunk and 1, on io states of its own (an fp32 build); the manifest's `vision` block."""
 
-    import coremltools as ct
+    import coremltools as ct  # lazy: coremltools
     from coremltools.converters.mil.mil import Program
-
-    from deltaship.lowering.coreml.lowering import MILLowerer, WeightCache, share_across_functions
-    from deltaship.lowering.coreml.package import mil_name, state_modes
-    from deltaship.lowering.passes import example_inputs as state_inputs
-    from deltaship.lowering.passes import rerun_pipeline
 
     vspec, pre, pre_cfg, mrope = check_vision(source, ctx.spec)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from deltaship.errors import DeltashipError
+
 GENAI_CONFIG = "genai_config.json"
 MODEL_TYPE = "qwen3_5_text"
 # genai adds to current_sequence_length only the appended tokens before the first pad_token_id, so a pad id that a
@@ -92,8 +94,6 @@ def genai_config(
     tokens = tokens or {}
     eos = list(tokens.get("eos") or spec.eos_token_id or [])
     if not eos:
-        from deltaship.errors import DeltashipError
-
         raise DeltashipError(
             "genai_config.json: the model has no eos token id (config.json eos_token_id, generation_config.json)",
             "set eos_token_id in the checkpoint's config.json",

@@ -23,7 +23,7 @@ from deltaship.lowering.lowerings import OpLowerings
 from deltaship.lowering.onnx.builder import GraphBuilder
 from deltaship.lowering.weight_plan import WeightPlan
 from deltaship.models import ops as _canonical  # noqa: F401  (registers torch.ops.deltaship.*)
-from deltaship.quant import quantize_matmul_weight
+from deltaship.quant import pack, quantize_blocks, quantize_matmul_weight
 
 aten = torch.ops.aten
 DS = torch.ops.deltaship
@@ -361,7 +361,6 @@ def _weight_gather_quantized(L: Lowerer, node, q):
     key = (fqn, "gather")
     if key in L._weights:
         return L._weights[key]
-    from deltaship.quant import pack, quantize_blocks
 
     if L.progress:
         L.progress(fqn)

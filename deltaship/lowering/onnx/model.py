@@ -10,8 +10,10 @@ import torch
 
 from deltaship.lowering.kv_quant import stored_states
 from deltaship.lowering.lowered import Lowered
+from deltaship.lowering.onnx import mtp
 from deltaship.lowering.onnx.builder import NP_TO_ONNX, GraphBuilder
 from deltaship.lowering.onnx.genai import GENAI_CONFIG, adapt_tokenizer_config, write_genai_config
+from deltaship.lowering.onnx.graph_capture import make_capturable
 from deltaship.lowering.onnx.lowering import (
     DATA_FILE,
     IR_VERSION,
@@ -378,8 +380,6 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     _quantized_state_io(b, ctx.states)
     capture = None
     if ctx.options.onnx_cuda_graph:  # GQA's lengths and the start position computed on the device
-        from deltaship.lowering.onnx.graph_capture import make_capturable
-
         capture = make_capturable(b, ctx.max_context, CURRENT_LENGTH, _PROGRAM_POSITION, _LENGTH_NODES[0])
     b.finish(
         out_dir / MODEL_FILE,
@@ -435,7 +435,5 @@ __all__ = ["lower", "io_inputs", "io_outputs", "adapt_tokenizer_config", "LOWERI
 
 
 def _speculative(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress, b, rollback) -> dict:
-    from deltaship.lowering.onnx import mtp
-
     mtp.add_verify_io(out_dir / MODEL_FILE, ctx.spec)
     return mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b, rollback)

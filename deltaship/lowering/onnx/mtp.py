@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper, numpy_helper
 
 from deltaship.lowering.onnx.builder import NP_TO_ONNX, GraphBuilder
 from deltaship.lowering.onnx.lowering import DATA_FILE, IR_VERSION, MODEL_FILE, OPSET, Lowerer
@@ -94,7 +95,6 @@ def add_verify_io(path: Path, spec) -> None:
     about one at every session start, in every app) and not an optional-typed input (onnxruntime-genai reads every
     input's tensor type and crashes on one): a plain int64 input named as the one genai feeds itself, with 0.
     Done on the file, after the decoder's lowering wrote it (its weights stay where they are)."""
-    from onnx import TensorProto, helper, numpy_helper
 
     model = onnx.load(str(path), load_external_data=False)
     g = model.graph

@@ -39,9 +39,10 @@ def load(
 
     The transformers side is `deltaship.hf.DeltashipModelForCausalLM` over the same session; the tokenizer is
     `transformers.AutoTokenizer.from_pretrained(bundle)`. The bundle's files are checked first."""
-    from deltaship.errors import DeltashipError
-    from deltaship.hf.bundle_model import BundleModel
-    from deltaship.targets import open_bundle
+    # lazy: `import deltaship` (run by every `import deltaship.<module>`) stays thin
+    from deltaship.errors import DeltashipError  # lazy: the package's face
+    from deltaship.hf.bundle_model import BundleModel  # lazy: the package's face
+    from deltaship.targets import open_bundle  # lazy: the package's face
 
     path = Path(bundle)
     if not (path / "manifest.json").is_file():
@@ -54,11 +55,11 @@ def load(
 
 def __getattr__(name: str) -> Any:
     if name == "export":  # deltaship.compile.export (the lowering package is deltaship.lowering: no name clash)
-        from deltaship.compile import export
+        from deltaship.compile import export  # lazy: `import deltaship` stays thin (PEP 562)
 
         return export
     if name == "Chat":  # deltaship.Chat.load(path, session): a saved conversation
-        from deltaship.chat import Chat
+        from deltaship.chat import Chat  # lazy: `import deltaship` stays thin (PEP 562)
 
         return Chat
     raise AttributeError(f"module 'deltaship' has no attribute {name!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import signal
@@ -13,43 +14,54 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from deltaship import options
+from deltaship import __version__, options
+from deltaship.apps import PLATFORMS, write_kit
+from deltaship.bundle.destination import check_destination
+from deltaship.check import inspect as bundle_inspect
+from deltaship.check.evaluate import evaluate
+from deltaship.commands import generate
+from deltaship.commands.chat import chat
+from deltaship.compile import export
+from deltaship.devices.discovery import discover, fingerprint
+from deltaship.devices.plan import format_table, format_vision, plan, verdicts, vision_plan
 from deltaship.errors import EXIT_BROKEN_PIPE, EXIT_SIGINT, EXIT_SIGTERM, DeltashipError
 from deltaship.failures import describe, os_error, quiet_stdout, stdout_closed
+from deltaship.logs import quiet_third_party, set_verbose
+from deltaship.models.presets import PRESETS
+from deltaship.models.spec import KV_DTYPES
+from deltaship.profiling.profile import compare, profile
+from deltaship.profiling.report import format_compare, format_results, write_plots
+from deltaship.profiling.settings import ProfileSettings
+from deltaship.progress import Progress
+from deltaship.targets import DEFAULT_PREFILL_CHUNK, PRECISIONS, all_targets, flag, runtime_names, target_names
+
+# export()'s keyword arguments whose flag has another name: parameter -> (the flag's dest, the flag negates it)
+EXPORT_FLAGS = {
+    "verify": ("no_verify", True),
+    "fidelity": ("no_fidelity", True),
+    "progress": ("quiet", True),
+    "tiers_file": ("tiers", False),
+}
+
+
+def export_arguments(a: argparse.Namespace) -> dict[str, Any]:
+    """`export()`'s keyword arguments from the flags add_export_arguments() parsed: one per parameter of its
+    signature, and the target options (the fields of each target's Options dataclass) the user set."""
+    args: dict[str, Any] = {}
+    for name, p in inspect.signature(export).parameters.items():
+        if p.kind is not p.VAR_KEYWORD:
+            dest, negated = EXPORT_FLAGS.get(name, (name, False))
+            args[name] = not getattr(a, dest) if negated else getattr(a, dest)
+    for t in all_targets():
+        for f in t.Options.fields():
+            if getattr(a, f.name) not in (None, False):  # only the target options the user set
+                args[f.name] = getattr(a, f.name)
+    return args
 
 
 def run_export(a: argparse.Namespace) -> int:
     """`export()` with the arguments add_export_arguments() parsed."""
-    from deltaship.compile import export
-    from deltaship.targets import all_targets
-
-    given = {
-        f.name: getattr(a, f.name)
-        for t in all_targets()
-        for f in t.Options.fields()
-        if getattr(a, f.name) not in (None, False)
-    }  # only the target options the user set
-    export(
-        model=a.model,
-        out=a.out,
-        target=a.target,
-        precision=a.precision,
-        max_context=a.max_context,
-        device=a.device,
-        tiers_file=a.tiers,
-        force=a.force,
-        verify=not a.no_verify,
-        prefill_chunk=a.prefill_chunk,
-        block_size=a.block_size,
-        deltanet_int8=a.deltanet_int8,
-        threads=a.threads,
-        progress=not a.quiet,
-        allow_download=a.allow_download,
-        kv_cache=a.kv_cache,
-        prompt_cache=a.prompt_cache,
-        **({"vision": True} if getattr(a, "vision", False) else {}),
-        **given,
-    )
+    export(**export_arguments(a))
     return 0
 
 
@@ -91,7 +103,6 @@ def _max_context(value: str) -> int | str:
 
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
     """One flag per field of each target's options dataclass (deltaship/targets), with its help and default."""
-    from deltaship.targets import all_targets, flag
 
     added: set[str] = set()  # an option several targets take (--mtp) is one flag, under the first of them
     takers: dict[str, list[str]] = {}
@@ -126,8 +137,6 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _generate(a: argparse.Namespace) -> int:
-    from deltaship.commands import generate
-
     res = generate(
         a.bundle,
         prompt=a.prompt,
@@ -167,16 +176,12 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _inspect(a: argparse.Namespace) -> int:
-    from deltaship.check.inspect import describe, inspect
-
-    info = inspect(a.bundle)
-    print(json.dumps(info, indent=2) if a.json else describe(info))
+    info = bundle_inspect.inspect(a.bundle)
+    print(json.dumps(info, indent=2) if a.json else bundle_inspect.describe(info))
     return 0 if info["intact"] else 1
 
 
 def _eval(a: argparse.Namespace) -> int:
-    from deltaship.check.evaluate import evaluate
-
     res = evaluate(a.bundle, model=a.model, tokens=a.tokens, threads=a.threads)
     if a.json:
         print(json.dumps(res))
@@ -198,8 +203,6 @@ def _eval(a: argparse.Namespace) -> int:
 
 
 def _devices(a: argparse.Namespace) -> int:
-    from deltaship.devices.discovery import discover, fingerprint
-
     found = [fingerprint(d, a.ssh_option) for d in a.device] if a.device else discover(local_only=a.local)
     if a.json:
         print(json.dumps(found))
@@ -215,8 +218,6 @@ def _devices(a: argparse.Namespace) -> int:
 
 
 def _plan(a: argparse.Namespace) -> int:
-    from deltaship.devices.plan import format_table, format_vision, plan, verdicts, vision_plan
-
     rows = plan(
         a.model,
         tier=a.tier,
@@ -241,9 +242,6 @@ def _plan(a: argparse.Namespace) -> int:
 
 
 def _profile(a: argparse.Namespace) -> int:
-    from deltaship.profiling.profile import compare, profile
-    from deltaship.profiling.report import format_compare, format_results
-
     if a.compare:
         if a.bundle is not None:
             raise DeltashipError("--compare takes two JSON files instead of a bundle", "drop the bundle argument")
@@ -251,42 +249,12 @@ def _profile(a: argparse.Namespace) -> int:
         return 0
     if a.bundle is None:
         raise DeltashipError("profile needs a BUNDLE (or --compare A.json B.json)", "pass the bundle directory")
-    from deltaship.progress import Progress
 
     say = Progress() if not a.quiet else None  # timestamped like export's steps
     if a.plots:  # checked before the profile runs (write_plots checks again, under the lock)
-        from deltaship.bundle.destination import check_destination
-
         check_destination(Path(a.plots), True, (a.bundle,), "--plots", replaces=("plots",))
-    doc = profile(
-        a.bundle,
-        device=a.device,
-        prompt_lengths=a.prompt_lengths,
-        gen=a.gen,
-        contexts=a.contexts,
-        threads=a.threads,
-        warmups=a.warmups,
-        reps=a.reps,
-        min_seconds=a.min_seconds,
-        tier=a.tier,
-        tiers_file=a.tiers,
-        breakdown=not a.no_breakdown,
-        json_out=a.json,
-        report=a.report,
-        ssh_options=a.ssh_option,
-        remote_deltaship=a.remote_deltaship,
-        runner=a.runner,
-        runner_args=a.runner_args,
-        progress=say,
-        provider=a.provider,
-        runtime=a.runtime,
-        speculative=a.speculative,
-        acceptance=a.acceptance,
-        image_sizes=a.image_sizes,
-    )
+    doc = profile(a.bundle, ProfileSettings.from_args(a), progress=say)
     if a.plots:
-        from deltaship.profiling.report import write_plots
-
         write_plots(doc, Path(a.plots), (a.bundle,))
     if a.json != "-":
         print(format_results(doc))
@@ -297,8 +265,6 @@ def _profile(a: argparse.Namespace) -> int:
 def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = False) -> None:
     """The `export` options, on any parser (`deltaship export`, `optimum-cli export deltaship`); run_export()
     calls export() with them. out_positional: the bundle directory is a positional OUT (optimum-cli's way)."""
-    from deltaship.models.presets import PRESETS
-    from deltaship.targets import DEFAULT_PREFILL_CHUNK, PRECISIONS, all_targets, target_names
 
     e.add_argument(
         "--model",
@@ -344,6 +310,11 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         help="download a Hugging Face id that is not in the local cache (default: never download)",
     )
     e.add_argument("--no-verify", action="store_true", help="skip the parity check against transformers")
+    e.add_argument(
+        "--no-fidelity",
+        action="store_true",
+        help="verify, but skip the held-out fidelity eval that follows (the manifest's `fidelity`)",
+    )
     chunks = ", ".join(
         f"{t.name} {t.default_prefill_chunk}" for t in all_targets() if t.default_prefill_chunk != DEFAULT_PREFILL_CHUNK
     )
@@ -359,7 +330,7 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     e.add_argument("--deltanet-int8", action="store_true", help="with int4: keep DeltaNet projections at int8")
     e.add_argument(
         "--kv-cache",
-        choices=("fp32", "fp16", "int8", "int4"),
+        choices=tuple(KV_DTYPES),
         default=None,
         help="KV-cache dtype (default: the target's own at --precision; `deltaship plan --kv-dtypes` shows "
         "what each would take)",
@@ -383,8 +354,6 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
 
 
 def _app(a: argparse.Namespace) -> int:
-    from deltaship.apps import write_kit
-
     record = write_kit(Path(a.bundle), Path(a.out), a.platform, force=a.force)
     # the record's paths are relative to the kit (it was written in a staging directory, then renamed)
     files = [(Path(a.out) / f).as_posix() for f in record.get("files", [])]
@@ -425,9 +394,6 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deltaship import __version__
-    from deltaship.targets import runtime_names
-
     p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
     p.add_argument("--version", action="version", version=f"deltaship {__version__}")
     p.add_argument(
@@ -645,8 +611,6 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     pr.set_defaults(func=_profile)
 
-    from deltaship.apps import PLATFORMS
-
     ap = sub.add_parser("app", help="write the app integration kit for a bundle (Swift, Kotlin, JavaScript)")
     ap.add_argument("bundle", help="bundle directory the kit runs")
     ap.add_argument(
@@ -696,8 +660,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _chat(a: argparse.Namespace) -> int:
-    from deltaship.commands.chat import chat
-
     return chat(
         a.bundle,
         system=a.system,
@@ -741,7 +703,6 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(EXIT_BROKEN_PIPE) from None
         raise
     debug = args.debug or os.environ.get("DELTASHIP_DEBUG", "") not in ("", "0")
-    from deltaship.logs import quiet_third_party, set_verbose
 
     set_verbose(args.verbose)
     quiet_third_party()  # toolchains' notices the user cannot act on (--verbose shows them)

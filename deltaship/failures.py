@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import sys
 
 from deltaship.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_INTERNAL, DeltashipError
@@ -90,8 +91,6 @@ def describe(e: BaseException) -> tuple[int, str, str | None]:
 def stdout_closed() -> bool:
     """Whether stdout is a pipe whose reader has gone (a BrokenPipeError elsewhere, e.g. an ssh pipe, is a failure)."""
     try:
-        import select
-
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
         return any(ev & select.POLLERR for _, ev in poller.poll(0))

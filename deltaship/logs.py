@@ -59,7 +59,7 @@ def quiet_third_party() -> None:
     # (Its advice to install causal_conv1d / flash-linear-attention is about CUDA kernels, wrong on CPU.)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy: transformers
 
         hf_logging.set_verbosity_error()
     os.environ.setdefault("TQDM_DISABLE", "1")  # coremltools' pass-pipeline progress bars

@@ -30,7 +30,7 @@ class Progress:
         self._status = None
         self._console = None
         if enabled and self.stream.isatty():
-            from rich.console import Console
+            from rich.console import Console  # lazy: rich
 
             self._console = Console(file=self.stream, highlight=False)
 

@@ -168,24 +168,15 @@ def set_json(path: Path, key: str, value) -> None:
 
 def export_context(ckpt: Path, precision: str, max_context: int = 128, target: str = "onnx", **options):
     """The target's export passes up to (not including) capture: the weight plan and quantization choices."""
-    from deltaship.compile import check_options, pass_options
-    from deltaship.lowering.passes import ExportContext, run_pipeline
+    from deltaship.compile import build_settings
+    from deltaship.compile.steps import lowering_settings, run_passes
     from deltaship.models.source import load_source
-    from deltaship.targets import get_target
 
-    tgt = get_target(target)
-    common = {k: options.pop(k) for k in ("block_size", "deltanet_int8") if k in options}
-    typed = check_options(
-        target, precision, max_context, common.get("block_size", 32), common.get("deltanet_int8", False), 8, options
+    settings = build_settings(
+        str(ckpt), "unused", target=target, precision=precision, max_context=max_context, **options
     )
-    ctx = ExportContext(
-        spec=load_source(str(ckpt)).spec,
-        precision=precision,
-        max_context=max_context,
-        target=target,
-        options=pass_options(tgt, typed, prefill_chunk=8, **common),
-    )
-    return run_pipeline(ctx, tgt.pipeline()[:-1])
+    lowering = lowering_settings(settings, load_source(str(ckpt)).spec, max_context, 8, None)
+    return run_passes(lowering, settings.tgt.pipeline()[:-1], None)
 
 
 def add_mtp_head(directory: Path, seed: int = 0, drop: str | None = None, reshape: str | None = None) -> Path:

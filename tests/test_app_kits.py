@@ -78,7 +78,7 @@ def test_platforms_and_refusals(tmp_path, monkeypatch):
     with pytest.raises(DeltashipError, match="no manifest.json"):
         write_kit(tmp_path, tmp_path / "kit", "android")
     stub_bundle(bundle, "onnx")
-    monkeypatch.setitem(apps._KITS, "web", ("deltaship.apps.not_written_yet", ("onnx",), "x"))
+    monkeypatch.setitem(apps._KITS, "web", "deltaship.apps.not_written_yet")
     with pytest.raises(DeltashipError, match="web kit generator .*not installed"):
         write_kit(bundle, tmp_path / "kit", "web")
     assert not (tmp_path / "kit").exists() and not list(tmp_path.glob(".kit.*"))  # nothing left behind
@@ -99,7 +99,7 @@ def test_web_and_desktop_dispatch_to_the_web_module(tmp_path, monkeypatch):
         return [out / "index.js"]
 
     monkeypatch.setitem(sys.modules, "fake_web_kit", types.SimpleNamespace(write_kit=fake_write_kit))
-    monkeypatch.setitem(apps._KITS, "desktop", ("fake_web_kit", ("onnx",), "x"))
+    monkeypatch.setitem(apps._KITS, "desktop", "fake_web_kit")
     bundle = stub_bundle(tmp_path / "b", "onnx")
     record = write_kit(bundle, tmp_path / "kit", "desktop")
     assert calls and calls[0][0] == bundle and calls[0][2] == "desktop" and calls[0][1] != "kit"  # a temp dir
@@ -124,7 +124,7 @@ def test_app_message_lists_the_final_paths(tmp_path, monkeypatch, capsys):
         return sorted(p for p in out.rglob("*") if p.is_file())
 
     monkeypatch.setitem(sys.modules, "fake_web_kit", types.SimpleNamespace(write_kit=fake_write_kit))
-    monkeypatch.setitem(apps._KITS, "web", ("fake_web_kit", ("onnx",), "x"))
+    monkeypatch.setitem(apps._KITS, "web", "fake_web_kit")
     monkeypatch.chdir(tmp_path)
     stub_bundle(Path("b"), "onnx")
     assert main(["app", "b", "--platform", "web", "--out", "dist/web"]) == 0
@@ -265,15 +265,73 @@ def check_swift_kit(kit: Path, bundle: Path) -> list[str]:
                 if missing:
                     problems.append(f"{part['package']}:{fname} {kind} the swift never names: {sorted(missing)}")
         names |= {part["package"]} | {f["name"] for fs in swift.values() for f in fs}
-    stray = set().union(*(identifier_literals(t) for t in texts.values())) - names
+    problems += _swift_session_problems(spec, bundle, texts)
+    names |= {s["name"] for s in spec["session_states"]}  # checked there: the manifest's state names
+    if spec["chat"] and spec["chat"]["prompt_cache_file"]:
+        names.add(spec["chat"]["prompt_cache_file"])  # checked there: the bundle's listed prompt cache
+    chat_names = _chat_format_names() | SWIFT_CHAT_LITERALS
+    drivers = {f: t for f, t in texts.items() if f != "DeltashipChat.swift"}
+    stray = set().union(*(identifier_literals(t) for t in drivers.values())) - names
+    stray |= identifier_literals(texts.get("DeltashipChat.swift", "")) - chat_names
     if stray:
         problems.append(f"names in the swift sources that are not in the packages: {sorted(stray)}")
     for f, t in texts.items():  # the drivers take every name from KitSpec, even one the package has
-        hard = identifier_literals(t) - DRIVER_LITERALS if f != "KitSpec.swift" else set()
+        allowed = DRIVER_LITERALS | (chat_names if f == "DeltashipChat.swift" else set())
+        hard = identifier_literals(t) - allowed if f != "KitSpec.swift" else set()
         if hard:
             problems.append(f"{f}: names written into the driver instead of read from KitSpec: {sorted(hard)}")
     problems += [f"{f}: {p}" for f, t in texts.items() for p in unbalanced(t)]
     problems += [f"Package.swift: {p}" for p in unbalanced((kit / "Package.swift").read_text())]
+    return problems
+
+
+# what the kits' chats may spell besides the saved-session format's names: the manifest they hash for the bundle's
+# identity (its `files` table); the Swift one also the dtype names of the session's tensor table
+CHAT_MANIFEST_LITERALS = {"manifest.json", "files"}
+SWIFT_CHAT_LITERALS = CHAT_MANIFEST_LITERALS | {"float16", "float32"}
+
+
+def _swift_session_problems(spec: dict, bundle: Path, texts: dict) -> list[str]:
+    """KitSpec.sessionStates and KitSpec.chat against the bundle: every manifest state once, held where the package
+    holds it (the part's io input or MLState, same shape and type), checkpointed exactly when it is a DeltaNet
+    state, saved in deltaship's Core ML session layout; the chat pieces, stop ids and prompt cache the bundle's."""
+    from deltaship.chat.pieces import bundle_pieces
+    from deltaship.targets import open_bundle
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    problems = []
+    by_name = {s["name"]: s for s in manifest["states"]}
+    states = spec["session_states"]
+    if sorted(s["name"] for s in states) != sorted(by_name):
+        problems.append(f"sessionStates {[s['name'] for s in states]} are not the manifest's states {sorted(by_name)}")
+    layout = open_bundle(bundle).state_layout()  # deltaship's Core ML session: what a saved session holds
+    for s in states:
+        m = by_name.get(s["name"])
+        if m is None or s["part"] >= len(spec["parts"]):
+            continue
+        part = spec["parts"][s["part"]]
+        held = part["ml_states"] if s["in_ml_state"] else [dict(f, name=f["input"]) for f in part["io_states"]]
+        where = {f["name"]: (f["shape"], f["dtype"]) for f in held}
+        if where.get(s["feature"]) != (s["shape"], s["dtype"]) or m["coreml_input"] != s["feature"]:
+            problems.append(f"sessionState {s['name']}: {s['feature']} {s['shape']} {s['dtype']} is not held so in "
+                            f"{part['package']}")  # fmt: skip
+        if s["checkpoint"] != m["kind"].startswith("deltanet"):
+            problems.append(f"sessionState {s['name']}: checkpoint {s['checkpoint']}, but it is a {m['kind']} state")
+        shape, dtype, axis = layout[s["name"]]
+        if (s["file_dtype"], s["sequence_axis"]) != (dtype, axis) or list(shape) != s["shape"]:
+            problems.append(f"sessionState {s['name']}: file {s['file_dtype']} axis {s['sequence_axis']}, deltaship's "
+                            f"session layout {dtype} {list(shape)} axis {axis}")  # fmt: skip
+    want, chat = bundle_pieces(bundle, manifest), spec["chat"]
+    if (want is None) != (chat is None) or (chat is not None) != ("DeltashipChat.swift" in texts):
+        problems.append("KitSpec.chat, DeltashipChat.swift and the bundle's template disagree")
+    elif chat is not None:
+        if chat["pieces"] != want["pieces"]:
+            problems.append(f"chat pieces {chat['pieces']} are not the bundle template's {want['pieces']}")
+        if chat["stop_ids"] != want["stop_ids"]:
+            problems.append(f"chat stopIds {chat['stop_ids']} are not the bundle's {want['stop_ids']}")
+        cache = (want["prompt_cache"] or {}).get("file")
+        if chat["prompt_cache_file"] != cache or (cache and cache not in manifest["files"]):
+            problems.append(f"chat promptCacheFile {chat['prompt_cache_file']} is not the bundle's {cache}")
     return problems
 
 
@@ -625,7 +683,7 @@ def test_existing_kit_needs_force(coreml_bundles, tmp_path):
     assert (tmp_path / "kit" / "mine.txt").exists()
     write_kit(bundle, tmp_path / "kit", "ios", force=True)
     assert not (tmp_path / "kit" / "mine.txt").exists()
-    with pytest.raises(DeltashipError, match="is a Core ML bundle; the android kit runs ONNX or ExecuTorch bundles"):
+    with pytest.raises(DeltashipError, match="is a Core ML bundle; the android kit runs ExecuTorch or ONNX bundles"):
         write_kit(bundle, tmp_path / "kit2", "android")
 
 
@@ -728,7 +786,7 @@ def check_kotlin_kit(kit: Path, bundle: Path) -> list[str]:
             names.add(spec["chat"]["prompt_cache_file"])  # checked above: the bundle's listed prompt cache
     drivers = [t for f, t in texts.items() if f != "DeltashipChat.kt"]
     stray = set().union(*(identifier_literals(t) for t in drivers)) - names - GENAI_OPTIONS
-    stray |= identifier_literals(texts.get("DeltashipChat.kt", "")) - _chat_format_names()
+    stray |= identifier_literals(texts.get("DeltashipChat.kt", "")) - _chat_format_names() - CHAT_MANIFEST_LITERALS
     if stray:
         problems.append(f"names in the kotlin sources that are not in the bundle: {sorted(stray)}")
     problems += [f"{f}: {p}" for f, t in texts.items() for p in unbalanced(t)]
@@ -1083,7 +1141,23 @@ class _KotlinChatReplay:
         self.rewinds: list[int] = []
         self.model_reset()
         self.system, self.pieces, self.stop = "Code.", spec["chat"]["pieces"], set(spec["chat"]["stop_ids"])
+        self.identity = self._identity()
         self.reset()
+
+    def _identity(self):
+        """bundleIdentity: sha256 of manifest.json, of its files' [[path, sha256], ...] as Kotlin writes it, target."""
+        import hashlib
+
+        raw = (self.bundle / "manifest.json").read_bytes()
+        manifest = json.loads(raw)
+        cache = self.spec["chat"]["prompt_cache_file"]
+        rows = [f'["{p}","{f["sha256"]}"]' for p, f in sorted(manifest["files"].items()) if p != cache]
+        listing = "[" + ",".join(rows) + "]"
+        return hashlib.sha256(raw).hexdigest(), hashlib.sha256(listing.encode()).hexdigest(), manifest["target"]
+
+    def _check_identity(self, meta):
+        b = meta.get("bundle") or {}
+        assert b.get("manifest_sha256") == self.identity[0] or b.get("files_sha256") == self.identity[1], "bundle"
 
     # DeltashipOrtModel
     def model_reset(self):
@@ -1137,6 +1211,7 @@ class _KotlinChatReplay:
 
         data = (self.bundle / self.spec["chat"]["prompt_cache_file"]).read_bytes()
         meta, tensors = self._read(data, load)
+        self._check_identity(meta)
         assert meta["system"] == self.system and meta["ids"] == self.render_ids(self.messages, False)
         self.reset()
         self.load_states(meta["position"], self._whole(tensors, meta["position"]))
@@ -1199,6 +1274,7 @@ class _KotlinChatReplay:
         if len(self.ids) < len(target):
             logits = self.prefill(target[len(self.ids) :])
             self.ids += target[len(self.ids) :]
+        turn["ids_before_reply"] = len(self.ids)
         out = []
         while len(out) < n:
             tok = int(self.np.argmax(logits))
@@ -1211,16 +1287,23 @@ class _KotlinChatReplay:
         self.turns.append(turn)
         return out
 
+    def _cut(self, s, a):
+        """cutToPosition: a KV cache (not checkpointed, an axis of MAX_CONTEXT after the batch) cut to the position."""
+        if s["checkpoint"]:
+            return a
+        axis = next((i for i in range(1, len(s["shape"])) if s["shape"][i] == self.spec["max_context"]), None)
+        return a if axis is None else self.np.ascontiguousarray(self.np.take(a, range(self.position), axis=axis))
+
     def save(self) -> bytes:
         import hashlib
 
         from safetensors.numpy import save
 
-        tensors = {f"state/{s['input']}": self.carried[s["input"]] for s in self.spec["states"]}
+        tensors = {f"state/{s['input']}": self._cut(s, self.carried[s["input"]]) for s in self.spec["states"]}
         checkpoints, last = [], None
         if self.turns:
             t = self.turns[-1]
-            last = {"messages_before": t["messages_before"]}
+            last = {"messages_before": t["messages_before"], "ids_before_reply": t["ids_before_reply"]}
             for key in ("before", "before_reply"):
                 cp = t[key]
                 if cp is None or not self.can_restore(cp):
@@ -1231,8 +1314,11 @@ class _KotlinChatReplay:
                 checkpoints.append({"position": cp[0]})
         sha = {k: hashlib.sha256(self.np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in tensors.items()}
         meta = {"format": "deltaship-chat-session", "version": 1, "position": self.position, "ids": self.ids,
+                "bundle": {"files_sha256": self.identity[1], "target": self.identity[2]},
                 "system": self.system, "template_kwargs": {}, "messages": self.messages, "checkpoints": checkpoints,
-                "last_turn": last, "tensors": {k: {"sha256": v} for k, v in sha.items()}}  # fmt: skip
+                "last_turn": last, "tensors": {k: {"sha256": v, "dtype": str(tensors[k].dtype),
+                                                   "shape": list(tensors[k].shape)}
+                                               for k, v in sha.items()}}  # fmt: skip
         text = json.dumps(meta)
         return save(
             tensors, {"deltaship_chat": text, "deltaship_chat_sha256": hashlib.sha256(text.encode()).hexdigest()}
@@ -1242,6 +1328,7 @@ class _KotlinChatReplay:
         from safetensors.numpy import load
 
         meta, tensors = self._read(data, load)
+        self._check_identity(meta)
         self.reset()
         self.messages = meta["messages"]
         self.load_states(meta["position"], self._whole(tensors, meta["position"]))
@@ -1258,7 +1345,8 @@ class _KotlinChatReplay:
                         len(self.rewinds))  # fmt: skip
 
             self.turns = [{"messages_before": last["messages_before"], "before": cp("before"),
-                           "before_reply": cp("before_reply")}]  # fmt: skip
+                           "before_reply": cp("before_reply"),
+                           "ids_before_reply": last["ids_before_reply"]}]  # fmt: skip
 
     def _read(self, data, load):
         import hashlib
@@ -1349,6 +1437,33 @@ def test_kotlin_chat_replay_gives_deltaship_chat(chat_onnx, tmp_path):
         assert r[2] < 1e-4, f"step {step}: DeltaNet states differ from a fresh prefill by {r[2]}"
 
 
+def test_kotlin_chat_session_loads_in_python(chat_onnx, tmp_path):
+    """A session the Kotlin chat saves (the bundle's files_sha256, each KV cache cut to the position, last_turn with
+    ids_before_reply) loads in deltaship's Python Chat.load and continues with the Kotlin replay's tokens; a Python
+    session loads in the replay; a session naming another bundle is refused."""
+    from deltaship.apps.kotlin import parse_kit_spec
+    from deltaship.chat import Chat
+    from deltaship.runtimes.tokenizer import load_tokenizer
+
+    write_kit(chat_onnx, tmp_path / "kit", "android")
+    spec = parse_kit_spec(_kotlin_sources(tmp_path / "kit")["KitSpec.kt"])
+    tok = load_tokenizer(chat_onnx, json.loads((chat_onnx / "manifest.json").read_text()))
+    kotlin = _KotlinChatReplay(chat_onnx, spec, tok)
+    kotlin.use_prompt_cache()
+    kotlin.send("a", 6)
+    saved = kotlin.save()
+    (tmp_path / "k.dschat").write_bytes(saved)
+    py = Chat.load(tmp_path / "k.dschat", chat_onnx, threads=1)
+    assert py.ids == kotlin.ids and py.history == kotlin.messages
+    assert py.retry(max_new_tokens=6).ids == kotlin.retry(6) and py.ids == kotlin.ids
+    py.save(tmp_path / "py.dschat")
+    again = _KotlinChatReplay(chat_onnx, spec, tok)
+    again.load((tmp_path / "py.dschat").read_bytes())
+    assert again.send("b", 6) == py.send("b", max_new_tokens=6).ids and again.ids == py.ids
+    with pytest.raises(AssertionError, match="bundle"):
+        again.load(saved.replace(kotlin.identity[1].encode(), b"0" * 64))
+
+
 def test_kotlin_chat_mutations_are_caught(chat_onnx, tmp_path):
     """A DeltaNet state that checkpoints do not copy (its `checkpoint = true` dropped from KitSpec.kt) is caught by
     the spec check and breaks the replay (restore leaves that state as it was); so do changed template pieces."""
@@ -1363,3 +1478,575 @@ def test_kotlin_chat_mutations_are_caught(chat_onnx, tmp_path):
     assert max(s[2] for s in steps) > 1e-3
     spec_file.write_text(text.replace('userSuffix = "<|im_end|>\\n"', 'userSuffix = "<|im_end|>"'))
     assert any("CHAT pieces" in p for p in check_kotlin_kit(tmp_path / "kit", chat_onnx))
+
+
+# ---- Swift chat (DeltashipChat.swift + DeltashipModel's checkpoint / restore), replayed in Python ------------------
+
+
+@pytest.fixture(scope="module")
+def chat_coreml(coreml_bundles, tmp_path_factory) -> Path:
+    """The int4 split bundle (several packages, KV caches in MLStates, fp16 and fp32 DeltaNet io states) with a
+    prompt cache of the system message "Code." added as `export --prompt-cache` adds it (no new Core ML export)."""
+    import shutil
+
+    from deltaship.bundle.writer import write_manifest
+    from deltaship.chat.conversation import write_prompt_cache
+
+    bundle = tmp_path_factory.mktemp("swift-chat") / "coreml-int4-chat"
+    shutil.copytree(coreml_bundles["int4-parts"], bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["chat"] = {"prompt_cache": write_prompt_cache(bundle, manifest, "Code.", {})}
+    write_manifest(bundle, manifest)
+    return bundle
+
+
+class _SwiftArray:
+    """An MLMultiArray as the Swift code sees it: a flat buffer, a shape and strides in elements (Core ML may pad
+    rows, so the replay pads the MLStates' rows to exercise the strided copies)."""
+
+    def __init__(self, flat, shape, strides):
+        self.flat, self.shape, self.strides = flat, list(shape), list(strides)
+
+    @classmethod
+    def zeros(cls, shape, dtype, pad=0):
+        import numpy as np
+
+        strides = [1] * len(shape)
+        row = shape[-1] + pad
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = row if d == len(shape) - 2 else strides[d + 1] * shape[d + 1]
+        return cls(np.zeros(strides[0] * shape[0], dtype), shape, strides)
+
+    @classmethod
+    def of(cls, a):
+        import numpy as np
+
+        a = np.ascontiguousarray(a)
+        return cls(a.reshape(-1).copy(), a.shape, _dense_strides(list(a.shape)))
+
+    def view(self):
+        import numpy as np
+
+        size = self.flat.itemsize
+        return np.lib.stride_tricks.as_strided(self.flat, self.shape, [s * size for s in self.strides])
+
+    def copy(self):  # DeltashipModel.copy: same shape, type and strides, every byte
+        return _SwiftArray(self.flat.copy(), self.shape, self.strides)
+
+
+def _dense_strides(shape):
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return strides
+
+
+def _copy_elements(shape, src, src_strides, dst, dst_strides):
+    """DeltashipModel.copyElements: row by row (the innermost dimension), each side with its own strides."""
+    if not shape or any(d <= 0 for d in shape):
+        return
+    n, row = len(shape), shape[-1]
+    index = [0] * (n - 1)
+    while True:
+        a = sum(index[d] * src_strides[d] for d in range(n - 1))
+        b = sum(index[d] * dst_strides[d] for d in range(n - 1))
+        dst[b + dst_strides[-1] * _arange(row)] = src[a + src_strides[-1] * _arange(row)]
+        d = n - 2
+        while d >= 0:
+            index[d] += 1
+            if index[d] < shape[d]:
+                break
+            index[d] = 0
+            d -= 1
+        if d < 0:
+            return
+
+
+def _arange(n):
+    import numpy as np
+
+    return np.arange(n)
+
+
+class _SwiftChatReplay:
+    """DeltashipModel (forward over the parts, checkpoint, canRestore, restore, stateFileBytes, loadStates, adopt) and
+    DeltashipChat.swift (render from KitSpec.chat, respond, feed, undo, save, load, the prompt cache), step for step,
+    from KitSpec.swift alone, on the saved programs (deltaship's MIL evaluator). `mutation` breaks one step."""
+
+    TYPES = {"float32": "float32", "float16": "float16", "int32": "int32"}
+
+    def __init__(self, bundle: Path, spec: dict, tokenizer, system="Code.", mutation=None):
+        import numpy as np
+
+        from deltaship.runtimes.mil_eval import Interpreter, load_program
+
+        self.np, self.bundle, self.spec, self.tok, self.mutation = np, bundle, spec, tokenizer, mutation
+        self.interps = [Interpreter(load_program(bundle / p["package"])) for p in spec["parts"]]
+        self.pieces, self.stop = spec["chat"]["pieces"], set(spec["chat"]["stop_ids"])
+        self.states_spec = spec["session_states"]
+        self.rewinds = [0]
+        self.identity = self._identity()
+        self.model_reset()
+        self.system, self.thinking = system, True
+        self.reset()
+
+    # ---- DeltashipModel
+    def model_reset(self):
+        np = self.np
+        self.io = [{s["input"]: np.zeros(s["shape"], s["dtype"]) for s in p["io_states"]} for p in self.spec["parts"]]
+        self.ml = [{s["name"]: _SwiftArray.zeros(s["shape"], s["dtype"], pad=8) for s in p["ml_states"]}
+                   for p in self.spec["parts"]]  # fmt: skip
+        self.position = 0
+        self.rewinds.append(0)
+
+    def forward(self, tokens):
+        np, spec = self.np, self.spec
+        fname = spec["functions"]["decode" if len(tokens) == 1 else "prefill"]
+        x = np.array(tokens, np.int32).reshape(1, -1)
+        for i, p in enumerate(spec["parts"]):
+            feeds = {p["input"]["name"]: x, p["position"]["name"]: np.array([self.position], np.int32), **self.io[i]}
+            out = self.interps[i].run(fname, feeds, {n: a.view() for n, a in self.ml[i].items()})
+            for s in p["io_states"]:  # Core ML returns the package's type
+                self.io[i][s["input"]] = np.asarray(out[s["output"]]).astype(s["dtype"])
+            x = out[p["output"]["name"]]
+        self.position += len(tokens)
+        return np.asarray(x, np.float32).reshape(-1)
+
+    def prefill(self, ids):
+        assert ids
+        n, logits, i = self.spec["prefill_chunk"], None, 0
+        while len(ids) - i >= n:
+            logits, i = self.forward(ids[i : i + n]), i + n
+        while i < len(ids):
+            logits, i = self.forward([ids[i]]), i + 1
+        return logits
+
+    def held(self, s):  # withState
+        if s["in_ml_state"]:
+            return self.ml[s["part"]][s["feature"]]
+        return _SwiftArray.of(self.io[s["part"]][s["feature"]])
+
+    def set_state(self, s, a: _SwiftArray):
+        if not s["in_ml_state"]:
+            self.io[s["part"]][s["feature"]] = a.copy().view().copy()
+            return
+        dst = self.ml[s["part"]][s["feature"]]
+        _copy_elements(s["shape"], a.flat, a.strides, dst.flat, dst.strides)
+
+    def checkpoint(self):
+        copies = {s["name"]: self.held(s).copy() for s in self.states_spec if s["checkpoint"]}
+        return (self.position, copies, len(self.rewinds))
+
+    def can_restore(self, cp):
+        return all(r >= cp[0] for r in self.rewinds[cp[2] :])
+
+    def restore(self, cp):
+        assert self.can_restore(cp)
+        if self.mutation != "skipped restore":
+            for s in self.states_spec:
+                if s["checkpoint"]:
+                    self.set_state(s, cp[1][s["name"]])
+        self.position = cp[0]
+        self.rewinds.append(cp[0])
+
+    def file_bytes(self, a: _SwiftArray, axis, keep, file_dtype) -> bytes:  # fileBytes
+        shape = list(a.shape)
+        if axis is not None:
+            shape[axis] = keep
+        raw = self.np.zeros(int(self.np.prod(shape)), a.flat.dtype)
+        _copy_elements(shape, a.flat, a.strides, raw, _dense_strides(shape))
+        return raw.astype(file_dtype).tobytes()  # convert: vImage's float16 <-> float32
+
+    def state_array(self, s, data: bytes, position) -> _SwiftArray:  # stateArray
+        a = _SwiftArray.zeros(s["shape"], s["dtype"], pad=8 if s["in_ml_state"] else 0)
+        shape = list(s["shape"])
+        if s["sequence_axis"] is not None:
+            shape[s["sequence_axis"]] = position
+        src = self.np.frombuffer(data, s["file_dtype"]).astype(s["dtype"])
+        _copy_elements(shape, src, _dense_strides(shape), a.flat, a.strides)
+        return a
+
+    def load_states(self, position, arrays):
+        self.model_reset()
+        for s in self.states_spec:
+            self.set_state(s, arrays[s["name"]])
+        self.position = position
+
+    # ---- DeltashipChat
+    def render_ids(self, msgs, gen):
+        from deltaship.chat.pieces import render_pieces
+
+        return self.tok.encode(render_pieces(self.pieces, msgs, gen, self.thinking))
+
+    def reset(self):
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.turns: list[dict] = []
+        self.model_reset()
+        self.ids: list[int] = []
+        self.apply_prompt_cache()
+
+    def apply_prompt_cache(self):
+        name = self.spec["chat"]["prompt_cache_file"]
+        if self.system is None or name is None:
+            return
+        saved = self.read_session((self.bundle / name).read_bytes())
+        meta = saved["meta"]
+        if (
+            meta["system"] != self.system
+            or meta["template_kwargs"] != {}
+            or meta["ids"] != self.render_ids(self.messages, False)
+        ):
+            return
+        self.check(meta)
+        self.load_states(meta["position"], self.state_arrays(saved))
+        self.ids = list(meta["ids"])
+
+    def send(self, text, n):
+        turn = {"messages_before": len(self.messages), "before": None, "before_reply": None, "ids_before_reply": 0}
+        self.messages.append({"role": "user", "content": text})
+        return self._respond(turn, n)
+
+    def retry(self, n):
+        turn = self.turns.pop()
+        del self.messages[turn["messages_before"] + 1 :]
+        return self._respond(turn, n)
+
+    def undo(self):
+        turn = self.turns.pop()
+        del self.messages[turn["messages_before"] :]
+        cp = turn["before"]
+        if cp is not None and self.can_restore(cp):
+            self.restore(cp)
+            if self.mutation == "wrong position after undo":
+                self.position += 1
+            del self.ids[cp[0] :]
+        else:
+            self.model_reset()
+            self.ids = []
+
+    def _respond(self, turn, n):
+        from deltaship.chat.conversation import _common_prefix as common_prefix
+
+        target = self.render_ids(self.messages, True)
+        previous = self.messages[: turn["messages_before"]]
+        boundary = common_prefix(self.render_ids(previous, False), target) if previous else 0
+        prompt = common_prefix(self.render_ids(self.messages, False), target)
+        common = common_prefix(self.ids, target)
+        if common < len(self.ids) or common >= len(target):
+            limit, best = min(common, len(target) - 1), None
+            for t in [*self.turns, turn]:
+                for cp in (t["before"], t["before_reply"]):
+                    if cp is not None and cp[0] <= limit and self.can_restore(cp) and cp[0] > (best or (-1,))[0]:
+                        best = cp
+            if best is not None:
+                self.restore(best)
+                del self.ids[best[0] :]
+            else:
+                self.model_reset()
+                self.ids = []
+        logits = None
+        for key, at in (("before", boundary), ("before_reply", max(boundary, min(prompt, len(target) - 1)))):
+            if len(self.ids) < at:
+                piece = target[len(self.ids) : at]
+                logits = self.prefill(piece)
+                self.ids += piece
+            cp, kept, stale = turn[key], False, False
+            if cp is not None:
+                ok = self.can_restore(cp)
+                kept, stale = ok and cp[0] == len(self.ids), not ok
+            if len(self.ids) == at and not kept:
+                turn[key] = self.checkpoint()
+            elif not kept and stale:
+                turn[key] = None
+        if len(self.ids) < len(target):
+            piece = target[len(self.ids) :]
+            logits = self.prefill(piece)
+            self.ids += piece
+        turn["ids_before_reply"] = len(self.ids)
+        out = []
+        while len(out) < n:
+            tok = int(self.np.argmax(logits))
+            out.append(tok)
+            if tok in self.stop or len(out) >= n:
+                break
+            logits = self.forward([tok])
+            self.ids.append(tok)
+        self.messages.append({"role": "assistant", "content": self.tok.decode([t for t in out if t not in self.stop])})
+        self.turns.append(turn)
+        return out
+
+    def save(self) -> bytes:
+        import hashlib
+
+        tensors = []  # (name, dtype, shape, bytes)
+        for s in self.states_spec:
+            shape = list(s["shape"])
+            if s["sequence_axis"] is not None:
+                shape[s["sequence_axis"]] = self.position
+            data = self.file_bytes(self.held(s), s["sequence_axis"], self.position, s["file_dtype"])
+            tensors.append((f"state/{s['name']}", s["file_dtype"], shape, data))
+        checkpoints, last = [], None
+        if self.turns:
+            t = self.turns[-1]
+            last = {"messages_before": t["messages_before"], "ids_before_reply": t["ids_before_reply"]}
+            for key in ("before", "before_reply"):
+                cp = t[key]
+                if cp is None or not self.can_restore(cp):
+                    last[key] = None
+                    continue
+                for s in self.states_spec:
+                    if s["checkpoint"]:
+                        data = self.file_bytes(cp[1][s["name"]], None, 0, s["file_dtype"])
+                        name = f"checkpoint/{len(checkpoints)}/{s['name']}"
+                        tensors.append((name, s["file_dtype"], s["shape"], data))
+                last[key] = len(checkpoints)
+                checkpoints.append({"position": cp[0]})
+        sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+        meta = {"format": "deltaship-chat-session", "version": 1,
+                "bundle": {"files_sha256": self.identity[1], "target": "coreml"}, "position": self.position,
+                "ids": self.ids, "system": self.system, "template_kwargs": {} if self.thinking else
+                {"enable_thinking": False}, "messages": self.messages, "checkpoints": checkpoints, "last_turn": last,
+                "tensors": {n: {"dtype": d, "shape": sh, "sha256": sha(b)} for n, d, sh, b in tensors}}  # fmt: skip
+        text = json.dumps(meta, sort_keys=True)
+        header = {"__metadata__": {"deltaship_chat": text, "deltaship_chat_sha256": sha(text.encode())}}
+        offset = 0
+        for n, d, sh, b in tensors:
+            header[n] = {"dtype": {"float16": "F16", "float32": "F32"}[d], "shape": sh,
+                         "data_offsets": [offset, offset + len(b)]}  # fmt: skip
+            offset += len(b)
+        h = json.dumps(header, sort_keys=True).encode()
+        h += b" " * (-len(h) % 8)
+        return len(h).to_bytes(8, "little") + h + b"".join(b for _, _, _, b in tensors)
+
+    def read_session(self, data: bytes) -> dict:
+        import hashlib
+
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + n])
+        text = header["__metadata__"]["deltaship_chat"]
+        assert hashlib.sha256(text.encode()).hexdigest() == header["__metadata__"]["deltaship_chat_sha256"]
+        meta, tensors = json.loads(text), {}
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            b = data[8 + n + e["data_offsets"][0] : 8 + n + e["data_offsets"][1]]
+            assert hashlib.sha256(b).hexdigest() == meta["tensors"][name]["sha256"], name
+            tensors[name] = b
+        return {"meta": meta, "tensors": tensors}
+
+    def check(self, meta):
+        ident = meta["bundle"]
+        assert ident.get("manifest_sha256") == self.identity[0] or ident.get("files_sha256") == self.identity[1]
+
+    def state_arrays(self, saved):
+        p = saved["meta"]["position"]
+        return {s["name"]: self.state_array(s, saved["tensors"][f"state/{s['name']}"], p) for s in self.states_spec}
+
+    def load(self, data: bytes):
+        saved = self.read_session(data)
+        meta = saved["meta"]
+        self.check(meta)
+        states = self.state_arrays(saved)
+        cps = []
+        for i, c in enumerate(meta["checkpoints"]):
+            arrays = {}
+            for s in self.states_spec:
+                if s["checkpoint"]:
+                    arrays[s["name"]] = self.state_array(s, saved["tensors"][f"checkpoint/{i}/{s['name']}"], 0)
+            cps.append((c["position"], arrays))
+        self.system, self.thinking = meta["system"], meta["template_kwargs"].get("enable_thinking", True)
+        self.load_states(meta["position"], states)
+        self.messages, self.ids, self.turns = list(meta["messages"]), list(meta["ids"]), []
+        last = meta["last_turn"]
+        if last:
+            turn = {"messages_before": last["messages_before"], "ids_before_reply": last["ids_before_reply"]}
+            for key in ("before", "before_reply"):
+                i = last[key]
+                turn[key] = None if i is None else (cps[i][0], cps[i][1], len(self.rewinds))
+            self.turns = [turn]
+
+    def _identity(self):
+        """bundleIdentity: sha256 of manifest.json, and of its files' [[path, sha256], ...] as Swift writes it."""
+        import hashlib
+
+        raw = (self.bundle / "manifest.json").read_bytes()
+        files = json.loads(raw)["files"]
+        cache = self.spec["chat"]["prompt_cache_file"]
+        rows = [f'["{p}","{files[p]["sha256"]}"]' for p in sorted(files, key=lambda p: p.encode()) if p != cache]
+        listing = "[" + ",".join(rows) + "]"
+        return hashlib.sha256(raw).hexdigest(), hashlib.sha256(listing.encode()).hexdigest()
+
+    def deltanet(self) -> dict:
+        """The DeltaNet states (every fixed-size state, whatever KitSpec marks) now, float32, by manifest name."""
+        fixed = [s for s in self.states_spec if s["sequence_axis"] is None]
+        return {s["name"]: self.held(s).view().astype("float32") for s in fixed}
+
+
+def _swift_conversation(bundle: Path, spec: dict, mutation=None) -> tuple[list[tuple], bytes]:
+    """From the shipped prompt cache: send, send, retry, send, undo, save / load into a new chat, send, undo (the
+    loaded checkpoint): (reply ids, ids held, DeltaNet states) after each; and the saved bytes."""
+    from deltaship.runtimes.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(bundle, json.loads((bundle / "manifest.json").read_text()))
+    chat = _SwiftChatReplay(bundle, spec, tok, mutation=mutation)
+    steps = [(None, list(chat.ids), chat.deltanet())]
+
+    def record(reply):
+        steps.append((reply, list(chat.ids), chat.deltanet()))
+
+    record(chat.send("a", 4))
+    record(chat.send("b", 4))
+    record(chat.retry(4))
+    record(chat.send("c", 4))
+    chat.undo()
+    record(None)
+    saved = chat.save()
+    chat = _SwiftChatReplay(bundle, spec, tok, mutation=mutation)
+    chat.load(saved)
+    record(chat.send("d", 4))
+    chat.undo()
+    record(None)
+    return steps, saved
+
+
+@pytest.fixture(scope="module")
+def python_swift_steps(chat_coreml) -> list[tuple]:
+    """deltaship's Python chat on the same bundle (Core ML through the MIL evaluator), the same conversation."""
+    from deltaship.chat import Chat
+
+    chat = Chat(chat_coreml, system="Code.", threads=1)
+    names = [s["name"] for s in chat.session.deltanet_states()]
+
+    def states():
+        return {n: a.astype("float32") for n, a in chat.session._read_states(names).items()}
+
+    steps = [(None, chat.ids, states())]
+    for m in ("a", "b", None, "c"):
+        reply = chat.send(m, max_new_tokens=4) if m else chat.retry(max_new_tokens=4)
+        steps.append((reply.ids, chat.ids, states()))
+    chat.undo()
+    steps.append((None, chat.ids, states()))
+    steps.append((chat.send("d", max_new_tokens=4).ids, chat.ids, states()))
+    chat.undo()
+    steps.append((None, chat.ids, states()))
+    return steps
+
+
+def _steps_differ(replay: list[tuple], python: list[tuple]) -> list[str]:
+    out = []
+    for step, (r, p) in enumerate(zip(replay, python)):
+        if r[0] != p[0] or r[1] != p[1]:
+            out.append(f"step {step}: replay {r[0]}, {len(r[1])} ids != deltaship chat {p[0]}, {len(p[1])} ids")
+        diff = max(float(abs(r[2][n] - p[2][n]).max()) for n in p[2])
+        if diff > 1e-6:
+            out.append(f"step {step}: DeltaNet states differ from deltaship chat's by {diff}")
+    return out
+
+
+def _swift_kit_spec(bundle: Path, kit: Path) -> tuple[dict, Path]:
+    from deltaship.apps.swift import parse_kit_spec
+
+    record = write_kit(bundle, kit, "ios")
+    spec_file = kit / "Sources" / record["name"] / "KitSpec.swift"
+    return parse_kit_spec(spec_file.read_text()), spec_file
+
+
+def test_swift_chat_replay_gives_deltaship_chat(chat_coreml, python_swift_steps, tmp_path):
+    """DeltashipChat.swift's loop over DeltashipModel's checkpoint / restore (io arrays and MLState buffers with
+    padded rows, copied element by element), replayed from KitSpec.swift alone on the saved programs, starting from
+    the shipped prompt cache and going through a save and a load, gives deltaship's Python chat's replies and held
+    tokens turn by turn on the same bundle (several packages, fp16 KV MLStates, fp16 and fp32 DeltaNet io states),
+    and after every step the same DeltaNet states. The spec check passes on the kit, and its chat driver is
+    generated with the template's pieces."""
+    spec, spec_file = _swift_kit_spec(chat_coreml, tmp_path / "kit")
+    assert check_swift_kit(tmp_path / "kit", chat_coreml) == []
+    assert spec["chat"]["prompt_cache_file"] == "prompt_cache.safetensors"
+    assert (spec_file.parent / "DeltashipChat.swift").is_file()
+    replay, _ = _swift_conversation(chat_coreml, spec)
+    assert len(replay) == len(python_swift_steps) and len(replay[0][1]) > 0  # both start from the cache
+    assert _steps_differ(replay, python_swift_steps) == []
+
+
+def test_swift_chat_sessions_cross_load_with_python(chat_coreml, tmp_path):
+    """A session the Swift chat saves (named by the bundle's files_sha256) loads in deltaship's Python Chat.load on
+    the same bundle and continues with the replay's tokens; a session Python saves (manifest_sha256) loads in the
+    replay and continues with Python's tokens; another bundle's session is refused by both."""
+    import hashlib
+
+    from deltaship.chat import Chat
+    from deltaship.runtimes.tokenizer import load_tokenizer
+
+    spec, _ = _swift_kit_spec(chat_coreml, tmp_path / "kit")
+    tok = load_tokenizer(chat_coreml, json.loads((chat_coreml / "manifest.json").read_text()))
+    swift = _SwiftChatReplay(chat_coreml, spec, tok)
+    swift.send("a", 5)
+    (tmp_path / "swift.dschat").write_bytes(swift.save())
+    py = Chat.load(tmp_path / "swift.dschat", chat_coreml, threads=1)
+    assert py.ids == swift.ids and py.history == swift.messages
+    assert py.retry(max_new_tokens=5).ids == swift.retry(5) and py.ids == swift.ids
+    assert py.send("b", max_new_tokens=5).ids == swift.send("b", 5) and py.ids == swift.ids
+    py.save(tmp_path / "py.dschat")
+    again = _SwiftChatReplay(chat_coreml, spec, tok)
+    again.load((tmp_path / "py.dschat").read_bytes())
+    assert again.ids == py.ids
+    assert again.send("c", 5) == py.send("c", max_new_tokens=5).ids and again.ids == py.ids
+    # a session of another bundle: the identity differs
+    meta_sha = hashlib.sha256(b"another bundle").hexdigest()
+    other = swift.save().replace(swift.identity[1].encode(), meta_sha.encode())
+    with pytest.raises(AssertionError):
+        again.load(other)
+
+
+@pytest.mark.parametrize("mutation", ["skipped restore", "wrong position after undo", "checkpoint flag dropped"])
+def test_swift_chat_mutations_are_caught(chat_coreml, python_swift_steps, tmp_path, mutation):
+    """A restore that copies no state back, a position one off after undo, or a DeltaNet state the checkpoints do
+    not copy (its `checkpoint: true` dropped from KitSpec.swift, which the spec check catches too) each make the
+    replay leave deltaship chat's tokens or states."""
+    from deltaship.apps.swift import parse_kit_spec
+
+    spec, spec_file = _swift_kit_spec(chat_coreml, tmp_path / "kit")
+    if mutation == "checkpoint flag dropped":
+        text = spec_file.read_text()
+        spec_file.write_text(re.sub(r"(SessionState\([^\n]*?)checkpoint: true", r"\1checkpoint: false", text, count=1))
+        assert any("checkpoint False" in p for p in check_swift_kit(tmp_path / "kit", chat_coreml))
+        spec = parse_kit_spec(spec_file.read_text())
+        mutation = None
+    replay, _ = _swift_conversation(chat_coreml, spec, mutation)
+    assert _steps_differ(replay, python_swift_steps)
+
+
+def test_swift_string_literals_round_trip():
+    """The chat pieces go into KitSpec.swift as Swift literals: quotes, backslashes, Swift's `\\(` interpolation,
+    newlines, tabs and non-ASCII characters are escaped so the literal is the text, and parse back to it."""
+    from deltaship.apps.swift import parse_swift_string, swift_string
+
+    for text in ["<|im_start|>user\n", 'say "hi" \\(x) \\n', "\t\r\u2063é\U0001f600", ""]:
+        literal = swift_string(text)
+        assert parse_swift_string(literal) == text
+        body = literal[1:-1]
+        assert not re.search(r'(?<!\\)(\\\\)*"', body), literal  # no quote left unescaped
+        assert not re.search(r"(?<!\\)(\\\\)*\\\(", body), literal  # no live interpolation
+        assert all(" " <= c <= "~" for c in body)
+
+
+@pytest.mark.parametrize("mutation", ["session feature", "file dtype", "chat piece", "chat driver name"])
+def test_swift_chat_check_catches_a_changed_name(chat_coreml, tmp_path, mutation):
+    """The spec check fails when KitSpec.sessionStates names a feature the package does not hold or a saved layout
+    deltaship's session does not write, when KitSpec.chat's pieces are not the template's, or when
+    DeltashipChat.swift spells a name the saved-session format does not have."""
+    spec, spec_file = _swift_kit_spec(chat_coreml, tmp_path / "kit")
+    text = spec_file.read_text()
+    want = {"session feature": "is not held so", "file dtype": "session layout", "chat piece": "chat pieces",
+            "chat driver name": "not in the packages"}[mutation]  # fmt: skip
+    if mutation == "session feature":
+        spec_file.write_text(text.replace('feature: "past_0_conv"', 'feature: "past_0_convx"', 1))
+    elif mutation == "file dtype":
+        spec_file.write_text(text.replace("fileDataType: .float32", "fileDataType: .float16", 1))
+    elif mutation == "chat piece":
+        spec_file.write_text(text.replace('userSuffix: "<|im_end|>\\n"', 'userSuffix: "<|im_end|>"', 1))
+    else:
+        driver = spec_file.parent / "DeltashipChat.swift"
+        driver.write_text(driver.read_text().replace('"messages_before"', '"messages_befor"', 1))
+    assert spec_file.read_text() != text or mutation == "chat driver name"
+    problems = check_swift_kit(tmp_path / "kit", chat_coreml)
+    assert any(want in p for p in problems), problems

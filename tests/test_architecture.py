@@ -3,6 +3,7 @@ CLI, export, the runtime, the planner and inspect; constants live once; passes a
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,20 +15,20 @@ from deltaship.targets import (
     PRECISIONS,
     StorageFormat,
     Target,
-    TargetOptions,
     get_target,
     option,
     register,
     table,
     unregister,
 )
+from deltaship.targets.onnx import OnnxOptions
 from deltaship.targets.tolerances import Tolerance
 
 PACKAGE = Path(__file__).resolve().parents[1] / "deltaship"
 
 
 @dataclass(frozen=True)
-class ToyOptions(TargetOptions):
+class ToyOptions(OnnxOptions):  # ONNX's lowering reads ONNX's options, typed
     toy_knob: int = field(default=3, metadata=option("a toy option", choices=(3, 5)))
 
 
@@ -40,10 +41,10 @@ class ToyTarget(Target):
     Options = ToyOptions
     tool_packages = ("onnx", "onnxruntime")
     usage = ("toy usage",)
-    pass_options = {"accuracy_level": 4, "onnx_deltanet_ops": "standard"}  # what ONNX's lowering reads
     tolerances = {p: Tolerance(1e-3, 1.0, 1e-3, True) for p in PRECISIONS}
     formats = {p: StorageFormat(bits=8, scale=0, block=1, head_copy=False, act=1) for p in PRECISIONS}
     runtime_base_bytes = 1 << 20
+    app_platforms = {"web": "onnxruntime-web"}  # ONNX's graph: the web kit runs it
 
     def pipeline(self):
         return get_target("onnx").pipeline()
@@ -88,6 +89,17 @@ def test_a_registered_target_is_everywhere(toy, tmp_path, capsys):
     )
     assert ref["files"]["model.onnx"] == m["files"]["model.onnx"]
 
+    # the app kits and the image side ask the target: its platforms take it, the others and images refuse it
+    from deltaship.apps import write_kit
+    from deltaship.targets import a_bundle, open_multimodal
+
+    assert write_kit(tmp_path / "toy", tmp_path / "kit", "web")["target"] == "toy"
+    with pytest.raises(DeltashipError, match="is a toy bundle; the android kit runs ExecuTorch or ONNX bundles"):
+        write_kit(tmp_path / "toy", tmp_path / "kit2", "android")
+    assert a_bundle("toy") == "a toy bundle" and a_bundle("onnx") == "an ONNX bundle"
+    with pytest.raises(DeltashipError, match="toy bundles take no images"):
+        open_multimodal(open_bundle(tmp_path / "toy"))
+
     rows = plan("qwen3.5-tiny", tier="phone-8gb", targets=["toy"])
     assert {r["target"] for r in rows} == {"toy"}
     params = sum(v for k, v in m["model"]["parameters"].items() if k != "total")
@@ -102,6 +114,15 @@ def test_target_options_are_typed_and_owned(toy, tmp_path):
     with pytest.raises(DeltashipError, match="--toy-knob applies to --target toy, not onnx"):
         export("qwen3.5-tiny", tmp_path / "b", target="onnx", toy_knob=3, progress=False)
     assert not any(tmp_path.iterdir())
+
+
+def test_app_platforms_name_runtimes_the_target_records():
+    """A target's app platforms name runtimes its manifests' `app_runtimes` describe (what was checked, and how)."""
+    from deltaship.targets import all_targets
+
+    for t in all_targets():
+        assert set(t.app_platforms.values()) <= set(t.app_runtimes), (t.name, t.app_platforms)
+    assert {p for t in all_targets() for p in t.app_platforms} == {"android", "ios", "web", "desktop"}
 
 
 def test_every_family_module_has_the_interface():
@@ -119,22 +140,147 @@ def _sources() -> dict[str, str]:
     return {str(p.relative_to(PACKAGE)): p.read_text() for p in PACKAGE.rglob("*.py")}
 
 
-def test_constants_are_defined_once_and_targets_are_not_compared_by_name():
+def test_constants_are_defined_once():
     src = _sources()
     for const in ("PRECISIONS", "DEFAULT_PREFILL_CHUNK"):
         where = [f for f, text in src.items() if re.search(rf"^{const}\s*=", text, re.M)]
         assert where == ["targets/base.py"], (const, where)
     assert not [f for f, text in src.items() if re.search(r"^TARGETS\s*=", text, re.M)]  # the registry is the list
-    compared = [
-        f"{f}: {m.group(0)}"
-        for f, text in src.items()
-        if not f.startswith("targets/")
-        for m in re.finditer(r"""target\s*[!=]=\s*["'][a-z]+["']""", text)
-    ]
-    assert not compared, compared
     duck = [f for f, text in src.items() if re.search(r"(getattr|hasattr)\(tmod", text)]
     assert not duck, duck
-    assert not [f for f, text in src.items() if "import qwen3_5" in text and f.startswith("export/passes")]
+    assert not [f for f, text in src.items() if "import qwen3_5" in text and f.startswith("lowering/passes")]
+
+
+# ---- no target knowledge outside deltaship/targets/ -----------------------------------------------------------
+_COMPARISONS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
+# Strings equal to a target name that do not name the target, each with why: (file, the line, stripped) -> reason
+NOT_A_TARGET = {
+    (
+        "devices/discovery.py",
+        'RUNTIME_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "executorch", "coremltools", "torch")',
+    ): "pip distributions whose versions the device report lists (ExecuTorch's runtime package)",
+    (
+        "logs.py",
+        'NOISY = ("torchao", "torch.utils._pytree", "transformers", "coremltools", "executorch", "torch._export")',
+    ): "Python logger names of the toolchains",
+    (
+        "logs.py",
+        'for module in ("coremltools", "executorch", "torchao", "torch.utils._pytree", "torch.export", "copyreg"):',
+    ): "Python module names whose warnings are quieted",
+    (
+        "lowering/executorch/requirements.py",
+        '"executorch_prim": {"python": None, "cpp_link": ["executorch"], "ios": "executorch"},',
+    ): "ExecuTorch's C++ library and iOS framework names",
+    (
+        "lowering/executorch/requirements.py",
+        'WHOLE_ARCHIVE = ("executorch", "custom_ops", "quantized_ops_lib", "optimized_native_cpu_ops_lib", '
+        '"xnnpack_backend")',
+    ): "ExecuTorch's C++ library names (linked whole-archive)",
+    (
+        "lowering/executorch/requirements.py",
+        '"ios": ["executorch", "executorch_llm", "threadpool"],',
+    ): "ExecuTorch's iOS framework names",
+}
+
+
+def _named(node: ast.AST, names: set[str]) -> list[str]:
+    """The target names a literal spells: a string, or the strings of a tuple, list or set literal."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [n for e in node.elts for n in _named(e, names)]
+    return []
+
+
+def target_name_uses(source: str, names: set[str]) -> list[tuple[int, str, str]]:
+    """(line, name, the line's text) of every literal that spells a target name where code decides by it: an operand
+    of ==, !=, in, not in, is, is not; a match case's value or mapping key; a dict key; an element of a tuple, list or
+    set literal (a table of targets)."""
+    lines = source.splitlines()
+    hits = set()
+    for node in ast.walk(ast.parse(source)):
+        found: list[str] = []
+        if isinstance(node, ast.Compare) and any(isinstance(op, _COMPARISONS) for op in node.ops):
+            found = [n for x in (node.left, *node.comparators) for n in _named(x, names)]
+        elif isinstance(node, ast.Dict):
+            found = [n for k in node.keys if k is not None for n in _named(k, names)]
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            found = _named(node, names)
+        elif isinstance(node, ast.MatchValue):
+            found = _named(node.value, names)
+        elif isinstance(node, ast.MatchMapping):
+            found = [n for k in node.keys for n in _named(k, names)]
+        hits.update((node.lineno, n, lines[node.lineno - 1].strip()) for n in found)
+    return sorted(hits)
+
+
+def _target_knowledge_outside_targets(sources: dict[str, str], names: set[str]) -> list[str]:
+    return [
+        f"{f}:{line}: {name!r} in `{text}`"
+        for f, text_ in sorted(sources.items())
+        if not f.startswith("targets/")
+        for line, name, text in target_name_uses(text_, names)
+        if (f, text) not in NOT_A_TARGET
+    ]
+
+
+def test_no_target_name_is_compared_or_tabled_outside_targets():
+    """Code outside deltaship/targets/ asks the target (an attribute of its Target class), never compares a target
+    name or keeps a table keyed by one: every spelling of a registered name in a comparison, a match case, a dict
+    key or a tuple/list/set literal is found (the AST, not a regex over one spelling)."""
+    from deltaship.targets import target_names
+
+    names = set(target_names())
+    assert {"onnx", "executorch", "coreml"} <= names
+    found = _target_knowledge_outside_targets(_sources(), names)
+    assert not found, "target knowledge outside deltaship/targets/ (ask the Target instead):\n" + "\n".join(found)
+    src = _sources()
+    stale = [key for key in NOT_A_TARGET if key[1] not in [ln.strip() for ln in src.get(key[0], "").splitlines()]]
+    assert not stale, f"allow-list entries that match no line any more (remove them): {stale}"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        'if manifest.get("target") != "onnx":\n    pass\n',
+        'ok = target == "coreml"\n',
+        'ok = "executorch" == manifest["target"]\n',
+        'ok = target in ("onnx", "executorch")\n',
+        'ok = target not in {"coreml"}\n',
+        'ok = target in ["onnx"]\n',
+        'ok = target is "onnx"\n',
+        'match target:\n    case "onnx":\n        pass\n',
+        'match target:\n    case "coreml" | "executorch":\n        pass\n',
+        'match m:\n    case {"onnx": x}:\n        pass\n',
+        'KITS = {"onnx": 1, "executorch": 2}\n',
+        'KITS = dict(a=1, **{"coreml": 3})\n',
+        'RUNS = ("onnx",)\n',
+        'RUNS = {"executorch"}\n',
+        'f(["coreml", "x"])\n',
+        'ok = (target, x) == ("onnx", 1)\n',
+        'def f(manifest):\n    return manifest.get("target") == "onnx" and 1\n',
+    ],
+)
+def test_the_target_name_check_catches_every_spelling(code):
+    """The check above, fed each spelling in a module outside targets/ (and the same module inside it, allowed)."""
+    names = {"onnx", "executorch", "coreml"}
+    assert _target_knowledge_outside_targets({"apps/x.py": code}, names), code
+    assert not _target_knowledge_outside_targets({"targets/x.py": code}, names)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        'print("export with --target onnx")\n',  # a message naming a flag
+        'path.suffix == ".onnx"\n',  # a file extension
+        'node.domain == "ai.onnx"\n',  # an opset domain
+        'import_module("onnx")\n',  # a module name passed, not compared
+        'def export(target: str = "onnx"): ...\n',  # a default argument
+        "x = t.name == name\n",  # names compared as values
+    ],
+)
+def test_the_target_name_check_leaves_other_strings_alone(code):
+    assert not _target_knowledge_outside_targets({"apps/x.py": code}, {"onnx", "executorch", "coreml"}), code
 
 
 def test_every_deltaship_import_names_an_existing_module():
@@ -170,3 +316,19 @@ def test_a_missing_toolchain_names_the_extra(tmp_path, monkeypatch):
     with pytest.raises(DeltashipError, match="needs onnxruntime"):
         export("qwen3.5-tiny", tmp_path / "c", max_context=32, verify=False, progress=False)
     assert not (tmp_path / "c").exists()
+
+
+def test_one_generic_aten_table_serves_both_graph_lowerers():
+    """The aten ops lowered the same way by ONNX and Core ML are one function each (deltaship/lowering/aten.py),
+    over primitives both lowerers implement; a lowerer that registered its own copy would fail at import."""
+    from deltaship.lowering.aten import GENERIC, GraphOps
+    from deltaship.lowering.coreml.lowering import MIL_LOWERINGS, MILLowerer
+    from deltaship.lowering.onnx.lowering import LOWERINGS, Lowerer
+
+    assert len(GENERIC) >= 19
+    for op in GENERIC:
+        assert LOWERINGS.get(op) is GENERIC.get(op) is MIL_LOWERINGS.get(op), op
+    primitives = [n for n in vars(GraphOps) if not n.startswith("_")]
+    assert {"value", "elementwise", "cast", "expand_dims", "concat", "split"} <= set(primitives)
+    for cls in (Lowerer, MILLowerer):
+        assert not [n for n in primitives if not callable(getattr(cls, n, None))], cls

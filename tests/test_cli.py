@@ -203,3 +203,41 @@ def test_sigterm_during_export_leaves_nothing_and_stale_partials_are_swept(tmp_p
     r = run("export", "--model", "qwen3.5-tiny", "--max-context", "96", "--no-verify", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert not stale.exists() and live.exists()
+
+
+def test_profile_options_become_one_profile_settings():
+    """`deltaship profile`'s parsed options are one typed ProfileSettings, each field from its option, and the
+    CLI's defaults are profile()'s."""
+    from deltaship.cli import build_parser
+    from deltaship.profiling.settings import ProfileSettings
+
+    argv = ["profile", "b", "--device", "adb:X", "--prompt-lengths", "16,32", "--gen", "8", "--contexts", "64"]
+    argv += ["--threads", "2", "--warmups", "0", "--reps", "3", "--min-seconds", "0.5", "--tier", "phone-4gb"]
+    argv += ["--tiers", "t.toml", "--no-breakdown", "--json", "-", "--report", "r.html", "--ssh-option=-v"]
+    argv += ["--remote-deltaship", "ds", "--runner", "run", "--runner-args", "{model}", "--provider", "cuda"]
+    argv += ["--runtime", "genai", "--speculative", "mtp:2", "--acceptance", "0.5", "--image-sizes", "224"]
+    assert ProfileSettings.from_args(build_parser().parse_args(argv)) == ProfileSettings(
+        device="adb:X",
+        prompt_lengths=[16, 32],
+        gen=8,
+        contexts=[64],
+        threads=2,
+        warmups=0,
+        reps=3,
+        min_seconds=0.5,
+        tier="phone-4gb",
+        tiers_file="t.toml",
+        breakdown=False,
+        json_out="-",
+        report="r.html",
+        ssh_options=["-v"],
+        remote_deltaship="ds",
+        runner="run",
+        runner_args="{model}",
+        provider="cuda",
+        runtime="genai",
+        speculative="mtp:2",
+        acceptance=0.5,
+        image_sizes="224",
+    )
+    assert ProfileSettings.from_args(build_parser().parse_args(["profile", "b"])) == ProfileSettings()

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from helpers import reference, reference_greedy, write_checkpoint
 
 from deltaship.errors import DeltashipError
-from deltaship.lowering.coreml import mil_eval
 from deltaship.quant import quantize_blocks
+from deltaship.runtimes import mil_eval
 from deltaship.targets import open_bundle
 
 

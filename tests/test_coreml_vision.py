@@ -30,8 +30,10 @@ def test_coreml_vision_encoder_matches_transformers(vl_checkpoint, hf_model, tmp
     to 64) and a 16x16 grid (256, exact); the padding is masked out of attention and dropped after the merger."""
     import coremltools as ct
 
-    from deltaship.lowering.coreml.vision import encode, lower_vision_package, padded_inputs
+    from deltaship.bundle.vision_io import padded_inputs
+    from deltaship.lowering.coreml.vision import lower_vision_package
     from deltaship.runtimes.mil_eval import Interpreter, load_program
+    from deltaship.runtimes.vision import encode_padded
 
     spec, weights, cases = _tower_cases(vl_checkpoint)
     counts = (64, 256)
@@ -42,7 +44,7 @@ def test_coreml_vision_encoder_matches_transformers(vl_checkpoint, hf_model, tmp
     interp = Interpreter(load_program(tmp_path / "vision.mlpackage"))
     padded = 0
     for grid, inputs in cases:
-        got = encode(interp, inputs, counts)
+        got = encode_padded(interp, inputs, counts)
         want = _hf_tower(hf_model, grid, inputs)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, atol=1e-4)
@@ -56,7 +58,7 @@ def test_coreml_vision_encoder_matches_transformers(vl_checkpoint, hf_model, tmp
 
 
 def test_coreml_vision_refusals():
-    from deltaship.lowering.coreml.vision import check_patch_counts, padded_inputs
+    from deltaship.bundle.vision_io import check_patch_counts, padded_inputs
 
     with pytest.raises(DeltashipError, match="multiple of 4"):
         check_patch_counts((64, 30))
@@ -72,8 +74,8 @@ def test_coreml_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_pa
 
     from deltaship.compile import export
     from deltaship.models.vision import preprocess_frames, preprocess_image
-    from deltaship.runtimes.vision import CoreMLMultimodal, Multimodal
-    from deltaship.targets import open_bundle
+    from deltaship.runtimes.vision import CoreMLMultimodal
+    from deltaship.targets import open_bundle, open_multimodal
 
     out = tmp_path / "cm"
     m = export(str(vl_checkpoint), out, target="coreml", max_context=128, prefill_chunk=8, progress=False,
@@ -82,7 +84,7 @@ def test_coreml_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_pa
     assert v["verification"]["status"] == "passed"  # checked at export, as the ONNX and ExecuTorch bundles
     assert v["functions"]["decoder"] == {"1": "text_decoder_1", "8": "text_decoder_8"}
     assert any(f.startswith("multimodal.mlpackage/") for f in m["files"]) and "model.mlpackage" in m["entry"]
-    mm = Multimodal(open_bundle(out))
+    mm = open_multimodal(open_bundle(out))
     assert isinstance(mm, CoreMLMultimodal)
     images = [_image(64, 96, seed=0), _image(160, 96, seed=1)]
     ims = [preprocess_image(im, mm.pre) for im in images]
@@ -99,7 +101,7 @@ def test_coreml_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_pa
     ref, _ = _video_reference(hf_model, gen.input_ids, video, 16)
     assert len(set(ref)) > 3 and gen.output_ids == ref
     text = open_bundle(out).generate([5, 6, 7], 8).output_ids  # model.mlpackage: the text-only path
-    assert Multimodal(open_bundle(out)).generate([5, 6, 7], [], 8).output_ids == text
+    assert open_multimodal(open_bundle(out)).generate([5, 6, 7], [], 8).output_ids == text
 
 
 @pytest.mark.slow

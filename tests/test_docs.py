@@ -84,3 +84,28 @@ def test_reliability_names_only_tests_that_exist():
     ]
     assert not missing, f"docs/reliability.md names tests that do not exist: {missing}"
     assert reliability_references("`tests/a.py::x`, `::y`") == [("tests/a.py", "x"), ("tests/a.py", "y")]
+
+
+BENCH_SCRIPT = re.compile(r"\bbench/[\w/]+\.(?:py|sh)\b")
+
+
+def test_the_docs_and_code_name_only_bench_scripts_that_exist():
+    """A moved or renamed benchmark script leaves no command behind: every `bench/....py|sh` named in the docs, the
+    READMEs, the bench scripts' own usage lines and the package's comments is a file. Raw JSON under bench/results/
+    is left out: its recorded commands say where a script was when it ran."""
+    texts = [*DOCS.rglob("*.md"), ROOT / "README.md", *(ROOT / "bench").rglob("*.md")]
+    texts += [*(ROOT / "bench").rglob("*.py"), *(ROOT / "bench").rglob("*.sh"), *(ROOT / "tests").rglob("*.py")]
+    texts += [*(ROOT / "deltaship").rglob("*.py"), *(ROOT / "deltaship").rglob("*.toml")]
+    named = {(str(p.relative_to(ROOT)), s) for p in texts for s in BENCH_SCRIPT.findall(p.read_text())}
+    assert len(named) > 100, "the pattern no longer finds the commands"
+    missing = sorted(f"{where}: {script}" for where, script in named if not (ROOT / script).is_file())
+    assert not missing, missing
+
+
+def test_bench_readme_lists_every_script():
+    """bench/README.md is the index of bench/: each script in a group folder has its line there."""
+    index = (ROOT / "bench" / "README.md").read_text()
+    scripts = [p for p in (ROOT / "bench").glob("*/*") if p.suffix in (".py", ".sh")]
+    assert len(scripts) > 20
+    assert not [str(p.relative_to(ROOT)) for p in scripts if f"`{p.name}`" not in index]
+    assert not [p.name for p in (ROOT / "bench").glob("*.py")], "a script directly under bench/: put it in a group"

@@ -93,12 +93,11 @@ def test_program_refuses_positions_past_the_context(ptes, capfd):
         generate_with_runner(path, long_prompt() * 8, max_new_tokens=4)
 
 
-def test_driver_refuses_other_bundles(ptes, tmp_path):
-    m = manifest(ptes["fp32"])
-    m["target"] = "onnx"
-    (tmp_path / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(DeltashipError, match="runs ExecuTorch bundles; this is an ONNX bundle"):
-        generate_with_runner(tmp_path, SHORT)
+def test_driver_refuses_other_bundles(bundles):
+    """Called directly (not through the target's text_runtime), the runner reads the bundle's entry: an ONNX graph is
+    refused before anything is loaded (no ExecuTorch export needed)."""
+    with pytest.raises(DeltashipError, match=r"runs ExecuTorch programs \(.pte\); this bundle's entry is 'model.onnx'"):
+        generate_with_runner(bundles("base"), SHORT)
 
 
 def test_manifest_names_the_kernel_libraries_the_program_needs(ptes):

@@ -108,7 +108,7 @@ def test_node_xnnpack_cannot_take_fails_unless_allowed(tmp_path, monkeypatch, ch
         check_portable(portable)
 
     def refusing(ctx, weights, out_dir, progress=None, tokens=None):
-        check_portable(portable, allow=ctx.options.get("allow_portable_fallback"))
+        check_portable(portable, allow=ctx.options.allow_portable_fallback)
 
     monkeypatch.setattr(program, "lower", refusing)  # the lowering, as the export calls it
     with pytest.raises(DeltashipError, match="XNNPACK does not take these nodes.*aten_"):

@@ -11,7 +11,7 @@ import torch
 from helpers import export_context
 
 from deltaship.bundle import SCHEMA_VERSION, read_manifest, schema_problems
-from deltaship.compile import export, pass_options
+from deltaship.compile import build_settings, export
 from deltaship.errors import DeltashipError
 from deltaship.lowering.passes import ExportContext, PassError, run_pipeline
 from deltaship.lowering.weight_plan import PlanError, WeightPlan
@@ -47,14 +47,11 @@ def test_running_the_fold_pass_twice_fails_naming_the_passes():
 
 
 def export_context_only(passes):
-    onnx = get_target("onnx")
-    ctx = ExportContext(
-        spec=PRESETS["qwen3.5-tiny"].spec(),
-        precision="fp32",
-        max_context=64,
-        options=pass_options(onnx, onnx.Options(), prefill_chunk=64),
-    )
-    return run_pipeline(ctx, passes)
+    from deltaship.compile.steps import lowering_settings
+
+    settings = build_settings("qwen3.5-tiny", "unused", max_context=64, verify=False)
+    lowering = lowering_settings(settings, PRESETS["qwen3.5-tiny"].spec(), 64, 64, None)
+    return run_pipeline(ExportContext(lowering), passes)
 
 
 # ---- structure after the passes ---------------------------------------------------------------

@@ -191,6 +191,17 @@ def test_genai_session_says_to_export_again_without_genai_config(bundles, tmp_pa
     assert "export the bundle again" in e.value.fix
 
 
+def test_genai_session_refuses_an_entry_that_is_no_onnx_graph(bundles):
+    """Constructed directly (open_bundle asks the target first), the session reads the bundle's entry: a program of
+    another runtime is refused before genai is imported."""
+    from deltaship.runtimes.genai import GenaiSession
+
+    m = read_manifest(bundles("base"))
+    m["target"], m["entry"] = "executorch", "model.pte"
+    with pytest.raises(DeltashipError, match=r"onnxruntime-genai runs ONNX graphs; this bundle's entry is 'model.pte'"):
+        GenaiSession(bundles("base"), m)
+
+
 def test_genai_session_names_the_package_when_it_is_missing(bundles, monkeypatch):
     from deltaship.runtimes.genai import open_genai
 

@@ -129,11 +129,11 @@ def test_genai_runs_image_prompts_as_deltaship_does(vl_bundle, images):
     """One non-square image, another, then both (different grids): genai's own loop gives deltaship's logits after
     the prompt and greedy tokens over 16 new tokens, from the same pixel rows and prompt ids."""
     from deltaship.runtimes.tokenizer import load_tokenizer
-    from deltaship.runtimes.vision import Multimodal, image_prompt
-    from deltaship.targets import open_bundle
+    from deltaship.runtimes.vision import image_prompt
+    from deltaship.targets import open_bundle, open_multimodal
 
     session = open_bundle(vl_bundle)
-    mm = Multimodal(session)
+    mm = open_multimodal(session)
     tok = load_tokenizer(vl_bundle, session.manifest)
     outputs = []
     for paths in (images[:1], images[1:], images):
@@ -225,7 +225,7 @@ def test_generate_with_runtime_genai_names_a_size_genai_rounds_otherwise(vl_bund
     """80 pixels = 2.5 blocks of 32: transformers (and deltaship) round to 2 blocks, onnxruntime-extensions 0.18's
     smart_resize to 3; the result says so whenever the two sizes differ, and only then."""
     from deltaship.commands.generate import generate
-    from deltaship.runtimes.vision import Multimodal
+    from deltaship.targets import open_multimodal
 
     _og()
     path = tmp_path / "half.png"
@@ -233,7 +233,7 @@ def test_generate_with_runtime_genai_names_a_size_genai_rounds_otherwise(vl_bund
     res = generate(vl_bundle, prompt=PROMPT, images=[str(path)], max_new_tokens=2, runtime="genai")
     from deltaship.targets import open_bundle
 
-    want = Multimodal(open_bundle(vl_bundle)).load([path])[0]
+    want = open_multimodal(open_bundle(vl_bundle)).load([path])[0]
     differs = res["images"][0]["resized"] != list(want.resized)
     assert any("rounds a half 32-pixel block up" in n for n in res["notices"]) == differs
     # genai 0.18 (pinned < 0.19): 96 pixels high, not 64. If this fails genai rounds as transformers now: drop the

@@ -331,8 +331,9 @@ def test_import_deltaship_is_thin_and_export_is_callable():
     import sys
 
     code = (
-        "import sys, deltaship; from deltaship import export, load; import deltaship.compile as m; "
-        "assert m is export and callable(export) and 'torch' not in sys.modules, sorted(sys.modules); "
+        "import sys, deltaship; from deltaship import export, load; import deltaship.compile, deltaship.lowering; "
+        "assert deltaship.export is export is deltaship.compile.export and callable(export), deltaship.export; "
+        "assert 'torch' not in sys.modules, sorted(sys.modules); "
         "print(deltaship.__version__)"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

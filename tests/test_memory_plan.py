@@ -12,7 +12,8 @@ from deltaship.devices.plan import memory_terms
 from deltaship.profiling.profile import profile
 from deltaship.profiling.report import format_results
 
-# the workload the terms were fitted on (bench/memory_split.py --fit): a 512-token prefill at the preset's context
+# the workload the terms were fitted on (bench/memory/memory_split.py --fit): a 512-token prefill at the
+# preset's context
 WORKLOAD = dict(prompt_lengths=[512], gen=8, contexts=[], warmups=1, reps=2, min_seconds=0, breakdown=False)
 
 
@@ -69,17 +70,16 @@ def test_release_mapped_pages_forgets_clean_pages_and_keeps_written_ones(tmp_pat
 def test_profile_reads_the_peak_before_the_warm_loads(shared_export, monkeypatch):
     """The peak is an app's that opened the bundle once: sessions opened and closed again for load_warm_s leave freed
     memory behind in the allocator, which must not count."""
-    import deltaship.runtimes as runtimes
     from deltaship.profiling import worker
 
     bundle = shared_export("memory-plan-tiny-onnx-int4", "qwen3.5-tiny", target="onnx", precision="int4", verify=False)
-    real, opened = runtimes.open_bundle, []
+    real, opened = worker.open_bundle, []
 
     def counting(*args, **kwargs):
         opened.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runtimes, "open_bundle", counting)
+    monkeypatch.setattr(worker, "open_bundle", counting)
     monkeypatch.setattr(worker, "peak_rss_bytes", lambda: len(opened))  # "peak" = sessions opened when it is read
     doc = worker.run(dict(bundle=str(bundle), threads=1, prompt_lengths=[8], gen=2, contexts=[], reps=2, warmups=0))
     peak = next(r for r in doc["results"] if r["metric"] == "peak_rss_bytes")

@@ -298,7 +298,7 @@ def test_profile_speculative_measures_costs_acceptance_and_speed(tiny_mtp, tmp_p
 def test_speculative_projection_from_costs():
     """At acceptance 1 every call emits depth + 1 tokens for a draft over depth + 1 positions, depth - 1 deeper
     drafts, a verify of depth + 1 tokens and a snapshot; at acceptance 0, one token per call."""
-    from deltaship.profiling.speculative import project
+    from deltaship.profiling.speculative.projection import project
 
     costs = {"decode": 10.0, "verify": {1: 10, 2: 11, 3: 12, 4: 14}, "draft": {1: 2, 2: 2.5, 3: 3}, "snapshot": 1}
     costs["restore"] = 0.5
@@ -448,7 +448,7 @@ def test_depth_one_rolls_back_without_snapshots(tiny_mtp):
 def test_projection_with_rollback_to_first():
     """With rollback_to_first's cost given, a rejection at depth 1 costs it instead of a snapshot, a restore and a
     longer next call: at acceptance 0, each token costs one draft, one verify of 2 tokens and the rollback."""
-    from deltaship.profiling.speculative import project
+    from deltaship.profiling.speculative.projection import project
 
     costs = {"decode": 10.0, "verify": {1: 10, 2: 11, 3: 12}, "draft": {1: 2, 2: 2.5}, "snapshot": 1, "restore": 1}
     without = project(costs, 1, 0.0, calls=100)
@@ -461,7 +461,7 @@ def test_projection_with_rollback_to_first():
 def test_imposed_acceptance_accepts_at_the_rate(tiny_mtp, rate):
     """The profile's imposed acceptance (timing a head that accepts nothing): the driver accepts drafts at the given
     rate, whatever the head drafted."""
-    from deltaship.profiling.speculative import ImposedAcceptance
+    from deltaship.profiling.speculative.imposed import ImposedAcceptance
     from deltaship.runtimes.speculative import generate_speculative
     from deltaship.targets import open_bundle
 

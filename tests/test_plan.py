@@ -253,21 +253,21 @@ def test_a_chunk_below_the_measured_range_comes_after_a_quantized_kv_cache(tmp_p
 
 
 def test_export_device_options_carry_the_planned_chunk(tmp_path):
-    from deltaship.compile import device_options
+    from deltaship.compile.steps import plan_device
     from deltaship.models.presets import PRESETS
 
     spec = PRESETS["qwen3.5-0.8b"].spec()
-    o = device_options(spec, "phone-8gb", None, None, None, 262144, None, None)
+    o = plan_device(spec, "phone-8gb", None, None, None, 262144, None, None)
     rec = next(r for r in plan("qwen3.5-0.8b", tier="phone-8gb", context=262144) if r["recommended"])
-    assert (o["target"], o["precision"], o["max_context"], o["prefill_chunk"]) == (
+    assert (o.target, o.precision, o.max_context, o.prefill_chunk) == (
         rec["target"],
         rec["precision"],
         262144,
         rec["prefill_chunk"],
     )
-    assert o["kv_cache"] == rec["kv_dtype"] and f"prefill chunk {rec['prefill_chunk']}" in o["say"]
+    assert o.kv_cache == rec["kv_dtype"] and f"prefill chunk {rec['prefill_chunk']}" in o.say
     # the target's default chunk fits: left to the target (None); the user's chunk is kept as given
-    roomy = device_options(spec, "gpu-80gb", None, None, None, 4096, None, None)
-    assert roomy["prefill_chunk"] is None and roomy["max_context"] == 4096
-    fixed = device_options(spec, "phone-8gb", None, None, None, 262144, None, 16)
-    assert fixed["prefill_chunk"] == 16 and fixed["max_context"] == 262144
+    roomy = plan_device(spec, "gpu-80gb", None, None, None, 4096, None, None)
+    assert roomy.prefill_chunk is None and roomy.max_context == 4096
+    fixed = plan_device(spec, "phone-8gb", None, None, None, 262144, None, 16)
+    assert fixed.prefill_chunk == 16 and fixed.max_context == 262144

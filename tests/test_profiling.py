@@ -155,7 +155,8 @@ def test_a_run_that_dies_is_recorded_not_a_number(bundle, tmp_path):
     memory), so the kill is certain. The earlier 64 MiB cap sat close to the worker's real need with the
     tiny bundle, and the test failed once with it (the failure's output was not kept).
     """
-    from deltaship.profiling.profile import MemoryCap, profile
+    from deltaship.profiling.launch import MemoryCap
+    from deltaship.profiling.profile import profile
 
     cap = MemoryCap(10 << 20)
     enforceable = cap.procs is not None
@@ -180,10 +181,9 @@ def test_worker_holds_one_session_at_a_time(bundle, monkeypatch):
     import gc
     import weakref
 
-    import deltaship.runtimes as runtimes
     from deltaship.profiling import worker
 
-    real, alive, most = runtimes.open_bundle, set(), [0]
+    real, alive, most = worker.open_bundle, set(), [0]
 
     def counting(*args, **kwargs):
         gc.collect()
@@ -194,7 +194,7 @@ def test_worker_holds_one_session_at_a_time(bundle, monkeypatch):
         most[0] = max(most[0], len(alive))
         return session
 
-    monkeypatch.setattr(runtimes, "open_bundle", counting)
+    monkeypatch.setattr(worker, "open_bundle", counting)
     doc = worker.run(dict(bundle=str(bundle), threads=1, **dict(FAST, contexts=[8])))
     assert most[0] == 1
     warm = next(r for r in doc["results"] if r["metric"] == "load_warm_s")

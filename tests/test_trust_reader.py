@@ -377,3 +377,19 @@ def test_shell_lines_quote_manifest_values():
     cfg = {"prompt_lengths": [4], "gen": 2, "contexts": [8], "warmups": 0, "reps": 1, "min_seconds": 0.1}
     line = profile_command("deltaship", f"/tmp/d/{evil}", cfg, None, "phone; id")
     assert shlex.split(line)[2] == f"/tmp/d/{evil}" and shlex.split(line)[-1] == "phone; id"
+
+
+def test_vision_parts_are_paths_where_the_block_names_no_program():
+    """vision.graphs' vision/embedding/decoder are file names in a block without a program or package (ONNX: one
+    graph each, checked as paths) and method or function names beside one (ExecuTorch, Core ML: not paths), read
+    from the block itself, whatever the manifest's target says."""
+    from deltaship.bundle.paths import named_paths
+
+    parts = {"vision": "../vision.onnx", "embedding": "embedding.onnx", "decoder": "decoder_mm.onnx"}
+    for target in ("onnx", "toy"):
+        named = dict(named_paths({"target": target, "vision": {"graphs": parts}}))
+        assert named["vision.graphs.vision"] == "../vision.onnx" and "vision.graphs.decoder" in named
+    methods = {"program": "vision.pte", "vision": "vision_encoder", "decoder_program": "d.pte", "decoder": "text"}
+    named = dict(named_paths({"target": "onnx", "vision": {"graphs": methods}}))
+    assert named["vision.graphs.program"] == "vision.pte" and named["vision.graphs.decoder_program"] == "d.pte"
+    assert "vision.graphs.vision" not in named and "vision.graphs.decoder" not in named

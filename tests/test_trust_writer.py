@@ -228,14 +228,14 @@ def test_sigkill_at_each_write_stage_is_recovered_by_the_next_run(bundle, capsys
 
 # ---- the machine's errors ---------------------------------------------------------------------------------
 def test_disk_full_is_one_line_exit_3_and_the_old_bundle_stays(bundle, capsys, monkeypatch):
-    import deltaship.compile as ex
+    from deltaship.compile import steps
 
     before = tree_digest(bundle)
 
     def full(src, dst, *a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
 
-    monkeypatch.setattr(ex.shutil, "copy", full)  # the tokenizer copy
+    monkeypatch.setattr(steps.shutil, "copy", full)  # the tokenizer copy
     rc, err = export(capsys, "qwen3.5-tiny", bundle, "--force")
     monkeypatch.undo()
     assert rc == 3 and "No space left on device" in err and "free space on" in err and "Traceback" not in err

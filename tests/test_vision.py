@@ -345,11 +345,10 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_image_generation_matches_transformers(case, vl_bundle, hf_model):
-    from deltaship.runtimes.vision import Multimodal
-    from deltaship.targets import open_bundle
+    from deltaship.targets import open_bundle, open_multimodal
 
     images = [_image(h, w, seed=i + h) for i, (h, w) in enumerate(CASES[case])]
-    mm = Multimodal(open_bundle(vl_bundle))
+    mm = open_multimodal(open_bundle(vl_bundle))
     ims = [preprocess_image(im, mm.pre) for im in images]
     prompt = [5, 6]
     for _ in images:
@@ -374,10 +373,9 @@ def test_video_matches_transformers(n_frames, vl_bundle, hf_model):
     pair, against transformers' video path (its get_rope_index splits video_grid_thw per temporal patch)."""
 
     from deltaship.models.vision import preprocess_frames
-    from deltaship.runtimes.vision import Multimodal
-    from deltaship.targets import open_bundle
+    from deltaship.targets import open_bundle, open_multimodal
 
-    mm = Multimodal(open_bundle(vl_bundle))
+    mm = open_multimodal(open_bundle(vl_bundle))
     frames = [np.asarray(_image(64, 96, seed=5 + i)) for i in range(n_frames)]
     video = preprocess_frames(frames, mm.pre, mm.video_pre)
     groups = (n_frames + 1) // 2
@@ -554,8 +552,7 @@ def test_fp16_vision_bundle_verifies(target, vl_checkpoint, hf_model, tmp_path):
     from deltaship.check.vision import round_to_fp16
     from deltaship.compile import export
     from deltaship.models.vision import preprocess_frames
-    from deltaship.runtimes.vision import Multimodal
-    from deltaship.targets import open_bundle, tolerance
+    from deltaship.targets import open_bundle, open_multimodal, tolerance
 
     out = tmp_path / "fp16"
     if target == "executorch":
@@ -568,7 +565,7 @@ def test_fp16_vision_bundle_verifies(target, vl_checkpoint, hf_model, tmp_path):
     assert v["dtype"] == "float16" and "rounded to fp16" in v["verification"]["reference"]
     assert v["verification"]["status"] == "passed", v["verification"]
     assert 0 < v["verification"]["max_rel_logit_diff"] <= tol.max_rel_logit_diff
-    mm = Multimodal(open_bundle(out))
+    mm = open_multimodal(open_bundle(out))
     video = preprocess_frames([np.asarray(_image(64, 96, seed=20 + i)) for i in range(4)], mm.pre, mm.video_pre)
     prompt = [5, 10, START, VIDEO, END, 11, START, VIDEO, END, 7, 8]
     gen = mm.generate(prompt, [video], 16, keep_logits=True, stop_at_eos=False)
@@ -582,10 +579,9 @@ def test_fp16_vision_bundle_verifies(target, vl_checkpoint, hf_model, tmp_path):
 
 def test_mrope_positions_matter(vl_bundle, monkeypatch):
     """Feeding the image span 1-D positions changes the logits far past the tolerance: the 3-row path is live."""
-    from deltaship.runtimes.vision import Multimodal
-    from deltaship.targets import open_bundle
+    from deltaship.targets import open_bundle, open_multimodal
 
-    mm = Multimodal(open_bundle(vl_bundle))
+    mm = open_multimodal(open_bundle(vl_bundle))
     im = preprocess_image(_image(160, 96, seed=1), mm.pre)
     ids = mm.expand([5, START, IMAGE, END, 7], [im])
     right = mm.prefill(ids, [im])
@@ -609,9 +605,9 @@ def test_text_prompt_on_vision_bundle_takes_the_text_graph(vl_bundle, bundles):
     assert (vl_bundle / "preprocessor_config.json").is_file()
     s = open_bundle(vl_bundle)
     a = s.generate([5, 6, 7], 8).output_ids
-    from deltaship.runtimes.vision import Multimodal
+    from deltaship.targets import open_multimodal
 
-    b = Multimodal(open_bundle(vl_bundle)).generate([5, 6, 7], [], 8).output_ids
+    b = open_multimodal(open_bundle(vl_bundle)).generate([5, 6, 7], [], 8).output_ids
     assert a == b  # with no image, M-RoPE is 1-D RoPE: both graphs agree
 
 
@@ -734,13 +730,13 @@ def test_executorch_vision_encoder(et_vl_bundle, vl_checkpoint, hf_model):
 def test_executorch_bundle_images_match_transformers(et_vl_bundle, hf_model):
     """An ExecuTorch bundle with --vision: vision.pte's vision_encoder, token_embedding and text_decoder give
     transformers' greedy tokens for two images, with prefill chunk boundaries inside the second image's span."""
-    from deltaship.runtimes.vision import ExecuTorchMultimodal, Multimodal
-    from deltaship.targets import open_bundle
+    from deltaship.runtimes.vision import ExecuTorchMultimodal
+    from deltaship.targets import open_bundle, open_multimodal
 
     out, m = et_vl_bundle
     assert m["vision"]["verification"]["status"] == "passed"  # checked at export, as the ONNX bundle
     assert {"vision.pte", "decoder_mm.pte", "model.pte"} <= set(m["files"])
-    mm = Multimodal(open_bundle(out))
+    mm = open_multimodal(open_bundle(out))
     assert isinstance(mm, ExecuTorchMultimodal)
     images = [_image(64, 96, seed=0), _image(160, 96, seed=1)]
     ims = [preprocess_image(im, mm.pre) for im in images]
@@ -750,7 +746,7 @@ def test_executorch_bundle_images_match_transformers(et_vl_bundle, hf_model):
     assert len(set(ref)) > 3 and gen.output_ids == ref
     assert np.abs(np.stack(gen.logits) - ref_logits).max() / ref_logits.std() < 1e-3
     text = open_bundle(out).generate([5, 6, 7], 8).output_ids  # model.pte: the text-only path
-    assert Multimodal(open_bundle(out)).generate([5, 6, 7], [], 8).output_ids == text
+    assert open_multimodal(open_bundle(out)).generate([5, 6, 7], [], 8).output_ids == text
 
 
 @pytest.fixture

@@ -38,12 +38,21 @@ def _strip(value):
     return value
 
 
+def _raw_varies(rel: str) -> bool:
+    """A Core ML package file whose bytes differ between two saves of the same model: the spec's protobuf bytes (not
+    deterministic; its parsed spec is compared) and the package's Manifest.json (fresh identifiers)."""
+    return ".mlpackage" in rel and (rel.endswith(".mlmodel") or rel.endswith("Manifest.json"))
+
+
 def digest(bundle: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     for path in sorted(p for p in bundle.rglob("*") if p.is_file()):
         rel = path.relative_to(bundle).as_posix()
         if rel == "manifest.json":
-            out[rel] = _sha(json.dumps(_strip(json.loads(path.read_text())), sort_keys=True).encode())
+            manifest = _strip(json.loads(path.read_text()))
+            for name in [f for f in manifest.get("files", {}) if _raw_varies(f)]:
+                del manifest["files"][name]  # compared below by parsed spec, or left out
+            out[rel] = _sha(json.dumps(manifest, sort_keys=True).encode())
         elif rel.endswith(".mlmodel"):
             from coremltools.proto import Model_pb2  # lazy: coremltools only for Core ML bundles
 

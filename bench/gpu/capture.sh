@@ -8,7 +8,7 @@
 #   bash bench/gpu/capture.sh run [S SPEED]   # carry .gpu/p1: unpack onnxruntime-gpu, parity and speed into $OUT
 #                                             # (S seconds at most; SPEED: the bundles to time)
 set -u
-W=/root/gpu
+W=${DELTASHIP_GPU_WORK:-/tmp/deltaship-gpu-capture}  # kept between calls (the runs in docs/results/gpu.md used /root/gpu)
 mkdir -p "$W/ch"
 export PYTHONUNBUFFERED=1
 cuda_libs() {

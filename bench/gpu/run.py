@@ -15,10 +15,10 @@ Steps, each skipped when its output already exists (so a re-run resumes where th
      only) and fp16, `--max-context 8192` so a 4096-token prompt plus 64 generated tokens fits.
   5. `deltaship profile BUNDLE --device host --provider cuda --prompt-lengths 512,4096` per bundle.
   6. peers where they can be had (--skip-peers to leave one out):
-     transformers bf16 eager (bench/gpu_transformers.py, same venv, needs torch's CUDA build);
+     transformers bf16 eager (bench/gpu/gpu_transformers.py, same venv, needs torch's CUDA build);
      onnxruntime-genai-cuda on its own builder's export (own venv WORK/genai-venv; its builder accepts only a
-       Qwen3_5ForConditionalGeneration checkpoint, which bench/make_checkpoint.py --multimodal writes with random
-       weights at the preset's shape; measured by bench/peer_worker.py: prompts 128/512, 64 decode steps);
+       Qwen3_5ForConditionalGeneration checkpoint, which bench/tools/make_checkpoint.py --multimodal writes with random
+       weights at the preset's shape; measured by bench/tools/peer_worker.py: prompts 128/512, 64 decode steps);
      llama.cpp built with -DGGML_CUDA=on from the source vendored in the llama-cpp-python sdist (`pip download`
        from PyPI, or drop the sdist into WORK/llamacpp-sdist/ on a machine without PyPI); needs cmake and the
        CUDA toolkit (nvcc); llama-bench -p 512,4096 -n 64 -ngl 99 on a Q4_0 GGUF.
@@ -222,7 +222,7 @@ def plan(
                     "peer",
                     [
                         py,
-                        str(ROOT / "bench" / "gpu_transformers.py"),
+                        str(ROOT / "bench" / "gpu" / "gpu_transformers.py"),
                         "--model",
                         f"qwen3.5-{preset}",
                         "--prompt-lengths",
@@ -251,7 +251,13 @@ def plan(
                 Step(
                     f"checkpoint {preset} multimodal",
                     "setup",
-                    [py, str(ROOT / "bench" / "make_checkpoint.py"), f"qwen3.5-{preset}", str(mm), "--multimodal"],
+                    [
+                        py,
+                        str(ROOT / "bench" / "tools" / "make_checkpoint.py"),
+                        f"qwen3.5-{preset}",
+                        str(mm),
+                        "--multimodal",
+                    ],
                     mm / "model.safetensors",
                 ),
                 Step(
@@ -280,7 +286,7 @@ def plan(
                     [
                         "bash",
                         "-c",
-                        f"{gpy} {ROOT / 'bench' / 'peer_worker.py'} genai {gout} 0 | tail -1 > "
+                        f"{gpy} {ROOT / 'bench' / 'tools' / 'peer_worker.py'} genai {gout} 0 | tail -1 > "
                         f"{res / f'genai-{preset}.json'}.tmp && mv {res / f'genai-{preset}.json'}.tmp "
                         f"{res / f'genai-{preset}.json'}",
                     ],
@@ -318,7 +324,7 @@ def plan(
                 Step(
                     f"checkpoint {preset} text",
                     "setup",
-                    [py, str(ROOT / "bench" / "make_checkpoint.py"), f"qwen3.5-{preset}", str(text)],
+                    [py, str(ROOT / "bench" / "tools" / "make_checkpoint.py"), f"qwen3.5-{preset}", str(text)],
                     text / "model.safetensors",
                 ),
                 Step(
@@ -559,7 +565,7 @@ def _write(out: Path, res: dict) -> dict:
 
 def gguf(src: Path, ckpt: Path, q4: Path, quantize: Path) -> None:
     """The checkpoint to a Q4_0 GGUF with llama.cpp's own converter (a stand-in byte-level tokenizer, pre-tokenizer
-    forced to qwen35, as bench/peers.py does on the CPU) and its llama-quantize."""
+    forced to qwen35, as bench/peers/peers.py does on the CPU) and its llama-quantize."""
     sys.path.insert(0, str(ROOT))
     from deltaship.models.presets import write_tiny_tokenizer
 
@@ -679,7 +685,7 @@ def _peer_row(tool: str, d) -> dict:
             **{f"prefill_{n}_tok_s": d.get(f"prefill_{n}_tok_s") for n in PROMPTS},
             "tpot_ms": d.get("decode_ms_per_token"),
         }
-    if tool.startswith("onnxruntime-genai"):  # bench/peer_worker.py measures prompts of 128 and 512
+    if tool.startswith("onnxruntime-genai"):  # bench/tools/peer_worker.py measures prompts of 128 and 512
         return {
             "precision": "int4",
             "prefill_512_tok_s": d.get("prefill_512_tok_s"),

@@ -16,38 +16,38 @@ from typing import Any
 
 from deltaship.bundle import read_manifest, require_intact
 from deltaship.bundle.destination import Destination
-from deltaship.bundle.format import TARGET_TITLES, a_bundle
 from deltaship.bundle.writer import write_dir
 from deltaship.errors import DeltashipError
-from deltaship.targets import require_artifact
+from deltaship.runtimes.ort_worker import required_onnxruntime, version_tuple
+from deltaship.targets import a_bundle, get_target, on_platform, require_artifact
 
 PLATFORMS = ("android", "ios", "web", "desktop")
 KIT_RECORD = "kit.json"
 
-# platform -> (module, targets it can run, the export to make when the bundle's target does not fit)
-_KITS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "ios": (
-        "deltaship.apps.swift",
-        ("coreml",),
-        "export a Core ML bundle: deltaship export --model M --target coreml --out DIR "
-        "(an ONNX bundle runs on iOS through onnxruntime-objc / onnxruntime-genai, which this kit does not generate)",
-    ),
-    "android": (
-        "deltaship.apps.kotlin",
-        ("onnx", "executorch"),
-        "export an ONNX or ExecuTorch bundle: deltaship export --model M --target onnx|executorch --out DIR",
-    ),
-    "web": (
-        "deltaship.apps.web",
-        ("onnx",),
-        "export an ONNX bundle: deltaship export --model M --target onnx --out DIR",
-    ),
-    "desktop": (
-        "deltaship.apps.web",
-        ("onnx",),
-        "export an ONNX bundle: deltaship export --model M --target onnx --out DIR",
-    ),
+# platform -> the module that writes its kit; the bundles it runs are those of the targets that name the platform
+# (Target.app_platforms)
+_KITS: dict[str, str] = {
+    "ios": "deltaship.apps.swift",
+    "android": "deltaship.apps.kotlin",
+    "web": "deltaship.apps.web",
+    "desktop": "deltaship.apps.web",
 }
+# what the refusal of another target's bundle adds about the platform
+_PLATFORM_NOTES = {
+    "ios": " (an ONNX bundle runs on iOS through onnxruntime-objc / onnxruntime-genai, which this kit does not "
+    "generate)"
+}
+
+
+def export_for(platform: str) -> str:
+    """The export that makes a bundle the `platform` kit runs, e.g. "export an ONNX or ExecuTorch bundle: ..."."""
+    runs = on_platform(platform)
+    kinds = " or ".join(t.title or t.name for t in runs)
+    names = "|".join(t.name for t in runs)
+    return (
+        f"export {'an' if kinds[0] in 'AEIOU' else 'a'} {kinds} bundle: deltaship export --model M --target {names} "
+        f"--out DIR{_PLATFORM_NOTES.get(platform, '')}"
+    )
 
 
 def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> dict[str, Any]:
@@ -65,14 +65,15 @@ def write_kit(bundle: Path, out: Path, platform: str, force: bool = False) -> di
 
 
 def _write_kit(bundle: Path, manifest: dict[str, Any], dest: Destination, platform: str) -> dict[str, Any]:
-    module_name, targets, fix = _KITS[platform]
+    module_name = _KITS[platform]
     require_intact(bundle, manifest)
     target = manifest.get("target")
-    if target not in targets:
+    runs = on_platform(platform)
+    if target not in {t.name for t in runs}:
         raise DeltashipError(
-            f"{bundle} is {a_bundle(target)}; the {platform} kit runs "
-            f"{' or '.join(TARGET_TITLES[t] for t in targets)} bundles",
-            fix,
+            f"{bundle} is {a_bundle(target)}; the {platform} kit runs {' or '.join(t.title or t.name for t in runs)} "
+            "bundles",
+            export_for(platform),
         )
     require_artifact(bundle, manifest)  # the kit copies the artifact as the manifest describes it
     _check_runtime_version(bundle, manifest, platform)
@@ -108,17 +109,15 @@ def _write_kit(bundle: Path, manifest: dict[str, Any], dest: Destination, platfo
 def _check_runtime_version(bundle: Path, manifest: dict[str, Any], platform: str) -> None:
     """Refuse a bundle that needs a newer onnxruntime (an --onnx-opset 27 bundle: >= 1.32) than the kit pins:
     the JS package's onnxruntime-web/-node, or the Android kit's onnxruntime-android (the export's onnxruntime)."""
-    from deltaship.runtimes.ort_worker import required_onnxruntime, version_tuple
-
     need = required_onnxruntime(manifest)
     if not need:
         return
-    if platform in ("web", "desktop"):
+    runtime = get_target(manifest["target"]).app_platforms[platform]  # onnxruntime-web, -node or -android
+    if platform in ("web", "desktop"):  # the JS package pins them
         package = json.loads((Path(__file__).parent / "js" / "package.json").read_text())
-        runtime = "onnxruntime-web" if platform == "web" else "onnxruntime-node"
         pinned = package["dependencies"][runtime]
-    else:
-        runtime, pinned = "onnxruntime-android", manifest.get("tools", {}).get("onnxruntime", "0")
+    else:  # the Android kit depends on the export's own version
+        pinned = manifest.get("tools", {}).get("onnxruntime", "0")
     if version_tuple(pinned) < version_tuple(need):
         raise DeltashipError(
             f"{bundle} needs onnxruntime >= {need} (lowering.opset {manifest['lowering'].get('opset')}); the "

@@ -18,6 +18,7 @@ from typing import Any
 from deltaship.apps import kit_name
 from deltaship.chat.pieces import bundle_pieces
 from deltaship.errors import DeltashipError
+from deltaship.targets import on_platform
 
 TEMPLATES = Path(__file__).parent / "templates" / "kotlin"
 BUNDLE_FILES = "BundleFiles.kt"  # safePath(bundleDir, name): every driver opens the bundle's files through it
@@ -59,11 +60,12 @@ def kit_spec(bundle: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         "prefill_chunk": int(manifest["prefill_chunk"]),
         "eos_token_ids": sorted(int(t) for t in manifest["tokens"]["eos"]),
     }
-    make = _RUNTIME_SPECS.get(target)
+    runs = {t.name: t.app_platforms["android"] for t in on_platform("android")}
+    make = _RUNTIME_SPECS.get(runs.get(target))
     if make is None:
         raise DeltashipError(
-            f"the Android kit runs {' or '.join(_RUNTIME_SPECS)} bundles, not {target}",
-            "export with --target onnx or --target executorch",
+            f"the Android kit runs {' or '.join(runs)} bundles, not {target}",
+            "export with " + " or ".join(f"--target {t}" for t in runs),
         )
     return make(bundle, manifest, common, tools)
 
@@ -129,8 +131,8 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
     return spec
 
 
-# bundle target -> the Android runtime the kit drives it with
-_RUNTIME_SPECS = {"onnx": _onnx_spec, "executorch": _executorch_spec}
+# the Android runtime a target's bundles run in (Target.app_platforms["android"]) -> what the kit names for it
+_RUNTIME_SPECS = {"onnxruntime-android": _onnx_spec, "executorch-android": _executorch_spec}
 
 
 def _position_doc(spec: dict[str, Any]) -> str:
@@ -414,7 +416,7 @@ itself, and that the Kotlin names nothing else. Build it and run it on a device 
    the APK's assets into `context.filesDir` on first launch (add `androidResources {{ noCompress += listOf("{spec["files"]["model"].rsplit(".", 1)[-1]}") }}`).
 3. Run generation off the main thread (e.g. `withContext(Dispatchers.IO)`).
 """
-    if spec["runtime"] == "executorch":
+    if spec["runtime"] != "onnxruntime":  # executorch-android's LlmModule
         return (
             head
             + f"""

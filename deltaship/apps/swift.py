@@ -19,20 +19,26 @@ from deltaship.apps import kit_name
 from deltaship.apps.swift_speculative import parse as parse_speculative
 from deltaship.apps.swift_speculative import render as render_speculative
 from deltaship.apps.swift_speculative import speculative_spec
+from deltaship.chat.pieces import bundle_pieces
 from deltaship.errors import DeltashipError
+from deltaship.targets import on_platform
 
 TEMPLATES = Path(__file__).parent / "templates"
 SWIFT_TRANSFORMERS = ("https://github.com/huggingface/swift-transformers.git", "1.3.0")
 _DTYPES = {"int32": "int32", "float32": "float32", "float16": "float16"}  # manifest -> MLMultiArrayDataType
 T = -1  # the call's token count in a Swift shape
 DRIVERS = ("DeltashipModel.swift", "DeltashipSpeculative.swift")  # templates copied as they are
+CHAT_DRIVER = "DeltashipChat.swift"  # copied too when the bundle has a chat template
 
 
-def kit_spec(manifest: dict[str, Any]) -> dict[str, Any]:
-    """What the Swift code names, from the manifest: functions, chunk, context, eos, and per part the features."""
-    if manifest.get("target") != "coreml":
+def kit_spec(manifest: dict[str, Any], bundle: Path | None = None) -> dict[str, Any]:
+    """What the Swift code names, from the manifest: functions, chunk, context, eos, per part the features, every
+    state as checkpoints and saved sessions see it, and (with `bundle`) the chat template's pieces."""
+    runs = on_platform("ios")
+    if manifest.get("target") not in {t.name for t in runs}:
         raise DeltashipError(
-            f"the Swift kit runs Core ML bundles, not {manifest.get('target')}", "export with --target coreml"
+            f"the Swift kit runs {' or '.join(t.title or t.name for t in runs)} bundles, not {manifest.get('target')}",
+            "export with " + " or ".join(f"--target {t.name}" for t in runs),
         )
     lowering = manifest["lowering"]
     funcs = list(lowering["functions"])
@@ -106,6 +112,58 @@ def kit_spec(manifest: dict[str, Any]) -> dict[str, Any]:
         "eos_token_ids": sorted(int(t) for t in manifest["tokens"]["eos"]),
         "parts": parts,
         "speculative": speculative_spec(manifest, parts, feature),
+        "session_states": session_states(manifest),
+        "chat": chat_spec(bundle, manifest) if bundle is not None else None,
+    }
+
+
+def session_states(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every state as DeltashipChat.swift's checkpoints and saved sessions see it: its manifest name (the saved
+    session's `state/<name>`), the part and Core ML feature holding it, whether a checkpoint copies it (DeltaNet),
+    and its layout in a saved session, which is deltaship's Core ML session's (Python and Swift files are one
+    format): io states float32 whatever the package's type, MLStates float16, a KV cache cut to the position along
+    its first axis of the context's length."""
+    part_of = {n: i for i, p in enumerate(manifest["lowering"]["parts"]) for n in p["states"]}
+    context = int(manifest["max_context"])
+    out = []
+    for s in manifest["states"]:
+        shape = [int(d) for d in s["shape"]]
+        kv = str(s["kind"]).startswith("kv_cache")
+        axis = next((a for a in range(1, len(shape)) if shape[a] == context), None) if kv else None
+        if kv and axis is None:
+            raise DeltashipError(
+                f"state {s['name']} {shape} has no axis of the max context ({context})", "re-export the bundle"
+            )
+        if s["dtype"] not in _DTYPES:
+            raise DeltashipError(f"{s['name']}: dtype {s['dtype']} has no MLMultiArray type", "re-export the bundle")
+        io = s["mode"] == "io"
+        out.append(
+            {
+                "name": s["name"],
+                "part": part_of[s["name"]],
+                "feature": s["coreml_input"],
+                "in_ml_state": not io,
+                "checkpoint": str(s["kind"]).startswith("deltanet"),
+                "shape": shape,
+                "dtype": s["dtype"],
+                "file_dtype": "float32" if io else "float16",
+                "sequence_axis": axis,
+            }
+        )
+    return out
+
+
+def chat_spec(bundle: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The chat template's per-role pieces (deltaship/chat/pieces.py, refused when it has no such form), the stop
+    ids and the shipped prompt cache's file; None when the bundle has no chat template (no DeltashipChat.swift)."""
+    chat = bundle_pieces(bundle, manifest)
+    if chat is None:
+        return None
+    cache = chat["prompt_cache"]
+    return {
+        "pieces": chat["pieces"],
+        "stop_ids": chat["stop_ids"],
+        "prompt_cache_file": cache["file"] if cache else None,
     }
 
 
@@ -155,8 +213,94 @@ def render_kit_spec(spec: dict[str, Any]) -> str:
         lines += ["            ]", "        ),"]
     lines += ["    ]"]
     lines += render_speculative(spec["speculative"], _feature, _iostate)
+    lines += _render_session_states(spec["session_states"])
+    lines += _render_chat(spec.get("chat"))
     lines += ["}", ""]
     return "\n".join(lines)
+
+
+def _render_session_states(states: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "    // every state as checkpoints (checkpoint: true, the DeltaNet states) and saved sessions see it; a saved",
+        "    // session holds fileDataType, a KV cache cut to the position along sequenceAxis (deltaship's layout)",
+        "    static let sessionStates: [SessionState] = [",
+    ]
+    for s in states:
+        axis = "nil" if s["sequence_axis"] is None else str(s["sequence_axis"])
+        lines.append(
+            f'        SessionState(name: "{s["name"]}", part: {s["part"]}, feature: "{s["feature"]}", '
+            f"inMLState: {str(s['in_ml_state']).lower()}, checkpoint: {str(s['checkpoint']).lower()}, "
+            f"shape: {_shape(s['shape'])}, dataType: .{_DTYPES[s['dtype']]}, "
+            f"fileDataType: .{_DTYPES[s['file_dtype']]}, sequenceAxis: {axis}),"
+        )
+    return lines + ["    ]"]
+
+
+_CHAT_FIELDS = [  # ChatPieces' fields, in order, and where chat.json keeps each (the Kotlin kit's names)
+    ("start", ("start",)),
+    ("systemPrefix", ("roles", "system", "prefix")),
+    ("systemSuffix", ("roles", "system", "suffix")),
+    ("userPrefix", ("roles", "user", "prefix")),
+    ("userSuffix", ("roles", "user", "suffix")),
+    ("assistantPrefix", ("roles", "assistant", "prefix")),
+    ("assistantSuffix", ("roles", "assistant", "suffix")),
+    ("generationPrompt", ("generation_prompt",)),
+    ("generationPromptNoThinking", ("generation_prompt_no_thinking",)),
+]
+
+
+def swift_string(text: str) -> str:
+    """A Swift string literal: `\\n`, `\\t`, `\\r`, `\\\\`, `\\"`, every other character outside printable ASCII
+    as `\\u{X}` (so `\\(`, Swift's interpolation, never appears unescaped)."""
+    out = []
+    for c in text:
+        if c in _NAMED_ESCAPES:
+            out.append("\\" + _NAMED_ESCAPES[c])
+        elif c in '"\\':
+            out.append("\\" + c)
+        elif " " <= c <= "~":
+            out.append(c)
+        else:
+            out.append(f"\\u{{{ord(c):X}}}")
+    return '"' + "".join(out) + '"'
+
+
+_NAMED_ESCAPES = {"\n": "n", "\t": "t", "\r": "r"}
+_UNNAMED = {v: k for k, v in _NAMED_ESCAPES.items()}
+_SWIFT_ESCAPE = re.compile(r"\\(u\{([0-9A-Fa-f]{1,8})\}|.)")
+
+
+def parse_swift_string(literal: str) -> str:
+    """The text of a literal swift_string wrote."""
+    body = literal[1:-1]
+
+    def one(m: re.Match) -> str:
+        return chr(int(m.group(2), 16)) if m.group(2) else _UNNAMED.get(m.group(1), m.group(1))
+
+    return _SWIFT_ESCAPE.sub(one, body)
+
+
+def _render_chat(chat: dict[str, Any] | None) -> list[str]:
+    if chat is None:
+        return ["    static let chat: ChatPieces? = nil  // the bundle has no chat template (no DeltashipChat.swift)"]
+    pieces = chat["pieces"]
+    lines = [
+        "    // the chat template's pieces per role (deltaship/chat/pieces.py), rendered from the bundle's template",
+        "    static let chat: ChatPieces? = ChatPieces(",
+    ]
+    for name, path in _CHAT_FIELDS:
+        value: Any = pieces
+        for k in path:
+            value = value[k]
+        lines.append(f"        {name}: {swift_string(value)},")
+    cache = chat["prompt_cache_file"]
+    lines += [
+        f"        dropThink: {'true' if pieces['drop_think'] else 'false'},",
+        f"        stopIds: {_shape(chat['stop_ids'])},",
+        "        promptCacheFile: " + (swift_string(cache) if cache else "nil"),
+        "    )",
+    ]
+    return lines
 
 
 _FEATURE = re.compile(r'Feature\(name: "([^"]*)", shape: \[([-\d, ]*)\], dataType: \.(\w+)\)')
@@ -182,7 +326,23 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
     def iost(m: re.Match) -> dict:
         return {"input": m.group(1), "output": m.group(2), "shape": ints(m.group(3)), "dtype": m.group(4)}
 
-    speculative = parse_speculative(text, _FEATURE, _IOSTATE, feat, iost)
+    # the speculative entry ends where the session states begin
+    speculative = parse_speculative(text.split("static let sessionStates", 1)[0], _FEATURE, _IOSTATE, feat, iost)
+    states = [
+        {
+            "name": m.group(1),
+            "part": int(m.group(2)),
+            "feature": m.group(3),
+            "in_ml_state": m.group(4) == "true",
+            "checkpoint": m.group(5) == "true",
+            "shape": ints(m.group(6)),
+            "dtype": m.group(7),
+            "file_dtype": m.group(8),
+            "sequence_axis": None if m.group(9) == "nil" else int(m.group(9)),
+        }
+        for m in _SESSION_STATE.finditer(text)
+    ]
+    chat = _parse_chat(text)
     text = text.split("static let speculative", 1)[0]
     parts = []
     for block in re.split(r"\n\s*PartSpec\(", text)[1:]:
@@ -207,6 +367,37 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
         "eos_token_ids": sorted(json.loads(scalar("eosTokenIds"))),
         "parts": parts,
         "speculative": speculative,
+        "session_states": states,
+        "chat": chat,
+    }
+
+
+_SESSION_STATE = re.compile(
+    r'SessionState\(name: "([^"]*)", part: (\d+), feature: "([^"]*)", inMLState: (true|false), '
+    r"checkpoint: (true|false), shape: \[([-\d, ]*)\], dataType: \.(\w+), fileDataType: \.(\w+), "
+    r"sequenceAxis: (nil|\d+)\)"
+)
+
+
+def _parse_chat(text: str) -> dict[str, Any] | None:
+    m = re.search(r"static let chat: ChatPieces\? = ChatPieces\((.*?)\n    \)", text, re.S)
+    if m is None:
+        if "static let chat: ChatPieces? = nil" in text:
+            return None
+        raise DeltashipError("KitSpec.swift has no chat entry", "regenerate the kit with `deltaship app`")
+    fields = dict(re.findall(r"^\s+(\w+): (.*?),?$", m.group(1), re.M))
+    pieces: dict[str, Any] = {"roles": {"system": {}, "user": {}, "assistant": {}}}
+    for name, path in _CHAT_FIELDS:
+        target = pieces
+        for k in path[:-1]:
+            target = target[k]
+        target[path[-1]] = parse_swift_string(fields[name])
+    pieces["drop_think"] = fields["dropThink"] == "true"
+    cache = fields["promptCacheFile"]
+    return {
+        "pieces": pieces,
+        "stop_ids": json.loads(fields["stopIds"]),
+        "prompt_cache_file": None if cache == "nil" else parse_swift_string(cache),
     }
 
 
@@ -217,11 +408,12 @@ def identifier_literals(text: str) -> set[str]:
 
 def generate(bundle: Path, manifest: dict[str, Any], out: Path) -> dict[str, Any]:
     """Write the Swift package into `out`; returns the kit record."""
-    spec = kit_spec(manifest)
+    spec = kit_spec(manifest, bundle)
     name = kit_name(manifest)
     src = out / "Sources" / name
     src.mkdir(parents=True)
-    for template in DRIVERS:
+    drivers = DRIVERS + ((CHAT_DRIVER,) if spec["chat"] else ())
+    for template in drivers:
         shutil.copyfile(TEMPLATES / template, src / template)
     (src / "KitSpec.swift").write_text(render_kit_spec(spec))
     url, version = SWIFT_TRANSFORMERS
@@ -248,7 +440,7 @@ let package = Package(
         },
         "files": [
             "Package.swift",
-            *[f"Sources/{name}/{template}" for template in DRIVERS],
+            *[f"Sources/{name}/{template}" for template in drivers],
             f"Sources/{name}/KitSpec.swift",
             "README.md",
         ],
@@ -308,9 +500,9 @@ for try await piece in model.generate(prompt: "Hello", maxNewTokens: 64) {{   //
   conv/recurrent states (and, in fp32 builds, the KV cache too). Large models come in several packages:
   the hidden states of one are the input of the next, each with its own state.
 - Tokenization: swift-transformers' `AutoTokenizer.from(modelFolder:)` reads the bundle's
-  `tokenizer.json` / `tokenizer_config.json`. Prompts are used as given: apply a chat template yourself
-  (`tokenizer.applyChatTemplate`) and pass token ids to `generate(tokens:)` for chat.
-{speculative_readme(spec)}
+  `tokenizer.json` / `tokenizer_config.json`. Prompts are used as given: for a conversation use `DeltashipChat`
+  (below, when the bundle has a chat template), or apply a template yourself and pass token ids to `generate(tokens:)`.
+{chat_readme(spec)}{speculative_readme(spec)}
 ## Why not swift-transformers' `LanguageModel`
 swift-transformers' `LanguageModel` / `LanguageModelWithStatefulKVCache` (Sources/Models/LanguageModel.swift)
 loads one function (the default), drives it only when it has states named `keyCache` and `valueCache`
@@ -322,6 +514,29 @@ to drop the fixed prefill chunk for a ranged input, merge every attention layer'
 derive the position from the mask's length, and keep the DeltaNet states as extra fp16 MLStates (the only
 way they could persist, since `LanguageModel` passes no state inputs); deltaship keeps them fp32 by default
 because fp16 recurrent state drifts over long prompts. So the kit ships its own small driver instead.
+"""
+
+
+def chat_readme(spec: dict[str, Any]) -> str:
+    if spec.get("chat") is None:
+        return "- Chat: this bundle has no chat template (export a checkpoint that has one for `DeltashipChat`).\n"
+    cache = spec["chat"]["prompt_cache_file"]
+    copied = sum(s["checkpoint"] for s in spec["session_states"])
+    return f"""
+## Chat (DeltashipChat.swift)
+The bundle's chat template is in `KitSpec.chat` as per-role pieces (rendered from it by deltaship; no Jinja on the
+phone). Each turn feeds only the tokens the state lacks; a checkpoint is a copy of the {copied} DeltaNet state(s)
+(io arrays, and `MLState.withMultiArray(for:)` for those in the MLState) and the position, since the KV cache only
+grows; `retry` and `undo` restore one.
+
+```swift
+let chat = try await DeltashipChat(model: model, bundle: url, system: "Be brief.")
+let reply = try await chat.send("Hello", maxNewTokens: 64) {{ id in }}   // text, ids, stopped, prefillTokens
+_ = try await chat.retry(); try await chat.undo(); try await chat.reset()
+let data = try await chat.save()            // deltaship's saved-session format (Python's Chat.load reads it)
+try await chat.load(data)                   // checks the bundle's identity and every sha256 first
+```
+{"A chat whose system message is the shipped prompt cache's (`" + cache + "`) starts from it." if cache else ""}
 """
 
 

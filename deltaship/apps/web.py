@@ -13,15 +13,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from deltaship.apps import export_for
 from deltaship.bundle import read_manifest
-from deltaship.bundle.format import a_bundle
 from deltaship.chat.pieces import CHAT_RECORD, bundle_pieces
 from deltaship.errors import DeltashipError
+from deltaship.targets import a_bundle, on_platform
 
 JS_PACKAGE = Path(__file__).parent / "js"
 PLATFORMS = ("web", "desktop")
 # What the kit copies of the package: the library, its package.json and README (not the tests, no node_modules).
-BUNDLE_TARGETS = ("onnx",)  # the bundles onnxruntime-web / -node run
 _PACKAGE_FILES = ("package.json", "README.md")
 # The npm packages each kit installs (at the versions deltaship-runtime pins): one node_modules at the kit's root,
 # which deltaship-runtime/src finds by walking up, as node and the import map in index.html both do.
@@ -31,12 +31,14 @@ _KIT_DEPENDENCIES = {
 }
 
 
-def _manifest(bundle: Path) -> dict[str, Any]:
+def _manifest(bundle: Path, platform: str) -> dict[str, Any]:
     m = read_manifest(bundle)  # refuses other schema versions, naming the export that rebuilds them
-    if m["target"] not in BUNDLE_TARGETS:
+    runs = on_platform(platform)
+    if m["target"] not in {t.name for t in runs}:
         raise DeltashipError(
-            f"{bundle} is {a_bundle(m['target'])}; the web and desktop kits run ONNX bundles",
-            "export an ONNX bundle: deltaship export --model M --target onnx --out DIR",
+            f"{bundle} is {a_bundle(m['target'])}; the {platform} kit runs "
+            f"{' or '.join(t.title or t.name for t in runs)} bundles",
+            export_for(platform),
         )
     return m
 
@@ -51,7 +53,7 @@ def write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
         raise DeltashipError(
             f"unknown platform {platform!r} for the JavaScript kit", f"use one of {', '.join(PLATFORMS)}"
         )
-    m = _manifest(bundle)
+    m = _manifest(bundle, platform)
     if out.exists() and any(out.iterdir()):
         raise DeltashipError(f"{out} exists and is not empty", "pass a new or empty directory")
     files = [f for f in m.get("files", {}) if f != "manifest.json"]

@@ -14,14 +14,3 @@ MANIFEST = "manifest.json"
 SCHEMA = "deltaship.bundle"
 SCHEMA_VERSION = 2  # 2: the model_card block
 SCHEMA_FILE = Path(__file__).with_name("schema.json")
-
-# How messages name each target (and its bundles, with the article English wants: "an ONNX bundle").
-TARGET_TITLES = {"onnx": "ONNX", "executorch": "ExecuTorch", "coreml": "Core ML"}
-
-
-def a_bundle(target: object) -> str:
-    """'an ONNX bundle', 'a Core ML bundle'; an unknown target is quoted: "a 'tflite' bundle"."""
-    title = TARGET_TITLES.get(str(target))
-    if title is None:
-        return f"a {target!r} bundle"
-    return f"{'an' if title[0] in 'AEIOU' else 'a'} {title} bundle"

@@ -22,9 +22,10 @@ FIX = (
 # the characters of every name deltaship writes: a name also lands in shell lines and in the kits' Kotlin and
 # Swift string literals, where a quote or a `$` would be syntax
 NAME = re.compile(r"[A-Za-z0-9._+@=-]+(/[A-Za-z0-9._+@=-]+)*")
-# vision.graphs values that name files (the others name methods or functions of a program or package)
+# vision.graphs values that name files: a program or package holding the parts as methods or functions (ExecuTorch,
+# Core ML), or, in a block that names none, the parts themselves (one graph file each: ONNX)
 _GRAPH_FILES = {"program", "decoder_program", "package"}
-_ONNX_GRAPH_FILES = {"vision", "embedding", "decoder"}
+_GRAPH_PARTS = {"vision", "embedding", "decoder"}
 
 
 def name_problem(name: Any) -> str | None:
@@ -87,9 +88,10 @@ def named_paths(manifest: dict[str, Any]) -> Iterator[tuple[str, Any]]:
             yield f"speculative.files[{i}]", f
     v = manifest.get("vision")
     if isinstance(v, dict):
-        onnx = manifest.get("target") == "onnx"
-        for key, f in _dict(v.get("graphs")).items():
-            if key in _GRAPH_FILES or (onnx and key in _ONNX_GRAPH_FILES):
+        graphs = _dict(v.get("graphs"))
+        parts_are_files = not _GRAPH_FILES & graphs.keys()
+        for key, f in graphs.items():
+            if key in _GRAPH_FILES or (parts_are_files and key in _GRAPH_PARTS):
                 yield f"vision.graphs.{key}", f
         for key in ("preprocessor", "video_preprocessor"):
             if v.get(key) is not None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def _validator() -> "jsonschema.Draft202012Validator":
     # imported when a manifest is first checked: the ONNX Runtime worker (runtimes/ort_worker.py) imports this
     # package in a Python that has only onnxruntime and numpy, and checks no manifest there
-    import jsonschema
+    import jsonschema  # lazy: jsonschema
 
     return jsonschema.Draft202012Validator(schema())
 

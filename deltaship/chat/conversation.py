@@ -16,9 +16,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from deltaship.chat.store import PROMPT_CACHE_FILE, apply_prompt_cache, checked_state, read_session_file, save_chat
 from deltaship.chat.template import ChatTemplate, bundle_chat_template
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Checkpoint, Session, check_sampling, sample
+from deltaship.runtimes.tokenizer import load_tokenizer
+from deltaship.targets import open_bundle
 
 KEEP_TURNS = 16  # turns whose checkpoints stay in memory (2 DeltaNet copies each); older ones re-prefill if needed
 
@@ -71,13 +74,9 @@ class Chat:
         if isinstance(session_or_bundle, Session):
             self.session = session_or_bundle
         else:
-            from deltaship.targets import open_bundle
-
             self.session = open_bundle(session_or_bundle, threads=threads)
         s = self.session
         if tokenizer is None:
-            from deltaship.runtimes.tokenizer import load_tokenizer
-
             try:
                 tokenizer = load_tokenizer(s.bundle, s.manifest)
             except DeltashipError as e:  # its fix names generate's --input-ids, which a chat has no use for
@@ -194,8 +193,6 @@ class Chat:
         self.turns = []
         self._forget_state()
         if self.use_prompt_cache and self.system is not None:
-            from deltaship.chat.store import apply_prompt_cache
-
             apply_prompt_cache(self)
 
     def _forget_state(self) -> None:
@@ -300,16 +297,37 @@ class Chat:
     # ---- saved sessions ---------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the conversation (state, ids, messages, the last exchange's checkpoints) to one file, atomically."""
-        from deltaship.chat.store import save_chat
-
         return save_chat(self, Path(path))
 
     @classmethod
     def load(cls, path: str | Path, session_or_bundle: Session | str | Path, **kwargs: Any) -> Chat:
         """A conversation saved by `save`, on a session of the same bundle (checked: identity, hashes, version)."""
-        from deltaship.chat.store import load_chat
-
-        return load_chat(Path(path), session_or_bundle, **kwargs)
+        path = Path(path)
+        meta, tensors = read_session_file(path)
+        if isinstance(session_or_bundle, Session):
+            session = session_or_bundle
+        else:
+            session = open_bundle(session_or_bundle, threads=kwargs.pop("threads", None))
+        state, cps = checked_state(path, meta, tensors, session)
+        chat = cls(
+            session, system=meta["system"], template_kwargs=meta["template_kwargs"], prompt_cache=False, **kwargs
+        )
+        chat.use_prompt_cache = True  # the file's state now; a later reset() may start from the bundle's cache
+        session.load_state_file_arrays(meta["position"], state)
+        chat.messages = [dict(m) for m in meta["messages"]]
+        chat._ids = list(meta["ids"])
+        last = meta["last_turn"]
+        if last is not None:
+            made = [Checkpoint(pos, st, session._owner, len(session._rewinds)) for pos, st in cps]
+            chat.turns = [
+                Turn(
+                    messages_before=last["messages_before"],
+                    before=made[last["before"]] if last["before"] is not None else None,
+                    before_reply=made[last["before_reply"]] if last["before_reply"] is not None else None,
+                    ids_before_reply=last["ids_before_reply"],
+                )
+            ]
+        return chat
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -317,3 +335,15 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     x, y = np.asarray(a[:n], np.int64), np.asarray(b[:n], np.int64)
     diff = np.flatnonzero(x != y)
     return int(diff[0]) if diff.size else n
+
+
+def write_prompt_cache(
+    bundle_dir: Path, manifest: dict[str, Any], system: str, template_kwargs: dict, threads: int | None = None
+) -> dict:
+    """Feed the system message in the bundle being built and save that state into it (PROMPT_CACHE_FILE); return
+    the manifest's chat.prompt_cache record. `manifest` is the provisional one, with every file but the cache."""
+    session = open_bundle(bundle_dir, threads=threads)
+    chat = Chat(session, system=system, template_kwargs=template_kwargs, prompt_cache=False)
+    fed = chat.prime()
+    save_chat(chat, Path(bundle_dir) / PROMPT_CACHE_FILE, shipped=True)
+    return {"file": PROMPT_CACHE_FILE, "system": system, "template_kwargs": template_kwargs, "tokens": fed}

@@ -8,9 +8,10 @@ or the template is refused (it does more than per-role pieces can express).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from deltaship.chat.template import ChatTemplate
+from deltaship.chat.template import TEMPLATE_FILE, ChatTemplate, bundle_chat_template
 from deltaship.errors import DeltashipError
 
 ROLES = ("system", "user", "assistant")
@@ -132,10 +133,6 @@ CHAT_RECORD = "chat.json"
 def bundle_pieces(bundle, manifest: dict[str, Any]) -> dict[str, Any] | None:
     """What a kit's chat needs from the bundle (chat.json): the template's per-role pieces, checked, and the prompt
     cache's record; None when the bundle carries no chat template (its kit generates, without chat)."""
-    from pathlib import Path
-
-    from deltaship.chat.template import TEMPLATE_FILE, bundle_chat_template
-
     files = set(manifest.get("tokenizer", {}).get("files", []))
     if "tokenizer.json" not in files:
         return None

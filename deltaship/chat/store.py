@@ -56,7 +56,7 @@ def _sha(a: np.ndarray) -> str:
 
 def save_chat(chat, path: Path, shipped: bool = False) -> Path:
     """shipped: a prompt cache inside the bundle, which names the bundle by its files (files_identity)."""
-    from safetensors.numpy import save
+    from safetensors.numpy import save  # lazy: safetensors: session files only
 
     s = chat.session
     tensors: dict[str, np.ndarray] = {f"state/{n}": a for n, a in s.state_file_arrays().items()}
@@ -112,7 +112,7 @@ def _refuse(path: Path, what: str, fix: str = "load a session saved by deltaship
 
 def read_session_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The metadata and tensors of a saved session, every check done (hashes, schema, version)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors: session files only
 
     path = Path(path)
     if not path.is_file():
@@ -143,7 +143,7 @@ def read_session_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
             f"format version {version!r}, newer than this deltaship reads ({VERSION})",
             "upgrade deltaship to load it",
         )
-    import jsonschema
+    import jsonschema  # lazy: jsonschema: the schema check only
 
     schema = json.loads(resources.files("deltaship.chat").joinpath("session.schema.json").read_text())
     try:
@@ -177,38 +177,7 @@ def check_identity(path: Path, meta: dict[str, Any], session) -> None:
         )
 
 
-def load_chat(path: Path, session_or_bundle, **kwargs: Any):
-    from deltaship.chat.conversation import Chat, Turn
-    from deltaship.runtimes.base import Checkpoint, Session
-
-    meta, tensors = read_session_file(path)
-    if isinstance(session_or_bundle, Session):
-        session = session_or_bundle
-    else:
-        from deltaship.targets import open_bundle
-
-        session = open_bundle(session_or_bundle, threads=kwargs.pop("threads", None))
-    state, cps = _checked_state(path, meta, tensors, session)
-    chat = Chat(session, system=meta["system"], template_kwargs=meta["template_kwargs"], prompt_cache=False, **kwargs)
-    chat.use_prompt_cache = True  # the file's state now; a later reset() may start from the bundle's cache
-    session.load_state_file_arrays(meta["position"], state)
-    chat.messages = [dict(m) for m in meta["messages"]]
-    chat._ids = list(meta["ids"])
-    last = meta["last_turn"]
-    if last is not None:
-        made = [Checkpoint(pos, st, session._owner, len(session._rewinds)) for pos, st in cps]
-        chat.turns = [
-            Turn(
-                messages_before=last["messages_before"],
-                before=made[last["before"]] if last["before"] is not None else None,
-                before_reply=made[last["before_reply"]] if last["before_reply"] is not None else None,
-                ids_before_reply=last["ids_before_reply"],
-            )
-        ]
-    return chat
-
-
-def _checked_state(path: Path, meta: dict[str, Any], tensors: dict[str, np.ndarray], session):
+def checked_state(path: Path, meta: dict[str, Any], tensors: dict[str, np.ndarray], session):
     """The state and checkpoints of a read session file, checked against the session's bundle (identity, ids,
     every state's shape and dtype): ({state: array}, [(position, {state: array})])."""
     check_identity(path, meta, session)
@@ -269,21 +238,6 @@ def prompt_cache_settings(path: Path) -> tuple[str, dict[str, Any]]:
     return obj["system"], kwargs
 
 
-def write_prompt_cache(
-    bundle_dir: Path, manifest: dict[str, Any], system: str, template_kwargs: dict, threads: int | None = None
-) -> dict:
-    """Feed the system message in the bundle being built and save that state into it (PROMPT_CACHE_FILE); return
-    the manifest's chat.prompt_cache record. `manifest` is the provisional one, with every file but the cache."""
-    from deltaship.chat.conversation import Chat
-    from deltaship.targets import open_bundle
-
-    session = open_bundle(bundle_dir, threads=threads)
-    chat = Chat(session, system=system, template_kwargs=template_kwargs, prompt_cache=False)
-    fed = chat.prime()
-    save_chat(chat, Path(bundle_dir) / PROMPT_CACHE_FILE, shipped=True)
-    return {"file": PROMPT_CACHE_FILE, "system": system, "template_kwargs": template_kwargs, "tokens": fed}
-
-
 def bundle_prompt_cache(session) -> dict[str, Any] | None:
     """The manifest's chat.prompt_cache record of the session's bundle, or None."""
     record = (session.manifest.get("chat") or {}).get("prompt_cache")
@@ -299,7 +253,7 @@ def apply_prompt_cache(chat) -> bool:
     # listed and hashed in the manifest (open_bundle checked it); joined under the closed-world rule
     path = bundle_path(chat.session.bundle, chat.session.manifest, PROMPT_CACHE_FILE, "chat.prompt_cache.file")
     meta, tensors = read_session_file(path)
-    state, _ = _checked_state(path, meta, tensors, chat.session)
+    state, _ = checked_state(path, meta, tensors, chat.session)
     if meta["ids"] != chat.render_ids(chat.messages, add_generation_prompt=False):
         return False  # another template or tokenizer than the one it was built with: feed the system message
     chat.session.load_state_file_arrays(meta["position"], state)

@@ -75,8 +75,8 @@ class ChatTemplate:
 
     def __init__(self, source: str, **defaults: Any):
         """defaults: variables every render gets (the special tokens), under the caller's keyword arguments."""
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2 import TemplateError  # lazy: jinja2: chat templates only
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # lazy: jinja2: chat templates only
 
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -96,7 +96,7 @@ class ChatTemplate:
         self.defaults = defaults
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> str:
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError  # lazy: jinja2: chat templates only
 
         try:
             return self._template.render(

@@ -15,14 +15,17 @@ from typing import Any, Callable
 
 import numpy as np
 
+from deltaship.bundle.reader import read_manifest
 from deltaship.errors import DeltashipError
+from deltaship.models.source import load_source
 from deltaship.models.trained import HELDOUT
 from deltaship.options import threads as check_threads
+from deltaship.runtimes.speculative import mtp_acceptance
+from deltaship.runtimes.tokenizer import load_tokenizer
+from deltaship.targets import open_bundle
 
 
 def eval_tokens(bundle: Path, manifest: dict, n: int) -> tuple[list[int], str]:
-    from deltaship.runtimes.tokenizer import load_tokenizer
-
     if "tokenizer.json" in manifest.get("tokenizer", {}).get("files", []) and HELDOUT.is_file():
         ids = load_tokenizer(bundle, manifest).encode(HELDOUT.read_text(encoding="utf-8", errors="replace"))
         return ids[:n], "held-out Python standard library source (heldout.txt)"
@@ -31,7 +34,7 @@ def eval_tokens(bundle: Path, manifest: dict, n: int) -> tuple[list[int], str]:
 
 
 def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    from deltaship.check.verify import log_softmax
+    from deltaship.check.verify import log_softmax  # lazy: torch
 
     return -log_softmax(logits)[np.arange(len(targets)), targets]
 
@@ -48,13 +51,10 @@ def evaluate(
 
     The reference is the model named in the manifest (or `model`), checked by sha256.
     """
-    import torch
+    import torch  # lazy: torch
 
-    from deltaship.bundle.reader import read_manifest
-    from deltaship.check.verify import log_softmax
-    from deltaship.models.source import load_source
-    from deltaship.oracle.reference import reference_model
-    from deltaship.targets import open_bundle
+    from deltaship.check.verify import log_softmax  # lazy: torch
+    from deltaship.oracle.reference import reference_model  # lazy: torch
 
     check_threads(threads)  # before the reference is loaded, as the CLI's --threads
     bundle = Path(bundle)
@@ -112,8 +112,6 @@ def evaluate(
         "precision": manifest["precision"],
     }
     if manifest.get("speculative"):  # the MTP head: how often its draft is what greedy decoding accepts
-        from deltaship.runtimes.speculative import mtp_acceptance
-
         result["mtp"] = mtp_acceptance(session, ids)
     if "random" in text:
         result["note"] = "random token ids: perplexity is not a quality measure here"

@@ -8,6 +8,7 @@ from typing import Any
 from deltaship.bundle.reader import check_files, read_manifest
 from deltaship.bundle.validate import schema_problems
 from deltaship.errors import DeltashipError
+from deltaship.targets import get_target, target_names
 
 
 def inspect(bundle: str | Path, check_hashes: bool = True) -> dict[str, Any]:
@@ -26,7 +27,6 @@ def inspect(bundle: str | Path, check_hashes: bool = True) -> dict[str, Any]:
 def artifact_problems(bundle: Path, manifest: dict[str, Any]) -> list[str]:
     """Where the artifact disagrees with the manifest (its target checks what its toolchain can read cheaply)."""
     # the registry imports no toolchain; the target's check loads its own lazily (onnx for ONNX bundles)
-    from deltaship.targets import get_target, target_names
 
     if manifest["target"] not in target_names():
         return [f"target {manifest['target']!r}: not a target this deltaship knows"]

@@ -12,7 +12,6 @@ fed the reference's tokens one by one (teacher forcing), so every logit row is c
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,31 +19,13 @@ import numpy as np
 import torch
 
 from deltaship.errors import DeltashipError, DeltashipUnavailable
+from deltaship.lowering.kv_quant import rounded_cache_attention
 from deltaship.models.source import ModelSource
+from deltaship.oracle.budget import available_memory, reference_fits, reference_need
+from deltaship.oracle.reference import matched_reference_model, quiet_third_party, reference_model
 from deltaship.progress import Progress, heartbeat
-from deltaship.targets import tolerance
+from deltaship.targets import open_bundle, tolerance
 from deltaship.targets.tolerances import Bar, fp32_bar
-
-MEMORY_FRACTION = 0.6  # the fp32 reference may use at most this share of available memory
-
-
-def available_memory() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def reference_need(spec) -> int:
-    """Bytes the fp32 transformers reference needs (weights plus working memory)."""
-    return int(spec.parameter_count()["total"] * 4 * 1.3)
-
-
-def reference_fits(spec) -> bool:
-    return reference_need(spec) <= MEMORY_FRACTION * available_memory()
 
 
 def default_prompts(vocab: int, chunk: int, max_context: int, steps: int, seed: int = 1234) -> list[list[int]]:
@@ -94,6 +75,7 @@ def reference_continuation(model, prompt: list[int], steps: int) -> tuple[list[i
     then a token at a time: two passes over the prompt rather than steps + 1); when the full pass would choose
     otherwise somewhere (a near-tie that the two orders of summation break differently), the continuation is
     redone a token at a time without the cache, so the rows always chose the tokens."""
+    # lazy: transformers
     from deltaship.oracle.compat import CACHE_NAME, output_cache  # transformers, imported on use like the reference
 
     p = len(prompt)
@@ -154,7 +136,6 @@ def bundle_not_finite(got: np.ndarray, where: str, step_names: list[str], precis
 def fp32_reach(source: ModelSource, cases: list[tuple[list[int], list[int], np.ndarray]]) -> float:
     """What fp32 itself can reach on this checkpoint: the float32 reference's logit rows (cases: prompt, its
     greedy tokens, the rows) against transformers in float64 on the same tokens, as compare()'s relative error."""
-    from deltaship.oracle.reference import reference_model
 
     hi = reference_model(source, dtype=torch.float64)
     worst = 0.0
@@ -210,11 +191,9 @@ def verify_bundle(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the bundle in its runtime against the transformers references; return the manifest record."""
-    from deltaship.oracle.reference import matched_reference_model, quiet_third_party, reference_model
-    from deltaship.targets import open_bundle
 
     quiet_third_party()
-    import transformers
+    import transformers  # lazy: transformers
 
     tol = tolerance(manifest["target"], manifest["precision"], manifest.get("memory", {}).get("kv_dtype"))
     record: dict[str, Any] = {
@@ -242,18 +221,15 @@ def verify_bundle(
         progress("verify: parity against the matched transformers reference")
     ref = matched_reference_model(source, ctx.plan, ctx.quant, ctx.precision, rounded=ctx.rounded)
     kv_rounded = contextlib.nullcontext(ref)
-    # a KV cache narrower than fp32 activations (int8/int4 with scales, or fp16): the reference rounds it too
-    narrow_kv = bool(ctx.kv_quant) or (ctx.kv_cache == "fp16" and ctx.dtype == torch.float32)
-    if ctx.kv_quant:  # an int8/int4 KV cache: the reference's attention sees keys and values rounded the same way
-        from deltaship.lowering.kv_quant import rounded_cache_attention
-
-        bits = next(iter(ctx.kv_quant.values()))["bits"]
-        scales = {layer: (q["key"], q["value"]) for layer, q in ctx.kv_quant.items()}
+    # a KV cache narrower than the activations (int8/int4 with scales, or fp16): the reference rounds it too
+    if ctx.kv_scales:  # an int8/int4 KV cache: the reference's attention sees keys and values rounded the same way
+        bits = next(iter(ctx.kv_scales.values()))["bits"]
+        scales = {layer: (q["key"], q["value"]) for layer, q in ctx.kv_scales.items()}
         kv_rounded = rounded_cache_attention(ref, scales, bits)
         record["reference"] += f", keys and values rounded as the int{bits} KV cache stores them"
-    elif narrow_kv:  # an fp16 cache under fp32 activations: keys and values rounded to fp16
-        from deltaship.lowering.kv_quant import rounded_cache_attention
-
+    elif (
+        ctx.kv.narrower and not ctx.kv.quantized
+    ):  # an fp16 cache under fp32 activations: keys and values rounded to fp16
         kv_rounded = rounded_cache_attention(ref, None, 16)
         record["reference"] += ", keys and values rounded to fp16 as the KV cache stores them"
     detail = (lambda m: progress(m, inline=True)) if isinstance(progress, Progress) else (lambda m: None)
@@ -273,14 +249,14 @@ def verify_bundle(
                 raise err
             cases.append((prompt, toks, ref_rows, got))
             rows.append({"prompt_length": len(prompt), **compare(got, ref_rows, toks, tol.tie_margin)})
-            if ctx.precision == "fp32" and not narrow_kv:
+            if ctx.precision == "fp32" and not ctx.kv.narrower:
                 rows[-1].update(fidelity(got, ref_rows))
     del ref, matched
     worst = max(r["max_rel_logit_diff"] for r in rows)
     agree = min(r["tie_aware_agreement"] for r in rows)
     bar = fp32_bar(tol.max_rel_logit_diff, None)
     fails = worst > bar.value or agree < tol.min_greedy_agreement
-    if fails and ctx.precision == "fp32" and not narrow_kv:  # only then: the common path pays nothing
+    if fails and ctx.precision == "fp32" and not ctx.kv.narrower:  # only then: the common path pays nothing
         if progress:
             progress("verify: measuring what fp32 reaches on this checkpoint (the reference in float64)")
         bar = fp32_bar(tol.max_rel_logit_diff, fp32_reach(source, [c[:3] for c in cases]))
@@ -292,7 +268,7 @@ def verify_bundle(
                 row["tie_aware_agreement"] = compare(got, ref_rows, toks, margin)["tie_aware_agreement"]
             agree = min(r["tie_aware_agreement"] for r in rows)
         record["bar"] = bar.as_dict()
-    if ctx.precision != "fp32" or narrow_kv:
+    if ctx.precision != "fp32" or ctx.kv.narrower:
         if progress:
             progress("verify: fidelity against the unrounded fp32 reference")
         plain = reference_model(source)

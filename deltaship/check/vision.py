@@ -10,14 +10,16 @@ from typing import Any
 import numpy as np
 
 from deltaship.errors import DeltashipError
-from deltaship.targets import tolerance
+from deltaship.models.families import family_of_architecture
+from deltaship.models.presets import get_preset
+from deltaship.models.vision import preprocess_image, smart_resize
+from deltaship.targets import open_bundle, open_multimodal, tolerance
 from deltaship.targets.tolerances import fp32_bar
 
 
 def test_images(pre) -> list[tuple[int, int]]:
     """(height, width) of the fixed test images: square, wide with an odd merged width, tall; in pixels that
     smart_resize keeps (multiples of patch x merge within the preprocessor's limits)."""
-    from deltaship.models.vision import smart_resize
 
     f = pre.factor
     sizes = [(2 * f, 2 * f), (2 * f, 3 * f), (5 * f, 3 * f)]
@@ -30,18 +32,15 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
     An fp16 bundle is checked against the matched reference: transformers in fp32 with every weight rounded to
     fp16 as the bundle stores it (the whole tower; the text weights the export's plan keeps in the model dtype),
     at the target's fp16 tolerance row."""
-    import torch
+    import torch  # lazy: torch
     from PIL import Image
 
-    from deltaship.check.verify import bundle_not_finite, reference_not_finite
-    from deltaship.models.vision import preprocess_image
-    from deltaship.oracle.reference import quiet_third_party
-    from deltaship.runtimes.vision import Multimodal
-    from deltaship.targets import open_bundle
+    from deltaship.check.verify import bundle_not_finite, reference_not_finite  # lazy: torch
+    from deltaship.oracle.reference import quiet_third_party  # lazy: torch
 
     quiet_third_party()
     tol = tolerance(manifest["target"], manifest["precision"])
-    mm = Multimodal(open_bundle(bundle, check_hashes=False))
+    mm = open_multimodal(open_bundle(bundle, check_hashes=False))
     sp = mm.spec
     model = reference(source, torch.float32)
     if manifest["precision"] == "fp16":
@@ -94,7 +93,7 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
         del model
         bar = fp32_bar(tol.max_rel_logit_diff, fp32_reach(source, cases, sp.image_token_id))
     ok = worst <= bar.value and agree >= tol.min_greedy_agreement
-    import transformers
+    import transformers  # lazy: transformers
 
     record = {
         "status": "passed" if ok else "failed",
@@ -120,7 +119,7 @@ def verify_vision(bundle: Path, manifest: dict[str, Any], source, steps: int = 8
 
 def reference(source, dtype):
     """transformers' Qwen3_5ForConditionalGeneration with the source's weights, in `dtype`, eval."""
-    import torch
+    import torch  # lazy: torch
     from transformers import Qwen3_5ForConditionalGeneration
 
     if source.path is not None:
@@ -132,7 +131,7 @@ def fp32_reach(source, cases, image_token_id: int) -> float:
     """What fp32 itself can reach on this checkpoint: the float32 reference's generated logits (cases: input ids,
     its greedy tokens, the image, its logits [steps, vocab]) against transformers in float64 on the same tokens,
     measured as verify_vision measures the bundle (max |difference| over the logit std)."""
-    import torch
+    import torch  # lazy: torch
 
     hi = reference(source, torch.float64)
     hi.generation_config.eos_token_id = None
@@ -162,7 +161,7 @@ def fp32_reach(source, cases, image_token_id: int) -> float:
 def round_to_fp16(model, ctx, tied: bool) -> None:
     """Round the reference's weights as an fp16 bundle stores them: every vision tower tensor, and each text
     tensor whose weight-plan recipe is in the model dtype (ctx.plan; all of them without a plan)."""
-    import torch
+    import torch  # lazy: torch
 
     half = None
     if ctx is not None and getattr(ctx, "plan", None) is not None:
@@ -182,15 +181,12 @@ def round_to_fp16(model, ctx, tied: bool) -> None:
 def preset_reference(source):
     """transformers' Qwen3_5ForConditionalGeneration holding a published-shape preset's random weights (text,
     as RandomWeights reads them, and the vision tower beside them), fp32."""
-    import torch
+    import torch  # lazy: torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (  # lazy: transformers
         Qwen3_5TextRotaryEmbedding,
         Qwen3_5VisionRotaryEmbedding,
     )
-
-    from deltaship.models.families import family_of_architecture
-    from deltaship.models.presets import get_preset
 
     mm = get_preset(source.name).multimodal_config()
     spec = source.spec

@@ -14,9 +14,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from filelock import FileLock, Timeout
+
 from deltaship import options
+from deltaship.chat import Chat
+from deltaship.chat.store import bundle_prompt_cache
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
 from deltaship.runtimes.base import check_sampling
+from deltaship.targets import open_bundle
 
 COMMANDS = ("/retry", "/undo", "/reset", "/save FILE", "/quit")
 
@@ -56,7 +61,6 @@ def _locked(session: str | Path | None):
     if session is None:
         yield
         return
-    from filelock import FileLock, Timeout
 
     lock = FileLock(str(session) + ".lock")
     try:
@@ -73,8 +77,6 @@ def _locked(session: str | Path | None):
 
 def _open(bundle, system: str | None, session, kwargs: dict, threads: int | None):
     """The conversation: loaded from the session file if it exists, else new (and saved there at once)."""
-    from deltaship.chat import Chat
-    from deltaship.targets import open_bundle
 
     sess = open_bundle(bundle, threads=threads)
     if session is not None and Path(session).exists():
@@ -90,8 +92,6 @@ def _open(bundle, system: str | None, session, kwargs: dict, threads: int | None
             )
         return conv
     if system is None:  # the system message of the bundle's shipped prompt cache, if it has one
-        from deltaship.chat.store import bundle_prompt_cache
-
         system = (bundle_prompt_cache(sess) or {}).get("system")
     conv = Chat(sess, system=system, template_kwargs=kwargs)
     if session is not None:  # a new session file holds the system message fed: a prompt cache for the next run
@@ -209,6 +209,6 @@ class _Stream:
 
 def _setup_readline() -> None:
     try:
-        import readline  # noqa: F401  (line editing and this session's history for input())
+        import readline  # noqa: F401  # lazy: readline: line editing and this session's history for input()
     except ImportError:  # not on every platform
         pass

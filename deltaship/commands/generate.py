@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -10,9 +11,14 @@ from typing import Any
 import numpy as np
 
 from deltaship import options
+from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
+from deltaship.files import read_json_object
+from deltaship.models.vision import Preprocessor, load_image, smart_resize
+from deltaship.runtimes.speculative import generate_speculative, parse_speculative
 from deltaship.runtimes.tokenizer import load_tokenizer
-from deltaship.targets import open_bundle, text_runtime
+from deltaship.runtimes.vision import image_prompt
+from deltaship.targets import open_bundle, open_multimodal, text_runtime
 
 
 def parse_ids(text: str) -> list[int]:
@@ -63,7 +69,6 @@ def generate(
     temperature 0 is greedy; top_k (>= 1), top_p (in (0, 1]) and seed (>= 0) need temperature > 0 and are refused
     without it. Every value is range-checked (deltaship/options.py, as the CLI's flags) before the bundle is
     opened; a bad one raises DeltashipError."""
-    from deltaship.runtimes.speculative import parse_speculative
 
     depth = parse_speculative(speculative)
     if depth is not None and (images or videos):
@@ -148,9 +153,7 @@ def generate(
     )
     mm, notices, loaded = None, [], []
     if images or videos:
-        from deltaship.runtimes.vision import Multimodal, image_prompt
-
-        mm = Multimodal(session)  # refuses a bundle without a vision tower
+        mm = open_multimodal(session)  # refuses a bundle without a vision tower
         loaded = mm.load(images or [], notices)
         clips = [mm.load_video(v, notices, fps) for v in videos or []]
         loaded += clips
@@ -171,8 +174,6 @@ def generate(
     )
     spec_stats = None
     if depth is not None:
-        from deltaship.runtimes.speculative import generate_speculative
-
         gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, **kw)
     elif mm:
         gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=dump_logits is not None, **kw)
@@ -229,7 +230,6 @@ def _generate_genai_images(
             f"{', '.join(refused)}",
             f"drop {', '.join(refused)}, or drop --runtime genai (deltaship's own session takes them)",
         )
-    from deltaship.runtimes.vision import image_prompt
 
     session = open_bundle(bundle, threads=threads, runtime="genai")
     chat = "im_start" in session.manifest.get("tokens", {})
@@ -257,11 +257,6 @@ def _genai_resize_notices(
 ) -> list[str]:
     """Which images genai resized, and where its size is not transformers' (onnxruntime-extensions' smart_resize
     rounds a half patch-merge block up; transformers' Python round() to even): such an image gets other tokens."""
-    import dataclasses
-
-    from deltaship.bundle.paths import bundle_path
-    from deltaship.files import read_json_object
-    from deltaship.models.vision import Preprocessor, load_image, smart_resize
 
     block = manifest["vision"]
     path = bundle_path(bundle, manifest, block["preprocessor"], "vision.preprocessor")

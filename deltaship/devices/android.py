@@ -21,6 +21,7 @@ from typing import Any, Callable
 from deltaship.devices.discovery import adb_fingerprint
 from deltaship.errors import DeltashipError
 from deltaship.stats import summarize
+from deltaship.targets import get_target
 
 REMOTE_ROOT = "/data/local/tmp/deltaship"
 
@@ -83,7 +84,6 @@ def profile_adb(
             f"({fp.get('abi')}), e.g. ExecuTorch's llama_main or onnxruntime_perf_test",
             "build the runner for Android and pass --runner PATH (and --runner-args if needed)",
         )
-    from deltaship.targets import get_target
 
     target = manifest["target"]
     default_args = get_target(target).android_runner_args

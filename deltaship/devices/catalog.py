@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaship.errors import DeltashipError
+from deltaship.targets import PRECISIONS, target_names
 
 CATALOG = Path(__file__).parent / "tiers.toml"
 GIB = 1 << 30
@@ -45,7 +46,6 @@ def _parse(data: dict, where: str) -> tuple[dict[str, Tier], dict[str, list[str]
                 f"{where}: tier {name!r} is missing or has a bad field ({e})",
                 "each tier needs kind, ram_gib, budget_gib, targets, precisions, context",
             ) from None
-        from deltaship.targets import PRECISIONS, target_names
 
         bad = [x for x in tier.targets if x not in target_names()] + [p for p in tier.precisions if p not in PRECISIONS]
         if bad or tier.budget_bytes > tier.ram_bytes or tier.context < 1:

@@ -12,6 +12,7 @@ import platform
 import re
 import shutil
 import subprocess
+import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ def thermal_c() -> float | None:
 def nvidia_gpus() -> list[dict[str, Any]]:
     """NVIDIA GPUs through NVML (pynvml) when installed, else nvidia-smi; empty when none."""
     try:
-        import pynvml  # type: ignore
+        import pynvml  # lazy: pynvml; type: ignore
 
         pynvml.nvmlInit()
         out = []
@@ -133,7 +134,7 @@ def runtimes() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     try:
-        import onnxruntime as ort
+        import onnxruntime as ort  # lazy: onnxruntime
 
         out["onnxruntime_providers"] = ",".join(ort.get_available_providers())
     except ImportError:
@@ -256,7 +257,6 @@ def adb_fingerprint(serial: str) -> dict[str, Any]:
 def apple_devices() -> list[dict[str, Any]]:
     if platform.system() != "Darwin" or not shutil.which("xcrun"):
         return []
-    import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         r = subprocess.run(

@@ -10,7 +10,7 @@ __all__ = ["DeltashipModelForCausalLM", "DeltashipConfig"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from deltaship.hf import modeling
+        from deltaship.hf import modeling  # lazy: transformers
 
         return getattr(modeling, name)
     raise AttributeError(f"module 'deltaship.hf' has no attribute {name!r}")

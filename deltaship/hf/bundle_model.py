@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deltaship.chat import Chat
 from deltaship.errors import DeltashipError
+from deltaship.runtimes.base import check_sampling
+from deltaship.runtimes.tokenizer import load_tokenizer
 
 
 class BundleModel:
@@ -37,7 +40,7 @@ class BundleModel:
     def hf(self) -> Any:
         """The transformers model (`DeltashipModelForCausalLM`) over this session; imports torch."""
         if self._hf is None:
-            from deltaship.hf.modeling import DeltashipModelForCausalLM
+            from deltaship.hf.modeling import DeltashipModelForCausalLM  # lazy: transformers
 
             self._hf = DeltashipModelForCausalLM.over_session(self.session, self.bundle)
         return self._hf
@@ -49,7 +52,6 @@ class BundleModel:
 
     def chat(self, system: str | None = None, template_kwargs: dict[str, Any] | None = None) -> Any:
         """A multi-turn conversation on this bundle's session (`deltaship.chat.Chat`: send, retry, undo, save)."""
-        from deltaship.chat import Chat  # the chat room: jinja2, loaded only by those who chat
 
         return Chat(self.session, system=system, template_kwargs=template_kwargs)
 
@@ -65,7 +67,6 @@ class BundleModel:
             raise DeltashipError(
                 "generate(prompt, ...) takes its options by keyword", "e.g. generate('def f(', max_new_tokens=16)"
             )
-        from deltaship.runtimes.base import check_sampling
 
         options = {"max_new_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}
         unknown = sorted(set(kwargs) - set(options) - {"stop_at_eos"})
@@ -95,8 +96,6 @@ class BundleModel:
     def tokenizer(self) -> Any:
         """The bundle's tokenizer (`tokenizers`, no transformers): encode(text) -> ids, decode(ids) -> text."""
         if self._tokenizer is None:
-            from deltaship.runtimes.tokenizer import load_tokenizer
-
             self._tokenizer = load_tokenizer(self.bundle, self.manifest)
         return self._tokenizer
 

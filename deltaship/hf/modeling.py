@@ -25,8 +25,11 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
+from deltaship.files import read_json_object
 from deltaship.oracle.compat import CACHE_NAME
+from deltaship.targets import open_bundle
 
 
 class DeltashipConfig(PretrainedConfig):
@@ -115,7 +118,6 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
         **session_options: Any,
     ) -> "DeltashipModelForCausalLM":
         """Open a bundle directory (manifest.json + artifact) for generation; its files are checked first."""
-        from deltaship.targets import open_bundle
 
         path = Path(bundle_dir)
         if not (path / "manifest.json").is_file():
@@ -212,8 +214,6 @@ class DeltashipModelForCausalLM(PreTrainedModel, GenerationMixin):
 
 def _generation_config(bundle: Path, manifest: dict[str, Any], config: DeltashipConfig) -> GenerationConfig:
     """The checkpoint's generation_config.json when the bundle lists it, else greedy; eos/pad from the manifest."""
-    from deltaship.bundle.paths import bundle_path
-    from deltaship.files import read_json_object
 
     if "generation_config.json" in manifest["files"]:
         path = bundle_path(bundle, manifest, "generation_config.json", "files")

@@ -51,12 +51,12 @@ def parse_draft_vocab(value: Any) -> int | None:
     return n
 
 
-def check_draft_vocab(options: dict[str, Any]) -> None:
-    """The option combinations, checked with the other export options (the vocabulary size is checked later,
-    once the checkpoint is loaded: check_size)."""
-    n = parse_draft_vocab(options.get("mtp_draft_vocab"))
-    text = options.get("mtp_draft_vocab_text")
-    if (n is not None or text is not None) and not options.get("mtp"):
+def check_draft_vocab(options: Any) -> None:
+    """The option combinations of a target's typed options (mtp, mtp_draft_vocab, mtp_draft_vocab_text), checked
+    with the other export options (the vocabulary size is checked once the checkpoint is loaded, in rank)."""
+    n = parse_draft_vocab(getattr(options, "mtp_draft_vocab", None))
+    text = getattr(options, "mtp_draft_vocab_text", None)
+    if (n is not None or text is not None) and not getattr(options, "mtp", False):
         given = "--mtp-draft-vocab" if n is not None else "--mtp-draft-vocab-text"
         raise DeltashipError(
             f"{given} shapes the multi-token-prediction draft head, which is exported only with --mtp",
@@ -111,7 +111,7 @@ def rank(
     counts = np.zeros(vocab, np.int64)
     record: dict[str, Any] = {"file": DRAFT_VOCAB_FILE, "size": n, "vocab_size": vocab, "special_ids": specials}
     if tokenizer_file is not None:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: tokenizers, only where text is encoded
 
         text, where = ranking_text(text_file)
         ids = np.asarray(Tokenizer.from_file(str(tokenizer_file)).encode(text).ids, np.int64)

@@ -23,7 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltaship.errors import DeltashipError
+from deltaship.lowering.settings import KvCachePlan
 from deltaship.models.trained import HELDOUT
+from deltaship.oracle.budget import available_memory, reference_fits, reference_need
+from deltaship.oracle.reference import reference_model
 
 CALIBRATION_TOKENS = 512
 CALIBRATION_OFFSET = 2048  # characters of heldout.txt skipped: eval scores its first tokens
@@ -37,7 +41,7 @@ def calibration_ids(source, n: int) -> tuple[list[int], str]:
 
     tok = next((f for f in source.tokenizer_files if f.name == "tokenizer.json"), None)
     if tok is not None and HELDOUT.is_file():
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: tokenizers, only where text is encoded
 
         text = HELDOUT.read_text(encoding="utf-8", errors="replace")[CALIBRATION_OFFSET:]
         ids = Tokenizer.from_file(str(tok)).encode(text).ids[:n]
@@ -50,8 +54,7 @@ def calibration_ids(source, n: int) -> tuple[list[int], str]:
 @torch.no_grad()
 def calibrate(source, max_context: int) -> tuple[dict[int, dict[str, np.ndarray]], str]:
     """{attention layer: {"key": bound [Hkv, D], "value": bound [Hkv, D]}} and how the prompt was made."""
-    from deltaship.oracle.compat import output_cache
-    from deltaship.oracle.reference import reference_model
+    from deltaship.oracle.compat import output_cache  # lazy: transformers
 
     spec = source.spec
     ids, how = calibration_ids(source, min(CALIBRATION_TOKENS, max_context))
@@ -87,9 +90,10 @@ def scales(bound: np.ndarray, bits: int) -> np.ndarray:
     return s.astype(np.float32)[None, :, None, :]
 
 
-def quantized_states(states: list[dict], kv_cache: str) -> list[dict]:
-    """The state contract with the KV caches stored quantized (int4: head_dim halved, two values a byte)."""
-    bits = BITS[kv_cache]
+def quantized_states(states: list[dict], kv: KvCachePlan) -> list[dict]:
+    """The state contract with the KV caches stored quantized as `kv` plans (int4: head_dim halved, two values a
+    byte)."""
+    bits = kv.bits
     out = []
     for s in states:
         if s["kind"].startswith("kv_cache"):
@@ -100,9 +104,9 @@ def quantized_states(states: list[dict], kv_cache: str) -> list[dict]:
                 shape=shape,
                 dtype=STATE_DTYPE[bits],
                 quantization={
-                    "kv_dtype": kv_cache,
+                    "kv_dtype": kv.dtype,
                     "bits": bits,
-                    "scheme": "symmetric, static per-channel scales (per KV head and head_dim channel)",
+                    "scheme": kv.scheme,
                     "packing": "two 4-bit values a byte along head_dim" if bits == 4 else "none",
                 },
             )
@@ -110,12 +114,24 @@ def quantized_states(states: list[dict], kv_cache: str) -> list[dict]:
     return out
 
 
-def prepare(ctx, source, kv_cache: str, progress=None) -> dict[str, Any]:
-    """Calibrate the static scales into ctx.kv_quant and switch the KV states to the quantized dtype;
-    returns the manifest's record of the calibration."""
-    from deltaship.check.verify import available_memory, reference_fits, reference_need
-    from deltaship.errors import DeltashipError
+def stored_states(states: list[dict], kv: KvCachePlan) -> list[dict]:
+    """The state contract with the KV caches as `kv` stores them: int8/int4 codes (quantized_states), or fp16
+    under fp32 activations; the states of a cache at the activations' dtype unchanged. Each lowering applies it
+    once, to the states its program holds."""
+    if kv.quantized:
+        return quantized_states(states, kv)
+    if kv.narrower:  # fp16 buffers under fp32 activations, widened where attention reads them
+        return [
+            dict(s, dtype="float16") if s["kind"].startswith("kv_cache") and s["dtype"] == "float32" else s
+            for s in states
+        ]
+    return states
 
+
+def prepare(source, kv: KvCachePlan, max_context: int, progress=None) -> tuple[dict[int, dict[str, Any]], dict]:
+    """Calibrate an int8/int4 cache's static scales on the fp32 reference: ({attention layer: {"bits", "key",
+    "value"}}, the manifest's record of the calibration)."""
+    kv_cache = kv.dtype
     bits = BITS[kv_cache]
     if not reference_fits(source.spec):
         raise DeltashipError(
@@ -125,13 +141,12 @@ def prepare(ctx, source, kv_cache: str, progress=None) -> dict[str, Any]:
         )
     if progress:
         progress(f"calibrating {kv_cache} KV-cache scales on the fp32 reference")
-    bounds, how = calibrate(source, ctx.max_context)
-    ctx.kv_quant = {
+    bounds, how = calibrate(source, max_context)
+    kv_scales = {
         layer: {"bits": bits, "key": scales(b["key"], bits), "value": scales(b["value"], bits)}
         for layer, b in bounds.items()
     }
-    ctx.states = quantized_states(ctx.states, kv_cache)
-    return {
+    return kv_scales, {
         "kv_dtype": kv_cache,
         "bits": bits,
         "scales": "static, per KV head and channel, fp32, stored in the graph",
@@ -157,13 +172,15 @@ class rounded_cache_attention:
         }
 
     def __enter__(self):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # lazy: transformers
 
         self.impl = self.model.config._attn_implementation
         if self.impl in ALL_ATTENTION_FUNCTIONS:
             inner = ALL_ATTENTION_FUNCTIONS[self.impl]
         else:  # "eager" is the modeling file's own function, not registered
-            from transformers.models.qwen3_5.modeling_qwen3_5 import eager_attention_forward as inner
+            from transformers.models.qwen3_5.modeling_qwen3_5 import (  # lazy: transformers
+                eager_attention_forward as inner,
+            )
         q = QMAX.get(self.bits)
 
         def rounded(module, query, key, value, *args, **kwargs):

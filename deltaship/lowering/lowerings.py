@@ -33,6 +33,12 @@ class OpLowerings:
             raise ValueError(f"{self.target}: {op} already has a lowering ({self._fns[op].__name__})")
         self._fns[op] = fn
 
+    def include(self, other: "OpLowerings") -> "OpLowerings":
+        """Add every lowering of `other` (a shared table, e.g. deltaship/lowering/aten.py GENERIC); returns self."""
+        for op in other:
+            self.add(op, other._fns[op])
+        return self
+
     def get(self, op: Any) -> Callable | None:
         return self._fns.get(op)
 

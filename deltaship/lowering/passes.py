@@ -8,19 +8,19 @@ weight plan, never weight values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 from torch import nn
 
 from deltaship.errors import DeltashipError
+from deltaship.lowering.settings import KvCachePlan, LoweringSettings
 from deltaship.lowering.weight_plan import WeightPlan
 from deltaship.models.families import family_of_architecture
 from deltaship.models.spec import ModelSpec
 from deltaship.models.weights import expected_tensors
 from deltaship.progress import Progress, heartbeat
-from deltaship.targets import PRECISIONS, get_target
 
 
 class PassError(RuntimeError):
@@ -29,13 +29,9 @@ class PassError(RuntimeError):
 
 @dataclass
 class ExportContext:
-    """Everything the passes read and write."""
+    """What the passes read (`settings`, frozen) and what they fill in, pass by pass (the products)."""
 
-    spec: ModelSpec
-    precision: str
-    max_context: int
-    target: str = "onnx"
-    options: dict[str, Any] = field(default_factory=dict)
+    settings: LoweringSettings
     model: nn.Module | None = None  # the checkpoint module tree, rewritten pass by pass
     plan: WeightPlan = field(default_factory=WeightPlan)
     # use ("linear" or "embedding") -> param (every alias of a tied tensor) -> {"bits", "block_size"}
@@ -46,10 +42,42 @@ class ExportContext:
     rounded: dict[str, Any] | None = None  # weights as a toolchain quantized them (for the matched reference)
     programs: dict[Any, Any] = field(default_factory=dict)  # fixed-shape programs (Core ML: by part and function)
     parts: list[tuple[int, int]] = field(default_factory=list)  # layer ranges of a target split into packages
-    kv_quant: dict[int, dict[str, Any]] = field(default_factory=dict)  # attention layer -> static KV scales
-    kv_cache: str | None = None  # export(kv_cache=...): the KV dtype asked for (None: the target's own)
-    # --mtp-draft-vocab N: the token ids (ascending) the MTP head's logits cover (None: the whole vocabulary)
-    draft_ids: np.ndarray | None = None
+    mtp_states: list[dict] = field(default_factory=list)  # --mtp: the draft head's own states (Core ML)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.settings.spec
+
+    @property
+    def precision(self) -> str:
+        return self.settings.precision
+
+    @property
+    def max_context(self) -> int:
+        return self.settings.max_context
+
+    @property
+    def target(self) -> str:
+        return self.settings.target
+
+    @property
+    def options(self) -> Any:
+        """The target's typed options (a deltaship.targets TargetOptions)."""
+        return self.settings.options
+
+    @property
+    def kv(self) -> KvCachePlan:
+        return self.settings.kv
+
+    @property
+    def kv_scales(self) -> Mapping[int, Mapping[str, Any]]:
+        """An int8/int4 KV cache's static scales by attention layer (deltaship/lowering/kv_quant.py); else empty."""
+        return self.settings.kv_scales
+
+    @property
+    def draft_ids(self) -> np.ndarray | None:
+        """--mtp-draft-vocab N: the token ids (ascending) the MTP head's logits cover (None: the whole vocabulary)."""
+        return self.settings.draft_ids
 
     @property
     def family(self):
@@ -63,8 +91,8 @@ class ExportContext:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Activation dtype, as the target computes at this precision (Target.activation_dtype)."""
-        return getattr(torch, get_target(self.target).activation_dtype(self.precision, self.options))
+        """Activation dtype, as the target computes at this precision (Target.activation_dtype, in the settings)."""
+        return getattr(torch, self.settings.activation_dtype)
 
 
 def _modules(model: nn.Module, cls: type) -> list[tuple[str, nn.Module]]:
@@ -86,7 +114,7 @@ class LoadStructure:
             raise PassError("a model is already loaded")
 
     def run(self, ctx: ExportContext) -> dict[str, int]:
-        mtp = bool(ctx.options.get("mtp"))  # the multi-token-prediction head too (export option --mtp)
+        mtp = bool(getattr(ctx.options, "mtp", False))  # the multi-token-prediction head too (export option --mtp)
         ctx.model = (
             ctx.family.build_source_model(ctx.spec, mtp=True) if mtp else ctx.family.build_source_model(ctx.spec)
         )
@@ -256,7 +284,7 @@ class AssignPrecision:
         self.quantize = quantize
 
     def requires(self, ctx: ExportContext) -> None:
-        if ctx.precision not in PRECISIONS:
+        if ctx.precision not in ("fp32", "fp16", "int8", "int4"):
             raise PassError(f"unknown precision {ctx.precision!r}")
 
     def run(self, ctx: ExportContext) -> dict[str, int]:
@@ -272,12 +300,12 @@ class AssignPrecision:
         counts = {"params_kept_fp32": kept, "params_at_model_dtype": sum(1 for _ in model.parameters()) - kept}
         if ctx.precision in ("int8", "int4") and self.quantize:
             bits = 8 if ctx.precision == "int8" else 4
-            block = int(ctx.options.get("block_size", 32))
-            dn8 = bool(ctx.options.get("deltanet_int8")) and bits == 4
-            per_channel8 = ctx.options.get("int8_block") == "channel"
-            divide = bool(ctx.options.get("block_must_divide"))
+            block, params = ctx.settings.block_size, ctx.settings.params
+            dn8 = ctx.settings.deltanet_int8 and bits == 4
+            per_channel8 = params.int8_block == "channel"
+            divide = params.block_must_divide
             # MatMulNBits and GatherBlockQuantized take their scales in the activations' type
-            scale_dt = ctx.options.get("scale_dtype", "float16" if ctx.dtype == torch.float16 else "float32")
+            scale_dt = params.scale_dtype or ("float16" if ctx.dtype == torch.float16 else "float32")
             for mname, m in model.named_modules():
                 if isinstance(m, nn.Linear):
                     b = 8 if dn8 and ".linear_attn." in mname else bits
@@ -427,24 +455,10 @@ def run_pipeline(ctx: ExportContext, passes: tuple, progress=None) -> ExportCont
     return ctx
 
 
-# the ExportContext fields the passes fill in (the rest are the export's settings)
-PRODUCTS = ("model", "plan", "quant", "program", "states", "report", "rounded", "programs", "parts")
-
-
-def rerun_pipeline(ctx: ExportContext) -> ExportContext:
-    """A second context with ctx's settings (whatever fields ExportContext grows) and the products empty, through
-    the target's pipeline again: a second decoder, e.g. the multimodal one that export --vision wraps after the
-    text lowering consumed ctx's."""
-    import dataclasses
-
-    from deltaship.targets import get_target
-
-    fresh = {
-        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        for f in dataclasses.fields(ExportContext)
-        if f.name in PRODUCTS
-    }
-    return run_pipeline(dataclasses.replace(ctx, **fresh), get_target(ctx.target).pipeline())
+def rerun_pipeline(ctx: ExportContext, pipeline: tuple) -> ExportContext:
+    """A second context with ctx's settings and the products empty, through `pipeline` (the target's) again: a
+    second decoder, e.g. the multimodal one that export --vision wraps after the text lowering consumed ctx's."""
+    return run_pipeline(ExportContext(ctx.settings), pipeline)
 
 
 def materialize(

@@ -37,7 +37,7 @@ def hub_cache_dir() -> Path:
     """The Hub cache as huggingface_hub locates it (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).
 
     Read from the environment at call time: huggingface_hub's own constant is frozen when it is imported."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # lazy: huggingface_hub
 
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
@@ -71,7 +71,7 @@ def resolve_hub_model(repo_id: str, revision: str | None = None, *, allow_downlo
 
     The directory is `<cache>/models--org--name/snapshots/<commit>`, so its path names the resolved commit.
     With allow_download=True a model absent from the cache is downloaded (the export's files only)."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # lazy: huggingface_hub
     from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
     cache = hub_cache_dir()

@@ -208,7 +208,7 @@ def get_preset(name: str) -> Preset:
 
 def write_tiny_tokenizer(directory: Path) -> list[str]:
     """Write the tiny preset's byte-level tokenizer (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # lazy: tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins for bytes, in the GPT-2 order

@@ -2,7 +2,7 @@
 
 Reading (`SafetensorsFile`) is `safetensors.safe_open`: lazy, memory-mapped, no pickle. Writing stays
 here because the library's `save_file` needs every tensor in memory at once, and the published-shape
-checkpoints deltaship writes for benchmarks (bench/make_checkpoint.py: 9B in bf16 is 18 GB) do not fit;
+checkpoints deltaship writes for benchmarks (bench/tools/make_checkpoint.py: 9B in bf16 is 18 GB) do not fit;
 `write_safetensors_lazy` produces and writes one tensor at a time (the format: an 8-byte header length,
 a JSON header of dtypes, shapes and byte ranges, then the raw data).
 """
@@ -36,7 +36,7 @@ class SafetensorsFile:
     reads only those rows, so a 4 GB embedding can be converted block by block)."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
+        from safetensors import safe_open  # lazy: safetensors
 
         self.path = Path(path)
         try:  # the library checks the header and that every tensor's bytes are in the file
@@ -68,7 +68,7 @@ class SafetensorsFile:
         """Read a tensor (or a range of its leading dimension) as float32 (ints stay ints). A float tensor holding
         NaN or inf is refused here, as it is read: every checkpoint tensor (text, MTP head, vision tower, every
         target, with or without verification) passes through this one method."""
-        import torch  # safetensors' numpy backend has no bfloat16, the dtype of the published checkpoints
+        import torch  # lazy: torch; safetensors' numpy backend has no bfloat16, the dtype of the published checkpoints
 
         sl = self._file.get_slice(name)
         sliced = rows is not None and bool(self.entries[name]["shape"])

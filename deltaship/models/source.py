@@ -8,8 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltaship.errors import DeltashipError
+from deltaship.models import trained
+from deltaship.models.hub import parse_hub_id, resolve_hub_model
 from deltaship.models.presets import PRESETS, get_preset, write_tiny_tokenizer
 from deltaship.models.spec import ModelSpec, read_config
+from deltaship.models.vision.spec import VisionSpec
 from deltaship.models.weights import CheckpointWeights, RandomWeights, WeightSource
 
 TOKENIZER_FILES = (
@@ -64,7 +67,7 @@ class ModelSource:
             card.update(hub_cache_origin(self.path))
             readme = self.path / "README.md"
             if readme.is_file():  # a Hugging Face model card: its YAML header says license and base model
-                from huggingface_hub.repocard import metadata_load
+                from huggingface_hub.repocard import metadata_load  # lazy: huggingface_hub
 
                 meta = metadata_load(readme) or {}
                 for key in ("license", "base_model"):
@@ -79,7 +82,7 @@ class ModelSource:
         readme = self.path / "README.md" if self.path is not None else None
         if readme is None or not readme.is_file():
             return None
-        from huggingface_hub.repocard import metadata_load
+        from huggingface_hub.repocard import metadata_load  # lazy: huggingface_hub
 
         widget = (metadata_load(readme) or {}).get("widget")
         text = widget[0].get("text") if isinstance(widget, list) and widget and isinstance(widget[0], dict) else None
@@ -110,7 +113,6 @@ def load_source(model: str | Path, *, allow_download: bool = False) -> ModelSour
     if text in PRESETS:
         preset = get_preset(text)
         spec = preset.spec()
-        from deltaship.models import trained
 
         ckpt = trained.checkpoint_dir(text)
         if ckpt is not None:  # a preset that ships trained weights is a checkpoint inside the package
@@ -121,16 +123,12 @@ def load_source(model: str | Path, *, allow_download: bool = False) -> ModelSour
         if text == "qwen3.5-tiny":
             tdir = Path(tempfile.mkdtemp(prefix="deltaship-tok-"))
             files = [tdir / f for f in write_tiny_tokenizer(tdir)]
-        from deltaship.models.vision import VisionSpec
-
         mm = preset.multimodal_config()
         vision = VisionSpec.from_config(mm, where=f"preset {text}") if mm is not None else None
         weights = RandomWeights(spec, seed=preset.seed, vision=vision)
         return ModelSource(name=text, kind="preset", spec=spec, weights=weights, tokenizer_files=files)
     path = Path(text).expanduser()
     if not path.exists():
-        from deltaship.models.hub import parse_hub_id
-
         hub_id = parse_hub_id(text)
         if hub_id is not None:
             return _load_hub(*hub_id, allow_download=allow_download)
@@ -149,7 +147,6 @@ def load_source(model: str | Path, *, allow_download: bool = False) -> ModelSour
 
 def _load_hub(repo_id: str, revision: str | None, *, allow_download: bool) -> ModelSource:
     """A Hub id through the local cache; the source is named `org/name@<commit>` so it can be loaded again."""
-    from deltaship.models.hub import resolve_hub_model
 
     snapshot = resolve_hub_model(repo_id, revision, allow_download=allow_download)
     commit = snapshot.name

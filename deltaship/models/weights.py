@@ -18,6 +18,7 @@ from deltaship.errors import DeltashipError
 from deltaship.files import sha256_file
 from deltaship.models.safetensors_io import FLOAT_DTYPES, SafetensorsFile
 from deltaship.models.spec import ModelSpec
+from deltaship.models.vision.weights import vision_tensors
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Parts of a multimodal checkpoint the text decoder does not use.
@@ -292,8 +293,6 @@ class RandomVisionFile:
     LayerNorms at weight 1 and bias 0, the other biases 0."""
 
     def __init__(self, vision, seed: int = 0, std: float = 0.02):
-        from deltaship.models.vision import vision_tensors
-
         self.seed, self.std = seed, std
         self._shapes = vision_tensors(vision)
         self.entries = sorted(self._shapes)

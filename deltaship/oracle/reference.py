@@ -21,7 +21,7 @@ from deltaship.quant import dequantize, pack, quantize_blocks
 def reference_model(source: ModelSource, dtype: torch.dtype = torch.float32):
     """transformers' Qwen3_5ForCausalLM with the source's weights (text decoder only)."""
     quiet_third_party()
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # lazy: transformers
 
     cfg = Qwen3_5TextConfig(**family_of_architecture(source.spec.architecture).hf_config(source.spec))
     with torch.device("meta"):
@@ -50,7 +50,7 @@ class ReferenceMTP(torch.nn.Module):
 
     def __init__(self, trunk, spec):
         super().__init__()
-        from transformers import Qwen3_5TextConfig
+        from transformers import Qwen3_5TextConfig  # lazy: transformers
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
 
         cfg = Qwen3_5TextConfig(
@@ -106,7 +106,7 @@ def reference_mtp(source: ModelSource, trunk=None) -> tuple[object, ReferenceMTP
 def recompute_rotary(model, cfg, device: str = "cpu") -> None:
     """Rotary inverse frequencies are buffers, not checkpoint tensors: recompute them (float32) on `device`,
     with the config's rope type (YaRN's comes with the cos/sin attention factor)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: transformers
 
     rot = model.model.rotary_emb
     init = rot.compute_default_rope_parameters if rot.rope_type == "default" else ROPE_INIT_FUNCTIONS[rot.rope_type]

@@ -19,12 +19,16 @@ The records say `fill: synthetic` and carry this description; tokens generated a
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
 from typing import Any, Callable
 
 import numpy as np
 
 from deltaship.errors import DeltashipError
+from deltaship.stats import summarize
 
 PREFIX = 256  # tokens of real prefill whose KV rows and DeltaNet states seed the fill
 BLOCK = 4096  # synthetic rows drawn at a time, repeated along the sequence
@@ -74,10 +78,6 @@ class StateAccess:
         zeros again, as after a reset, and are no longer resident), so that the resident set grows with the rows
         written, as an app's freshly allocated buffer does. Call right after a reset. False where it cannot
         (not Linux, or the buffers live on a GPU): the KV cache then counts whole in every RSS reading."""
-        import ctypes
-        import mmap
-        import sys
-
         if sys.platform != "linux" or getattr(self.session, "device", "cpu") != "cpu":
             return False
         libc = ctypes.CDLL(None, use_errno=True)
@@ -114,7 +114,7 @@ class StateAccess:
             # CPU: the OrtValue wraps this numpy buffer, written where it is; GPU: one host copy, written back once
             dest = val.numpy() if on_gpu else s._bufs[state["name"]][s._cur[state["name"]]]
         else:
-            import torch
+            import torch  # lazy: torch: only a session whose states are torch tensors
 
             dest = s._state(state["buffer"])
         for at in range(start, stop, block.shape[ax]):
@@ -185,8 +185,6 @@ def sweep(
     prefix: int = PREFIX,
 ) -> list[dict[str, Any]]:
     """decode_latency_s and rss_bytes at each depth (increasing), after the synthetic fill; raw records."""
-    from deltaship.stats import summarize
-
     manifest = session.manifest
     memory = manifest.get("memory") or {}
     kv_dtype = memory.get("kv_dtype")

@@ -11,19 +11,35 @@ A run that dies (OOM kill, signal, disconnect) is recorded as such, never as a n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from deltaship.bundle.destination import check_output_file, replace_file
+from deltaship.bundle.reader import read_manifest, require_intact
+from deltaship.devices.android import profile_adb
+from deltaship.devices.catalog import get_tier
+from deltaship.devices.discovery import default_threads, fingerprint
+from deltaship.devices.plan import planned_peak
 from deltaship.errors import DeltashipError
 from deltaship.options import threads as check_threads
+from deltaship.profiling.launch import MemoryCap, run_worker
+from deltaship.profiling.remote import profile_ssh
+from deltaship.profiling.report import write_html
+from deltaship.profiling.settings import ProfileSettings
+from deltaship.profiling.speculative.workload import check as check_speculative
+from deltaship.profiling.speculative.workload import profile_speculative
+from deltaship.profiling.vision import check_sizes, profile_images
 from deltaship.profiling.worker import SCHEMA_VERSION
+from deltaship.runtimes import PROVIDERS
+from deltaship.runtimes.speculative import parse_speculative
+from deltaship.stats import ratio_ci
+from deltaship.targets import get_target, open_bundle, text_runtime
 
 DEFAULTS = dict(prompt_lengths=[128, 512], gen=64, contexts=[128, 1024, 4096], warmups=2, reps=5, min_seconds=2.0)
 
@@ -63,152 +79,33 @@ def check_workload(manifest: dict[str, Any], prompt_lengths: list[int], gen: int
         )
 
 
-# ---- memory caps ------------------------------------------------------------------------------
-class MemoryCap:
-    """A cgroup with a memory limit that the worker joins; `mechanism` says what was possible."""
-
-    def __init__(self, limit: int):
-        self.limit, self.path, self.mechanism, self.procs = limit, None, "none", None
-        name = f"deltaship-{os.getpid()}-{int(time.time())}"
-        candidates = []
-        if Path("/sys/fs/cgroup/cgroup.controllers").exists():
-            candidates.append((Path("/sys/fs/cgroup"), "memory.max", "cgroup v2 memory.max"))
-        if Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
-            candidates.append(
-                (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "cgroup v1 memory.limit_in_bytes")
-            )
-        for root, limit_file, mech in candidates:
-            d = root / name
-            try:
-                d.mkdir()
-                (d / limit_file).write_text(str(limit))
-                swap = d / "memory.memsw.limit_in_bytes"  # v1: count swap too, where the kernel allows
-                if swap.exists():
-                    try:
-                        swap.write_text(str(limit))
-                    except OSError:
-                        pass
-                self.path, self.mechanism, self.procs = d, mech, d / "cgroup.procs"
-                return
-            except OSError:
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
-
-    def join(self) -> None:  # runs in the child before exec
-        if self.procs is not None:
-            self.procs.write_text(str(os.getpid()))
-
-    def close(self) -> None:
-        if self.path is not None:
-            try:
-                self.path.rmdir()
-            except OSError:
-                pass
-
-
-def _died(rc: int, stderr: str) -> dict[str, Any]:
-    if rc < 0:
-        sig = signal.Signals(-rc).name
-        why = "killed by the kernel (out of memory)" if sig == "SIGKILL" else f"killed by {sig}"
-    elif rc == 137:
-        sig, why = "SIGKILL", "killed (exit 137: out of memory)"
-    else:
-        sig = None
-        oom = any(s in stderr for s in ("MemoryError", "bad_alloc", "Failed to allocate", "out of memory"))
-        why = "out of memory" if oom else f"exited with status {rc}"
-    return {
-        "metric": "run",
-        "status": "died",
-        "reason": why,
-        "signal": sig,
-        "exit_status": rc,
-        "stderr_tail": stderr.strip()[-2000:],
-        "samples": [],
-        "flags": ["died"],
-    }
-
-
-def run_worker(
-    cfg: dict[str, Any], cap: MemoryCap | None = None, timeout: float = 3600, module: str = "deltaship.profiling.worker"
-) -> tuple[dict | None, dict | None]:
-    """(worker output, None) or (None, a 'died' record). module: the worker (profiling/vision.py has one too)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.get("threads") or ""), TOKENIZERS_PARALLELISM="false")
-    if not cfg.get("threads"):
-        env.pop("OMP_NUM_THREADS")
-    try:
-        r = subprocess.run(
-            [sys.executable, "-m", module, json.dumps(cfg)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
-            preexec_fn=cap.join if cap and cap.procs else None,
-        )
-    except subprocess.TimeoutExpired:
-        return None, {
-            "metric": "run",
-            "status": "died",
-            "reason": f"timed out after {timeout:.0f}s",
-            "samples": [],
-            "flags": ["died", "timeout"],
-        }
-    if r.returncode != 0:
-        return None, _died(r.returncode, r.stderr)
-    try:
-        return json.loads(r.stdout), None
-    except json.JSONDecodeError:
-        return None, _died(1, "worker printed no JSON: " + r.stdout[-500:] + r.stderr[-500:])
-
-
 def profile(
     bundle: str | Path,
-    device: str = "host",
-    prompt_lengths: list[int] | None = None,
-    gen: int | None = None,
-    contexts: list[int] | None = None,
-    threads: int | None = None,
-    warmups: int | None = None,
-    reps: int | None = None,
-    min_seconds: float | None = None,
-    tier: str | None = None,
-    tiers_file: str | None = None,
-    breakdown: bool = True,
-    json_out: str | Path | None = None,
-    report: str | Path | None = None,
-    ssh_options: list[str] | None = None,
-    remote_deltaship: str = "deltaship",
-    runner: str | None = None,
-    runner_args: str | None = None,
+    settings: ProfileSettings | None = None,
+    *,
     progress: Callable[[str], None] | None = None,
-    provider: str = "cpu",
-    runtime: str | None = None,
-    speculative: str | None = None,
-    acceptance: float | None = None,
-    image_sizes: str | list[str] | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """Profile a bundle on a device; return (and optionally write) the versioned JSON document.
 
+    settings: a ProfileSettings (profiling/settings.py says what each field does), and/or its fields as keyword
+    arguments (`profile(bundle, gen=16, threads=2)`; they replace the settings' values).
     speculative="mtp[:K]": profile speculative decoding with the bundle's MTP head instead of the plain workload
-    (deltaship/profiling/speculative.py); acceptance: the rate its projection assumes (default: the trained tiny
+    (deltaship/profiling/speculative/); acceptance: the rate its projection assumes (default: the trained tiny
     head's measured one). image_sizes: for a bundle exported with --vision (host), the image sizes to profile
     encode latency, memory and image+question TTFT at (profiling/vision.py; default 224, 448, 896 and a document
     page; 'none': skip)."""
-    from deltaship.bundle.destination import check_output_file
-    from deltaship.bundle.reader import read_manifest, require_intact
-    from deltaship.devices.catalog import get_tier
-    from deltaship.devices.discovery import fingerprint
-    from deltaship.runtimes import PROVIDERS
+    s = dataclasses.replace(settings or ProfileSettings(), **options)
+    threads = s.threads  # the tier's or the runtime's default when not given (recorded as what ran)
 
     check_threads(threads)  # as the CLI's --threads, before any work (a remote device gets it too)
-    if provider not in PROVIDERS:
-        raise DeltashipError(f"unknown provider {provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
-    if provider != "cpu" and device != "host":
-        raise DeltashipError(f"--provider {provider} is for --device host", "drop --provider, or profile on the host")
+    if s.provider not in PROVIDERS:
+        raise DeltashipError(f"unknown provider {s.provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
+    if s.provider != "cpu" and s.device != "host":
+        raise DeltashipError(f"--provider {s.provider} is for --device host", "drop --provider, or profile on the host")
     say = progress or (lambda m: None)
     path = Path(bundle)
-    for option, out in (("--json", json_out), ("--report", report)):
+    for option, out in (("--json", s.json_out), ("--report", s.report)):
         if out is not None and str(out) != "-":
             check_output_file(Path(out), (path,), option)  # before any work; a file inside the bundle breaks it
     manifest = read_manifest(path)
@@ -216,44 +113,40 @@ def profile(
     cfg = {
         k: v
         for k, v in dict(
-            prompt_lengths=prompt_lengths,
-            gen=gen,
-            contexts=contexts,
-            warmups=warmups,
-            reps=reps,
-            min_seconds=min_seconds,
+            prompt_lengths=s.prompt_lengths,
+            gen=s.gen,
+            contexts=s.contexts,
+            warmups=s.warmups,
+            reps=s.reps,
+            min_seconds=s.min_seconds,
         ).items()
         if v is not None
     }
     cfg = {**DEFAULTS, **cfg}
-    if contexts is None:  # the default depths, the deepest clipped to what the bundle's KV cache holds
+    if s.contexts is None:  # the default depths, the deepest clipped to what the bundle's KV cache holds
         mc = int(manifest["max_context"])
         cfg["contexts"] = sorted({min(c, mc - 1) for c in cfg["contexts"]})
-    if speculative is not None:
-        from deltaship.profiling import speculative as spec
-        from deltaship.runtimes.speculative import parse_speculative
-
-        depth = parse_speculative(speculative)
-        spec.check(
+    if s.speculative is not None:
+        depth = parse_speculative(s.speculative)
+        check_speculative(
             path,
             manifest,
             cfg,
             depth,
-            device=device,
-            runtime=runtime,
-            provider=provider,
-            tier=tier,
-            acceptance=acceptance,
+            device=s.device,
+            runtime=s.runtime,
+            provider=s.provider,
+            tier=s.tier,
+            acceptance=s.acceptance,
         )
         doc = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        doc.update(bundle=bundle_summary(manifest, path), config={**cfg, "speculative": speculative}, emulation=None)
-        doc.update(spec.profile_speculative(path, cfg, depth, threads, say, acceptance))
-        return _finish(doc, None, json_out, report)
+        doc.update(bundle=bundle_summary(manifest, path), config={**cfg, "speculative": s.speculative}, emulation=None)
+        doc.update(profile_speculative(path, cfg, depth, threads, say, s.acceptance))
+        return _finish(doc, None, s.json_out, s.report)
     check_workload(manifest, cfg["prompt_lengths"], cfg["gen"], cfg["contexts"])
-    from deltaship.profiling.vision import check_sizes
 
-    sizes = check_sizes(manifest, image_sizes, device, provider, runtime)
-    t = get_tier(tier, tiers_file) if tier else None
+    sizes = check_sizes(manifest, s.image_sizes, s.device, s.provider, s.runtime)
+    t = get_tier(s.tier, s.tiers_file) if s.tier else None
     doc: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -261,17 +154,11 @@ def profile(
         "config": cfg,
         "emulation": None,
     }
-    if device.startswith("ssh://"):
-        from deltaship.profiling.remote import profile_ssh
-
-        doc = profile_ssh(path, device, cfg, threads, tier, ssh_options, remote_deltaship, say)
-    elif device.startswith("adb:"):
-        from deltaship.devices.android import profile_adb
-
-        doc.update(profile_adb(path, manifest, device[4:], cfg, runner, runner_args, say))
-    elif device == "host":
-        from deltaship.targets import get_target
-
+    if s.device.startswith("ssh://"):
+        doc = profile_ssh(path, s.device, cfg, threads, s.tier, s.ssh_options, s.remote_deltaship, say)
+    elif s.device.startswith("adb:"):
+        doc.update(profile_adb(path, manifest, s.device[4:], cfg, s.runner, s.runner_args, say))
+    elif s.device == "host":
         target = manifest["target"]
         if get_target(target).host_runtime is None:
             raise DeltashipError(
@@ -279,26 +166,23 @@ def profile(
                 "profile a Core ML bundle on a Mac, or export for onnx/executorch (a --mtp Core ML bundle's "
                 "`deltaship profile BUNDLE --speculative mtp` runs here, through coremltools' evaluator)",
             )
-        from deltaship.targets import text_runtime
 
-        text = text_runtime(path, runtime)
+        text = text_runtime(path, s.runtime)
         if text is not None:  # a runtime that takes text (ExecuTorch's C++ LLM runner): its own stats
             module, spec = text
             doc["device"], doc["results"], doc["threads"] = fingerprint("host"), [], threads
             for p in cfg["prompt_lengths"]:
-                say(f"profiling {path.name} in {runtime}: prompt {p} tokens, {cfg['gen']} new")
+                say(f"profiling {path.name} in {s.runtime}: prompt {p} tokens, {cfg['gen']} new")
                 out = getattr(module, spec.profile)(
                     path, prompt_length=p, gen=cfg["gen"], reps=cfg["reps"], warmups=cfg["warmups"]
                 )
                 doc["results"] += out["results"]
                 doc["runtime"] = out["runtime"]
-            return _finish(doc, t, json_out, report)
-        if provider != "cpu" or runtime is not None:
-            from deltaship.targets import open_bundle
-
+            return _finish(doc, t, s.json_out, s.report)
+        if s.provider != "cpu" or s.runtime is not None:
             # fails here, clearly, if it cannot run
-            open_bundle(path, provider=provider, runtime=runtime, check_hashes=False)
-            cfg["provider"], cfg["runtime"] = provider, runtime
+            open_bundle(path, provider=s.provider, runtime=s.runtime, check_hashes=False)
+            cfg["provider"], cfg["runtime"] = s.provider, s.runtime
         doc["device"] = fingerprint("host")
         cap = None
         if t is not None:
@@ -313,9 +197,7 @@ def profile(
                 else "not enforceable on this host (no writable cgroup); peak RSS compared after the run",
                 "emulated": True,
             }
-        if threads is None and provider == "cpu":
-            from deltaship.devices.discovery import default_threads
-
+        if threads is None and s.provider == "cpu":
             threads = default_threads()  # the runtime's own default, passed so that the record says what ran
         try:
             say(f"profiling {path.name} on the host ({threads or 'default'} threads)")
@@ -325,7 +207,7 @@ def profile(
             else:
                 doc["results"], doc["rss_trace"], doc["runtime"] = out["results"], out["rss_trace"], out["runtime"]
                 doc["imported_toolchains"] = out["imported_toolchains"]
-                if breakdown and get_target(target).op_breakdown and cfg["contexts"]:
+                if s.breakdown and get_target(target).op_breakdown and cfg["contexts"]:
                     say(
                         "per-op breakdown at each context (separate process: the profiler's own session "
                         "would inflate the peak RSS)"
@@ -341,8 +223,6 @@ def profile(
                     bout, bdied = run_worker(bcfg, None)
                     doc["results"] += [r for r in bout["results"] if r["metric"] == "decode_op_s"] if bout else [bdied]
             if sizes:
-                from deltaship.profiling.vision import profile_images
-
                 run = lambda c: run_worker(c, cap, module="deltaship.profiling.vision")  # noqa: E731
                 doc["results"] += profile_images(path, sizes, cfg, threads, run, say)
         finally:
@@ -350,9 +230,9 @@ def profile(
                 cap.close()
         doc["threads"] = threads
     else:
-        raise DeltashipError(f"unknown device {device!r}", "use host, ssh://user@host[:port] or adb:SERIAL")
+        raise DeltashipError(f"unknown device {s.device!r}", "use host, ssh://user@host[:port] or adb:SERIAL")
     _memory_plan(doc, manifest)
-    return _finish(doc, t, json_out, report)
+    return _finish(doc, t, s.json_out, s.report)
 
 
 def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | Path | None) -> dict[str, Any]:
@@ -372,16 +252,12 @@ def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | P
         else:
             _write(Path(json_out), text)
     if report is not None:
-        from deltaship.profiling.report import write_html
-
         write_html(doc, Path(report))
     return doc
 
 
 def _memory_plan(doc: dict[str, Any], manifest: dict[str, Any]) -> None:
     """doc["memory_plan"]: what `deltaship plan` predicts for this bundle and workload, beside the measured peak."""
-    from deltaship.devices.plan import planned_peak
-
     peak = next((r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes" and r.get("samples")), None)
     prompts = doc.get("config", {}).get("prompt_lengths") or []
     if peak is None or not prompts:
@@ -392,8 +268,6 @@ def _memory_plan(doc: dict[str, Any], manifest: dict[str, Any]) -> None:
 
 
 def _write(path: Path, text: str) -> None:
-    from deltaship.bundle.destination import replace_file
-
     replace_file(path, text, "--json")  # whole or not at all
 
 
@@ -415,8 +289,6 @@ def load_records(path: str | Path) -> dict[str, Any]:
 
 def compare(a: str | Path, b: str | Path) -> list[dict[str, Any]]:
     """B relative to A for every metric both have: ratio of medians with a bootstrap 95% interval."""
-    from deltaship.stats import ratio_ci
-
     da, db = load_records(a), load_records(b)
 
     def key(r: dict) -> tuple:  # speculative profiles: verify and draft calls apart by their length

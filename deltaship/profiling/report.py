@@ -11,6 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from deltaship.bundle.destination import PLOTS_MARKER, replace_file
+from deltaship.bundle.writer import write_dir
+from deltaship.profiling.speculative.report import format_speculative, headline, plot_speculative
+
 UNITS = {"s": 1e3, "tok/s": 1.0, "bytes": 1 / 2**20}
 SHOWN = {"s": "ms", "tok/s": "tok/s", "bytes": "MiB"}
 
@@ -90,8 +94,6 @@ def format_results(doc: dict[str, Any], speculative: bool = True) -> str:
             "(after P=), whatever --prompt-lengths; decode_latency_ms is per --contexts depth"
         )
     if speculative and doc.get("speculative"):
-        from deltaship.profiling.speculative import format_speculative
-
         lines += ["", format_speculative(doc["speculative"])]
     if doc.get("memory_plan"):
         m, g = doc["memory_plan"], 2**30
@@ -131,7 +133,7 @@ def format_compare(rows: list[dict[str, Any]], a: str, b: str) -> str:
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib: plots only
 
     plt.close(fig)
     return buf.getvalue()
@@ -139,10 +141,10 @@ def _png(fig) -> bytes:
 
 def plots(doc: dict[str, Any]) -> dict[str, bytes]:
     """PNG plots: decode latency vs context (whole model and per op kind), memory, RSS trace, prefill."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib: plots only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib: plots only
 
     out: dict[str, bytes] = {}
     res = [r for r in doc["results"] if r.get("samples")]
@@ -220,8 +222,6 @@ def plots(doc: dict[str, Any]) -> dict[str, bytes]:
         ax.set_title("Prefill throughput")
         out["prefill.png"] = _png(fig)
     if doc.get("speculative"):
-        from deltaship.profiling.speculative import plot_speculative
-
         out["speculative.png"] = _png(plot_speculative(doc["speculative"], plt))
     return out
 
@@ -255,7 +255,7 @@ def _memory_vs_context(plt, ctx: list[dict], mem: list[dict]) -> bytes:
 
 def _image_plot(res: list[dict[str, Any]]) -> bytes | None:
     """Per image size (profiling/vision.py): encode latency and image+question TTFT, and the peak RSS."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib: plots only
 
     by = {m: {r["image"]: r for r in res if r["metric"] == m} for m in ("image_encode_s", "image_ttft_s")}
     rss = {r["image"]: r for r in res if r["metric"] == "image_peak_rss_bytes"}
@@ -292,8 +292,6 @@ def _image_plot(res: list[dict[str, Any]]) -> bytes | None:
 def write_plots(doc: dict[str, Any], directory: Path, inputs: tuple[str | Path, ...] = ()) -> list[Path]:
     """The PNG plots in `directory` (replaced whole, through the bundle writer; plots.json marks it as
     deltaship's, so a later --plots may replace it and nothing else)."""
-    from deltaship.bundle.destination import PLOTS_MARKER
-    from deltaship.bundle.writer import write_dir
 
     def build(tmp: Path) -> list[Path]:
         names = []
@@ -335,8 +333,6 @@ def summary(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if doc.get("fit"):
         out.append((f"fits {doc['fit']['tier']}", "yes" if doc["fit"]["fits"] else "no"))
     if doc.get("speculative"):
-        from deltaship.profiling.speculative import headline
-
         out += headline(doc["speculative"])
     return out
 
@@ -377,8 +373,6 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
     if doc.get("fit"):
         body.append(f"<p id='fit'>fits {e(doc['fit']['tier'])}: {'yes' if doc['fit']['fits'] else 'no'}</p>")
     if doc.get("speculative"):
-        from deltaship.profiling.speculative import format_speculative
-
         spec = format_speculative(doc["speculative"])
         body.append("<h2>Speculative decoding</h2><pre id='speculative'>" + e(spec) + "</pre>")
     body.append("<h2>Results</h2><pre id='table'>" + e(format_results(doc, speculative=False)) + "</pre>")
@@ -407,7 +401,6 @@ def write_html(doc: dict[str, Any], path: Path) -> Path:
         + "</body></html>"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    from deltaship.bundle.destination import replace_file
 
     replace_file(path, page, "--report")  # whole or not at all
     return path

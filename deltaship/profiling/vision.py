@@ -28,6 +28,9 @@ from typing import Any, Callable
 import numpy as np
 
 from deltaship.errors import DeltashipError
+from deltaship.models.vision import preprocess_image
+from deltaship.profiling.worker import now, peak_rss_bytes, record, repeat, rss_bytes
+from deltaship.targets import open_bundle, open_multimodal
 
 # the default sizes: three square photos and a document page at OCR resolution (US letter at 200 dpi)
 DEFAULT_SIZES = ["224x224", "448x448", "896x896", "page"]
@@ -113,18 +116,13 @@ def profile_images(
 
 # ---- the worker -------------------------------------------------------------------------------
 def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
-    from PIL import Image
-
-    from deltaship.models.vision import preprocess_image
-    from deltaship.profiling.worker import now, peak_rss_bytes, record, repeat, rss_bytes
-    from deltaship.runtimes.vision import Multimodal
-    from deltaship.targets import open_bundle
+    from PIL import Image  # lazy: PIL: images only
 
     rep = (cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 1.0))
     name = cfg["image"]
     w, h = size(name)
     session = open_bundle(cfg["bundle"], threads=cfg.get("threads"), check_hashes=False)
-    mm = Multimodal(session)
+    mm = open_multimodal(session)
     base_rss = rss_bytes()
     pixels = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
     image = Image.fromarray(pixels)

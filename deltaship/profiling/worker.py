@@ -20,7 +20,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from deltaship.bundle.reader import read_manifest
+from deltaship.profiling.longctx import fillable, sweep
 from deltaship.stats import summarize
+from deltaship.targets import open_bundle
 
 SCHEMA_VERSION = 1
 
@@ -89,7 +92,7 @@ class GpuMemory:
     def __init__(self, interval: float = 0.05):
         self.peak, self.device_peak, self.source, self._stop = 0, 0, None, threading.Event()
         try:
-            import pynvml  # type: ignore
+            import pynvml  # type: ignore  # lazy: NVIDIA GPUs only
 
             pynvml.nvmlInit()
             self._nv = pynvml
@@ -152,9 +155,6 @@ def record(metric: str, unit: str, samples: list[float], **where: Any) -> dict[s
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    from deltaship.bundle.reader import read_manifest
-    from deltaship.targets import open_bundle
-
     bundle, threads = cfg["bundle"], cfg.get("threads")
     warmups, reps, min_s = cfg.get("warmups", 2), cfg.get("reps", 5), cfg.get("min_seconds", 1.0)
     results: list[dict[str, Any]] = []
@@ -234,7 +234,6 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             )
 
         if cfg.get("contexts") and not cfg.get("breakdown"):
-            from deltaship.profiling.longctx import fillable, sweep
 
             def phase(p: str) -> None:
                 trace.phase = p

@@ -16,6 +16,7 @@ from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Session
 from deltaship.runtimes.coreml_speculative import CoreMLSpeculation
+from deltaship.runtimes.mil_eval import Interpreter, load_program
 
 _NP = {"float32": np.float32, "float16": np.float16}
 
@@ -100,7 +101,6 @@ class CoreMLEvalSession(_CoreMLBase):
         self, bundle: Path, manifest: dict[str, Any], threads: int | None = None, prefill_chunk: int | None = None
     ):
         super().__init__(bundle, manifest, prefill_chunk)
-        from deltaship.runtimes.mil_eval import Interpreter, load_program
 
         self.interps = [Interpreter(load_program(self._package(p))) for p in self.parts]
         self._states = {s["coreml_input"]: np.zeros(s["shape"], np.float16) for s in self.ml_states}
@@ -111,7 +111,7 @@ class CoreMLEvalSession(_CoreMLBase):
         self._reset_io()
 
     def runtime_name(self) -> str:
-        import coremltools as ct
+        import coremltools as ct  # lazy: coremltools
 
         return f"coremltools {ct.__version__} MIL program evaluated with numpy on Linux (not Core ML)"
 
@@ -158,7 +158,7 @@ class CoreMLDeviceSession(_CoreMLBase):
         compute_units: str = "ALL",
     ):
         super().__init__(bundle, manifest, prefill_chunk)
-        import coremltools as ct
+        import coremltools as ct  # lazy: coremltools
 
         cu = self._compute_units = getattr(ct.ComputeUnit, compute_units)
         self.models = [
@@ -171,7 +171,7 @@ class CoreMLDeviceSession(_CoreMLBase):
         self._reset_states()
 
     def runtime_name(self) -> str:
-        import coremltools as ct
+        import coremltools as ct  # lazy: coremltools
 
         return f"Core ML via coremltools {ct.__version__} on macOS {platform.mac_ver()[0]}"
 
@@ -181,7 +181,7 @@ class CoreMLDeviceSession(_CoreMLBase):
         return self.models[i][fname].predict(feeds, state=self.state[i])
 
     def _load(self, part: dict, fname: str):
-        import coremltools as ct
+        import coremltools as ct  # lazy: coremltools
 
         return ct.models.MLModel(str(self._package(part)), function_name=fname, compute_units=self._compute_units)
 

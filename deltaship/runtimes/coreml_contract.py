@@ -10,6 +10,7 @@ manifest edited after export fails here, naming the field, and not as an evaluat
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,6 @@ def _function(buf, a: int, b: int) -> tuple[str, dict[str, dict]]:
 def package_functions(path: Path) -> dict[str, dict[str, dict[str, tuple[str, list[int]]]]]:
     """Function name -> {"inputs", "outputs", "states": {name: (dtype, shape)}} of a model spec (a single-function
     model: its description, under the name ""). Raises ValueError for a file that is not a readable spec."""
-    import mmap
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         for field, kind, v in fields(buf):

@@ -17,18 +17,22 @@ text_token_generator.h, stats.h), and how this driver keeps its results those of
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import os
+import sys
 from collections.abc import Callable, Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from deltaship.bundle.format import a_bundle
 from deltaship.bundle.paths import bundle_path
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
 from deltaship.logs import native_stderr
+from deltaship.runtimes.executorch import KERNEL_LIBRARIES, runtime
 from deltaship.runtimes.tokenizer import load_tokenizer
+from deltaship.stats import summarize
 
 # what bundles exported before the manifest listed its runtime requirements need (both kernel libraries)
 _LEGACY_IMPORTS = ("executorch.extension.llm.custom_ops.custom_ops", "executorch.kernels.quantized")
@@ -37,9 +41,11 @@ _LEGACY_IMPORTS = ("executorch.extension.llm.custom_ops.custom_ops", "executorch
 def _open(bundle: str | Path, check_hashes: bool) -> tuple[Path, dict[str, Any]]:
     path = Path(bundle)
     manifest = read_manifest(path)
-    if manifest.get("target") != "executorch":
+    entry = str(manifest.get("entry", ""))
+    if not entry.endswith(".pte"):  # the runner loads an ExecuTorch program (text_runtime asks the target first)
         raise DeltashipError(
-            f"{path}: --runtime et-runner runs ExecuTorch bundles; this is {a_bundle(manifest.get('target'))}",
+            f"{path}: --runtime et-runner runs ExecuTorch programs (.pte); this bundle's entry is {entry!r} "
+            f"(target {manifest.get('target')!r})",
             "export with --target executorch, or drop --runtime et-runner to use this bundle's own runtime",
         )
     require_intact(path, manifest, hashes=check_hashes)
@@ -51,7 +57,6 @@ def _register_kernels(manifest: dict[str, Any]) -> None:
     """Import what registers the program's kernels (manifest lowering.runtime_requirements.python)."""
     req = manifest.get("lowering", {}).get("runtime_requirements", {})
     built = manifest.get("tools", {}).get("executorch", "?")
-    from deltaship.runtimes.executorch import KERNEL_LIBRARIES, runtime
 
     for module in req.get("python", _LEGACY_IMPORTS):
         try:
@@ -65,7 +70,7 @@ def _register_kernels(manifest: dict[str, Any]) -> None:
 def _runner(path: Path, manifest: dict[str, Any]):
     with native_stderr():
         _register_kernels(manifest)
-        from executorch.extension.llm.runner import TextLLMRunner
+        from executorch.extension.llm.runner import TextLLMRunner  # lazy: executorch
 
     try:
         with native_stderr():  # cpuinfo's probe and the loader's log
@@ -87,12 +92,10 @@ def _stdout_to(target: str | None) -> Iterator[None]:
     if target is None:
         yield
         return
-    import sys
 
     sys.stdout.flush()
     saved = os.dup(1)
     fd = os.open(target, os.O_WRONLY)
-    import ctypes
 
     libc_fflush = ctypes.CDLL(None).fflush
     try:
@@ -124,7 +127,7 @@ def _stats_dict(s) -> dict[str, Any]:
 def _run(
     runner, prompt: str, new_tokens: int, temperature: float, on_text: Callable[[str], None] | None, quiet: bool
 ) -> tuple[str, dict[str, Any]]:
-    from executorch.extension.llm.runner import GenerationConfig
+    from executorch.extension.llm.runner import GenerationConfig  # lazy: executorch
 
     pieces: list[str] = []
     stats: list[dict[str, Any]] = []
@@ -193,7 +196,6 @@ def generate_with_runner(
     produced = stats["decode_calls"] + 1 if stats else None
     # the runner ends early only at an EOS id
     stopped = "eos" if produced is not None and produced < budget else ("context" if by_context else "length")
-    from importlib import metadata
 
     return {
         "text": text,
@@ -234,7 +236,6 @@ def profile_with_runner(
     Returns {"runtime", "results": records}, each record {"metric", "unit", "prompt_length", "gen",
     "samples", median/p90/cv...} as the profiler's worker writes them: prefill_tok_s, decode_tok_s, ttft_s.
     The runner's clock is in milliseconds: keep prompts and gen long enough that a phase takes tens of ms."""
-    from deltaship.stats import summarize
 
     if gen < 2:
         raise DeltashipError("decode speed needs at least 2 new tokens", "pass --gen 2 or more")
@@ -266,7 +267,6 @@ def profile_with_runner(
             results.append(
                 {"metric": metric, "unit": unit, **where, "samples": [], "flags": ["below_clock_resolution"]}
             )
-    from importlib import metadata
 
     return {
         "runtime": f"executorch {metadata.version('executorch')} TextLLMRunner (C++ LLM runner)",

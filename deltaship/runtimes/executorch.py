@@ -38,13 +38,13 @@ def runtime() -> tuple[Any, Any]:
     Not through `executorch.runtime`: it imports `executorch.extension.pybindings.portable_lib`, which imports
     `executorch.exir` (the exporter: most of the import time) for a warning class only. torch itself cannot be
     avoided: the pybindings link libtorch, and a method takes and returns torch tensors."""
-    import executorch
+    import executorch  # lazy: executorch
     import torch
 
     roots = [Path(p) for p in executorch.__path__]  # a namespace package: every directory it spans
     for pattern in KERNEL_LIBRARIES.values():
         torch.ops.load_library(str(next(f for root in roots for f in root.glob(pattern))))
-    from executorch.extension.pybindings import _C
+    from executorch.extension.pybindings import _C  # lazy: executorch
 
     return torch, _C
 

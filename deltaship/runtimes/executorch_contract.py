@@ -10,6 +10,7 @@ here, naming the field, and not as an ExecuTorch error in the middle of a call.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,6 @@ def _describe(tensor: _Table | None) -> tuple[str, list[int]]:
 def program_io(path: Path) -> dict[str, dict[str, Any]]:
     """Method name -> {"inputs": [(dtype, sizes)], "outputs": [...], "buffers": {name: (dtype, sizes)}} of a .pte
     (sizes of a dynamic dim: its upper bound). Raises ValueError for a file that is not a readable program."""
-    import mmap
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         buf = _Buf(data)

@@ -18,12 +18,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from deltaship.bundle.format import a_bundle
 from deltaship.bundle.paths import bundle_path
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object
+from deltaship.models.vision import load_image
 from deltaship.runtimes.base import Generation, Session
+from deltaship.runtimes.vision import vision_block
 
 GENAI_CONFIG = "genai_config.json"  # written by deltaship.lowering.onnx.genai
 INSTALL = 'pip install "onnxruntime-genai>=0.18,<0.19"'
@@ -32,7 +33,7 @@ PNG_SIGNATURE, JPEG_SIGNATURE = b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff"
 
 def _import_genai():
     try:
-        import onnxruntime_genai as og
+        import onnxruntime_genai as og  # lazy: onnxruntime_genai
     except ImportError:
         raise DeltashipError(
             "onnxruntime-genai is not installed: it runs the bundle the way apps embed it",
@@ -74,9 +75,11 @@ class GenaiSession(Session):
         prefill_chunk: int | None = None,
     ):
         super().__init__(bundle, manifest, prefill_chunk)
-        if manifest.get("target") != "onnx":
+        entry = str(manifest.get("entry", ""))
+        if not entry.endswith(".onnx"):  # what genai opens is an ONNX graph (open_bundle asks the target first)
             raise DeltashipError(
-                f"{bundle}: onnxruntime-genai runs ONNX bundles; this is {a_bundle(manifest.get('target'))}",
+                f"{bundle}: onnxruntime-genai runs ONNX graphs; this bundle's entry is {entry!r} "
+                f"(target {manifest.get('target')!r})",
                 "export with --target onnx, or drop --runtime genai",
             )
         why = str((manifest.get("app_runtimes") or {}).get("onnxruntime-genai", ""))
@@ -248,8 +251,6 @@ class GenaiSession(Session):
         and each image's grid_thw."""
         block = (self.manifest.get("vision") or {}).get("genai")
         if not self.manifest.get("vision"):
-            from deltaship.runtimes.vision import vision_block
-
             vision_block(self.manifest, self.bundle)  # raises: no vision tower
         if not block:
             raise DeltashipError(
@@ -260,7 +261,6 @@ class GenaiSession(Session):
             )
         if max_new_tokens < 0:
             raise DeltashipError("max_new_tokens must be >= 0", "pass --max-new-tokens 0 or more")
-        from deltaship.models.vision import load_image
 
         for path in images:
             load_image(path)  # a clear error for a missing or unreadable file

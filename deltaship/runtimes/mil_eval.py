@@ -18,7 +18,7 @@ import numpy as np
 
 def load_program(path: str | Path):
     """The MIL program (every function) of a saved .mlpackage; no Core ML runtime needed."""
-    import coremltools as ct
+    import coremltools as ct  # lazy: coremltools
     from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
 
     m = ct.models.MLModel(str(path), skip_model_load=True)
@@ -33,8 +33,15 @@ def load_program(path: str | Path):
     return prog
 
 
+def package_constants(path: str | Path, function: str = "decode") -> dict[str, np.ndarray]:
+    """Every constant `function` of a saved .mlpackage holds, decompressed (constexpr_* ops evaluated), by its MIL
+    value name: the weights as Core ML would compute with them."""
+    prog = load_program(path)
+    return Interpreter(prog)._materialise(function, prog.functions[function])
+
+
 def _np_dtype(var) -> np.dtype:
-    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil import types  # lazy: coremltools
 
     return np.dtype(types.nptype_from_builtin(var.dtype))
 
@@ -105,7 +112,7 @@ class Interpreter:
 
     def run(self, fname: str, feeds: dict[str, np.ndarray], states: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one function. `states` (Core ML states) are updated in place; returns the outputs."""
-        from coremltools.converters.mil.mil import types
+        from coremltools.converters.mil.mil import types  # lazy: coremltools
 
         func = self.program.functions[fname]
         env: dict[str, Any] = dict(self._materialise(fname, func))

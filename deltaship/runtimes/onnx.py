@@ -18,8 +18,11 @@ when the graph needs Memcpy nodes (CPU-placed nodes feeding GPU ones), so only b
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,39 +30,11 @@ import numpy as np
 
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
-from deltaship.logs import ort_log_severity
 from deltaship.runtimes.base import Session
+from deltaship.runtimes.onnx_io import KEEP_ROWS, counts_positions, keeps_rows, position_feeds, session_options
 from deltaship.runtimes.onnx_speculative import OnnxSpeculation
 
 _NP = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
-
-
-def _options(
-    ort,
-    threads: int | None,
-    profile_prefix: str | None,
-    strict: bool = False,
-    turn_taking: bool = False,
-):
-    opts = ort.SessionOptions()
-    opts.log_severity_level = ort_log_severity()  # its warnings are about the graph, not the user's input
-    if threads:
-        opts.intra_op_num_threads = int(threads)
-        opts.inter_op_num_threads = 1
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if profile_prefix:
-        opts.enable_profiling = True
-        opts.profile_file_prefix = profile_prefix
-    if strict:
-        opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    if turn_taking:
-        # a session that takes turns with another call after call (speculative decoding: the draft head's and the
-        # decoder's): its intra-op threads stop spinning when a call returns, or they take the cores from the other
-        # session's call. bench/onnx_spinning.py, 0.8B int4, 2 threads, 4 alternated runs each: speculative decoding
-        # at an imposed acceptance of 0.776 ran 18.1 tok/s spinning, 28.8 stopping; plain decoding 26.1 and 24.8
-        # (within the runs' spread, but kept for sessions that do not take turns: docs/results/mtp.md)
-        opts.add_session_config_entry("session.force_spinning_stop", "1")
-    return opts
 
 
 # Run options of a multi-token call on the CPU: give the arena's free regions back when the call ends. ORT plans one
@@ -78,9 +53,6 @@ def release_mapped_pages(data_file: Path) -> int:
     (no anonymous pages in /proc/self/smaps) only forgets clean pages: a later read faults them in again from the
     file (docs/results/memory.md). Linux only; 0 elsewhere.
     """
-    import ctypes
-    import mmap
-
     advice = getattr(mmap, "MADV_DONTNEED", None)
     try:
         smaps = Path("/proc/self/smaps").read_text().splitlines()
@@ -103,34 +75,6 @@ def release_mapped_pages(data_file: Path) -> int:
         if advice is not None and clean and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), advice) == 0:
             done += hi - lo
     return done
-
-
-def counts_positions(manifest: dict[str, Any]) -> bool:
-    """Whether the bundle's decoder takes its start position as onnxruntime-genai's sequence-length pair
-    (current_sequence_length int32 [1] = p + T, past_sequence_length int32 [1, 1] = p + T - 1), as bundles do
-    now; older ones take position_ids int64 [1, T] (only element 0, p, is read)."""
-    return any(i.get("kind") == "current_sequence_length" for i in manifest.get("inputs", []))
-
-
-KEEP_ROWS = "num_logits_to_keep"  # an --mtp decoder's input (kind logits_to_keep); a plain call feeds [0]
-
-
-def keeps_rows(manifest: dict[str, Any]) -> bool:
-    """Whether the decoder takes num_logits_to_keep (--mtp bundles that compute their verify rows in the graph)."""
-    return any(i.get("kind") == "logits_to_keep" for i in manifest.get("inputs", []))
-
-
-def position_feeds(counted: bool, position: int, tokens: int) -> dict[str, np.ndarray]:
-    """The position inputs of a call of `tokens` tokens starting at `position`, in either form."""
-    if counted:
-        end = position + tokens
-        return {
-            "current_sequence_length": np.array([end], np.int32),
-            "past_sequence_length": np.array([[end - 1]], np.int32),
-        }
-    # [[p]] only: the graph reads element 0, and ONNX Runtime keys its memory patterns by the XOR of all input
-    # dims, in which input_ids [1, T] and position_ids [1, T] would cancel out
-    return {"position_ids": np.array([[position]], np.int64)}
 
 
 class DecodeInputs:
@@ -210,7 +154,7 @@ class OnnxSession(OnnxSpeculation, Session):
             raise DeltashipError(
                 "cuda_graph=True needs in_place=True (the KV cache must stay in one buffer)", "drop in_place=False"
             )
-        import onnxruntime as ort
+        import onnxruntime as ort  # lazy: onnxruntime: the runtime this session loads
 
         if providers is None and provider == "cuda":
             have = ort.get_available_providers()
@@ -224,8 +168,6 @@ class OnnxSession(OnnxSpeculation, Session):
         self._ort = ort
         prefix = None
         if profiling:
-            import tempfile
-
             prefix = str(Path(tempfile.mkdtemp(prefix="deltaship-ortprof-")) / "ort")
         self.threads = threads
         self.providers = providers or ["CPUExecutionProvider"]
@@ -245,7 +187,7 @@ class OnnxSession(OnnxSpeculation, Session):
                     self.sess = ort.InferenceSession(
                         str(model_path),
                         providers=accel,
-                        sess_options=_options(ort, threads, prefix, strict=True, turn_taking=turn_taking),
+                        sess_options=session_options(ort, threads, prefix, strict=True, turn_taking=turn_taking),
                     )
                 except Exception as e:
                     if "fallback to CPU EP has been explicitly disabled" not in str(e):
@@ -254,7 +196,7 @@ class OnnxSession(OnnxSpeculation, Session):
                     # lengths); with fp32 activations attention itself runs there (see runtime_name).
                     self.cpu_fallback = True
             if not hasattr(self, "sess"):
-                opts = _options(ort, threads, prefix, turn_taking=turn_taking)
+                opts = session_options(ort, threads, prefix, turn_taking=turn_taking)
                 self.sess = ort.InferenceSession(str(model_path), sess_options=opts, providers=ep_list)
         except Exception as e:  # ORT raises its own exception types
             if cuda_graph and "graph capture" in str(e):

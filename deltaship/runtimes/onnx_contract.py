@@ -9,6 +9,7 @@ not as an onnxruntime traceback.
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,6 @@ class _Graph:
 
 
 def _read(bundle: Path, manifest: dict[str, Any], name: str, field: str) -> _Graph:
-    import mmap
-
     path = bundle_path(bundle, manifest, name, field)
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:

@@ -13,6 +13,7 @@ import numpy as np
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Checkpoint
+from deltaship.runtimes.onnx_io import position_feeds, session_options
 
 _VERIFY_WIDTH = 4096
 
@@ -39,8 +40,6 @@ class OnnxSpeculation:
         if self.counted:
             # ONNX Runtime keys its memory patterns by the XOR of all input dims: input_ids [1, T] and logit_rows
             # [T] cancel out, so every verify length shares one key (0: apart from prefill's T and decode's 1)
-            from deltaship.runtimes.onnx import position_feeds
-
             for name, arr in position_feeds(True, self.position, ids.size).items():
                 io.bind_cpu_input(name, arr)
         else:  # an older bundle's position_ids (only element 0 is read) gets a width of its own per T, apart
@@ -229,12 +228,10 @@ class OnnxSpeculation:
 
     def _draft_session(self):
         if self._draft_sess is None:
-            from deltaship.runtimes.onnx import _options
-
             block = self.manifest["speculative"]["draft"]
             self._draft_sess = self._ort.InferenceSession(
                 str(bundle_path(self.bundle, self.manifest, block["file"], "speculative.draft.file")),
-                sess_options=_options(self._ort, self.threads, None, turn_taking=True),
+                sess_options=session_options(self._ort, self.threads, None, turn_taking=True),
                 providers=["CPUExecutionProvider"],
             )
             self._draft_states = block["states"]

@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from deltaship.bundle.reader import read_manifest
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Session
+from deltaship.runtimes.onnx import OnnxSession
 
 ENV = "DELTASHIP_ORT_PYTHON"
 
@@ -105,9 +107,6 @@ class RemoteOnnxSession(Session):
 
 
 def main(argv: list[str]) -> int:
-    from deltaship.bundle.reader import read_manifest
-    from deltaship.runtimes.onnx import OnnxSession
-
     bundle, threads = Path(argv[0]), int(argv[1])
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing but replies on the pipe

@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
 
 # The Snapdragon 8 Elite (SM8750): the default SoC the HTP simulator models.
@@ -52,7 +54,7 @@ def _qnn():
     """Import onnxruntime with the QNN plugin registered (lazily: the plugin is optional)."""
     global _REGISTERED
     try:
-        import onnxruntime as ort  # toolchain import, kept lazy: runtimes/ loads without it
+        import onnxruntime as ort  # lazy: onnxruntime; toolchain import, kept lazy: runtimes/ loads without it
         import onnxruntime_qnn
     except ImportError as e:
         raise DeltashipEnvironmentError(
@@ -147,8 +149,6 @@ class QnnDecoder:
     whole prefill chunks, the rest (and every prompt without a prefill graph) one token a step."""
 
     def __init__(self, model: str | Path, prefill: str | Path | None = None, **htp_options: str):
-        import numpy as np  # numpy only with a session
-
         self._np = np
         self.opened = open_htp(model, **htp_options)
         self.prefill_opened = open_htp(prefill, **htp_options) if prefill is not None else None
@@ -168,7 +168,7 @@ class QnnDecoder:
 
     @staticmethod
     def _ort_run_options():
-        import onnxruntime as ort  # the session above imported it
+        import onnxruntime as ort  # lazy: onnxruntime; the session above imported it
 
         quiet = ort.RunOptions()
         quiet.log_severity_level = 3  # the session logs verbosely (for the validation lines); runs need not

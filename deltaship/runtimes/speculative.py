@@ -101,21 +101,14 @@ def parse_speculative(value: str | None) -> int | None:
 
 
 def require_head(bundle: Any, manifest: dict[str, Any]) -> None:
-    """The bundle must carry a draft head (the manifest's `speculative` block), or say which export option adds it."""
+    """The bundle must carry a draft head (the manifest's `speculative` block), or say which export option adds it
+    (a target whose exports cannot take --mtp refuses the flag itself, naming the targets that do)."""
     if manifest.get("speculative"):
         return
-    from deltaship.targets import all_targets
-
-    target = manifest["target"]
-    can = [t.name for t in all_targets() if any(f.name == "mtp" for f in t.Options.fields())]
-    how = (
-        f"export it again with --mtp (deltaship export --model ... --target {target} --mtp)"
-        if target in can
-        else f"{target} bundles cannot carry the head yet: export for --target {' or '.join(can)} with --mtp"
-    )
     raise DeltashipError(
         f"{bundle}: this bundle has no multi-token-prediction head, so --speculative mtp has nothing to draft with",
-        f"{how}; the checkpoint must ship its mtp.* tensors (qwen3.5-tiny and the published-shape presets do)",
+        f"export it again with --mtp (deltaship export --model ... --target {manifest['target']} --mtp); the "
+        "checkpoint must ship its mtp.* tensors (qwen3.5-tiny and the published-shape presets do)",
     )
 
 

@@ -13,7 +13,7 @@ FIX = "export the bundle again (its tokenizer.json is damaged or not one the `to
 
 class BundleTokenizer:
     def __init__(self, path: Path):
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: tokenizers
 
         text = read_bounded_text(path, "tokenizer", FIX)  # bounded: a tokenizer beyond 64 MiB is refused unread
         try:

@@ -1,17 +1,18 @@
-"""Images through an ONNX bundle exported with --vision (no torch import).
+"""Images beside an open session of a bundle exported with --vision (no torch import for ONNX bundles).
 
-`Multimodal(session)` drives the bundle's vision.onnx, embedding.onnx and decoder_mm.onnx beside an open
-OnnxSession, on the session's own state buffers: each image is encoded on its own (full attention within it),
-the prompt's image placeholder rows of the token embedding are replaced by the image features (a prefill chunk
-may start or end inside an image span: each call gets the feature rows of its own placeholders), and the
-decoder gets 3-row M-RoPE positions: T/H/W over each image's merged grid, then, for every later token (decode
-included), its cache position plus the prompt's rope delta. A prompt without images takes the session's
-text-only graph (model.onnx) as before.
-"""
+`deltaship.targets.open_multimodal(session)` gives the driver the bundle's target names (Target.multimodal_session):
+OnnxMultimodal drives vision.onnx, embedding.onnx and decoder_mm.onnx on the OnnxSession's own state buffers;
+ExecuTorchMultimodal the programs' methods, CoreMLMultimodal the multimodal package's functions. Each image is
+encoded on its own (full attention within it), the prompt's image placeholder rows of the token embedding are
+replaced by the image features (a prefill chunk may start or end inside an image span: each call gets the feature
+rows of its own placeholders), and the decoder gets 3-row M-RoPE positions: T/H/W over each image's merged grid,
+then, for every later token (decode included), its cache position plus the prompt's rope delta. A prompt without
+images takes the session's text-only path as before."""
 
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from deltaship import options
 from deltaship.bundle.paths import bundle_path
+from deltaship.bundle.vision_io import ENCODER_INPUTS, padded_inputs
 from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object
 from deltaship.models.vision import (
@@ -30,10 +32,15 @@ from deltaship.models.vision import (
     encoder_inputs,
     frame_timestamps,
     load_image,
+    load_video,
+    preprocess_frames,
     preprocess_image,
     rope_positions,
 )
+from deltaship.runtimes import mil_eval
 from deltaship.runtimes.base import Generation, check_sampling, decode_loop
+from deltaship.runtimes.executorch import load_program
+from deltaship.runtimes.onnx_io import session_options
 
 IMAGE_MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 VIDEO_PAD = "<|video_pad|>"
@@ -54,10 +61,11 @@ def _config(bundle: Path, manifest: dict[str, Any], name: str, field: str) -> di
     return read_json_object(bundle_path(bundle, manifest, name, field), field, "export the bundle again")
 
 
-class Multimodal:
+class Multimodal(ABC):
     """Image + text generation beside an open text session of a --vision bundle, on the backend's three parts:
     encode (one image -> features), _embed (a call's ids + its image feature rows -> embeddings), _run (the
-    multimodal decoder on embeddings + 3-row positions, on states it owns)."""
+    multimodal decoder on embeddings + 3-row positions, on states it owns). Each target names its subclass
+    (`Target.multimodal_session`); `deltaship.targets.open_multimodal(session)` picks it."""
 
     def __init__(self, session):
         self.session = session
@@ -81,21 +89,21 @@ class Multimodal:
         self.delta = 0
         self._open()
 
-    def __new__(cls, session):
-        if cls is Multimodal:  # pick the backend by the session's kind
-            from deltaship.runtimes.coreml import CoreMLEvalSession
-            from deltaship.runtimes.onnx import OnnxSession
-
-            if isinstance(session, OnnxSession):
-                cls = OnnxMultimodal
-            elif isinstance(session, CoreMLEvalSession):
-                cls = CoreMLMultimodal
-            else:
-                cls = ExecuTorchMultimodal
-        return super().__new__(cls)
-
+    @abstractmethod
     def _open(self) -> None:
-        raise NotImplementedError
+        """Open the backend's parts (the vision encoder, the embedding and the multimodal decoder)."""
+
+    @abstractmethod
+    def encode(self, image: ImageInput) -> np.ndarray:
+        """Merged features [tokens, hidden] of one image (one temporal group of a video)."""
+
+    @abstractmethod
+    def _embed(self, ids: np.ndarray, features: np.ndarray) -> np.ndarray:
+        """Embeddings [1, T, hidden] of a call's ids, its image rows replaced by `features` in order."""
+
+    @abstractmethod
+    def _run(self, embeds: np.ndarray, rope: np.ndarray) -> np.ndarray:
+        """The multimodal decoder on embeddings and 3-row positions [3, T]: logits after the last row."""
 
     def _reset(self) -> None:
         self.session.reset()
@@ -121,7 +129,6 @@ class Multimodal:
     ) -> ImageInput:
         """One video input: a video file (frames sampled at `fps` per second, default the video preprocessor's),
         or frame image files in time order (a list, or one comma-separated string; taken `fps` apart)."""
-        from deltaship.models.vision import load_video, preprocess_frames
 
         fps = self.video_pre.fps if fps is None else fps
         options.number("--fps", fps, 0, above=True)  # finite and > 0, as the CLI's --fps
@@ -274,12 +281,11 @@ class OnnxMultimodal(Multimodal):
     def _open(self) -> None:
         s, block = self.session, self.block
         ort = s._ort
-        from deltaship.runtimes.onnx import _options
 
         def open_graph(name: str):
             return ort.InferenceSession(
                 str(bundle_path(s.bundle, s.manifest, block["graphs"][name], f"vision.graphs.{name}")),
-                sess_options=_options(ort, s.threads, None),
+                sess_options=session_options(ort, s.threads, None),
                 providers=s.providers,
             )
 
@@ -336,8 +342,6 @@ class ExecuTorchMultimodal(Multimodal):
     text_decoder (its own state buffers: the text-only model.pte keeps its own)."""
 
     def _open(self) -> None:
-        from deltaship.runtimes.executorch import load_program
-
         graphs = self.block["graphs"]
         program = load_program(self._file("program"))
         self._t = self.session._torch
@@ -353,12 +357,10 @@ class ExecuTorchMultimodal(Multimodal):
             self.decoder._method.get_attribute(name).zero_()
 
     def encode(self, image: ImageInput) -> np.ndarray:
-        from deltaship.lowering.executorch.vision import INPUTS
-
         inputs = encoder_inputs(self.spec, image)
         if self.dtype != np.float32:
             inputs = {k: v.astype(self.dtype) if v.dtype == np.float32 else v for k, v in inputs.items()}
-        return self.vision.execute([self._t.from_numpy(inputs[n]) for n in INPUTS])[0].numpy().copy()
+        return self.vision.execute([self._t.from_numpy(inputs[n]) for n in ENCODER_INPUTS])[0].numpy().copy()
 
     def _embed(self, ids: np.ndarray, features: np.ndarray) -> np.ndarray:
         out = self.embedding.execute([self._t.from_numpy(np.ascontiguousarray(ids).reshape(1, -1))])[0]
@@ -386,11 +388,9 @@ class CoreMLMultimodal(Multimodal):
     text_decoder_T, T = the prefill chunk or 1, on io states of its own (model.mlpackage keeps the text path's)."""
 
     def _open(self) -> None:
-        from deltaship.runtimes.mil_eval import Interpreter, load_program
-
         self.functions = self.block["functions"]
         self.counts = tuple(int(n) for n in self.functions["vision"])
-        self.interp = Interpreter(load_program(self._file("package")))
+        self.interp = mil_eval.Interpreter(mil_eval.load_program(self._file("package")))
         self._reset()
 
     def _reset(self) -> None:
@@ -398,9 +398,7 @@ class CoreMLMultimodal(Multimodal):
         self._io = {s["name"]: np.zeros(s["shape"], np.float32) for s in self.block["decoder_states"]}
 
     def encode(self, image: ImageInput) -> np.ndarray:
-        from deltaship.lowering.coreml.vision import encode
-
-        return encode(self.interp, encoder_inputs(self.spec, image), self.counts)
+        return encode_padded(self.interp, encoder_inputs(self.spec, image), self.counts)
 
     def _embed(self, ids: np.ndarray, features: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids).reshape(1, -1)
@@ -425,6 +423,14 @@ class CoreMLMultimodal(Multimodal):
             self._io[st["name"]] = np.asarray(out[st["coreml_output"]], np.float32)
         s.position += t
         return np.asarray(out["logits"], np.float32).reshape(-1)
+
+
+def encode_padded(interp: Any, inputs: dict[str, np.ndarray], patch_counts: tuple[int, ...]) -> np.ndarray:
+    """Run one image through an evaluated (or Core ML) vision package with functions vision_N (bundle/vision_io.py):
+    merged features [n/4, text hidden]."""
+    fname, feeds = padded_inputs(inputs, patch_counts)
+    out = interp.run(fname, feeds, {})["image_features"]
+    return np.asarray(out, np.float32)[: inputs["pixel_values"].shape[0] // 4]
 
 
 def video_placeholder(video: ImageInput) -> str:

@@ -24,10 +24,18 @@ from deltaship.targets.base import (
     flag,
     option,
 )
-from deltaship.targets.open import open_bundle, require_artifact, runtime_names, text_runtime  # noqa: E402
+from deltaship.targets.open import (  # noqa: E402
+    open_bundle,
+    open_multimodal,
+    require_artifact,
+    runtime_names,
+    text_runtime,
+)
 from deltaship.targets.registry import (
+    a_bundle,
     all_targets,
     get_target,
+    on_platform,
     register,
     table,
     target_names,
@@ -48,11 +56,14 @@ __all__ = [
     "get_target",
     "target_names",
     "all_targets",
+    "a_bundle",
+    "on_platform",
     "table",
     "tolerance",
     "PRECISIONS",
     "DEFAULT_PREFILL_CHUNK",
     "open_bundle",
+    "open_multimodal",
     "require_artifact",
     "runtime_names",
     "text_runtime",

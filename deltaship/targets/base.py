@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 from deltaship.errors import DeltashipError
+from deltaship.lowering.lowered import Lowered
+from deltaship.lowering.settings import PassParams
 from deltaship.targets.tolerances import Tolerance
 
 if TYPE_CHECKING:  # typing only: importing these pulls in torch
     from deltaship.lowering.passes import ExportContext
     from deltaship.runtimes.base import Session
+    from deltaship.runtimes.vision import Multimodal
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill call, unless a target says otherwise
@@ -107,29 +111,11 @@ class TextRuntime:
     profile: str
 
 
-@dataclass
-class Lowered:
-    """What a target's lowering wrote into the staging directory.
-
-    files: the artifact files it wrote (relative paths); entry: the file a runtime opens first;
-    details: target-specific facts for the manifest's `lowering` block; quantization: the scheme as the
-    toolchain applied it (None: the passes' own choices are reported); state_in_place: past-state name
-    -> execution providers on which its past and present may share one buffer; app_runtimes: entries of the
-    manifest's `app_runtimes` that differ for this artifact from the target's (e.g. ONNX at opset 27, or a
-    runtime that cannot run it, "unavailable: why")."""
-
-    files: list[str]
-    entry: str
-    details: dict[str, Any] = field(default_factory=dict)
-    quantization: dict[str, Any] | None = None
-    state_in_place: dict[str, list[str]] = field(default_factory=dict)
-    app_runtimes: dict[str, str] | None = None  # entries replacing the target's app_runtimes
-
-
 class Target(ABC):
     """One deployment target. Subclass, fill the class attributes, implement the methods, `@register`."""
 
     name: ClassVar[str]
+    title: ClassVar[str | None] = None  # how messages name it ("ONNX": "an ONNX bundle"); None: its name
     description: ClassVar[str]
     lowering_module: ClassVar[str]  # the package under deltaship/lowering/ whose lower() writes the artifact
     Options: ClassVar[type[TargetOptions]] = TargetOptions
@@ -137,10 +123,12 @@ class Target(ABC):
     tool_packages: ClassVar[tuple[str, ...]] = ()  # the toolchain its export needs (import names)
     extra: ClassVar[str] = ""  # the pip extra that installs them: pip install "deltaship[<extra>]"
     usage: ClassVar[tuple[str, ...]] = ()  # how an app drives the artifact (goes into the manifest)
-    pass_options: ClassVar[Mapping[str, Any]] = {}  # fixed parameters this target's passes read
+    pass_params: ClassVar[PassParams] = PassParams()  # fixed parameters this target's passes read
     tolerances: ClassVar[Mapping[str, Tolerance]]  # precision -> parity tolerance (see deltaship.targets.tolerances)
     formats: ClassVar[Mapping[str, StorageFormat]]  # precision -> how weights are stored
     runtime_base_bytes: ClassVar[int] = 0  # the runtime's own resident memory (planner)
+    # resident bytes per byte of fp16 weights at its export's peak (planner; docs/results/export-memory.md)
+    export_weight_factor: ClassVar[float] = 1.2
     # Why the KV dtypes kv_cache_dtypes() leaves out are not built (the --kv-cache refusal says it)
     kv_cache_note: ClassVar[str] = "int8/int4 KV caches are not built for this target yet"
     providers: ClassVar[tuple[str, ...]] = ("cpu",)  # execution providers its sessions run on
@@ -149,11 +137,17 @@ class Target(ABC):
     # The runtimes apps embed that deltaship's test suite runs this target's bundles in, with the versions
     # checked and how (goes into the manifest as `app_runtimes`).
     app_runtimes: ClassVar[Mapping[str, str]] = {}
+    # The app platforms whose kits (deltaship app --platform) run its bundles: platform -> the runtime an app there
+    # embeds (an `app_runtimes` key)
+    app_platforms: ClassVar[Mapping[str, str]] = {}
     host_runtime: ClassVar[str | None] = None  # the package that runs its bundles on this host (profiling)
     op_breakdown: ClassVar[bool] = False  # its session times each op kind (Session.profile_ops)
     android_runner_args: ClassVar[str | None] = None  # default argument line of its Android runner binary
     # the module whose lower_vision() adds the vision tower (export --vision; generate --image); None: text only
     vision_module: ClassVar[str | None] = None
+    # "module:Class": the runtimes' driver of its --vision bundles' image side (a deltaship.runtimes.vision
+    # Multimodal) beside an open session (open_multimodal); None: its bundles take no images
+    multimodal_session: ClassVar[str | None] = None
     # the precisions `export --vision` builds and verifies (tower, splice and multimodal decoder at the text
     # decoder's activation dtype)
     vision_precisions: ClassVar[tuple[str, ...]] = ("fp32",)
@@ -175,9 +169,12 @@ class Target(ABC):
             values[f.name] = value
         return self.Options(**values)
 
+    def typed_options(self, options: TargetOptions | Mapping[str, Any] | None) -> TargetOptions:
+        """`options` as this target's typed options (None or a mapping of export() keyword arguments: parsed)."""
+        return options if isinstance(options, TargetOptions) else self.parse_options(options or {})
+
     def require_tools(self, packages: tuple[str, ...] | None = None) -> None:
         """Refuse, naming the pip extra, when a package of this target's toolchain is not installed."""
-        import importlib.util
 
         missing = [p for p in (packages or self.tool_packages) if importlib.util.find_spec(p) is None]
         if missing:
@@ -190,12 +187,12 @@ class Target(ABC):
         """Option combinations this target cannot build (raise DeltashipError); called before any work."""
 
     # ---- export --------------------------------------------------------------------------------
-    def activation_dtype(self, precision: str, options: Mapping[str, Any]) -> str:
+    def activation_dtype(self, precision: str, options: TargetOptions | None = None) -> str:
         """The dtype activations and float weights are computed in: fp16 for fp16 builds, fp32 otherwise
-        (quantized builds keep fp32 activations unless the target says otherwise)."""
+        (quantized builds keep fp32 activations unless the target says otherwise). options None: the defaults."""
         return "float16" if precision == "fp16" else "float32"
 
-    def kv_cache_dtypes(self, precision: str, options: Mapping[str, Any]) -> tuple[str, ...]:
+    def kv_cache_dtypes(self, precision: str, options: TargetOptions | None = None) -> tuple[str, ...]:
         """The KV-cache dtypes (deltaship.models.spec.KV_DTYPES names) this target exports at `precision`, its
         default first: the activation dtype, unless the target overrides this with quantized caches."""
         return ({"float32": "fp32", "float16": "fp16"}[self.activation_dtype(precision, options)],)
@@ -212,18 +209,16 @@ class Target(ABC):
         progress: Callable[[str], None] | None = None,
         tokens: dict[str, Any] | None = None,
     ) -> Lowered:
-        """Write the artifact files for the passes' result into out_dir, with `lowering_module`'s `lower()`,
-        which returns a dict: the `Lowered` fields `files`, `entry` (and, where it has them, `quantization`,
-        `state_in_place`), every other key being a detail for the manifest."""
-        r = importlib.import_module(self.lowering_module).lower(ctx, weights, out_dir, progress=progress, tokens=tokens)
-        return Lowered(
-            files=r.pop("files"),
-            entry=r.pop("entry"),
-            quantization=r.pop("quantization", None),
-            state_in_place=r.pop("state_in_place", {}),
-            app_runtimes=r.pop("app_runtimes", None),
-            details=r,
+        """Write the artifact files for the passes' result into out_dir, with `lowering_module`'s `lower()`, which
+        returns the `Lowered`."""
+        return importlib.import_module(self.lowering_module).lower(
+            ctx, weights, out_dir, progress=progress, tokens=tokens, **self.lowering_tools()
         )
+
+    def lowering_tools(self) -> dict[str, Any]:
+        """Keyword arguments for `lowering_module`'s `lower()` from the layers beside the lowering, which it does not
+        import (e.g. a runtime's evaluator that reads a saved artifact back); none by default."""
+        return {}
 
     def finish_bundle(self, bundle_dir: Path) -> None:
         """Adjust the bundle's copied files (tokenizer, configs) after the lowering; nothing by default."""
@@ -258,6 +253,17 @@ class Target(ABC):
         **options: Any,
     ) -> "Session":
         """A session over one of this target's bundles in `runtime` (one of `runtimes`; None: the first)."""
+
+    def open_multimodal(self, session: "Session") -> "Multimodal":
+        """Image + text generation beside `session`, an open session of one of this target's bundles (refused,
+        with the fix, when the bundle has no vision tower)."""
+        if self.multimodal_session is None:
+            raise DeltashipError(
+                f"{self.name} bundles take no images (the {self.name} target has no vision tower export)",
+                "export with a target that takes --vision (deltaship export --help), or drop --image/--video",
+            )
+        module, _, cls = self.multimodal_session.partition(":")
+        return getattr(importlib.import_module(module), cls)(session)
 
     def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
         """Where the artifact itself (its inputs, outputs and states, the files it reads) disagrees with the

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltaship.lowering.settings import PassParams
+from deltaship.runtimes.coreml import open_coreml_session
+from deltaship.runtimes.coreml_contract import package_problems
+from deltaship.runtimes.mil_eval import package_constants
 from deltaship.targets.base import (
     StorageFormat,
     Target,
@@ -55,6 +59,7 @@ class CoreMLOptions(TargetOptions):
 @register
 class CoreMLTarget(Target):
     name = "coreml"
+    title = "Core ML"
     description = "model.mlpackage for Core ML (iOS 18 / macOS 15): prefill and decode functions, MLState"
     lowering_module = "deltaship.lowering.coreml.package"
     Options = CoreMLOptions
@@ -62,7 +67,7 @@ class CoreMLTarget(Target):
     tool_packages = ("coremltools",)
     extra = "coreml"
     # int8 per output channel, fp16 scales, blocks that divide each row (what Core ML's int4/int8 take)
-    pass_options = {"int8_block": "channel", "scale_dtype": "float16", "block_must_divide": True}
+    pass_params = PassParams(int8_block="channel", scale_dtype="float16", block_must_divide=True)
     usage = (
         "Load model.mlpackage with Core ML (iOS 18 / macOS 15): MLModel(configuration:) with functionName "
         "'prefill' or 'decode'; both share the weights and the states.",
@@ -90,27 +95,35 @@ class CoreMLTarget(Target):
         "int4": StorageFormat(bits=4, scale=2, block=32, head_copy=True, act=2),
     }
     vision_module = "deltaship.lowering.coreml.vision"  # multimodal.mlpackage (export --vision)
+    multimodal_session = "deltaship.runtimes.vision:CoreMLMultimodal"  # generate --image beside its session
     runtimes = ("coreml",)
     app_runtimes = {
         "coreml": "not run (no Mac): the saved ML program is evaluated op by op on Linux against transformers; "
         "the Swift kit's names are checked against the package's spec",
     }
+    app_platforms = {"ios": "coreml"}  # the kits that run its bundles (deltaship app)
     runtime_base_bytes = 128 << 20
+    export_weight_factor = 0.7  # export peak per fp16 weight byte: the weights stream tensor by tensor
     kv_cache_note = (
         "Core ML states (ct.StateType) hold fp16 or fp32 tensors only, so an int8/int4 KV cache would need a "
         "quantize/dequantize of the whole cache around each call's state read and write, which is not built"
     )
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: CoreMLOptions) -> None:
-        from deltaship.lowering.coreml.package import check_options
+        from deltaship.lowering.coreml.package import check_options  # lazy: torch
 
-        check_options(precision, max_context, prefill_chunk, options.as_dict())
+        check_options(precision, max_context, prefill_chunk, options)
 
-    def activation_dtype(self, precision: str, options) -> str:
+    def activation_dtype(self, precision: str, options: CoreMLOptions | None = None) -> str:
         return "float32" if precision == "fp32" else "float16"  # Core ML computes in fp16 below fp32
 
+    def lowering_tools(self) -> dict[str, Any]:
+        # the palettized build's matched reference reads the weights back from the saved package, with the runtimes'
+        # evaluator (the lowering does not import the runtimes)
+        return {"package_constants": package_constants}
+
     def pipeline(self) -> tuple:
-        from deltaship.lowering import passes as p
+        from deltaship.lowering import passes as p  # lazy: torch
         from deltaship.lowering.coreml.package import StaticCapture
 
         # Captured with static shapes, one program per package part and function.
@@ -144,8 +157,6 @@ class CoreMLTarget(Target):
         ]
 
     def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
-        from deltaship.runtimes.coreml_contract import package_problems  # reads the protobuf itself: no coremltools
-
         return package_problems(bundle, manifest)
 
     def open_session(
@@ -160,6 +171,5 @@ class CoreMLTarget(Target):
         **options: Any,
     ):
         self.require_tools(("coremltools",))  # its runtime, with the pip extra named when missing
-        from deltaship.runtimes.coreml import open_coreml_session
 
         return open_coreml_session(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltaship.runtimes.executorch import ExecuTorchSession
+from deltaship.runtimes.executorch_contract import program_problems
 from deltaship.targets.base import (
     StorageFormat,
     Target,
@@ -40,6 +42,7 @@ class ExecuTorchOptions(TargetOptions):
 @register
 class ExecuTorchTarget(Target):
     name = "executorch"
+    title = "ExecuTorch"
     description = "model.pte for the ExecuTorch runtime (XNNPACK), state held in the program"
     lowering_module = "deltaship.lowering.executorch.program"
     Options = ExecuTorchOptions
@@ -90,6 +93,7 @@ class ExecuTorchTarget(Target):
     }
     runtimes = ("executorch",)
     vision_module = "deltaship.lowering.executorch.vision"  # vision.pte + decoder_mm.pte (export --vision)
+    multimodal_session = "deltaship.runtimes.vision:ExecuTorchMultimodal"  # generate --image beside its session
     vision_precisions = ("fp32", "fp16")
     # ExecuTorch's C++ LLM runner (TextLLMRunner: what the Android LlmModule and the iOS runner wrap), text in/out
     text_runtimes = {
@@ -101,7 +105,9 @@ class ExecuTorchTarget(Target):
         "same greedy text, prompts shorter and longer than a chunk (tests/test_et_runner.py)",
         "executorch-android": "not run (no Android device): the Kotlin kit's names are checked against the program",
     }
+    app_platforms = {"android": "executorch-android"}  # the kits that run its bundles (deltaship app)
     runtime_base_bytes = 48 << 20
+    export_weight_factor = 1.15  # export peak per fp16 weight byte: the quantized program + XNNPACK's copy
     kv_cache_note = (
         "fp16, int8 and int4 caches (int8/int4 with static scales) are built with fp32 activations (not "
         "--precision fp16), and ExecuTorch's own dynamic per-token cache (llama::custom_quantized_sdpa, scales "
@@ -113,14 +119,14 @@ class ExecuTorchTarget(Target):
         "--cpu_threads {threads}"
     )  # ExecuTorch's llama_main
 
-    def kv_cache_dtypes(self, precision: str, options) -> tuple[str, ...]:
+    def kv_cache_dtypes(self, precision: str, options: TargetOptions | None = None) -> tuple[str, ...]:
         # fp16, int8 and int4 (packed) caches with fp32 activations: llama::update_cache of the stored values,
         # widened back to fp32 for custom_sdpa (deltaship/lowering/executorch/lowering.py store_kv / load_kv)
         own = super().kv_cache_dtypes(precision, options)
         return own + ("fp16", "int8", "int4") if own == ("fp32",) else own
 
     def pipeline(self) -> tuple:
-        from deltaship.lowering import passes as p
+        from deltaship.lowering import passes as p  # lazy: torch
         from deltaship.lowering.executorch.modules import XnnpackLayout
 
         # No projection fusion (XNNPACK cannot split a dynamic-length result) and no capture (export/executorch
@@ -154,8 +160,6 @@ class ExecuTorchTarget(Target):
         ]
 
     def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
-        from deltaship.runtimes.executorch_contract import program_problems  # reads the flatbuffer itself: no toolchain
-
         return program_problems(bundle, manifest)
 
     def open_session(
@@ -170,6 +174,5 @@ class ExecuTorchTarget(Target):
         **options: Any,
     ):
         self.require_tools(("executorch",))  # its runtime, with the pip extra named when missing
-        from deltaship.runtimes.executorch import ExecuTorchSession
 
         return ExecuTorchSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, **options)

@@ -4,11 +4,17 @@ Lowering: deltaship/lowering/onnx; session: deltaship/runtimes/onnx.py."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from deltaship.errors import DeltashipError, DeltashipUnavailable
+from deltaship.lowering.onnx.genai import adapt_tokenizer_config
+from deltaship.runtimes.genai import GenaiSession
+from deltaship.runtimes.onnx import OnnxSession
+from deltaship.runtimes.onnx_contract import graph_problems
+from deltaship.runtimes.ort_worker import ENV, RemoteOnnxSession, required_onnxruntime, version_tuple
 from deltaship.targets.base import (
     StorageFormat,
     Target,
@@ -80,6 +86,7 @@ class OnnxOptions(TargetOptions):
 @register
 class OnnxTarget(Target):
     name = "onnx"
+    title = "ONNX"
     description = "model.onnx for ONNX Runtime (CPU, CUDA)"
     lowering_module = "deltaship.lowering.onnx.model"
     Options = OnnxOptions
@@ -124,6 +131,7 @@ class OnnxTarget(Target):
         "int4": StorageFormat(bits=4, scale=4, block=32, head_copy=False, act=4),
     }
     runtime_base_bytes = 96 << 20
+    export_weight_factor = 0.07  # export peak per fp16 weight byte: the weights stream tensor by tensor
     kv_cache_note = (
         "int8/int4 KV caches (GroupQueryAttention's quantized cache) are built with fp32 activations only "
         "(--precision fp32, or int8/int4 weights without --onnx-activations fp16)"
@@ -139,6 +147,8 @@ class OnnxTarget(Target):
         "(tests/test_js.py)",
         "onnxruntime-android": "not run (no Android device): the Kotlin kit's names are checked against the graph",
     }
+    # the kits that run its bundles (deltaship app)
+    app_platforms = {"android": "onnxruntime-android", "web": "onnxruntime-web", "desktop": "onnxruntime-node"}
     host_runtime = "onnxruntime"
 
     def kv_scratch_bytes_per_token(self, spec, kv_dtype: str) -> int:
@@ -153,6 +163,7 @@ class OnnxTarget(Target):
     op_breakdown = True  # ONNX Runtime's profiler
     android_runner_args = "-e cpu -x {threads} -r {reps} {model}"  # onnxruntime_perf_test
     vision_module = "deltaship.lowering.onnx.multimodal"  # vision.onnx, embedding.onnx, decoder_mm.onnx
+    multimodal_session = "deltaship.runtimes.vision:OnnxMultimodal"  # generate --image beside its session
     vision_precisions = ("fp32", "fp16")
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: OnnxOptions) -> None:
@@ -185,18 +196,19 @@ class OnnxTarget(Target):
                 "--accuracy-level applies to ONNX int8/int4 bundles (MatMulNBits) only", "drop --accuracy-level"
             )
 
-    def activation_dtype(self, precision: str, options) -> str:
+    def activation_dtype(self, precision: str, options: OnnxOptions | None = None) -> str:
         # quantized builds may ask for fp16 activations: ONNX Runtime's CUDA GroupQueryAttention takes fp16 only
-        return "float16" if precision == "fp16" or options.get("onnx_activations") == "fp16" else "float32"
+        fp16 = precision == "fp16" or self.typed_options(options).onnx_activations == "fp16"
+        return "float16" if fp16 else "float32"
 
-    def kv_cache_dtypes(self, precision: str, options) -> tuple[str, ...]:
+    def kv_cache_dtypes(self, precision: str, options: OnnxOptions | None = None) -> tuple[str, ...]:
         # GroupQueryAttention's quantized cache (k/v_quant_type PER_CHANNEL, kv_cache_bit_width 8 or 4) runs
         # on the CPU EP of ONNX Runtime 1.31 with fp32 activations; with fp16 ones it was not checked.
         own = super().kv_cache_dtypes(precision, options)
         return own + ("int8", "int4") if own == ("fp32",) else own
 
     def pipeline(self) -> tuple:
-        from deltaship.lowering import passes as p
+        from deltaship.lowering import passes as p  # lazy: torch
 
         return (
             p.LoadStructure(),
@@ -210,23 +222,20 @@ class OnnxTarget(Target):
         )
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
+        # lazy: torch
         from deltaship.lowering.onnx import model as impl  # the names live beside the lowering that writes them
 
         return impl.io_inputs(ctx)
 
     def io_outputs(self, ctx) -> list[dict[str, Any]]:
-        from deltaship.lowering.onnx import model as impl
+        from deltaship.lowering.onnx import model as impl  # lazy: torch
 
         return impl.io_outputs(ctx)
 
     def finish_bundle(self, bundle_dir: Path) -> None:
-        from deltaship.lowering.onnx.genai import adapt_tokenizer_config
-
         adapt_tokenizer_config(bundle_dir)  # a tokenizer class onnxruntime-genai accepts
 
     def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
-        from deltaship.runtimes.onnx_contract import graph_problems  # reads the protobuf itself: no toolchain
-
         return graph_problems(bundle, manifest)
 
     def open_session(
@@ -242,15 +251,9 @@ class OnnxTarget(Target):
     ):
         self.require_tools(("onnxruntime",))  # its runtime, with the pip extra named when missing
         if runtime == "genai":
-            from deltaship.runtimes.genai import GenaiSession
-
             return GenaiSession(Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk)
         need_newer = _needs_newer_onnxruntime(manifest)
         if need_newer:
-            import os
-
-            from deltaship.runtimes.ort_worker import ENV, RemoteOnnxSession
-
             if runtime == "genai" or not os.environ.get(ENV) or provider != "cpu" or options:
                 raise DeltashipUnavailable(
                     f"{bundle}: this bundle needs onnxruntime >= {need_newer[0]} (lowering.opset "
@@ -261,7 +264,6 @@ class OnnxTarget(Target):
             return RemoteOnnxSession(
                 os.environ[ENV], Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk
             )
-        from deltaship.runtimes.onnx import OnnxSession
 
         return OnnxSession(
             Path(bundle), manifest, threads=threads, prefill_chunk=prefill_chunk, provider=provider, **options
@@ -270,9 +272,7 @@ class OnnxTarget(Target):
 
 def _needs_newer_onnxruntime(manifest: dict[str, Any]) -> tuple[str, str] | None:
     """(required, installed) when the bundle names a newer onnxruntime than the installed one (opset 27)."""
-    import onnxruntime
-
-    from deltaship.runtimes.ort_worker import required_onnxruntime, version_tuple
+    import onnxruntime  # lazy: onnxruntime
 
     need = required_onnxruntime(manifest)
     if need and version_tuple(onnxruntime.__version__) < version_tuple(need):

@@ -9,13 +9,12 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from deltaship.bundle.format import a_bundle
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
 from deltaship.options import threads as check_threads
 from deltaship.runtimes import PROVIDERS
 from deltaship.runtimes.base import Session
-from deltaship.targets.registry import all_targets, get_target, target_names
+from deltaship.targets.registry import a_bundle, all_targets, get_target, target_names
 
 
 def open_bundle(
@@ -87,6 +86,12 @@ def require_artifact(bundle: str | Path, manifest: dict[str, Any]) -> None:
             f"{bundle}: the artifact does not match its manifest: " + "; ".join(problems[:5]),
             "export the bundle again (the manifest was edited after export, or the files come from two exports)",
         )
+
+
+def open_multimodal(session: Session):
+    """Image + text generation beside an open session of a --vision bundle: the driver its target names
+    (`Target.multimodal_session`), e.g. `open_multimodal(open_bundle(path)).generate(ids, images, 32)`."""
+    return get_target(session.manifest["target"]).open_multimodal(session)
 
 
 def runtime_names() -> tuple[str, ...]:

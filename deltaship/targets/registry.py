@@ -1,4 +1,5 @@
-"""The registry of targets: `register`, `get_target`, `target_names`, `all_targets`."""
+"""The registry of targets: `register`, `get_target`, `target_names`, `all_targets`, and what is asked of all of
+them at once (`a_bundle`, `on_platform`, the tolerance `table`)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ def get_target(name: str) -> Target:
         raise DeltashipError(
             f"unknown --target {name!r}; targets: {', '.join(_REGISTRY)}", "pick one of the targets"
         ) from None
+
+
+def a_bundle(name: object) -> str:
+    """'an ONNX bundle', 'a Core ML bundle' (the target's title); an unknown target is quoted: "a 'tflite' bundle"."""
+    target = _REGISTRY.get(str(name))
+    if target is None:
+        return f"a {name!r} bundle"
+    title = target.title or target.name
+    return f"{'an' if title[0] in 'AEIOU' else 'a'} {title} bundle"
+
+
+def on_platform(platform: str) -> tuple[Target, ...]:
+    """The targets whose bundles the `platform` app kit runs (Target.app_platforms), in registry order."""
+    return tuple(t for t in _REGISTRY.values() if platform in t.app_platforms)
 
 
 def table() -> dict[tuple[str, str], Tolerance]:

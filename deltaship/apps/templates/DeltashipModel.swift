@@ -30,6 +30,36 @@ public struct PartSpec: Sendable {
     public let mlStates: [Feature]
 }
 
+/// A state as checkpoints and saved sessions see it (KitSpec.sessionStates): `name` is the manifest's (a saved
+/// session's tensor `state/<name>`), held in part `part` as the io array or MLState buffer `feature`.
+public struct SessionState: Sendable {
+    public let name: String
+    public let part: Int
+    public let feature: String
+    public let inMLState: Bool
+    public let checkpoint: Bool  // a DeltaNet state: copied by a checkpoint (the KV caches only grow)
+    public let shape: [Int]
+    public let dataType: MLMultiArrayDataType  // as Core ML holds it
+    public let fileDataType: MLMultiArrayDataType  // as a saved session holds it (deltaship's layout)
+    public let sequenceAxis: Int?  // a KV cache: a saved session keeps its first `position` entries on this axis
+}
+
+/// The chat template as pieces per role (KitSpec.chat; deltaship/chat/pieces.py checked them against the template).
+public struct ChatPieces: Sendable {
+    public let start: String
+    public let systemPrefix: String
+    public let systemSuffix: String
+    public let userPrefix: String
+    public let userSuffix: String
+    public let assistantPrefix: String
+    public let assistantSuffix: String
+    public let generationPrompt: String
+    public let generationPromptNoThinking: String
+    public let dropThink: Bool  // a past assistant turn is rendered without its <think> block
+    public let stopIds: Set<Int>
+    public let promptCacheFile: String?  // prompt_cache.safetensors of a bundle exported with --prompt-cache
+}
+
 public enum DeltashipKitError: Error, CustomStringConvertible {
     case missingOutput(String, package: String)
     case contextFull(position: Int, tokens: Int, maxContext: Int)
@@ -39,6 +69,10 @@ public enum DeltashipKitError: Error, CustomStringConvertible {
     case speculativeNeedsGreedy
     case draftDepth(Int)
     case unsafePath(String, why: String)
+    case staleCheckpoint(position: Int)
+    case noChatTemplate
+    case nothingToUndo
+    case savedSession(String)
 
     public var description: String {
         switch self {
@@ -58,6 +92,14 @@ public enum DeltashipKitError: Error, CustomStringConvertible {
             return "speculativeDepth \(depth): the draft depth is 0 (off) or 1 to 8"
         case .unsafePath(let name, let why):
             return "bundle file \"\(name)\" \(why); a bundle names only files inside its own directory: export it again"
+        case .staleCheckpoint(let position):
+            return "the checkpoint at position \(position) is not this model's, or the model went back before it and fed tokens there since; reset and feed the tokens again"
+        case .noChatTemplate:
+            return "this bundle has no chat template, so the kit has no chat: export a checkpoint that has one and regenerate the kit"
+        case .nothingToUndo:
+            return "no exchange yet: send a message first"
+        case .savedSession(let what):
+            return "saved chat session: \(what); nothing was loaded"
         }
     }
 }
@@ -108,6 +150,9 @@ public actor DeltashipModel {
     var speculating: Speculation?
     /// Counts of the last speculative generation.
     public internal(set) var speculativeStats = SpeculativeStats()
+    /// Each position the state went back to (reset: 0; a checkpoint's restore: its position), in order: a checkpoint
+    /// is stale once the state went back before it, since the tokens fed after that overwrote its KV entries.
+    var rewinds: [Int] = [0]
 
     init(parts: [Part], tokenizer: Tokenizer) throws {
         self.parts = parts
@@ -158,6 +203,7 @@ public actor DeltashipModel {
         states = parts.map(Self.freshState)
         io = try parts.map { try Self.zeroIO($0.spec) }
         position = 0
+        rewinds.append(0)
         if let s = speculating { speculating = try Self.freshDraft(s) }
     }
 

@@ -7,5 +7,5 @@ measured drift: docs/results/coreml-drift.md) or as fp16 states (`coreml_states=
 build keeps every state as fp32 inputs/outputs for exact structure checks against transformers.
 
 `package.py` builds the package (`lower`, the static capture pass, spec checks), `lowering.py` lowers
-each captured op to MIL, `mil_eval.py` evaluates a saved program op by op on Linux.
+each captured op to MIL; deltaship/runtimes/mil_eval.py evaluates a saved program op by op on Linux.
 """

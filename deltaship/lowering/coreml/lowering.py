@@ -11,8 +11,8 @@ parameter, so two functions built from the same parameters share them after dedu
 
 from __future__ import annotations
 
+import hashlib
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from deltaship.errors import DeltashipError
+from deltaship.lowering.aten import GENERIC
 from deltaship.lowering.lowerings import OpLowerings
 from deltaship.models import ops as _canonical  # noqa: F401  (registers torch.ops.deltaship.*)
 from deltaship.quant import quantize_blocks
@@ -45,7 +46,7 @@ class Written:
 
 
 def _mil():
-    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil import Builder as mb  # lazy: coremltools
     from coremltools.converters.mil.mil import types
 
     return mb, types
@@ -102,7 +103,7 @@ class WeightCache:
             q = self.quant[form].get(fqn) if form in ("linear", "embedding") else None
             shape = self.plan.shape(fqn)
             if q is not None:
-                from coremltools.converters.mil.mil import types
+                from coremltools.converters.mil.mil import types  # lazy: coremltools
 
                 bits, block = q["bits"], q["block_size"]
                 half = 1 << (bits - 1)
@@ -135,9 +136,8 @@ def share_across_functions(prog) -> dict[str, int]:
     coremltools' own pass compares candidates with np.allclose, which upcasts both to float64: for a
     quantized 248320-row table that is gigabytes. Here consts are matched by identity (WeightCache hands
     every function the same array) and otherwise by dtype, shape and a hash of their bytes."""
-    import hashlib
 
-    from coremltools.converters.mil.mil import ListVar
+    from coremltools.converters.mil.mil import ListVar  # lazy: coremltools
 
     groups: dict[tuple, list] = {}
     digests: dict[int, str] = {}
@@ -222,10 +222,32 @@ class MILLowerer:
         w = self.mb.constexpr_blockwise_shift_scale(data=data, scale=scales, name=self.uname(fqn.replace(".", "_")))
         return w if dt == np.float16 else self.mb.cast(x=w, dtype="fp32")
 
+    # ---- the primitives of the generic aten table (deltaship/lowering/aten.py) --------------------
+    def value(self, a, dtype: torch.dtype | None = None):
+        return self.tensor(a, dtype)
+
+    def elementwise(self, kind: str, inputs: list, dtype: torch.dtype):
+        if kind == "neg":
+            return self.mb.mul(x=inputs[0], y=np.array(-1, dtype=NP[dtype]))
+        op = getattr(self.mb, "real_div" if kind == "div" else kind)  # MIL's other kinds are named as ours
+        return op(x=inputs[0], y=inputs[1]) if len(inputs) == 2 else op(x=inputs[0])
+
+    def cast(self, x, src: torch.dtype, dst: torch.dtype | None):
+        return x if dst is None or MILDT[dst] == MILDT[src] else self.mb.cast(x=x, dtype=MILDT[dst])
+
+    def expand_dims(self, x, axis: int):
+        return self.mb.expand_dims(x=x, axes=[axis])
+
+    def concat(self, values: list, axis: int):
+        return self.mb.concat(values=values, axis=axis)
+
+    def split(self, x, sizes: list[int], axis: int) -> list:
+        return list(self.mb.split(x=x, split_sizes=np.array(sizes, np.int32), axis=axis))
+
     # ---- driver ------------------------------------------------------------------------------
     def build(self, input_names: list[str], state_names: list[str], output_names: list[str]):
         """Build the MIL function; returns (function, output name list actually emitted)."""
-        import coremltools as ct
+        import coremltools as ct  # lazy: coremltools
         from coremltools.converters.mil.mil import Function
 
         mb, types = self.mb, self.types
@@ -273,66 +295,14 @@ class MILLowerer:
         return func, emitted
 
 
-MIL_LOWERINGS = OpLowerings("coreml")
+MIL_LOWERINGS = OpLowerings("coreml").include(GENERIC)  # the generic aten ops (lowering/aten.py), then Core ML's
 lowering = MIL_LOWERINGS.register
 
 
-# ---- aten ------------------------------------------------------------------------------------
+# ---- aten: where Core ML differs (fixed shapes, weight forms, the vision tower's ops) ----------------
 @lowering(aten.sym_size.int)
 def _sym_size(L, node, x, dim):
     return int(L.meta(x).shape[dim])
-
-
-@lowering(aten._assert_tensor_metadata.default)
-def _skip(L, node, *args, **kwargs):
-    return None
-
-
-@lowering(aten.to.dtype, aten._to_copy.default)
-def _to(L, node, x, dtype=None, *args, **kwargs):
-    dtype = dtype or kwargs.get("dtype")
-    t = L.tensor(x)
-    if dtype is None or MILDT[dtype] == MILDT[L.dtype_of(x)]:
-        return t
-    return L.mb.cast(x=t, dtype=MILDT[dtype])
-
-
-def _binary(op):
-    def fn(L, node, a, b, *args, **kwargs):
-        dt = L.meta(node).dtype
-        return getattr(L.mb, op)(x=L.tensor(a, dt), y=L.tensor(b, dt))
-
-    return fn
-
-
-lowering(aten.add.Tensor)(_binary("add"))
-lowering(aten.sub.Tensor)(_binary("sub"))
-lowering(aten.mul.Tensor)(_binary("mul"))
-lowering(aten.div.Tensor)(_binary("real_div"))
-
-
-def _unary(op):
-    def fn(L, node, x, *args, **kwargs):
-        return getattr(L.mb, op)(x=L.tensor(x))
-
-    return fn
-
-
-for _t, _op in (
-    (aten.sigmoid.default, "sigmoid"),
-    (aten.cos.default, "cos"),
-    (aten.sin.default, "sin"),
-    (aten.exp.default, "exp"),
-    (aten.softplus.default, "softplus"),
-    (aten.rsqrt.default, "rsqrt"),
-    (aten.silu.default, "silu"),
-):
-    lowering(_t)(_unary(_op))
-
-
-@lowering(aten.neg.default)
-def _neg(L, node, x):
-    return L.mb.mul(x=L.tensor(x), y=np.array(-1, dtype=NP[L.dtype_of(x)]))
 
 
 @lowering(aten.arange.default)
@@ -340,21 +310,9 @@ def _arange(L, node, end, **kwargs):
     return np.arange(int(L.val(end)), dtype=np.int32)
 
 
-@lowering(aten.unsqueeze.default)
-def _unsqueeze(L, node, x, dim):
-    rank = len(L.meta(node).shape)
-    return L.mb.expand_dims(x=L.tensor(x), axes=[dim % rank])
-
-
 @lowering(aten.reshape.default, aten.view.default)
 def _reshape(L, node, x, shape):
     return L.mb.reshape(x=L.tensor(x), shape=np.array(list(L.meta(node).shape), dtype=np.int32))
-
-
-@lowering(aten.cat.default)
-def _cat(L, node, tensors, dim=0):
-    rank = len(L.meta(node).shape)
-    return L.mb.concat(values=[L.tensor(t) for t in tensors], axis=dim % rank)
 
 
 @lowering(aten.slice.Tensor)
@@ -384,12 +342,6 @@ def _select(L, node, x, dim, index):
     return L.mb.slice_by_index(
         x=L.tensor(x), begin=np.array(begin, np.int32), end=np.array(stop, np.int32), squeeze_mask=squeeze
     )
-
-
-@lowering(aten.split_with_sizes.default)
-def _split(L, node, x, sizes, dim=0):
-    rank = len(L.meta(x).shape)
-    return list(L.mb.split(x=L.tensor(x), split_sizes=np.array(sizes, np.int32), axis=dim % rank))
 
 
 @lowering(aten.chunk.default)
@@ -443,11 +395,6 @@ def _layer_norm(L, node, x, shape, weight=None, bias=None, eps=1e-5, *args):
     if bias is not None:
         kw["beta"] = L.tensor(bias)
     return L.mb.layer_norm(x=xv, axes=axes, epsilon=np.array(eps, dtype=_np_of(xv)), **kw)
-
-
-@lowering(operator.getitem)
-def _getitem(L, node, seq, i):
-    return L.val(seq)[i]
 
 
 @lowering(aten.sum.dim_IntList)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
 from deltaship.errors import DeltashipError
-from deltaship.lowering.passes import PassError
+from deltaship.lowering.coreml.lowering import ANE_MAX_DIM, MILLowerer, WeightCache, share_across_functions
+from deltaship.lowering.lowered import Lowered
+from deltaship.lowering.passes import PassError, example_inputs
 from deltaship.progress import heartbeat
 
 PACKAGE = "model.mlpackage"
@@ -30,7 +34,8 @@ def verify_function(tokens: int) -> str:
 MAX_STATE_POSITIONS = 16384  # a KV-cache state longer than this has a dimension the Neural Engine rejects
 
 
-def check_options(precision: str, max_context: int, chunk: int, options: dict) -> None:
+def check_options(precision: str, max_context: int, chunk: int, options) -> None:
+    """The Core ML combinations of `options` (its typed CoreMLOptions) with the precision, context and chunk."""
     if chunk > 64 and chunk % 64 or chunk <= 64 and chunk & (chunk - 1):
         raise DeltashipError(
             f"--prefill-chunk {chunk}: the Core ML prefill chunk must be a power of two up to 64 "
@@ -44,7 +49,7 @@ def check_options(precision: str, max_context: int, chunk: int, options: dict) -
             f"({MAX_STATE_POSITIONS})",
             f"pass --max-context {MAX_STATE_POSITIONS} or less",
         )
-    bits = options.get("coreml_palettize")
+    bits = options.coreml_palettize
     if bits is not None and (precision != "fp16" or int(bits) not in (2, 3, 4, 6, 8)):
         raise DeltashipError(
             f"--coreml-palettize {bits} needs --precision fp16 and 2, 3, 4, 6 or 8 bits (got precision {precision})",
@@ -137,8 +142,6 @@ def _part_states(ctx, start: int, stop: int) -> list[dict]:
 
 
 def _capture_part(part: Part, states: list[dict], tokens: int, hidden: int, dtype) -> torch.export.ExportedProgram:
-    from deltaship.lowering.passes import example_inputs
-
     ids, pos, st = example_inputs(states, tokens)
     inp = ids if part.first else torch.zeros(1, tokens, hidden, dtype=dtype, device="meta")
     return torch.export.export(part, (inp, pos, st), strict=False)
@@ -150,12 +153,12 @@ class StaticCapture:
     name = "static_capture"
 
     def requires(self, ctx) -> None:
-        check_options(ctx.precision, ctx.max_context, int(ctx.options["prefill_chunk"]), ctx.options)
+        check_options(ctx.precision, ctx.max_context, ctx.settings.prefill_chunk, ctx.options)
 
     def run(self, ctx) -> dict[str, int]:
         ctx.states = ctx.model.state_specs(ctx.dtype)
-        chunk = int(ctx.options["prefill_chunk"])
-        budget = int(float(ctx.options["coreml_part_gb"]) * 1e9)  # weights per package
+        chunk = ctx.settings.prefill_chunk
+        budget = int(float(ctx.options.coreml_part_gb) * 1e9)  # weights per package
         ctx.parts = plan_parts(ctx, budget)
         ctx.programs = {}
         for i, (a, b) in enumerate(ctx.parts):
@@ -172,7 +175,6 @@ class StaticCapture:
                     "built for a single package",
                     "raise --coreml-part-gb, export at int8/int4, or drop --mtp",
                 )
-            from deltaship.lowering.passes import example_inputs
 
             verify = VerifyPart(ctx.model)
             for t in verify_sizes(chunk):
@@ -201,11 +203,11 @@ class StaticCapture:
 
 def state_modes(ctx) -> dict[str, str]:
     """name -> "state" (Core ML state, fp16) or "io" (fp32 input/output pair)."""
-    deltanet = ctx.options["coreml_states"]
+    deltanet = ctx.options.coreml_states
     if deltanet not in ("io", "state"):
         raise DeltashipError(f"coreml_states must be 'io' or 'state', got {deltanet!r}", "use io or state")
     modes = {}
-    for s in ctx.states + getattr(ctx, "mtp_states", []):
+    for s in ctx.states + ctx.mtp_states:
         if ctx.precision == "fp32":
             modes[s["name"]] = "io"  # Core ML states are fp16 only: an fp32 build keeps everything exact
         elif s["kind"].startswith("kv_cache"):
@@ -227,9 +229,7 @@ def part_io(ctx, index: int) -> tuple[str, str]:
 
 def build_program(ctx, weights, index: int = 0, wcache=None, progress=None):
     """One package part: both functions in one MIL Program, weights deduplicated across them."""
-    from coremltools.converters.mil.mil import Program
-
-    from deltaship.lowering.coreml.lowering import MILLowerer, WeightCache, share_across_functions
+    from coremltools.converters.mil.mil import Program  # lazy: coremltools
 
     modes = state_modes(ctx)
     wcache = wcache or WeightCache(ctx.plan, weights, ctx.quant, progress)
@@ -265,9 +265,9 @@ def build_program(ctx, weights, index: int = 0, wcache=None, progress=None):
 def palettize(prog, bits: int) -> dict[str, Any]:
     """Replace the linear and embedding weights by n-bit look-up tables (coremltools.optimize), per
     group of 16 output channels, uniform levels (fast and deterministic on 248320-row heads)."""
-    import coremltools.optimize as cto
+    import coremltools.optimize as cto  # lazy: coremltools
     from coremltools.converters.mil.mil.passes.graph_pass import PassOption
-    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY  # lazy: coremltools
 
     op_cfg = cto.coreml.OpPalettizerConfig(
         nbits=int(bits), mode="uniform", granularity="per_grouped_channel", group_size=16, weight_threshold=2048
@@ -283,16 +283,17 @@ def palettize(prog, bits: int) -> dict[str, Any]:
 
 
 def rounded_from_package(
-    paths: list[Path], names: dict[str, tuple[str, str, int]], tied: bool = False
+    package_constants: Callable[[Path], Mapping[str, np.ndarray]],
+    paths: list[Path],
+    names: dict[str, tuple[str, str, int]],
+    tied: bool = False,
 ) -> dict[str, np.ndarray]:
-    """The weight values the saved packages really hold (decompressed), by canonical parameter name."""
-    from deltaship.runtimes.mil_eval import Interpreter, load_program
-
+    """The weight values the saved packages really hold (decompressed), by canonical parameter name.
+    `package_constants` reads a package's constants back (deltaship.runtimes.mil_eval, which the lowering does not
+    import: the target passes it in)."""
     pieces: dict[str, list] = {}
     for path in paths:
-        prog = load_program(path)
-        values = Interpreter(prog)._materialise("decode", prog.functions["decode"])
-        for vname, arr in values.items():
+        for vname, arr in package_constants(path).items():
             name = vname.removesuffix("_palettized")  # what coremltools' compression passes call the result
             if name in names:
                 fqn, form, piece = names[name]
@@ -308,7 +309,6 @@ def rounded_from_package(
 def ane_report(prog) -> dict[str, Any]:
     """Ops likely to leave the Neural Engine (a heuristic from what the ANE is known not to take:
     fp32 compute, dimensions over 16384, and a few op types)."""
-    from deltaship.lowering.coreml.lowering import ANE_MAX_DIM
 
     likely: dict[str, int] = {}
     reasons: dict[str, str] = {}
@@ -350,7 +350,7 @@ def ane_report(prog) -> dict[str, Any]:
 
 def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[str]], index: int = 0) -> dict[str, Any]:
     """The saved package against the manifest: deployment target, functions, inputs, states, outputs."""
-    import coremltools as ct
+    import coremltools as ct  # lazy: coremltools
 
     spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
     problems = []
@@ -360,7 +360,7 @@ def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[s
     if set(funcs) != set(emitted):
         problems.append(f"functions {sorted(funcs)} != {sorted(emitted)}")
     part_states = _part_states(ctx, *ctx.parts[index])
-    draft_states = getattr(ctx, "mtp_states", [])
+    draft_states = ctx.mtp_states
     want_states = {mil_name(s["name"]): s for s in part_states if modes[s["name"]] == "state"}
     for fname, f in funcs.items():
         states_of = draft_states if fname == DRAFT_FUNCTION else part_states
@@ -391,10 +391,18 @@ def check_spec(path: Path, ctx, modes: dict[str, str], emitted: dict[str, list[s
     }
 
 
-def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
-    import coremltools as ct
-
-    from deltaship.lowering.coreml.lowering import WeightCache
+def lower(
+    ctx,
+    weights,
+    out_dir: Path,
+    progress=None,
+    tokens: dict | None = None,
+    *,
+    package_constants: Callable[[Path], Mapping[str, np.ndarray]],
+) -> Lowered:
+    """Write the package(s) for the passes' result; `package_constants` reads a saved package's weights back
+    (for the matched reference of a palettized build)."""
+    import coremltools as ct  # lazy: coremltools
 
     say = progress or (lambda m: None)
     n = len(ctx.parts)
@@ -404,9 +412,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         wcache = WeightCache(ctx.plan, weights, ctx.quant, say)  # per part: only its weights are held
         prog, modes, emitted = build_program(ctx, weights, i, wcache)
         const_names.update(wcache.const_names)
-        if ctx.options.get("coreml_palettize"):
+        if ctx.options.coreml_palettize:
             say(f"palettizing part {i + 1}/{n}")
-            pal = palettize(prog, int(ctx.options["coreml_palettize"]))
+            pal = palettize(prog, int(ctx.options.coreml_palettize))
         reports.append(ane_report(prog))
         say(f"converting part {i + 1}/{n} (coremltools)")
         with heartbeat(say, f"still converting part {i + 1}/{n} (coremltools)"):
@@ -431,9 +439,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
                 "functions": emitted,
             }
         )
-    if ctx.options.get("coreml_palettize"):  # the matched reference reads the values back from the package
+    if ctx.options.coreml_palettize:  # the matched reference reads the values back from the package
         ctx.rounded = rounded_from_package(
-            [out_dir / p["package"] for p in parts], const_names, tied=ctx.spec.tie_word_embeddings
+            package_constants, [out_dir / p["package"] for p in parts], const_names, tied=ctx.spec.tie_word_embeddings
         )
     for s in ctx.states:
         s["mode"] = modes[s["name"]]
@@ -456,12 +464,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         for op, v in r["by_op"].items():
             cur = report["by_op"].setdefault(op, {"count": 0, "reason": v["reason"]})
             cur["count"] += v["count"]
-    return {
-        "files": files,
-        "entry": parts[0]["package"],
+    details = {
         "parts": parts,
-        **({"quantization": pal} if ctx.options.get("coreml_palettize") else {}),
-        "functions": {f: {"tokens": ctx.options["prefill_chunk"] if f == "prefill" else 1} for f in FUNCTIONS},
+        "functions": {f: {"tokens": ctx.settings.prefill_chunk if f == "prefill" else 1} for f in FUNCTIONS},
         "hidden_states": {
             "shape": [1, "T", ctx.spec.hidden_size],
             "dtype": str(ctx.dtype).replace("torch.", ""),
@@ -471,21 +476,25 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "spec_check": {**checks[0], "parts_checked": len(checks)},
         "ane_report": report,
         "compute": "fp32" if ctx.precision == "fp32" else "fp16 (DeltaNet recurrence in fp32)",
-        **({"speculative": speculative_block(ctx, modes, out_dir / PACKAGE)} if _has_mtp(ctx) else {}),
     }
+    return Lowered(
+        files=files,
+        entry=parts[0]["package"],
+        details=details,
+        quantization=pal if ctx.options.coreml_palettize else None,
+        speculative=speculative_block(ctx, modes, out_dir / PACKAGE) if _has_mtp(ctx) else None,
+    )
 
 
 def _has_mtp(ctx) -> bool:
-    return bool(getattr(ctx, "mtp_states", None))
+    return bool(ctx.mtp_states)
 
 
 def blob_sharing(path: Path) -> dict[str, int]:
     """How the package's weight blob is shared: its size, the entries any function's const points at, those
     read by more than one function, and bytes stored twice (distinct entries with identical contents)."""
-    import hashlib
-    import struct
 
-    import coremltools as ct
+    import coremltools as ct  # lazy: coremltools
 
     spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
     users: dict[int, set[str]] = {}
@@ -520,7 +529,7 @@ def speculative_block(ctx, modes: dict[str, str], package: Path) -> dict[str, An
     """The manifest's `speculative` block of a package exported with --mtp (docs/speculative.md)."""
     h, v = ctx.spec.hidden_size, ctx.spec.vocab_size
     hdt = str(ctx.dtype).replace("torch.", "")
-    sizes = verify_sizes(int(ctx.options["prefill_chunk"]))
+    sizes = verify_sizes(ctx.settings.prefill_chunk)
     sharing = blob_sharing(package)
     draft_states = [
         dict(

@@ -16,28 +16,32 @@ the decoder over embeddings with 3-row M-RoPE positions (docs/bundle-format.md "
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deltaship.bundle.vision_io import MASKED_ENCODER_INPUTS, check_patch_counts, vision_function
 from deltaship.errors import DeltashipError
+from deltaship.lowering.coreml.lowering import MILLowerer, WeightCache, share_across_functions, weight_const_name
+from deltaship.lowering.coreml.package import mil_name, state_modes
+from deltaship.lowering.passes import example_inputs as state_inputs
+from deltaship.lowering.passes import rerun_pipeline
 from deltaship.models.qwen3_5_vision import _rotate, load_tower
-from deltaship.models.vision import VisionSpec, VisionWeights
-
-INPUTS = ("pixel_values", "pos_indices", "pos_weights", "rope_cos", "rope_sin", "key_bias")
-PAD_BIAS = -30000.0  # a fp16-safe "minus infinity" (lowering.NEG)
-
-
-def function_name(patches: int) -> str:
-    return f"vision_{patches}"
+from deltaship.models.vision import (
+    PREPROCESSOR_CONFIG,
+    VisionSpec,
+    VisionWeights,
+    check_vision,
+    interleave_mask,
+    write_preprocessor,
+)
 
 
 class MaskedTower(nn.Module):
     """VisionTower.forward with an additive key bias [N] on every attention score row (0: a patch of the image,
-    PAD_BIAS: padding); attention written as matmul / softmax / matmul."""
+    bundle/vision_io.py PAD_BIAS: padding); attention written as matmul / softmax / matmul."""
 
     def __init__(self, tower: nn.Module):
         super().__init__()
@@ -71,8 +75,6 @@ class ModuleWeights:
         self.const_names: dict[str, tuple[str, str, int]] = {}
 
     def named(self, fqn: str, form: str, piece: int | None = None) -> str:
-        from deltaship.lowering.coreml.lowering import weight_const_name
-
         name = weight_const_name("visual." + fqn, form, piece)
         self.const_names[name] = (fqn, form, piece or 0)
         return name
@@ -90,17 +92,6 @@ class ModuleWeights:
         return ("dense", self._arrays[key], None, None)
 
 
-def check_patch_counts(counts: tuple[int, ...]) -> tuple[int, ...]:
-    bad = [n for n in counts if n < 4 or n % 4]
-    if bad or not counts:
-        raise DeltashipError(
-            f"Core ML vision patch counts {list(counts)}: each must be a positive multiple of 4 (whole 2x2 merge "
-            "groups)",
-            "e.g. 256, 1024, 4096",
-        )
-    return tuple(sorted(set(counts)))
-
-
 def example_inputs(spec: VisionSpec, patches: int) -> tuple[Tensor, ...]:
     return (
         torch.zeros(patches, spec.patch_dim),
@@ -114,9 +105,7 @@ def example_inputs(spec: VisionSpec, patches: int) -> tuple[Tensor, ...]:
 
 def build_program(spec: VisionSpec, weights: VisionWeights, patch_counts: tuple[int, ...]):
     """The MIL program: one function per patch count (fp32)."""
-    from coremltools.converters.mil.mil import Program
-
-    from deltaship.lowering.coreml.lowering import MILLowerer, share_across_functions
+    from coremltools.converters.mil.mil import Program  # lazy: coremltools
 
     counts = check_patch_counts(patch_counts)
     tower = MaskedTower(load_tower(spec, weights)).eval()
@@ -125,19 +114,19 @@ def build_program(spec: VisionSpec, weights: VisionWeights, patch_counts: tuple[
     for n in counts:
         with torch.no_grad():
             ep = torch.export.export(tower, example_inputs(spec, n), strict=False)
-        func, _ = MILLowerer(ep, cache, {}, function_name(n), param_prefix="t.").build(
-            list(INPUTS), [], ["image_features"]
+        func, _ = MILLowerer(ep, cache, {}, vision_function(n), param_prefix="t.").build(
+            list(MASKED_ENCODER_INPUTS), [], ["image_features"]
         )
-        prog.add_function(function_name(n), func)
+        prog.add_function(vision_function(n), func)
     share_across_functions(prog)
-    prog.default_function_name = function_name(counts[0])
+    prog.default_function_name = vision_function(counts[0])
     prog.export_as_multifunction = True
     return prog
 
 
 def lower_vision_package(spec: VisionSpec, weights: VisionWeights, path: Path, patch_counts: tuple[int, ...]) -> dict:
     """Write a .mlpackage with functions vision_N (one image of up to N patches each); returns its description."""
-    import coremltools as ct
+    import coremltools as ct  # lazy: coremltools
 
     prog = build_program(spec, weights, patch_counts)
     model = ct.convert(
@@ -147,44 +136,10 @@ def lower_vision_package(spec: VisionSpec, weights: VisionWeights, path: Path, p
     counts = check_patch_counts(patch_counts)
     return {
         "file": Path(path).name,
-        "functions": {str(n): function_name(n) for n in counts},
-        "inputs": list(INPUTS),
+        "functions": {str(n): vision_function(n) for n in counts},
+        "inputs": list(MASKED_ENCODER_INPUTS),
         "max_patches": counts[-1],
     }
-
-
-def padded_inputs(inputs: dict[str, np.ndarray], patch_counts: tuple[int, ...]) -> tuple[str, dict[str, np.ndarray]]:
-    """One image's encoder inputs (models/vision.py encoder_inputs) padded to the smallest enumerated count that
-    holds it: (function name, feeds)."""
-    n = int(inputs["pixel_values"].shape[0])
-    fits = [c for c in check_patch_counts(patch_counts) if c >= n]
-    if not fits:
-        raise DeltashipError(
-            f"an image of {n} patches is over the largest Core ML vision function ({max(patch_counts)} patches)",
-            "resize the image smaller (max_pixels), or export with a larger patch count",
-        )
-    big = fits[0]
-    pad = big - n
-
-    def grow(a: np.ndarray, fill: float) -> np.ndarray:
-        return np.concatenate([a, np.full((pad,) + a.shape[1:], fill, a.dtype)]) if pad else a
-
-    feeds = {
-        "pixel_values": grow(np.asarray(inputs["pixel_values"], np.float32), 0.0),
-        "pos_indices": grow(np.asarray(inputs["pos_indices"], np.int32), 0),
-        "pos_weights": grow(np.asarray(inputs["pos_weights"], np.float32), 0.0),
-        "rope_cos": grow(np.asarray(inputs["rope_cos"], np.float32), 1.0),
-        "rope_sin": grow(np.asarray(inputs["rope_sin"], np.float32), 0.0),
-        "key_bias": np.where(np.arange(big) < n, 0.0, PAD_BIAS).astype(np.float32),
-    }
-    return function_name(big), feeds
-
-
-def encode(interp: Any, inputs: dict[str, np.ndarray], patch_counts: tuple[int, ...]) -> np.ndarray:
-    """Run one image through an evaluated (or Core ML) vision package: merged features [n/4, text hidden]."""
-    fname, feeds = padded_inputs(inputs, patch_counts)
-    out = interp.run(fname, feeds, {})["image_features"]
-    return np.asarray(out, np.float32)[: inputs["pixel_values"].shape[0] // 4]
 
 
 # ---- the multimodal package of a Core ML bundle (export --vision) ---------------------------------------
@@ -258,24 +213,18 @@ def embedding_function(tokens: int) -> str:
     return f"token_embedding_{tokens}"
 
 
-def lower_vision(bundle: Path, source, ctx) -> dict:
+def lower_vision(bundle: Path, source, ctx, pipeline: tuple) -> dict:
     """Beside model.mlpackage (the text-only path, unchanged): multimodal.mlpackage with functions vision_N (one
     image, enumerated patch counts, masked), token_embedding_T (ids -> embeddings; the host splices the image
     features in) and text_decoder_T (embeddings + 3-row M-RoPE positions + position -> logits of the last token)
     for T = the prefill chunk and 1, on io states of its own (an fp32 build); the manifest's `vision` block."""
 
-    import coremltools as ct
+    import coremltools as ct  # lazy: coremltools
     from coremltools.converters.mil.mil import Program
 
-    from deltaship.lowering.coreml.lowering import MILLowerer, WeightCache, share_across_functions
-    from deltaship.lowering.coreml.package import mil_name, state_modes
-    from deltaship.lowering.passes import example_inputs as state_inputs
-    from deltaship.lowering.passes import rerun_pipeline
-    from deltaship.models.vision import PREPROCESSOR_CONFIG, check_vision, interleave_mask, write_preprocessor
-
-    vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
+    vspec, pre, pre_cfg, mrope = check_vision(source, ctx.spec)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
-    ctx2 = rerun_pipeline(ctx)  # the text pipeline again: the decoder to wrap
+    ctx2 = rerun_pipeline(ctx, pipeline)  # the text pipeline again: the decoder to wrap
     if len(ctx2.parts) > 1:
         raise DeltashipError(
             "--vision on Core ML: the decoder needs several packages", "raise --coreml-part-gb or drop --vision"
@@ -285,7 +234,7 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
             "--vision on Core ML: RoPE scaling (YaRN) with M-RoPE is not exported yet",
             "export --target onnx --vision, or a checkpoint without rope scaling",
         )
-    spec, chunk = ctx.spec, int(ctx.options["prefill_chunk"])
+    spec, chunk = ctx.spec, ctx.settings.prefill_chunk
     mask = interleave_mask(tuple(mrope), spec.rotary_dim // 2).astype(np.float32)
     decoder = MRopeDecoder(ctx2.model, mask)
     embedding = TokenEmbedding(ctx2.model)
@@ -317,10 +266,10 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
     for n in counts:
         with torch.no_grad():
             ep = torch.export.export(tower, example_inputs(vspec, n), strict=False)
-        func, _ = MILLowerer(ep, tcache, {}, function_name(n), param_prefix="t.").build(
-            list(INPUTS), [], ["image_features"]
+        func, _ = MILLowerer(ep, tcache, {}, vision_function(n), param_prefix="t.").build(
+            list(MASKED_ENCODER_INPUTS), [], ["image_features"]
         )
-        prog.add_function(function_name(n), func)
+        prog.add_function(vision_function(n), func)
     share_across_functions(prog)
     prog.default_function_name = decoder_function(1)
     prog.export_as_multifunction = True
@@ -339,7 +288,7 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
             "decoder": "text_decoder_T",
         },
         "functions": {
-            "vision": {str(n): function_name(n) for n in counts},
+            "vision": {str(n): vision_function(n) for n in counts},
             "embedding": {str(t): embedding_function(t) for t in sorted({chunk, 1})},
             "decoder": {str(t): decoder_function(t) for t in sorted({chunk, 1})},
         },

@@ -11,9 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltaship.bundle.writer import tool_versions
 from deltaship.errors import DeltashipError
 from deltaship.lowering.executorch.requirements import program_operators, runtime_requirements
+from deltaship.lowering.kv_quant import stored_states
+from deltaship.lowering.lowered import Lowered
 from deltaship.lowering.passes import materialize
+from deltaship.oracle.budget import reference_fits
 from deltaship.progress import heartbeat
 
 PTE_FILE = "model.pte"
@@ -79,14 +83,14 @@ KV_PORTABLE = {
 
 def kv_detail(ctx) -> str:
     """The manifest's note on a KV cache narrower than fp32 (lowering.kv_cache)."""
-    if ctx.kv_quant:
-        packed = ", two 4-bit codes a byte (q + 8; channel 2i low nibble)" if ctx.kv_cache == "int4" else ""
+    if ctx.kv.quantized:
+        packed = ", two 4-bit codes a byte (q + 8; channel 2i low nibble)" if ctx.kv.dtype == "int4" else ""
         return (
-            f"; {ctx.kv_cache} with static per-channel scales{packed}, dequantized to fp32 (one layer at a time) "
+            f"; {ctx.kv.dtype} with static per-channel scales{packed}, dequantized to fp32 (one layer at a time) "
             "for custom_sdpa"
         )
-    if ctx.kv_cache == "fp16" and ctx.dtype == torch.float32:
-        return "; fp16, widened to fp32 (one layer at a time) for custom_sdpa"
+    if ctx.kv.narrower:
+        return f"; {ctx.kv.dtype}, widened to fp32 (one layer at a time) for custom_sdpa"
     return ""
 
 
@@ -264,8 +268,6 @@ def preprocess_shares_weights():
 
     name = "copy_exported_program_for_preprocess"
     if not hasattr(BackendDetails, name):  # the hook of executorch 1.5; without it the copies would be back
-        from deltaship.bundle.writer import tool_versions
-
         raise RuntimeError(
             f"executorch {tool_versions('executorch')['executorch']} has no BackendDetails.{name}: "
             "deltaship's ExecuTorch lowering is written for executorch 1.5.1"
@@ -418,7 +420,7 @@ def metadata(ctx, tokens: dict[str, Any]) -> dict[str, Any]:
     (text_llm_runner.cpp treats it as a sliding window): past the context the program itself fails, in
     llama::update_cache's bounds check (a program without attention layers has no cache to overflow)."""
     eos = tokens.get("eos") or []
-    chunk = int(ctx.options["prefill_chunk"])
+    chunk = ctx.settings.prefill_chunk
     return {
         "get_max_seq_len": min(chunk, ctx.max_context),
         "get_max_context_len": ctx.max_context,
@@ -443,7 +445,7 @@ def prepare(ctx, weights, say=lambda m: None):
         p.requires_grad_(False)
     model.to_empty(device="cpu")  # untouched allocations cost no resident memory
     quantized = ctx.precision in ("int8", "int4")
-    group = int(ctx.options.get("block_size", 32))
+    group = ctx.settings.block_size
     quant: dict[str, Any] = (
         q.describe(ctx.precision, group) if quantized else {"scheme": "none", "weights": ctx.precision}
     )
@@ -480,32 +482,23 @@ def prepare(ctx, weights, say=lambda m: None):
     kernels = ExecuTorchKernels()
     swapped = use_kernels(model, kernels)
     static_conv_weights(model)
-    ctx.states = program_states(ctx.model.state_specs(ctx.dtype))
+    # the KV caches as the plan stores them (fp16, or int8/int4 codes), widened for custom_sdpa
+    ctx.states = stored_states(program_states(ctx.model.state_specs(ctx.dtype)), ctx.kv)
     if getattr(model, "mtp", None) is not None:  # --mtp: the draft head's own KV cache (fp32, never quantized)
         ctx.programs["mtp_states"] = program_states(model.mtp_state_specs(ctx.dtype))
-    if ctx.kv_cache == "fp16":  # --kv-cache fp16 at fp32 activations: fp16 buffers, widened for custom_sdpa
-        ctx.states = [
-            dict(s, dtype="float16") if s["kind"].startswith("kv_cache") and s["dtype"] == "float32" else s
-            for s in ctx.states
-        ]
-    if ctx.kv_quant:  # --kv-cache int8/int4: the scales deltaship/lowering/kv_quant.py calibrated, in [1, 1, Hkv, D]
-        from deltaship.lowering.kv_quant import quantized_states
-
-        ctx.states = quantized_states(ctx.states, ctx.kv_cache)
-        for i, layer in enumerate(model.model.layers):
-            if i in ctx.kv_quant:
-                for kind in ("key", "value"):
-                    s = torch.from_numpy(ctx.kv_quant[i][kind]).transpose(1, 2)
-                    # a fresh tensor: ExecuTorch refuses the zero strides numpy gives the unit axes
-                    layer.mixer.register_buffer(f"{kind[0]}_scale", torch.empty(s.shape).copy_(s))
-    from deltaship.check.verify import reference_fits
-
-    if quantized and ctx.options.get("verify", True) and reference_fits(ctx.spec):
+    # --kv-cache int8/int4: the scales deltaship/lowering/kv_quant.py calibrated, in [1, 1, Hkv, D]
+    for i, layer in enumerate(model.model.layers):
+        if i in ctx.kv_scales:
+            for kind in ("key", "value"):
+                s = torch.from_numpy(ctx.kv_scales[i][kind]).transpose(1, 2)
+                # a fresh tensor: ExecuTorch refuses the zero strides numpy gives the unit axes
+                layer.mixer.register_buffer(f"{kind[0]}_scale", torch.empty(s.shape).copy_(s))
+    if quantized and ctx.settings.verify and reference_fits(ctx.spec):
         ctx.rounded = q.rounded_weights(model)  # only verification needs the dequantized copy
     return model, kernels, quant, swapped
 
 
-def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict[str, Any]:
+def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> Lowered:
     from executorch.devtools.backend_debug import get_delegation_info
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
@@ -514,7 +507,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     say = progress or (lambda m: None)
     model, kernels, quant, swapped = prepare(ctx, weights, say)
     wrapper = ProgramState(model, ctx.states, kernels).eval()
-    chunk = int(ctx.options["prefill_chunk"])
+    chunk = ctx.settings.prefill_chunk
     say("torch.export (dynamic prompt length)")
     t = torch.export.Dim("tokens", min=1, max=chunk)
     example = (torch.zeros(1, min(2, chunk), dtype=torch.long), torch.zeros(1, dtype=torch.long))
@@ -551,10 +544,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
                 if v.non_delegated and op != "aten_index_select_default":
                     portable[op] = max(portable.get(op, 0), int(v.non_delegated))
     check_portable(
-        portable,
-        ctx.kv_cache if ctx.kv_quant else None,
-        2 * len(ctx.kv_quant),
-        ctx.options.get("allow_portable_fallback"),
+        portable, ctx.kv.dtype if ctx.kv_scales else None, 2 * len(ctx.kv_scales), ctx.options.allow_portable_fallback
     )
     say("to_executorch")
     with heartbeat(say, "to_executorch (memory planning, serialization)"):
@@ -571,23 +561,27 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     with open(out_dir / PTE_FILE, "wb") as f:  # segment by segment: no second copy of the program in memory
         prog.write_to_file(f)
     operators, delegates = program_operators(prog.executorch_program)
-    from deltaship.bundle.writer import tool_versions
+    return Lowered(
+        files=[PTE_FILE],
+        entry=PTE_FILE,
+        quantization=quant,
+        speculative=speculative_block(ctx) if speculative else None,
+        details=lower_details(ctx, info, portable, swapped, partitioner.reshapes, chunk, operators, delegates),
+    )
 
+
+def lower_details(ctx, info, portable, swapped, reshapes, chunk, operators, delegates) -> dict[str, Any]:
+    """The manifest's `lowering` block of a .pte."""
     n_layers = ctx.spec.num_layers
-    extra = {"speculative": speculative_block(ctx)} if speculative else {}
     return {
-        **extra,
-        "files": [PTE_FILE],
-        "entry": PTE_FILE,
         "delegate_partitions": int(info.num_delegated_subgraphs),
         "delegate_partitions_per_layer": round(info.num_delegated_subgraphs / n_layers, 2),
         "portable_nodes": portable,
         "kernels_swapped": swapped,
-        "reshapes_inferred": partitioner.reshapes,
+        "reshapes_inferred": reshapes,
         "gated_delta_rule": "llama::gated_delta_rule (ExecuTorch custom op; all T tokens in one call, "
         "a token loop inside the kernel)",
         "kv_cache": "llama::update_cache + llama::custom_sdpa, in place, layout " + "[1, S, Hkv, D]" + kv_detail(ctx),
-        "quantization": quant,
         "prefill": f"1 .. {chunk} tokens per call (dynamic shape)",
         "operators": operators,
         "runtime_requirements": runtime_requirements(operators, delegates, tool_versions("executorch")["executorch"]),

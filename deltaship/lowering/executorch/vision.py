@@ -14,16 +14,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deltaship.bundle.vision_io import ENCODER_INPUTS
 from deltaship.errors import DeltashipError
 from deltaship.lowering.executorch.program import xnnpack_passes_that_apply
 from deltaship.models.qwen3_5_vision import load_tower
-from deltaship.models.vision import VisionSpec, VisionWeights
+from deltaship.models.vision import (
+    PREPROCESSOR_CONFIG,
+    VIDEO_PREPROCESSOR_CONFIG,
+    VisionSpec,
+    VisionWeights,
+    check_vision,
+    interleave_mask,
+    write_preprocessor,
+)
 
 METHOD = "vision_encoder"
 # merged tokens per image an ExecuTorch bundle plans for: 4,096 patches (a 1024 x 1024 image at patch 16, merge 2);
 # attention scores of one block at that bound: heads x 4096^2 floats (0.8 GiB at 12 heads)
 MAX_IMAGE_TOKENS = 1024
-INPUTS = ("pixel_values", "pos_indices", "pos_weights", "rope_cos", "rope_sin")
+INPUTS = ENCODER_INPUTS  # the method's inputs, in order (the runtime feeds the same contract)
 
 
 def example_inputs(spec: VisionSpec, patches: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
@@ -89,8 +98,6 @@ class MRopeRotary(torch.nn.Module):
 
 
 def full_width_select(spec, mrope_section) -> np.ndarray:
-    from deltaship.models.vision import interleave_mask
-
     half = spec.rotary_dim // 2
     mask = interleave_mask(tuple(mrope_section), half)  # [3, half]
     out = np.zeros((3, spec.head_dim), np.float32)
@@ -99,7 +106,7 @@ def full_width_select(spec, mrope_section) -> np.ndarray:
     return out
 
 
-def lower_vision(bundle: Path, source, ctx) -> dict:
+def lower_vision(bundle: Path, source, ctx, pipeline: tuple) -> dict:
     """Beside model.pte: vision.pte with methods vision_encoder (one image) and token_embedding (ids ->
     embeddings; the host splices the image features in), and decoder_mm.pte with text_decoder (embeddings +
     3-row M-RoPE positions + input_pos -> logits, on state buffers of its own); the manifest's `vision` block."""
@@ -110,17 +117,11 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
 
     from deltaship.lowering.executorch.program import ProgramState, prepare
     from deltaship.lowering.passes import rerun_pipeline
-    from deltaship.models.vision import (
-        PREPROCESSOR_CONFIG,
-        VIDEO_PREPROCESSOR_CONFIG,
-        check_vision,
-        write_preprocessor,
-    )
 
-    vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
+    vspec, pre, pre_cfg, mrope = check_vision(source, ctx.spec)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
     # the text program consumed ctx's model: build the decoder again for the multimodal program
-    ctx2 = rerun_pipeline(ctx)  # the text pipeline again: the decoder to wrap
+    ctx2 = rerun_pipeline(ctx, pipeline)  # the text pipeline again: the decoder to wrap
     model, kernels, _, _ = prepare(ctx2, source.weights)
     if getattr(model.model.rotary, "scaled", False):
         raise DeltashipError(
@@ -159,7 +160,7 @@ def lower_vision(bundle: Path, source, ctx) -> dict:
         def forward(self, tokens):
             return self.table(tokens)
 
-    chunk = int(ctx.options["prefill_chunk"])
+    chunk = ctx.settings.prefill_chunk
     t = torch.export.Dim("tokens", min=1, max=chunk)
     h = ctx.spec.hidden_size
     n = min(2, chunk)

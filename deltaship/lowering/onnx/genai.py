@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from deltaship.errors import DeltashipError
+
 GENAI_CONFIG = "genai_config.json"
 MODEL_TYPE = "qwen3_5_text"
 # genai adds to current_sequence_length only the appended tokens before the first pad_token_id, so a pad id that a
@@ -92,8 +94,6 @@ def genai_config(
     tokens = tokens or {}
     eos = list(tokens.get("eos") or spec.eos_token_id or [])
     if not eos:
-        from deltaship.errors import DeltashipError
-
         raise DeltashipError(
             "genai_config.json: the model has no eos token id (config.json eos_token_id, generation_config.json)",
             "set eos_token_id in the checkpoint's config.json",
@@ -167,9 +167,7 @@ def write_genai_config(
     if not ((tokens or {}).get("eos") or ctx.spec.eos_token_id):
         return {"config": None, "unavailable": NO_EOS}
     share = deltanet_states_share_in_place(nodes, ctx.states, in_place)
-    cfg = genai_config(
-        ctx.spec, ctx.states, tokens, ctx.max_context, int(ctx.options["prefill_chunk"]), model_file, share
-    )
+    cfg = genai_config(ctx.spec, ctx.states, tokens, ctx.max_context, ctx.settings.prefill_chunk, model_file, share)
     (Path(out_dir) / GENAI_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
     return {"config": GENAI_CONFIG, "type": MODEL_TYPE, "past_present_share_buffer": share}
 

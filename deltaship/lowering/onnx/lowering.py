@@ -10,20 +10,20 @@ op with no lowering fails the export, naming the op and the node.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 from onnx import TensorProto
 
 from deltaship.errors import DeltashipError
+from deltaship.lowering.aten import GENERIC
 from deltaship.lowering.lowerings import OpLowerings
 from deltaship.lowering.onnx.builder import GraphBuilder
 from deltaship.lowering.weight_plan import WeightPlan
 from deltaship.models import ops as _canonical  # noqa: F401  (registers torch.ops.deltaship.*)
-from deltaship.quant import quantize_matmul_weight
+from deltaship.quant import pack, quantize_blocks, quantize_matmul_weight
 
 aten = torch.ops.aten
 DS = torch.ops.deltaship
@@ -37,6 +37,19 @@ TORCH_TO_ONNX = {
 }
 TORCH_TO_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32}
 INT64_MAX = 2**63 - 1
+# the generic table's elementwise kinds (deltaship/lowering/aten.py) as ONNX ops; rsqrt and silu are composed
+ELEMENTWISE = {
+    "add": "Add",
+    "sub": "Sub",
+    "mul": "Mul",
+    "div": "Div",
+    "neg": "Neg",
+    "sigmoid": "Sigmoid",
+    "cos": "Cos",
+    "sin": "Sin",
+    "exp": "Exp",
+    "softplus": "Softplus",
+}
 ROW_BLOCK = 16384  # tensors with more rows (embedding, LM head) are converted and written in blocks of rows
 
 
@@ -60,15 +73,19 @@ class Lowerer:
         deltanet_ops: str = "standard",
         opset: int = 21,
         lowerings: OpLowerings | None = None,
+        kv_scales: Mapping[int, Mapping[str, Any]] | None = None,
+        rollback: dict[str, str] | None = None,
     ):
+        """kv_scales: an int8/int4 KV cache's static scales by attention layer (deltaship/lowering/kv_quant.py);
+        rollback: {} (--mtp) to have every DeltaNet state's value after the call's first token written to an output
+        rollback.* (named here, {past state name: rollback output}; the caller declares them, model.py)."""
         self.ep, self.plan, self.weights, self.quant = program, plan, weights, quant
         self.lowerings = lowerings if lowerings is not None else LOWERINGS  # a target's own table (export/qnn)
         self.b = builder
         self.accuracy_level = accuracy_level
         self.deltanet_ops = deltanet_ops  # "standard" or "contrib" (see DELTANET_OPS in export/onnx)
-        # {past state name: rollback output}: set to {} (--mtp) to have every DeltaNet state's value after the
-        # call's first token written to an output rollback.* (named here; the caller declares them, model.py)
-        self.rollback: dict[str, str] | None = None
+        self.kv_scales = kv_scales or {}
+        self.rollback = rollback
         self.opset = opset  # 27: DeltaNet in the standard ai.onnx ops (see STANDARD_OPSET in export/onnx/model.py)
         self.progress = progress
         self.env: dict[str, Any] = {}
@@ -186,6 +203,29 @@ class Lowerer:
     def _rows(self, fqn: str, rows: slice) -> np.ndarray:
         return self.plan.tensor(fqn, self.weights, rows)
 
+    # ---- the primitives of the generic aten table (deltaship/lowering/aten.py) -------
+    def value(self, a, dtype: torch.dtype | None = None) -> str:
+        return self.as_tensor(a, dtype)
+
+    def elementwise(self, kind: str, inputs: list[str], dtype: torch.dtype) -> str:
+        if kind == "rsqrt":
+            return self.b.one("Reciprocal", [self.b.one("Sqrt", inputs)])
+        if kind == "silu":
+            return _silu_of(self, inputs[0])
+        return self.b.one(ELEMENTWISE[kind], inputs)
+
+    def cast(self, x: str, src: torch.dtype, dst: torch.dtype | None) -> str:
+        return x if dst is None or dst == src else self.b.one("Cast", [x], to=TORCH_TO_ONNX[dst])
+
+    def expand_dims(self, x: str, axis: int) -> str:
+        return self.b.one("Unsqueeze", [x, self.b.const(np.array([axis], np.int64))])
+
+    def concat(self, values: list[str], axis: int) -> str:
+        return self.b.one("Concat", values, axis=axis)
+
+    def split(self, x: str, sizes: list[int], axis: int) -> list[str]:
+        return self.b.node("Split", [x, self.b.const(np.array(sizes, np.int64))], n_out=len(sizes), axis=axis)
+
     # ---- driver ------------------------------------------------------------------------
     def run(self, input_names: list[str], output_names: list[str]) -> None:
         user = [n for n in self.ep.graph.nodes if n.op == "placeholder" and n.name not in self.param_of]
@@ -221,71 +261,15 @@ class Lowerer:
             self.b.add_output(name, TORCH_TO_ONNX[val.dtype], shape)
 
 
-LOWERINGS = OpLowerings("onnx")
+LOWERINGS = OpLowerings("onnx").include(GENERIC)  # the generic aten ops (deltaship/lowering/aten.py), then ONNX's own
 lowering = LOWERINGS.register
 
 
-# ---- aten ------------------------------------------------------------------------------
+# ---- aten: where ONNX differs (dynamic token counts, weight forms) -------------------------
 @lowering(aten.sym_size.int)
 def _sym_size(L: Lowerer, node, x, dim):
     shape = L.b.one("Shape", [L.as_tensor(x)])
     return Sym(L.b.one("Gather", [shape, L.b.const(np.array(dim, np.int64))], axis=0))
-
-
-@lowering(aten._assert_tensor_metadata.default)
-def _skip(L, node, *args, **kwargs):
-    return None
-
-
-@lowering(aten.to.dtype, aten._to_copy.default)
-def _to(L: Lowerer, node, x, dtype=None, *args, **kwargs):
-    dtype = dtype or kwargs.get("dtype")
-    if dtype is None or dtype == L.dtype_of(x):
-        return L.as_tensor(x)
-    return L.b.one("Cast", [L.as_tensor(x)], to=TORCH_TO_ONNX[dtype])
-
-
-def _binary(op):
-    def fn(L: Lowerer, node, a, b, *args, **kwargs):
-        dt = L.meta(node).dtype
-        return L.b.one(op, [L.as_tensor(a, dt), L.as_tensor(b, dt)])
-
-    return fn
-
-
-lowering(aten.add.Tensor)(_binary("Add"))
-lowering(aten.sub.Tensor)(_binary("Sub"))
-lowering(aten.mul.Tensor)(_binary("Mul"))
-lowering(aten.div.Tensor)(_binary("Div"))
-
-
-def _unary(op):
-    def fn(L: Lowerer, node, x, *args, **kwargs):
-        return L.b.one(op, [L.as_tensor(x)])
-
-    return fn
-
-
-for _t, _op in (
-    (aten.neg.default, "Neg"),
-    (aten.sigmoid.default, "Sigmoid"),
-    (aten.cos.default, "Cos"),
-    (aten.sin.default, "Sin"),
-    (aten.exp.default, "Exp"),
-    (aten.softplus.default, "Softplus"),
-):
-    lowering(_t)(_unary(_op))
-
-
-@lowering(aten.rsqrt.default)
-def _rsqrt(L, node, x):
-    return L.b.one("Reciprocal", [L.b.one("Sqrt", [L.as_tensor(x)])])
-
-
-@lowering(aten.silu.default)
-def _silu(L, node, x):
-    t = L.as_tensor(x)
-    return L.b.one("Mul", [t, L.b.one("Sigmoid", [t])])
 
 
 @lowering(aten.sum.dim_IntList)
@@ -299,21 +283,9 @@ def _arange(L, node, end, **kwargs):
     return L.b.one("Range", [L.b.const(np.array(0, np.int64)), end_t, L.b.const(np.array(1, np.int64))])
 
 
-@lowering(aten.unsqueeze.default)
-def _unsqueeze(L, node, x, dim):
-    rank = len(L.meta(node).shape)
-    return L.b.one("Unsqueeze", [L.as_tensor(x), L.b.const(np.array([dim % rank], np.int64))])
-
-
 @lowering(aten.reshape.default, aten.view.default)
 def _reshape(L, node, x, shape):
     return L.b.one("Reshape", [L.as_tensor(x), L.int_list(shape)])
-
-
-@lowering(aten.cat.default)
-def _cat(L, node, tensors, dim=0):
-    rank = len(L.meta(node).shape)
-    return L.b.one("Concat", [L.as_tensor(t) for t in tensors], axis=dim % rank)
 
 
 @lowering(aten.slice.Tensor)
@@ -342,17 +314,6 @@ def _index_select(L, node, x, dim, index):
 def _select(L, node, x, dim, index):
     rank = len(L.meta(x).shape)
     return L.b.one("Gather", [L.as_tensor(x), L.b.const(np.array(index, np.int64))], axis=dim % rank)
-
-
-@lowering(aten.split_with_sizes.default)
-def _split(L, node, x, sizes, dim=0):
-    rank = len(L.meta(x).shape)
-    return L.b.node("Split", [L.as_tensor(x), L.b.const(np.array(sizes, np.int64))], n_out=len(sizes), axis=dim % rank)
-
-
-@lowering(operator.getitem)
-def _getitem(L, node, seq, i):
-    return L.val(seq)[i]
 
 
 @lowering(aten.embedding.default)
@@ -400,7 +361,6 @@ def _weight_gather_quantized(L: Lowerer, node, q):
     key = (fqn, "gather")
     if key in L._weights:
         return L._weights[key]
-    from deltaship.quant import pack, quantize_blocks
 
     if L.progress:
         L.progress(fqn)
@@ -446,8 +406,15 @@ def _linear(L: Lowerer, node, x, weight, bias=None):
     return L.b.one("MatMul", [L.as_tensor(x), w])
 
 
-# ---- canonical ops -------------------------------------------------------------------------
+# ---- the model file: opset, IR version, file names (model.py and mtp.py write them) ---------
+OPSET = 21
+IR_VERSION = 10  # ONNX Runtime 1.31 reads IR <= 13; onnx 1.23 would write 14 by default
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
 STANDARD_OPSET = 27  # onnx 1.23: ai.onnx LinearAttention and CausalConvWithState (ONNX Runtime >= 1.32)
+
+
+# ---- canonical ops -------------------------------------------------------------------------
 
 
 def _rms(L: Lowerer, x: str, scale: str, eps: float) -> str:
@@ -642,7 +609,7 @@ def _attention(L: Lowerer, node, q, k, v, k_cache, v_cache, pos):
     seqlens_k, total = _attention_lengths(L, L.as_tensor(pos), qp)
     past_k, past_v = L.as_tensor(k_cache), L.as_tensor(v_cache)
     inputs, quant = [qp, kp, vp, past_k, past_v, seqlens_k, total], {}
-    kvq = getattr(L, "kv_quant", {}).get(int(past_k.split(".")[1])) if past_k.startswith("past.") else None
+    kvq = L.kv_scales.get(int(past_k.split(".")[1])) if past_k.startswith("past.") else None
     if kvq:  # int8/int4 cache, static per-channel scales (deltaship/lowering/kv_quant.py)
         inputs += ["", "", "", "", "", L.b.const(kvq["key"]), L.b.const(kvq["value"])]
         quant = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": kvq["bits"]}

@@ -8,22 +8,30 @@ import numpy as np
 import onnx
 import torch
 
+from deltaship.lowering.kv_quant import stored_states
+from deltaship.lowering.lowered import Lowered
+from deltaship.lowering.onnx import mtp
 from deltaship.lowering.onnx.builder import NP_TO_ONNX, GraphBuilder
 from deltaship.lowering.onnx.genai import GENAI_CONFIG, adapt_tokenizer_config, write_genai_config
-from deltaship.lowering.onnx.lowering import LOWERINGS, STANDARD_OPSET, Lowerer
+from deltaship.lowering.onnx.graph_capture import make_capturable
+from deltaship.lowering.onnx.lowering import (
+    DATA_FILE,
+    IR_VERSION,
+    LOWERINGS,
+    MODEL_FILE,
+    OPSET,
+    STANDARD_OPSET,
+    Lowerer,
+)
 
-OPSET = 21
-IR_VERSION = 10  # ONNX Runtime 1.31 reads IR <= 13; onnx 1.23 would write 14 by default
 IR_VERSIONS = {OPSET: IR_VERSION, STANDARD_OPSET: 13}  # the IR each opset was released with (onnx VERSION_TABLE)
 # Weights past this go to model.onnx.data (protobuf cannot hold 2 GB anyway): ONNX Runtime maps that file and unmaps
 # each weight it prepacks, while weights inside model.onnx stay resident beside their prepacked copies
 # (docs/results/memory.md). Small models stay one file.
 EXTERNAL_THRESHOLD = 64 << 20
-MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"
 # How the DeltaNet ops are written. The recurrence is always ONNX Runtime's LinearAttention. Its CPU
 # CausalConvWithState and GatedRMSNorm kernels (ORT 1.31) measured 3x and 14x slower than the same math
-# in standard ops on a 512-token prefill at 0.8B sizes (and slower at one token too; bench/onnx_ops.py),
+# in standard ops on a 512-token prefill at 0.8B sizes (and slower at one token too; bench/runtimes/onnx_ops.py),
 # so "standard" is the default (the onnx_deltanet_ops option, deltaship/targets/onnx.py); "contrib" keeps the
 # fused contrib ops, e.g. for an execution provider that implements them better.
 DELTANET_OPS = {
@@ -319,7 +327,7 @@ def io_outputs(ctx) -> list[dict]:
 
 
 def _quantized_state_io(b: GraphBuilder, states: list[dict]) -> None:
-    """The program declares the KV caches in the activation dtype; a quantized cache (ctx.kv_quant, which
+    """The program declares the KV caches in the activation dtype; a quantized cache (ctx.kv_scales, which
     GroupQueryAttention's quantized-cache attributes read) is int8, or uint8 holding two int4 values."""
     elem = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8}
     by_name = {n: s for s in states if s["dtype"] in elem for n in (s["name"], s["output"])}
@@ -330,10 +338,11 @@ def _quantized_state_io(b: GraphBuilder, states: list[dict]) -> None:
                 vis[i] = onnx.helper.make_tensor_value_info(v.name, elem[s["dtype"]], s["shape"])
 
 
-def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> dict:
+def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> Lowered:
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
-    accuracy_level = int(ctx.options["accuracy_level"])  # MatMulNBits: 4 = int8 activation blocks, 0 = float
-    external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.get("external_data"))
+    ctx.states = stored_states(ctx.states, ctx.kv)  # an int8/int4 KV cache: its codes' dtype and shape
+    accuracy_level = int(ctx.options.accuracy_level)  # MatMulNBits: 4 = int8 activation blocks, 0 = float
+    external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.external_data)
     external = external or "mtp" in ctx.programs  # mtp.onnx reads the shared weights from model.onnx.data
     b = GraphBuilder(out_dir / DATA_FILE if external else None)
     # The program takes position [1] and returns logits [1, V]; the graph's contract is the one
@@ -344,8 +353,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     )
     outputs = [_PROGRAM_LOGITS] + [s["output"] for s in ctx.states]
     outputs += ["logits_rows", "hidden_states"] if speculative else []
-    deltanet_ops = ctx.options["onnx_deltanet_ops"]
-    opset = int(ctx.options.get("onnx_opset") or OPSET)
+    deltanet_ops = ctx.options.onnx_deltanet_ops
+    opset = int(ctx.options.onnx_opset or OPSET)
     _conv_state_layout(ctx.states, opset)
     lw = Lowerer(
         ctx.program,
@@ -357,12 +366,12 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         progress=progress,
         deltanet_ops=deltanet_ops,
         opset=opset,
+        kv_scales=ctx.kv_scales,
+        # --mtp: the DeltaNet states after each call's first token as outputs too (the rollback of a rejected
+        # draft). Not at opset 27: ONNX Runtime 1.32's standard LinearAttention fails on the empty second call of a
+        # one-token step (a Reshape of its function body, checked); those bundles roll back by snapshot only.
+        rollback={} if speculative and opset < STANDARD_OPSET else None,
     )
-    lw.kv_quant = ctx.kv_quant
-    # --mtp: the DeltaNet states after each call's first token as outputs too (the rollback of a rejected draft).
-    # Not at opset 27: ONNX Runtime 1.32's standard LinearAttention fails on the empty second call of a one-token
-    # step (a Reshape of its function body, checked); those bundles roll back by snapshot only.
-    lw.rollback = {} if speculative and opset < STANDARD_OPSET else None
     lw.run(inputs, outputs)
     if lw.rollback is not None:
         _rollback_outputs(b, ctx.states, lw.rollback)
@@ -370,9 +379,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     _genai_io(b, ctx.spec.vocab_size)
     _quantized_state_io(b, ctx.states)
     capture = None
-    if ctx.options.get("onnx_cuda_graph"):  # GQA's lengths and the start position computed on the device
-        from deltaship.lowering.onnx.graph_capture import make_capturable
-
+    if ctx.options.onnx_cuda_graph:  # GQA's lengths and the start position computed on the device
         capture = make_capturable(b, ctx.max_context, CURRENT_LENGTH, _PROGRAM_POSITION, _LENGTH_NODES[0])
     b.finish(
         out_dir / MODEL_FILE,
@@ -398,13 +405,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         app_runtimes["onnxruntime-genai"] = f"unavailable: {genai['unavailable']}"
         if callable(progress):
             progress(f"no {GENAI_CONFIG}: {genai['unavailable']} (onnxruntime-genai cannot run this bundle)")
-    return {
-        "files": [MODEL_FILE]
-        + ([GENAI_CONFIG] if genai["config"] else [])
-        + ([DATA_FILE] if external else [])
-        + (drafts["files"] if drafts else []),
-        "entry": MODEL_FILE,
-        **({"speculative": drafts} if drafts else {}),
+    details = {
         **({"cuda_graph": capture} if capture else {}),
         "onnx_ops": ops,
         "external_data": external,
@@ -412,20 +413,27 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "ir_version": IR_VERSIONS[opset],
         "conv_state_layout": CONV_STATE_LAYOUT[opset],
         **({"runtime_requirements": dict(STANDARD_RUNTIME)} if standard else {}),
-        **({"app_runtimes": app_runtimes} if app_runtimes else {}),
         "accuracy_level": accuracy_level,
         "weight_bytes": b.weight_bytes,
-        "state_in_place": in_place,
         "genai": genai,
         "deltanet_ops": {"mode": mode, **DELTANET_OPS[mode]},
     }
+    return Lowered(
+        files=[MODEL_FILE]
+        + ([GENAI_CONFIG] if genai["config"] else [])
+        + ([DATA_FILE] if external else [])
+        + (drafts["files"] if drafts else []),
+        entry=MODEL_FILE,
+        details=details,
+        state_in_place=in_place,
+        app_runtimes=app_runtimes or None,
+        speculative=drafts,
+    )
 
 
 __all__ = ["lower", "io_inputs", "io_outputs", "adapt_tokenizer_config", "LOWERINGS", "MODEL_FILE"]
 
 
 def _speculative(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress, b, rollback) -> dict:
-    from deltaship.lowering.onnx import mtp
-
     mtp.add_verify_io(out_dir / MODEL_FILE, ctx.spec)
     return mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b, rollback)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper, numpy_helper
 
 from deltaship.lowering.onnx.builder import NP_TO_ONNX, GraphBuilder
-from deltaship.lowering.onnx.lowering import Lowerer
+from deltaship.lowering.onnx.lowering import DATA_FILE, IR_VERSION, MODEL_FILE, OPSET, Lowerer
 
 MTP_FILE = "mtp.onnx"
 MTP_DATA_FILE = "mtp.onnx.data"
@@ -94,7 +95,6 @@ def add_verify_io(path: Path, spec) -> None:
     about one at every session start, in every app) and not an optional-typed input (onnxruntime-genai reads every
     input's tensor type and crashes on one): a plain int64 input named as the one genai feeds itself, with 0.
     Done on the file, after the decoder's lowering wrote it (its weights stay where they are)."""
-    from onnx import TensorProto, helper, numpy_helper
 
     model = onnx.load(str(path), load_external_data=False)
     g = model.graph
@@ -143,7 +143,6 @@ def lower_mtp(
     """Write mtp.onnx (the MTP head: draft logits from the trunk's hidden states and the next tokens); return its
     manifest's `speculative` block (its `files` are mtp.onnx's). rollback: the decoder's rollback outputs by DeltaNet
     state (None: the graph has none)."""
-    from deltaship.lowering.onnx.model import DATA_FILE, IR_VERSION, MODEL_FILE, OPSET
 
     program, states = ctx.programs["mtp"]
     if main.external is None:

@@ -21,8 +21,9 @@ from deltaship.lowering.onnx.model import multimodal_io
 from deltaship.models.vision import Preprocessor, VisionSpec
 
 
-def lower_vision(bundle: Path, source, ctx) -> dict[str, Any]:
-    if ctx.options.get("onnx_cuda_graph"):
+def lower_vision(bundle: Path, source, ctx, pipeline: tuple) -> dict[str, Any]:
+    """`pipeline`: the target's passes (unused here: the ONNX decoder_mm.onnx is derived from model.onnx)."""
+    if ctx.options.onnx_cuda_graph:
         raise DeltashipError(
             "--onnx-cuda-graph rewrites the text decoder only; decoder_mm.onnx (--vision) is derived from the "
             "plain graph",

@@ -332,9 +332,9 @@ def build_embedding(bundle: Path, image_token_ids: list[int], hidden: int, elem:
 def lower_vision(bundle: Path, source, ctx) -> dict[str, Any]:
     """Write the multimodal graphs and preprocessor_config.json into the bundle; return the manifest's
     `vision` block."""
-    from deltaship.models.qwen3_5 import rotary_inv_freq
+    from deltaship.models.qwen3_5 import rotary_inv_freq  # lazy: torch
 
-    vspec, pre, pre_cfg, mrope = check_vision(source, ctx)
+    vspec, pre, pre_cfg, mrope = check_vision(source, ctx.spec)
     spec = ctx.spec
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
     dtype = np.float16 if ctx.precision == "fp16" else np.float32  # as model.onnx's activations

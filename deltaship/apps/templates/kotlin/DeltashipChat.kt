@@ -31,7 +31,11 @@ class DeltashipChat(
     val thinking: Boolean = true,
     private val pieces: ChatPieces = KitSpec.CHAT ?: error("this bundle has no chat template: the kit has no chat"),
 ) {
-    private class Turn(val messagesBefore: Int, var before: Checkpoint? = null, var beforeReply: Checkpoint? = null)
+    private class Turn(val messagesBefore: Int, var before: Checkpoint? = null, var beforeReply: Checkpoint? = null,
+                       var idsBeforeReply: Int = 0)
+
+    /** The bundle as saved sessions name it: sha256 of manifest.json, of its files' list, and its target. */
+    private val identity: Triple<String, String, String> by lazy { bundleIdentity(model.bundleDir, pieces.promptCacheFile) }
 
     val messages = ArrayList<Message>()
     private val turns = ArrayList<Turn>()
@@ -76,6 +80,7 @@ class DeltashipChat(
         val name = pieces.promptCacheFile ?: return false
         val saved = readSession(safePath(bundleDir, name).readBytes())
         val meta = saved.meta
+        checkIdentity(meta)
         if (system == null || meta.optString("system") != system || meta.getJSONObject("template_kwargs").length() != (if (thinking) 0 else 1)) return false
         val cachedIds = (0 until meta.getJSONArray("ids").length()).map { meta.getJSONArray("ids").getInt(it) }
         if (cachedIds != renderIds(messages, false)) return false
@@ -149,6 +154,7 @@ class DeltashipChat(
             logits = model.prefill(target.subList(ids.size, target.size).toIntArray())
             ids.addAll(target.subList(ids.size, target.size))
         }
+        turn.idsBeforeReply = ids.size
         val out = ArrayList<Int>()
         var stopped = "length"
         while (out.size < maxNewTokens) {
@@ -174,16 +180,22 @@ class DeltashipChat(
 
     /**
      * The conversation as bytes (a file, or a database blob): safetensors (8-byte little-endian header length,
-     * JSON header, raw data) with tensors `state/<input>` (every state whole) and `checkpoint/<i>/<input>`, and the
-     * metadata (position, ids, messages, checkpoints, each tensor's sha256) as in deltaship's saved chat sessions.
+     * JSON header, raw data) with tensors `state/<input>` (the DeltaNet states whole, each KV cache cut to the
+     * position) and `checkpoint/<i>/<input>`, and the metadata (the bundle's identity, position, ids, messages,
+     * checkpoints, each tensor's sha256): deltaship's saved chat sessions, which its Python `Chat.load` reads.
      */
     fun save(): ByteArray {
         val tensors = LinkedHashMap<String, Pair<StateSpec, ByteArray>>()
-        for (s in KitSpec.STATES) tensors["state/${s.input}"] = s to model.stateBytes(s)
+        val shapes = HashMap<String, List<Long>>()
+        for (s in KitSpec.STATES) {
+            val (shape, bytes) = cutToPosition(s, model.stateBytes(s), model.position)
+            tensors["state/${s.input}"] = s to bytes
+            shapes["state/${s.input}"] = shape
+        }
         val checkpoints = JSONArray()
         var last: JSONObject? = null
         turns.lastOrNull()?.let { t ->
-            last = JSONObject().put("messages_before", t.messagesBefore)
+            last = JSONObject().put("messages_before", t.messagesBefore).put("ids_before_reply", t.idsBeforeReply)
             for ((key, cp) in listOf("before" to t.before, "before_reply" to t.beforeReply)) {
                 if (cp == null || !model.canRestore(cp)) { last!!.put(key, JSONObject.NULL); continue }
                 for (s in KitSpec.STATES.filter { it.checkpoint }) tensors["checkpoint/${checkpoints.length()}/${s.input}"] = s to cp.states.getValue(s.input)
@@ -193,9 +205,12 @@ class DeltashipChat(
         }
         val described = JSONObject()
         for ((name, v) in tensors) {
-            described.put(name, JSONObject().put("dtype", v.first.dtype.name.lowercase()).put("shape", JSONArray(v.first.shape.toList())).put("sha256", sha256(v.second)))
+            val shape = shapes[name] ?: v.first.shape.toList()
+            described.put(name, JSONObject().put("dtype", v.first.dtype.name.lowercase()).put("shape", JSONArray(shape)).put("sha256", sha256(v.second)))
         }
-        val meta = JSONObject().put("format", FORMAT).put("version", 1).put("position", model.position)
+        val meta = JSONObject().put("format", FORMAT).put("version", 1)
+            .put("bundle", JSONObject().put("files_sha256", identity.second).put("target", identity.third))
+            .put("position", model.position)
             .put("ids", JSONArray(ids)).put("system", system ?: JSONObject.NULL)
             .put("template_kwargs", if (thinking) JSONObject() else JSONObject().put("enable_thinking", false))
             .put("messages", JSONArray(messages.map { JSONObject().put("role", it.role).put("content", it.content) }))
@@ -204,7 +219,7 @@ class DeltashipChat(
         val header = JSONObject().put("__metadata__", JSONObject().put("deltaship_chat", metaText).put("deltaship_chat_sha256", sha256(metaText.toByteArray())))
         var offset = 0L
         for ((name, v) in tensors) {
-            header.put(name, JSONObject().put("dtype", ST_DTYPES.getValue(v.first.dtype)).put("shape", JSONArray(v.first.shape.toList()))
+            header.put(name, JSONObject().put("dtype", ST_DTYPES.getValue(v.first.dtype)).put("shape", JSONArray(shapes[name] ?: v.first.shape.toList()))
                 .put("data_offsets", JSONArray(listOf(offset, offset + v.second.size))))
             offset += v.second.size
         }
@@ -219,6 +234,7 @@ class DeltashipChat(
     fun load(bytes: ByteArray) {
         val saved = readSession(bytes)
         val meta = saved.meta
+        checkIdentity(meta)
         val position = meta.getInt("position")
         val states = wholeStates(saved, position)
         reset()
@@ -235,7 +251,26 @@ class DeltashipChat(
             val data = KitSpec.STATES.filter { it.checkpoint }.associate { it.input to saved.tensors.getValue("checkpoint/$i/${it.input}") }
             return model.checkpointOf(meta.getJSONArray("checkpoints").getJSONObject(i).getInt("position"), data)
         }
-        turns.add(Turn(last.getInt("messages_before"), cp("before"), cp("before_reply")))
+        turns.add(Turn(last.getInt("messages_before"), cp("before"), cp("before_reply"), last.optInt("ids_before_reply")))
+    }
+
+    /** The session names this bundle: its manifest's sha256 (a Python save), or its files' (this kit's, a prompt cache). */
+    private fun checkIdentity(meta: JSONObject) {
+        val b = meta.optJSONObject("bundle")
+        require(b != null && (b.optString("manifest_sha256") == identity.first || b.optString("files_sha256") == identity.second)) {
+            "saved chat: saved with another bundle; load it with the bundle it was saved with; nothing was loaded"
+        }
+    }
+
+    // a KV cache (a state with an axis of the context's length, the first after the batch) cut to the position
+    private fun cutToPosition(s: StateSpec, data: ByteArray, position: Int): Pair<List<Long>, ByteArray> {
+        val axis = if (s.checkpoint) null else (1 until s.shape.size).firstOrNull { s.shape[it] == KitSpec.MAX_CONTEXT.toLong() }
+        if (axis == null) return s.shape.toList() to data
+        val outer = s.shape.take(axis).fold(1L) { a, b -> a * b }.toInt()
+        val row = (s.shape.drop(axis + 1).fold(1L) { a, b -> a * b } * s.dtype.bytes).toInt()
+        val cut = ByteArray(outer * position * row)
+        for (o in 0 until outer) System.arraycopy(data, o * KitSpec.MAX_CONTEXT * row, cut, o * position * row, position * row)
+        return s.shape.toList().toMutableList().also { it[axis] = position.toLong() } to cut
     }
 
     private class Saved(val meta: JSONObject, val tensors: Map<String, ByteArray>)
@@ -289,6 +324,22 @@ class DeltashipChat(
         const val KEEP_TURNS = 16
         private val ST_DTYPES = mapOf(DType.FLOAT32 to "F32", DType.FLOAT16 to "F16", DType.INT8 to "I8", DType.UINT8 to "U8",
             DType.INT32 to "I32", DType.INT64 to "I64")
+
+        /** sha256 of manifest.json; of the compact JSON list [[path, sha256], ...] of its files, sorted, the prompt
+         *  cache left out (deltaship/chat/store.py files_identity); and the bundle's target. */
+        fun bundleIdentity(bundleDir: File, promptCache: String?): Triple<String, String, String> {
+            val raw = safePath(bundleDir, "manifest.json").readBytes()
+            val manifest = JSONObject(String(raw))
+            val files = manifest.getJSONObject("files")
+            val rows = files.keys().asSequence().filter { it != promptCache }.sorted().map { path ->
+                val sha = files.getJSONObject(path).getString("sha256")
+                require(Regex("[A-Za-z0-9._+@=/-]+").matches(path) && Regex("[0-9a-f]{64}").matches(sha)) {
+                    "manifest.json lists \"$path\" with characters deltaship never writes, or a malformed sha256"
+                }
+                "[\"$path\",\"$sha\"]"
+            }
+            return Triple(sha256(raw), sha256(rows.joinToString(",", "[", "]").toByteArray()), manifest.getString("target"))
+        }
 
         fun sha256(bytes: ByteArray): String = MessageDigest.getInstance("SHA-256").digest(bytes).joinToString("") { "%02x".format(it) }
 

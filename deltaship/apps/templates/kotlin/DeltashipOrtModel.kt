@@ -42,7 +42,7 @@ interface TextTokenizer {
  * and the position (tokens the state holds); every `present.*` output is the next call's `past.*`
  * input. Not thread-safe: one generation at a time, off the main thread.
  */
-class DeltashipOrtModel(bundleDir: File, options: OrtSession.SessionOptions = OrtSession.SessionOptions()) :
+class DeltashipOrtModel(val bundleDir: File, options: OrtSession.SessionOptions = OrtSession.SessionOptions()) :
     AutoCloseable {
     private val env = OrtEnvironment.getEnvironment()
     private val session = env.createSession(safePath(bundleDir, KitSpec.MODEL_FILE).path, options)

@@ -1,0 +1,357 @@
+"""Where a deltaship ONNX session's memory goes, step by step, measured in fresh processes.
+
+    python bench/memory/memory_split.py BUNDLE [BUNDLE ...] [--variants default,no-prepack,...] [--rounds 2]
+        [--prompt 512] [--gen 32] [--threads 2] [--json bench/results/memory-split.json]
+
+Each (bundle, variant) runs in its own process (`--worker`), which records after every step its VmRSS,
+VmHWM (the peak so far), /proc/self/smaps_rollup (Rss, Pss, Anonymous, Pss_File, Pss_Anon) and, from
+/proc/self/smaps, the resident bytes of the bundle's external data file (weights mapped from disk) and
+of the ONNX Runtime library. Steps: bare Python, `import numpy`, `import onnxruntime`, the deltaship
+runtime's imports, the ONNX Runtime session (weights as loaded, prepacked copies), deltaship's session
+around it (state buffers, IOBinding), a warmup prefill, a `--prompt`-token prefill (arena growth:
+attention scores, MLP activations), `--gen` decode steps. A variant is a set of ONNX Runtime session
+options added on top of deltaship's own (`deltaship.runtimes.onnx_io.session_options`); rounds alternate the
+variants, and prefill/decode times are kept so that each variant's speed is compared with the default's
+in the same run (ratios, not absolute numbers: the machine may be shared).
+ONNX Runtime's Python API has no allocator statistics (the C API's AllocatorGetStats is not exposed), so
+the arena is seen through RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# name -> ONNX Runtime session settings on top of deltaship's: ("config", key, value) entries or
+# ("attr", SessionOptions attribute, value)
+VARIANTS: dict[str, list[tuple[str, str, object]]] = {
+    "default": [],
+    "no-prepack": [("config", "session.disable_prepacking", "1")],
+    "no-arena": [("attr", "enable_cpu_mem_arena", False)],
+    "no-mem-pattern": [("attr", "enable_mem_pattern", False)],
+    # deltaship's session as it was before: prefill calls without arena shrinkage, mapped pages kept
+    "no-shrink": [("deltaship", "prefill_run_config", False)],
+    "main": [("deltaship", "prefill_run_config", False), ("deltaship", "release_mapped_pages", False)],
+    "no-arena-no-pattern": [("attr", "enable_cpu_mem_arena", False), ("attr", "enable_mem_pattern", False)],
+    "env-allocators": [("config", "session.use_env_allocators", "1")],
+    "no-folding": [("config", "optimization.disable_specified_optimizers", "ConstantFolding")],
+    # deltaship's session as it was before it released the mapped weight pages after loading
+    "keep-mapped": [("deltaship", "release_mapped_pages", False)],
+    "no-folding-keep-mapped": [
+        ("config", "optimization.disable_specified_optimizers", "ConstantFolding"),
+        ("deltaship", "release_mapped_pages", False),
+    ],
+    # an arena registered in the environment that grows by what is asked, not by doubling (kSameAsRequested)
+    "arena-same-as-requested": [
+        ("env_arena", "arena_extend_strategy", 1),
+        ("config", "session.use_env_allocators", "1"),
+    ],
+    "device-init": [("config", "session.use_device_allocator_for_initializers", "1")],
+    "device-init-no-pattern": [
+        ("config", "session.use_device_allocator_for_initializers", "1"),
+        ("attr", "enable_mem_pattern", False),
+    ],
+    "device-init-no-arena": [
+        ("config", "session.use_device_allocator_for_initializers", "1"),
+        ("attr", "enable_cpu_mem_arena", False),
+    ],
+}
+
+
+def status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def rollup() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("Rss", "Pss", "Pss_Anon", "Pss_File", "Anonymous"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def mapped_rss(names: dict[str, str]) -> dict[str, int]:
+    """Resident bytes of the mappings whose path contains each needle (label -> needle)."""
+    out = dict.fromkeys(names, 0)
+    cur = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=5)
+            if len(first) >= 5 and "-" in first[0] and not line.startswith(("Rss", "Pss")):
+                path = first[5].strip() if len(first) > 5 else ""
+                cur = next((label for label, needle in names.items() if needle and needle in path), None)
+            elif cur and line.startswith("Rss:"):
+                out[cur] += int(line.split()[1]) * 1024
+    return out
+
+
+def worker(a) -> int:
+    import numpy as np  # noqa: F401  (step 2; imported here so that step 1 is bare Python)
+
+    steps: list[dict] = []
+    needles: dict[str, str] = {"weights_file": "", "ort_library": "libonnxruntime"}
+
+    def step(name: str, **extra) -> None:
+        steps.append({"step": name, **status(), **rollup(), **mapped_rss(needles), **extra})
+
+    # bare Python was recorded by the caller's argv handling below; numpy is already in
+    step("import numpy")
+    import onnxruntime  # noqa: F401
+
+    step("import onnxruntime")
+    import deltaship.runtimes.onnx as onnx_rt
+    from deltaship.bundle.reader import read_manifest
+    from deltaship.targets import open_bundle
+
+    step("import deltaship runtime")
+    bundle = Path(a.bundle)
+    manifest = read_manifest(bundle)
+    data = sorted(f.name for f in bundle.iterdir() if f.suffix == ".data")  # the external data file, if any
+    needles["weights_file"] = str(bundle.resolve() / data[0]) if data else ""
+    settings = VARIANTS[a.variant]
+
+    base_options = onnx_rt.session_options
+
+    def options(ort, *args, **kw):
+        opts = base_options(ort, *args, **kw)
+        for kind, key, value in settings:
+            if kind in ("env_arena", "deltaship"):
+                continue
+            if kind == "config":
+                opts.add_session_config_entry(key, str(value))
+            else:
+                setattr(opts, key, value)
+        return opts
+
+    onnx_rt.session_options = options  # the name OnnxSession calls
+    for kind, key, value in settings:
+        if kind == "deltaship" and key == "release_mapped_pages" and not value:
+            onnx_rt.release_mapped_pages = lambda data_file: 0
+        if kind == "deltaship" and key == "prefill_run_config" and not value:
+            onnx_rt.PREFILL_RUN_CONFIG = {}
+        if kind == "env_arena":  # max_mem 0 (no cap), strategy, default initial chunk, default dead bytes
+            info = onnxruntime.OrtMemoryInfo(
+                "Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, onnxruntime.OrtMemType.DEFAULT
+            )
+            onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, int(value), -1, -1))
+    ort_session = onnxruntime.InferenceSession
+
+    class Recorded(ort_session):  # the ONNX Runtime session alone, before deltaship's buffers
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            step("onnxruntime session")
+
+    onnxruntime.InferenceSession = Recorded
+    t0 = time.monotonic()
+    s = open_bundle(bundle, threads=a.threads, check_hashes=False, prefill_chunk=a.prefill_chunk)
+    load_s = time.monotonic() - t0
+    state_bytes = sum(int(np.prod(st["shape"])) * np.dtype(st["dtype"]).itemsize for st in manifest["states"])
+    step("deltaship session (states, IOBinding)", load_s=load_s, state_bytes_one_copy=state_bytes)
+    rng = np.random.default_rng(0)
+    s.reset()
+    s.prefill(rng.integers(0, min(1000, s.vocab_size), 16).tolist())
+    step("warmup prefill 16")
+    ids = rng.integers(0, min(1000, s.vocab_size), a.prompt).tolist()
+    s.reset()
+    t0 = time.monotonic()
+    logits = s.prefill(ids)
+    prefill_s = time.monotonic() - t0
+    step(f"prefill {a.prompt}", prefill_s=prefill_s)
+    s.reset()  # a second prompt of the same length, as every chat's next turn: what the first left must be reused
+    t0 = time.monotonic()
+    logits = s.prefill(ids)
+    step(f"prefill {a.prompt} again", prefill_again_s=time.monotonic() - t0)
+    tok = int(np.argmax(logits))
+    stamps = []
+    for _ in range(a.gen):
+        stamps.append(time.monotonic())
+        tok = int(np.argmax(s.decode(tok)))
+    stamps.append(time.monotonic())
+    tpot = (stamps[-1] - stamps[1]) / (a.gen - 1)
+    step(f"decode {a.gen}", tpot_s=tpot)
+    print(json.dumps({"steps": a.first + steps, "prefill_s": prefill_s, "tpot_s": tpot, "load_s": load_s}))
+    return 0
+
+
+def run_worker(bundle: str, variant: str, a) -> dict:
+    cmd = [sys.executable, __file__, "--worker", bundle, "--variant", variant, "--threads", str(a.threads)]
+    cmd += ["--prompt", str(a.prompt), "--gen", str(a.gen)]
+    if a.prefill_chunk:
+        cmd += ["--prefill-chunk", str(a.prefill_chunk)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{bundle} {variant}: worker died ({out.returncode}): {out.stderr[-800:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+GIB = 1 << 30
+
+
+def table(bundle: str, variant: str, res: dict) -> str:
+    lines = [
+        f"\n{bundle} [{variant}]",
+        f"{'step':40s} {'RSS':>7s} {'peak':>7s} {'anon':>7s} {'weights':>8s} {'PSS':>7s}",
+    ]
+    prev = 0
+    for st in res["steps"]:
+        rss = st["VmRSS"]
+        lines.append(
+            f"{st['step']:40s} {rss / GIB:7.3f} {st['VmHWM'] / GIB:7.3f} {st.get('RssAnon', 0) / GIB:7.3f} "
+            f"{st.get('weights_file', 0) / GIB:8.3f} {st.get('Pss', 0) / GIB:7.3f}  (+{(rss - prev) / GIB:.3f})"
+        )
+        prev = rss
+    return "\n".join(lines)
+
+
+def _sizes(source: str, target: str, precision: str, context: int, chunk: int) -> dict:
+    """The plan's stored weights, activation formula and states for a bundle's model and workload."""
+    from deltaship.devices.plan import activation_bytes, state_bytes, weight_bytes
+    from deltaship.models.source import load_source
+
+    spec = load_source(source).spec
+    return {
+        "w": weight_bytes(spec, target, precision),
+        "act": activation_bytes(spec, target, precision, context, chunk, all_layers=True),
+        "states": state_bytes(spec, target, precision, context),
+    }
+
+
+def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str) -> str:
+    """deltaship/devices/memory_terms.toml. Per (target, precision): the weights factor (resident bytes per stored
+    byte once the session is open) and the activation factor (a prefill chunk's growth over the plan's
+    activation_bytes, states apart) from the split runs of the largest model; then the runtime term from
+    `deltaship profile --json` documents of the small model (its measured peak less the other terms), so that the
+    plan meets the measured peak at both sizes. A precision measured only small takes the factors of the target's
+    nearest measured precision (fp16 -> fp32, int8 -> int4)."""
+    from deltaship.bundle.reader import read_manifest
+
+    factors: dict[tuple[str, str], tuple] = {}
+    for p in splits:
+        for run in json.loads(p.read_text())["runs"]:
+            if run["variant"] != "default":
+                continue
+            m = read_manifest(run["bundle"])
+            steps = {st["step"]: st for st in run["steps"]}
+            pre = steps["import deltaship runtime"]["VmRSS"]
+            sess = steps["deltaship session (states, IOBinding)"]["VmRSS"]
+            chunk = min(run.get("prompt", 512), m["prefill_chunk"])
+            z = _sizes(m["source"]["model"], m["target"], m["precision"], m["max_context"], chunk)
+            wf = (sess - pre) / z["w"]
+            lf = (steps["deltaship session (states, IOBinding)"]["VmHWM"] - pre) / z["w"]
+            # the prefill's growth: the peak after the session less the session, where the peak came after loading
+            # (the arena gives its regions back after each prefill, so RSS afterwards does not show it)
+            peak, at_load = run["steps"][-1]["VmHWM"], steps["deltaship session (states, IOBinding)"]["VmHWM"]
+            af = max(0.0, peak - sess - z["states"]) / z["act"] if peak > at_load else None
+            factors[(m["target"], m["precision"])] = (wf, af, lf, f"{m['source']['model']} {m['precision']}")
+    lines = [
+        "# Memory terms of `deltaship plan`, measured: bench/memory/memory_split.py --fit (docs/results/memory.md).",
+        "# runtime_bytes: the process before any weight; weights_factor: resident bytes per stored weight byte once",
+        "# loaded; activation_factor: a prefill chunk's measured growth over the plan's activation formula;",
+        "# load_factor: the peak while loading per stored weight byte (originals and prepacked copies at once).",
+        "[machine]",
+        f'name = "{machine}"',
+        f'date = "{time.strftime("%Y-%m-%d", time.gmtime())}"',
+        "",
+    ]
+    for p in profiles:
+        doc = json.loads(p.read_text())
+        b = doc["bundle"]
+        key = (b["target"], b["precision"])
+        near = (b["target"], {"fp16": "fp32", "int8": "int4"}.get(b["precision"], b["precision"]))
+        wf, af, lf, src = factors.get(key) or factors[near]
+        if af is None:  # the load peak hid the prefill's: the activation factor of another precision of the target
+            af = next(f[1] for (t, _), f in sorted(factors.items()) if t == b["target"] and f[1] is not None)
+        peak = next(r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes")
+        chunk = min(max(doc["config"]["prompt_lengths"]), b["prefill_chunk"])
+        z = _sizes(b["source"], b["target"], b["precision"], b["max_context"], chunk)
+        runtime = peak - max(wf * z["w"] + z["states"] + af * z["act"], lf * z["w"])
+        lines += [
+            f"[{b['target']}.{b['precision']}]",
+            f"runtime_bytes = {int(runtime)}",
+            f"weights_factor = {wf:.4f}",
+            f"activation_factor = {af:.4f}",
+            f"load_factor = {lf:.4f}",
+            f'from = "factors: {src}; runtime: {b["source"]} {b["precision"]} profile peak"',
+            "",
+        ]
+    text = "\n".join(lines)
+    out.write_text(text)
+    return text
+
+
+def main() -> int:
+    if "--fit" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--fit", nargs="+", type=Path, help="split runs (--json outputs)")
+        ap.add_argument("--profiles", nargs="+", type=Path, required=True, help="deltaship profile --json documents")
+        ap.add_argument(
+            "--write-terms", type=Path, default=Path(__file__).parents[2] / "deltaship/devices/memory_terms.toml"
+        )
+        ap.add_argument("--machine", required=True)
+        a = ap.parse_args()
+        print(fit_terms(a.fit, a.profiles, a.write_terms, a.machine))
+        return 0
+    if "--worker" in sys.argv:  # record bare Python before anything else is imported
+        first = [{"step": "python", **status(), **rollup()}]
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--worker", dest="bundle")
+        ap.add_argument("--variant", default="default")
+        ap.add_argument("--threads", type=int, default=2)
+        ap.add_argument("--prompt", type=int, default=512)
+        ap.add_argument("--gen", type=int, default=32)
+        ap.add_argument("--prefill-chunk", type=int)
+        a = ap.parse_args()
+        a.first = first
+        return worker(a)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundles", nargs="+")
+    ap.add_argument("--variants", default="default")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--prefill-chunk", type=int, help="tokens per prefill call (default: the bundle's)")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    variants = a.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    runs = []
+    for r in range(a.rounds):
+        for b in a.bundles:
+            for v in variants:
+                res = run_worker(b, v, a)
+                runs.append({"round": r, "bundle": b, "variant": v, "prompt": a.prompt, "gen": a.gen, **res})
+                print(table(b, v, res), flush=True)
+                print(
+                    f"  prefill {a.prompt}: {res['prefill_s']:.2f} s, decode {1 / res['tpot_s']:.1f} tok/s", flush=True
+                )
+    if a.json:
+        doc = {
+            "command": "python " + " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "variants": {v: VARIANTS[v] for v in variants},
+            "runs": runs,
+        }
+        a.json.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

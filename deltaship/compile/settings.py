@@ -1,0 +1,199 @@
+"""`ExportSettings`: every export option, typed and checked once, before any work.
+
+Built by `build_settings` from `deltaship.export()`'s keyword arguments (the CLI's `export` passes its flags as
+those arguments); frozen from then on. What the checkpoint decides (the default context, the prefill chunk it
+bounds) is resolved later, into the lowering's own frozen `LoweringSettings` (steps.lowering_settings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deltaship.chat.store import prompt_cache_settings
+from deltaship.errors import DeltashipError
+from deltaship.lowering.draft_vocab import check_draft_vocab, parse_draft_vocab
+from deltaship.lowering.settings import KvCachePlan
+from deltaship.models.spec import KV_DTYPES
+from deltaship.options import threads as check_threads
+from deltaship.targets import PRECISIONS, Target, TargetOptions, all_targets, flag, get_target
+
+EVAL_TOKENS = 256  # held-out tokens evaluated at export (deltaship eval defaults to 512)
+
+
+@dataclass(frozen=True)
+class DraftVocabPlan:
+    """--mtp-draft-vocab N [--mtp-draft-vocab-text FILE]: the draft head's logits over the N most frequent ids,
+    ranked on `text` (None: the tiny preset's held-out text). size None: the whole vocabulary."""
+
+    size: int | None = None
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """verify: run the bundle against transformers (parity); fidelity: then the held-out fidelity eval of
+    `fidelity_tokens` tokens (at most the context); threads: the sessions' intra-op threads."""
+
+    verify: bool = True
+    fidelity: bool = True
+    threads: int | None = None
+    fidelity_tokens: int = EVAL_TOKENS
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """One export, as asked. options: the target's typed options (its `Options` dataclass, defaults filled in);
+    activation_dtype: what the target computes in at this precision; kv: how the KV cache is stored; max_context
+    and prefill_chunk None: the checkpoint's and the target's defaults; prompt_cache: the system message and the
+    chat template's keyword arguments (export --prompt-cache)."""
+
+    model: str
+    out: Path
+    target: str
+    precision: str
+    options: TargetOptions
+    activation_dtype: str
+    kv: KvCachePlan
+    draft_vocab: DraftVocabPlan = DraftVocabPlan()
+    checks: CheckSettings = CheckSettings()
+    max_context: int | None = None
+    prefill_chunk: int | None = None
+    block_size: int = 32
+    deltanet_int8: bool = False
+    vision: bool = False
+    prompt_cache: tuple[str, dict[str, Any]] | None = None
+    force: bool = False
+    allow_download: bool = False
+
+    @property
+    def tgt(self) -> Target:
+        return get_target(self.target)
+
+
+def build_settings(
+    model: str,
+    out: str | Path,
+    target: str | None = None,
+    precision: str | None = None,
+    max_context: int | str | None = None,
+    force: bool = False,
+    verify: bool = True,
+    fidelity: bool = True,
+    prefill_chunk: int | None = None,
+    block_size: int = 32,
+    deltanet_int8: bool = False,
+    threads: int | None = None,
+    allow_download: bool = False,
+    kv_cache: str | None = None,
+    vision: bool = False,
+    prompt_cache: str | Path | None = None,
+    **target_options: Any,
+) -> ExportSettings:
+    """The settings of `deltaship.export()`'s keyword arguments (device and tiers_file already applied), every
+    option and combination checked; target and precision default to onnx and fp32."""
+    check_threads(threads)  # used at verification, minutes in: refused before any work, as the CLI's --threads
+    if max_context == "max":
+        raise DeltashipError(
+            "--max-context max needs --device: the longest context that fits is the tier's",
+            "add --device TIER, or pass a number of tokens (the model's max_position_embeddings at most)",
+        )
+    target, precision = target or "onnx", precision or "fp32"
+    cache = prompt_cache_settings(Path(prompt_cache)) if prompt_cache is not None else None
+    options = check_options(
+        target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options, kv_cache
+    )
+    tgt = get_target(target)
+    if vision and tgt.vision_module is None:
+        raise DeltashipError(
+            f"--vision: --target {target} has no vision lowering",
+            "use --target " + " or ".join(t.name for t in all_targets() if t.vision_module) + ", or drop --vision",
+        )
+    activations = tgt.activation_dtype(precision, options)
+    return ExportSettings(
+        model=model,
+        out=Path(out),
+        target=target,
+        precision=precision,
+        options=options,
+        activation_dtype=activations,
+        kv=KvCachePlan.plan(kv_cache or tgt.kv_cache_dtypes(precision, options)[0], activations),
+        draft_vocab=DraftVocabPlan(
+            parse_draft_vocab(getattr(options, "mtp_draft_vocab", None)), getattr(options, "mtp_draft_vocab_text", None)
+        ),
+        checks=CheckSettings(verify=verify, fidelity=fidelity, threads=threads),
+        max_context=max_context,
+        prefill_chunk=prefill_chunk,
+        block_size=block_size,
+        deltanet_int8=deltanet_int8,
+        vision=vision,
+        prompt_cache=cache,
+        force=force,
+        allow_download=allow_download,
+    )
+
+
+def check_options(
+    target: str,
+    precision: str,
+    max_context: int | None,
+    block_size: int,
+    deltanet_int8: bool,
+    prefill_chunk: int | None,
+    target_options: dict[str, Any] | None = None,
+    kv_cache: str | None = None,
+) -> TargetOptions:
+    """Every option combination is checked once, here, before any work starts; returns the target's typed
+    options. (The target's own combinations, which need the context and chunk, are checked once the checkpoint
+    is loaded: steps.lowering_settings.)"""
+    tgt = get_target(target)
+    owners: dict[str, list[str]] = {}  # option -> the targets that take it (e.g. --mtp: onnx, executorch, coreml)
+    for t in all_targets():
+        for f in t.Options.fields():
+            owners.setdefault(f.name, []).append(t.name)
+    for key in target_options or {}:
+        if key not in owners:
+            raise DeltashipError(
+                f"unknown export option {key!r}; options: {', '.join(owners)}", "check the option's spelling"
+            )
+        if target not in owners[key]:
+            raise DeltashipError(
+                f"{flag(key)} applies to --target {' or '.join(owners[key])}, not {target}", f"drop {flag(key)}"
+            )
+    options = tgt.parse_options(target_options or {})
+    check_draft_vocab(options)  # --mtp-draft-vocab N: needs --mtp, N >= 2 (N <= vocab: once loaded)
+    if precision not in PRECISIONS:
+        raise DeltashipError(
+            f"unknown --precision {precision!r}; precisions: {', '.join(PRECISIONS)}", "pick one of the precisions"
+        )
+    if max_context is not None and max_context < 1:
+        raise DeltashipError(f"--max-context must be at least 1, got {max_context}", "pass a positive context length")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise DeltashipError(f"--block-size must be a power of two >= 16, got {block_size}", "use 32, 64 or 128")
+    if deltanet_int8 and precision != "int4":
+        raise DeltashipError(
+            "--deltanet-int8 keeps DeltaNet projections at int8 when the rest is int4; it needs "
+            f"--precision int4 (got {precision})",
+            "drop --deltanet-int8 or use --precision int4",
+        )
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise DeltashipError(f"--prefill-chunk must be at least 1, got {prefill_chunk}", "pass a positive chunk size")
+    if kv_cache is not None:
+        _check_kv_cache(tgt, precision, kv_cache, options)
+    return options
+
+
+def _check_kv_cache(tgt: Target, precision: str, kv_cache: str, options: TargetOptions) -> None:
+    if kv_cache not in KV_DTYPES:
+        raise DeltashipError(
+            f"unknown --kv-cache {kv_cache!r}; KV dtypes: {', '.join(KV_DTYPES)}", "pick one of the KV dtypes"
+        )
+    can = tgt.kv_cache_dtypes(precision, options)
+    if kv_cache not in can:
+        raise DeltashipError(
+            f"--kv-cache {kv_cache} is not available for --target {tgt.name} at --precision {precision}: its KV "
+            f"cache is stored as {' or '.join(can)}; {tgt.kv_cache_note}",
+            f"drop --kv-cache, or pass --kv-cache {can[0]}; `deltaship plan --context N` shows what a narrower "
+            "KV cache would buy",
+        )

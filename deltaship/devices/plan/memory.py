@@ -1,0 +1,291 @@
+"""The planner's memory arithmetic: a (target, precision, KV dtype)'s bytes at a context, by part.
+
+Memory = weights (as each target stores them) + state at the context (context x KV-cache bytes per token at the
+KV dtype + the fixed DeltaNet states) + runtime overhead (the runtime itself and the activations of one prefill
+chunk), scaled by the measured terms of memory_terms.toml. Computed from the ModelSpec alone. Each function takes
+the Target (or its name); the search resolves it once and passes the Target down.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from deltaship.devices.catalog import Tier
+from deltaship.errors import DeltashipError
+from deltaship.models.source import load_source
+from deltaship.models.spec import KV_DTYPES, ModelSpec
+from deltaship.targets import Target, get_target
+
+KV_ORDER = tuple(KV_DTYPES)  # widest first: fp32, fp16, int8, int4
+# A smaller prefill chunk changes no output (chunked prefill == one-shot), only prefill speed: ExecuTorch 0.8B
+# prefill at chunk 128 is 2-5% slower than at 512 (docs/results/executorch.md); below 128 nothing is measured.
+FREE_CHUNK = 128
+
+
+@dataclass
+class PlanRow:
+    tier: str
+    target: str
+    precision: str
+    context: int
+    weights_bytes: int
+    state_bytes: int  # kv_bytes + deltanet_bytes
+    overhead_bytes: int  # activation_bytes + runtime_bytes
+    total_bytes: int
+    budget_bytes: int
+    fits: bool
+    recommended: bool = False
+    kv_dtype: str = ""
+    kv_exportable: bool = True  # the target exports this KV dtype (Target.kv_cache_dtypes); else planned
+    kv_bytes: int = 0
+    deltanet_bytes: int = 0
+    activation_bytes: int = 0
+    runtime_bytes: int = 0
+    capped: bool = False  # the context stopped at the model's max_position_embeddings, not at the budget
+    attention_scores_bytes: int = 0  # part of activation_bytes: heads x prefill chunk x context
+    kv_scratch_bytes: int = 0  # part of activation_bytes: the attention kernel's scratch (fp16 KV on ORT)
+    longest: bool = False  # context is the longest that fits (plan(context="max"))
+    fits_at_chunk: int = 0  # when it does not fit: the largest prefill chunk (power of two) at which it would
+    prefill_chunk: int = 0  # tokens per prefill call the row was planned at (the target's default unless chosen)
+    weights_loaded_bytes: int = 0  # weights as resident once the runtime has loaded them (measured factor)
+    terms: str = ""  # where the runtime and activation terms come from (memory_terms.toml, or an estimate)
+
+
+MEMORY_TERMS = Path(__file__).parents[1] / "memory_terms.toml"
+
+
+def as_target(target: Target | str) -> Target:
+    """The Target itself, or the registered one of that name."""
+    return target if isinstance(target, Target) else get_target(target)
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """A (target, precision)'s measured memory terms: the process before any weight (the interpreter, the runtime's
+    library, the session), resident bytes per stored weight byte once loaded (prepacked copies, originals kept), the
+    peak while loading per stored byte (originals and packed copies at once), and the measured growth of one prefill
+    chunk relative to activation_bytes()."""
+
+    runtime_bytes: int
+    weights_factor: float
+    activation_factor: float
+    source: str
+    load_factor: float = 1.0
+    measured: bool = False
+
+
+@cache
+def _terms_table() -> dict:
+    try:
+        with open(MEMORY_TERMS, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:  # a source tree before the first measurement: every term an estimate
+        return {}
+
+
+def memory_terms(target: Target | str, precision: str) -> MemoryTerms:
+    """Measured terms for (target, precision) from memory_terms.toml; the target's estimate where none was measured."""
+    tgt = as_target(target)
+    table = _terms_table()
+    row = table.get(tgt.name, {}).get(precision)
+    if row is None:
+        return MemoryTerms(tgt.runtime_base_bytes, 1.0, 1.0, "estimate (not measured)")
+    machine = table.get("machine", {})
+    return MemoryTerms(
+        int(row["runtime_bytes"]),
+        float(row["weights_factor"]),
+        float(row["activation_factor"]),
+        f"measured {machine.get('date', '?')} on {machine.get('name', '?')} ({row.get('from', '')})",
+        float(row.get("load_factor", row["weights_factor"])),
+        True,
+    )
+
+
+def weight_bytes(spec: ModelSpec, target: Target | str, precision: str) -> int:
+    f = as_target(target).storage_format(precision)
+    p = spec.parameter_count()
+    per = f.bits / 8 + (f.scale / f.block if f.block > 1 else 0)
+    matrices = p["embedding"] + p["lm_head"] + p["body"]
+    if spec.tie_word_embeddings and f.head_copy:
+        matrices += p["embedding"]
+    return int(matrices * per)
+
+
+def default_kv_dtype(target: Target | str, precision: str) -> str:
+    """The KV dtype the target's bundles use today: its activation dtype at that precision."""
+    tgt = as_target(target)
+    act = tgt.storage_format(precision).act
+    by_bytes = {f.bits // 8: name for name, f in KV_DTYPES.items() if f.bits >= 8 and not f.token_head_bytes}
+    by_bytes.setdefault(1, "int8")
+    if act not in by_bytes:
+        raise DeltashipError(
+            f"target {tgt.name} stores {act}-byte activations at {precision}; the planner knows KV "
+            f"caches of {sorted(by_bytes)} bytes an element",
+            "fix the target's storage format",
+        )
+    return by_bytes[act]
+
+
+def kv_dtypes_for(target: Target | str, precision: str) -> tuple[str, ...]:
+    """The target's own KV dtype, then the narrower ones a quantized cache could use."""
+    return KV_ORDER[KV_ORDER.index(default_kv_dtype(target, precision)) :]
+
+
+def exportable_kv_dtypes(target: Target | str, precision: str) -> tuple[str, ...]:
+    """The KV dtypes the target's bundles store at `precision` (its own first), as `export --kv-cache` takes them."""
+    return as_target(target).kv_cache_dtypes(precision, {})
+
+
+def kv_bytes_per_token(spec: ModelSpec, target: Target | str, precision: str, kv_dtype: str) -> int:
+    """A context token's KV bytes as the target stores it: the exported int8/int4 caches keep static scales in
+    the graph (no bytes per token); a planned one is counted with a per-token-per-head scale."""
+    return spec.kv_bytes_per_token(kv_dtype, static_scales=kv_dtype in exportable_kv_dtypes(target, precision))
+
+
+def state_bytes(
+    spec: ModelSpec, target: Target | str, precision: str, context: int, kv_dtype: str | None = None
+) -> int:
+    """Per-sequence state: the fixed DeltaNet states plus context x the KV cache's bytes per token."""
+    tgt = as_target(target)
+    act = tgt.storage_format(precision).act
+    return spec.deltanet_state_bytes(act) + context * kv_bytes_per_token(
+        spec, tgt, precision, kv_dtype or default_kv_dtype(tgt, precision)
+    )
+
+
+def attention_scores_bytes(
+    spec: ModelSpec, target: Target | str, precision: str, context: int, prefill_chunk: int | None = None
+) -> int:
+    """The attention scores of one prefill chunk over the whole static cache (heads x chunk x context), as a
+    kernel that materialises them (ORT's CPU GroupQueryAttention does; tiled flash kernels would not)."""
+    tgt = as_target(target)
+    t = min(prefill_chunk or tgt.default_prefill_chunk, context)
+    return tgt.storage_format(precision).act * spec.num_attention_heads * t * context
+
+
+def activation_bytes(
+    spec: ModelSpec,
+    target: Target | str,
+    precision: str,
+    context: int,
+    prefill_chunk: int | None = None,
+    all_layers: bool = False,
+) -> int:
+    """One prefill chunk's activations: MLP, projections, the attention scores and one row of logits. all_layers:
+    the MLP and projections of every layer, the shape a measured prefill's growth follows across model sizes
+    (docs/results/memory.md), which a measured activation_factor (memory_terms) scales to what the runtime holds."""
+    tgt = as_target(target)
+    act = tgt.storage_format(precision).act
+    t = min(prefill_chunk or tgt.default_prefill_chunk, context)
+    per_token = (spec.num_layers if all_layers else 1) * (
+        2 * spec.intermediate_size + 2 * spec.conv_dim + 6 * spec.hidden_size
+    )
+    return (
+        act * t * per_token + attention_scores_bytes(spec, tgt, precision, context, prefill_chunk) + 4 * spec.vocab_size
+    )
+
+
+def overhead_bytes(
+    spec: ModelSpec, target: Target | str, precision: str, context: int, prefill_chunk: int | None = None
+) -> int:
+    """The runtime, plus one prefill chunk's activations (MLP, projections, attention scores, logits), as measured."""
+    tgt = as_target(target)
+    terms = memory_terms(tgt, precision)
+    act = activation_bytes(spec, tgt, precision, context, prefill_chunk, all_layers=terms.measured)
+    return terms.runtime_bytes + int(act * terms.activation_factor)
+
+
+def estimate(
+    spec: ModelSpec,
+    tier: Tier,
+    target: Target | str,
+    precision: str,
+    context: int,
+    kv_dtype: str | None = None,
+    prefill_chunk: int | None = None,
+) -> PlanRow:
+    """Memory of (target, precision, KV dtype) at `context` tokens on `tier`, by part."""
+    tgt = as_target(target)
+    kv = kv_dtype or default_kv_dtype(tgt, precision)
+    terms = memory_terms(tgt, precision)
+    w = weight_bytes(spec, tgt, precision)
+    loaded = int(w * terms.weights_factor)
+    dn = spec.deltanet_state_bytes(tgt.storage_format(precision).act)
+    kvb = context * kv_bytes_per_token(spec, tgt, precision, kv)
+    scratch = context * tier.threads * tgt.kv_scratch_bytes_per_token(spec, kv)
+    act = activation_bytes(spec, tgt, precision, context, prefill_chunk, all_layers=terms.measured)
+    a = int(act * terms.activation_factor) + scratch
+    rt = terms.runtime_bytes
+    # the peak is the larger of loading (originals and prepacked copies at once) and running a prefill chunk
+    total = rt + max(loaded + dn + kvb + a, int(w * terms.load_factor))
+    return PlanRow(
+        tier.name,
+        tgt.name,
+        precision,
+        context,
+        w,
+        dn + kvb,
+        total - w - dn - kvb,  # the runtime, the activations and what loading adds to the stored weights
+        total,
+        tier.budget_bytes,
+        total <= tier.budget_bytes,
+        kv_dtype=kv,
+        kv_exportable=kv in exportable_kv_dtypes(tgt, precision),
+        kv_bytes=kvb,
+        deltanet_bytes=dn,
+        activation_bytes=a,
+        runtime_bytes=rt,
+        attention_scores_bytes=attention_scores_bytes(spec, tgt, precision, context, prefill_chunk),
+        kv_scratch_bytes=scratch,
+        weights_loaded_bytes=loaded,
+        terms=terms.source,
+    )
+
+
+def planned_peak(manifest: dict, prompt_length: int, threads: int | None = None) -> dict | None:
+    """The plan's memory for a bundle as `profile` runs it (its context, a prefill of `prompt_length` tokens in the
+    bundle's chunks), by part; None when the bundle's model cannot be loaded here (a checkpoint not on this
+    machine). `profile` prints it beside the measured peak RSS."""
+    try:
+        spec = load_source(manifest["source"]["model"]).spec
+    except (DeltashipError, KeyError, OSError):
+        return None
+    chunk = min(prompt_length, manifest.get("prefill_chunk") or prompt_length)
+    ctx = manifest["max_context"]
+    tier = Tier("host", "host", 1 << 62, 1 << 62, (manifest["target"],), (manifest["precision"],), ctx, threads or 1)
+    row = estimate(spec, tier, manifest["target"], manifest["precision"], manifest["max_context"], None, chunk)
+    return {
+        "total_bytes": row.total_bytes,
+        "weights_loaded_bytes": row.weights_loaded_bytes,
+        "state_bytes": row.state_bytes,
+        "activation_bytes": row.activation_bytes,
+        "runtime_bytes": row.runtime_bytes,
+        "context": row.context,
+        "prefill_chunk": chunk,
+        "terms": row.terms,
+    }
+
+
+# ---- an export's own memory (deltaship export, before it starts) -------------------------------------------
+EXPORT_BASE_BYTES = 400 << 20  # the interpreter with torch, transformers and a toolchain imported
+VERIFY_RUNTIME_BYTES = 200 << 20  # the runtime's own libraries and buffers in the verification session
+
+
+def export_peak_bytes(
+    spec: ModelSpec, target: Target | str, precision: str, verify: bool, budget: int | None = None
+) -> int:
+    """The resident peak of `deltaship export` (an estimate fitted to docs/results/export-memory.md). With
+    verification add the bundle's session and the fp32 transformers reference, which export skips (and so does
+    this estimate) when it needs more than 0.6 of `budget`, as deltaship.oracle.budget.reference_fits does."""
+    tgt = as_target(target)
+    fp16 = 2 * spec.parameter_count()["total"]
+    peak = EXPORT_BASE_BYTES + int(tgt.export_weight_factor * fp16)  # the target's fit (Target.export_weight_factor)
+    if verify:
+        reference = int(spec.parameter_count()["total"] * 4 * 1.3)
+        if budget is None or reference <= 0.6 * budget:
+            peak += reference
+        peak += weight_bytes(spec, tgt, precision) + VERIFY_RUNTIME_BYTES
+    return peak

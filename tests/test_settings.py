@@ -1,0 +1,90 @@
+"""One typed path from option to artifact: ExportSettings built once (from export()'s arguments; the CLI passes
+its flags as those arguments), frozen; the lowering's LoweringSettings frozen behind ExportContext; the KV cache's
+plan in one form from parse to manifest; a caller can leave the fidelity eval out."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from deltaship.compile import build_settings, export
+from deltaship.compile.steps import lowering_settings
+from deltaship.errors import DeltashipError
+from deltaship.lowering.settings import STATIC_SCALES, KvCachePlan
+from deltaship.models.presets import PRESETS
+from deltaship.targets import get_target
+
+
+@pytest.mark.parametrize(
+    "dtype,activations,narrower,scheme",
+    [
+        ("fp32", "float32", False, None),
+        ("fp16", "float32", True, None),  # ExecuTorch's fp16 cache under fp32 activations
+        ("fp16", "float16", False, None),
+        ("fp32", "float16", False, None),  # wider than the activations is not narrower
+        ("int8", "float32", True, STATIC_SCALES),
+        ("int4", "float32", True, STATIC_SCALES),
+    ],
+)
+def test_kv_cache_plan_says_once_whether_the_cache_is_narrower(dtype, activations, narrower, scheme):
+    plan = KvCachePlan.plan(dtype, activations)
+    assert (plan.dtype, plan.narrower, plan.scheme, plan.quantized) == (dtype, narrower, scheme, scheme is not None)
+
+
+def test_settings_are_typed_frozen_and_checked_when_built():
+    s = build_settings("qwen3.5-tiny", "out", target="onnx", precision="int4", kv_cache=None, onnx_activations="fp16")
+    assert isinstance(s.options, get_target("onnx").Options) and s.options.onnx_activations == "fp16"
+    assert s.activation_dtype == "float16" and s.kv == KvCachePlan("fp16", False)  # the target's own cache
+    assert s.checks.verify and s.checks.fidelity
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.precision = "fp32"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.options.onnx_activations = "fp32"
+    with pytest.raises(DeltashipError, match="--kv-cache int8 is not available for --target coreml"):
+        build_settings("qwen3.5-tiny", "out", target="coreml", kv_cache="int8")
+    with pytest.raises(DeltashipError, match="--mtp-draft-vocab shapes the multi-token-prediction draft head"):
+        build_settings("qwen3.5-tiny", "out", mtp_draft_vocab="64")
+    plan = build_settings("qwen3.5-tiny", "out", mtp=True, mtp_draft_vocab="64").draft_vocab
+    assert (plan.size, plan.text) == (64, None)
+
+
+def test_the_context_takes_no_setting_after_it_is_built():
+    from deltaship.lowering.passes import ExportContext
+
+    s = build_settings("qwen3.5-tiny", "out", kv_cache="int8", max_context=64, verify=False)
+    lowering = lowering_settings(s, PRESETS["qwen3.5-tiny"].spec(), 64, 64, None)
+    ctx = ExportContext(lowering)
+    assert (ctx.kv, str(ctx.dtype), ctx.options) == (s.kv, "torch.float32", s.options)
+    for name, value in (("precision", "fp16"), ("kv", None), ("draft_ids", None), ("options", None)):
+        with pytest.raises(AttributeError):
+            setattr(ctx, name, value)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lowering.prefill_chunk = 8
+
+
+def test_the_cli_passes_its_flags_as_exports_arguments():
+    from deltaship.cli import build_parser, export_arguments
+
+    a = build_parser().parse_args(
+        ["export", "--model", "qwen3.5-tiny", "--out", "o", "--no-fidelity", "--tiers", "t.toml", "--onnx-opset", "27"]
+    )
+    args = export_arguments(a)
+    params = {n for n, p in inspect.signature(export).parameters.items() if p.kind is not p.VAR_KEYWORD}
+    assert set(args) == params | {"onnx_opset"}  # every keyword of export(), and only the target option given
+    assert (args["fidelity"], args["verify"], args["progress"], args["tiers_file"]) == (False, True, True, "t.toml")
+    assert args["onnx_opset"] == 27
+
+
+def test_the_kv_plan_reaches_the_manifest_in_one_form(tmp_path):
+    m = export("qwen3.5-tiny", tmp_path / "b", kv_cache="int8", max_context=64, verify=False, progress=False)
+    plan = KvCachePlan.plan("int8", "float32")
+    kv = [s for s in m["states"] if s["kind"].startswith("kv_cache")]
+    assert kv and all(s["quantization"]["scheme"] == plan.scheme and s["dtype"] == "int8" for s in kv)
+    assert m["memory"]["kv_dtype"] == plan.dtype and m["lowering"]["kv_quantization"]["kv_dtype"] == plan.dtype
+
+
+def test_fidelity_false_verifies_without_the_fidelity_eval(tmp_path):
+    m = export("qwen3.5-tiny", tmp_path / "b", max_context=64, fidelity=False, progress=False)
+    assert m["verification"]["status"] == "passed" and "fidelity" not in m

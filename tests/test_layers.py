@@ -109,12 +109,20 @@ class ImportMap:
                         if isinstance(child, ast.ImportFrom):
                             targets += [f"{what}.{a.name}" for a in child.names]
                         tool = next((t for t in map(self.toolchain, targets) if t), None)
-                        text = lines[child.lineno - 1] + (lines[child.lineno - 2] if child.lineno > 1 else "")
-                        reason = LAZY.search(text)
+                        reason = LAZY.search(lines[child.lineno - 1]) or _reason_above(lines, child.lineno - 2)
                         yield name, child.lineno, what, (None if tool in own else tool), reason
                     yield from walk(child, deeper)
 
             yield from walk(tree, False)
+
+
+def _reason_above(lines: list[str], k: int):
+    """The reason of a run of imports: a `# lazy:` on an import line above in the run, or a comment line above it."""
+    while k >= 0 and lines[k].lstrip().startswith(("from ", "import ")):
+        if LAZY.search(lines[k]):
+            return LAZY.search(lines[k])
+        k -= 1
+    return LAZY.search(lines[k]) if k >= 0 and lines[k].lstrip().startswith("#") else None
 
 
 def _package_sources() -> dict[str, str]:
@@ -185,6 +193,9 @@ def test_function_local_imports_only_load_toolchains():
         ("def f():\n    from deltaship.heavy import x  # lazy: torch\n    return x\n", None),
         ("import torch\n\ndef f():\n    import torch  # lazy: torch\n    return torch\n", "loads no toolchain"),
         ("class C:\n    def m(self):\n        import onnx\n        return onnx\n", "has no `# lazy"),
+        ("def f():\n    # lazy: onnx\n    import json\n    import onnx\n    return onnx, json\n", "loads no toolchain"),
+        ("def f():\n    # lazy: onnx\n    import onnx\n    import onnx.helper\n    return onnx\n", None),
+        ("def f():\n    # lazy: onnx\n    x = 1\n    import onnx\n    return onnx, x\n", "has no `# lazy"),
     ],
 )
 def test_the_local_import_rule_catches(source, expected):

@@ -38,6 +38,7 @@ class ExecuTorchKernels:
     name = "executorch"
 
     def __init__(self) -> None:
+        # lazy: executorch
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers torch.ops.llama)
 
         self.position: Tensor | None = None  # set by the wrapper for the in-graph reset

@@ -13,6 +13,8 @@ from torch import nn
 
 from deltaship.bundle.writer import tool_versions
 from deltaship.errors import DeltashipError
+from deltaship.lowering.executorch import quant as q
+from deltaship.lowering.executorch.lowering import ExecuTorchKernels
 from deltaship.lowering.executorch.requirements import program_operators, runtime_requirements
 from deltaship.lowering.kv_quant import stored_states
 from deltaship.lowering.lowered import Lowered
@@ -263,7 +265,7 @@ def preprocess_shares_weights():
     low-memory mode (whose copies share the tensor objects themselves; here each copy gets its own tensor
     objects on the shared storage). It swaps a class attribute of ExecuTorch's XnnpackBackend for the
     duration: not for concurrent lowerings in threads of one process."""
-    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend  # lazy: executorch
     from executorch.exir.backend.backend_details import BackendDetails
 
     name = "copy_exported_program_for_preprocess"
@@ -371,7 +373,7 @@ def release_lowered_weights(edge) -> int:
     write of the .pte. Serialisation only traces that program with fake tensors (it needs each weight's
     shape, dtype and device, not its values), so every weight becomes a zero-stride view of one element.
     Returns the bytes released."""
-    from executorch.exir.lowered_backend_module import LoweredBackendModule
+    from executorch.exir.lowered_backend_module import LoweredBackendModule  # lazy: executorch
 
     released, seen = 0, set()
     for node in edge.exported_program().graph_module.modules():
@@ -437,8 +439,6 @@ def metadata(ctx, tokens: dict[str, Any]) -> dict[str, Any]:
 def prepare(ctx, weights, say=lambda m: None):
     """The eager model as the program will hold it: real weights, ExecuTorch kernels, quantized.
     Sets ctx.states (ExecuTorch layouts) and ctx.rounded (the quantized weights, dequantized)."""
-    from deltaship.lowering.executorch import quant as q
-    from deltaship.lowering.executorch.lowering import ExecuTorchKernels
 
     model = ctx.model.eval()
     for p in model.parameters():
@@ -499,9 +499,9 @@ def prepare(ctx, weights, say=lambda m: None):
 
 
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> Lowered:
-    from executorch.devtools.backend_debug import get_delegation_info
+    from executorch.devtools.backend_debug import get_delegation_info  # lazy: executorch
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes import MemoryPlanningPass  # lazy: executorch
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
     say = progress or (lambda m: None)

@@ -35,7 +35,7 @@ def linear_group(precision: str, group_size: int, in_features: int) -> tuple[int
 
 
 def linear_config(bits: int, group: int):
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig  # lazy: torchao
     from torchao.quantization.granularity import PerAxis, PerGroup
 
     return Int8DynamicActivationIntxWeightConfig(
@@ -47,7 +47,7 @@ def linear_config(bits: int, group: int):
 
 def quantize_linears(model: nn.Module, precision: str, group_size: int, prefix: str = "") -> None:
     """8da4w (int8 dynamic activations, int4 weights per group) or 8da8w on every nn.Linear under `prefix`."""
-    from torchao.quantization import quantize_
+    from torchao.quantization import quantize_  # lazy: torchao
 
     linears = {
         n: m
@@ -69,7 +69,7 @@ def _row_blocks(rows: int):
 def quantized_table_linear(read: ReadRows, shape: tuple[int, int], precision: str, group_size: int) -> torch.Tensor:
     """A [N, K] linear weight (the LM head) quantized like every other linear, one block of rows at a time:
     returns the torchao tensor to use as the Linear's weight."""
-    from torchao.quantization import quantize_
+    from torchao.quantization import quantize_  # lazy: torchao
     from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import IntxUnpackedToInt8Tensor
 
     bits, g = linear_group(precision, group_size, shape[1])
@@ -105,6 +105,7 @@ def quantized_embedding(read: ReadRows, shape: tuple[int, int], precision: str) 
     """ExecuTorch's QuantizedGroupEmbedding (quantized_decomposed::embedding_4bit / embedding_byte kernels),
     filled a block of rows at a time with what its own EmbeddingQuantHandler computes (torchao HQQ scales,
     4-bit codes packed high nibble first). Returns (module, scheme string as ExecuTorch writes it)."""
+    # lazy: executorch, torchao (the executorch extra's quantizers)
     from executorch.examples.models.llama.source_transformation.quantize import QuantizedGroupEmbedding
     from torchao.quantization import IntxWeightOnlyConfig, quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup

@@ -16,7 +16,8 @@ import torch
 
 from deltaship.bundle.vision_io import ENCODER_INPUTS
 from deltaship.errors import DeltashipError
-from deltaship.lowering.executorch.program import xnnpack_passes_that_apply
+from deltaship.lowering.executorch.program import ProgramState, prepare, xnnpack_passes_that_apply
+from deltaship.lowering.passes import rerun_pipeline
 from deltaship.models.qwen3_5_vision import load_tower
 from deltaship.models.vision import (
     PREPROCESSOR_CONFIG,
@@ -48,9 +49,9 @@ def example_inputs(spec: VisionSpec, patches: int, dtype: torch.dtype = torch.fl
 def lower_vision_pte(spec: VisionSpec, weights: VisionWeights, path: Path, max_patches: int) -> dict:
     """Write a .pte whose method `vision_encoder` maps one image's inputs (models/vision.py encoder_inputs, in
     INPUTS order) to its merged features [N/4, text hidden]; N is a multiple of 4 up to max_patches."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner  # lazy: executorch
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes import MemoryPlanningPass  # lazy: executorch
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
     tower = load_tower(spec, weights)
@@ -110,13 +111,10 @@ def lower_vision(bundle: Path, source, ctx, pipeline: tuple) -> dict:
     """Beside model.pte: vision.pte with methods vision_encoder (one image) and token_embedding (ids ->
     embeddings; the host splices the image features in), and decoder_mm.pte with text_decoder (embeddings +
     3-row M-RoPE positions + input_pos -> logits, on state buffers of its own); the manifest's `vision` block."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner  # lazy: executorch
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes import MemoryPlanningPass  # lazy: executorch
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
-
-    from deltaship.lowering.executorch.program import ProgramState, prepare
-    from deltaship.lowering.passes import rerun_pipeline
 
     vspec, pre, pre_cfg, mrope = check_vision(source, ctx.spec)
     weights = VisionWeights(source.weights.files, vspec, str(source.path))

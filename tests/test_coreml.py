@@ -118,7 +118,14 @@ def test_wide_lm_head_is_split_under_the_ane_limit(tmp_path):
     from deltaship.compile import export
 
     m = export(
-        str(ckpt), tmp_path / "b", target="coreml", precision="fp32", max_context=32, prefill_chunk=8, progress=False
+        str(ckpt),
+        tmp_path / "b",
+        target="coreml",
+        precision="fp32",
+        max_context=32,
+        prefill_chunk=8,
+        progress=False,
+        fidelity=False,
     )
     assert m["verification"]["status"] == "passed"
     prog = mil_eval.load_program(tmp_path / "b" / "model.mlpackage")
@@ -170,6 +177,7 @@ def test_palettized_build_matches_the_values_it_holds(tmp_path, checkpoints):
         prefill_chunk=8,
         progress=False,
         coreml_palettize=4,
+        fidelity=False,
     )
     assert "palettization" in m["quantization"]["scheme"]
     prog = mil_eval.load_program(tmp_path / "p" / "model.mlpackage")

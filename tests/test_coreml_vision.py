@@ -79,7 +79,7 @@ def test_coreml_bundle_images_match_transformers(vl_checkpoint, hf_model, tmp_pa
 
     out = tmp_path / "cm"
     m = export(str(vl_checkpoint), out, target="coreml", max_context=128, prefill_chunk=8, progress=False,
-               vision=True)  # fmt: skip
+               vision=True, fidelity=False)  # fmt: skip
     v = m["vision"]
     assert v["verification"]["status"] == "passed"  # checked at export, as the ONNX and ExecuTorch bundles
     assert v["functions"]["decoder"] == {"1": "text_decoder_1", "8": "text_decoder_8"}
@@ -112,7 +112,7 @@ def test_coreml_random_preset_with_other_vision_shapes_verifies(tiny_vl_preset, 
     from deltaship.compile import export
 
     m = export(tiny_vl_preset, tmp_path / "b", target="coreml", max_context=128, prefill_chunk=8, vision=True,
-               progress=False)  # fmt: skip
+               progress=False, fidelity=False)  # fmt: skip
     v = m["vision"]
     assert v["verification"]["status"] == "passed"
     assert v["functions"]["vision"] == {str(n): f"vision_{n}" for n in (64, 256, 1024, 4096)}

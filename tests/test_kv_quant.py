@@ -26,6 +26,7 @@ def _tiny_kv_bundles(shared_export, target: str, **opts):
             max_context=CTX,
             prefill_chunk=CHUNK,
             kv_cache=kv,
+            fidelity=False,  # no test here reads it
             **opts,
         )
 

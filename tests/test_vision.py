@@ -129,7 +129,7 @@ def vl_bundle(vl_checkpoint, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("vlb") / "bundle"
     # verified at export: the text path, then image + text prompts against transformers (vision.verification)
-    export(str(vl_checkpoint), out, max_context=128, prefill_chunk=8, progress=False, vision=True)
+    export(str(vl_checkpoint), out, max_context=128, prefill_chunk=8, progress=False, vision=True, fidelity=False)
     assert not schema_problems(read_manifest(out))
     return out
 
@@ -558,7 +558,7 @@ def test_fp16_vision_bundle_verifies(target, vl_checkpoint, hf_model, tmp_path):
     if target == "executorch":
         pytest.importorskip("executorch")
     export(str(vl_checkpoint), out, target=target, max_context=128, prefill_chunk=8, progress=False, vision=True,
-           precision="fp16")  # fmt: skip
+           precision="fp16", fidelity=False)  # fmt: skip
     m = read_manifest(out)
     assert not schema_problems(m)
     v, tol = m["vision"], tolerance(target, "fp16")
@@ -699,7 +699,7 @@ def et_vl_bundle(vl_checkpoint, tmp_path_factory) -> tuple[Path, dict]:
 
     out = tmp_path_factory.mktemp("et-vl") / "bundle"
     m = export(str(vl_checkpoint), out, target="executorch", max_context=128, prefill_chunk=8, progress=False,
-               vision=True)  # fmt: skip
+               vision=True, fidelity=False)  # fmt: skip
     return out, m
 
 
@@ -789,7 +789,7 @@ def test_random_preset_exports_and_verifies_with_vision(tiny_vl_preset, tmp_path
     image prompts verified against transformers holding the same random weights."""
     from deltaship.compile import export
 
-    manifest = export(tiny_vl_preset, tmp_path / "b", vision=True, progress=False)
+    manifest = export(tiny_vl_preset, tmp_path / "b", vision=True, progress=False, fidelity=False)
     assert manifest["vision"]["verification"]["status"] == "passed"
     pre = json.loads((tmp_path / "b" / "preprocessor_config.json").read_text())
     assert (pre["patch_size"], pre["merge_size"], pre["temporal_patch_size"]) == (16, 2, 2)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.apps import kit_name
-from deltaship.chat.pieces import bundle_pieces
+from deltaship.chat.pieces import KIT_FIELDS, bundle_pieces, kit_fields
 from deltaship.errors import DeltashipError
 from deltaship.targets import on_platform
 
@@ -196,19 +196,6 @@ def render_kit_spec(spec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_CHAT_FIELDS = [  # ChatPieces' constructor arguments, in order, and where chat.json keeps each
-    ("start", ("start",)),
-    ("systemPrefix", ("roles", "system", "prefix")),
-    ("systemSuffix", ("roles", "system", "suffix")),
-    ("userPrefix", ("roles", "user", "prefix")),
-    ("userSuffix", ("roles", "user", "suffix")),
-    ("assistantPrefix", ("roles", "assistant", "prefix")),
-    ("assistantSuffix", ("roles", "assistant", "suffix")),
-    ("generationPrompt", ("generation_prompt",)),
-    ("generationPromptNoThinking", ("generation_prompt_no_thinking",)),
-]
-
-
 def _kotlin_string(text: str) -> str:
     """A Kotlin string literal: JSON's escapes (which Kotlin shares for these) plus `$`, Kotlin's template sign."""
     return json.dumps(text, ensure_ascii=True).replace("$", "\\$")
@@ -234,11 +221,7 @@ def _render_chat(chat: dict[str, Any] | None) -> list[str]:
         "    // the chat template's pieces per role (deltaship/chat/pieces.py), rendered from the bundle's template",
         "    val CHAT: ChatPieces? = ChatPieces(",
     ]
-    for name, path in _CHAT_FIELDS:
-        value: Any = pieces
-        for k in path:
-            value = value[k]
-        lines.append(f"        {name} = {_kotlin_string(value)},")
+    lines += [f"        {name} = {_kotlin_string(value)}," for name, value in kit_fields(pieces)]
     cache = chat["prompt_cache_file"]
     lines += [
         f"        dropThink = {'true' if pieces['drop_think'] else 'false'},",
@@ -255,7 +238,7 @@ def _parse_chat(text: str) -> dict[str, Any] | None:
         return None
     fields = dict(re.findall(r"^\s+(\w+) = (.*),$", m.group(1), re.M))
     pieces: dict[str, Any] = {"roles": {"system": {}, "user": {}, "assistant": {}}}
-    for name, path in _CHAT_FIELDS:
+    for name, path in KIT_FIELDS:
         target = pieces
         for k in path[:-1]:
             target = target[k]

@@ -19,7 +19,7 @@ from deltaship.apps import kit_name
 from deltaship.apps.swift_speculative import parse as parse_speculative
 from deltaship.apps.swift_speculative import render as render_speculative
 from deltaship.apps.swift_speculative import speculative_spec
-from deltaship.chat.pieces import bundle_pieces
+from deltaship.chat.pieces import KIT_FIELDS, bundle_pieces, kit_fields
 from deltaship.errors import DeltashipError
 from deltaship.targets import on_platform
 
@@ -236,19 +236,6 @@ def _render_session_states(states: list[dict[str, Any]]) -> list[str]:
     return lines + ["    ]"]
 
 
-_CHAT_FIELDS = [  # ChatPieces' fields, in order, and where chat.json keeps each (the Kotlin kit's names)
-    ("start", ("start",)),
-    ("systemPrefix", ("roles", "system", "prefix")),
-    ("systemSuffix", ("roles", "system", "suffix")),
-    ("userPrefix", ("roles", "user", "prefix")),
-    ("userSuffix", ("roles", "user", "suffix")),
-    ("assistantPrefix", ("roles", "assistant", "prefix")),
-    ("assistantSuffix", ("roles", "assistant", "suffix")),
-    ("generationPrompt", ("generation_prompt",)),
-    ("generationPromptNoThinking", ("generation_prompt_no_thinking",)),
-]
-
-
 def swift_string(text: str) -> str:
     """A Swift string literal: `\\n`, `\\t`, `\\r`, `\\\\`, `\\"`, every other character outside printable ASCII
     as `\\u{X}` (so `\\(`, Swift's interpolation, never appears unescaped)."""
@@ -288,11 +275,7 @@ def _render_chat(chat: dict[str, Any] | None) -> list[str]:
         "    // the chat template's pieces per role (deltaship/chat/pieces.py), rendered from the bundle's template",
         "    static let chat: ChatPieces? = ChatPieces(",
     ]
-    for name, path in _CHAT_FIELDS:
-        value: Any = pieces
-        for k in path:
-            value = value[k]
-        lines.append(f"        {name}: {swift_string(value)},")
+    lines += [f"        {name}: {swift_string(value)}," for name, value in kit_fields(pieces)]
     cache = chat["prompt_cache_file"]
     lines += [
         f"        dropThink: {'true' if pieces['drop_think'] else 'false'},",
@@ -387,7 +370,7 @@ def _parse_chat(text: str) -> dict[str, Any] | None:
         raise DeltashipError("KitSpec.swift has no chat entry", "regenerate the kit with `deltaship app`")
     fields = dict(re.findall(r"^\s+(\w+): (.*?),?$", m.group(1), re.M))
     pieces: dict[str, Any] = {"roles": {"system": {}, "user": {}, "assistant": {}}}
-    for name, path in _CHAT_FIELDS:
+    for name, path in KIT_FIELDS:
         target = pieces
         for k in path[:-1]:
             target = target[k]

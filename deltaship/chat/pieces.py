@@ -151,3 +151,29 @@ def bundle_pieces(bundle, manifest: dict[str, Any]) -> dict[str, Any] | None:
         "stop_ids": stop,
         "prompt_cache": manifest.get("chat", {}).get("prompt_cache"),
     }
+
+
+# The pieces as the app kits' ChatPieces take them (Kotlin and Swift use these names, in this order), and where the
+# pieces dict keeps each.
+KIT_FIELDS = (
+    ("start", ("start",)),
+    ("systemPrefix", ("roles", "system", "prefix")),
+    ("systemSuffix", ("roles", "system", "suffix")),
+    ("userPrefix", ("roles", "user", "prefix")),
+    ("userSuffix", ("roles", "user", "suffix")),
+    ("assistantPrefix", ("roles", "assistant", "prefix")),
+    ("assistantSuffix", ("roles", "assistant", "suffix")),
+    ("generationPrompt", ("generation_prompt",)),
+    ("generationPromptNoThinking", ("generation_prompt_no_thinking",)),
+)
+
+
+def kit_fields(pieces: dict[str, Any]) -> list[tuple[str, str]]:
+    """(the kits' field name, its text) for each of KIT_FIELDS."""
+    out = []
+    for name, path in KIT_FIELDS:
+        value: Any = pieces
+        for k in path:
+            value = value[k]
+        out.append((name, value))
+    return out

@@ -88,3 +88,26 @@ def test_the_kv_plan_reaches_the_manifest_in_one_form(tmp_path):
 def test_fidelity_false_verifies_without_the_fidelity_eval(tmp_path):
     m = export("qwen3.5-tiny", tmp_path / "b", max_context=64, fidelity=False, progress=False)
     assert m["verification"]["status"] == "passed" and "fidelity" not in m
+
+
+def test_the_manifest_names_the_float_kv_dtype_the_lowering_stored():
+    """ExecuTorch at fp16 keeps its KV states in fp32 while its plan's default is fp16: the memory block's kv_dtype is
+    what the states hold (a plan is only taken at its word for a quantized cache, whose states are integer codes)."""
+    from types import SimpleNamespace
+
+    from deltaship.compile.manifest import memory
+    from deltaship.lowering.settings import KvCachePlan
+    from deltaship.models.presets import get_preset
+    from deltaship.targets import get_target
+
+    spec = get_preset("qwen3.5-tiny").spec()
+    states = [
+        {"kind": "deltanet_conv", "dtype": "float16"},
+        {"kind": "kv_cache_key", "dtype": "float32"},
+        {"kind": "kv_cache_value", "dtype": "float32"},
+    ]
+    fp16_plan = SimpleNamespace(spec=spec, kv=KvCachePlan.plan("fp16", "float16"))
+    assert memory(fp16_plan, states, get_target("executorch"))["kv_dtype"] == "fp32"
+    int8 = [dict(s, dtype="int8") if s["kind"].startswith("kv") else s for s in states]
+    int8_plan = SimpleNamespace(spec=spec, kv=KvCachePlan.plan("int8", "float32"))
+    assert memory(int8_plan, int8, get_target("executorch"))["kv_dtype"] == "int8"

@@ -85,14 +85,19 @@ def assemble(
 def memory(lowering: LoweringSettings, states: list[dict], tgt: Target) -> dict[str, Any]:
     """The manifest's memory arithmetic: state bytes = deltanet_state_bytes + context x kv_bytes_per_token[kv_dtype],
     and, where the target's attention kernel keeps scratch that grows with the context, context x intra-op threads
-    x kv_scratch_bytes_per_token_per_thread[kv_dtype] more at run time. The KV dtype is the settings' plan; the
-    DeltaNet state's width is what the lowering stored."""
+    x kv_scratch_bytes_per_token_per_thread[kv_dtype] more at run time. A quantized KV cache's dtype is the settings'
+    plan; a float cache's and the DeltaNet state's width are what the lowering stored."""
     spec, kv = lowering.spec, lowering.kv
     short = {"float32": ("fp32", 4), "float16": ("fp16", 2)}
     dtypes = {s["kind"]: s["dtype"] for s in states}
     conv = short[dtypes.get("deltanet_conv", "float32")]
-    # a model without attention layers has no KV cache: the DeltaNet states' width names the dtype
-    kv_dtype = kv.dtype if "kv_cache_key" in dtypes else conv[0]
+    # a quantized cache is the plan's; a float cache is what the lowering stored (ExecuTorch at fp16 keeps fp32 KV
+    # states, which its manifest's states say); a model without attention layers has no KV cache: the DeltaNet
+    # states' width names the dtype
+    if kv.quantized:
+        kv_dtype = kv.dtype
+    else:
+        kv_dtype = short[dtypes["kv_cache_key"]][0] if "kv_cache_key" in dtypes else conv[0]
     out = spec.memory_arithmetic(kv_dtype, conv[1])
     if kv.quantized and kv_dtype == kv.dtype:  # static scales: they live in the graph, no bytes per token
         out["kv_bytes_per_token"][kv_dtype] = spec.kv_bytes_per_token(kv_dtype, static_scales=True)

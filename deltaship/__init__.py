@@ -20,10 +20,7 @@ try:
 except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
     __version__ = "0+unknown"
 
-from deltaship.errors import DeltashipError
-from deltaship.hf.bundle_model import BundleModel
 from deltaship.logs import quiet_import_notices
-from deltaship.targets import open_bundle
 
 quiet_import_notices()  # torchao's and torch's import-time notices, whoever imports them first
 
@@ -43,6 +40,9 @@ def load(
     The transformers side is `deltaship.hf.DeltashipModelForCausalLM` over the same session; the tokenizer is
     `transformers.AutoTokenizer.from_pretrained(bundle)`. The bundle's files are checked first."""
     # lazy: `import deltaship` (run by every `import deltaship.<module>`) stays thin
+    from deltaship.errors import DeltashipError  # lazy: the package's face
+    from deltaship.hf.bundle_model import BundleModel  # lazy: the package's face
+    from deltaship.targets import open_bundle  # lazy: the package's face
 
     path = Path(bundle)
     if not (path / "manifest.json").is_file():

@@ -224,3 +224,11 @@ def test_the_architecture_page_draws_the_contracted_layers():
     rows = [line for line in table.splitlines() if line.startswith("| L")]
     drawn = [sorted(re.findall(r"`([\w.]+)`", re.split(r"(?<!\\)\|", row)[2])) for row in rows]
     assert drawn == expected, "docs/architecture.md's layer table and pyproject.toml's contract differ"
+
+
+def test_the_package_face_stays_thin():
+    """`import deltaship.<anything>` runs deltaship/__init__.py first: it loads only the logging set-up, so a small
+    process (the ONNX Runtime worker, a kit's tooling) needs none of deltaship's dependencies beyond what it uses."""
+    code = "import sys, deltaship; print(sorted(m for m in sys.modules if m.startswith('deltaship')))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.split() == ["['deltaship',", "'deltaship.logs']"], run.stdout + run.stderr

@@ -332,27 +332,19 @@ def _embedding(L: Lowerer, node, weight, ids, *args):
         # (same codes, same scales, [N, K/block, block*bits/8] viewed as [N, K*bits/8]), as genai's builder does.
         packed, scales, _, _ = L.weight(weight, "matmul")
         data = L.b.one("Reshape", [packed, L.b.const(np.array([rows, cols * q["bits"] // 8], np.int64))])
-        return L.b.one(
-            "GatherBlockQuantized",
-            [data, L.as_tensor(ids), scales],
-            domain=MS,
-            bits=q["bits"],
-            block_size=q["block_size"],
-            gather_axis=0,
-            quantize_axis=1,
-        )
-    if q:
+    elif q:
         data, scales = L.weight_gather_quantized(weight, q)
-        return L.b.one(
-            "GatherBlockQuantized",
-            [data, L.as_tensor(ids), scales],
-            domain=MS,
-            bits=q["bits"],
-            block_size=q["block_size"],
-            gather_axis=0,
-            quantize_axis=1,
-        )
-    return L.b.one("Gather", [L.weight(weight), L.as_tensor(ids)], axis=0)
+    else:
+        return L.b.one("Gather", [L.weight(weight), L.as_tensor(ids)], axis=0)
+    return L.b.one(
+        "GatherBlockQuantized",
+        [data, L.as_tensor(ids), scales],
+        domain=MS,
+        bits=q["bits"],
+        block_size=q["block_size"],
+        gather_axis=0,
+        quantize_axis=1,
+    )
 
 
 def _weight_gather_quantized(L: Lowerer, node, q):

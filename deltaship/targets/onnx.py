@@ -179,12 +179,6 @@ class OnnxTarget(Target):
                 "--onnx-deltanet-ops contrib asks for ONNX Runtime's contrib ops instead",
                 "drop one of --onnx-opset 27 and --onnx-deltanet-ops contrib",
             )
-        if options.onnx_cuda_graph and options.mtp:
-            raise DeltashipError(
-                "--onnx-cuda-graph rewrites the text decoder for CUDA graph capture; the --mtp verify and draft "
-                "graphs are not rewritten",
-                "drop one of --onnx-cuda-graph and --mtp",
-            )
         if options.onnx_cuda_graph and precision != "fp16" and options.onnx_activations != "fp16":
             raise DeltashipError(
                 "--onnx-cuda-graph is for ONNX Runtime's CUDA provider, whose GroupQueryAttention takes fp16 "

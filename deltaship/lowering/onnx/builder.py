@@ -123,6 +123,19 @@ class GraphBuilder:
         self.initializers.append(t)
         return name
 
+    def read(self, name: str) -> np.ndarray:
+        """The value of initializer `name` as written so far (inline, or back from the external data file)."""
+        t = next(t for t in self.initializers if t.name == name)
+        if t.data_location != TensorProto.EXTERNAL:
+            return numpy_helper.to_array(t)
+        ext = {e.key: e.value for e in t.external_data}
+        self._ext_file.flush()
+        with open(self.external, "rb") as f:
+            f.seek(int(ext["offset"]))
+            raw = f.read(int(ext["length"]))
+        dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+        return np.frombuffer(raw, dtype).reshape(tuple(t.dims)).copy()
+
     def add_input(self, name: str, elem: int, shape: list) -> str:
         self._names.add(name)
         self.inputs.append(helper.make_tensor_value_info(name, elem, shape))

@@ -80,3 +80,36 @@ def _drop_dead(b: GraphBuilder) -> None:
     dead = {name for name in b._consts.values() if name not in read}
     b.initializers[:] = [t for t in b.initializers if t.name not in dead]
     b._consts = {k: v for k, v in b._consts.items() if v not in dead}
+
+
+def make_draft_capturable(
+    b: GraphBuilder, max_context: int, position: str = "position", input_ids: str = "input_ids"
+) -> dict:
+    """The same rewrite for mtp.onnx (--mtp --onnx-cuda-graph), whose calls take their start position q as the int64
+    input `position`: GroupQueryAttention's seqlens_k = q + T - 1 on the device (T from ReduceSum(Expand(1,
+    Shape(input_ids))), as above), total_sequence_length the head's KV length. Returns the draft's `cuda_graph`
+    block."""
+    gqa = [n for n in b.nodes if n.op_type == "GroupQueryAttention"]
+    if not gqa:
+        raise DeltashipError(
+            "--onnx-cuda-graph: the MTP head's graph has no GroupQueryAttention to rewrite",
+            "export without --onnx-cuda-graph (and report the model)",
+        )
+    n0 = len(b.nodes)
+    ones = b.one("Expand", [b.const(np.array([1.0], np.float32)), b.one("Shape", [input_ids])])
+    tokens = b.one(
+        "Cast", [b.one("ReduceSum", [ones, b.const(np.array([1], np.int64))], keepdims=0)], to=onnx.TensorProto.INT64
+    )
+    last = b.one("Sub", [b.one("Add", [position, tokens]), b.const(np.array([1], np.int64))])
+    seqlens = b.one("Cast", [last], to=onnx.TensorProto.INT32)
+    total = b.const(np.array(max_context, np.int32))
+    b.nodes[:] = b.nodes[n0:] + b.nodes[:n0]  # they read graph inputs only
+    for n in gqa:
+        n.input[5] = seqlens
+        n.input[6] = total
+    _drop_dead(b)
+    return {
+        "total_sequence_length": max_context,
+        "graph_ids": "one per call length T (T <= 4) and buffer set; the call over the prompt runs uncaptured",
+        "doc": "bind hidden_states, input_ids, position, logits and mtp_hidden_states at fixed device addresses per T",
+    }

@@ -8,10 +8,13 @@ import numpy as np
 import onnx
 import torch
 
+from deltaship.errors import DeltashipError
 from deltaship.lowering.kv_quant import stored_states
 from deltaship.lowering.lowered import Lowered
 from deltaship.lowering.onnx import mtp
 from deltaship.lowering.onnx.builder import NP_TO_ONNX, GraphBuilder
+from deltaship.lowering.onnx.census import nodes_per_layer
+from deltaship.lowering.onnx.fusions import fuse_skip_norms
 from deltaship.lowering.onnx.genai import GENAI_CONFIG, adapt_tokenizer_config, write_genai_config
 from deltaship.lowering.onnx.graph_capture import make_capturable
 from deltaship.lowering.onnx.lowering import (
@@ -338,6 +341,19 @@ def _quantized_state_io(b: GraphBuilder, states: list[dict]) -> None:
                 vis[i] = onnx.helper.make_tensor_value_info(v.name, elem[s["dtype"]], s["shape"])
 
 
+# the node census the manifest keeps (deltaship/lowering/onnx/census.py): nodes per layer of each kind, the decode
+# step's kernel count on a GPU
+NODE_CENSUS = ("deltanet", "attention", "shared", "outside", "total")
+
+
+def _census(nodes) -> dict:
+    """The manifest's node census, or why there is none (a graph the census does not know: the bundle is fine)."""
+    try:
+        return {k: v for k, v in nodes_per_layer(nodes).items() if k in NODE_CENSUS}
+    except DeltashipError as e:
+        return {"unavailable": str(e).splitlines()[0]}
+
+
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> Lowered:
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
     ctx.states = stored_states(ctx.states, ctx.kv)  # an int8/int4 KV cache: its codes' dtype and shape
@@ -378,9 +394,12 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     _declare_states(b, ctx.states)
     _genai_io(b, ctx.spec.vocab_size)
     _quantized_state_io(b, ctx.states)
-    capture = None
+    capture, fusions = None, None
     if ctx.options.onnx_cuda_graph:  # GQA's lengths and the start position computed on the device
         capture = make_capturable(b, ctx.max_context, CURRENT_LENGTH, _PROGRAM_POSITION, _LENGTH_NODES[0])
+        fusions = {
+            "skip_norm": {"nodes_removed": fuse_skip_norms(b), "op": "com.microsoft::SkipSimplifiedLayerNormalization"}
+        }
     b.finish(
         out_dir / MODEL_FILE,
         {"": opset, "com.microsoft": 1},
@@ -407,7 +426,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
             progress(f"no {GENAI_CONFIG}: {genai['unavailable']} (onnxruntime-genai cannot run this bundle)")
     details = {
         **({"cuda_graph": capture} if capture else {}),
+        **({"fusions": fusions} if fusions else {}),
         "onnx_ops": ops,
+        "nodes_per_layer": _census(b.nodes),
         "external_data": external,
         "opset": opset,
         "ir_version": IR_VERSIONS[opset],
@@ -435,5 +456,5 @@ __all__ = ["lower", "io_inputs", "io_outputs", "adapt_tokenizer_config", "LOWERI
 
 
 def _speculative(ctx, weights, out_dir: Path, accuracy_level: int, deltanet_ops: str, progress, b, rollback) -> dict:
-    mtp.add_verify_io(out_dir / MODEL_FILE, ctx.spec)
+    mtp.add_verify_io(out_dir / MODEL_FILE, ctx.spec, capture=bool(ctx.options.onnx_cuda_graph))
     return mtp.lower_mtp(ctx, weights, out_dir, accuracy_level, deltanet_ops, progress, b, rollback)

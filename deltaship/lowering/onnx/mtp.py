@@ -9,9 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from deltaship.lowering.onnx.builder import NP_TO_ONNX, GraphBuilder
+from deltaship.lowering.onnx.graph_capture import make_draft_capturable
 from deltaship.lowering.onnx.lowering import DATA_FILE, IR_VERSION, MODEL_FILE, OPSET, Lowerer
 
 MTP_FILE = "mtp.onnx"
@@ -87,14 +89,19 @@ class SharingBuilder(GraphBuilder):
 KEEP_ROWS = "num_logits_to_keep"  # the one extra input onnxruntime-genai feeds by itself (int64 [1] = 0)
 
 
-def add_verify_io(path: Path, spec) -> None:
+def add_verify_io(path: Path, spec, capture: bool = False) -> None:
     """Name the verify I/O's dims in the written model.onnx and compute the program's logit_rows in the graph:
     the last max(1, n) rows of the call, n = num_logits_to_keep (its largest element; [T] copies in a verify call,
     so that input_ids [1, T] and it keep ONNX Runtime's memory-pattern key apart from prefill's). A plain call feeds
     [0]: the last row, which is all `logits` needs. Not an initializer that is also an input (ONNX Runtime warns
     about one at every session start, in every app) and not an optional-typed input (onnxruntime-genai reads every
     input's tensor type and crashes on one): a plain int64 input named as the one genai feeds itself, with 0.
-    Done on the file, after the decoder's lowering wrote it (its weights stay where they are)."""
+    Done on the file, after the decoder's lowering wrote it (its weights stay where they are).
+
+    capture (--onnx-cuda-graph): the rows are a Slice whose bounds come from shape arithmetic alone, which ONNX
+    Runtime's CUDA provider keeps on the CPU and takes there (Slice's starts and ends are CPU-memory inputs), instead
+    of a Range of indices a Gather reads on the GPU (a Memcpy node, which capture refuses: bench/gpu/placement.py).
+    A captured graph replays its bounds as captured: the session keeps one graph per call shape and row count."""
 
     model = onnx.load(str(path), load_external_data=False)
     g = model.graph
@@ -104,8 +111,9 @@ def add_verify_io(path: Path, spec) -> None:
     }
     for values in (g.input, g.output):
         for i, v in enumerate(values):
-            if v.name in shapes:
-                values[i].CopyFrom(helper.make_tensor_value_info(v.name, *shapes[v.name]))
+            if v.name in shapes:  # hidden_states in the activation dtype the lowering declared (fp16 at fp16)
+                elem = v.type.tensor_type.elem_type if v.name == "hidden_states" else shapes[v.name][0]
+                values[i].CopyFrom(helper.make_tensor_value_info(v.name, elem, shapes[v.name][1]))
     i = next(k for k, v in enumerate(g.input) if v.name == "logit_rows")
     g.input[i].CopyFrom(helper.make_tensor_value_info(KEEP_ROWS, TensorProto.INT64, ["keep"]))
     g.initializer.extend(
@@ -124,10 +132,38 @@ def add_verify_io(path: Path, spec) -> None:
         helper.make_node("Squeeze", ["keep_rows_t"], ["keep_rows_t_s"]),
         helper.make_node("Range", ["keep_rows_start_s", "keep_rows_t_s", "keep_rows_step"], ["logit_rows"]),
     ]
+    if capture:
+        rows = _sliced_rows(g)
     nodes = rows + list(g.node)
     del g.node[:]
     g.node.extend(nodes)
     onnx.save(model, str(path))
+
+
+def _sliced_rows(g) -> list:
+    """The capture form of the row arithmetic (see add_verify_io): every node reached from Shape(input_ids) and the
+    graph input only, and the rows' Gather replaced by a Slice of the last n rows along the same axis."""
+    gathers = [n for n in g.node if n.op_type == "Gather" and n.input[1:] == ["logit_rows"]]
+    if len(gathers) != 1:
+        raise RuntimeError(f"--mtp --onnx-cuda-graph: {len(gathers)} Gathers read logit_rows, not one")
+    gather = gathers[0]
+    axis = next((a.i for a in gather.attribute if a.name == "axis"), 0)
+    g.initializer.append(numpy_helper.from_array(np.array([axis], np.int64), "keep_rows_axis"))
+    slice_ = helper.make_node(
+        "Slice", [gather.input[0], "keep_rows_start", "keep_rows_t", "keep_rows_axis"], list(gather.output),
+        name="n_keep_rows_slice",
+    )  # fmt: skip
+    g.node.insert(list(g.node).index(gather), slice_)
+    g.node.remove(gather)
+    return [
+        helper.make_node("Shape", ["input_ids"], ["keep_rows_t"], start=1, end=2),
+        helper.make_node("Sub", ["keep_rows_t", "keep_rows_t"], ["keep_rows_zero"]),
+        helper.make_node("Concat", ["keep_rows_zero", KEEP_ROWS], ["keep_rows_all"], axis=0),
+        helper.make_node("ReduceMax", ["keep_rows_all"], ["keep_rows_asked"], keepdims=1),
+        helper.make_node("Max", ["keep_rows_asked", "keep_rows_one"], ["keep_rows_least_one"]),
+        helper.make_node("Min", ["keep_rows_least_one", "keep_rows_t"], ["keep_rows_n"]),
+        helper.make_node("Sub", ["keep_rows_t", "keep_rows_n"], ["keep_rows_start"]),
+    ]
 
 
 def lower_mtp(
@@ -145,6 +181,7 @@ def lower_mtp(
     state (None: the graph has none)."""
 
     program, states = ctx.programs["mtp"]
+    hidden = "float16" if ctx.dtype == torch.float16 else "float32"  # the activation dtype: the trunk's hidden states
     if main.external is None:
         raise RuntimeError("--mtp needs the decoder's weights in external data (model.onnx.data) to share them")
     b = SharingBuilder(out_dir / MTP_DATA_FILE, main, out_dir / DATA_FILE)
@@ -162,6 +199,9 @@ def lower_mtp(
         ["hidden_states", "input_ids", "position"] + [s["name"] for s in states],
         ["logits", "mtp_hidden_states"] + [s["output"] for s in states],
     )
+    capture = None
+    if ctx.options.onnx_cuda_graph:  # the head's GroupQueryAttention lengths on the device, as the decoder's
+        capture = make_draft_capturable(b, int(states[0]["shape"][2]))
     b.finish(out_dir / MTP_FILE, {"": OPSET, "com.microsoft": 1}, IR_VERSION, doc="deltaship Qwen3.5 MTP head")
     bases = tuple(n.replace(".", "_") for n in MTP_SHARED)  # the Lowerer names a weight's forms base, base_q, ...
     stored = {t.name: t for t in b.initializers if t.name.startswith(bases) and t.name not in b.shared}
@@ -174,7 +214,7 @@ def lower_mtp(
                 {
                     "name": "hidden_states",
                     "shape": [1, "tokens", ctx.spec.hidden_size],
-                    "dtype": "float32",
+                    "dtype": hidden,
                     "doc": "the decoder's hidden_states at positions q .. q+T-1",
                 },
                 {
@@ -195,11 +235,12 @@ def lower_mtp(
                 {
                     "name": "mtp_hidden_states",
                     "shape": [1, "tokens", ctx.spec.hidden_size],
-                    "dtype": "float32",
+                    "dtype": hidden,
                     "doc": "the head's hidden states; the last row, with the drafted token, drafts one more",
                 },
             ],
             "states": [dict(s, init="zeros", reset="zeros") for s in states],
+            **({"cuda_graph": capture} if capture else {}),
         },
         "verify": {
             "file": MODEL_FILE,
@@ -222,7 +263,7 @@ def lower_mtp(
                 {
                     "name": "hidden_states",
                     "shape": [1, "tokens", ctx.spec.hidden_size],
-                    "dtype": "float32",
+                    "dtype": hidden,
                     "doc": "final-normed hidden state of every position of the call (the MTP head's input)",
                 },
             ],

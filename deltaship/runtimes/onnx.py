@@ -8,10 +8,12 @@ states alternate between two buffers, so nothing is copied per token.
 
 cuda_graph=True (CUDA provider only; the default there for bundles exported with --onnx-cuda-graph, which
 cuda_graph=False turns off) asks ONNX Runtime's CUDA EP to capture decode (T=1) as CUDA graphs and
-replay them, which needs every buffer a run touches at a fixed device address: the states are (alternating
-buffers give two address sets, so two graphs, `gpu_graph_id` 1 and 2 by the buffers' parity), input_ids and
+replay them, which needs every buffer a run touches at a fixed device address: the states are, input_ids and
 the position inputs live in preallocated device buffers written in place (DecodeInputs), logits in a fixed
-device buffer. Prefill runs with `gpu_graph_id` -1 (not captured: its length varies). ORT refuses the session
+device buffer. Each set of addresses a call binds gets its own `gpu_graph_id` (_graph_options): the alternating
+state buffers give two sets in a decode loop; an --mtp bundle's verify and draft calls (onnx_speculative.py) add
+theirs, and a rollback, which swaps buffers, a few more. Prefill runs with `gpu_graph_id` -1 (not captured: its
+length varies). ORT refuses the session
 when the graph needs Memcpy nodes (CPU-placed nodes feeding GPU ones), so only bundles exported with
 --onnx-cuda-graph (deltaship/lowering/onnx/graph_capture.py) are opened this way; see docs/results/gpu.md.
 """
@@ -31,10 +33,18 @@ import numpy as np
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Session
-from deltaship.runtimes.onnx_io import KEEP_ROWS, counts_positions, keeps_rows, position_feeds, session_options
+from deltaship.runtimes.onnx_io import (
+    KEEP_ROWS,
+    DecodeInputs,
+    counts_positions,
+    keeps_rows,
+    position_feeds,
+    session_options,
+)
 from deltaship.runtimes.onnx_speculative import OnnxSpeculation
 
 _NP = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
+MAX_GRAPHS = 64  # captured graphs per session (each its own gpu_graph_id)
 
 
 # Run options of a multi-token call on the CPU: give the arena's free regions back when the call ends. ORT plans one
@@ -75,39 +85,6 @@ def release_mapped_pages(data_file: Path) -> int:
         if advice is not None and clean and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), advice) == 0:
             done += hi - lo
     return done
-
-
-class DecodeInputs:
-    """The inputs of a one-token call, each a preallocated OrtValue on `device`: input_ids int64 [1, 1] and the
-    position, as current_sequence_length int32 [1] and past_sequence_length int32 [1, 1] (counted=True) or as
-    position_ids int64 [1, 1] (older bundles).
-
-    set() writes the values in place, so the buffers keep their addresses: a decode IOBinding made once keeps
-    reading them, and a captured CUDA graph reads its inputs from the addresses it was captured with. On the CPU
-    the OrtValues wrap numpy arrays (ortvalue_from_numpy shares host memory), which set() writes directly; on a
-    device it copies host arrays in (OrtValue.update_inplace)."""
-
-    def __init__(self, ort, device: str = "cpu", counted: bool = True, keep_rows: bool = False):
-        self.device = device
-        self.counted = counted
-        args = ("cuda", 0) if device == "cuda" else ()
-        self._host = {"input_ids": np.zeros((1, 1), np.int64), **position_feeds(counted, 0, 1)}
-        if keep_rows:  # an --mtp decoder's num_logits_to_keep: [0], the last row (export/onnx/mtp.py)
-            self._host[KEEP_ROWS] = np.zeros(1, np.int64)
-        self.values = {n: ort.OrtValue.ortvalue_from_numpy(a, *args) for n, a in self._host.items()}
-        self.input_ids = self.values["input_ids"]
-
-    def set(self, token: int, position: int) -> None:
-        h = self._host
-        h["input_ids"][0, 0] = token
-        if self.counted:
-            h["current_sequence_length"][0] = position + 1
-            h["past_sequence_length"][0, 0] = position
-        else:
-            h["position_ids"][0, 0] = position
-        if self.device != "cpu":
-            for name, value in self.values.items():
-                value.update_inplace(h[name])
 
 
 def _fp16_activations(manifest: dict[str, Any]) -> bool:
@@ -229,20 +206,11 @@ class OnnxSession(OnnxSpeculation, Session):
             )
         self.in_place = in_place
         self.states = manifest["states"]
-        self._bufs: dict[str, list[np.ndarray]] = {}
-        self._vals: dict[str, list] = {}
-        self._cur: dict[str, int] = {}
-        for s in self.states:
-            n = 1 if self._shares_buffer(s) else 2
-            arrs = [np.zeros(s["shape"], dtype=_NP[s["dtype"]]) for _ in range(n)]
-            self._bufs[s["name"]] = arrs
-            self._vals[s["name"]] = [self._ortvalue(a) for a in arrs]
-            self._cur[s["name"]] = 0
+        self._plan_states(self.providers[0])
         self._logits = np.zeros((1, 1, self.vocab_size), dtype=np.float32)
         self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits)
         # one-token calls reuse one IOBinding per parity of the alternating states (made on first use): a decode
         # step writes two numbers and runs, instead of binding every state again
-        self._alternating = [s["name"] for s in self.states if len(self._vals[s["name"]]) == 2]
         self._decode_io: dict[tuple[int, ...], tuple[Any, Any]] = {}
         self.counted = counts_positions(manifest)
         # host buffers (ORT copies them where the graph reads them), as prefill's bind_cpu_input; cuda_graph=True
@@ -260,27 +228,63 @@ class OnnxSession(OnnxSpeculation, Session):
         # the multimodal decoder's position_ids (runtimes/vision.py): a slice (a view, no copy) of one row
         self._positions = np.arange(self.max_context, dtype=np.int64).reshape(1, -1)
 
-    def _graph_buffers(self, device: str) -> None:
-        """Fixed-address decode inputs and logits, and the run options naming each graph (cuda_graph=True)."""
+    def _plan_states(self, provider: str) -> None:
+        """A buffer per state that shares past and present on `provider`, two for the others (zeroed)."""
+        self._bufs: dict[str, list[np.ndarray]] = {}
+        self._vals: dict[str, list] = {}
+        self._cur: dict[str, int] = {}
+        for s in self.states:
+            n = 1 if self._shares_buffer(s, provider) else 2
+            arrs = [np.zeros(s["shape"], dtype=_NP[s["dtype"]]) for _ in range(n)]
+            self._bufs[s["name"]] = arrs
+            self._vals[s["name"]] = [self._ortvalue(a) for a in arrs]
+            self._cur[s["name"]] = 0
+        self._alternating = [s["name"] for s in self.states if len(self._vals[s["name"]]) == 2]
+        self._spare = self._rollback = None  # the speculative calls' extra buffers, made again on first use
+
+    def _graph_buffers(self, device: str, plan_for: str | None = None) -> None:
+        """Fixed-address decode inputs and logits, and the run options of uncaptured calls (cuda_graph=True).
+        plan_for: plan the state buffers as that execution provider shares them (a rehearsal on the CPU of the
+        CUDA provider's buffers: tests/test_cuda_graph.py)."""
         ort = self._ort
+        if plan_for is not None:
+            self._plan_states(plan_for)
         # a captured graph writes its output to the address it was captured with, on the device
         args = ("cuda", 0) if device == "cuda" else ()
         self._logits_val = ort.OrtValue.ortvalue_from_numpy(self._logits, *args)
         self._decode_in = DecodeInputs(ort, device, self.counted, self.keep_rows)
         self._decode_io.clear()
-        self._run_opts = {}
-        for gid in ("-1", "1", "2"):  # -1: no capture (prefill); 1, 2: decode on either buffer parity
-            ro = ort.RunOptions()
-            ro.add_run_config_entry("gpu_graph_id", gid)
-            self._run_opts[gid] = ro
+        ro = ort.RunOptions()
+        ro.add_run_config_entry("gpu_graph_id", "-1")  # not captured: prefill, and calls of other shapes
+        self._run_opts = {"-1": ro}
+        self._graphs: dict[tuple, Any] = {}
 
-    def _shares_buffer(self, state: dict[str, Any]) -> bool:
+    def _graph_options(self, kind: str, shape: tuple, values) -> Any:
+        """The run options of a captured call: one gpu_graph_id per kind of call, shape and set of buffer addresses
+        it binds, so that each captured graph replays on the addresses it was captured with. A plain decode loop
+        alternates two sets (the states' parity); a speculative rollback swaps a state's buffers, which makes a
+        new set (a few permutations of three buffers, so a bounded number of graphs)."""
+        key = (kind, shape, tuple(v.data_ptr() for v in values))
+        hit = self._graphs.get(key)
+        if hit is None:
+            if len(self._graphs) >= MAX_GRAPHS:
+                raise DeltashipError(
+                    f"{self.bundle}: more than {MAX_GRAPHS} captured CUDA graphs in one session (buffer sets "
+                    "should repeat)",
+                    "open the session with cuda_graph=False, and report it",
+                )
+            hit = self._ort.RunOptions()
+            hit.add_run_config_entry("gpu_graph_id", str(len(self._graphs) + 1))
+            self._graphs[key] = hit
+        return hit
+
+    def _shares_buffer(self, state: dict[str, Any], provider: str) -> bool:
         """Past and present in one buffer: where the manifest says the kernel allows it on this provider."""
         if not self.in_place:
             return False
         if "in_place" not in state:  # bundles from before deltaship recorded it: the KV cache only
             return state["kind"].startswith("kv_cache")
-        return self.providers[0] in state["in_place"]
+        return provider in state["in_place"]
 
     def runtime_name(self) -> str:
         fallback = ", some nodes on the CPU" if self.cpu_fallback else ""
@@ -306,21 +310,19 @@ class OnnxSession(OnnxSpeculation, Session):
                     a[...] = 0
             self._cur[name] = 0
 
-    def _graph_id(self, ids: np.ndarray) -> str:
-        """The run's gpu_graph_id: -1 (not captured) for prefill; for decode 1 or 2 by the alternating states'
-        parity, so that each captured graph always sees the same buffer addresses."""
-        if ids.size != 1:
-            return "-1"
-        return str(1 + (self._cur[self._alternating[0]] if self._alternating else 0))
-
-    def _bind_states(self, io) -> None:
+    def _bind_states(self, io) -> list:
+        """Bind every state, the logits and (--mtp) the rollback outputs; return the OrtValues bound."""
+        bound = []
         for s in self.states:
             vals, cur = self._vals[s["name"]], self._cur[s["name"]]
             io.bind_ortvalue_input(s["name"], vals[cur])
             io.bind_ortvalue_output(s["output"], vals[(cur + 1) % len(vals)])
+            bound += [vals[cur], vals[(cur + 1) % len(vals)]]
         io.bind_ortvalue_output("logits", self._logits_val)
+        bound.append(self._logits_val)
         if "speculative" in self.manifest:
-            self._bind_rollback(io, verify=False)
+            bound += self._bind_rollback(io, verify=False)
+        return bound
 
     def _decode_binding(self) -> tuple[Any, Any]:
         """The IOBinding of a one-token call at the states' current parity, and its run options: made once per
@@ -332,8 +334,8 @@ class OnnxSession(OnnxSpeculation, Session):
             io = self.sess.io_binding()
             for name, value in self._decode_in.values.items():
                 io.bind_ortvalue_input(name, value)
-            self._bind_states(io)
-            opts = self._run_opts[str(1 + (key[0] if key else 0))] if self.cuda_graph else None
+            bound = list(self._decode_in.values.values()) + self._bind_states(io)
+            opts = self._graph_options("decode", (1,), bound) if self.cuda_graph else None
             hit = self._decode_io[key] = (io, opts)
         return hit
 

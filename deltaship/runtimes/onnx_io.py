@@ -65,3 +65,48 @@ def position_feeds(counted: bool, position: int, tokens: int) -> dict[str, np.nd
     # [[p]] only: the graph reads element 0, and ONNX Runtime keys its memory patterns by the XOR of all input
     # dims, in which input_ids [1, T] and position_ids [1, T] would cancel out
     return {"position_ids": np.array([[position]], np.int64)}
+
+
+class DecodeInputs:
+    """The inputs of a one-token call, each a preallocated OrtValue on `device`: input_ids int64 [1, 1] and the
+    position, as current_sequence_length int32 [1] and past_sequence_length int32 [1, 1] (counted=True) or as
+    position_ids int64 [1, 1] (older bundles).
+
+    set() writes the values in place, so the buffers keep their addresses: a decode IOBinding made once keeps
+    reading them, and a captured CUDA graph reads its inputs from the addresses it was captured with. On the CPU
+    the OrtValues wrap numpy arrays (ortvalue_from_numpy shares host memory), which set() writes directly; on a
+    device it copies host arrays in (OrtValue.update_inplace)."""
+
+    def __init__(self, ort, device: str = "cpu", counted: bool = True, keep_rows: bool = False, tokens: int = 1):
+        self.device = device
+        self.counted = counted
+        self.tokens = tokens
+        args = ("cuda", 0) if device == "cuda" else ()
+        self._host = {"input_ids": np.zeros((1, tokens), np.int64), **position_feeds(counted, 0, tokens)}
+        if keep_rows:  # an --mtp decoder's num_logits_to_keep: [0], the last row (export/onnx/mtp.py); a verify
+            # call's [T] copies of its row count
+            self._host[KEEP_ROWS] = np.zeros(1 if tokens == 1 else tokens, np.int64)
+        # num_logits_to_keep stays on the host: a capture graph reads it on the CPU only (shape arithmetic)
+        self.values = {
+            n: ort.OrtValue.ortvalue_from_numpy(a, *(() if n == KEEP_ROWS else args)) for n, a in self._host.items()
+        }
+        self.input_ids = self.values["input_ids"]
+
+    def set(self, token: int, position: int) -> None:
+        self.set_many(np.array([token]), position)
+
+    def set_many(self, ids: np.ndarray, position: int, keep: int | None = None) -> None:
+        """ids [T] at `position`; keep: num_logits_to_keep's value (an --mtp decoder; 0 when not given)."""
+        h = self._host
+        h["input_ids"][0, :] = ids
+        if self.counted:
+            h["current_sequence_length"][0] = position + self.tokens
+            h["past_sequence_length"][0, 0] = position + self.tokens - 1
+        else:
+            h["position_ids"][0, 0] = position
+        if KEEP_ROWS in h:
+            h[KEEP_ROWS][:] = keep or 0
+        if self.device != "cpu":
+            for name, value in self.values.items():
+                if name != KEEP_ROWS:
+                    value.update_inplace(h[name])

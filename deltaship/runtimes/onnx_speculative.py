@@ -13,9 +13,11 @@ import numpy as np
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Checkpoint
-from deltaship.runtimes.onnx_io import position_feeds, session_options
+from deltaship.runtimes.onnx_io import DecodeInputs, position_feeds, session_options
 
 _VERIFY_WIDTH = 4096
+CAPTURED_VERIFY = 4  # verify calls of up to this many tokens, every row kept (depth <= 3), are captured as graphs
+CAPTURED_DRAFT = 4  # draft calls of up to this many positions
 
 
 class OnnxSpeculation:
@@ -29,12 +31,18 @@ class OnnxSpeculation:
     _after_verify: tuple | None = None  # (serial, forward marker, position, whether it kept the states before it)
     _keep_past = False  # a snapshot is pending: the next verify call must leave the states before it intact
     _verify_serial = 0
+    _verify_bufs: dict | None = None  # cuda_graph: (T, rows kept) -> (inputs, outputs) at fixed addresses
+    _draft_fixed: dict | None = None  # cuda_graph: T -> the draft head's inputs and outputs at fixed addresses
 
     def verify(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Run ids [T] at self.position (the position is not advanced): logits [len(rows), V] after each row and
         hidden states [T, H] of every position."""
         if "speculative" not in self.manifest:
             raise DeltashipError(f"{self.bundle}: no verify outputs in this bundle", "export it again with --mtp")
+        rows = np.asarray(rows, np.int64)
+        rows = np.where(rows < 0, rows + ids.size, rows)
+        if getattr(self, "cuda_graph", False) and self.keep_rows and self.counted:
+            return self._verify_fixed(np.asarray(ids, np.int64).reshape(-1), rows)
         io = self.sess.io_binding()
         io.bind_cpu_input("input_ids", np.ascontiguousarray(ids, np.int64).reshape(1, -1))
         if self.counted:
@@ -49,8 +57,6 @@ class OnnxSpeculation:
                 self._verify_positions = np.zeros((1, _VERIFY_WIDTH + self.prefill_chunk + 1), np.int64)
             self._verify_positions[0, 0] = self.position
             io.bind_cpu_input("position_ids", self._verify_positions[:, :width])
-        rows = np.asarray(rows, np.int64)
-        rows = np.where(rows < 0, rows + ids.size, rows)
         first = int(rows.min())
         if self.keep_rows:  # the graph returns the call's last n rows, n = num_logits_to_keep's largest element
             # [T] copies of n (not [1]): input_ids [1, T] and it keep the memory-pattern key described above
@@ -74,6 +80,12 @@ class OnnxSpeculation:
         io.bind_output("logits_rows")
         io.bind_output("hidden_states")
         self.sess.run_with_iobinding(io)
+        self._after_verify_call(spares, keep)
+        values = io.get_outputs()  # in binding order: the states, the rollback states, logits_rows, hidden_states
+        logits = values[-2].numpy()[0]
+        return (logits[rows - first] if self.keep_rows else logits), values[-1].numpy()[0]
+
+    def _after_verify_call(self, spares: dict, keep: bool) -> None:
         for s in self.states:
             name = s["name"]
             if name in spares:  # the new state becomes current, the old one the spare
@@ -84,9 +96,55 @@ class OnnxSpeculation:
             self._decode_io.clear()
         self._verify_serial += 1
         self._after_verify = (self._verify_serial, self._forward_marker(), self.position, keep)
-        values = io.get_outputs()  # in binding order: the states, the rollback states, logits_rows, hidden_states
-        logits = values[-2].numpy()[0]
-        return (logits[rows - first] if self.keep_rows else logits), values[-1].numpy()[0]
+
+    def _verify_fixed(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """verify() in a session that captures CUDA graphs: every input and output in a buffer kept per (T, rows
+        kept), so a call of a captured shape (T <= CAPTURED_VERIFY, every row kept: a speculative step) replays the
+        graph captured for its buffer set; other calls (prefill chunks) run uncaptured on the same buffers. The
+        DeltaNet states are written out of place and the rollback outputs to buffers of their own: a rejection
+        swaps buffers (rollback_to_first), a restore flips the parity back."""
+        t, first = ids.size, int(rows.min())
+        n = t - first
+        fixed = self._verify_bufs.get((t, n)) if self._verify_bufs is not None else None
+        if fixed is None:
+            device = "cuda" if self.device == "cuda" else "cpu"
+            args = ("cuda", 0) if device == "cuda" else ()
+            spec = self.manifest["speculative"]["verify"]["outputs"]
+            width = {o["name"]: o["shape"][-1] for o in spec}
+            out = {
+                "logits_rows": np.zeros((1, n, width["logits_rows"]), np.float32),
+                "hidden_states": np.zeros((1, t, width["hidden_states"]), self._draft_hidden_dtype()),
+            }
+            fixed = (
+                DecodeInputs(self._ort, device, True, True, tokens=t),
+                {k: self._ort.OrtValue.ortvalue_from_numpy(a, *args) for k, a in out.items()},
+            )
+            self._verify_bufs = {**(self._verify_bufs or {}), (t, n): fixed}
+        inputs, outputs = fixed
+        inputs.set_many(ids, self.position, keep=n)
+        io = self.sess.io_binding()
+        bound = list(inputs.values.values())
+        for name, value in inputs.values.items():
+            io.bind_ortvalue_input(name, value)
+        spares = self._spares()
+        for s in self.states:
+            name = s["name"]
+            vals, cur = self._vals[name], self._cur[name]
+            out_val = spares[name][1] if name in spares else vals[(cur + 1) % len(vals)]
+            io.bind_ortvalue_input(name, vals[cur])
+            io.bind_ortvalue_output(s["output"], out_val)
+            bound += [vals[cur], out_val]
+        bound += self._bind_rollback(io, verify=True, keep_past=True)
+        self._keep_past = False
+        for name, value in outputs.items():
+            io.bind_ortvalue_output(name, value)
+            bound.append(value)
+        captured = t <= CAPTURED_VERIFY and n == t
+        opts = self._graph_options("verify", (t, n), bound) if captured else self._run_opts["-1"]
+        self.sess.run_with_iobinding(io, opts)
+        self._after_verify_call(spares, True)
+        logits = outputs["logits_rows"].numpy()[0]
+        return logits[rows - first], outputs["hidden_states"].numpy()[0]
 
     def _rollback_outputs(self) -> dict[str, str]:
         """{DeltaNet state: the output holding it after the call's first token} (empty in bundles exported before
@@ -102,25 +160,32 @@ class OnnxSpeculation:
                 self._rollback[name] = (a, self._ortvalue(a))
         return self._rollback
 
-    def _bind_rollback(self, io, verify: bool, keep_past: bool = True) -> None:
+    def _bind_rollback(self, io, verify: bool, keep_past: bool = True) -> list:
         """Bind the rollback outputs (an unbound output costs an allocation every call): the conv ones to buffers of
         their own; each recurrent one, outside verify calls, to the buffer its present state goes to (the graph's
         second LinearAttention then runs in place: a call of one token costs no copy); in a verify call that must
         keep the state before it (a snapshot was taken), to a buffer of its own; in one that need not, to the
         buffer of the state before the call (the first LinearAttention runs in place; a rejection then goes back
-        to that buffer, as a restore would)."""
+        to that buffer, as a restore would). A session that captures CUDA graphs binds every rollback output to its
+        own buffer (no output shares a buffer with another: ONNX Runtime's CUDA kernels are not declared in-place).
+        Returns the OrtValues bound."""
         rollback, outputs = self._rollback_buffers(), self._rollback_outputs()
+        own = getattr(self, "cuda_graph", False)
+        bound = []
         for s in self.states:
             output = outputs.get(s["name"])
             if output is None:
                 continue
             vals, cur = self._vals[s["name"]], self._cur[s["name"]]
-            if not s["kind"].endswith("recurrent") or (verify and keep_past):
-                io.bind_ortvalue_output(output, rollback[s["name"]][1])
+            if own or not s["kind"].endswith("recurrent") or (verify and keep_past):
+                value = rollback[s["name"]][1]
             elif verify:
-                io.bind_ortvalue_output(output, vals[cur])
+                value = vals[cur]
             else:
-                io.bind_ortvalue_output(output, vals[(cur + 1) % len(vals)])
+                value = vals[(cur + 1) % len(vals)]
+            io.bind_ortvalue_output(output, value)
+            bound.append(value)
+        return bound
 
     def can_rollback_to_first(self) -> bool:
         """Whether the bundle's graph outputs the states after a call's first token (see rollback_to_first)."""
@@ -171,10 +236,11 @@ class OnnxSpeculation:
         a spare), so the states before it stay intact until the call after it. `restore` therefore undoes at most
         the one verify call made since the snapshot; any other call in between (decode, prefill, a second verify)
         makes it refuse. The KV caches keep their buffers (their length pointer is the position)."""
-        if self.device != "cpu":
+        if self.device != "cpu" and self._spares():
             raise DeltashipError(
-                f"speculative decoding keeps the DeltaNet states on the host; this session runs on {self.device}",
-                "use the CPU provider for --speculative",
+                f"a snapshot keeps the DeltaNet states it updates in place in spare host buffers; this session runs "
+                f"on {self.device}",
+                "use the CPU provider, or --speculative mtp at depth 1 (which rolls back without a snapshot)",
             )
         self._spares()
         self._keep_past = True  # the next verify call writes every state out of place
@@ -229,27 +295,54 @@ class OnnxSpeculation:
     def _draft_session(self):
         if self._draft_sess is None:
             block = self.manifest["speculative"]["draft"]
+            on_device = self.device == "cuda"  # a CUDA session's head runs beside it (captured with it)
+            providers = (
+                [(p, self._draft_provider_options()) if p == "CUDAExecutionProvider" else p for p in self.providers]
+                if on_device
+                else ["CPUExecutionProvider"]
+            )
             self._draft_sess = self._ort.InferenceSession(
                 str(bundle_path(self.bundle, self.manifest, block["file"], "speculative.draft.file")),
                 sess_options=session_options(self._ort, self.threads, None, turn_taking=True),
-                providers=["CPUExecutionProvider"],
+                providers=providers,
             )
             self._draft_states = block["states"]
             self._draft_bufs = {s["name"]: np.zeros(s["shape"], np.dtype(s["dtype"])) for s in self._draft_states}
-            self._draft_vals = {n: self._ort.OrtValue.ortvalue_from_numpy(a) for n, a in self._draft_bufs.items()}
+            args = ("cuda", 0) if on_device else ()
+            self._draft_vals = {
+                n: self._ort.OrtValue.ortvalue_from_numpy(a, *args) for n, a in self._draft_bufs.items()
+            }
+            self._draft_graphs: dict[tuple, Any] = {}
         return self._draft_sess
+
+    def _draft_hidden_dtype(self) -> np.dtype:
+        """The hidden states' dtype between the decoder and the head: the activations' (float32 in bundles from
+        before deltaship wrote it per bundle)."""
+        spec = self.manifest["speculative"]["draft"]["inputs"]
+        return np.dtype(next(i["dtype"] for i in spec if i["name"] == "hidden_states"))
+
+    def _draft_provider_options(self) -> dict[str, str]:
+        """The CUDA provider's options for the head: captured where the decoder is and the head's graph allows it
+        (a bundle exported with --onnx-cuda-graph --mtp: manifest speculative.draft.cuda_graph)."""
+        capturable = getattr(self, "cuda_graph", False) and "cuda_graph" in self.manifest["speculative"]["draft"]
+        return {"enable_cuda_graph": "1"} if capturable else {}
 
     def reset_draft(self) -> None:
         self._draft_session()
-        for a in self._draft_bufs.values():
-            a[...] = 0
+        for name, a in self._draft_bufs.items():
+            if self.device == "cuda":
+                self._draft_vals[name].update_inplace(np.zeros_like(a))
+            else:
+                a[...] = 0
 
     def draft(self, hidden: np.ndarray, ids: np.ndarray, position: int) -> tuple[np.ndarray, np.ndarray]:
         """The MTP head over hidden [T, H] at positions position .. position+T-1 and ids [T] (the tokens one
         position later): logits [V] for the token after the last one, and the head's hidden states [T, H]."""
         sess = self._draft_session()
+        if getattr(self, "cuda_graph", False):
+            return self._draft_fixed_call(sess, hidden, np.asarray(ids, np.int64).reshape(-1), position)
         io = sess.io_binding()
-        io.bind_cpu_input("hidden_states", np.ascontiguousarray(hidden, np.float32)[None])
+        io.bind_cpu_input("hidden_states", np.ascontiguousarray(hidden, self._draft_hidden_dtype())[None])
         io.bind_cpu_input("input_ids", np.ascontiguousarray(ids, np.int64).reshape(1, -1))
         io.bind_cpu_input("position", np.array([position], np.int64))
         for s in self._draft_states:  # GroupQueryAttention writes the new positions into the buffer it reads
@@ -260,3 +353,58 @@ class OnnxSpeculation:
         sess.run_with_iobinding(io)
         values = io.get_outputs()
         return values[-2].numpy().reshape(-1), values[-1].numpy()[0]
+
+    def _draft_fixed_call(self, sess, hidden: np.ndarray, ids: np.ndarray, position: int):
+        """draft() in a session that captures CUDA graphs: inputs and outputs in buffers kept per T, the head's
+        KV cache in its one buffer; T <= CAPTURED_DRAFT replays a graph per T (the first call after the prompt,
+        over every prompt position, runs uncaptured)."""
+        t = ids.size
+        fixed = (self._draft_fixed or {}).get(t)
+        if fixed is None:
+            args = ("cuda", 0) if self.device == "cuda" else ()
+            block = self.manifest["speculative"]["draft"]
+            width = {o["name"]: o["shape"][-1] for o in block["outputs"]}
+            host = {
+                "hidden_states": np.zeros((1, t, hidden.shape[-1]), self._draft_hidden_dtype()),
+                "input_ids": np.zeros((1, t), np.int64),
+                "position": np.zeros(1, np.int64),
+            }
+            out = {
+                "logits": np.zeros((1, width["logits"]), np.float32),
+                "mtp_hidden_states": np.zeros((1, t, width["mtp_hidden_states"]), self._draft_hidden_dtype()),
+            }
+            ort = self._ort
+            fixed = (
+                host,
+                {k: ort.OrtValue.ortvalue_from_numpy(a, *args) for k, a in host.items()},
+                {k: ort.OrtValue.ortvalue_from_numpy(a, *args) for k, a in out.items()},
+            )
+            self._draft_fixed = {**(self._draft_fixed or {}), t: fixed}
+        host, ins, outs = fixed
+        host["hidden_states"][0] = hidden
+        host["input_ids"][0] = ids
+        host["position"][0] = position
+        if self.device == "cuda":
+            for k, v in ins.items():
+                v.update_inplace(host[k])
+        io = sess.io_binding()
+        bound = []
+        for k, v in ins.items():
+            io.bind_ortvalue_input(k, v)
+            bound.append(v)
+        for s in self._draft_states:  # GroupQueryAttention writes the new positions into the buffer it reads
+            io.bind_ortvalue_input(s["name"], self._draft_vals[s["name"]])
+            io.bind_ortvalue_output(s["output"], self._draft_vals[s["name"]])
+            bound.append(self._draft_vals[s["name"]])
+        for k, v in outs.items():
+            io.bind_ortvalue_output(k, v)
+            bound.append(v)
+        key = (t, tuple(v.data_ptr() for v in bound))
+        opts = self._draft_graphs.get(key)
+        if opts is None:
+            opts = self._ort.RunOptions()
+            gid = str(len(self._draft_graphs) + 1) if t <= CAPTURED_DRAFT else "-1"
+            opts.add_run_config_entry("gpu_graph_id", gid)
+            self._draft_graphs[key] = opts
+        sess.run_with_iobinding(io, opts)
+        return outs["logits"].numpy().reshape(-1), outs["mtp_hidden_states"].numpy()[0]

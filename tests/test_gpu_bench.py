@@ -209,3 +209,49 @@ def test_cuda_lib_dirs_come_from_the_venvs_nvidia_wheels(tmp_path):
     dirs = gpu_run.cuda_lib_dirs(tmp_path / "venv")
     assert [Path(d).parent.name for d in dirs] == ["cublas", "cudnn"]
     assert gpu_run.cuda_lib_dirs(tmp_path / "none") == []
+
+
+# ---- the lease script (bench/gpu/capture.sh, bench/gpu/capture.py check) ---------------------------------------
+_cspec = importlib.util.spec_from_file_location("gpu_capture", ROOT / "bench" / "gpu" / "capture.py")
+gpu_capture = importlib.util.module_from_spec(_cspec)
+_cspec.loader.exec_module(gpu_capture)
+
+
+def test_the_lease_dry_run_checks_the_plan_and_names_what_is_missing(tmp_path):
+    # the quick dry run: the script's syntax, every bundle's options through the ONNX target and the CLI, the speed
+    # list, the carried parts (absent here: listed as todo); the full dry run also rehearses the lease's code
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DRY_RUN_QUICK": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(
+        ["bash", "bench/gpu/capture.sh", "dry-run"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ready" in r.stdout and "0.8b-int4-mtp" in r.stdout and "9b-int4-mtp" in r.stdout
+    assert ".gpu/p0" in r.stdout  # present or todo: said either way
+    r = subprocess.run(
+        ["bash", "bench/gpu/capture.sh", "dry-run", "", "0.8b-int4,9b-int5"],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1 and "--speed 9b-int5: not a bundle here" in r.stderr
+
+
+def test_the_lease_check_refuses_a_misspelt_or_refused_option(monkeypatch):
+    assert gpu_capture.check(list(gpu_capture.SPEED)) == []
+    bundles = dict(gpu_capture.BUNDLES)
+    bundles["typo"] = ("qwen3.5-0.8b", "int4", {"onnx_cuda_graph": True, "onnx_activation": "fp16"})
+    bundles["refused"] = ("qwen3.5-0.8b", "int4", {"onnx_cuda_graph": True})  # fp32 activations: no capture
+    bundles["no-preset"] = ("qwen3.5-0.9b", "int4", {})
+    monkeypatch.setattr(gpu_capture, "BUNDLES", bundles)
+    problems = "\n".join(gpu_capture.check(["0.8b-int4"]))
+    assert "typo:" in problems and "onnx_activation" in problems
+    assert "refused: --onnx-cuda-graph is for ONNX Runtime's CUDA provider" in problems
+    assert "no-preset: no preset qwen3.5-0.9b" in problems
+
+
+def test_the_lease_times_speculative_decoding_on_every_mtp_bundle():
+    # 0.8B, 2B and 9B int4 captured, each also with --speculative mtp at the trained tiny head's acceptance
+    speed = [gpu_capture.BUNDLES[n] for n in gpu_capture.SPEED]
+    for size in ("0.8b", "2b", "9b"):
+        assert any(
+            m == f"qwen3.5-{size}" and p == "int4" and o.get("mtp") and o["onnx_cuda_graph"] for m, p, o in speed
+        )
+    assert 0.7 < gpu_capture.IMPOSED_ACCEPTANCE < 0.8

@@ -5,6 +5,11 @@ parity against the CPU provider and decode/prefill speed with and without captur
     python bench/gpu/capture.py parity --work DIR --json OUT.json              # trained tiny: CUDA (+graph) vs CPU
     python bench/gpu/capture.py speed BUNDLE --json OUT.json [--bandwidth GBS] # one bundle: graph on/off
     python bench/gpu/capture.py run --work DIR --out OUTDIR [--deadline S]     # all of it, as bundles get ready
+    python bench/gpu/capture.py check [--speed LIST]                          # the lease's plan, checked on the CPU
+
+`check` (what `bash bench/gpu/capture.sh dry-run` runs first) refuses a typo before a device minute is spent: every
+bundle's model preset and export options through the ONNX target's own checks and the CLI's parser, every name in
+--speed, every file the lease script reads.
 
 Needs onnxruntime-gpu 1.31 (CUDA 13) in place of onnxruntime; bench/gpu/capture.sh brings it onto the lent
 machine. What was measured and how: docs/results/gpu.md.
@@ -13,6 +18,7 @@ machine. What was measured and how: docs/results/gpu.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -36,7 +42,23 @@ BUNDLES = {
     "2b-int4": ("qwen3.5-2b", "int4", {"onnx_cuda_graph": True, "onnx_activations": "fp16"}),
     "4b-int4": ("qwen3.5-4b", "int4", {"onnx_cuda_graph": True, "onnx_activations": "fp16"}),
     "9b-int4": ("qwen3.5-9b", "int4", {"onnx_cuda_graph": True, "onnx_activations": "fp16"}),
+    # the trained tiny's head: speculative decoding captured on CUDA against plain greedy on the CPU provider
+    "tiny-fp16-mtp": ("qwen3.5-tiny", "fp16", {"onnx_cuda_graph": True, "mtp": True}),
+    # DeltaNet's conv and output norm as ONNX Runtime's CausalConvWithState / GatedRMSNorm (CUDA kernels in 1.31.1):
+    # 17 nodes fewer per DeltaNet layer (tests/test_cuda_graph.py NODES_PER_LAYER), timed beside 0.8b-int4
+    "0.8b-int4-contrib": (
+        "qwen3.5-0.8b",
+        "int4",
+        {"onnx_cuda_graph": True, "onnx_activations": "fp16", "onnx_deltanet_ops": "contrib"},
+    ),
+    # speculative decoding (--mtp): plain captured decode and MTP depth 1 at an imposed acceptance, on one bundle
+    "0.8b-int4-mtp": ("qwen3.5-0.8b", "int4", {"onnx_cuda_graph": True, "onnx_activations": "fp16", "mtp": True}),
+    "2b-int4-mtp": ("qwen3.5-2b", "int4", {"onnx_cuda_graph": True, "onnx_activations": "fp16", "mtp": True}),
+    "9b-int4-mtp": ("qwen3.5-9b", "int4", {"onnx_cuda_graph": True, "onnx_activations": "fp16", "mtp": True}),
 }
+# the trained tiny head's measured depth-1 acceptance (docs/results/mtp.md), imposed on the published shapes' heads
+# (random weights: their own heads accept nothing)
+IMPOSED_ACCEPTANCE = 0.75
 TINY_CHUNK = 8  # tiny bundles: prompts of 1, 7 and 20 tokens are shorter and longer than a prefill chunk
 MAX_CONTEXT = 8192  # published shapes: room for the 4096-token prefill and decode after it
 CODE = b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
@@ -80,7 +102,7 @@ def _open(bundle: Path, provider: str, graph: bool = False):
         s = open_bundle(bundle)
         if graph:
             s.cuda_graph = True
-            s._graph_buffers("cpu")
+            s._graph_buffers("cpu", plan_for="CUDAExecutionProvider")
         return s
     return open_bundle(bundle, provider=provider, **({"cuda_graph": graph} if provider == "cuda" else {}))
 
@@ -123,6 +145,32 @@ def parity(work: Path, steps: int = 64) -> dict:
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
+    spec_rows = []  # the trained tiny's head: speculative decoding captured on CUDA == plain greedy on the CPU
+    if (work / "tiny-fp16-mtp" / "manifest.json").exists():
+        from deltaship.runtimes.speculative import generate_speculative
+
+        b = work / "tiny-fp16-mtp"
+        cpu, graph = _open(b, "cpu"), _open(b, "cuda", graph=True)
+        for n in (1, 7, 20):
+            cpu.reset()
+            want = cpu.generate(code_prompt(n), steps, stop_at_eos=False).output_ids
+            for label in ("captured", "captured_again"):
+                got, st = generate_speculative(graph, code_prompt(n), steps, stop_at_eos=False)
+                spec_rows.append(
+                    {
+                        "bundle": b.name,
+                        "prompt_length": n,
+                        "run": label,
+                        "tokens_equal_cpu_plain_greedy": got.output_ids == want,
+                        "first_difference": next(
+                            (i for i, (a, c) in enumerate(zip(got.output_ids, want)) if a != c), None
+                        ),
+                        "acceptance_rate": st.as_dict()["acceptance_rate"],
+                        "rollbacks": st.rollbacks,
+                        "graphs": len(graph._graphs),
+                    }
+                )
+                print(json.dumps(spec_rows[-1]), flush=True)
     plain_rows = []  # bundles without the rewrite, on CUDA uncaptured (fp32: GQA runs on the CPU there)
     for name in ("tiny-fp32", "tiny-fp16-plain"):
         cpu, cuda = _open(work / name, "cpu"), _open(work / name, "cuda")
@@ -138,7 +186,7 @@ def parity(work: Path, steps: int = 64) -> dict:
                     "runtime": cuda.runtime_name(),
                 }
             )
-    return {"rows": rows, "plain_uncaptured": plain_rows, "refusals": _refusals(work)}
+    return {"rows": rows, "speculative": spec_rows, "plain_uncaptured": plain_rows, "refusals": _refusals(work)}
 
 
 def _refusals(work: Path) -> dict:
@@ -223,6 +271,10 @@ def speed(bundle: Path, bandwidth_gbs: float | None, reps: int = 4, steps: int =
         "decode_ms_per_token_runs": decode,
         "prefill_tokens_per_s": prefill,
         "weights_gib": sum(f["bytes"] for n, f in manifest["files"].items() if ".onnx" in n) / 2**30,
+        # what the decode step launches (deltaship/lowering/onnx/census.py) and what the CUDA lowering fused
+        "nodes_per_layer": manifest["lowering"].get("nodes_per_layer"),
+        "fusions": manifest["lowering"].get("fusions"),
+        "deltanet_ops": manifest["lowering"].get("deltanet_ops", {}).get("mode"),
     }
     if bandwidth_gbs:
         sys.path.insert(0, str(ROOT / "bench" / "gpu"))
@@ -236,6 +288,88 @@ def speed(bundle: Path, bandwidth_gbs: float | None, reps: int = 4, steps: int =
     return row
 
 
+def speculative_speed(
+    bundle: Path, acceptance: float = IMPOSED_ACCEPTANCE, reps: int = 4, steps: int = 64, prompt: int = 128
+) -> dict:
+    """Captured decode ms/token of an --mtp bundle, plain (one token a call) and speculative (MTP depth 1: a draft
+    call and a 2-token verify call per step) with `acceptance` imposed on the verify rows (ImposedAcceptance), the
+    two alternated rep by rep in one session; the ratio is the speed-up the issue asks >= 1.5x of."""
+    from deltaship.profiling.speculative.imposed import ImposedAcceptance
+    from deltaship.runtimes.speculative import generate_speculative
+
+    s = _open(bundle, "cuda", graph=True)
+    ids = code_prompt(prompt)
+    times: dict[str, list[float]] = {"plain": [], "speculative": []}
+    stats = None
+    for rep in range(reps + 1):  # rep 0 warms up: allocations and the captures of every graph
+        s.reset()
+        t = time.perf_counter()
+        s.generate(ids, steps, stop_at_eos=False)
+        plain = (time.perf_counter() - t) / steps * 1e3
+        rigged = ImposedAcceptance(s, acceptance, seed=rep)
+        t = time.perf_counter()
+        gen, stats = generate_speculative(rigged, ids, steps, stop_at_eos=False)
+        spec = (time.perf_counter() - t) / len(gen.output_ids) * 1e3
+        if rep:
+            times["plain"].append(plain)
+            times["speculative"].append(spec)
+    row = {
+        "bundle": bundle.name,
+        "runtime": s.runtime_name(),
+        "imposed_acceptance": acceptance,
+        "ms_per_token": {k: statistics.median(v) for k, v in times.items()},
+        "runs": times,
+        "last_run": stats.as_dict(),
+        "note": f"each includes the {prompt}-token prompt's prefill, uncaptured, over {steps} new tokens",
+    }
+    row["speedup"] = row["ms_per_token"]["plain"] / row["ms_per_token"]["speculative"]
+    print(json.dumps({k: row[k] for k in row if k != "runs"}), flush=True)
+    return row
+
+
+def check(speed_names=None) -> list[str]:
+    """The lease's plan checked on this machine, without exporting or running anything: each bundle's preset and
+    options through the ONNX target's own checks and the CLI's parser, the --speed names, the files the lease
+    script reads. Returns the problems (empty: ready)."""
+    from deltaship.cli import build_parser
+    from deltaship.models.presets import PRESETS
+    from deltaship.targets.registry import get_target
+
+    problems = []
+    target = get_target("onnx")
+    for name, (model, precision, opts) in BUNDLES.items():
+        if model not in PRESETS:
+            problems.append(f"{name}: no preset {model}")
+            continue
+        tiny = model == "qwen3.5-tiny"
+        unknown = sorted(set(opts) - {f.name for f in dataclasses.fields(target.Options)})
+        if unknown:  # (argparse would take a prefix of a flag: --onnx-activation for --onnx-activations)
+            problems.append(f"{name}: {', '.join(unknown)}: not an option of the ONNX target")
+            continue
+        try:
+            target.check(
+                precision, 128 if tiny else MAX_CONTEXT, TINY_CHUNK if tiny else 512, target.typed_options(opts)
+            )
+        except Exception as e:  # the target's refusal, as the export would give it
+            problems.append(f"{name}: {e}")
+        argv = ["export", "--model", model, "--target", "onnx", "--precision", precision, "--out", "/nonexistent/b"]
+        for k, v in opts.items():
+            flag = "--" + k.replace("_", "-")
+            argv += [flag] if v is True else [flag, str(v)]
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit:
+            problems.append(f"{name}: the CLI does not parse {' '.join(argv)}")
+    for name in speed_names or ():
+        if name not in BUNDLES:
+            problems.append(f"--speed {name}: not a bundle here ({', '.join(BUNDLES)})")
+    here = Path(__file__).parent
+    for f in ("capture.sh", "placement.py", "fatbin.py", "run.py", "gpu_transformers.py"):
+        if not (here / f).exists():
+            problems.append(f"bench/gpu/{f} is missing")
+    return problems
+
+
 def bandwidth() -> dict:
     sys.path.insert(0, str(ROOT / "bench" / "gpu"))
     import tempfile
@@ -245,7 +379,7 @@ def bandwidth() -> dict:
     return probe(Path(tempfile.mkdtemp()) / "bandwidth.json")
 
 
-SPEED = ("0.8b-int4", "0.8b-fp16", "2b-int4", "9b-int4", "4b-int4")
+SPEED = ("0.8b-int4", "0.8b-int4-contrib", "0.8b-int4-mtp", "2b-int4-mtp", "9b-int4-mtp")
 
 
 def run_all(work: Path, out: Path, deadline: float, speed_names=SPEED) -> int:
@@ -264,7 +398,7 @@ def run_all(work: Path, out: Path, deadline: float, speed_names=SPEED) -> int:
     res["gpu"] = "none (rehearsal)" if REHEARSE else subprocess.run(smi, capture_output=True, text=True).stdout.strip()
     res["bandwidth"] = {} if REHEARSE else bandwidth()
     print("bandwidth", res["bandwidth"], flush=True)
-    for name in ("tiny-fp16", "tiny-int4", "tiny-fp32", "tiny-fp16-plain"):
+    for name in ("tiny-fp16", "tiny-int4", "tiny-fp32", "tiny-fp16-plain", "tiny-fp16-mtp"):
         _wait(work / name, start + deadline)
     res["placement"] = {n: ort_placement(work / n) for n in ("tiny-fp16", "tiny-fp32", "tiny-fp16-plain")}
     save()
@@ -277,6 +411,9 @@ def run_all(work: Path, out: Path, deadline: float, speed_names=SPEED) -> int:
             continue
         try:
             res["speed"].append(speed(work / name, res["bandwidth"].get("gbs")))
+            if BUNDLES[name][2].get("mtp"):
+                save()
+                res.setdefault("speculative", []).append(speculative_speed(work / name))
         except Exception as e:  # one bundle's failure is recorded, the others still run
             res["speed"].append({"bundle": name, "error": f"{type(e).__name__}: {e}"[:600]})
             print("error", name, e, flush=True)
@@ -309,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument(
         "--bandwidth-json", type=Path, default=None, help="or read it from bench/gpu/run.py's bandwidth.json"
     )
+    c = sub.add_parser("check")
+    c.add_argument("--speed", default=",".join(SPEED), help="the bundles the run will time")
     r = sub.add_parser("run")
     r.add_argument("--work", type=Path, required=True)
     r.add_argument("--out", type=Path, required=True)
@@ -319,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     global REHEARSE
     REHEARSE = bool(getattr(a, "rehearse", False))
+    if a.cmd == "check":
+        problems = check(a.speed.split(","))
+        for line in problems:
+            print("problem:", line, file=sys.stderr)
+        print(f"{len(BUNDLES)} bundles, speed list {a.speed}: " + ("ready" if not problems else "NOT ready"))
+        return 1 if problems else 0
     if a.cmd == "export":
         export_all(a.work, a.only.split(",") if a.only else None)
     elif a.cmd == "parity":
@@ -329,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             gbs = json.loads(a.bandwidth_json.read_text()).get("gbs")
         a.json.write_text(json.dumps(speed(a.bundle, gbs), indent=2) + "\n")
     else:
-        return run_all(a.work, a.out, a.deadline, a.speed.split(","))
+        return run_all(a.work, a.out, a.deadline, [x for x in a.speed.split(",") if x])
     return 0
 
 

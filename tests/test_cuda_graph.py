@@ -471,3 +471,19 @@ def test_captured_speculative_decoding_gives_plain_greedy_tokens(mtp_capture):
     assert 2 <= sum(k[1] == (2, 2) for k in s._graphs) <= 12
     drafts = {k[0] for k, o in s._draft_graphs.items() if o.get_run_config_entry("gpu_graph_id") != "-1"}
     assert drafts == {1, 2}  # the head captured per call length; its first call, over the prompt, is not
+
+
+def test_speculative_decoding_with_rollback_buffers_apart_gives_plain_greedy_tokens(mtp_capture):
+    # an uncaptured session on a device binds every rollback output to a buffer of its own (no CUDA kernel is
+    # declared safe in place): its verify and rollback path, run here on the CPU, keeps plain greedy's tokens
+    from helpers import code_prompt
+
+    from deltaship.runtimes.speculative import generate_speculative
+    from deltaship.targets import open_bundle
+
+    plain, apart = open_bundle(mtp_capture, in_place=False), open_bundle(mtp_capture, in_place=False)
+    apart._rollback_apart = lambda: True
+    want = plain.generate(code_prompt(7), 24, stop_at_eos=False).output_ids
+    got, st = generate_speculative(apart, code_prompt(7), 24, stop_at_eos=False)
+    assert got.output_ids == want and st.rollbacks > 0
+    assert all(len(v) == 2 for v in apart._vals.values()) and apart._rollback is not None

@@ -74,7 +74,7 @@ class OnnxSpeculation:
             io.bind_ortvalue_output(s["output"], spares[name][1] if name in spares else vals[(cur + 1) % len(vals)])
         # without a snapshot to honour, the first LinearAttention updates the state before the call in place (it is
         # not needed again: a rejection keeps the state after the first token, which is where it then is)
-        keep = self._keep_past or not self.can_rollback_to_first()
+        keep = self._keep_past or not self.can_rollback_to_first() or self._rollback_apart()
         self._bind_rollback(io, verify=True, keep_past=keep)
         self._keep_past = False
         io.bind_output("logits_rows")
@@ -166,11 +166,10 @@ class OnnxSpeculation:
         second LinearAttention then runs in place: a call of one token costs no copy); in a verify call that must
         keep the state before it (a snapshot was taken), to a buffer of its own; in one that need not, to the
         buffer of the state before the call (the first LinearAttention runs in place; a rejection then goes back
-        to that buffer, as a restore would). A session that captures CUDA graphs binds every rollback output to its
-        own buffer (no output shares a buffer with another: ONNX Runtime's CUDA kernels are not declared in-place).
-        Returns the OrtValues bound."""
+        to that buffer, as a restore would). Where _rollback_apart, every rollback output goes to a buffer of its
+        own. Returns the OrtValues bound."""
         rollback, outputs = self._rollback_buffers(), self._rollback_outputs()
-        own = getattr(self, "cuda_graph", False)
+        own = self._rollback_apart()
         bound = []
         for s in self.states:
             output = outputs.get(s["name"])
@@ -186,6 +185,12 @@ class OnnxSpeculation:
             io.bind_ortvalue_output(output, value)
             bound.append(value)
         return bound
+
+    def _rollback_apart(self) -> bool:
+        """Whether every rollback output gets a buffer of its own: in a session that captures CUDA graphs, and on a
+        device, where no kernel is declared safe in place (a recurrent rollback output would otherwise share the
+        buffer of the state before the call, or after it, with the call's LinearAttention)."""
+        return bool(getattr(self, "cuda_graph", False)) or self.device != "cpu"
 
     def can_rollback_to_first(self) -> bool:
         """Whether the bundle's graph outputs the states after a call's first token (see rollback_to_first)."""

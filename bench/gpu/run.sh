@@ -7,6 +7,12 @@
 #   bash bench/gpu/run.sh --dry-run                 # the plan, done/todo per step; runs nothing
 #   bash bench/gpu/run.sh --only 0.8b,9b --work /data/gpu
 #   python3 bench/gpu/run.py report /data/gpu/results/gpu-bench.json   # the table again
+# A lent machine without network takes one lease script instead (bench/gpu/capture.sh: carried onnxruntime-gpu):
+#   bash bench/gpu/run.sh lease dry-run | start | run S   # the same as bash bench/gpu/capture.sh ...
 set -eu
 cd "${0%/*}/../.."  # the repository root (no dirname: works with a bare PATH)
+if [ "${1:-}" = lease ]; then
+  shift
+  exec bash bench/gpu/capture.sh "$@"
+fi
 exec python3 bench/gpu/run.py "$@"

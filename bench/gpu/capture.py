@@ -233,12 +233,19 @@ def ort_placement(bundle: Path) -> dict:
     return {"lines": keep[:80], "rc": p.returncode}
 
 
-def speed(bundle: Path, bandwidth_gbs: float | None, reps: int = 4, steps: int = 64) -> dict:
+def speed(
+    bundle: Path,
+    bandwidth_gbs: float | None,
+    reps: int = 4,
+    steps: int = 64,
+    prompt_len: int = 128,
+    prefills=(512, 4096),
+) -> dict:
     """Decode ms/token (after a 128-token prompt) with and without the captured graph, alternating the two
     sessions rep by rep; prefill tokens/s at 512 and 4096 (never captured: measured once, uncaptured)."""
     manifest = json.loads((bundle / "manifest.json").read_text())
     plain, graph = _open(bundle, "cuda"), _open(bundle, "cuda", graph=True)
-    prompt = code_prompt(128)
+    prompt = code_prompt(prompt_len)
     decode = {"uncaptured": [], "captured": []}
     for s in (plain, graph):  # warm-up: allocations, and the capture of both parity graphs
         s.reset()
@@ -256,7 +263,7 @@ def speed(bundle: Path, bandwidth_gbs: float | None, reps: int = 4, steps: int =
                 tok = int(np.argmax(s.decode(tok)))
             decode[label].append((time.perf_counter() - t) / steps * 1e3)
     prefill = {}
-    for n in (512, 4096):
+    for n in prefills:
         times = []
         for _ in range(3):
             plain.reset()
@@ -280,7 +287,7 @@ def speed(bundle: Path, bandwidth_gbs: float | None, reps: int = 4, steps: int =
         sys.path.insert(0, str(ROOT / "bench" / "gpu"))
         from run import bytes_per_token
 
-        b = bytes_per_token(manifest, 128 + steps // 2)
+        b = bytes_per_token(manifest, prompt_len + steps // 2)
         row["gb_per_token"] = b / 1e9
         row["roofline_ms"] = b / (bandwidth_gbs * 1e9) * 1e3
         row["roofline_fraction"] = {k: row["roofline_ms"] / v for k, v in row["decode_ms_per_token"].items()}
@@ -472,7 +479,13 @@ def main(argv: list[str] | None = None) -> int:
         gbs = a.bandwidth
         if gbs is None and a.bandwidth_json and a.bandwidth_json.exists():
             gbs = json.loads(a.bandwidth_json.read_text()).get("gbs")
-        a.json.write_text(json.dumps(speed(a.bundle, gbs), indent=2) + "\n")
+        # a rehearsal on a tiny bundle (max context 128): the same code at sizes that fit it
+        small = {"reps": 1, "steps": 8, "prompt_len": 16, "prefills": (32,)} if REHEARSE else {}
+        row = speed(a.bundle, gbs, **small)
+        if json.loads((a.bundle / "manifest.json").read_text()).get("speculative"):
+            small = {"reps": 1, "steps": 8, "prompt": 16} if REHEARSE else {}
+            row["speculative"] = speculative_speed(a.bundle, **small)
+        a.json.write_text(json.dumps(row, indent=2) + "\n")
     else:
         return run_all(a.work, a.out, a.deadline, [x for x in a.speed.split(",") if x])
     return 0

@@ -39,7 +39,7 @@ dry-run)
   R=$(mktemp -d)
   $PY bench/gpu/capture.py export --work "$R/b" --only tiny-fp16,tiny-int4,tiny-fp32,tiny-fp16-plain,tiny-fp16-mtp || exit 1
   $PY bench/gpu/capture.py run --rehearse --work "$R/b" --out "$R/out" --speed "" || exit 1
-  $PY bench/gpu/capture.py speed "$R/b/tiny-int4" --json "$R/out/speed.json" --rehearse > /dev/null || exit 1
+  $PY bench/gpu/capture.py speed "$R/b/tiny-fp16-mtp" --json "$R/out/speed.json" --rehearse > /dev/null || exit 1
   $PY -c "import json, sys; r = json.load(open(sys.argv[1])); s = r['parity']['speculative']; \
 assert s and all(x['tokens_equal_cpu_plain_greedy'] for x in s), s; print('rehearsal: parity rows', len(r['parity']['rows']), \
 'speculative rows', len(s))" "$R/out/capture.json" || exit 1

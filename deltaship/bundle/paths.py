@@ -74,6 +74,9 @@ def named_paths(manifest: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     g = _at(manifest, "lowering", "genai", "config")
     if g is not None:
         yield "lowering.genai.config", g
+    for key, graph in _dict(_at(manifest, "lowering", "graphs")).items():  # qnn: decode.onnx, prefill.onnx
+        if isinstance(graph, dict) and "file" in graph:
+            yield f"lowering.graphs.{key}.file", graph["file"]
     for i, part in enumerate(_list(_at(manifest, "lowering", "parts"))):
         if isinstance(part, dict) and "package" in part:
             yield f"lowering.parts[{i}].package", part["package"]

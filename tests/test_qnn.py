@@ -175,3 +175,95 @@ def test_qnn_greedy_16_tokens_for_prompts_of_1_7_and_200(tmp_path):
     decoder = QnnDecoder(decode, prefill=prefill)
     got = [decoder.greedy(p, 16) for p in prompts]
     assert got == _fp32_greedy(tmp_path, prompts, 16, max_context=256)
+
+
+# What onnxruntime-qnn 2.7.0 wrote into a context model compiled for the Snapdragon 8 Gen 3 (SM8650 = SoC 57, HTP v75).
+V75_RECORD = "v2:6:2.51.0:5.51.0:75:57:0:0"
+
+
+def test_context_record_reads_what_a_context_needs_and_refuses_another_soc():
+    from deltaship.bundle.qnn_context import parse_compat, soc_refusal, version_refusal
+
+    compat = parse_compat(V75_RECORD, "decode_8gen3_ctx.onnx")
+    assert (compat.qnn_sdk, compat.htp_backend_api, compat.htp_archs, compat.soc_models) == (
+        "2.51.0",
+        "5.51.0",
+        (75,),
+        (57,),
+    )
+    assert soc_refusal(compat, 57, 75) is None
+    assert "a newer HTP would run it only as QNN's fallback" in soc_refusal(compat, 69, 79)
+    assert "cannot run a context compiled for a newer HTP" in soc_refusal(compat, 43, 73)
+    assert version_refusal(compat, "2.51.0") is None and version_refusal(compat, "2.52.1") is None
+    assert "needs that QNN or newer, and this runtime has 2.45.0" in version_refusal(compat, "2.45.0")
+    for bad in (None, "", "v2:6:2.51.0:5.51.0:75:57:0", "v3:6:2.51.0:5.51.0:75:57:0:0", "v2:6:2.51:5.51.0:75:57:0:0"):
+        with pytest.raises(DeltashipError, match="decode_8gen3_ctx.onnx"):
+            parse_compat(bad, "decode_8gen3_ctx.onnx")
+    with pytest.raises(DeltashipError, match="not the HTP"):
+        parse_compat(V75_RECORD.replace("v2:6:", "v2:2:"), "x_ctx.onnx")
+
+
+def _feed(session, seed: int = 0) -> dict:
+    """One decode call's inputs: a token at position 3 over random states (so every state path is exercised)."""
+    rng = np.random.default_rng(seed)
+    dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+    feed = {"input_ids": np.array([[65]], np.int64), "position": np.array([3], np.int64)}
+    for i in session.get_inputs()[2:]:
+        feed[i.name] = (rng.standard_normal(i.shape) * 0.1).astype(dtypes[i.type])
+    return feed
+
+
+@needs_qnn
+def test_compiled_context_runs_on_htp_like_its_graph_and_only_for_its_soc(tiny_decode, tmp_path):
+    """The tiny decode graph compiled for the 8 Gen 3 (v75): the manifest facts come back from what was written, the
+    context's outputs equal the uncompiled graph's on the simulator (same SoC options), and opening it with the
+    8 Elite's options (v79), which the simulator itself would accept, is refused."""
+    import hashlib
+
+    import onnxruntime_qnn
+
+    from deltaship.lowering.qnn.context import compile_context
+    from deltaship.lowering.qnn.soc import soc
+    from deltaship.runtimes.qnn import open_context
+
+    out = tmp_path / "ctx"
+    out.mkdir()
+    made = compile_context(tiny_decode[1], soc("8gen3"), out)
+    assert made["model"] == "decode_8gen3_ctx.onnx" and (made["soc_model"], made["htp_arch"]) == (57, 75)
+    assert [f["path"] for f in made["files"]] == ["decode_8gen3_ctx.onnx", "decode_8gen3_ctx_qnn.bin"]
+    for f in made["files"]:
+        data = (out / f["path"]).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (f["bytes"], f["sha256"])
+    assert made["files"][1]["bytes"] > 1_000_000  # the graph's fp16 weights live in the binary
+    assert made["qnn_sdk"] == onnxruntime_qnn.build_and_package_info.qnn_version
+    assert made["compatibility"].split(":")[4:6] == ["75", "57"]
+    assert made["qnn_build"].startswith(f"v{made['qnn_sdk']}.")
+
+    compiled = open_context(out / made["model"], soc_model="57", htp_arch="75").session
+    assert compiled.get_providers()[0] == "QNNExecutionProvider"
+    graph = open_htp(tiny_decode[1], soc_model="57", htp_arch="75").session
+    feed = _feed(graph)
+    for name, want, got in zip([o.name for o in graph.get_outputs()], graph.run(None, feed), compiled.run(None, feed)):
+        assert got.shape == want.shape and np.abs(got.astype(np.float32) - want.astype(np.float32)).max() <= 1e-3, name
+
+    with pytest.raises(DeltashipError, match=r"compiled for SoC 57 \(HTP v75\), opened for SoC 69 \(HTP v79\)"):
+        open_context(out / made["model"], soc_model="69", htp_arch="79")
+    with pytest.raises(DeltashipError, match="already exists"):
+        compile_context(tiny_decode[1], soc("8gen3"), out)
+    (out / "decode_8gen3_ctx_qnn.bin").rename(out / "moved.bin")
+    with pytest.raises(DeltashipError, match="decode_8gen3_ctx_qnn.bin, which is not beside it"):
+        open_context(out / made["model"], soc_model="57", htp_arch="75")
+
+
+@needs_qnn
+def test_compile_refuses_a_graph_the_htp_cannot_take_and_leaves_nothing(tmp_path):
+    from deltaship.lowering.qnn.context import compile_context
+    from deltaship.lowering.qnn.soc import soc
+
+    model, _ = _matmul_relu(tokens="T")  # a dynamic token dimension: QNN wants static shapes
+    (tmp_path / "dyn.onnx").write_bytes(model)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(DeltashipError, match=r"QNN could not compile dyn.onnx for Snapdragon 8 Elite \(SM8750"):
+        compile_context(tmp_path / "dyn.onnx", soc("8elite"), out)
+    assert not list(out.iterdir())

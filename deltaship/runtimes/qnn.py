@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from deltaship.bundle.paths import bundle_path
+from deltaship.bundle.qnn_context import read_context_model, soc_refusal, version_refusal
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
 from deltaship.runtimes.base import Session
 
@@ -66,9 +67,11 @@ def _qnn():
             f"the QNN HTP backend needs onnxruntime-qnn ({e})",
             "pip install onnxruntime-qnn==2.7.0 --no-deps (it sits beside onnxruntime 1.31)",
         ) from None
-    if not _REGISTERED:
-        ort.register_execution_provider_library(onnxruntime_qnn.get_ep_name(), onnxruntime_qnn.get_library_path())
-        _REGISTERED = True
+    name = onnxruntime_qnn.get_ep_name()
+    # once per process, whoever registers it first (the lowering's compile_context registers it too)
+    if not _REGISTERED and not any(d.ep_name == name for d in ort.get_ep_devices()):
+        ort.register_execution_provider_library(name, onnxruntime_qnn.get_library_path())
+    _REGISTERED = True
     return ort, onnxruntime_qnn
 
 
@@ -99,6 +102,43 @@ def open_htp(
     the HTP. `model` is the serialized ONNX model or its path. evidence: open with ONNX Runtime's verbose log to
     keep QNN's per-node validation lines (QnnOpen.checks); the session then logs verbosely at every run too, so by
     default it opens quietly (no checks) and only a refused graph is opened again verbosely, for the error."""
+    return _open(model, soc_model=soc_model, htp_arch=htp_arch, fp16=fp16, evidence=evidence)
+
+
+def open_context(model: str | Path, *, soc_model: str = DEFAULT_SOC_MODEL, htp_arch: str = DEFAULT_HTP_ARCH) -> QnnOpen:
+    """A session on the HTP over a compiled context (an EPContext `*_ctx.onnx` and the `*_qnn.bin` beside it, from
+    deltaship.lowering.qnn.context.compile_context), CPU fallback disabled.
+
+    Before ONNX Runtime sees it, the context model is read (bundle/qnn_context.py) and refused with a
+    DeltashipError when it was compiled for another SoC than `soc_model` / `htp_arch`, with a newer QNN than
+    onnxruntime-qnn's, or names a binary that is not a file beside it: ONNX Runtime skips that check on x86-64,
+    where the simulator opens any context with any SoC options, and on a phone QNN refuses a context for a newer
+    HTP with a bare error code.
+    """
+    _, qnn = _qnn()
+    path = Path(model)
+    if not path.is_file():
+        raise DeltashipError(f"no QNN context model at {path}", "compile one (deltaship.lowering.qnn.context)")
+    read = read_context_model(path)
+    compat = read.compat
+    runtime_qnn = qnn.build_and_package_info.qnn_version
+    why = soc_refusal(compat, int(soc_model), int(htp_arch)) or version_refusal(compat, runtime_qnn)
+    if why:
+        raise DeltashipError(
+            f"{path.name}: {why}",
+            f"open it with the SoC it was compiled for (soc_model {compat.soc_models[0]}, htp_arch "
+            f"{compat.htp_archs[0]}) on QNN >= {compat.qnn_sdk}, or compile the graph again for this SoC",
+        )
+    for name in read.binaries:
+        if not path.with_name(name).is_file():
+            raise DeltashipError(
+                f"{path.name} names the context binary {name}, which is not beside it",
+                "ship the *_qnn.bin with its *_ctx.onnx (or compile the graph again)",
+            )
+    return _open(path, soc_model=soc_model, htp_arch=htp_arch, fp16=True)
+
+
+def _open(model: bytes | str | Path, *, soc_model: str, htp_arch: str, fp16: bool, evidence: bool = False) -> QnnOpen:
     ort, qnn = _qnn()
     devices = [d for d in ort.get_ep_devices() if d.ep_name == qnn.get_ep_name()]
     if not devices:

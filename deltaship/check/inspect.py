@@ -126,6 +126,13 @@ def _describe(info: dict[str, Any]) -> str:
                 f"  {key:<10} {g['file']:<16} {g['tokens']:>5} token{'s' if g['tokens'] != 1 else ''} a call "
                 f"{g['nodes']:>7} nodes"
             )
+            made = (m["lowering"].get("context") or {}).get(key)
+            if made:  # export --qnn-context: the EPContext model compiled for the SoC
+                size = sum(f["bytes"] for f in made["files"]) / 2**20
+                lines.append(
+                    f"  {'':<10} compiled: {made['model']} + {len(made['files']) - 1} context binary ({size:.2f} MiB), "
+                    f"needs QNN >= {made['qnn_sdk']}"
+                )
     needs = m.get("lowering", {}).get("runtime_requirements")
     if needs:
         lines.append(

@@ -231,10 +231,19 @@ class QnnSession(Session):
             "fp16": str(opts.get("enable_htp_fp16_precision", "1")) == "1",
         }
 
+        compiled = low.get("context") or {}
+
         def open_graph(key: str) -> QnnOpen:
+            if key in compiled:  # the EPContext model compiled for the SoC (export --qnn-context), as an app opens it
+                made = compiled[key]
+                for i, f in enumerate(made["files"]):  # the context model and its binaries: inside, listed
+                    bundle_path(bundle, manifest, f["path"], f"lowering.context.{key}.files[{i}].path")
+                path = bundle_path(bundle, manifest, made["model"], f"lowering.context.{key}.model")
+                return open_context(path, soc_model=htp["soc_model"], htp_arch=htp["htp_arch"])
             return open_htp(bundle_path(bundle, manifest, graphs[key]["file"], f"lowering.graphs.{key}.file"), **htp)
 
         self.soc = soc
+        self.compiled = sorted(compiled)  # the graphs opened from their compiled contexts
         self.decode_graph = open_graph("decode")
         self.prefill_graph = open_graph("prefill") if "prefill" in graphs else None
         self.graph_chunk = int(graphs["prefill"]["tokens"]) if self.prefill_graph else 1
@@ -246,7 +255,8 @@ class QnnSession(Session):
     def runtime_name(self) -> str:
         return (
             f"onnxruntime-qnn {metadata.version('onnxruntime-qnn')} (QNN HTP, {self.soc.get('chip')} soc "
-            f"{self.soc['soc_model']} / v{self.soc['htp_arch']}, CPU fallback disabled)"
+            f"{self.soc['soc_model']} / v{self.soc['htp_arch']}, CPU fallback disabled"
+            + (f"; EPContext: {', '.join(self.compiled)})" if self.compiled else ")")
         )
 
     def _reset_states(self) -> None:

@@ -33,6 +33,14 @@ class QnnOptions(TargetOptions):
             choices=tuple(SOCS),
         ),
     )
+    qnn_context: bool = field(
+        default=False,
+        metadata=option(
+            "also compile each graph ahead of time for --qnn-soc into an EPContext model (<graph>_<soc>_ctx.onnx "
+            "and its QNN context binary, what an app ships so the phone does not compile at first launch); "
+            "sessions then open the compiled contexts"
+        ),
+    )
 
 
 @register

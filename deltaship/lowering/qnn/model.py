@@ -13,6 +13,7 @@ from deltaship.lowering.lowered import Lowered
 from deltaship.lowering.onnx.builder import GraphBuilder
 from deltaship.lowering.onnx.lowering import Lowerer
 from deltaship.lowering.onnx.model import IR_VERSION, OPSET, _declare_states
+from deltaship.lowering.qnn.context import compile_context
 from deltaship.lowering.qnn.lowering import QNN_LOWERINGS
 from deltaship.lowering.qnn.passes import DECODE, PREFILL
 from deltaship.lowering.qnn.soc import soc as find_soc
@@ -79,7 +80,16 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "opset": OPSET,
         "ir_version": IR_VERSION,
     }
-    return Lowered(files=[g["file"] for g in graphs.values()], entry=DECODE_FILE, details=details)
+    files = [g["file"] for g in graphs.values()]
+    if ctx.options.qnn_context:  # EPContext models: the graphs compiled for the SoC, what an app ships
+        details["context"] = {}
+        for key, g in graphs.items():
+            if callable(progress):
+                progress(f"{key}: compiling an EPContext model for {s.marketing} ({s.chip})")
+            made = compile_context(out_dir / g["file"], s, out_dir)
+            details["context"][key] = made
+            files += [f["path"] for f in made["files"]]
+    return Lowered(files=files, entry=DECODE_FILE, details=details)
 
 
 __all__ = ["lower", "lower_graph", "DECODE_FILE", "PREFILL_FILE", "DECODE", "PREFILL", "provider_options"]

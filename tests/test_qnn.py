@@ -144,6 +144,10 @@ def test_qnn_export_then_cli_generate_runs_on_the_htp_and_equals_fp32(qnn_bundle
         79,
         False,
     )
+    # the weights once, in weights.data, which both graphs reference (not one copy inside each graph)
+    assert (low["weights"]["file"], low["weights"]["shared_by"]) == ("weights.data", ["decode", "prefill"])
+    assert (bundle / "weights.data").stat().st_size < 1.2 * 2 * m["model"]["parameters"]["total"]  # fp16
+    assert all((bundle / g["file"]).stat().st_size < 1 << 20 for g in low["graphs"].values())
     assert (
         set(low["runtime_requirements"]) >= {"onnxruntime", "onnxruntime-qnn"}
         and "onnxruntime-qnn" in m["app_runtimes"]

@@ -5,9 +5,14 @@ them for the manifest (lowering.graphs, lowering.soc, lowering.provider_options,
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import onnx
 
 from deltaship.lowering.lowered import Lowered
 from deltaship.lowering.onnx.builder import GraphBuilder
@@ -26,12 +31,68 @@ INPUT_IDS, POSITION, LOGITS = "input_ids", "position", "logits"
 ONNXRUNTIME_NEEDED = ">=1.24.2"
 
 
-def lower_graph(ctx, program, weights, path: Path, tokens: int, progress=None) -> dict[str, Any]:
+WEIGHTS_FILE = "weights.data"  # the fp16 weights, one copy, which decode.onnx and prefill.onnx both reference
+
+
+class SharedWeights(GraphBuilder):
+    """A GraphBuilder whose weights go to one external data file shared by the graphs of a bundle: a weight another
+    graph already wrote there (same name, same bytes: checked by sha256) is referenced, not written again. `written`
+    (name -> (sha256, its TensorProto)) is the record the graphs share."""
+
+    def __init__(self, data: Path, written: dict[str, tuple[str, onnx.TensorProto]]):
+        super().__init__(None)
+        self.external = data
+        self._ext_file = open(data, "ab")
+        self._ext_file.seek(0, os.SEEK_END)
+        self._written = written
+
+    def _reuse(self, name: str, digest: str, nbytes: int) -> str | None:
+        if name not in self._written:
+            return None
+        if self._written[name][0] != digest:
+            raise RuntimeError(f"qnn lowering: weight {name} differs between the graphs of one bundle")
+        proto = onnx.TensorProto()
+        proto.CopyFrom(self._written[name][1])
+        self._names.add(name)
+        self.weight_bytes += nbytes
+        self.initializers.append(proto)
+        return name
+
+    def weight(self, name: str, arr: np.ndarray) -> str:
+        arr = np.ascontiguousarray(arr)
+        if arr.nbytes < 1024:  # kept inline by the builder
+            return super().weight(name, arr)
+        digest = hashlib.sha256(arr.tobytes()).hexdigest()
+        if self._reuse(name, digest, arr.nbytes):
+            return name
+        super().weight(name, arr)
+        self._written[name] = (digest, self.initializers[-1])
+        return name
+
+    def weight_rows(self, name: str, shape: tuple[int, ...], dtype, blocks) -> str:
+        h = hashlib.sha256()
+
+        def hashed():
+            for b in blocks:
+                b = np.ascontiguousarray(b, dtype)
+                h.update(b.tobytes())
+                yield b
+
+        if name in self._written:  # the blocks are read (and hashed) only to check they are the same bytes
+            nbytes = sum(b.nbytes for b in hashed())
+            return self._reuse(name, h.hexdigest(), nbytes)
+        super().weight_rows(name, shape, dtype, hashed())
+        self._written[name] = (h.hexdigest(), self.initializers[-1])
+        return name
+
+
+def lower_graph(ctx, program, weights, path: Path, tokens: int, progress=None, builder=None) -> dict[str, Any]:
     """Write one static graph to `path`: input_ids [1, tokens], position [1], past.* -> logits [1, V] (after the
     last token), present.*; return its manifest entry (file, tokens a call, node count, ONNX op counts).
 
-    ctx is an export context after the qnn target's passes; `program` one of its static programs."""
-    b = GraphBuilder(None)
+    ctx is an export context after the qnn target's passes; `program` one of its static programs. builder: where
+    the weights go (default: inside the graph's file)."""
+    b = builder or GraphBuilder(None)
     lw = Lowerer(program, ctx.plan, weights, ctx.quant, b, progress=progress, lowerings=QNN_LOWERINGS)
     lw.run([INPUT_IDS, POSITION] + [s["name"] for s in ctx.states], [LOGITS] + [s["output"] for s in ctx.states])
     _declare_states(b, ctx.states)
@@ -64,11 +125,12 @@ def runtime_requirements() -> dict[str, str]:
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> Lowered:
     """decode.onnx (one token a call) and, for a chunk over 1, prefill.onnx (prefill_chunk tokens a call) in
     out_dir; the entry is decode.onnx."""
-    graphs = {}
+    graphs, written = {}, {}
     for key, program in ctx.programs.items():
         count = 1 if key == DECODE else ctx.settings.prefill_chunk
         say = (lambda m, k=key: progress(f"{k}: {m}")) if callable(progress) else None
-        graphs[key] = lower_graph(ctx, program, weights, out_dir / FILES[key], count, say)
+        builder = SharedWeights(out_dir / WEIGHTS_FILE, written)
+        graphs[key] = lower_graph(ctx, program, weights, out_dir / FILES[key], count, say, builder)
     s = find_soc(ctx.options.qnn_soc)
     details = {
         "graphs": graphs,
@@ -77,10 +139,11 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         "provider_options": provider_options(s.name),
         "cpu_fallback": False,
         "runtime_requirements": runtime_requirements(),
+        "weights": {"file": WEIGHTS_FILE, "tensors": len(written), "shared_by": list(graphs)},
         "opset": OPSET,
         "ir_version": IR_VERSION,
     }
-    files = [g["file"] for g in graphs.values()]
+    files = [g["file"] for g in graphs.values()] + [WEIGHTS_FILE]
     if ctx.options.qnn_context:  # EPContext models: the graphs compiled for the SoC, what an app ships
         details["context"] = {}
         for key, g in graphs.items():

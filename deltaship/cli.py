@@ -282,7 +282,7 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         "--precision",
         default=None,
         choices=PRECISIONS,
-        help="weight precision (default fp32, or what --device's plan picks)",
+        help="weight precision (default fp32, or the first the target builds: qnn fp16; or what --device's plan picks)",
     )
     e.add_argument(
         "--device",

@@ -81,8 +81,9 @@ def test_every_canonical_op_has_a_lowering_for_every_target():
     from deltaship.lowering.coreml.lowering import MIL_LOWERINGS
     from deltaship.lowering.executorch.lowering import LOWERINGS as ET
     from deltaship.lowering.onnx.lowering import LOWERINGS as ONNX
+    from deltaship.lowering.qnn.lowering import QNN_LOWERINGS
 
-    tables = {t.target: t for t in (ONNX, ET, MIL_LOWERINGS)}
+    tables = {t.target: t for t in (ONNX, ET, MIL_LOWERINGS, QNN_LOWERINGS)}
     assert set(tables) == {t.name for t in all_targets()}
     for target, table in tables.items():
         missing = table.missing(CANONICAL_OPS.values())

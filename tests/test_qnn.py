@@ -21,8 +21,8 @@ needs_qnn = pytest.mark.skipif(
 )
 F16 = TensorProto.FLOAT16
 # The HTP computes in fp16 (enable_htp_fp16_precision): max abs logit difference against the fp32 ONNX bundle on the
-# tiny preset after a 7-token prompt (chunk of 4 + 3 steps): measured 0.016; the prefill recurrence reading the first
-# token's decay for every token gave 0.072.
+# tiny preset after a prompt: measured 0.011 (9 tokens: a prefill chunk of 8 + 1 step), 0.016 (7 steps), 0.009
+# (1 step); the prefill recurrence reading the first token's decay for every token gave 0.072.
 QNN_FP16_LOGITS_TOL = 0.04
 
 
@@ -56,7 +56,8 @@ def test_parse_validation_reads_passes_and_refusals():
 @needs_qnn
 def test_htp_simulator_runs_matmul_relu_with_cpu_fallback_disabled():
     model, w = _matmul_relu()
-    opened = open_htp(model)
+    assert open_htp(model).checks == ()  # quiet by default: its runs would log verbosely too
+    opened = open_htp(model, evidence=True)  # QNN's validation lines, the evidence of what runs where
     assert opened.session.get_providers()[0] == "QNNExecutionProvider"
     assert {c.op for c in opened.checks} == {"MatMul", "Relu"} and all(c.passed for c in opened.checks)
     x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float16)
@@ -73,35 +74,37 @@ def test_htp_refusal_names_the_op_and_qnns_reason():
 
 
 @pytest.fixture(scope="module")
-def tiny_decode(tmp_path_factory):
-    """The tiny preset's QNN graphs at max context 32, prefill chunk 4: (lower_decode's result, decode.onnx,
-    prefill.onnx)."""
-    return _tiny_graphs(tmp_path_factory.mktemp("qnn"), max_context=32, chunk=4)
-
-
-def _tiny_graphs(tmp_path, max_context: int, chunk: int):
-    """The tiny preset's QNN decode and prefill graphs (fp16), lowered from the ONNX target's passes."""
-    from helpers import export_context
-
-    from deltaship.lowering.qnn.model import lower_decode, lower_prefill
-    from deltaship.models.source import load_source
-
-    ctx = export_context("qwen3.5-tiny", "fp16", max_context=max_context)
-    weights = load_source("qwen3.5-tiny").weights
-    lowered = lower_decode(ctx, weights, tmp_path)
-    lower_prefill(ctx, weights, tmp_path, chunk)
-    return lowered, tmp_path / "decode.onnx", tmp_path / "prefill.onnx"
-
-
-def _fp32_greedy(tmp_path, prompts: list[list[int]], new_tokens: int, max_context: int, logits_after=None):
-    """Greedy tokens of the tiny preset's fp32 ONNX bundle (the ONNX target, CPU); each prompt's logits after its
-    last token are appended to `logits_after` when given."""
+def qnn_bundle(tmp_path_factory):
+    """The tiny preset exported to a qnn bundle through the API (--target qnn, its defaults: fp16, SoC 8elite,
+    prefill chunk 8), max context 64, verified against transformers on the HTP simulator: (bundle dir, manifest)."""
     from deltaship.compile import export
-    from deltaship.targets import open_bundle
 
-    bundle = tmp_path / "fp32"
-    export("qwen3.5-tiny", bundle, target="onnx", precision="fp32", max_context=max_context, progress=False)
-    session = open_bundle(bundle)
+    out = tmp_path_factory.mktemp("qnn") / "bundle"
+    manifest = export("qwen3.5-tiny", out, target="qnn", max_context=64, fidelity=False, progress=False)
+    return out, manifest
+
+
+@pytest.fixture(scope="module")
+def fp32_bundle(tmp_path_factory):
+    """The tiny preset's fp32 ONNX bundle (the ONNX target, CPU), max context 64: the tokens the qnn one must give."""
+    from deltaship.compile import export
+
+    out = tmp_path_factory.mktemp("qnn-fp32") / "bundle"
+    export("qwen3.5-tiny", out, target="onnx", precision="fp32", max_context=64, verify=False, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_decode(qnn_bundle):
+    """(the manifest's decode graph entry, decode.onnx, prefill.onnx) of the shared qnn bundle."""
+    bundle, manifest = qnn_bundle
+    graphs = manifest["lowering"]["graphs"]
+    return graphs["decode"], bundle / graphs["decode"]["file"], bundle / graphs["prefill"]["file"]
+
+
+def _greedy(session, prompts: list[list[int]], new_tokens: int, logits_after: list | None = None) -> list[list[int]]:
+    """Greedy tokens of an open session for each prompt (from a fresh state); each prompt's logits after its last
+    token are appended to `logits_after` when given."""
     out = []
     for prompt in prompts:
         session.reset()
@@ -115,7 +118,58 @@ def _fp32_greedy(tmp_path, prompts: list[list[int]], new_tokens: int, max_contex
     return out
 
 
-def test_qnn_decode_graph_is_static_and_standard(tiny_decode):
+@needs_qnn
+def test_qnn_export_then_cli_generate_runs_on_the_htp_and_equals_fp32(qnn_bundle, fp32_bundle, capsys):
+    """`deltaship export --target qnn` then `deltaship generate B --prompt "def " --json`: a bundle whose manifest
+    validates, verified against transformers in its own runtime (the HTP simulator, CPU fallback disabled), whose
+    CLI greedy tokens equal the fp32 ONNX bundle's; `inspect` shows its graphs."""
+    import json
+
+    from deltaship.bundle.validate import schema_problems
+    from deltaship.check.inspect import describe, inspect
+    from deltaship.cli import main
+    from deltaship.targets import open_bundle
+
+    bundle, m = qnn_bundle
+    assert not schema_problems(m)
+    assert (m["target"], m["precision"], m["prefill_chunk"], m["entry"]) == ("qnn", "fp16", 8, "decode.onnx")
+    low = m["lowering"]
+    assert {k: (g["file"], g["tokens"]) for k, g in low["graphs"].items()} == {
+        "decode": ("decode.onnx", 1),
+        "prefill": ("prefill.onnx", 8),
+    }
+    assert (low["soc"]["name"], low["soc"]["soc_model"], low["soc"]["htp_arch"], low["cpu_fallback"]) == (
+        "8elite",
+        69,
+        79,
+        False,
+    )
+    # the weights once, in weights.data, which both graphs reference (not one copy inside each graph)
+    assert (low["weights"]["file"], low["weights"]["shared_by"]) == ("weights.data", ["decode", "prefill"])
+    assert (bundle / "weights.data").stat().st_size < 1.2 * 2 * m["model"]["parameters"]["total"]  # fp16
+    assert all((bundle / g["file"]).stat().st_size < 1 << 20 for g in low["graphs"].values())
+    assert (
+        set(low["runtime_requirements"]) >= {"onnxruntime", "onnxruntime-qnn"}
+        and "onnxruntime-qnn" in m["app_runtimes"]
+    )
+    v = m["verification"]
+    assert (
+        v["status"] == "passed"
+        and v["runtime"].startswith("onnxruntime-qnn")
+        and "CPU fallback disabled" in v["runtime"]
+    )
+    assert v["max_rel_logit_diff"] <= v["tolerance"]["max_rel_logit_diff"] == 0.05
+
+    assert main(["generate", str(bundle), "--prompt", "def ", "--json", "--max-new-tokens", "16"]) == 0
+    got = json.loads(capsys.readouterr().out)  # QNN's own notes must not reach stdout
+    want = open_bundle(fp32_bundle).generate(got["input_ids"], 16, stop_at_eos=False).output_ids
+    assert got["output_ids"] == want
+    text = describe(inspect(bundle))
+    assert "graphs for SM8750 (Snapdragon 8 Elite, soc 69, HTP v79); CPU fallback disabled" in text
+    assert f"prefill    prefill.onnx         8 tokens a call {low['graphs']['prefill']['nodes']:>7} nodes" in text
+
+
+def test_qnn_graphs_are_static_and_standard(tiny_decode):
     """What QNN asks of a graph: every input and output shape static, no contrib (com.microsoft) op, no Split
     (zeros on the HTP simulator inside the graph) and no Range."""
     import onnx
@@ -128,6 +182,7 @@ def test_qnn_decode_graph_is_static_and_standard(tiny_decode):
     assert {n.domain for n in m.graph.node} <= {"", "ai.onnx"}
     assert not {"Split", "Range", "LinearAttention", "GroupQueryAttention"} & set(lowered["onnx_ops"])
     assert lowered["onnx_ops"]["Where"] == 4  # key and value rows written at the position, 2 attention layers
+    assert lowered["nodes"] == len(m.graph.node)
 
 
 def test_qnn_lowering_table_covers_every_canonical_op():
@@ -140,38 +195,192 @@ def test_qnn_lowering_table_covers_every_canonical_op():
 
 
 @needs_qnn
-def test_qnn_decode_graph_runs_on_htp_and_matches_fp32_greedy(tiny_decode, tmp_path):
-    """Every node of the tiny decode and prefill graphs on the HTP (CPU fallback disabled); greedy tokens equal the
-    fp32 ONNX bundle's over a 7-token prompt (one prefill chunk of 4, then 3 decode steps)."""
-    from deltaship.runtimes.qnn import QnnDecoder
+def test_qnn_session_chunks_steps_and_states_match_fp32(qnn_bundle, fp32_bundle):
+    """The qnn session (deltaship.load, as apps in Python open it): a 9-token prompt goes through one prefill chunk
+    and one decode step, its logits within the fp16 tolerance of the fp32 bundle's and its greedy tokens equal;
+    a checkpoint restores the DeltaNet states; the static KV buffers are never written past; the chunk is fixed."""
+    import deltaship
+    from deltaship.runtimes.qnn import QnnSession
+    from deltaship.targets import open_bundle
 
-    decoder = QnnDecoder(tiny_decode[1], prefill=tiny_decode[2])
-    for opened in (decoder.opened, decoder.prefill_opened):
-        assert opened.checks and all(c.passed for c in opened.checks)
-    assert decoder.chunk == 4 and decoder.max_context == 32
-    prompt = list(b"def fib")
+    bundle, m = qnn_bundle
+    session = deltaship.load(bundle).session
+    assert isinstance(session, QnnSession) and session.prefill_graph is not None and session.graph_chunk == 8
+    for opened in (session.decode_graph, session.prefill_graph):
+        assert opened.session.get_providers()[0] == "QNNExecutionProvider"
+    prompt = list(b"def fib(n")
     want_logits: list = []
-    assert decoder.greedy(prompt, 8) == _fp32_greedy(tmp_path, [prompt], 8, 32, want_logits)[0]
-    decoder.reset()
-    diff = np.abs(decoder.prefill(prompt) - want_logits[0]).max()
+    want = _greedy(open_bundle(fp32_bundle), [prompt], 6, want_logits)
+    got_logits: list = []
+    assert _greedy(session, [prompt], 6, got_logits) == want
+    diff = np.abs(got_logits[0] - want_logits[0]).max()
     assert diff < QNN_FP16_LOGITS_TOL, diff
-    decoder.reset()
-    decoder.position = 31  # the static KV buffers hold 32 positions: a 2-token call would write past them
-    with pytest.raises(DeltashipError, match="past the graph's static KV buffers of 32 positions"):
-        decoder.prefill([1, 2])
+    # a checkpoint after the prompt gives the same continuation again
+    session.reset()
+    first = session.prefill(prompt)
+    cp = session.checkpoint()
+    a = session.decode(int(first.argmax()))
+    session.restore(cp)
+    assert np.array_equal(session.decode(int(first.argmax())), a)
+    session.reset()
+    session.seek(63)  # the static KV buffers hold 64 positions
+    with pytest.raises(DeltashipError, match="exceed the bundle's max context of 64"):
+        session.prefill([1, 2])
+    with pytest.raises(DeltashipError, match="prefill graph takes exactly 8 tokens a call"):
+        open_bundle(bundle, prefill_chunk=4)
+
+
+def test_qnn_refuses_what_it_does_not_build_before_any_work(tmp_path):
+    """Other precisions than fp16, and prefill chunks over 8 (miscomputed on the HTP simulator: docs/npu.md), are
+    refused with what and the fix; nothing is written."""
+    from deltaship.compile import export
+
+    with pytest.raises(DeltashipError, match="--target qnn builds --precision fp16 only, not int8") as e:
+        export("qwen3.5-tiny", tmp_path / "a", target="qnn", precision="int8", progress=False)
+    assert "QDQ" in e.value.message and e.value.fix == "pass --precision fp16, or export with another --target"
+    with pytest.raises(DeltashipError, match="--prefill-chunk 16: the qnn target builds prefill graphs of at most 8"):
+        export("qwen3.5-tiny", tmp_path / "b", target="qnn", prefill_chunk=16, max_context=64, progress=False)
+    with pytest.raises(DeltashipError, match="--qnn-soc must be 8gen2, 8gen3 or 8elite"):
+        export("qwen3.5-tiny", tmp_path / "c", target="qnn", qnn_soc="sm8999", progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+@needs_qnn
+def test_qnn_context_bundle_opens_its_compiled_contexts(qnn_bundle, tmp_path):
+    """export --qnn-context --qnn-soc 8gen3: each graph also compiled to an EPContext model for that SoC, listed in
+    the manifest (which validates) and opened by the session in place of the graph, with the same greedy tokens."""
+    from deltaship.bundle.validate import schema_problems
+    from deltaship.compile import export
+    from deltaship.targets import open_bundle
+
+    out = tmp_path / "ctx"
+    m = export(
+        "qwen3.5-tiny",
+        out,
+        target="qnn",
+        qnn_soc="8gen3",
+        qnn_context=True,
+        max_context=64,
+        verify=False,
+        progress=False,
+    )
+    assert not schema_problems(m)
+    ctx = m["lowering"]["context"]
+    assert {k: c["model"] for k, c in ctx.items()} == {
+        "decode": "decode_8gen3_ctx.onnx",
+        "prefill": "prefill_8gen3_ctx.onnx",
+    }
+    assert all((c["soc_model"], c["htp_arch"]) == (57, 75) for c in ctx.values())
+    assert {f["path"] for c in ctx.values() for f in c["files"]} <= set(m["files"])
+    session = open_bundle(out)
+    assert session.compiled == ["decode", "prefill"] and "EPContext: decode, prefill" in session.runtime_name()
+    prompt = list(b"def fib(n")
+    assert _greedy(session, [prompt], 4) == _greedy(open_bundle(qnn_bundle[0]), [prompt], 4)
 
 
 @pytest.mark.slow
 @needs_qnn
 def test_qnn_greedy_16_tokens_for_prompts_of_1_7_and_200(tmp_path):
-    """Prefill chunk 8 (the 200-token prompt: 25 chunks), max context 256. (At chunk 16 the HTP simulator
-    miscomputes the unrolled graph: docs/npu.md.)"""
+    """Through bundles: the qnn bundle (prefill chunk 8, so the 200-token prompt is 25 chunks; max context 256) and
+    the fp32 ONNX bundle give the same 16 greedy tokens. (At chunk 16 the HTP simulator miscomputes: docs/npu.md.)"""
     from helpers import code_prompt
 
-    from deltaship.runtimes.qnn import QnnDecoder
+    from deltaship.compile import export
+    from deltaship.targets import open_bundle
 
     prompts = [list(b"d"), list(b"def fib"), (code_prompt(100) * 3)[:200]]  # code_prompt is ~100 bytes long
-    _, decode, prefill = _tiny_graphs(tmp_path, max_context=256, chunk=8)
-    decoder = QnnDecoder(decode, prefill=prefill)
-    got = [decoder.greedy(p, 16) for p in prompts]
-    assert got == _fp32_greedy(tmp_path, prompts, 16, max_context=256)
+    export("qwen3.5-tiny", tmp_path / "qnn", target="qnn", max_context=256, verify=False, progress=False)
+    export("qwen3.5-tiny", tmp_path / "fp32", precision="fp32", max_context=256, verify=False, progress=False)
+    assert _greedy(open_bundle(tmp_path / "qnn"), prompts, 16) == _greedy(open_bundle(tmp_path / "fp32"), prompts, 16)
+
+
+# What onnxruntime-qnn 2.7.0 wrote into a context model compiled for the Snapdragon 8 Gen 3 (SM8650 = SoC 57, HTP v75).
+V75_RECORD = "v2:6:2.51.0:5.51.0:75:57:0:0"
+
+
+def test_context_record_reads_what_a_context_needs_and_refuses_another_soc():
+    from deltaship.bundle.qnn_context import parse_compat, soc_refusal, version_refusal
+
+    compat = parse_compat(V75_RECORD, "decode_8gen3_ctx.onnx")
+    assert (compat.qnn_sdk, compat.htp_backend_api, compat.htp_archs, compat.soc_models) == (
+        "2.51.0",
+        "5.51.0",
+        (75,),
+        (57,),
+    )
+    assert soc_refusal(compat, 57, 75) is None
+    assert "a newer HTP would run it only as QNN's fallback" in soc_refusal(compat, 69, 79)
+    assert "cannot run a context compiled for a newer HTP" in soc_refusal(compat, 43, 73)
+    assert version_refusal(compat, "2.51.0") is None and version_refusal(compat, "2.52.1") is None
+    assert "needs that QNN or newer, and this runtime has 2.45.0" in version_refusal(compat, "2.45.0")
+    for bad in (None, "", "v2:6:2.51.0:5.51.0:75:57:0", "v3:6:2.51.0:5.51.0:75:57:0:0", "v2:6:2.51:5.51.0:75:57:0:0"):
+        with pytest.raises(DeltashipError, match="decode_8gen3_ctx.onnx"):
+            parse_compat(bad, "decode_8gen3_ctx.onnx")
+    with pytest.raises(DeltashipError, match="not the HTP"):
+        parse_compat(V75_RECORD.replace("v2:6:", "v2:2:"), "x_ctx.onnx")
+
+
+def _feed(session, seed: int = 0) -> dict:
+    """One decode call's inputs: a token at position 3 over random states (so every state path is exercised)."""
+    rng = np.random.default_rng(seed)
+    dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+    feed = {"input_ids": np.array([[65]], np.int64), "position": np.array([3], np.int64)}
+    for i in session.get_inputs()[2:]:
+        feed[i.name] = (rng.standard_normal(i.shape) * 0.1).astype(dtypes[i.type])
+    return feed
+
+
+@needs_qnn
+def test_compiled_context_runs_on_htp_like_its_graph_and_only_for_its_soc(tiny_decode, tmp_path):
+    """The tiny decode graph compiled for the 8 Gen 3 (v75): the manifest facts come back from what was written, the
+    context's outputs equal the uncompiled graph's on the simulator (same SoC options), and opening it with the
+    8 Elite's options (v79), which the simulator itself would accept, is refused."""
+    import hashlib
+
+    import onnxruntime_qnn
+
+    from deltaship.lowering.qnn.context import compile_context
+    from deltaship.lowering.qnn.soc import soc
+    from deltaship.runtimes.qnn import open_context
+
+    out = tmp_path / "ctx"
+    out.mkdir()
+    made = compile_context(tiny_decode[1], soc("8gen3"), out)
+    assert made["model"] == "decode_8gen3_ctx.onnx" and (made["soc_model"], made["htp_arch"]) == (57, 75)
+    assert [f["path"] for f in made["files"]] == ["decode_8gen3_ctx.onnx", "decode_8gen3_ctx_qnn.bin"]
+    for f in made["files"]:
+        data = (out / f["path"]).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (f["bytes"], f["sha256"])
+    assert made["files"][1]["bytes"] > 1_000_000  # the graph's fp16 weights live in the binary
+    assert made["qnn_sdk"] == onnxruntime_qnn.build_and_package_info.qnn_version
+    assert made["compatibility"].split(":")[4:6] == ["75", "57"]
+    assert made["qnn_build"].startswith(f"v{made['qnn_sdk']}.")
+
+    compiled = open_context(out / made["model"], soc_model="57", htp_arch="75").session
+    assert compiled.get_providers()[0] == "QNNExecutionProvider"
+    graph = open_htp(tiny_decode[1], soc_model="57", htp_arch="75").session
+    feed = _feed(graph)
+    for name, want, got in zip([o.name for o in graph.get_outputs()], graph.run(None, feed), compiled.run(None, feed)):
+        assert got.shape == want.shape and np.abs(got.astype(np.float32) - want.astype(np.float32)).max() <= 1e-3, name
+
+    with pytest.raises(DeltashipError, match=r"compiled for SoC 57 \(HTP v75\), opened for SoC 69 \(HTP v79\)"):
+        open_context(out / made["model"], soc_model="69", htp_arch="79")
+    with pytest.raises(DeltashipError, match="already exists"):
+        compile_context(tiny_decode[1], soc("8gen3"), out)
+    (out / "decode_8gen3_ctx_qnn.bin").rename(out / "moved.bin")
+    with pytest.raises(DeltashipError, match="decode_8gen3_ctx_qnn.bin, which is not beside it"):
+        open_context(out / made["model"], soc_model="57", htp_arch="75")
+
+
+@needs_qnn
+def test_compile_refuses_a_graph_the_htp_cannot_take_and_leaves_nothing(tmp_path):
+    from deltaship.lowering.qnn.context import compile_context
+    from deltaship.lowering.qnn.soc import soc
+
+    model, _ = _matmul_relu(tokens="T")  # a dynamic token dimension: QNN wants static shapes
+    (tmp_path / "dyn.onnx").write_bytes(model)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(DeltashipError, match=r"QNN could not compile dyn.onnx for Snapdragon 8 Elite \(SM8750"):
+        compile_context(tmp_path / "dyn.onnx", soc("8elite"), out)
+    assert not list(out.iterdir())

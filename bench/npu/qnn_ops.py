@@ -491,7 +491,7 @@ def run_case(case: Case, soc: str, arch: str) -> tuple[str, str, str]:
     rng = np.random.default_rng(0)
     feed = dict(_feed(s, rng) for s in case.inputs)
     try:
-        opened = open_htp(model, soc_model=soc, htp_arch=arch)
+        opened = open_htp(model, soc_model=soc, htp_arch=arch, evidence=True)
     except DeltashipError as e:
         return "refused", e.args[0].split("graph: ", 1)[-1][:240], ""
     mapped = ", ".join(dict.fromkeys(c.op for c in opened.checks if c.passed))

@@ -74,6 +74,16 @@ def named_paths(manifest: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     g = _at(manifest, "lowering", "genai", "config")
     if g is not None:
         yield "lowering.genai.config", g
+    for key, graph in _dict(_at(manifest, "lowering", "graphs")).items():  # qnn: decode.onnx, prefill.onnx
+        if isinstance(graph, dict) and "file" in graph:
+            yield f"lowering.graphs.{key}.file", graph["file"]
+    for key, made in _dict(_at(manifest, "lowering", "context")).items():  # qnn --qnn-context: EPContext models
+        if isinstance(made, dict):
+            if "model" in made:
+                yield f"lowering.context.{key}.model", made["model"]
+            for i, f in enumerate(_list(made.get("files"))):
+                if isinstance(f, dict) and "path" in f:
+                    yield f"lowering.context.{key}.files[{i}].path", f["path"]
     for i, part in enumerate(_list(_at(manifest, "lowering", "parts"))):
         if isinstance(part, dict) and "package" in part:
             yield f"lowering.parts[{i}].package", part["package"]

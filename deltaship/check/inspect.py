@@ -116,6 +116,23 @@ def _describe(info: dict[str, Any]) -> str:
             f"  {s['name']:<16} -> {s['output']:<18} L{s['layer']:<3} {s['kind']:<20} {s['dtype']:<8} "
             f"{s['shape']} {s['init']}/{s['reset']}" + (f" {s['layout']}" if "layout" in s else "")
         )
+    graphs, soc = m.get("lowering", {}).get("graphs"), m.get("lowering", {}).get("soc")
+    if graphs:  # fixed-shape graphs, one per call size (qnn: decode.onnx, prefill.onnx)
+        on = f" for {soc['chip']} ({soc['marketing']}, soc {soc['soc_model']}, HTP v{soc['htp_arch']})" if soc else ""
+        fallback = m["lowering"].get("cpu_fallback")
+        lines.append(f"graphs{on}" + ("; CPU fallback disabled" if fallback is False else ""))
+        for key, g in graphs.items():
+            lines.append(
+                f"  {key:<10} {g['file']:<16} {g['tokens']:>5} token{'s' if g['tokens'] != 1 else ''} a call "
+                f"{g['nodes']:>7} nodes"
+            )
+            made = (m["lowering"].get("context") or {}).get(key)
+            if made:  # export --qnn-context: the EPContext model compiled for the SoC
+                size = sum(f["bytes"] for f in made["files"]) / 2**20
+                lines.append(
+                    f"  {'':<10} compiled: {made['model']} + {len(made['files']) - 1} context binary ({size:.2f} MiB), "
+                    f"needs QNN >= {made['qnn_sdk']}"
+                )
     needs = m.get("lowering", {}).get("runtime_requirements")
     if needs:
         lines.append(

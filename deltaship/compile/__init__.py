@@ -56,7 +56,7 @@ def export(
     `device` names a tier (deltaship/devices/tiers.toml, or `tiers_file`): target, precision and context not given
     are what `deltaship plan` recommends for it (a quantized KV cache when only that fits; max_context "max": the
     longest context that fits the tier); nothing fitting is refused with the plan's numbers. Without a
-    device, target and precision default to onnx and fp32.
+    device, target and precision default to onnx and fp32 (a target that builds no fp32, qnn: its first precision).
     `prompt_cache` (a text file: the system message; or JSON {"system", "template_kwargs"}) ships the state after
     that system message in the bundle (prompt_cache.safetensors, the manifest's `chat` block; docs/chat.md), so a
     chat with it starts without feeding it.

@@ -99,7 +99,8 @@ def build_settings(
             "--max-context max needs --device: the longest context that fits is the tier's",
             "add --device TIER, or pass a number of tokens (the model's max_position_embeddings at most)",
         )
-    target, precision = target or "onnx", precision or "fp32"
+    target = target or "onnx"
+    precision = precision or get_target(target).precisions[0]  # fp32, or the first the target builds (qnn: fp16)
     cache = prompt_cache_settings(Path(prompt_cache)) if prompt_cache is not None else None
     options = check_options(
         target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options, kv_cache
@@ -166,6 +167,12 @@ def check_options(
     if precision not in PRECISIONS:
         raise DeltashipError(
             f"unknown --precision {precision!r}; precisions: {', '.join(PRECISIONS)}", "pick one of the precisions"
+        )
+    if precision not in tgt.precisions:
+        raise DeltashipError(
+            f"--target {target} builds --precision {' or '.join(tgt.precisions)} only, not {precision}"
+            + (f": {tgt.precision_note}" if tgt.precision_note else ""),
+            f"pass --precision {tgt.precisions[0]}, or export with another --target",
         )
     if max_context is not None and max_context < 1:
         raise DeltashipError(f"--max-context must be at least 1, got {max_context}", "pass a positive context length")

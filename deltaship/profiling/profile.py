@@ -162,7 +162,8 @@ def profile(
         target = manifest["target"]
         if get_target(target).host_runtime is None:
             raise DeltashipError(
-                f"this host has no runtime for {target} bundles (Core ML runs only on Apple devices)",
+                f"this host has no runtime for {target} bundles that measures a device (Core ML runs only on Apple "
+                "devices; QNN's HTP runs here only as a simulator, whose speed is not a phone's)",
                 "profile a Core ML bundle on a Mac, or export for onnx/executorch (a --mtp Core ML bundle's "
                 "`deltaship profile BUNDLE --speculative mtp` runs here, through coremltools' evaluator)",
             )

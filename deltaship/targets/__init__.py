@@ -12,6 +12,7 @@ from deltaship.targets import (
     coreml,  # noqa: E402,F401
     executorch,  # noqa: E402,F401
     onnx,  # noqa: E402,F401,I001
+    qnn,  # noqa: E402,F401
 )
 from deltaship.targets.base import (
     DEFAULT_PREFILL_CHUNK,

@@ -120,6 +120,8 @@ class Target(ABC):
     lowering_module: ClassVar[str]  # the package under deltaship/lowering/ whose lower() writes the artifact
     Options: ClassVar[type[TargetOptions]] = TargetOptions
     default_prefill_chunk: ClassVar[int] = DEFAULT_PREFILL_CHUNK
+    precisions: ClassVar[tuple[str, ...]] = PRECISIONS  # the precisions it builds (a subset of PRECISIONS)
+    precision_note: ClassVar[str] = ""  # why the others are not built (the --precision refusal says it)
     tool_packages: ClassVar[tuple[str, ...]] = ()  # the toolchain its export needs (import names)
     extra: ClassVar[str] = ""  # the pip extra that installs them: pip install "deltaship[<extra>]"
     usage: ClassVar[tuple[str, ...]] = ()  # how an app drives the artifact (goes into the manifest)

@@ -21,7 +21,7 @@ from deltaship.devices.plan.text import parts
 from deltaship.errors import DeltashipError
 from deltaship.models.source import load_source
 from deltaship.models.spec import KV_DTYPES, ModelSpec
-from deltaship.targets import PRECISIONS, Target
+from deltaship.targets import Target
 
 
 def longest_context(
@@ -160,7 +160,7 @@ def plan(
     rows: list[PlanRow] = []
     for t in [catalog[tier]] if tier else catalog.values():
         resolved = {name: as_target(name) for name in targets or t.targets}  # looked up once, passed down
-        combos = [(tg, pr, kv) for tg in resolved.values() for pr in PRECISIONS for kv in kvs(tg, pr)]
+        combos = [(tg, pr, kv) for tg in resolved.values() for pr in tg.precisions for kv in kvs(tg, pr)]
         if context == "max":
             tier_rows = [longest_context(spec, t, tg, pr, kv, prefill_chunk) for tg, pr, kv in combos]
             pick = _longest(t, tier_rows, targets)
@@ -214,7 +214,7 @@ def _first_fit(
         found = []
         for quantized in (False, True):
             for tg in targets:
-                for pr in precisions:
+                for pr in (p for p in precisions if p in tg.precisions):
                     own = default_kv_dtype(tg, pr)
                     if kv_dtype is not None:
                         kvs = [kv_dtype] if (kv_dtype == own) != quantized else []

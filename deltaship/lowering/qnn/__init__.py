@@ -1,3 +1,4 @@
-"""Static-shape ONNX graphs for Qualcomm's QNN HTP backend (onnxruntime-qnn); see docs/npu.md.
-
-Not a registered target yet: the decode graph is built and checked on the HTP simulator, prefill is not."""
+"""The qnn target's lowering: static-shape ONNX graphs for Qualcomm's QNN HTP backend (onnxruntime-qnn); see
+docs/npu.md. passes.py captures the model for 1 token and for the prefill chunk, lowering.py is the op table (the
+ONNX target's, with the stateful ops rewritten), model.py writes decode.onnx + prefill.onnx, context.py compiles them
+into EPContext models for a SoC (soc.py)."""

@@ -133,7 +133,7 @@ def compile_bundle(settings: ExportSettings, source: ModelSource, dest: Destinat
             settings, ctx.settings, source, ctx, lowered, tokens, tokenizer_files, draft_record, kv_record, vision_block
         )
         steps.write_draft_vocabulary(tmp, draft_ids, manifest)
-        manifest["verification"] = steps.verify(settings, tmp, manifest, source, ctx, say)
+        manifest["verification"] = steps.verify(settings, tmp, manifest, source, ctx, lowered, say)
         if (f := steps.fidelity(settings, tmp, source, manifest["verification"], max_context, say)) is not None:
             manifest["fidelity"] = f
         if (chat := steps.prompt_cache(settings, tmp, manifest, say)) is not None:

@@ -226,25 +226,16 @@ def _chromium_results(server: _Server, cmd: list[str], wait_s: int, page: str) -
 def _browser_run(
     node,
     bundles: dict[str, Path],
-    name: str | list[str],
+    name: str,
     ep: str,
     tmp_path: Path,
     flags: list[str],
     wait_s: int = 240,
     query: dict | None = None,
 ) -> dict:
-    """The page's report for bundle `name` (a list of names: one page runs each in turn, report["runs"])."""
     server = _Server(bundles)
-    names = [name] if isinstance(name, str) else name
     query = urllib.parse.urlencode(
-        {
-            "bundle": [f"/bundles/{n}/" for n in names],
-            "ep": ep,
-            "n": NEW_TOKENS,
-            "prompts": json.dumps(PROMPTS),
-            **(query or {}),
-        },
-        doseq=True,
+        {"bundle": f"/bundles/{name}/", "ep": ep, "n": NEW_TOKENS, "prompts": json.dumps(PROMPTS), **(query or {})}
     )
     url = f"http://127.0.0.1:{server.port}/test/page.html?{query}"
     cmd = [
@@ -260,46 +251,21 @@ def _browser_run(
     return _chromium_results(server, cmd, wait_s, "the page")
 
 
-WASM_VARIANTS = ["fp32", "external", "contrib"]
-
-
-@pytest.fixture(scope="module")
-def wasm_reports(node, tiny, tmp_path_factory) -> dict[str, dict]:
-    """The wasm page's report per variant, all run by one page in one Chromium (one start, one wasm compile)."""
-    report = _browser_run(node, tiny, WASM_VARIANTS, "wasm", tmp_path_factory.mktemp("wasm"), [], wait_s=400)
-    assert "error" not in report, report["error"]
-    assert len(report["runs"]) == len(WASM_VARIANTS), report
-    return dict(zip(WASM_VARIANTS, report["runs"]))
-
-
-@pytest.mark.parametrize("variant", WASM_VARIANTS)
-def test_chromium_wasm_matches_deltaship_generate(wasm_reports, tiny, variant):
-    report = wasm_reports[variant]
+@pytest.mark.parametrize("variant", ["fp32", "external", "contrib"])
+def test_chromium_wasm_matches_deltaship_generate(node, tiny, tmp_path, variant):
+    report = _browser_run(node, tiny, variant, "wasm", tmp_path, [])
     assert "error" not in report, report["error"]
     _assert_same(report["results"], _python_tokens(tiny[variant]))
     assert report["locations"] == ["cpu"]
 
 
-WEBGPU_VARIANTS = ["fp32", "int4"]
-
-
-@pytest.fixture(scope="module")
-def webgpu_reports(node, tiny, tmp_path_factory) -> dict[str, dict]:
-    """The WebGPU page's report per variant, both run by one page in one Chromium: SwiftShader compiles every WebGPU
-    shader on the CPU (minutes on a small machine), and a shader the fp32 bundle compiled serves the int4 one."""
+@pytest.mark.parametrize("variant", ["fp32", "int4"])
+def test_chromium_webgpu_matches_deltaship_generate(node, tiny, tmp_path, variant):
     if os.environ.get("DELTASHIP_SKIP_WEBGPU"):
         pytest.skip("DELTASHIP_SKIP_WEBGPU is set")
     flags = ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader", "--enable-features=Vulkan"]
-    tmp = tmp_path_factory.mktemp("webgpu")
-    report = _browser_run(node, tiny, WEBGPU_VARIANTS, "webgpu", tmp, flags, wait_s=900)  # both bundles
-    assert "error" not in report, report["error"]
-    assert len(report["runs"]) == len(WEBGPU_VARIANTS), report
-    return {v: dict(run, adapter=report["adapter"]) for v, run in zip(WEBGPU_VARIANTS, report["runs"])}
-
-
-@pytest.mark.parametrize("variant", WEBGPU_VARIANTS)
-def test_chromium_webgpu_matches_deltaship_generate(webgpu_reports, tiny, variant):
-    report = webgpu_reports[variant]
+    # SwiftShader compiles every WebGPU shader on the CPU: minutes on a small machine
+    report = _browser_run(node, tiny, variant, "webgpu", tmp_path, flags, wait_s=540)
     assert "error" not in report, report["error"]
     _assert_same(report["results"], _python_tokens(tiny[variant]))
     assert report["locations"] == ["gpu-buffer"], "the states did not stay on the GPU between calls"

@@ -1,6 +1,4 @@
 // Query: ?bundle=URL&ep=wasm|webgpu&n=24&prompts=<JSON list of strings>. Reports {results | error} to POST /result.
-// With several bundle=URL: each in turn on the one ort (one WebGPU device: a shader compiled for one bundle serves
-// the next), reporting {runs: [{results, locations} | {error}, one per bundle], adapter}.
 // With &chat=<JSON {pieces, system, script}>: runs the script as examples/chat.mjs does (a line is a message;
 // /retry, /undo, /reset, /save, /load: the conversation saved to bytes in memory and loaded back) and reports
 // {records}, each with state_diff: the chat's DeltaNet states against a fresh prefill of what it holds.
@@ -12,31 +10,10 @@ try {
   const ep = q.get('ep') ?? 'wasm';
   const ort = ep === 'webgpu' ? await import('onnxruntime-web/webgpu') : await import('onnxruntime-web');
   ort.env.wasm.numThreads = 1; // no cross-origin isolation on the test server: no wasm threads
-  const urls = q.getAll('bundle');
+  const session = await openBundle(q.get('bundle'), { executionProvider: ep, ort });
   if (q.get('chat')) {
-    const session = await openBundle(urls[0], { executionProvider: ep, ort });
     report = { records: await runChat(session, ort, ep) };
-  } else if (urls.length > 1) {
-    const runs = [];
-    for (const url of urls) {
-      try {
-        runs.push(await runPrompts(await openBundle(url, { executionProvider: ep, ort })));
-      } catch (e) {
-        runs.push({ error: String(e?.message ?? e) });
-      }
-    }
-    report = { runs, adapter: ep === 'webgpu' ? await adapterInfo() : null };
   } else {
-    const session = await openBundle(urls[0], { executionProvider: ep, ort });
-    report = { ...(await runPrompts(session)), adapter: ep === 'webgpu' ? await adapterInfo() : null };
-  }
-} catch (e) {
-  report = { error: String(e?.message ?? e) };
-}
-document.getElementById('result').textContent = JSON.stringify(report);
-await fetch('/result', { method: 'POST', body: JSON.stringify(report) });
-
-async function runPrompts(session) {
   const results = [];
   for (const prompt of JSON.parse(q.get('prompts'))) {
     session.reset();
@@ -44,8 +21,13 @@ async function runPrompts(session) {
   }
   // Where the states live after the last call: 'gpu-buffer' on WebGPU, 'cpu' on wasm.
   const locations = [...new Set(Object.values(session.states).map((t) => t.location))];
-  return { results, locations };
+  report = { results, locations, adapter: ep === 'webgpu' ? await adapterInfo() : null };
+  }
+} catch (e) {
+  report = { error: String(e?.message ?? e) };
 }
+document.getElementById('result').textContent = JSON.stringify(report);
+await fetch('/result', { method: 'POST', body: JSON.stringify(report) });
 
 async function adapterInfo() {
   const a = await navigator.gpu.requestAdapter();

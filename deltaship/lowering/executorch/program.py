@@ -160,7 +160,12 @@ class VerifyState(ProgramState):
 
 class DraftState(ProgramState):
     """Method 'mtp_draft' (--mtp): the MTP head over its own KV cache buffers (mtp_past_*), reading the decoder's
-    embedding and LM head (the same parameters: the program stores them once)."""
+    embedding and LM head (the same parameters: the program stores them once). dtype: the activations', which the
+    decoder's hidden states are cast to."""
+
+    def __init__(self, model: nn.Module, states: list[dict], kernels, dtype: torch.dtype):
+        super().__init__(model, states, kernels)
+        self.dtype = dtype
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, input_pos: torch.Tensor):
         self.kernels.position = input_pos
@@ -618,8 +623,7 @@ def export_speculative(ctx, prep: Prepared, chunk: int, say) -> dict[str, torch.
     dyn = {1: t} if chunk > 1 else None
     n = min(2, chunk)
     verify = VerifyState(model, prep.states, kernels).eval()
-    draft = DraftState(model, prep.mtp_states, kernels).eval()
-    draft.dtype = ctx.dtype
+    draft = DraftState(model, prep.mtp_states, kernels, ctx.dtype).eval()
     ids = torch.zeros(1, n, dtype=torch.long)
     pos = torch.zeros(1, dtype=torch.long)
     hidden = torch.zeros(1, n, ctx.spec.hidden_size)

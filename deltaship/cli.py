@@ -22,6 +22,7 @@ from deltaship.check.evaluate import evaluate
 from deltaship.commands import generate
 from deltaship.commands.chat import chat
 from deltaship.compile import export
+from deltaship.compile.settings import EXPORT_OPTIONS
 from deltaship.devices.discovery import discover, fingerprint
 from deltaship.devices.plan import format_table, format_vision, plan, verdicts, vision_plan
 from deltaship.errors import EXIT_BROKEN_PIPE, EXIT_SIGINT, EXIT_SIGTERM, DeltashipError
@@ -46,12 +47,13 @@ EXPORT_FLAGS = {
 
 def export_arguments(a: argparse.Namespace) -> dict[str, Any]:
     """`export()`'s keyword arguments from the flags add_export_arguments() parsed: one per parameter of its
-    signature, and the target options (the fields of each target's Options dataclass) the user set."""
+    signature and per `ExportOptions` field (its **options), and the target options (the fields of each target's
+    Options dataclass) the user set."""
     args: dict[str, Any] = {}
-    for name, p in inspect.signature(export).parameters.items():
-        if p.kind is not p.VAR_KEYWORD:
-            dest, negated = EXPORT_FLAGS.get(name, (name, False))
-            args[name] = not getattr(a, dest) if negated else getattr(a, dest)
+    names = [n for n, p in inspect.signature(export).parameters.items() if p.kind is not p.VAR_KEYWORD]
+    for name in names + list(EXPORT_OPTIONS):
+        dest, negated = EXPORT_FLAGS.get(name, (name, False))
+        args[name] = not getattr(a, dest) if negated else getattr(a, dest)
     for t in all_targets():
         for f in t.Options.fields():
             if getattr(a, f.name) not in (None, False):  # only the target options the user set

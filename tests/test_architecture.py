@@ -332,3 +332,100 @@ def test_one_generic_aten_table_serves_both_graph_lowerers():
     assert {"value", "elementwise", "cast", "expand_dims", "concat", "split"} <= set(primitives)
     for cls in (Lowerer, MILLowerer):
         assert not [n for n in primitives if not callable(getattr(cls, n, None))], cls
+
+
+# ---- nothing is set on an export's context or settings after they are built ----------------------------------
+# The names an export's context and settings go by (ExportContext, ExportSettings, LoweringSettings), and the
+# classes: a parameter annotated with one of them counts whatever its name.
+CONTEXT_NAMES = {"ctx", "ctx2", "context", "settings", "lowering"}
+CONTEXT_CLASSES = {"ExportContext", "ExportSettings", "LoweringSettings", "CheckSettings", "KvCachePlan"}
+
+
+def _held(node: ast.AST) -> ast.AST:
+    """The object an assignment target writes into: `a.b[c][d]` -> `a.b` (the attribute holding the container)."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return node
+
+
+def context_writes(source: str) -> list[tuple[int, str]]:
+    """(line, code) of every write into an export context's or settings' attribute: `ctx.x = ...`, `ctx.x += ...`,
+    `ctx.x[k] = ...`, `del ctx.x`, `setattr(ctx, ...)`, `object.__setattr__(ctx, ...)`. Rebinding the name
+    (`ctx = replace(ctx, ...)`) makes a new object and is not a write; nor is `ctx.model.flag = ...` (the module
+    tree is the passes' product, rewritten by them)."""
+    tree = ast.parse(source)
+    found: list[tuple[int, str]] = []
+    for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module))]:
+        names = set(CONTEXT_NAMES)
+        if not isinstance(fn, ast.Module):
+            for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs:
+                if a.annotation is not None and set(re.findall(r"\w+", ast.unparse(a.annotation))) & CONTEXT_CLASSES:
+                    names.add(a.arg)
+
+        def is_context(node: ast.AST) -> bool:
+            return isinstance(node, ast.Name) and node.id in names
+
+        for node in ast.walk(fn):
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Delete):
+                targets = node.targets
+            elif isinstance(node, ast.Call) and node.args:
+                f = ast.unparse(node.func)
+                if f in ("setattr", "object.__setattr__", "delattr") and is_context(node.args[0]):
+                    found.append((node.lineno, ast.unparse(node)))
+            for t in targets:
+                for leaf in t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]:
+                    held = _held(leaf)
+                    if isinstance(held, ast.Attribute) and is_context(held.value):
+                        found.append((node.lineno, ast.unparse(node).splitlines()[0]))
+    return sorted(set(found))
+
+
+def test_nothing_is_set_on_an_export_context_or_its_settings():
+    """The export path's context and settings are built once: the passes return their products (passes.Made), a
+    lowering returns its own in its `Lowered`; no module writes into one after it is built (docs/architecture.md)."""
+    from deltaship.lowering.passes import ExportContext
+
+    writes = [f"{f}:{line}: {code}" for f, text in _sources().items() for line, code in context_writes(text)]
+    assert not writes, writes
+    with pytest.raises(AttributeError):  # and at run time: the context is frozen, products included
+        ExportContext(None).states = []
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "def f(ctx):\n    ctx.states = []",
+        "def f(ctx):\n    ctx.rounded: dict = {}",
+        "def f(ctx):\n    ctx.quant['linear']['w'] = 1",
+        "def f(ctx):\n    ctx.programs['mtp'] = (1, 2)",
+        "def f(ctx2):\n    ctx2.report += [1]",
+        "def f(ctx):\n    ctx.model, x = None, 1",
+        "def f(ctx):\n    del ctx.model",
+        "def f(ctx):\n    setattr(ctx, 'states', [])",
+        "def f(ctx):\n    object.__setattr__(ctx, 'states', [])",
+        "def f(settings):\n    settings.kv = None",
+        "def f(c: ExportContext):\n    c.parts = []",
+        "def f(c: 'LoweringSettings | None'):\n    c.prefill_chunk = 8",
+    ],
+)
+def test_the_context_write_check_catches_every_spelling(code):
+    assert context_writes(code), code
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "def f(ctx):\n    ctx = replace(ctx, states=[])",
+        "def f(ctx):\n    ctx.model.last_token_only = True",
+        "def f(ctx):\n    ctx.plan.add_source('a', 'a', (1,))",
+        "def f(ctx):\n    states = [dict(s) for s in ctx.states]\n    states[0]['layout'] = 'x'",
+        "def f(model):\n    model.states = []",
+    ],
+)
+def test_the_context_write_check_leaves_other_writes_alone(code):
+    assert not context_writes(code), code

@@ -77,31 +77,76 @@ def test_executorch_llm_runner_drives_the_program(pte):
     assert texts[0] == texts[1] == ours and len(ours) >= 10
 
 
-def test_node_xnnpack_cannot_take_fails_unless_allowed(tmp_path, monkeypatch, checkpoints):
-    """softplus lowers to ops XNNPACK does not take: the export names them, or accepts them when asked. One export,
-    with the fallback allowed, gives the nodes; the check the lowering runs on them refuses them without it, and a
-    lowering that refuses leaves no bundle behind."""
+@pytest.fixture(scope="module")
+def spied_export(checkpoints, tmp_path_factory):
+    """One small ExecuTorch export (deltanet_only, int4, context 32) that two tests read: its DeltaNet gates use
+    softplus, which lowers to ops XNNPACK does not take (exported with the fallback allowed), and spies record what
+    every XNNPACK preprocess was given and whether the partitions' tensors changed. (An ExecuTorch export costs
+    half a minute even this small: one serves both.)"""
+    import types
+
+    import executorch.exir.backend.backend_api as ba
     import torch
     import torch.nn.functional as F
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 
-    from deltaship.lowering.executorch import lowering, program
-    from deltaship.lowering.executorch.program import check_portable
+    from deltaship.lowering.executorch import lowering
 
     def softplus_gates(self, a, b, dt_bias, decay_scale):
         return decay_scale.float() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b.float())
 
-    monkeypatch.setattr(lowering.ExecuTorchKernels, "delta_gates", softplus_gates)
-    model = str(checkpoints["deltanet_only"])
-    m = export(
-        model,
-        tmp_path / "b",
-        target="executorch",
-        max_context=32,
-        progress=False,
-        verify=False,
-        allow_portable_fallback=True,
-    )
-    portable = m["lowering"]["portable_nodes"]
+    spy = types.SimpleNamespace(partition_ptrs=set(), given_ptrs=set(), changed=[])
+    lower_all, preprocess = ba.lower_all_submodules_to_backend, XnnpackBackend.preprocess
+
+    def lower_all_spy(backend_id, method_to_nodes, programs):
+        mine = []
+        for nodes in method_to_nodes.values():
+            for node in nodes:
+                sd = node.meta["submodule_program"].state_dict
+                mine.append((sd, {k: (t, t.clone()) for k, t in sd.items()}))
+                spy.partition_ptrs.update(t.untyped_storage().data_ptr() for t in sd.values())
+        out = lower_all(backend_id, method_to_nodes, programs)
+        spy.changed.extend(
+            k
+            for sd, before in mine
+            for k, (obj, val) in before.items()
+            if sd[k] is not obj or sd[k].shape != val.shape or not torch.equal(sd[k], val)
+        )
+        return out
+
+    def preprocess_spy(ep, specs):
+        spy.given_ptrs.update(t.untyped_storage().data_ptr() for t in ep.state_dict.values())
+        return preprocess(ep, specs)
+
+    hook = "copy_exported_program_for_preprocess"
+    spy.hook_before = vars(XnnpackBackend).get(hook)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lowering.ExecuTorchKernels, "delta_gates", softplus_gates)
+        mp.setattr(ba, "lower_all_submodules_to_backend", lower_all_spy)
+        mp.setattr(XnnpackBackend, "preprocess", staticmethod(preprocess_spy))
+        spy.manifest = export(
+            str(checkpoints["deltanet_only"]),
+            tmp_path_factory.mktemp("spied") / "b",
+            target="executorch",
+            precision="int4",
+            max_context=32,
+            prefill_chunk=8,
+            progress=False,
+            verify=False,
+            allow_portable_fallback=True,
+        )
+        spy.hook_after = vars(XnnpackBackend).get(hook)
+    return spy
+
+
+def test_node_xnnpack_cannot_take_fails_unless_allowed(spied_export, tmp_path, monkeypatch, checkpoints):
+    """softplus lowers to ops XNNPACK does not take: the export names them, or accepts them when asked. One export,
+    with the fallback allowed, gives the nodes; the check the lowering runs on them refuses them without it, and a
+    lowering that refuses leaves no bundle behind."""
+    from deltaship.lowering.executorch import program
+    from deltaship.lowering.executorch.program import check_portable
+
+    portable = spied_export.manifest["lowering"]["portable_nodes"]
     assert not all(expected_portable(op) for op in portable)
     check_portable(portable, allow=True)
     with pytest.raises(DeltashipError, match="XNNPACK does not take these nodes.*aten_"):
@@ -111,6 +156,7 @@ def test_node_xnnpack_cannot_take_fails_unless_allowed(tmp_path, monkeypatch, ch
         check_portable(portable, allow=ctx.options.allow_portable_fallback)
 
     monkeypatch.setattr(program, "lower", refusing)  # the lowering, as the export calls it
+    model = str(checkpoints["deltanet_only"])
     with pytest.raises(DeltashipError, match="XNNPACK does not take these nodes.*aten_"):
         export(model, tmp_path / "a", target="executorch", max_context=32, progress=False, verify=False)
     assert not (tmp_path / "a").exists()
@@ -207,58 +253,19 @@ def test_lowered_weights_released_and_program_unchanged(tmp_path):
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
 
-def test_xnnpack_preprocess_shares_and_leaves_weights_untouched(checkpoints, tmp_path, monkeypatch):
+def test_xnnpack_preprocess_shares_and_leaves_weights_untouched(spied_export):
     """The program each XNNPACK preprocess gets shares its weight storage with the partition it was cut from
     (no model-sized deep copy at the export's peak), and preprocess leaves the partition's own tensors as
     they were: same values, shapes and objects (what makes sharing safe)."""
-    import executorch.exir.backend.backend_api as ba
-    import torch
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 
-    partition_ptrs: set[int] = set()
-    given_ptrs: set[int] = set()
-    changed: list[str] = []
-    lower_all, preprocess = ba.lower_all_submodules_to_backend, XnnpackBackend.preprocess
-
-    def lower_all_spy(backend_id, method_to_nodes, programs):
-        mine = []
-        for nodes in method_to_nodes.values():
-            for node in nodes:
-                sd = node.meta["submodule_program"].state_dict
-                mine.append((sd, {k: (t, t.clone()) for k, t in sd.items()}))
-                partition_ptrs.update(t.untyped_storage().data_ptr() for t in sd.values())
-        out = lower_all(backend_id, method_to_nodes, programs)
-        changed.extend(
-            k
-            for sd, before in mine
-            for k, (obj, val) in before.items()
-            if sd[k] is not obj or sd[k].shape != val.shape or not torch.equal(sd[k], val)
-        )
-        return out
-
-    def preprocess_spy(ep, specs):
-        given_ptrs.update(t.untyped_storage().data_ptr() for t in ep.state_dict.values())
-        return preprocess(ep, specs)
-
-    monkeypatch.setattr(ba, "lower_all_submodules_to_backend", lower_all_spy)
-    monkeypatch.setattr(XnnpackBackend, "preprocess", staticmethod(preprocess_spy))
-    hook = "copy_exported_program_for_preprocess"
-    before = vars(XnnpackBackend).get(hook)
-    export(
-        str(checkpoints["grouped_values"]),
-        tmp_path / "b",
-        target="executorch",
-        precision="int4",
-        max_context=64,
-        prefill_chunk=8,
-        verify=False,
-        progress=False,
-    )
-    assert given_ptrs and given_ptrs <= partition_ptrs
-    assert not changed, changed
-    assert vars(XnnpackBackend).get(hook) is before  # restored after the export
     from deltaship.lowering.executorch.program import preprocess_shares_weights
 
+    spy, hook = spied_export, "copy_exported_program_for_preprocess"
+    assert spy.given_ptrs and spy.given_ptrs <= spy.partition_ptrs
+    assert not spy.changed, spy.changed
+    assert spy.hook_after is spy.hook_before  # restored after the export
+    before = vars(XnnpackBackend).get(hook)
     with pytest.raises(KeyError), preprocess_shares_weights():
         assert vars(XnnpackBackend).get(hook) is not before
         raise KeyError("lowering failed")

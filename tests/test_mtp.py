@@ -474,9 +474,9 @@ def test_imposed_acceptance_accepts_at_the_rate(tiny_mtp, rate):
 
 
 def test_executorch_int4_verification_reference_leaves_the_mtp_head_out():
-    """ExecuTorch int4 verifies against transformers with torchao's own rounding of every weight (ctx.rounded),
-    which with --mtp includes the head's weights: transformers' model has no MTP head, so they are not loaded into
-    it (`export --target executorch --precision int4 --mtp` crashed after
+    """ExecuTorch int4 verifies against transformers with torchao's own rounding of every weight (the lowering's
+    `Lowered.rounded`, from `prepare`), which with --mtp includes the head's weights: transformers' model has no MTP
+    head, so they are not loaded into it (`export --target executorch --precision int4 --mtp` crashed after
     the whole export with KeyError 'mtp.fc.weight'), and the LM head keeps its own rounding."""
     pytest.importorskip("executorch")
     from helpers import export_context
@@ -487,10 +487,10 @@ def test_executorch_int4_verification_reference_leaves_the_mtp_head_out():
 
     source = load_source("qwen3.5-tiny")
     ctx = export_context("qwen3.5-tiny", "int4", target="executorch", mtp=True)
-    prepare(ctx, source.weights)
-    assert "mtp.fc.weight" in ctx.rounded
-    ref = matched_reference_model(source, ctx.plan, ctx.quant, "int4", rounded=ctx.rounded)
-    np.testing.assert_array_equal(ref.lm_head.weight.detach().numpy(), ctx.rounded["lm_head.weight"])
+    rounded = prepare(ctx, source.weights).rounded
+    assert "mtp.fc.weight" in rounded
+    ref = matched_reference_model(source, ctx.plan, ctx.quant, "int4", rounded=rounded)
+    np.testing.assert_array_equal(ref.lm_head.weight.detach().numpy(), rounded["lm_head.weight"])
 
 
 def test_speculative_sessions_stop_spinning_between_calls(tiny_mtp, bundles):

@@ -160,11 +160,12 @@ def _matched_parity(bundle, ckpt, precision, tol, target="onnx", **opts) -> dict
 
     ctx = export_context(ckpt, precision, target=target, **opts)
     source = load_source(str(ckpt))
+    rounded = None
     if target == "executorch" and precision in ("int8", "int4"):  # torchao's rounding, redone (deterministic)
         from deltaship.lowering.executorch.program import prepare
 
-        prepare(ctx, source.weights)
-    ref = matched_reference_model(source, ctx.plan, ctx.quant, precision, rounded=ctx.rounded)
+        rounded = prepare(ctx, source.weights).rounded
+    ref = matched_reference_model(source, ctx.plan, ctx.quant, precision, rounded=rounded)
     s = open_bundle(bundle)
     worst, agree = 0.0, 1.0
     for n, seed in ((3, 7), (CHUNK + 5, 8)):

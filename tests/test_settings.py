@@ -9,7 +9,8 @@ import inspect
 
 import pytest
 
-from deltaship.compile import build_settings, export
+from deltaship.compile import ExportOptions, UnknownExportOption, build_settings, export, export_options
+from deltaship.compile.settings import EXPORT_OPTIONS
 from deltaship.compile.steps import lowering_settings
 from deltaship.errors import DeltashipError
 from deltaship.lowering.settings import STATIC_SCALES, KvCachePlan
@@ -72,9 +73,32 @@ def test_the_cli_passes_its_flags_as_exports_arguments():
     )
     args = export_arguments(a)
     params = {n for n, p in inspect.signature(export).parameters.items() if p.kind is not p.VAR_KEYWORD}
-    assert set(args) == params | {"onnx_opset"}  # every keyword of export(), and only the target option given
+    # every keyword of export() and every ExportOptions field (its **options), and only the target option given
+    assert set(args) == params | set(EXPORT_OPTIONS) | {"onnx_opset"}
     assert (args["fidelity"], args["verify"], args["progress"], args["tiers_file"]) == (False, True, True, "t.toml")
     assert args["onnx_opset"] == 27
+    # the flags the user did not give are ExportOptions' defaults: one list of defaults for the API and the CLI
+    assert {k: args[k] for k in EXPORT_OPTIONS if k != "fidelity"} == {
+        f.name: f.default for f in dataclasses.fields(ExportOptions) if f.name != "fidelity"
+    }
+
+
+def test_export_and_build_settings_take_the_one_list_of_options():
+    """export() and build_settings() declare no option of their own: both take ExportOptions' fields (and the
+    targets' options) as keyword arguments, so their names and defaults are written once; an unknown name is one
+    typed error (a DeltashipError, and the TypeError a Python caller expects) naming both lists, before any work."""
+    for fn in (export, build_settings):
+        declared = set(inspect.signature(fn).parameters) - {"model", "out", "options", "device", "tiers_file"}
+        assert declared <= {"progress"}, (fn.__name__, declared)
+        assert not declared & set(EXPORT_OPTIONS)
+    s = build_settings("qwen3.5-tiny", "out", precision="int4", block_size=64, verify=False, onnx_opset=27)
+    assert (s.precision, s.block_size, s.checks.verify, s.options.onnx_opset) == ("int4", 64, False, 27)
+    for fn, args in ((build_settings, ("qwen3.5-tiny", "out")), (export, ("qwen3.5-tiny", "never-written"))):
+        with pytest.raises(UnknownExportOption, match="unknown export option 'precison'.*options: target, precision"):
+            fn(*args, precison="int4", progress=False) if fn is export else fn(*args, precison="int4")
+    assert issubclass(UnknownExportOption, TypeError) and issubclass(UnknownExportOption, DeltashipError)
+    opts, target = export_options({"kv_cache": "int8", "mtp": True})
+    assert (opts, target) == (ExportOptions(kv_cache="int8"), {"mtp": True})
 
 
 def test_the_kv_plan_reaches_the_manifest_in_one_form(tmp_path):

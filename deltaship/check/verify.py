@@ -189,8 +189,11 @@ def verify_bundle(
     prompts: list[list[int]] | None = None,
     threads: int | None = None,
     progress: Callable[[str], None] | None = None,
+    rounded: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run the bundle in its runtime against the transformers references; return the manifest record."""
+    """Run the bundle in its runtime against the transformers references; return the manifest record. ctx: the
+    passes' products (the weight plan, the quantization choices); rounded: the weights as the toolchain rounded
+    them (the lowering's `Lowered.rounded`), which the matched reference then holds."""
 
     quiet_third_party()
     import transformers  # lazy: transformers
@@ -219,7 +222,7 @@ def verify_bundle(
     prompts = prompts or default_prompts(source.spec.vocab_size, session.prefill_chunk, session.max_context, steps)
     if progress:
         progress("verify: parity against the matched transformers reference")
-    ref = matched_reference_model(source, ctx.plan, ctx.quant, ctx.precision, rounded=ctx.rounded)
+    ref = matched_reference_model(source, ctx.plan, ctx.quant, ctx.precision, rounded=rounded)
     kv_rounded = contextlib.nullcontext(ref)
     # a KV cache narrower than the activations (int8/int4 with scales, or fp16): the reference rounds it too
     if ctx.kv_scales:  # an int8/int4 KV cache: the reference's attention sees keys and values rounded the same way

@@ -13,42 +13,50 @@ from deltaship.bundle.destination import Destination
 from deltaship.bundle.writer import write_bundle
 from deltaship.compile import steps
 from deltaship.compile.manifest import assemble
-from deltaship.compile.settings import EVAL_TOKENS, ExportSettings, build_settings, check_options
+from deltaship.compile.settings import (
+    EVAL_TOKENS,
+    ExportOptions,
+    ExportSettings,
+    UnknownExportOption,
+    build_settings,
+    check_options,
+    export_options,
+)
 from deltaship.errors import DeltashipEnvironmentError
 from deltaship.logs import quiet_third_party
 from deltaship.models.source import ModelSource
 from deltaship.options import threads as check_threads
 from deltaship.progress import Progress
 
-__all__ = ["export", "compile_bundle", "build_settings", "check_options", "ExportSettings", "EVAL_TOKENS"]
+__all__ = [
+    "export",
+    "compile_bundle",
+    "build_settings",
+    "check_options",
+    "export_options",
+    "ExportOptions",
+    "ExportSettings",
+    "UnknownExportOption",
+    "EVAL_TOKENS",
+]
 
 
 def export(
     model: str,
     out: str | Path,
-    target: str | None = None,
-    precision: str | None = None,
-    max_context: int | str | None = None,
-    force: bool = False,
-    verify: bool = True,
-    prefill_chunk: int | None = None,
-    block_size: int = 32,
-    deltanet_int8: bool = False,
-    threads: int | None = None,
-    progress: bool | Callable = True,
-    allow_download: bool = False,
-    kv_cache: str | None = None,
+    *,
     device: str | None = None,
     tiers_file: str | None = None,
-    vision: bool = False,
-    prompt_cache: str | Path | None = None,
-    fidelity: bool = True,
-    **target_options: Any,
+    progress: bool | Callable = True,
+    **options: Any,
 ) -> dict[str, Any]:
     """Compile `model` (a checkpoint directory, a preset, or a Hub id `org/name[@revision]` from the local Hugging
     Face cache, downloaded only with allow_download=True) for `target` at `precision` into bundle `out`.
 
-    `target_options` are the target's own options (deltaship/targets/<target>.py, e.g. onnx_deltanet_ops).
+    `options` are `ExportOptions`' fields (deltaship/compile/settings.py, the one list of them and their defaults:
+    target, precision, max_context, force, verify, fidelity, prefill_chunk, block_size, deltanet_int8, threads,
+    allow_download, kv_cache, vision, prompt_cache) and the target's own options (deltaship/targets/<target>.py, e.g.
+    onnx_deltanet_ops); any other name is refused (UnknownExportOption, a TypeError too).
     `vision` also exports the checkpoint's vision tower (the target's `vision_module`: ONNX vision.onnx,
     embedding.onnx, decoder_mm.onnx; ExecuTorch vision.pte, decoder_mm.pte; Core ML multimodal.mlpackage); off by
     default, so text-only bundles and their export time stay as they were.
@@ -68,41 +76,31 @@ def export(
     limits (cgroup, RLIMIT_AS, MemAvailable) is refused before the work; DELTASHIP_IGNORE_MEMORY_CHECK=1 skips that.
     """
     say = progress if callable(progress) else Progress(bool(progress))
-    check_threads(threads)  # used at verification, minutes in: refused before any work, as the CLI's --threads
+    asked, _ = export_options(options)  # unknown names refused, and the options read before the settings, typed
+    check_threads(asked.threads)  # used at verification, minutes in: refused before any work, as the CLI's --threads
     quiet_third_party()
     dest, source = None, None  # the claimed --out: checked, locked and recovered before the first load
     try:
         if device is not None:  # the plan for the tier picks what the user did not fix
-            dest = steps.claim(out, force, model)
-            source = steps.load(model, allow_download, say)
+            dest = steps.claim(out, asked.force, model)
+            source = steps.load(model, asked.allow_download, say)
             pick = steps.plan_device(
-                source.spec, device, tiers_file, target, precision, max_context, kv_cache, prefill_chunk
+                source.spec,
+                device,
+                tiers_file,
+                asked.target,
+                asked.precision,
+                asked.max_context,
+                asked.kv_cache,
+                asked.prefill_chunk,
             )
-            target, precision, max_context = pick.target, pick.precision, pick.max_context
-            kv_cache, prefill_chunk = pick.kv_cache, pick.prefill_chunk
+            options = dict(options, target=pick.target, precision=pick.precision, max_context=pick.max_context)
+            options.update(kv_cache=pick.kv_cache, prefill_chunk=pick.prefill_chunk)
             say(pick.say)
-        settings = build_settings(
-            model,
-            out,
-            target=target,
-            precision=precision,
-            max_context=max_context,
-            force=force,
-            verify=verify,
-            fidelity=fidelity,
-            prefill_chunk=prefill_chunk,
-            block_size=block_size,
-            deltanet_int8=deltanet_int8,
-            threads=threads,
-            allow_download=allow_download,
-            kv_cache=kv_cache,
-            vision=vision,
-            prompt_cache=prompt_cache,
-            **target_options,
-        )
+        settings = build_settings(model, out, **options)
         settings.tgt.require_tools()
-        dest = dest or steps.claim(settings.out, force, model)  # before any loading
-        source = source or steps.load(model, allow_download, say)
+        dest = dest or steps.claim(settings.out, settings.force, model)  # before any loading
+        source = source or steps.load(model, settings.allow_download, say)
         manifest = compile_bundle(settings, source, dest, say)
         say(f"wrote {settings.out} ({manifest['bundle_bytes'] / 2**20:.1f} MiB)")
         return manifest
@@ -133,7 +131,7 @@ def compile_bundle(settings: ExportSettings, source: ModelSource, dest: Destinat
             settings, ctx.settings, source, ctx, lowered, tokens, tokenizer_files, draft_record, kv_record, vision_block
         )
         steps.write_draft_vocabulary(tmp, draft_ids, manifest)
-        manifest["verification"] = steps.verify(settings, tmp, manifest, source, ctx, say)
+        manifest["verification"] = steps.verify(settings, tmp, manifest, source, ctx, lowered, say)
         if (f := steps.fidelity(settings, tmp, source, manifest["verification"], max_context, say)) is not None:
             manifest["fidelity"] = f
         if (chat := steps.prompt_cache(settings, tmp, manifest, say)) is not None:

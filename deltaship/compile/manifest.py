@@ -25,7 +25,7 @@ def assemble(
     vision_block: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Every manifest field but `verification`, `fidelity`, `chat`, `files` and `bundle_bytes`. ctx: the passes'
-    products (deltaship.lowering.passes.ExportContext)."""
+    products (deltaship.lowering.passes.ExportContext); lowered: the lowering's (its states as stored, its files)."""
     spec, tgt = lowering.spec, settings.tgt
     details = dict(lowered.details, **({"kv_quantization": kv_record} if kv_record is not None else {}))
     manifest = new_manifest(
@@ -53,7 +53,7 @@ def assemble(
                 reset="zeros",
                 **({"in_place": lowered.state_in_place[s["name"]]} if s["name"] in lowered.state_in_place else {}),
             )
-            for s in ctx.states
+            for s in lowered.states
         ],
         usage=list(tgt.usage),
         tokens=tokens,
@@ -77,7 +77,7 @@ def assemble(
         ]
     if source.sample_prompt() is not None:  # an app's default prompt (the web kit's page)
         manifest["sample_prompt"] = source.sample_prompt()
-    manifest["memory"] = memory(lowering, ctx.states, tgt)
+    manifest["memory"] = memory(lowering, lowered.states, tgt)
     manifest["app_runtimes"] = {**tgt.app_runtimes, **(lowered.app_runtimes or {})}
     return manifest
 

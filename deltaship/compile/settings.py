@@ -1,15 +1,16 @@
 """`ExportSettings`: every export option, typed and checked once, before any work.
 
-Built by `build_settings` from `deltaship.export()`'s keyword arguments (the CLI's `export` passes its flags as
-those arguments); frozen from then on. What the checkpoint decides (the default context, the prefill chunk it
+`ExportOptions` is the one list of `deltaship.export()`'s options and their defaults (the CLI's `export` passes
+its flags as those keyword arguments, and a target's own options beside them). `build_settings` builds the settings
+from them; frozen from then on. What the checkpoint decides (the default context, the prefill chunk it
 bounds) is resolved later, into the lowering's own frozen `LoweringSettings` (steps.lowering_settings).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from deltaship.chat.store import prompt_cache_settings
 from deltaship.errors import DeltashipError
@@ -43,6 +44,57 @@ class CheckSettings:
 
 
 @dataclass(frozen=True)
+class ExportOptions:
+    """`deltaship.export()`'s options (beyond model, out and the export-only device, tiers_file and progress), with
+    their defaults: the one source of its keyword arguments, `build_settings`'s and the CLI's `export` flags. A
+    target's own options (its `Options` dataclass: onnx_opset, mtp, ...) are passed beside them.
+
+    target/precision None: onnx/fp32, or what a --device plan picks; max_context None: the checkpoint's default
+    ("max": the longest a --device tier fits); verify: parity against transformers; fidelity: the held-out eval after
+    it; prefill_chunk None: the target's default; block_size: int8/int4 quantization block; deltanet_int8: int4 with
+    DeltaNet projections at int8; threads: verification's; kv_cache None: the target's own KV dtype at the
+    precision; vision: the vision tower too; prompt_cache: a system message's state shipped in the bundle."""
+
+    target: str | None = None
+    precision: str | None = None
+    max_context: int | str | None = None
+    force: bool = False
+    verify: bool = True
+    fidelity: bool = True
+    prefill_chunk: int | None = None
+    block_size: int = 32
+    deltanet_int8: bool = False
+    threads: int | None = None
+    allow_download: bool = False
+    kv_cache: str | None = None
+    vision: bool = False
+    prompt_cache: str | Path | None = None
+
+
+EXPORT_OPTIONS = tuple(f.name for f in fields(ExportOptions))
+
+
+class UnknownExportOption(DeltashipError, TypeError):
+    """An export option no one takes: bad input (exit 2), and the TypeError a Python caller expects of an unknown
+    keyword argument."""
+
+
+def export_options(options: Mapping[str, Any]) -> tuple[ExportOptions, dict[str, Any]]:
+    """Split `deltaship.export()`'s keyword options into `ExportOptions` and the target options (checked against the
+    target by check_options); an option neither names is refused with both lists."""
+    taken = {f.name for t in all_targets() for f in t.Options.fields()}
+    unknown = [k for k in options if k not in EXPORT_OPTIONS and k not in taken]
+    if unknown:
+        raise UnknownExportOption(
+            f"unknown export option {unknown[0]!r}; options: {', '.join(EXPORT_OPTIONS)}; the targets' options: "
+            f"{', '.join(sorted(taken))}",
+            "check the option's spelling (`deltaship export --help` lists them as flags)",
+        )
+    mine = ExportOptions(**{k: v for k, v in options.items() if k in EXPORT_OPTIONS})
+    return mine, {k: v for k, v in options.items() if k not in EXPORT_OPTIONS}
+
+
+@dataclass(frozen=True)
 class ExportSettings:
     """One export, as asked. options: the target's typed options (its `Options` dataclass, defaults filled in);
     activation_dtype: what the target computes in at this precision; kv: how the KV cache is stored; max_context
@@ -72,66 +124,50 @@ class ExportSettings:
         return get_target(self.target)
 
 
-def build_settings(
-    model: str,
-    out: str | Path,
-    target: str | None = None,
-    precision: str | None = None,
-    max_context: int | str | None = None,
-    force: bool = False,
-    verify: bool = True,
-    fidelity: bool = True,
-    prefill_chunk: int | None = None,
-    block_size: int = 32,
-    deltanet_int8: bool = False,
-    threads: int | None = None,
-    allow_download: bool = False,
-    kv_cache: str | None = None,
-    vision: bool = False,
-    prompt_cache: str | Path | None = None,
-    **target_options: Any,
-) -> ExportSettings:
-    """The settings of `deltaship.export()`'s keyword arguments (device and tiers_file already applied), every
-    option and combination checked; target and precision default to onnx and fp32."""
-    check_threads(threads)  # used at verification, minutes in: refused before any work, as the CLI's --threads
-    if max_context == "max":
+def build_settings(model: str, out: str | Path, **options: Any) -> ExportSettings:
+    """The settings of `deltaship.export()`'s keyword options (`ExportOptions` and a target's own; device and
+    tiers_file already applied), every option and combination checked; target and precision default to onnx and
+    fp32."""
+    o, asked = export_options(options)
+    check_threads(o.threads)  # used at verification, minutes in: refused before any work, as the CLI's --threads
+    if o.max_context == "max":
         raise DeltashipError(
             "--max-context max needs --device: the longest context that fits is the tier's",
             "add --device TIER, or pass a number of tokens (the model's max_position_embeddings at most)",
         )
-    target = target or "onnx"
-    precision = precision or get_target(target).precisions[0]  # fp32, or the first the target builds (qnn: fp16)
-    cache = prompt_cache_settings(Path(prompt_cache)) if prompt_cache is not None else None
-    options = check_options(
-        target, precision, max_context, block_size, deltanet_int8, prefill_chunk, target_options, kv_cache
+    target = o.target or "onnx"
+    precision = o.precision or get_target(target).precisions[0]  # fp32, or the first the target builds (qnn: fp16)
+    cache = prompt_cache_settings(Path(o.prompt_cache)) if o.prompt_cache is not None else None
+    typed = check_options(
+        target, precision, o.max_context, o.block_size, o.deltanet_int8, o.prefill_chunk, asked, o.kv_cache
     )
     tgt = get_target(target)
-    if vision and tgt.vision_module is None:
+    if o.vision and tgt.vision_module is None:
         raise DeltashipError(
             f"--vision: --target {target} has no vision lowering",
             "use --target " + " or ".join(t.name for t in all_targets() if t.vision_module) + ", or drop --vision",
         )
-    activations = tgt.activation_dtype(precision, options)
+    activations = tgt.activation_dtype(precision, typed)
     return ExportSettings(
         model=model,
         out=Path(out),
         target=target,
         precision=precision,
-        options=options,
+        options=typed,
         activation_dtype=activations,
-        kv=KvCachePlan.plan(kv_cache or tgt.kv_cache_dtypes(precision, options)[0], activations),
+        kv=KvCachePlan.plan(o.kv_cache or tgt.kv_cache_dtypes(precision, typed)[0], activations),
         draft_vocab=DraftVocabPlan(
-            parse_draft_vocab(getattr(options, "mtp_draft_vocab", None)), getattr(options, "mtp_draft_vocab_text", None)
+            parse_draft_vocab(getattr(typed, "mtp_draft_vocab", None)), getattr(typed, "mtp_draft_vocab_text", None)
         ),
-        checks=CheckSettings(verify=verify, fidelity=fidelity, threads=threads),
-        max_context=max_context,
-        prefill_chunk=prefill_chunk,
-        block_size=block_size,
-        deltanet_int8=deltanet_int8,
-        vision=vision,
+        checks=CheckSettings(verify=o.verify, fidelity=o.fidelity, threads=o.threads),
+        max_context=o.max_context,
+        prefill_chunk=o.prefill_chunk,
+        block_size=o.block_size,
+        deltanet_int8=o.deltanet_int8,
+        vision=o.vision,
         prompt_cache=cache,
-        force=force,
-        allow_download=allow_download,
+        force=o.force,
+        allow_download=o.allow_download,
     )
 
 

@@ -266,7 +266,13 @@ def write_draft_vocabulary(tmp: Path, draft_ids: np.ndarray | None, manifest: di
 
 
 def verify(
-    settings: ExportSettings, tmp: Path, manifest: dict[str, Any], source: ModelSource, ctx, say: Say
+    settings: ExportSettings,
+    tmp: Path,
+    manifest: dict[str, Any],
+    source: ModelSource,
+    ctx,
+    lowered: Lowered,
+    say: Say,
 ) -> dict[str, Any]:
     """The text verification record (the manifest's `verification`); a failure that fails the export raises.
     With --vision, the image + text verification record goes into manifest["vision"]["verification"]."""
@@ -276,7 +282,9 @@ def verify(
 
     # The runtime reads the manifest: write a provisional one in the staging directory.
     provisional = write_manifest(tmp, dict(manifest))
-    rec = verify_bundle(tmp, provisional, source, ctx, threads=settings.checks.threads, progress=say)
+    rec = verify_bundle(
+        tmp, provisional, source, ctx, threads=settings.checks.threads, progress=say, rounded=lowered.rounded
+    )
     report_verification(say, rec)
     if rec["status"] == "failed" and rec["tolerance"]["fails_export"]:
         raise verification_error(rec, settings.target, settings.precision)

@@ -2,12 +2,14 @@
 
 Each pass checks what it requires, does one thing, checks what it ensures and returns counts of
 what it changed; the counts go into the bundle manifest. Passes change module structure and the
-weight plan, never weight values.
+weight plan, never weight values. A pass that makes a product of the context (the module tree, the quantization
+choices, the captured programs, the states) returns it (`Made`); run_pipeline hands the next pass a new context
+with it: nothing is set on a context after it is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -27,9 +29,19 @@ class PassError(RuntimeError):
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
+class Made:
+    """What a pass returns when it makes products: its counts (the manifest's `passes`) and the ExportContext fields
+    it made, by name. A pass that only rewrites the module tree or adds to the weight plan returns its counts."""
+
+    counts: dict[str, int]
+    products: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ExportContext:
-    """What the passes read (`settings`, frozen) and what they fill in, pass by pass (the products)."""
+    """What the passes read (`settings`) and what they made, pass by pass (the products: each pass's `Made`,
+    applied by run_pipeline to a new context). Frozen: a lowering returns what it makes in its `Lowered`."""
 
     settings: LoweringSettings
     model: nn.Module | None = None  # the checkpoint module tree, rewritten pass by pass
@@ -39,7 +51,6 @@ class ExportContext:
     program: torch.export.ExportedProgram | None = None
     states: list[dict] = field(default_factory=list)
     report: list[dict] = field(default_factory=list)
-    rounded: dict[str, Any] | None = None  # weights as a toolchain quantized them (for the matched reference)
     programs: dict[Any, Any] = field(default_factory=dict)  # fixed-shape programs (Core ML: by part and function)
     parts: list[tuple[int, int]] = field(default_factory=list)  # layer ranges of a target split into packages
     mtp_states: list[dict] = field(default_factory=list)  # --mtp: the draft head's own states (Core ML)
@@ -113,13 +124,11 @@ class LoadStructure:
         if ctx.model is not None:
             raise PassError("a model is already loaded")
 
-    def run(self, ctx: ExportContext) -> dict[str, int]:
+    def run(self, ctx: ExportContext) -> Made:
         mtp = bool(getattr(ctx.options, "mtp", False))  # the multi-token-prediction head too (export option --mtp)
-        ctx.model = (
-            ctx.family.build_source_model(ctx.spec, mtp=True) if mtp else ctx.family.build_source_model(ctx.spec)
-        )
+        model = ctx.family.build_source_model(ctx.spec, mtp=True) if mtp else ctx.family.build_source_model(ctx.spec)
         expected = expected_tensors(ctx.spec, mtp=mtp)
-        for name, p in ctx.model.named_parameters():
+        for name, p in model.named_parameters():
             src = ctx.family.checkpoint_name(name)
             if src not in expected:
                 raise PassError(f"parameter {name} has no checkpoint tensor {src}")
@@ -127,18 +136,19 @@ class LoadStructure:
         if ctx.spec.tie_word_embeddings:
             ctx.plan.alias("lm_head.weight", "model.embed_tokens.weight")
         if mtp and ctx.draft_ids is not None:  # --mtp-draft-vocab N: the head's logits over N ids, from lm_head's rows
-            ctx.model.add_draft_head(int(ctx.draft_ids.size))
+            model.add_draft_head(int(ctx.draft_ids.size))
             ctx.plan.take_rows("mtp.draft_head.weight", "lm_head.weight", ctx.draft_ids)
         ctx.plan.add_constant(
             "model.rotary.inv_freq", lambda: ctx.family.rotary_inv_freq(ctx.spec), (ctx.spec.rotary_dim // 2,)
         )
-        return {
+        counts = {
             "layers": ctx.spec.num_layers,
             "tensors": len(expected),
             "tied_lm_head": int(ctx.spec.tie_word_embeddings),
             **({"mtp_layers": ctx.spec.mtp_num_hidden_layers} if mtp else {}),
             **({"mtp_draft_vocab": ctx.draft_vocab_size} if mtp and ctx.draft_ids is not None else {}),
         }
+        return Made(counts, {"model": model})
 
     def ensures(self, ctx: ExportContext) -> None:
         params = {n for n, _ in ctx.model.named_parameters()}
@@ -287,8 +297,9 @@ class AssignPrecision:
         if ctx.precision not in ("fp32", "fp16", "int8", "int4"):
             raise PassError(f"unknown precision {ctx.precision!r}")
 
-    def run(self, ctx: ExportContext) -> dict[str, int]:
+    def run(self, ctx: ExportContext) -> Made:
         model, plan = ctx.model, ctx.plan
+        quant: dict[str, dict[str, dict[str, Any]]] = {"linear": {}, "embedding": {}}
         kept = 0
         for name, p in model.named_parameters():
             keep32 = plan.recipes[name].dtype == "float32"
@@ -316,7 +327,7 @@ class AssignPrecision:
                             m.in_features,
                         )
                     for alias in plan.aliases(f"{mname}.weight"):
-                        ctx.quant["linear"][alias] = {"bits": b, "block_size": blk, "scale_dtype": scale_dt}
+                        quant["linear"][alias] = {"bits": b, "block_size": blk, "scale_dtype": scale_dt}
             # Gathered embedding rows cannot be padded: the block must divide the hidden size.
             emb_block = next(
                 (b for b in (block, block // 2, block // 4) if b >= 16 and ctx.spec.hidden_size % b == 0), 0
@@ -325,13 +336,13 @@ class AssignPrecision:
                 if bits == 8 and per_channel8:
                     emb_block = ctx.spec.hidden_size
                 for alias in plan.aliases("model.embed_tokens.weight"):
-                    ctx.quant["embedding"][alias] = {"bits": bits, "block_size": emb_block, "scale_dtype": scale_dt}
+                    quant["embedding"][alias] = {"bits": bits, "block_size": emb_block, "scale_dtype": scale_dt}
             counts["embedding_quantized"] = int(bool(emb_block))
             for b in (4, 8):
-                n = sum(1 for q in ctx.quant["linear"].values() if q["bits"] == b)
+                n = sum(1 for q in quant["linear"].values() if q["bits"] == b)
                 if n:
                     counts[f"weights_int{b}"] = n
-        return counts
+        return Made(counts, {"quant": quant})
 
     def ensures(self, ctx: ExportContext) -> None:
         for name, p in ctx.model.named_parameters():
@@ -350,22 +361,21 @@ class Capture:
         if left:
             raise PassError(f"checkpoint-layout modules left: {[n for n, _ in left][:3]}")
 
-    def run(self, ctx: ExportContext) -> dict[str, int]:
-        ctx.states = ctx.model.state_specs(ctx.dtype)
+    def run(self, ctx: ExportContext) -> Made:
+        states = ctx.model.state_specs(ctx.dtype)
+        programs = dict(ctx.programs)
         if getattr(ctx.model, "mtp", None) is not None:  # --mtp: the verify-capable decoder and the MTP head
-            ctx.program, mtp_program, mtp_states = capture_speculative(
-                ctx.model, ctx.states, ctx.max_context, ctx.dtype
-            )
-            ctx.programs["mtp"] = (mtp_program, mtp_states)
+            program, mtp_program, mtp_states = capture_speculative(ctx.model, states, ctx.max_context, ctx.dtype)
+            programs["mtp"] = (mtp_program, mtp_states)
         else:
-            ctx.program = capture(ctx.model, ctx.states, ctx.max_context)
+            program = capture(ctx.model, states, ctx.max_context)
         counts: dict[str, int] = {}
-        for node in ctx.program.graph.nodes:
+        for node in program.graph.nodes:
             if node.op == "call_function" and str(node.target).startswith("deltaship."):
                 key = str(node.target).split(".")[1]
                 counts[key] = counts.get(key, 0) + 1
-        counts["graph_nodes"] = sum(1 for n in ctx.program.graph.nodes if n.op == "call_function")
-        return counts
+        counts["graph_nodes"] = sum(1 for n in program.graph.nodes if n.op == "call_function")
+        return Made(counts, {"states": states, "program": program, "programs": programs})
 
     def ensures(self, ctx: ExportContext) -> None:
         sig = ctx.program.graph_signature
@@ -434,7 +444,8 @@ def capture_speculative(
 
 
 def run_pipeline(ctx: ExportContext, passes: tuple, progress=None) -> ExportContext:
-    """Run `passes` (a target's pipeline, in order) on ctx; each pass's counts go into ctx.report."""
+    """Run `passes` (a target's pipeline, in order) from ctx; returns the context with every pass's products, and
+    each pass's counts in its report."""
     done = [r["pass"] for r in ctx.report]  # passes already run on this context, in order
     beat = (lambda m: progress(m, inline=True)) if isinstance(progress, Progress) else None
     for p in passes:
@@ -443,14 +454,16 @@ def run_pipeline(ctx: ExportContext, passes: tuple, progress=None) -> ExportCont
         try:
             p.requires(ctx)
             with heartbeat(beat, f"still in pass {p.name}"):
-                counts = p.run(ctx)
+                made = p.run(ctx)
+            made = made if isinstance(made, Made) else Made(made)
+            ctx = replace(ctx, **made.products)  # a new context: the products so far and this pass's
             p.ensures(ctx)
         except DeltashipError as e:  # the user's input or options: keep the message and its fix
             raise DeltashipError(f"{e.message} (in export pass {p.name!r})", e.fix) from e
         except Exception as e:
             before = ", ".join(done) or "none"
             raise PassError(f"export pass {p.name!r} failed (after: {before}): {e}") from e
-        ctx.report.append({"pass": p.name, "counts": counts})
+        ctx = replace(ctx, report=[*ctx.report, {"pass": p.name, "counts": made.counts}])
         done.append(p.name)
     return ctx
 

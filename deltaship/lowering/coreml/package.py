@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -13,7 +14,7 @@ import torch
 from deltaship.errors import DeltashipError
 from deltaship.lowering.coreml.lowering import ANE_MAX_DIM, MILLowerer, WeightCache, share_across_functions
 from deltaship.lowering.lowered import Lowered
-from deltaship.lowering.passes import PassError, example_inputs
+from deltaship.lowering.passes import Made, PassError, example_inputs
 from deltaship.progress import heartbeat
 
 PACKAGE = "model.mlpackage"
@@ -155,42 +156,42 @@ class StaticCapture:
     def requires(self, ctx) -> None:
         check_options(ctx.precision, ctx.max_context, ctx.settings.prefill_chunk, ctx.options)
 
-    def run(self, ctx) -> dict[str, int]:
-        ctx.states = ctx.model.state_specs(ctx.dtype)
+    def run(self, ctx) -> Made:
+        states = ctx.model.state_specs(ctx.dtype)
         chunk = ctx.settings.prefill_chunk
         budget = int(float(ctx.options.coreml_part_gb) * 1e9)  # weights per package
-        ctx.parts = plan_parts(ctx, budget)
-        ctx.programs = {}
-        for i, (a, b) in enumerate(ctx.parts):
-            part, st = Part(ctx.model, a, b), _part_states(ctx, a, b)
-            ctx.programs[i] = {
+        parts = plan_parts(ctx, budget)
+        part_states = replace(ctx, states=states)  # what _part_states reads
+        programs: dict[int, dict[str, Any]] = {}
+        for i, (a, b) in enumerate(parts):
+            part, st = Part(ctx.model, a, b), _part_states(part_states, a, b)
+            programs[i] = {
                 f: _capture_part(part, st, chunk if f == "prefill" else 1, ctx.spec.hidden_size, ctx.dtype)
                 for f in FUNCTIONS
             }
-        counts = {"functions": 2, "prefill_tokens": chunk, "decode_tokens": 1, "packages": len(ctx.parts)}
+        counts = {"functions": 2, "prefill_tokens": chunk, "decode_tokens": 1, "packages": len(parts)}
+        mtp_states: list[dict] = []
         if getattr(ctx.model, "mtp", None) is not None:  # --mtp: verify functions and the draft head
-            if len(ctx.parts) > 1:
+            if len(parts) > 1:
                 raise DeltashipError(
-                    f"--mtp: the model's weights need {len(ctx.parts)} Core ML packages; speculative decoding is "
+                    f"--mtp: the model's weights need {len(parts)} Core ML packages; speculative decoding is "
                     "built for a single package",
                     "raise --coreml-part-gb, export at int8/int4, or drop --mtp",
                 )
 
             verify = VerifyPart(ctx.model)
             for t in verify_sizes(chunk):
-                ctx.programs[0][verify_function(t)] = torch.export.export(
-                    verify, example_inputs(ctx.states, t), strict=False
-                )
-            ctx.mtp_states = ctx.model.mtp_state_specs(ctx.dtype)
-            _, pos, mst = example_inputs(ctx.mtp_states, 1)
+                programs[0][verify_function(t)] = torch.export.export(verify, example_inputs(states, t), strict=False)
+            mtp_states = ctx.model.mtp_state_specs(ctx.dtype)
+            _, pos, mst = example_inputs(mtp_states, 1)
             ids = torch.zeros(1, 1, dtype=torch.long, device="meta")
             hidden = torch.zeros(1, 1, ctx.spec.hidden_size, dtype=ctx.dtype, device="meta")
-            ctx.programs[0][DRAFT_FUNCTION] = torch.export.export(
+            programs[0][DRAFT_FUNCTION] = torch.export.export(
                 ctx.model.mtp_program(), (hidden, ids, pos, mst), strict=False
             )
-            counts["functions"] = len(ctx.programs[0])
+            counts["functions"] = len(programs[0])
             counts["verify_tokens"] = max(verify_sizes(chunk))
-        return counts
+        return Made(counts, {"states": states, "parts": parts, "programs": programs, "mtp_states": mtp_states})
 
     def ensures(self, ctx) -> None:
         for i, (a, b) in enumerate(ctx.parts):
@@ -439,16 +440,21 @@ def lower(
                 "functions": emitted,
             }
         )
+    rounded = None
     if ctx.options.coreml_palettize:  # the matched reference reads the values back from the package
-        ctx.rounded = rounded_from_package(
+        rounded = rounded_from_package(
             package_constants, [out_dir / p["package"] for p in parts], const_names, tied=ctx.spec.tie_word_embeddings
         )
-    for s in ctx.states:
-        s["mode"] = modes[s["name"]]
-        s["coreml_input"] = mil_name(s["name"])
-        s["coreml_output"] = mil_name(s["output"]) if modes[s["name"]] == "io" else None
-        if modes[s["name"]] == "state":
-            s["dtype"] = "float16"
+    states = [  # the manifest's states: each one's mode and Core ML names
+        dict(
+            s,
+            mode=modes[s["name"]],
+            coreml_input=mil_name(s["name"]),
+            coreml_output=mil_name(s["output"]) if modes[s["name"]] == "io" else None,
+            **({"dtype": "float16"} if modes[s["name"]] == "state" else {}),
+        )
+        for s in ctx.states
+    ]
     files = sorted(
         p.relative_to(out_dir).as_posix()
         for p in out_dir.rglob("*")
@@ -480,6 +486,8 @@ def lower(
     return Lowered(
         files=files,
         entry=parts[0]["package"],
+        states=states,
+        rounded=rounded,
         details=details,
         quantization=pal if ctx.options.coreml_palettize else None,
         speculative=speculative_block(ctx, modes, out_dir / PACKAGE) if _has_mtp(ctx) else None,

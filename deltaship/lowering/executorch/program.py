@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +160,12 @@ class VerifyState(ProgramState):
 
 class DraftState(ProgramState):
     """Method 'mtp_draft' (--mtp): the MTP head over its own KV cache buffers (mtp_past_*), reading the decoder's
-    embedding and LM head (the same parameters: the program stores them once)."""
+    embedding and LM head (the same parameters: the program stores them once). dtype: the activations', which the
+    decoder's hidden states are cast to."""
+
+    def __init__(self, model: nn.Module, states: list[dict], kernels, dtype: torch.dtype):
+        super().__init__(model, states, kernels)
+        self.dtype = dtype
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, input_pos: torch.Tensor):
         self.kernels.position = input_pos
@@ -436,11 +442,27 @@ def metadata(ctx, tokens: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def prepare(ctx, weights, say=lambda m: None):
-    """The eager model as the program will hold it: real weights, ExecuTorch kernels, quantized.
-    Sets ctx.states (ExecuTorch layouts) and ctx.rounded (the quantized weights, dequantized)."""
+@dataclass(frozen=True)
+class Prepared:
+    """`prepare`'s result: the eager model as the program will hold it (its own copy of the passes' module tree, with
+    real weights and ExecuTorch's kernels), the kernels, the manifest's quantization block, the kernels swapped in,
+    the state contract in ExecuTorch's layouts as the program stores it, --mtp's draft-head states (None without
+    the head), and the quantized weights dequantized (None: fp32/fp16, or no verification to read them)."""
 
-    model = ctx.model.eval()
+    model: nn.Module
+    kernels: ExecuTorchKernels
+    quant: dict[str, Any]
+    swapped: int
+    states: list[dict]
+    mtp_states: list[dict] | None
+    rounded: dict[str, Any] | None
+
+
+def prepare(ctx, weights, say=lambda m: None) -> Prepared:
+    """The eager model as the program will hold it: real weights, ExecuTorch kernels, quantized; with the states in
+    ExecuTorch's layouts and the rounded weights (`Prepared`)."""
+
+    model = copy.deepcopy(ctx.model).eval()  # the lowering's own: the passes' meta tree stays as they left it
     for p in model.parameters():
         p.requires_grad_(False)
     model.to_empty(device="cpu")  # untouched allocations cost no resident memory
@@ -483,9 +505,10 @@ def prepare(ctx, weights, say=lambda m: None):
     swapped = use_kernels(model, kernels)
     static_conv_weights(model)
     # the KV caches as the plan stores them (fp16, or int8/int4 codes), widened for custom_sdpa
-    ctx.states = stored_states(program_states(ctx.model.state_specs(ctx.dtype)), ctx.kv)
+    states = stored_states(program_states(model.state_specs(ctx.dtype)), ctx.kv)
+    mtp_states = None
     if getattr(model, "mtp", None) is not None:  # --mtp: the draft head's own KV cache (fp32, never quantized)
-        ctx.programs["mtp_states"] = program_states(model.mtp_state_specs(ctx.dtype))
+        mtp_states = program_states(model.mtp_state_specs(ctx.dtype))
     # --kv-cache int8/int4: the scales deltaship/lowering/kv_quant.py calibrated, in [1, 1, Hkv, D]
     for i, layer in enumerate(model.model.layers):
         if i in ctx.kv_scales:
@@ -493,9 +516,10 @@ def prepare(ctx, weights, say=lambda m: None):
                 s = torch.from_numpy(ctx.kv_scales[i][kind]).transpose(1, 2)
                 # a fresh tensor: ExecuTorch refuses the zero strides numpy gives the unit axes
                 layer.mixer.register_buffer(f"{kind[0]}_scale", torch.empty(s.shape).copy_(s))
+    rounded = None
     if quantized and ctx.settings.verify and reference_fits(ctx.spec):
-        ctx.rounded = q.rounded_weights(model)  # only verification needs the dequantized copy
-    return model, kernels, quant, swapped
+        rounded = q.rounded_weights(model)  # only verification needs the dequantized copy
+    return Prepared(model, kernels, quant, swapped, states, mtp_states, rounded)
 
 
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> Lowered:
@@ -505,8 +529,10 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
     say = progress or (lambda m: None)
-    model, kernels, quant, swapped = prepare(ctx, weights, say)
-    wrapper = ProgramState(model, ctx.states, kernels).eval()
+    prep = prepare(ctx, weights, say)
+    model, kernels, quant, swapped, states = prep.model, prep.kernels, prep.quant, prep.swapped, prep.states
+    mtp_states, rounded = prep.mtp_states, prep.rounded
+    wrapper = ProgramState(model, states, kernels).eval()
     chunk = ctx.settings.prefill_chunk
     say("torch.export (dynamic prompt length)")
     t = torch.export.Dim("tokens", min=1, max=chunk)
@@ -514,9 +540,9 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     with torch.no_grad(), heartbeat(say, "torch.export"):
         ep = torch.export.export(wrapper, example, dynamic_shapes=({1: t} if chunk > 1 else None, None), strict=False)
     programs: Any = ep
-    speculative = "mtp_states" in ctx.programs
+    speculative = mtp_states is not None
     if speculative:  # --mtp: methods 'verify' and 'mtp_draft' beside 'forward', one set of weights and states
-        programs = {"forward": ep, **export_speculative(ctx, model, kernels, chunk, say)}
+        programs = {"forward": ep, **export_speculative(ctx, prep, chunk, say)}
     partitioner = reshape_inferring_partitioner()
     say("lowering to XNNPACK")
     with preprocess_shares_weights(), xnnpack_passes_that_apply(), heartbeat(say, "still lowering to XNNPACK"):
@@ -530,8 +556,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         )
     # The weights now live in the delegates' blobs: drop the eager model, the captured program and the
     # copies of the weights each delegate keeps for debugging.
-    del model, wrapper, ep, programs
-    ctx.model = None
+    del model, wrapper, ep, programs, prep
     released = release_lowered_weights(edge)
     gc.collect()
     say(f"released {released / 2**30:.2f} GiB of pre-lowering weights")
@@ -564,8 +589,10 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
     return Lowered(
         files=[PTE_FILE],
         entry=PTE_FILE,
+        states=states,
+        rounded=rounded,
         quantization=quant,
-        speculative=speculative_block(ctx) if speculative else None,
+        speculative=speculative_block(ctx, mtp_states) if mtp_states is not None else None,
         details=lower_details(ctx, info, portable, swapped, partitioner.reshapes, chunk, operators, delegates),
     )
 
@@ -588,15 +615,15 @@ def lower_details(ctx, info, portable, swapped, reshapes, chunk, operators, dele
     }
 
 
-def export_speculative(ctx, model: nn.Module, kernels, chunk: int, say) -> dict[str, torch.export.ExportedProgram]:
+def export_speculative(ctx, prep: Prepared, chunk: int, say) -> dict[str, torch.export.ExportedProgram]:
     """torch.export of the methods 'verify' and 'mtp_draft' (--mtp), over the same eager model as 'forward'."""
+    model, kernels = prep.model, prep.kernels
     t = torch.export.Dim("tokens", min=1, max=chunk)
     rows = torch.export.Dim("rows", min=1, max=chunk)
     dyn = {1: t} if chunk > 1 else None
     n = min(2, chunk)
-    verify = VerifyState(model, ctx.states, kernels).eval()
-    draft = DraftState(model, ctx.programs["mtp_states"], kernels).eval()
-    draft.dtype = ctx.dtype
+    verify = VerifyState(model, prep.states, kernels).eval()
+    draft = DraftState(model, prep.mtp_states, kernels, ctx.dtype).eval()
     ids = torch.zeros(1, n, dtype=torch.long)
     pos = torch.zeros(1, dtype=torch.long)
     hidden = torch.zeros(1, n, ctx.spec.hidden_size)
@@ -614,7 +641,7 @@ def export_speculative(ctx, model: nn.Module, kernels, chunk: int, say) -> dict[
     return out
 
 
-def speculative_block(ctx) -> dict[str, Any]:
+def speculative_block(ctx, mtp_states: list[dict]) -> dict[str, Any]:
     """The manifest's `speculative` block of a .pte exported with --mtp (docs/speculative.md)."""
     h, v = ctx.spec.hidden_size, ctx.spec.vocab_size
     tokens = {"name": "tokens", "shape": [1, "tokens"], "dtype": "int64", "kind": "tokens"}
@@ -652,7 +679,7 @@ def speculative_block(ctx) -> dict[str, Any]:
                 },
             ],
             # mutable buffers of the program, used by mtp_draft only
-            "states": [dict(s, init="zeros", reset="zeros") for s in ctx.programs["mtp_states"]],
+            "states": [dict(s, init="zeros", reset="zeros") for s in mtp_states],
         },
         "verify": {
             "file": PTE_FILE,

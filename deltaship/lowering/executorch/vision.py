@@ -120,7 +120,8 @@ def lower_vision(bundle: Path, source, ctx, pipeline: tuple) -> dict:
     weights = VisionWeights(source.weights.files, vspec, str(source.path))
     # the text program consumed ctx's model: build the decoder again for the multimodal program
     ctx2 = rerun_pipeline(ctx, pipeline)  # the text pipeline again: the decoder to wrap
-    model, kernels, _, _ = prepare(ctx2, source.weights)
+    prep = prepare(ctx2, source.weights)
+    model, kernels = prep.model, prep.kernels
     if getattr(model.model.rotary, "scaled", False):
         raise DeltashipError(
             "--vision on ExecuTorch: RoPE scaling (YaRN) with M-RoPE is not exported yet",
@@ -162,7 +163,7 @@ def lower_vision(bundle: Path, source, ctx, pipeline: tuple) -> dict:
     t = torch.export.Dim("tokens", min=1, max=chunk)
     h = ctx.spec.hidden_size
     n = min(2, chunk)
-    decoder = TextDecoder(model, ctx2.states, kernels).eval()
+    decoder = TextDecoder(model, prep.states, kernels).eval()
     dt = ctx.dtype  # the text decoder's activation dtype (fp16 at --precision fp16): the tower's too
     tower = load_tower(vspec, weights, dt)
     max_tokens = min(pre.max_image_tokens(), MAX_IMAGE_TOKENS)
@@ -229,5 +230,5 @@ def lower_vision(bundle: Path, source, ctx, pipeline: tuple) -> dict:
         "min_pixels": pre.min_pixels,
         "images_per_call": 1,
         "dtype": str(dt).removeprefix("torch."),
-        "decoder_states": [s["buffer"] for s in ctx2.states],
+        "decoder_states": [s["buffer"] for s in prep.states],
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -356,7 +357,9 @@ def _census(nodes) -> dict:
 
 def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None) -> Lowered:
     """Write model.onnx (and model.onnx.data when large) into out_dir; return the I/O contract."""
-    ctx.states = stored_states(ctx.states, ctx.kv)  # an int8/int4 KV cache: its codes' dtype and shape
+    # the lowering's view of the passes' products: the states as this graph stores them (an int8/int4 KV cache: its
+    # codes' dtype and shape; the conv states' layout, recorded below on these copies)
+    ctx = replace(ctx, states=[dict(s) for s in stored_states(ctx.states, ctx.kv)])
     accuracy_level = int(ctx.options.accuracy_level)  # MatMulNBits: 4 = int8 activation blocks, 0 = float
     external = estimate_bytes(ctx) > EXTERNAL_THRESHOLD or bool(ctx.options.external_data)
     external = external or "mtp" in ctx.programs  # mtp.onnx reads the shared weights from model.onnx.data
@@ -445,6 +448,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         + ([DATA_FILE] if external else [])
         + (drafts["files"] if drafts else []),
         entry=MODEL_FILE,
+        states=ctx.states,
         details=details,
         state_in_place=in_place,
         app_runtimes=app_runtimes or None,

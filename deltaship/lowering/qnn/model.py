@@ -152,7 +152,7 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
             made = compile_context(out_dir / g["file"], s, out_dir)
             details["context"][key] = made
             files += [f["path"] for f in made["files"]]
-    return Lowered(files=files, entry=DECODE_FILE, details=details)
+    return Lowered(files=files, entry=DECODE_FILE, states=ctx.states, details=details)
 
 
 __all__ = ["lower", "lower_graph", "DECODE_FILE", "PREFILL_FILE", "DECODE", "PREFILL", "provider_options"]

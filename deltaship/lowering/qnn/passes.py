@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from deltaship.lowering.passes import Capture, ExportContext, PassError, capture
+from deltaship.lowering.passes import Capture, ExportContext, Made, PassError, capture
 
 DECODE, PREFILL = "decode", "prefill"
 
 
 class CaptureStatic:
-    """torch.export the canonical model on meta tensors for a fixed token count: ctx.programs["decode"] (1 token)
-    and ctx.programs["prefill"] (prefill_chunk tokens; none when the chunk is 1); ctx.program is the decode one."""
+    """torch.export the canonical model on meta tensors for a fixed token count: programs["decode"] (1 token)
+    and programs["prefill"] (prefill_chunk tokens; none when the chunk is 1); program is the decode one. Returned
+    as products (Made), as Capture does."""
 
     name = "capture_static"
 
@@ -21,13 +22,15 @@ class CaptureStatic:
         if getattr(ctx.model, "mtp", None) is not None:
             raise PassError("the qnn target has no --mtp graphs")
 
-    def run(self, ctx: ExportContext) -> dict[str, int]:
-        ctx.states = ctx.model.state_specs(ctx.dtype)
+    def run(self, ctx: ExportContext) -> Made:
+        states = ctx.model.state_specs(ctx.dtype)
         chunk = ctx.settings.prefill_chunk
-        ctx.programs[DECODE] = ctx.program = capture(ctx.model, ctx.states, ctx.max_context, static=1)
+        programs = dict(ctx.programs)
+        programs[DECODE] = capture(ctx.model, states, ctx.max_context, static=1)
         if chunk > 1:
-            ctx.programs[PREFILL] = capture(ctx.model, ctx.states, ctx.max_context, static=chunk)
-        return {f"{k}_graph_nodes": _calls(p) for k, p in ctx.programs.items()}
+            programs[PREFILL] = capture(ctx.model, states, ctx.max_context, static=chunk)
+        counts = {f"{k}_graph_nodes": _calls(p) for k, p in programs.items()}
+        return Made(counts, {"states": states, "program": programs[DECODE], "programs": programs})
 
     def ensures(self, ctx: ExportContext) -> None:
         for key, program in ctx.programs.items():

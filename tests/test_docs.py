@@ -109,3 +109,23 @@ def test_bench_readme_lists_every_script():
     assert len(scripts) > 20
     assert not [str(p.relative_to(ROOT)) for p in scripts if f"`{p.name}`" not in index]
     assert not [p.name for p in (ROOT / "bench").glob("*.py")], "a script directly under bench/: put it in a group"
+
+
+def _web_kit_install() -> str:
+    """The install command of the web kit's own README.md (one line under its "## Install")."""
+    from deltaship.apps.web import _readme
+
+    m = {"entry": "model.onnx", "precision": "int4", "prefill_chunk": 16, "max_context": 64, "states": []}
+    body = _readme(m, "web", ["model.onnx"]).split("## Install", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    (line,) = [ln for ln in body.splitlines() if ln.strip() and not ln.startswith("#")]
+    return line
+
+
+def test_the_docs_install_the_web_kit_as_its_readme_says():
+    """The README's and docs/ship.md's `cd dist/web` line installs the web kit the way the kit's README does: no
+    step of the desktop kit's (onnxruntime-node's CUDA download skipped), which the web kit does not install."""
+    install = _web_kit_install()
+    assert install == "npm install"
+    for page in (ROOT / "README.md", DOCS / "ship.md"):
+        lines = [ln for ln in page.read_text().splitlines() if ln.startswith("cd dist/web ")]
+        assert lines == [f"cd dist/web && {install} && python3 -m http.server 8000"], (page.name, lines)

@@ -109,3 +109,59 @@ def test_bench_readme_lists_every_script():
     assert len(scripts) > 20
     assert not [str(p.relative_to(ROOT)) for p in scripts if f"`{p.name}`" not in index]
     assert not [p.name for p in (ROOT / "bench").glob("*.py")], "a script directly under bench/: put it in a group"
+
+
+def _web_kit_install() -> str:
+    """The install command of the web kit's own README.md (one line under its "## Install")."""
+    from deltaship.apps.web import _readme
+
+    m = {"entry": "model.onnx", "precision": "int4", "prefill_chunk": 16, "max_context": 64, "states": []}
+    body = _readme(m, "web", ["model.onnx"]).split("## Install", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    (line,) = [ln for ln in body.splitlines() if ln.strip() and not ln.startswith("#")]
+    return line
+
+
+def test_the_docs_install_the_web_kit_as_its_readme_says():
+    """The README's and docs/ship.md's `cd dist/web` line installs the web kit the way the kit's README does: no
+    step of the desktop kit's (onnxruntime-node's CUDA download skipped), which the web kit does not install."""
+    install = _web_kit_install()
+    assert install == "npm install"
+    for page in (ROOT / "README.md", DOCS / "ship.md"):
+        lines = [ln for ln in page.read_text().splitlines() if ln.startswith("cd dist/web ")]
+        assert lines == [f"cd dist/web && {install} && python3 -m http.server 8000"], (page.name, lines)
+
+
+def _ship_table_rows() -> list[tuple[str, str, str]]:
+    """(platform, target, kit platform) of docs/ship.md's table: the `--target` and `--platform` it pairs."""
+    rows = []
+    for line in (DOCS / "ship.md").read_text().splitlines():
+        target, kit = re.search(r"`--target (\w+)`", line), re.search(r"`--platform (\w+)`", line)
+        if line.startswith("|") and target and kit:
+            rows.append((line.split("|")[1].strip(), target.group(1), kit.group(1)))
+    return rows
+
+
+def _readme_ship_pairs() -> list[tuple[str, str]]:
+    """(target, kit platform) of each `deltaship app` command in the README: the target its bundle was exported to."""
+    exported, pairs = {}, []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if m := re.match(r"deltaship export .*--target (\w+) .*--out (\S+)", line):
+            exported[m.group(2)] = m.group(1)
+        elif m := re.match(r"deltaship app (\S+) --platform (\w+)", line):
+            pairs.append((exported[m.group(1)], m.group(2)))
+    return pairs
+
+
+def test_the_docs_promise_only_kits_that_take_the_bundle():
+    """Each bundle-and-kit pair docs/ship.md's table and the README's Ship-it commands promise is one the kit takes
+    (the target's app_platforms, which `deltaship app` asks): an iOS row for ExecuTorch bundles, say, would be a
+    promise `deltaship app --platform ios` refuses."""
+    from deltaship.targets import get_target
+
+    rows = _ship_table_rows()
+    assert len(rows) >= 5 and ("iOS, macOS", "coreml", "ios") in rows, rows
+    pairs = _readme_ship_pairs()
+    assert ("executorch", "android") in pairs and ("coreml", "ios") in pairs, pairs
+    refused = [(t, k) for _, t, k in rows if k not in get_target(t).app_platforms]
+    refused += [(t, k) for t, k in pairs if k not in get_target(t).app_platforms]
+    assert not refused, f"the docs pair bundles with kits that refuse them (target, platform): {refused}"

@@ -5,6 +5,7 @@ past the context, and the kernel libraries the manifest tells an app to link."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,23 @@ def test_program_refuses_positions_past_the_context(ptes, capfd):
     # the prompt alone past the context is the runner's own check
     with pytest.raises(DeltashipError, match="fewer than the bundle's max context"):
         generate_with_runner(path, long_prompt() * 8, max_new_tokens=4)
+
+
+def test_cli_generate_with_the_runner_keeps_stderr_quiet(tiny_pte):
+    """`deltaship generate --runtime et-runner` prints the text and nothing on stderr: the runner's stats report and
+    cpuinfo's probe are caught (`deltaship --verbose` shows them, which proves this test would see them)."""
+    env = {k: v for k, v in os.environ.items() if k != "DELTASHIP_VERBOSE"}
+    args = ["generate", str(tiny_pte("fp32")), "--prompt", SHORT, "--max-new-tokens", "8", "--runtime", "et-runner"]
+    runs = {
+        flag: subprocess.run(
+            [sys.executable, "-m", "deltaship", *flag, *args], capture_output=True, text=True, env=env, timeout=300
+        )
+        for flag in ((), ("--verbose",))
+    }
+    quiet, loud = runs[()], runs[("--verbose",)]
+    assert quiet.returncode == 0 and quiet.stdout.startswith(SHORT) and len(quiet.stdout.strip()) > len(SHORT), quiet
+    assert quiet.stderr == "", quiet.stderr
+    assert loud.returncode == 0 and loud.stdout == quiet.stdout and loud.stderr.strip(), loud
 
 
 def test_driver_refuses_other_bundles(bundles):

@@ -287,21 +287,25 @@ def test_batches_and_padding_are_refused_clearly(onnx_bundle):
 
 def test_load_and_generate_of_an_onnx_bundle_import_no_torch(onnx_bundle):
     """deltaship.load() of an ONNX bundle and generate() on text or ids run on onnxruntime and tokenizers alone: no
-    torch, transformers, executorch or coremltools (each costs seconds to import), and say nothing on stderr."""
+    torch, transformers, executorch or coremltools (each costs seconds to import), and say nothing on stderr.
+    `import deltaship` + load() take under 2 s: measured as the process's CPU seconds (about 0.45 s here), which
+    other jobs on a shared machine do not inflate as they do wall time."""
     import subprocess
     import sys
 
     from deltaship.commands import generate
 
     code = (
-        "import sys, json, deltaship; m = deltaship.load(sys.argv[1]); assert not isinstance(m, str); "
+        "import time; t = time.process_time(); import sys, json, deltaship; m = deltaship.load(sys.argv[1]); "
+        "t = time.process_time() - t; assert not isinstance(m, str); "
         "print(json.dumps([m.generate(sys.argv[2], max_new_tokens=8), m.generate([1, 2, 3], max_new_tokens=4), "
-        "sorted(k for k in ('torch', 'transformers', 'executorch', 'coremltools') if k in sys.modules)]))"
+        "sorted(k for k in ('torch', 'transformers', 'executorch', 'coremltools') if k in sys.modules), t]))"
     )
     res = subprocess.run([sys.executable, "-c", code, str(onnx_bundle), PROMPTS[0]], capture_output=True, text=True)
     assert res.returncode == 0 and res.stderr == "", res.stderr
-    text, ids, heavy = json.loads(res.stdout)
+    text, ids, heavy, load_cpu_s = json.loads(res.stdout)
     assert heavy == []
+    assert load_cpu_s < 2.0, f"import deltaship + load() took {load_cpu_s:.2f} s of CPU (the promise: under 2 s)"
     assert text == generate(onnx_bundle, prompt=PROMPTS[0], max_new_tokens=8)["text"]
     assert ids == generate(onnx_bundle, input_ids=[1, 2, 3], max_new_tokens=4)["output_ids"]
 

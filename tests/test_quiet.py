@@ -104,3 +104,48 @@ def test_transformers_advice_stays_out_after_quieting():
     env = {k: v for k, v in os.environ.items() if k not in ("DELTASHIP_VERBOSE", "TRANSFORMERS_VERBOSITY")}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert res.returncode == 0 and "causal_conv1d" not in res.stderr, res.stderr
+
+
+# The toolchain calls of ExecuTorch's text lowering that take seconds to minutes and report nothing themselves.
+SLOW_CALLS = {"torch.export.export", "to_edge_transform_and_lower", "to_executorch"}
+
+
+def calls_outside_heartbeats(source: str) -> list[str]:
+    """`name (line N)` of each SLOW_CALLS call in `source` that no enclosing `with heartbeat(...)` reports on."""
+    import ast
+
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def name(call: ast.Call) -> str:
+        return ast.unparse(call.func).split(".")[-1] if isinstance(call.func, ast.Attribute) else ast.unparse(call.func)
+
+    def covered(node: ast.AST) -> bool:
+        while node in parents:
+            node = parents[node]
+            if isinstance(node, ast.With) and any(
+                isinstance(i.context_expr, ast.Call) and ast.unparse(i.context_expr.func) == "heartbeat"
+                for i in node.items
+            ):
+                return True
+        return False
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and (ast.unparse(node.func) in SLOW_CALLS or name(node) in SLOW_CALLS):
+            if not covered(node):
+                found.append(f"{ast.unparse(node.func)} (line {node.lineno})")
+    return found
+
+
+def test_the_executorch_lowering_reports_progress_through_every_toolchain_call():
+    """torch.export of each method (forward, and --mtp's verify and mtp_draft), the XNNPACK lowering and
+    to_executorch run inside a heartbeat: a log or terminal hears from the export while the toolchain works."""
+    from pathlib import Path
+
+    program = Path(__file__).resolve().parents[1] / "deltaship" / "lowering" / "executorch" / "program.py"
+    assert calls_outside_heartbeats(program.read_text()) == []
+    bare = "def f(m):\n    with torch.no_grad():\n        return torch.export.export(m, ())\n"
+    assert calls_outside_heartbeats(bare) == ["torch.export.export (line 3)"]
+    held = "def f(m):\n    with torch.no_grad(), heartbeat(say, 'x'):\n        return edge.to_executorch(c)\n"
+    assert calls_outside_heartbeats(held) == []

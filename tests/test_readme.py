@@ -53,6 +53,21 @@ def test_readme_is_short():
     assert size < 10 * 1024, f"README.md is {size} bytes; keep it under 10 KB and move detail to docs/"
 
 
+def test_the_tour_says_model_takes_a_hub_id_and_allow_download():
+    """`--model` in the five-minute tour: a Hub id shaped as deltaship parses one, and `--allow-download`, which
+    export() takes (the CLI's flags are its arguments); otherwise both appear only in `--help`."""
+    import inspect
+
+    from deltaship.compile import export
+    from deltaship.models.hub import parse_hub_id
+
+    text = README.read_text()
+    tour = text[text.index("\n## A five-minute tour\n") : text.index("\n## Targets and precisions\n")]
+    assert "`--allow-download`" in tour and "allow_download" in inspect.signature(export).parameters
+    ids = [t for t in re.findall(r"`([^`\s]+/[^`\s]+)`", tour) if parse_hub_id(t) and not (ROOT / t).exists()]
+    assert ids, "the tour names no Hugging Face id for --model"
+
+
 def test_install_and_test_commands_are_what_ci_runs():
     text = README.read_text()
     quick = [

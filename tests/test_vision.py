@@ -248,6 +248,30 @@ def test_export_vision_refusals(checkpoints, vl_checkpoint, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_lowering_the_vision_tower_is_never_silent(vl_checkpoint, tmp_path, monkeypatch):
+    """The vision tower's lowering reports its elapsed time while it runs (the lowerings say nothing themselves:
+    ExecuTorch's XNNPACK lowering or Core ML's conversion of a real tower takes minutes). A lowering made to take
+    1.5 s here must report at least once, as detail of the "lowering the vision tower" step."""
+    import time
+
+    from deltaship.compile import export
+    from deltaship.lowering.onnx import multimodal
+
+    lower = multimodal.lower_vision
+
+    def slow(*args, **kwargs):
+        time.sleep(1.5)
+        return lower(*args, **kwargs)
+
+    monkeypatch.setattr(multimodal, "lower_vision", slow)
+    said: list[tuple[str, bool]] = []
+    export(str(vl_checkpoint), tmp_path / "b", max_context=64, prefill_chunk=8, vision=True, verify=False,
+           progress=lambda msg, inline=False: said.append((msg, inline)))  # fmt: skip
+    start = said.index(("lowering the vision tower", False))
+    beats = [m for m, inline in said[start + 1 :] if inline and m.startswith("still lowering the vision tower, ")]
+    assert beats, said[start:]
+
+
 def test_published_presets_carry_their_vision_tower():
     """Random towers at the published shapes, beside (not inside) the text weights, read like a checkpoint's."""
     import torch

@@ -34,7 +34,7 @@ from deltaship.models.presets import PRESETS
 from deltaship.models.source import ModelSource, load_source
 from deltaship.models.spec import ModelSpec
 from deltaship.models.vision import check_vision as check_vision_side
-from deltaship.progress import Progress
+from deltaship.progress import Progress, heartbeat
 from deltaship.targets import get_target
 
 Say = Callable[..., None]
@@ -245,7 +245,11 @@ def lower(
     vision_block = None
     if settings.vision:
         say("lowering the vision tower")
-        vision_block = importlib.import_module(tgt.vision_module).lower_vision(tmp, source, ctx, tgt.pipeline())
+        vision = importlib.import_module(tgt.vision_module)
+        # the vision lowerings report nothing themselves (ExecuTorch's XNNPACK lowering of a tower takes minutes)
+        with heartbeat(lambda m: say(m, inline=True), "still lowering the vision tower"):
+            vision_block = vision.lower_vision(tmp, source, ctx, tgt.pipeline())
+        say.done() if isinstance(say, Progress) else None
     return lowered, vision_block
 
 

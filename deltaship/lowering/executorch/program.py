@@ -630,14 +630,18 @@ def export_speculative(ctx, prep: Prepared, chunk: int, say) -> dict[str, torch.
     out = {}
     with torch.no_grad():
         say("torch.export: method verify")
-        out["verify"] = torch.export.export(
-            verify,
-            (ids, pos, torch.arange(n, dtype=torch.long)),
-            dynamic_shapes=(dyn, None, {0: rows} if chunk > 1 else None),
-            strict=False,
-        )
+        with heartbeat(say, "torch.export: method verify"):
+            out["verify"] = torch.export.export(
+                verify,
+                (ids, pos, torch.arange(n, dtype=torch.long)),
+                dynamic_shapes=(dyn, None, {0: rows} if chunk > 1 else None),
+                strict=False,
+            )
         say("torch.export: method mtp_draft")
-        out["mtp_draft"] = torch.export.export(draft, (hidden, ids, pos), dynamic_shapes=(dyn, dyn, None), strict=False)
+        with heartbeat(say, "torch.export: method mtp_draft"):
+            out["mtp_draft"] = torch.export.export(
+                draft, (hidden, ids, pos), dynamic_shapes=(dyn, dyn, None), strict=False
+            )
     return out
 
 

@@ -111,35 +111,44 @@ def memory(session, counts: str, rss0: int) -> dict:
 def memory_only(args) -> dict:
     from deltaship.targets import open_bundle
 
-    session = open_bundle(Path(args.bundle), threads=args.threads)
+    session = open_bundle(Path(args.bundle[0]), threads=args.threads)
     return {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
             "memory": memory(session, args.checkpoints, rss())}  # fmt: skip
 
 
-def run(args) -> dict:
-    from deltaship.models.presets import get_preset, write_tiny_tokenizer
-    from deltaship.runtimes.tokenizer import BundleTokenizer
-    from deltaship.targets import open_bundle
+PARTS = ("turns", "retry_undo", "save_load", "prompt_cache", "memory")
 
-    bundle = Path(args.bundle)
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    tmp = Path(tempfile.mkdtemp(prefix="chat-bench-"))
-    write_tiny_tokenizer(tmp)
-    tok = BundleTokenizer(tmp / "tokenizer.json")
-    template = get_preset("qwen3.5-tiny").chat_template()
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not args.quiet else (lambda *a: None)
-    out: dict = {"bundle": str(bundle), "model": manifest["source"]["model"], "precision": manifest["precision"],
-                 "target": manifest["target"], "max_context": manifest["max_context"], "threads": args.threads,
-                 "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-                 "commit": commit()}  # fmt: skip
-    t_open = time.perf_counter()
-    session = open_bundle(bundle, threads=args.threads)
-    other = open_bundle(bundle, threads=args.threads)  # the re-prefill baseline's, and a loaded chat's
-    out["open_s"] = round(time.perf_counter() - t_open, 2)
-    rss0 = rss()
 
-    # ---- turns
-    chat = make_chat(session, tok, template)
+class Bench:
+    """One bundle's sessions and the chat's tokenizer and template, shared by its parts."""
+
+    def __init__(self, bundle: Path, args, tok, template):
+        from deltaship.targets import open_bundle
+
+        self.bundle, self.args, self.tok, self.template = bundle, args, tok, template
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        self.out: dict = {"bundle": str(bundle), "model": manifest["source"]["model"],
+                          "precision": manifest["precision"], "target": manifest["target"],
+                          "max_context": manifest["max_context"], "prefill_chunk": manifest["prefill_chunk"],
+                          "threads": args.threads}  # fmt: skip
+        t_open = time.perf_counter()
+        self.session = open_bundle(bundle, threads=args.threads)
+        self.other = open_bundle(bundle, threads=args.threads)  # the re-prefill baseline's, and a loaded chat's
+        self.out["open_s"] = round(time.perf_counter() - t_open, 2)
+        self.out["runtime"] = self.session.runtime_name()
+        self.rss0 = rss()
+        self.chat = None  # the retry/undo part's chat, which the save/load part saves
+
+    def reprefill(self, session, ids: list[int]) -> float | None:
+        """reprefill(), unless the history is longer than --reprefill-max (None: not run)."""
+        if self.args.reprefill_max and len(ids) > self.args.reprefill_max:
+            return None
+        return round(reprefill(session, ids), 3)
+
+
+def part_turns(b: Bench) -> dict:
+    args = b.args
+    chat = make_chat(b.session, b.tok, b.template)
     baseline = {int(k) for k in args.baseline_turns.split(",") if k}
     turns = []
     for k in range(1, args.turns + 1):
@@ -147,28 +156,32 @@ def run(args) -> dict:
         row = {"turn": k, "ttft_s": round(reply.ttft_s, 3), "prefill_tokens": reply.prefill_tokens,
                "history_tokens": reply.context_tokens, "decode_tok_s": round(reply.decode_tok_s, 2)}  # fmt: skip
         if k in baseline:
-            row["reprefill_s"] = round(reprefill(other, chat.ids[: reply.context_tokens]), 3)
+            row["reprefill_s"] = b.reprefill(b.other, chat.ids[: reply.context_tokens])
         turns.append(row)
-        say(f"turn {k}: {row}")
-    out["turns"] = turns
-    cp = chat.turns[-1].before
-    out["checkpoint_bytes"] = cp.nbytes()
+        b.say(f"turn {k}: {row}")
+    b.out["checkpoint_bytes"] = chat.turns[-1].before.nbytes()
+    return {"turns": turns}
 
-    # ---- retry / undo after a long history
-    chat = make_chat(session, tok, template)
+
+def part_retry_undo(b: Bench) -> dict:
+    args = b.args
+    chat = b.chat = make_chat(b.session, b.tok, b.template)
     first = chat.send(text_of(args.history, 1000), max_new_tokens=1)  # the history, prefilled once
+    b.say(f"history: {first.context_tokens} tokens in {first.ttft_s:.1f} s")
     last = chat.send(text_of(args.turn_tokens - 10, 1001), max_new_tokens=args.reply_tokens)
-    cp = session.checkpoint()  # a restore is one copy of the DeltaNet states, whatever the position
+    cp = b.session.checkpoint()  # a restore is one copy of the DeltaNet states, whatever the position
     t = time.perf_counter()
-    session.restore(cp)
+    b.session.restore(cp)
     restore_s = time.perf_counter() - t
     retry = chat.retry(max_new_tokens=args.reply_tokens)
     t = time.perf_counter()
     chat.undo()
     undo_s = time.perf_counter() - t
     again = chat.send(text_of(args.turn_tokens - 10, 1002), max_new_tokens=args.reply_tokens)
-    out["retry_undo"] = {
+    b.out.setdefault("checkpoint_bytes", cp.nbytes())
+    return {"retry_undo": {
         "history_tokens": last.context_tokens,
+        "history_prefill_tokens": first.context_tokens,
         "history_prefill_s": round(first.ttft_s, 3),
         "restore_s": round(restore_s, 5),
         "restore_bytes": cp.nbytes(),
@@ -177,46 +190,56 @@ def run(args) -> dict:
         "undo_s": round(undo_s, 5),
         "turn_after_undo_ttft_s": round(again.ttft_s, 3),
         "turn_after_undo_prefill_tokens": again.prefill_tokens,
-        "reprefill_s": round(reprefill(other, chat.ids[: again.context_tokens]), 3),
-    }
-    say(f"retry/undo: {out['retry_undo']}")
+        "reprefill_tokens": again.context_tokens,
+        "reprefill_s": b.reprefill(b.other, chat.ids[: again.context_tokens]),
+    }}  # fmt: skip
 
-    # ---- save / load at that history
+
+def part_save_load(b: Bench) -> dict:
     from deltaship.chat import Chat
 
-    path = tmp / "talk.dschat"
+    args, chat = b.args, b.chat
+    if chat is None:
+        raise SystemExit("--parts save_load needs retry_undo before it (its chat is the one saved)")
+    path = Path(tempfile.mkdtemp(prefix="chat-bench-")) / "talk.dschat"
     t = time.perf_counter()
     chat.save(path)
     save_s = time.perf_counter() - t
     t = time.perf_counter()
-    loaded = Chat.load(path, other, tokenizer=tok, template=template)
+    loaded = Chat.load(path, b.other, tokenizer=b.tok, template=b.template)
     load_s = time.perf_counter() - t
     nxt = loaded.send(text_of(args.turn_tokens - 10, 1003), max_new_tokens=args.reply_tokens)
-    out["save_load"] = {
+    row = {
         "history_tokens": nxt.context_tokens - nxt.prefill_tokens,
         "file_bytes": path.stat().st_size,
         "save_s": round(save_s, 3),
         "load_s": round(load_s, 3),
         "turn_after_load_ttft_s": round(nxt.ttft_s, 3),
         "turn_after_load_prefill_tokens": nxt.prefill_tokens,
-        "reprefill_s": round(reprefill(session, loaded.ids[: nxt.context_tokens]), 3),
+        "reprefill_tokens": nxt.context_tokens,
+        "reprefill_s": b.reprefill(b.session, loaded.ids[: nxt.context_tokens]),
     }
-    say(f"save/load: {out['save_load']}")
+    path.unlink()
+    return {"save_load": row}
 
-    # ---- a prompt cache of the system message
+
+def part_prompt_cache(b: Bench) -> dict:
+    from deltaship.chat import Chat
+
+    args = b.args
     system = text_of(args.cache_tokens - 20, 2000)
-    cold = make_chat(session, tok, template, system=system)
+    cold = make_chat(b.session, b.tok, b.template, system=system)
     r_cold = cold.send(text_of(args.turn_tokens - 10, 2001), max_new_tokens=args.reply_tokens)
-    primed = make_chat(session, tok, template, system=system)
+    primed = make_chat(b.session, b.tok, b.template, system=system)
     fed = primed.prime()
-    cache = tmp / "prompt_cache.dschat"
+    cache = Path(tempfile.mkdtemp(prefix="chat-bench-")) / "prompt_cache.dschat"
     primed.save(cache)
     t = time.perf_counter()
-    warm = Chat.load(cache, other, tokenizer=tok, template=template)
+    warm = Chat.load(cache, b.other, tokenizer=b.tok, template=b.template)
     cache_load_s = time.perf_counter() - t
     r_warm = warm.send(text_of(args.turn_tokens - 10, 2001), max_new_tokens=args.reply_tokens)
     assert r_warm.ids == r_cold.ids, "the cached start gave another reply"
-    out["prompt_cache"] = {
+    return {"prompt_cache": {
         "cache_tokens": fed,
         "cache_file_bytes": cache.stat().st_size,
         "no_cache_ttft_s": round(r_cold.ttft_s, 3),
@@ -224,11 +247,39 @@ def run(args) -> dict:
         "cache_load_s": round(cache_load_s, 3),
         "cached_ttft_s": round(r_warm.ttft_s, 3),
         "cached_prefill_tokens": r_warm.prefill_tokens,
-    }
-    say(f"prompt cache: {out['prompt_cache']}")
+    }}  # fmt: skip
 
-    out["memory"] = memory(session, args.checkpoints, rss0)
-    say(f"memory: {out['memory']}")
+
+def part_memory(b: Bench) -> dict:
+    return {"memory": memory(b.session, b.args.checkpoints, b.rss0)}
+
+
+def run(args) -> dict:
+    """Every part in --parts, each on every bundle in turn (bundles alternate part by part, so that the figures
+    compared across bundles were taken under the same load)."""
+    from deltaship.models.presets import get_preset, write_tiny_tokenizer
+    from deltaship.runtimes.tokenizer import BundleTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="chat-bench-"))
+    write_tiny_tokenizer(tmp)
+    tok = BundleTokenizer(tmp / "tokenizer.json")
+    template = get_preset("qwen3.5-tiny").chat_template()
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not args.quiet else (lambda *a: None)
+    out: dict = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+                 "commit": commit(), "parts": args.parts}  # fmt: skip
+    benches = []
+    for bundle in args.bundle:
+        b = Bench(Path(bundle), args, tok, template)
+        b.say = lambda *a, _t=b.out["target"]: say(f"[{_t}]", *a)
+        benches.append(b)
+    parts = {"turns": part_turns, "retry_undo": part_retry_undo, "save_load": part_save_load,
+             "prompt_cache": part_prompt_cache, "memory": part_memory}  # fmt: skip
+    for name in args.parts.split(","):
+        for b in benches:
+            got = parts[name](b)
+            b.out.update(got)
+            b.say(f"{name}: {got if name != 'turns' else '(above)'}")
+    out["runs"] = [b.out for b in benches]
     out["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     out["load_average_end"] = list(os.getloadavg())
     return out
@@ -286,9 +337,7 @@ def markdown(r: dict, command: str) -> str:
         f"| re-prefilling the history and that turn | {ru['reprefill_s']:.2f} s |",
         f"| the history's own prefill when the chat built it | {ru['history_prefill_s']:.2f} s |",
         "",
-        "32K tokens of history: not run. The bundle's context is 4,096 (the export's default), and at the prefill rate "
-        "measured here on this loaded machine a 32K history would take longer than this run's time; the restore is the "
-        "same copy at any history (the DeltaNet states do not grow; the KV cache is not copied).",
+        "32K tokens of history: [below](#32k-tokens-of-history-onnx), on a bundle exported with `--max-context 32768`.",
     ]
     sl = r["save_load"]
     lines += [
@@ -343,14 +392,120 @@ def markdown(r: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def _cell(v, fmt: str, scale: float = 1.0) -> str:
+    return "" if v is None else format(v * scale, fmt)
+
+
+def _title(run: dict) -> str:
+    names = {"onnx": "ONNX", "executorch": "ExecuTorch", "coreml": "Core ML"}
+    return f"{names.get(run['target'], run['target'])} ({run['max_context'] // 1024}K)"
+
+
+def sections(r: dict, heading: str, intro: list[str]) -> str:
+    """A run of one or more bundles (new format: r["runs"]) as tables with one column per bundle."""
+    mib = 2**20
+    runs = r["runs"]
+    m = r["machine"]
+    head = " | ".join(_title(x) for x in runs)
+    rule = "|---|" + "---:|" * len(runs)
+    lines = [
+        f"## {heading}",
+        "",
+        f"- **Measured:** {r['started']} to {r['finished']} UTC, commit `{r['commit']}`, one invocation"
+        + (", the bundles alternating part by part (each part ran on one bundle, then on the next)" if len(runs) > 1
+           else "") + ".",
+        f"- **Machine:** the same 2-core machine, **shared** (load average {m['load_average'][0]:.1f} at the start, "
+        f"{r['load_average_end'][0]:.1f} at the end), the bench under `flock /tmp/heavy.lock nice -n 5`.",
+        "- **Bundles:** " + "; ".join(
+            f"{_title(x)}: {x['model']} {x['precision']} {x['target']}, context {x['max_context']}, prefill chunk "
+            f"{x['prefill_chunk']}, {x['runtime']}, {x['threads']} threads" for x in runs) + ".",
+        f"- **Command:** `{r['command']}`. Raw JSON: [bench/results/{r['json_name']}](../../bench/results/{r['json_name']}).",
+        *intro,
+    ]  # fmt: skip
+    if all("turns" in x for x in runs):
+        lines += ["", "### TTFT of turn k against re-prefilling the history", "",
+                  "| turn | history tokens | " + " | ".join(f"{_title(x)} fed | TTFT s | re-prefill s" for x in runs)
+                  + " |", "|---:|---:|" + "---:|---:|---:|" * len(runs)]  # fmt: skip
+        for k, row in enumerate(runs[0]["turns"]):
+            cells = []
+            for x in runs:
+                t = x["turns"][k]
+                cells += [str(t["prefill_tokens"]), f"{t['ttft_s']:.2f}", _cell(t.get("reprefill_s"), ".2f")]
+            lines.append(f"| {row['turn']} | {row['history_tokens']:,} | " + " | ".join(cells) + " |")
+    if all("retry_undo" in x for x in runs):
+        ru = [x["retry_undo"] for x in runs]
+        lines += ["", f"### /retry and /undo after {ru[0]['history_tokens']:,} tokens of history", "",
+                  f"| what | {head} |", rule]  # fmt: skip
+        rows = [
+            ("checkpoint restore (DeltaNet states copied back, position moved), ms", "restore_s", ".2f", 1000),
+            ("bytes a checkpoint copies, MiB", "restore_bytes", ".1f", 1 / mib),
+            ("retry TTFT (restore + the generation prompt's tokens), s", "retry_ttft_s", ".2f", 1),
+            ("tokens retry fed", "retry_prefill_tokens", "d", 1),
+            ("undo, ms", "undo_s", ".2f", 1000),
+            ("next turn after undo, TTFT s", "turn_after_undo_ttft_s", ".2f", 1),
+            ("tokens that turn fed", "turn_after_undo_prefill_tokens", "d", 1),
+            ("re-prefilling the history and that turn, s", "reprefill_s", ".2f", 1),
+            ("the history's own prefill when the chat built it (a fresh state fed it), s", "history_prefill_s",
+             ".2f", 1),
+            ("tokens of that prefill", "history_prefill_tokens", ",", 1),
+        ]  # fmt: skip
+        for label, key, fmt, scale in rows:
+            lines.append(f"| {label} | " + " | ".join(_cell(x.get(key), fmt, scale) for x in ru) + " |")
+    if all("save_load" in x for x in runs):
+        sl = [x["save_load"] for x in runs]
+        lines += ["", f"### Saved session at {sl[0]['history_tokens']:,} tokens of history", "", f"| what | {head} |",
+                  rule]  # fmt: skip
+        rows = [
+            ("file (DeltaNet states, KV caches up to the position, two checkpoints), MiB", "file_bytes", ".1f",
+             1 / mib),
+            ("`Chat.save` (hashing, atomic replace), s", "save_s", ".2f", 1),
+            ("`Chat.load` into another session (every hash checked), s", "load_s", ".2f", 1),
+            ("next turn after loading, TTFT s", "turn_after_load_ttft_s", ".2f", 1),
+            ("tokens that turn fed", "turn_after_load_prefill_tokens", "d", 1),
+            ("re-prefilling the history and that turn instead, s", "reprefill_s", ".2f", 1),
+        ]  # fmt: skip
+        for label, key, fmt, scale in rows:
+            lines.append(f"| {label} | " + " | ".join(_cell(x.get(key), fmt, scale) for x in sl) + " |")
+    if all("prompt_cache" in x for x in runs):
+        pc = [x["prompt_cache"] for x in runs]
+        lines += ["", f"### First turn with a {pc[0]['cache_tokens']:,}-token prompt cache", "", f"| what | {head} |",
+                  rule]  # fmt: skip
+        rows = [
+            ("system message fed: tokens", "no_cache_prefill_tokens", ",", 1),
+            ("system message fed: TTFT s", "no_cache_ttft_s", ".2f", 1),
+            ("its state loaded: file MiB", "cache_file_bytes", ".1f", 1 / mib),
+            ("its state loaded: load s", "cache_load_s", ".2f", 1),
+            ("its state loaded: tokens fed", "cached_prefill_tokens", ",", 1),
+            ("its state loaded: TTFT s", "cached_ttft_s", ".2f", 1),
+        ]
+        for label, key, fmt, scale in rows:
+            lines.append(f"| {label} | " + " | ".join(_cell(x.get(key), fmt, scale) for x in pc) + " |")
+        lines += ["", "Both starts give the same reply tokens (asserted)."]
+    for x in runs:
+        mem = x.get("memory")
+        if not mem:
+            continue
+        lines += ["", f"### Memory held by N checkpoints: {_title(x)}", "", mem.get("note", "Each N held at once."), "",
+                  "| checkpoints | bytes held | RSS growth |", "|---:|---:|---:|"]  # fmt: skip
+        for row in mem["rows"]:
+            lines.append(
+                f"| {row['checkpoints']} | {row['bytes'] / mib:.1f} MiB | {row['rss_growth_bytes'] / mib:.1f} MiB |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("bundle")
+    ap.add_argument("bundle", nargs="*", help="one or more bundles: each part runs on each in turn")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"which parts, in order (default {','.join(PARTS)})")
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--turn-tokens", type=int, default=100)
     ap.add_argument("--reply-tokens", type=int, default=8)
     ap.add_argument("--baseline-turns", default="1,2,5,10,15,20")
     ap.add_argument("--history", type=int, default=3700)
+    ap.add_argument("--reprefill-max", type=int, default=0,
+                    help="re-prefill no history longer than this many tokens (0: every one); the history's own "
+                         "prefill, a fresh state fed it, is measured in any case")  # fmt: skip
     ap.add_argument("--cache-tokens", type=int, default=1024)
     ap.add_argument("--checkpoints", default="2,16,32")
     ap.add_argument("--threads", type=int, default=2)
@@ -358,22 +513,38 @@ def main() -> None:
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--memory-only", action="store_true", help="only the checkpoints' memory, in this fresh process")
-    ap.add_argument("--render", type=Path, help="write --markdown from this JSON (a run's) instead of running")
+    ap.add_argument("--memory-into", type=Path, help="with --memory-only: put it into this run's JSON, as the memory "
+                    "of its run of the same bundle")  # fmt: skip
+    ap.add_argument("--render", type=Path, nargs="+",
+                    help="write --markdown from these JSONs (runs') instead of running: the first is the page's "
+                         "single-bundle run, the others follow as sections")  # fmt: skip
     args = ap.parse_args()
+    command = "python bench/chat/chat.py " + " ".join(sys.argv[1:])
     if args.memory_only:
-        print(json.dumps(memory_only(args), indent=2))
+        mem = memory_only(args)
+        if args.memory_into:
+            r = json.loads(args.memory_into.read_text())
+            entry = next(x for x in r["runs"] if x["bundle"] == args.bundle[0])
+            entry["memory"] = {**mem["memory"], "note": f"Measured in a second, fresh process (`{command}`, "
+                             f"{mem['started']} UTC, commit `{mem['commit']}`): the session opened, 16 tokens fed, "
+                             "N checkpoints taken and held at once, then freed."}  # fmt: skip
+            args.memory_into.write_text(json.dumps(r, indent=2) + "\n")
+        print(json.dumps(mem, indent=2))
         return
     if args.render:
-        r = json.loads(args.render.read_text())
-        args.markdown.write_text(markdown(r, r["command"]))
+        first = json.loads(args.render[0].read_text())
+        page = markdown(first, first["command"])
+        for path in args.render[1:]:
+            r = {**json.loads(path.read_text()), "json_name": path.name}
+            page += "\n" + sections(r, r["heading"], r.get("intro", []))
+        args.markdown.write_text(page)
         return
+    if not args.bundle:
+        ap.error("a bundle is needed")
     r = run(args)
-    command = "python bench/chat/chat.py " + " ".join(sys.argv[1:])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**r, "command": command}, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(markdown(r, command))
     print(json.dumps(r, indent=2))
 
 

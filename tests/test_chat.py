@@ -22,6 +22,7 @@ import pytest
 
 from deltaship.chat import Chat
 from deltaship.chat.store import read_session_file
+from deltaship.check.inspect import describe, inspect
 from deltaship.errors import DeltashipError
 from deltaship.models.presets import PRESETS
 from deltaship.targets import open_bundle
@@ -129,6 +130,13 @@ def test_think_block_of_past_turns_is_dropped(bundle, monkeypatch):
     # new turn
     assert second.prefill_tokens == second.context_tokens - len(chat.render_ids(chat.history[:1], False))
     assert_state_is_fresh_prefill(chat)
+
+
+def test_chat_refuses_a_session_without_state_access(bundle):
+    """onnxruntime-genai continues a sequence but keeps its states out of reach: a chat on it is refused at once."""
+    with pytest.raises(DeltashipError, match="no access to them") as e:
+        Chat(open_bundle(bundle, runtime="genai"))
+    assert "deltaship's own session" in e.value.fix
 
 
 def test_template_is_sandboxed():
@@ -395,6 +403,58 @@ def test_executorch_checkpoint_restore(tiny_pte):
     assert chat.retry(max_new_tokens=6, temperature=1.0, seed=4).ids == r.ids
 
 
+def json_conversation_matches_generate(bundle: Path, tmp_path: Path, reload: bool = True) -> None:
+    """`deltaship chat --json --session FILE` (the command's function, in this process) over a scripted conversation,
+    sampled with one seed per reply: each reply is what a fresh session of the bundle generates from that turn's
+    history_ids; a turn feeds its own tokens (the system message was fed when the new session file was written);
+    /retry feeds only the generation prompt and gives the same reply; the session file, loaded into a new session,
+    continues with the tokens of a chat that never stopped (reload=False: that last part left out)."""
+    import io
+
+    from deltaship.commands.chat import chat as chat_command
+
+    path, n, seed = tmp_path / "talk.dschat", 4, {"temperature": 1.0, "seed": 3}
+
+    def run(script: str) -> list[dict]:
+        out = io.StringIO()
+        chat_command(bundle, system="Code.", session=path, max_new_tokens=n, json=True, threads=1,
+                     stdin=io.StringIO(script), stdout=out, **seed)  # fmt: skip
+        return [json.loads(line) for line in out.getvalue().splitlines()]
+
+    first = run("a\nb\n/retry\n")
+    later = run("c\n") if reload else []
+    fresh = open_bundle(bundle, threads=1)
+    for r in first + later:
+        fresh.reset()
+        want = fresh.generate(r["history_ids"], n, stop_at_eos=False, **seed).output_ids
+        assert r["reply_ids"] == want[: len(r["reply_ids"])] and r["reply_ids"]
+    a, b, retry = first
+    assert 0 < a["prefill_tokens"] < len(a["history_ids"])  # not the system message: the session file held it
+    # its own tokens, and the reply before it from its generation prompt on (the template drops the prompt's <think>)
+    assert 0 < b["prefill_tokens"] < len(b["history_ids"]) - len(a["history_ids"]) + 20
+    assert retry["reply_ids"] == b["reply_ids"] and retry["history_ids"] == b["history_ids"]
+    assert retry["prefill_tokens"] < b["prefill_tokens"]
+    if not reload:
+        return
+    (after_load,) = later
+    chat = Chat(open_bundle(bundle, threads=1), system="Code.")
+    for text in ("a", "b", None, "c"):
+        r = chat.send(text, max_new_tokens=n, **seed) if text else chat.retry(max_new_tokens=n, **seed)
+    assert after_load["reply_ids"] == r.ids and after_load["history_ids"] == chat.ids[: r.context_tokens]
+
+
+@pytest.mark.slow
+def test_executorch_chat_json_conversation(tiny_pte, tmp_path):
+    json_conversation_matches_generate(tiny_pte("fp32"), tmp_path)
+
+
+@pytest.mark.slow
+def test_coreml_chat_json_conversation(tiny_coreml_mtp, tmp_path):
+    """Core ML through the Linux evaluator, every state an io tensor (fp32); the reload is left out (its evaluator
+    is slow; a saved session's reload is tested on ONNX and ExecuTorch)."""
+    json_conversation_matches_generate(tiny_coreml_mtp("fp32"), tmp_path, reload=False)
+
+
 def test_chat_does_not_import_torch(bundle, tmp_path):
     code = (
         "import sys; from deltaship.chat import Chat; "
@@ -460,6 +520,9 @@ def test_shipped_prompt_cache(tmp_path):
     assert cached.session.position == record["tokens"]
     other = Chat(out, system="Something else.", threads=1)
     assert other.ids == []
+    shown = describe(inspect(out))
+    assert f"chat        prompt cache {PROMPT_CACHE_FILE} (" in shown and f"{record['tokens']} tokens" in shown
+    assert repr(system) in shown
 
     # the CLI takes the cache's system message when given none
     run = _cli("chat", str(out), "--json", "--max-new-tokens", str(N), stdin="import os\n")

@@ -163,10 +163,56 @@ def part_turns(b: Bench) -> dict:
     return {"turns": turns}
 
 
+def send_seeking(session, chat, text: str, measured: int) -> tuple:
+    """chat.send(text) with the state's depth reached by Session.seek for all but the last `measured` tokens of the
+    message: their KV entries and DeltaNet states are not computed (what follows costs what it costs at that depth:
+    attention reads that many KV entries, a checkpoint copies the same DeltaNet states, a save writes the KV caches
+    up to the position). Returns the reply and the measured tail's prefill: its first position, tokens and seconds."""
+    real, deep = session.prefill, {}
+
+    def prefill(ids):
+        ids = list(ids)
+        if len(ids) <= measured:
+            return real(ids)
+        session.seek(session.position + len(ids) - measured)
+        deep["from_position"] = session.position
+        t = time.perf_counter()
+        out = real(ids[-measured:])
+        deep.update(tokens=measured, seconds=round(time.perf_counter() - t, 3))
+        return out
+
+    session.prefill = prefill  # this instance only, for this one message
+    try:
+        return chat.send(text, max_new_tokens=1), deep
+    finally:
+        del session.prefill
+
+
+def extrapolated_prefill(b: Bench, tokens: int, deep: dict) -> dict:
+    """A fresh prefill of --reprefill-measure tokens, timed; with the deep tail's rate, the time to prefill `tokens`
+    from an empty state, taking a token's cost as linear in its depth (attention reads one KV entry more per token
+    of depth; the rest is constant): tokens x the mean of the shallow and the deep per-token time."""
+    n = b.args.reprefill_measure
+    t = reprefill(b.other, text_ids(b, n))
+    shallow, deep_rate = t / n, deep["seconds"] / deep["tokens"]
+    shallow_depth, deep_depth = n / 2, deep["from_position"] + deep["tokens"] / 2
+    per_token = shallow + (deep_rate - shallow) * (tokens / 2 - shallow_depth) / (deep_depth - shallow_depth)
+    return {"measured_tokens": n, "measured_s": round(t, 3), "deep": deep, "tokens": tokens,
+            "extrapolated_s": round(per_token * tokens, 1)}  # fmt: skip
+
+
+def text_ids(b: Bench, n: int) -> list[int]:
+    return b.tok.encode(text_of(n, 3000))[:n]
+
+
 def part_retry_undo(b: Bench) -> dict:
     args = b.args
     chat = b.chat = make_chat(b.session, b.tok, b.template)
-    first = chat.send(text_of(args.history, 1000), max_new_tokens=1)  # the history, prefilled once
+    deep = None
+    if args.seek_history:  # the history's depth reached without computing it (costs after it depend on the depth)
+        first, deep = send_seeking(b.session, chat, text_of(args.history, 1000), args.seek_history)
+    else:
+        first = chat.send(text_of(args.history, 1000), max_new_tokens=1)  # the history, prefilled once
     b.say(f"history: {first.context_tokens} tokens in {first.ttft_s:.1f} s")
     last = chat.send(text_of(args.turn_tokens - 10, 1001), max_new_tokens=args.reply_tokens)
     cp = b.session.checkpoint()  # a restore is one copy of the DeltaNet states, whatever the position
@@ -192,6 +238,8 @@ def part_retry_undo(b: Bench) -> dict:
         "turn_after_undo_prefill_tokens": again.prefill_tokens,
         "reprefill_tokens": again.context_tokens,
         "reprefill_s": b.reprefill(b.other, chat.ids[: again.context_tokens]),
+        **({"history_seek": deep, "reprefill_extrapolated": extrapolated_prefill(b, again.context_tokens, deep)}
+           if deep else {}),
     }}  # fmt: skip
 
 
@@ -219,6 +267,9 @@ def part_save_load(b: Bench) -> dict:
         "reprefill_tokens": nxt.context_tokens,
         "reprefill_s": b.reprefill(b.session, loaded.ids[: nxt.context_tokens]),
     }
+    if "reprefill_extrapolated" in (b.out.get("retry_undo") or {}):  # the same rates, this many tokens
+        ex = b.out["retry_undo"]["reprefill_extrapolated"]
+        row["reprefill_extrapolated_s"] = round(ex["extrapolated_s"] * nxt.context_tokens / ex["tokens"], 1)
     path.unlink()
     return {"save_load": row}
 
@@ -506,6 +557,15 @@ def main() -> None:
     ap.add_argument("--reprefill-max", type=int, default=0,
                     help="re-prefill no history longer than this many tokens (0: every one); the history's own "
                          "prefill, a fresh state fed it, is measured in any case")  # fmt: skip
+    ap.add_argument("--seek-history", type=int, default=0, metavar="N",
+                    help="reach the retry/undo history's depth with Session.seek, computing only its last N tokens "
+                         "(0: prefill it all)")  # fmt: skip
+    ap.add_argument(
+        "--reprefill-measure",
+        type=int,
+        default=2048,
+        help="with --seek-history: the fresh prefill timed for the re-prefill extrapolation, tokens",
+    )
     ap.add_argument("--cache-tokens", type=int, default=1024)
     ap.add_argument("--checkpoints", default="2,16,32")
     ap.add_argument("--threads", type=int, default=2)

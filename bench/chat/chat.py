@@ -228,7 +228,7 @@ def part_retry_undo(b: Bench) -> dict:
     return {"retry_undo": {
         "history_tokens": last.context_tokens,
         "history_prefill_tokens": first.context_tokens,
-        "history_prefill_s": round(first.ttft_s, 3),
+        "history_prefill_s": None if deep else round(first.ttft_s, 3),  # seeking: not a prefill of it
         "restore_s": round(restore_s, 5),
         "restore_bytes": cp.nbytes(),
         "retry_ttft_s": round(retry.ttft_s, 3),
@@ -484,7 +484,8 @@ def sections(r: dict, heading: str, intro: list[str]) -> str:
                 cells += [str(t["prefill_tokens"]), f"{t['ttft_s']:.2f}", _cell(t.get("reprefill_s"), ".2f")]
             lines.append(f"| {row['turn']} | {row['history_tokens']:,} | " + " | ".join(cells) + " |")
     if all("retry_undo" in x for x in runs):
-        ru = [x["retry_undo"] for x in runs]
+        ru = [{**x["retry_undo"], "extrapolated_reprefill_s": (x["retry_undo"].get("reprefill_extrapolated") or {})
+               .get("extrapolated_s")} for x in runs]  # fmt: skip
         lines += ["", f"### /retry and /undo after {ru[0]['history_tokens']:,} tokens of history", "",
                   f"| what | {head} |", rule]  # fmt: skip
         rows = [
@@ -496,6 +497,7 @@ def sections(r: dict, heading: str, intro: list[str]) -> str:
             ("next turn after undo, TTFT s", "turn_after_undo_ttft_s", ".2f", 1),
             ("tokens that turn fed", "turn_after_undo_prefill_tokens", "d", 1),
             ("re-prefilling the history and that turn, s", "reprefill_s", ".2f", 1),
+            ("the same, extrapolated (see above), s", "extrapolated_reprefill_s", ".0f", 1),
             ("the history's own prefill when the chat built it (a fresh state fed it), s", "history_prefill_s",
              ".2f", 1),
             ("tokens of that prefill", "history_prefill_tokens", ",", 1),
@@ -514,6 +516,7 @@ def sections(r: dict, heading: str, intro: list[str]) -> str:
             ("next turn after loading, TTFT s", "turn_after_load_ttft_s", ".2f", 1),
             ("tokens that turn fed", "turn_after_load_prefill_tokens", "d", 1),
             ("re-prefilling the history and that turn instead, s", "reprefill_s", ".2f", 1),
+            ("the same, extrapolated (see above), s", "reprefill_extrapolated_s", ".0f", 1),
         ]  # fmt: skip
         for label, key, fmt, scale in rows:
             lines.append(f"| {label} | " + " | ".join(_cell(x.get(key), fmt, scale) for x in sl) + " |")
@@ -543,6 +546,42 @@ def sections(r: dict, heading: str, intro: list[str]) -> str:
                 f"| {row['checkpoints']} | {row['bytes'] / mib:.1f} MiB | {row['rss_growth_bytes'] / mib:.1f} MiB |"
             )
     return "\n".join(lines) + "\n"
+
+
+def about(r: dict) -> tuple[str, list[str]]:
+    """A run's section heading and what to know before its tables (how its long history was reached and its
+    re-prefill obtained), from the run itself."""
+    runs, notes = r["runs"], []
+    names = " beside ".join(_title(x) for x in runs)
+    for x in runs:
+        ru = x.get("retry_undo") or {}
+        if "history_seek" in ru:
+            seek, ex = ru["history_seek"], ru["reprefill_extrapolated"]
+            notes += [
+                f"- **The history's depth was reached with `Session.seek`** (`--seek-history`): of the {_title(x)} "
+                f"history's {ru['history_prefill_tokens']:,} tokens only the last {seek['tokens']:,} were computed "
+                f"(from position {seek['from_position']:,}, in {seek['seconds']:.1f} s); the KV entries and DeltaNet "
+                "states before them were not. What is timed after it costs what it costs at that depth, whatever the "
+                "values: the attention of each later token reads that many KV entries, a checkpoint copies the same "
+                "fixed-size DeltaNet states, a save writes the KV caches up to the position, a load reads them.",
+                f"- **Re-prefill at this length: extrapolated, not measured** (a prefill of {ex['tokens']:,} tokens "
+                "would have taken longer than this session's time on the shared machine). Measured: a fresh prefill "
+                f"of {ex['measured_tokens']:,} tokens, {ex['measured_s']:.1f} s, and the computed tail above "
+                f"({seek['tokens']:,} tokens at depth {seek['from_position']:,}, {seek['seconds']:.1f} s); taking a "
+                "token's cost as linear in its depth (attention reads one KV entry more per token of depth, the rest "
+                f"is constant), re-prefilling {ex['tokens']:,} tokens from an empty state takes about "
+                f"{ex['extrapolated_s']:.0f} s. The tables' re-prefill rows are empty; this is the figure to hold the "
+                "turn costs against.",
+            ]
+        elif ru and ru.get("reprefill_s") is None:
+            notes.append(
+                f"- {_title(x)}: re-prefill after the long history not run again (`--reprefill-max`): the history's "
+                f"own prefill, a fresh state fed {ru['history_prefill_tokens']:,} tokens in the same calls, took "
+                f"{ru['history_prefill_s']:.1f} s (its row below) and stands for it."
+            )
+    if any(x["max_context"] > 4096 for x in runs):
+        return f"{runs[0]['max_context'] // 1024}K tokens of history: {names}", notes
+    return f"{names}: 0.8B int4", notes
 
 
 def main() -> None:
@@ -596,7 +635,7 @@ def main() -> None:
         page = markdown(first, first["command"])
         for path in args.render[1:]:
             r = {**json.loads(path.read_text()), "json_name": path.name}
-            page += "\n" + sections(r, r["heading"], r.get("intro", []))
+            page += "\n" + sections(r, *about(r))
         args.markdown.write_text(page)
         return
     if not args.bundle:

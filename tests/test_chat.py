@@ -107,6 +107,40 @@ def test_incremental_turns_equal_whole_render(bundle, preset, thinking):
     assert chat.template.render(chat.history, True, **chat.template_kwargs).endswith("<|im_start|>assistant\n" + tail)
 
 
+# a checkpoint's own template (Qwen2.5's form): a default system message when none is given, no thinking
+OWN_TEMPLATE = (
+    "{% if messages and messages[0]['role'] == 'system' %}{% set rest = messages[1:] %}<|im_start|>system\n"
+    "{{ messages[0]['content'] }}<|im_end|>\n{% else %}{% set rest = messages %}<|im_start|>system\nYou are helpful."
+    "<|im_end|>\n{% endif %}{% for m in rest %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_incremental_turns_on_a_checkpoints_own_template(tmp_path):
+    """A hidden-shape checkpoint (odd head counts, d_k != d_v) bringing its own tokenizer and a chat template in
+    tokenizer_config.json: the bundle carries them, and each turn feeds only what the template adds while the state
+    holds the whole history rendered at once (a fresh prefill's)."""
+    from helpers import set_json, write_checkpoint
+
+    from deltaship.compile import export
+    from deltaship.models.presets import write_tiny_tokenizer
+
+    ckpt = write_checkpoint("odd_heads", tmp_path / "ckpt", seed=3, vocab_size=260, eos_token_id=256)
+    write_tiny_tokenizer(ckpt)
+    (ckpt / "chat_template.jinja").unlink()
+    set_json(ckpt / "tokenizer_config.json", "chat_template", OWN_TEMPLATE)
+    out = tmp_path / "b"
+    export(str(ckpt), out, target="onnx", max_context=CONTEXT, verify=False, progress=False)
+    chat = Chat(out, threads=1)
+    for k, text in enumerate(["import os", "def f(x):", "class A:"]):
+        reply = chat.send(text, max_new_tokens=N, temperature=1.0, seed=k)
+        whole = chat.render_ids(chat.history[:-1], add_generation_prompt=True)
+        assert chat.ids[: reply.context_tokens] == whole
+        assert 0 < reply.prefill_tokens < len(whole) or k == 0
+    assert chat.tokenizer.decode(chat.ids).startswith("<|im_start|>system\nYou are helpful.<|im_end|>\n")
+    assert_state_is_fresh_prefill(chat)
+
+
 def test_think_block_of_past_turns_is_dropped(bundle, monkeypatch):
     """A reply with a <think> block: rendered as generated while it is the last turn, without the block once a
     user message follows; the chat restores the checkpoint before that reply and feeds it as the template

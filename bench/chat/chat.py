@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -336,7 +337,9 @@ def run(args) -> dict:
     return out
 
 
-def markdown(r: dict, command: str) -> str:
+def markdown(r: dict, command: str, long_history: str = "32K tokens of history: not run on this bundle.") -> str:
+    """The page and the first run's sections (the single-bundle format of the 4K ONNX run); long_history: where the
+    32K measurements are."""
     mib = 2**20
     m = r["machine"]
     lines = [
@@ -388,7 +391,7 @@ def markdown(r: dict, command: str) -> str:
         f"| re-prefilling the history and that turn | {ru['reprefill_s']:.2f} s |",
         f"| the history's own prefill when the chat built it | {ru['history_prefill_s']:.2f} s |",
         "",
-        "32K tokens of history: [below](#32k-tokens-of-history-onnx), on a bundle exported with `--max-context 32768`.",
+        long_history,
     ]
     sl = r["save_load"]
     lines += [
@@ -469,7 +472,10 @@ def sections(r: dict, heading: str, intro: list[str]) -> str:
         f"{r['load_average_end'][0]:.1f} at the end), the bench under `flock /tmp/heavy.lock nice -n 5`.",
         "- **Bundles:** " + "; ".join(
             f"{_title(x)}: {x['model']} {x['precision']} {x['target']}, context {x['max_context']}, prefill chunk "
-            f"{x['prefill_chunk']}, {x['runtime']}, {x['threads']} threads" for x in runs) + ".",
+            f"{x['prefill_chunk']}, {x['runtime']}, {x['threads']} threads (`deltaship export --model {x['model']} "
+            f"--target {x['target']} --precision {x['precision']} --no-verify"
+            + (f" --max-context {x['max_context']}" if x["max_context"] != 4096 else "") + " --out BUNDLE`)"
+            for x in runs) + ".",
         f"- **Command:** `{r['command']}`. Raw JSON: [bench/results/{r['json_name']}](../../bench/results/{r['json_name']}).",
         *intro,
     ]  # fmt: skip
@@ -632,10 +638,14 @@ def main() -> None:
         return
     if args.render:
         first = json.loads(args.render[0].read_text())
-        page = markdown(first, first["command"])
-        for path in args.render[1:]:
-            r = {**json.loads(path.read_text()), "json_name": path.name}
-            page += "\n" + sections(r, *about(r))
+        rest = [{**json.loads(path.read_text()), "json_name": path.name} for path in args.render[1:]]
+        headed = [(r, *about(r)) for r in rest]
+        long = next((h for r, h, _ in headed if any(x["max_context"] > 4096 for x in r["runs"])), None)
+        anchor = re.sub(r"[^a-z0-9 -]", "", (long or "").lower()).replace(" ", "-")
+        where = f"32K tokens of history: [below](#{anchor}), on a bundle exported with `--max-context 32768`."
+        page = markdown(first, first["command"], *([where] if long else []))
+        for r, heading, notes in headed:
+            page += "\n" + sections(r, heading, notes)
         args.markdown.write_text(page)
         return
     if not args.bundle:

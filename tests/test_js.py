@@ -452,11 +452,13 @@ def _python_chat(bundle: Path, script: str, *args: str) -> list[dict]:
     return _records(run.stdout)
 
 
-def _node_chat(node: str, bundle: Path, pieces: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+def _node_chat(
+    node: str, bundle: Path, pieces: Path, script: str, *args: str, pkg: Path = PKG
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [node, "examples/chat.mjs", str(bundle), "--pieces", str(pieces), "--json", "--max-new-tokens", str(CHAT_N),
          "--check-state", *args],
-        cwd=PKG, input=script, text=True, capture_output=True, timeout=300,
+        cwd=pkg, input=script, text=True, capture_output=True, timeout=300,
     )  # fmt: skip
 
 
@@ -505,6 +507,38 @@ def test_node_chat_matches_deltaship_chat(node, tiny, tmp_path):
     run = _node_chat(node, bundle, pieces, script, "--no-thinking")
     assert run.returncode == 0, run.stderr
     _assert_same_turns(_records(run.stdout), py)
+
+
+# a copy of the package with one change to its chat: the change, in (file, text, replacement)
+JS_CHAT_MUTATIONS = {
+    "skipped restore": ("core.js", "    this.writeStates(cp.states);\n", ""),  # the DeltaNet states stay as they were
+    "position after undo": ("chat.js", "ids.length = turn.before.position;", "ids.length = turn.before.position - 1;"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(JS_CHAT_MUTATIONS))
+def test_node_chat_mutations_are_caught(node, tiny, tmp_path, mutation):
+    """The node chat check fails on a broken chat: a restore that does not write the DeltaNet states back (retry and
+    the rewritten past feed on top of the reply), or an undo leaving the held tokens one off the state's position."""
+    import shutil
+
+    pkg = tmp_path / "js"
+    for part in ("src", "examples"):
+        shutil.copytree(PKG / part, pkg / part)
+    shutil.copy(PKG / "package.json", pkg / "package.json")
+    (pkg / "node_modules").symlink_to(PKG / "node_modules")
+    name, old, new = JS_CHAT_MUTATIONS[mutation]
+    source = (pkg / "src" / name).read_text()
+    assert source.count(old) == 1
+    (pkg / "src" / name).write_text(source.replace(old, new))
+    bundle, pieces = tiny["fp32"], _chat_json(tiny["fp32"], tmp_path)
+    run = _node_chat(node, bundle, pieces, CHAT_SCRIPT, "--system", "Code.", pkg=pkg)
+    try:
+        assert run.returncode == 0, run.stderr
+        _assert_same_turns(_records(run.stdout), _python_chat(bundle, CHAT_SCRIPT, "--system", "Code."))
+    except (AssertionError, TypeError):  # TypeError: a state check that could not compare (null)
+        return
+    pytest.fail(f"the {mutation} mutation was not caught")
 
 
 def test_node_chat_starts_from_the_shipped_prompt_cache(node, tmp_path):

@@ -234,6 +234,26 @@ def test_retry_and_undo_restore(bundle):
         chat.reset() or chat.undo()
 
 
+@pytest.mark.parametrize("mutation", ["skipped restore", "position kept after undo"])
+def test_retry_and_undo_checks_catch_a_broken_restore(bundle, monkeypatch, mutation):
+    """test_retry_and_undo_restore fails on a restore that does not write the DeltaNet states back, and on one that
+    leaves the position where it was (undo then keeps the dropped exchange's tokens in the state)."""
+    from deltaship.runtimes.base import Session
+    from deltaship.runtimes.onnx import OnnxSession
+
+    if mutation == "skipped restore":
+        monkeypatch.setattr(OnnxSession, "_write_states", lambda self, arrays: None)
+    else:
+
+        def restore(self, cp):  # the states written back, the position left where it was
+            self._write_states(cp.states)
+            self._rewinds.append(cp.position)
+
+        monkeypatch.setattr(Session, "restore", restore)
+    with pytest.raises(AssertionError):
+        test_retry_and_undo_restore(bundle)
+
+
 def test_context_full_stops_with_notice(bundle):
     chat = Chat(open_bundle(bundle, threads=1))
     reply = chat.send("x" * 100, max_new_tokens=200)

@@ -581,9 +581,10 @@ def about(r: dict) -> tuple[str, list[str]]:
             ]
         elif ru and ru.get("reprefill_s") is None:
             notes.append(
-                f"- {_title(x)}: re-prefill after the long history not run again (`--reprefill-max`): the history's "
-                f"own prefill, a fresh state fed {ru['history_prefill_tokens']:,} tokens in the same calls, took "
-                f"{ru['history_prefill_s']:.1f} s (its row below) and stands for it."
+                f"- {_title(x)}: the re-prefills of the long histories (the retry / undo and saved-session tables) "
+                "were not run again (`--reprefill-max`, to fit this session's time on the shared machine): the "
+                f"history's own prefill, a fresh state fed {ru['history_prefill_tokens']:,} tokens in the same calls, "
+                f"took {ru['history_prefill_s']:.1f} s (its row below) and stands for them."
             )
     if any(x["max_context"] > 4096 for x in runs):
         return f"{runs[0]['max_context'] // 1024}K tokens of history: {names}", notes

@@ -73,7 +73,7 @@ def machine() -> dict:
 
 def commit() -> str:
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "deltaship", "bench"], cwd=ROOT,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "deltaship", "bench/chat"], cwd=ROOT,
                            capture_output=True, text=True).stdout  # fmt: skip
     return sha.strip() + ("+dirty" if dirty.strip() else "")
 

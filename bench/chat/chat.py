@@ -492,6 +492,9 @@ def sections(r: dict, heading: str, intro: list[str]) -> str:
     if all("retry_undo" in x for x in runs):
         ru = [{**x["retry_undo"], "extrapolated_reprefill_s": (x["retry_undo"].get("reprefill_extrapolated") or {})
                .get("extrapolated_s")} for x in runs]  # fmt: skip
+        for row in ru:  # a seeked history had no prefill of its own: neither its time nor its tokens are shown
+            if row.get("history_prefill_s") is None:
+                row["history_prefill_tokens"] = None
         lines += ["", f"### /retry and /undo after {ru[0]['history_tokens']:,} tokens of history", "",
                   f"| what | {head} |", rule]  # fmt: skip
         rows = [

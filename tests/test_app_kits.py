@@ -701,6 +701,9 @@ def android_bundles(tmp_path_factory, tiny_pte) -> dict[str, Path]:
 
 
 GENAI_OPTIONS = {"max_length"}  # onnxruntime-genai search option the genai driver sets by name
+ET_RUNNER_STATS = {"prompt_tokens", "generated_tokens"}  # ExecuTorch's runner stats JSON (stats.h), read by name
+# the chat's sources: they spell the saved-session format's keys and the roles, not the bundle's names
+KOTLIN_CHAT_FILES = ("DeltashipChat.kt", "DeltashipExecuTorchChat.kt", "ChatPieces.kt")
 
 
 def _kotlin_sources(kit: Path) -> dict[str, str]:
@@ -773,20 +776,21 @@ def check_kotlin_kit(kit: Path, bundle: Path) -> list[str]:
         fwd = meta["forward"]
         if [d for d, _ in fwd["inputs"]] != ["Long", "Long"] or len(fwd["inputs"][1][1]) != 1:  # Long = int64
             problems.append(f"forward takes {fwd['inputs']}, not (tokens int64 [1, T], input_pos int64 [1])")
+    manifest = json.loads((bundle / "manifest.json").read_text())
     if spec.get("states"):
-        manifest = json.loads((bundle / "manifest.json").read_text())
         deltanet = {s["name"] for s in manifest["states"] if s["kind"].startswith("deltanet")}
         copied = {s["input"] for s in spec["states"] if s["checkpoint"]}
         if copied != deltanet:
             problems.append(
                 f"states a checkpoint copies {sorted(copied)} are not the DeltaNet states {sorted(deltanet)}"
             )
-        problems += _kotlin_chat_problems(spec.get("chat"), texts, bundle, manifest, spec)
-        if spec.get("chat") and spec["chat"]["prompt_cache_file"]:
-            names.add(spec["chat"]["prompt_cache_file"])  # checked above: the bundle's listed prompt cache
-    drivers = [t for f, t in texts.items() if f != "DeltashipChat.kt"]
-    stray = set().union(*(identifier_literals(t) for t in drivers)) - names - GENAI_OPTIONS
-    stray |= identifier_literals(texts.get("DeltashipChat.kt", "")) - _chat_format_names() - CHAT_MANIFEST_LITERALS
+    problems += _kotlin_chat_problems(spec.get("chat"), texts, bundle, manifest, spec)
+    if spec.get("chat") and spec["chat"]["prompt_cache_file"]:
+        names.add(spec["chat"]["prompt_cache_file"])  # checked above: the bundle's listed prompt cache
+    drivers = [t for f, t in texts.items() if f not in KOTLIN_CHAT_FILES]
+    stray = set().union(*(identifier_literals(t) for t in drivers)) - names - GENAI_OPTIONS - ET_RUNNER_STATS
+    for f in KOTLIN_CHAT_FILES:
+        stray |= identifier_literals(texts.get(f, "")) - _chat_format_names() - CHAT_MANIFEST_LITERALS
     if stray:
         problems.append(f"names in the kotlin sources that are not in the bundle: {sorted(stray)}")
     problems += [f"{f}: {p}" for f, t in texts.items() for p in unbalanced(t)]
@@ -821,24 +825,28 @@ def _chat_format_names() -> set[str]:
 def _kotlin_chat_problems(chat, texts: dict, bundle: Path, manifest: dict, spec: dict) -> list[str]:
     """KitSpec.CHAT against the bundle: the pieces deltaship derives from its template, stop ids, prompt cache."""
     from deltaship.chat.pieces import bundle_pieces
+    from deltaship.runtimes.tokenizer import load_tokenizer
 
     want = bundle_pieces(bundle, manifest)
+    driver = "DeltashipChat.kt" if "tokens" in spec else "DeltashipExecuTorchChat.kt"  # onnxruntime | the LLM runner
     if chat is None or want is None:
-        return (
-            []
-            if chat is None and want is None and "DeltashipChat.kt" not in texts
-            else ["CHAT and the bundle's template disagree"]
-        )
+        agree = chat is None and want is None and driver not in texts
+        return [] if agree else ["CHAT and the bundle's template disagree"]
     problems = []
     if chat["pieces"] != want["pieces"]:
         problems.append(f"CHAT pieces {chat['pieces']} are not the bundle template's {want['pieces']}")
-    if chat["stop_ids"] != want["stop_ids"] or not all(0 <= i < spec["vocab_size"] for i in chat["stop_ids"]):
+    vocab = manifest["model"]["vocab_size"]
+    if chat["stop_ids"] != want["stop_ids"] or not all(0 <= i < vocab for i in chat["stop_ids"]):
         problems.append(f"CHAT stopIds {chat['stop_ids']} are not the bundle's {want['stop_ids']}")
+    if "tokens" not in spec:  # the runner gives text: the chat stops it at the stop ids' texts
+        tok = load_tokenizer(bundle, manifest)
+        if chat["stop_texts"] != sorted({tok.decode([i]) for i in want["stop_ids"]}):
+            problems.append(f"STOP_TEXTS {chat['stop_texts']} are not the texts of the stop ids {want['stop_ids']}")
     cache = (want["prompt_cache"] or {}).get("file")
     if chat["prompt_cache_file"] != cache or (cache and cache not in manifest["files"]):
         problems.append(f"CHAT promptCacheFile {chat['prompt_cache_file']} is not the bundle's {cache}")
-    if "DeltashipChat.kt" not in texts:
-        problems.append("KitSpec.CHAT is set but DeltashipChat.kt is missing")
+    if driver not in texts:
+        problems.append(f"KitSpec.CHAT is set but {driver} is missing")
     return problems
 
 
@@ -879,14 +887,16 @@ def test_kotlin_kit_names_match_the_artifact(android_bundles, tmp_path, which):
     manifest = json.loads((bundle / "manifest.json").read_text())
     gradle = (tmp_path / "kit" / "build.gradle.kts").read_text()
     if which == "executorch":
-        assert record["drivers"] == ["DeltashipExecuTorchModel.kt"]
+        assert record["drivers"] == ["DeltashipExecuTorchModel.kt", "DeltashipExecuTorchChat.kt", "ChatPieces.kt"]
         assert f'implementation("org.pytorch:executorch-android:{manifest["tools"]["executorch"]}")' in gradle
         driver = _kotlin_sources(tmp_path / "kit")["DeltashipExecuTorchModel.kt"]
         for api in ("LlmModule(", "module.load()", "LlmGenerationConfig.create()", "module.generate(prompt, config,"):
             assert api in driver
     else:
         # every ONNX bundle carries genai_config.json: the onnxruntime-genai driver comes beside the plain one
-        assert sorted(record["drivers"]) == ["DeltashipChat.kt", "DeltashipGenAiModel.kt", "DeltashipOrtModel.kt"]
+        assert sorted(record["drivers"]) == [
+            "ChatPieces.kt", "DeltashipChat.kt", "DeltashipGenAiModel.kt", "DeltashipOrtModel.kt"
+        ]  # fmt: skip
         assert f'onnxruntime-android:{manifest["tools"]["onnxruntime"]}"' in gradle
         assert len(record["kotlin"]["states"]) == len(manifest["states"])
     assert "not compiled or run by deltaship" in (tmp_path / "kit" / "README.md").read_text().lower()
@@ -980,6 +990,8 @@ def test_executorch_check_catches_a_wrong_constant(android_bundles, tmp_path):
     assert any("get_max_context_len" in p for p in check_kotlin_kit(tmp_path / "kit", bundle))
     spec_file.write_text(text.replace('"model.pte"', '"llama.pte"'))
     assert any("bundle has no llama.pte" in p for p in check_kotlin_kit(tmp_path / "kit", bundle))
+    spec_file.write_text(text.replace('"<|im_end|>")', '"<|im_end|>\\n")'))  # the chat would never stop the runner
+    assert any("STOP_TEXTS" in p for p in check_kotlin_kit(tmp_path / "kit", bundle))
 
 
 def test_genai_driver_when_the_bundle_has_genai_config(android_bundles, tmp_path):
@@ -990,7 +1002,7 @@ def test_genai_driver_when_the_bundle_has_genai_config(android_bundles, tmp_path
     if not (bundle / "genai_config.json").exists():  # bundles from before genai_config.json was written
         (bundle / "genai_config.json").write_text(json.dumps({"model": {"type": "decoder", "context_length": 128}}))
     record = write_kit(bundle, tmp_path / "kit", "android")
-    assert record["drivers"] == ["DeltashipOrtModel.kt", "DeltashipChat.kt", "DeltashipGenAiModel.kt"]
+    assert record["drivers"] == ["DeltashipOrtModel.kt", "DeltashipChat.kt", "DeltashipGenAiModel.kt", "ChatPieces.kt"]
     assert any(d.startswith("com.microsoft.onnxruntime:onnxruntime-genai-android:") for d in record["gradle"])
     assert check_kotlin_kit(tmp_path / "kit", bundle) == []
     driver = _kotlin_sources(tmp_path / "kit")["DeltashipGenAiModel.kt"]
@@ -1029,6 +1041,9 @@ def test_kotlin_kit_opens_every_bundle_file_through_safe_path(bundles, tmp_path)
         if driver.name == "DeltashipChat.kt":  # opens only the prompt cache and manifest.json (the bundle's identity)
             safe = re.findall(r"safePath\(bundleDir, [^()]+\)\.readBytes\(\)", text)
             assert len(safe) >= 2 and text.count("readBytes()") == len(safe), driver.name
+            continue
+        if driver.name == "DeltashipExecuTorchChat.kt":  # opens no file: the runner (DeltashipExecuTorchModel) does
+            assert "File(" not in text and "bundleDir" not in text, driver.name
             continue
         assert "safePath(bundleDir, KitSpec.MODEL_FILE)" in text, driver.name
     assert (
@@ -2049,3 +2064,162 @@ def test_swift_chat_check_catches_a_changed_name(chat_coreml, tmp_path, mutation
     assert spec_file.read_text() != text or mutation == "chat driver name"
     problems = check_swift_kit(tmp_path / "kit", chat_coreml)
     assert any(want in p for p in problems), problems
+
+
+# ---- ExecuTorch Kotlin chat (DeltashipExecuTorchChat.kt over LlmModule), replayed on ExecuTorch's own runner ---------
+
+
+class _ExecuTorchChatReplay:
+    """DeltashipExecuTorchChat.kt and DeltashipExecuTorchModel.continueWith, step for step, from KitSpec.kt alone, on
+    ExecuTorch's C++ TextLLMRunner (its Python binding: the runner Android's LlmModule wraps; generate keeps the
+    position between calls, reset is LlmModule.resetContext). mutate="all_fed": the replay wrongly takes the runner to
+    have fed every piece it emitted (the last one too)."""
+
+    def __init__(self, bundle: Path, spec: dict, keep_generated: bool, mutate: str | None = None):
+        from deltaship.bundle.reader import read_manifest
+        from deltaship.runtimes.et_runner import _runner
+
+        self.runner = _runner(bundle, read_manifest(bundle))
+        self.spec, self.pieces, self.keep, self.mutate = spec, spec["chat"]["pieces"], keep_generated, mutate
+        self.stop_texts = set(spec["chat"]["stop_texts"])
+        self.system = "Code."
+        self.reset()
+
+    def render(self, msgs, gen):
+        from deltaship.chat.pieces import render_pieces
+
+        return render_pieces(self.pieces, msgs, gen)
+
+    def reset(self):
+        self.runner.reset()
+        self.messages = [{"role": "system", "content": self.system}]
+        self.held, self.as_generated, self.position = "", "", 0
+
+    def continue_with(self, prompt: str, n: int, on_piece):
+        import os
+
+        from executorch.extension.llm.runner import GenerationConfig
+
+        from deltaship.logs import native_stderr
+        from deltaship.runtimes.et_runner import _stdout_to
+
+        pieces, stats = [], []
+
+        def piece(p):
+            pieces.append(p)
+            if not on_piece(p):
+                self.runner.stop()
+
+        config = GenerationConfig(echo=False, max_new_tokens=n, temperature=0.0, num_bos=0, num_eos=0)
+        with _stdout_to(os.devnull), native_stderr():
+            self.runner.generate(prompt, config, token_callback=piece,
+                                 stats_callback=lambda s: stats.append(json.loads(s.to_json_string())))  # fmt: skip
+        return pieces, stats[0]["prompt_tokens"], stats[0]["generated_tokens"]
+
+    def send(self, text, n):
+        own = self.render([{"role": "user", "content": text}], True)[len(self.pieces["start"]) :]
+        self.messages.append({"role": "user", "content": text})
+        return self._respond(own, n)
+
+    def retry(self, n):
+        assert self.messages[-1]["role"] == "assistant"
+        self.messages.pop()
+        self.as_generated = ""
+        return self._respond(None, n)
+
+    def undo(self):
+        last = max(i for i, m in enumerate(self.messages) if m["role"] == "user")
+        del self.messages[last:]
+        self.as_generated = ""
+
+    def _respond(self, own, n):
+        if self.keep and own is not None and self.as_generated:
+            target = self.as_generated + self.pieces["roles"]["assistant"]["suffix"] + own
+        else:
+            target = self.render(self.messages, True)
+        refed = not target.startswith(self.held)
+        if refed:
+            self.runner.reset()
+            self.held, self.position = "", 0
+        self.target = target  # what the state holds when the reply begins (for the test's check)
+        delta = target[len(self.held) :]
+        stopped = ["length"]
+
+        def on_piece(p):
+            if stopped[0] == "length" and p in self.stop_texts:
+                stopped[0] = "eos"
+            return stopped[0] == "length"
+
+        pieces, prompt_tokens, generated = self.continue_with(delta, n, on_piece)
+        self.position += prompt_tokens + generated
+        reply = "".join(p for p in (pieces[: next((i for i, p in enumerate(pieces) if p in self.stop_texts),
+                                                   len(pieces))]))  # fmt: skip
+        fed = pieces if self.mutate == "all_fed" else pieces[:-1]
+        self.held += delta + "".join(fed)
+        self.as_generated = target + reply
+        self.messages.append({"role": "assistant", "content": reply})
+        return {"text": reply, "stopped": stopped[0], "prefill_tokens": prompt_tokens, "refed": refed}
+
+
+def _executorch_conversation(bundle: Path, spec: dict, keep_generated: bool, mutate: str | None = None):
+    """send, send, retry, send, undo, send on the runner: (reply, tokens the runner holds, tokens of the text the chat
+    takes it to hold, the text the state held when the reply began) after each turn."""
+    from deltaship.bundle.reader import read_manifest
+    from deltaship.runtimes.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(bundle, read_manifest(bundle))
+    chat = _ExecuTorchChatReplay(bundle, spec, keep_generated, mutate)
+    steps = []
+    for op, text in (("send", "a"), ("send", "b"), ("retry", None), ("send", "c"), ("undo", None), ("send", "d")):
+        if op == "undo":
+            chat.undo()
+            continue
+        reply = chat.send(text, 6) if op == "send" else chat.retry(6)
+        steps.append((reply, chat.position, len(tok.encode(chat.held)), chat.target))
+    return steps
+
+
+@pytest.mark.slow
+def test_executorch_kotlin_chat_on_the_llm_runner(android_bundles, tmp_path):
+    """DeltashipExecuTorchChat.kt's loop, replayed from KitSpec.kt on ExecuTorch's own LLM runner (the C++ runner
+    LlmModule wraps): with keepGenerated = false every reply and every token the runner holds are deltaship's Python
+    chat's on the same bundle (retry and undo feed the history again); with keepGenerated = true (the default) each
+    reply is the greedy continuation of exactly what the runner holds, a turn feeds its own text only, and retry and
+    undo feed the history again. The spec check passes (pieces, stop texts, names). Taking the runner to have fed
+    its last piece (it never does) puts the held tokens one off and fails."""
+    from deltaship.apps.kotlin import parse_kit_spec
+    from deltaship.chat import Chat
+    from deltaship.targets import open_bundle
+
+    bundle = android_bundles["executorch"]
+    write_kit(bundle, tmp_path / "kit", "android")
+    assert check_kotlin_kit(tmp_path / "kit", bundle) == []
+    spec = parse_kit_spec(_kotlin_sources(tmp_path / "kit")["KitSpec.kt"])
+    assert spec["chat"]["stop_texts"] == ["<|endoftext|>", "<|im_end|>"]
+
+    exact = _executorch_conversation(bundle, spec, keep_generated=False)
+    py = Chat(bundle, system="Code.", threads=1)
+    want = []
+    for op, text in (("send", "a"), ("send", "b"), ("retry", None), ("send", "c"), ("undo", None), ("send", "d")):
+        if op == "undo":
+            py.undo()
+            continue
+        r = py.send(text, max_new_tokens=6) if op == "send" else py.retry(max_new_tokens=6)
+        want.append((r.text, len(py.ids)))
+    for k, ((reply, position, held, _), (text, ids)) in enumerate(zip(exact, want)):
+        assert reply["text"] == text and position == held == ids, f"turn {k}: {reply} {position} {held}: {text} {ids}"
+        assert reply["refed"] == (k > 0)  # the Qwen template drops each past generation prompt's <think>: fed again
+
+    kept = _executorch_conversation(bundle, spec, keep_generated=True)
+    session = open_bundle(bundle, threads=1)
+    tok = py.tokenizer
+    for k, (reply, position, held, target) in enumerate(kept):
+        assert position == held, f"turn {k}: the runner holds {position} tokens, the chat's text {held}"
+        session.reset()
+        out = session.generate(tok.encode(target), 6, stop_at_eos=False).output_ids
+        assert tok.decode(out).startswith(reply["text"]) and reply["text"], f"turn {k}"
+    assert [r["refed"] for r, *_ in kept] == [False, False, True, False, True]  # retry, and the turn after undo
+    assert kept[1][0]["prefill_tokens"] < len(tok.encode(kept[1][3])) - len(tok.encode(kept[0][3]))  # its own text
+
+    broken = _executorch_conversation(bundle, spec, keep_generated=True, mutate="all_fed")
+    assert any(position != held for _, position, held, _ in broken)

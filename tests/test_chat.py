@@ -22,6 +22,7 @@ import pytest
 
 from deltaship.chat import Chat
 from deltaship.chat.store import read_session_file
+from deltaship.check.inspect import describe, inspect
 from deltaship.errors import DeltashipError
 from deltaship.models.presets import PRESETS
 from deltaship.targets import open_bundle
@@ -106,6 +107,40 @@ def test_incremental_turns_equal_whole_render(bundle, preset, thinking):
     assert chat.template.render(chat.history, True, **chat.template_kwargs).endswith("<|im_start|>assistant\n" + tail)
 
 
+# a checkpoint's own template (Qwen2.5's form): a default system message when none is given, no thinking
+OWN_TEMPLATE = (
+    "{% if messages and messages[0]['role'] == 'system' %}{% set rest = messages[1:] %}<|im_start|>system\n"
+    "{{ messages[0]['content'] }}<|im_end|>\n{% else %}{% set rest = messages %}<|im_start|>system\nYou are helpful."
+    "<|im_end|>\n{% endif %}{% for m in rest %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_incremental_turns_on_a_checkpoints_own_template(tmp_path):
+    """A hidden-shape checkpoint (odd head counts, d_k != d_v) bringing its own tokenizer and a chat template in
+    tokenizer_config.json: the bundle carries them, and each turn feeds only what the template adds while the state
+    holds the whole history rendered at once (a fresh prefill's)."""
+    from helpers import set_json, write_checkpoint
+
+    from deltaship.compile import export
+    from deltaship.models.presets import write_tiny_tokenizer
+
+    ckpt = write_checkpoint("odd_heads", tmp_path / "ckpt", seed=3, vocab_size=260, eos_token_id=256)
+    write_tiny_tokenizer(ckpt)
+    (ckpt / "chat_template.jinja").unlink()
+    set_json(ckpt / "tokenizer_config.json", "chat_template", OWN_TEMPLATE)
+    out = tmp_path / "b"
+    export(str(ckpt), out, target="onnx", max_context=CONTEXT, verify=False, progress=False)
+    chat = Chat(out, threads=1)
+    for k, text in enumerate(["import os", "def f(x):", "class A:"]):
+        reply = chat.send(text, max_new_tokens=N, temperature=1.0, seed=k)
+        whole = chat.render_ids(chat.history[:-1], add_generation_prompt=True)
+        assert chat.ids[: reply.context_tokens] == whole
+        assert 0 < reply.prefill_tokens < len(whole) or k == 0
+    assert chat.tokenizer.decode(chat.ids).startswith("<|im_start|>system\nYou are helpful.<|im_end|>\n")
+    assert_state_is_fresh_prefill(chat)
+
+
 def test_think_block_of_past_turns_is_dropped(bundle, monkeypatch):
     """A reply with a <think> block: rendered as generated while it is the last turn, without the block once a
     user message follows; the chat restores the checkpoint before that reply and feeds it as the template
@@ -129,6 +164,13 @@ def test_think_block_of_past_turns_is_dropped(bundle, monkeypatch):
     # new turn
     assert second.prefill_tokens == second.context_tokens - len(chat.render_ids(chat.history[:1], False))
     assert_state_is_fresh_prefill(chat)
+
+
+def test_chat_refuses_a_session_without_state_access(bundle):
+    """onnxruntime-genai continues a sequence but keeps its states out of reach: a chat on it is refused at once."""
+    with pytest.raises(DeltashipError, match="no access to them") as e:
+        Chat(open_bundle(bundle, runtime="genai"))
+    assert "deltaship's own session" in e.value.fix
 
 
 def test_template_is_sandboxed():
@@ -190,6 +232,26 @@ def test_retry_and_undo_restore(bundle):
     assert chat.ids == [] and chat.history == [{"role": "system", "content": "Be brief."}]
     with pytest.raises(DeltashipError, match="nothing to"):
         chat.reset() or chat.undo()
+
+
+@pytest.mark.parametrize("mutation", ["skipped restore", "position kept after undo"])
+def test_retry_and_undo_checks_catch_a_broken_restore(bundle, monkeypatch, mutation):
+    """test_retry_and_undo_restore fails on a restore that does not write the DeltaNet states back, and on one that
+    leaves the position where it was (undo then keeps the dropped exchange's tokens in the state)."""
+    from deltaship.runtimes.base import Session
+    from deltaship.runtimes.onnx import OnnxSession
+
+    if mutation == "skipped restore":
+        monkeypatch.setattr(OnnxSession, "_write_states", lambda self, arrays: None)
+    else:
+
+        def restore(self, cp):  # the states written back, the position left where it was
+            self._write_states(cp.states)
+            self._rewinds.append(cp.position)
+
+        monkeypatch.setattr(Session, "restore", restore)
+    with pytest.raises(AssertionError):
+        test_retry_and_undo_restore(bundle)
 
 
 def test_context_full_stops_with_notice(bundle):
@@ -395,6 +457,58 @@ def test_executorch_checkpoint_restore(tiny_pte):
     assert chat.retry(max_new_tokens=6, temperature=1.0, seed=4).ids == r.ids
 
 
+def json_conversation_matches_generate(bundle: Path, tmp_path: Path, reload: bool = True) -> None:
+    """`deltaship chat --json --session FILE` (the command's function, in this process) over a scripted conversation,
+    sampled with one seed per reply: each reply is what a fresh session of the bundle generates from that turn's
+    history_ids; a turn feeds its own tokens (the system message was fed when the new session file was written);
+    /retry feeds only the generation prompt and gives the same reply; the session file, loaded into a new session,
+    continues with the tokens of a chat that never stopped (reload=False: that last part left out)."""
+    import io
+
+    from deltaship.commands.chat import chat as chat_command
+
+    path, n, seed = tmp_path / "talk.dschat", 4, {"temperature": 1.0, "seed": 3}
+
+    def run(script: str) -> list[dict]:
+        out = io.StringIO()
+        chat_command(bundle, system="Code.", session=path, max_new_tokens=n, json=True, threads=1,
+                     stdin=io.StringIO(script), stdout=out, **seed)  # fmt: skip
+        return [json.loads(line) for line in out.getvalue().splitlines()]
+
+    first = run("a\nb\n/retry\n")
+    later = run("c\n") if reload else []
+    fresh = open_bundle(bundle, threads=1)
+    for r in first + later:
+        fresh.reset()
+        want = fresh.generate(r["history_ids"], n, stop_at_eos=False, **seed).output_ids
+        assert r["reply_ids"] == want[: len(r["reply_ids"])] and r["reply_ids"]
+    a, b, retry = first
+    assert 0 < a["prefill_tokens"] < len(a["history_ids"])  # not the system message: the session file held it
+    # its own tokens, and the reply before it from its generation prompt on (the template drops the prompt's <think>)
+    assert 0 < b["prefill_tokens"] < len(b["history_ids"]) - len(a["history_ids"]) + 20
+    assert retry["reply_ids"] == b["reply_ids"] and retry["history_ids"] == b["history_ids"]
+    assert retry["prefill_tokens"] < b["prefill_tokens"]
+    if not reload:
+        return
+    (after_load,) = later
+    chat = Chat(open_bundle(bundle, threads=1), system="Code.")
+    for text in ("a", "b", None, "c"):
+        r = chat.send(text, max_new_tokens=n, **seed) if text else chat.retry(max_new_tokens=n, **seed)
+    assert after_load["reply_ids"] == r.ids and after_load["history_ids"] == chat.ids[: r.context_tokens]
+
+
+@pytest.mark.slow
+def test_executorch_chat_json_conversation(tiny_pte, tmp_path):
+    json_conversation_matches_generate(tiny_pte("fp32"), tmp_path)
+
+
+@pytest.mark.slow
+def test_coreml_chat_json_conversation(tiny_coreml_mtp, tmp_path):
+    """Core ML through the Linux evaluator, every state an io tensor (fp32); the reload is left out (its evaluator
+    is slow; a saved session's reload is tested on ONNX and ExecuTorch)."""
+    json_conversation_matches_generate(tiny_coreml_mtp("fp32"), tmp_path, reload=False)
+
+
 def test_chat_does_not_import_torch(bundle, tmp_path):
     code = (
         "import sys; from deltaship.chat import Chat; "
@@ -460,6 +574,9 @@ def test_shipped_prompt_cache(tmp_path):
     assert cached.session.position == record["tokens"]
     other = Chat(out, system="Something else.", threads=1)
     assert other.ids == []
+    shown = describe(inspect(out))
+    assert f"chat        prompt cache {PROMPT_CACHE_FILE} (" in shown and f"{record['tokens']} tokens" in shown
+    assert repr(system) in shown
 
     # the CLI takes the cache's system message when given none
     run = _cli("chat", str(out), "--json", "--max-new-tokens", str(N), stdin="import os\n")

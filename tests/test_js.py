@@ -452,11 +452,19 @@ def _python_chat(bundle: Path, script: str, *args: str) -> list[dict]:
     return _records(run.stdout)
 
 
-def _node_chat(node: str, bundle: Path, pieces: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def py_chat(tiny) -> list[dict]:
+    """`deltaship chat --json` over CHAT_SCRIPT with the system message "Code." on the fp32 bundle (run once)."""
+    return _python_chat(tiny["fp32"], CHAT_SCRIPT, "--system", "Code.")
+
+
+def _node_chat(
+    node: str, bundle: Path, pieces: Path, script: str, *args: str, pkg: Path = PKG
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [node, "examples/chat.mjs", str(bundle), "--pieces", str(pieces), "--json", "--max-new-tokens", str(CHAT_N),
          "--check-state", *args],
-        cwd=PKG, input=script, text=True, capture_output=True, timeout=300,
+        cwd=pkg, input=script, text=True, capture_output=True, timeout=300,
     )  # fmt: skip
 
 
@@ -471,13 +479,13 @@ def _assert_same_turns(js: list[dict], py: list[dict]) -> None:
     assert any(len(set(r.get("reply_ids", []))) > 3 for r in py)  # a trained model, not a constant
 
 
-def test_node_chat_matches_deltaship_chat(node, tiny, tmp_path):
+def test_node_chat_matches_deltaship_chat(node, tiny, py_chat, tmp_path):
     """JS `Chat` (send, send, retry, undo, send, with a save and a load of the conversation after the first turn)
     gives `deltaship chat --json`'s tokens turn by turn: reply, history held, tokens fed. Mutation checked by hand:
     with `Session.restore` not writing the DeltaNet states back (core.js `this.writeStates(cp.states)` removed), the
     retry's state_diff is 0.16, its reply differs, and this test fails."""
     bundle, pieces = tiny["fp32"], _chat_json(tiny["fp32"], tmp_path)
-    py = _python_chat(bundle, CHAT_SCRIPT, "--system", "Code.")
+    py = py_chat
     saved = tmp_path / "talk.dschat"
     script = CHAT_SCRIPT.replace("import os\n", f"import os\n/save {saved}\n/load {saved}\n")
     run = _node_chat(node, bundle, pieces, script, "--system", "Code.")
@@ -507,6 +515,38 @@ def test_node_chat_matches_deltaship_chat(node, tiny, tmp_path):
     _assert_same_turns(_records(run.stdout), py)
 
 
+# a copy of the package with one change to its chat: the change, in (file, text, replacement)
+JS_CHAT_MUTATIONS = {
+    "skipped restore": ("core.js", "    this.writeStates(cp.states);\n", ""),  # the DeltaNet states stay as they were
+    "position after undo": ("chat.js", "ids.length = turn.before.position;", "ids.length = turn.before.position - 1;"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(JS_CHAT_MUTATIONS))
+def test_node_chat_mutations_are_caught(node, tiny, py_chat, tmp_path, mutation):
+    """The node chat check fails on a broken chat: a restore that does not write the DeltaNet states back (retry and
+    the rewritten past feed on top of the reply), or an undo leaving the held tokens one off the state's position."""
+    import shutil
+
+    pkg = tmp_path / "js"
+    for part in ("src", "examples"):
+        shutil.copytree(PKG / part, pkg / part)
+    shutil.copy(PKG / "package.json", pkg / "package.json")
+    (pkg / "node_modules").symlink_to(PKG / "node_modules")
+    name, old, new = JS_CHAT_MUTATIONS[mutation]
+    source = (pkg / "src" / name).read_text()
+    assert source.count(old) == 1
+    (pkg / "src" / name).write_text(source.replace(old, new))
+    bundle, pieces = tiny["fp32"], _chat_json(tiny["fp32"], tmp_path)
+    run = _node_chat(node, bundle, pieces, CHAT_SCRIPT, "--system", "Code.", pkg=pkg)
+    try:
+        assert run.returncode == 0, run.stderr
+        _assert_same_turns(_records(run.stdout), py_chat)
+    except (AssertionError, TypeError):  # TypeError: a state check that could not compare (null)
+        return
+    pytest.fail(f"the {mutation} mutation was not caught")
+
+
 def test_node_chat_starts_from_the_shipped_prompt_cache(node, tmp_path):
     """A bundle exported with --prompt-cache: the JS chat starts from prompt_cache.safetensors (its first turn feeds
     only its own tokens) and gives deltaship chat's tokens."""
@@ -524,7 +564,7 @@ def test_node_chat_starts_from_the_shipped_prompt_cache(node, tmp_path):
     assert js[0]["prefill_tokens"] == len(js[0]["history_ids"]) - cached and cached > 0
 
 
-def test_chromium_chat_matches_deltaship_chat(node, tiny, tmp_path):
+def test_chromium_chat_matches_deltaship_chat(node, tiny, py_chat, tmp_path):
     """The same conversation in headless Chromium (wasm): the saved conversation goes through a Blob and back."""
     from deltaship.bundle import read_manifest
     from deltaship.chat.pieces import bundle_pieces
@@ -534,7 +574,7 @@ def test_chromium_chat_matches_deltaship_chat(node, tiny, tmp_path):
             "script": script}  # fmt: skip
     report = _browser_run(node, tiny, "fp32", "wasm", tmp_path, [], query={"n": CHAT_N, "chat": json.dumps(chat)})
     assert "error" not in report, report["error"]
-    _assert_same_turns(report["records"], _python_chat(tiny["fp32"], CHAT_SCRIPT, "--system", "Code."))
+    _assert_same_turns(report["records"], py_chat)
 
 
 def test_node_chat_continues_a_deltaship_chat_session_file(node, tiny, tmp_path):

@@ -18,10 +18,12 @@ from typing import Any
 from deltaship.apps import kit_name
 from deltaship.chat.pieces import KIT_FIELDS, bundle_pieces, kit_fields
 from deltaship.errors import DeltashipError
+from deltaship.runtimes.tokenizer import load_tokenizer
 from deltaship.targets import on_platform
 
 TEMPLATES = Path(__file__).parent / "templates" / "kotlin"
 BUNDLE_FILES = "BundleFiles.kt"  # safePath(bundleDir, name): every driver opens the bundle's files through it
+CHAT_PIECES = "ChatPieces.kt"  # the class KitSpec.CHAT is, in every kit (CHAT is null without a chat template)
 PACKAGE = "ai.deltaship.kit"
 SOURCE_DIR = "src/main/kotlin/ai/deltaship/kit"
 _DTYPES = {
@@ -71,7 +73,12 @@ def kit_spec(bundle: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _executorch_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], tools: dict[str, str]) -> dict:
-    return {**common, "runtime": "executorch", "gradle": [f"org.pytorch:executorch-android:{tools['executorch']}"]}
+    chat = _chat_spec(bundle, manifest)  # None: no chat template in the bundle (no DeltashipExecuTorchChat.kt)
+    if chat is not None:  # the runner gives text pieces, not ids: the chat stops it at its stop ids' texts
+        tok = load_tokenizer(bundle, manifest)
+        chat["stop_texts"] = sorted({tok.decode([i]) for i in chat["stop_ids"]})
+    return {**common, "runtime": "executorch", "chat": chat,
+            "gradle": [f"org.pytorch:executorch-android:{tools['executorch']}"]}  # fmt: skip
 
 
 def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], tools: dict[str, str]) -> dict:
@@ -191,7 +198,10 @@ def render_kit_spec(spec: dict[str, Any]) -> str:
             for s in spec["states"]
         ]
         lines += ["    )"]
-        lines += _render_chat(spec.get("chat"))
+    else:  # ExecuTorch's runner: the texts it emits for the chat's stop ids
+        texts = (spec.get("chat") or {}).get("stop_texts", [])
+        lines += ["    val STOP_TEXTS = setOf<String>(" + ", ".join(_kotlin_string(t) for t in texts) + ")"]
+    lines += _render_chat(spec.get("chat"))
     lines += ["}", ""]
     return "\n".join(lines)
 
@@ -294,7 +304,12 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
             }
             for m in _STATE.finditer(text)
         ]
-        out["chat"] = _parse_chat(text)
+    else:
+        texts = re.search(r"val STOP_TEXTS = setOf<String>\((.*)\)$", text, re.M)
+        stop_texts = json.loads("[" + texts.group(1).replace("\\$", "$") + "]") if texts else None
+    out["chat"] = _parse_chat(text)
+    if out["chat"] is not None and "tokens" not in out:
+        out["chat"]["stop_texts"] = stop_texts
     return out
 
 
@@ -314,8 +329,8 @@ def generate(bundle: Path, manifest: dict[str, Any], out: Path) -> dict[str, Any
         + (["DeltashipChat.kt"] if spec.get("chat") else [])
         + (["DeltashipGenAiModel.kt"] if "genai" in spec else [])
         if spec["runtime"] == "onnxruntime"
-        else ["DeltashipExecuTorchModel.kt"]
-    )
+        else ["DeltashipExecuTorchModel.kt"] + (["DeltashipExecuTorchChat.kt"] if spec.get("chat") else [])
+    ) + [CHAT_PIECES]
     for d in drivers + [BUNDLE_FILES]:
         shutil.copyfile(TEMPLATES / d, src / d)
     (src / "KitSpec.kt").write_text(render_kit_spec(spec))
@@ -371,6 +386,27 @@ dependencies {{
 """
 
 
+def _executorch_chat_readme(spec: dict[str, Any]) -> str:
+    if not spec.get("chat"):
+        return ""
+    return """
+## Chat (DeltashipExecuTorchChat.kt), as far as the runner's API allows
+```kotlin
+val chat = DeltashipExecuTorchChat(model, system = "Be brief.")  // KitSpec.CHAT: the template's pieces per role
+val reply = chat.send("Hello", maxNewTokens = 64) { piece -> print(piece) }  // text, stopped, prefillTokens, refed
+chat.retry(); chat.undo()                         // both feed the history again (the runner cannot go back)
+val kept = chat.messages.toList(); chat.load(kept) // keep the messages; the next turn feeds them again
+```
+`LlmModule` keeps its position between `generate()` calls, so each turn feeds only the text the state lacks (the end
+of the last reply, the new message, the generation prompt). Its API has no checkpoint, no rewind and no access to the
+state: retry and undo cost a prefill of the history, a saved conversation is its messages, the shipped prompt cache
+is not used, and a reply stays in the state as generated (`keepGenerated = false` feeds the history again as the
+template renders it whenever they differ, e.g. every turn with a template that drops past `<think>` blocks). The
+chat stops the runner at `KitSpec.STOP_TEXTS` (the texts of the template's end-of-turn and end-of-sequence tokens).
+For checkpoints, saved states and the prompt cache, export an ONNX bundle (`DeltashipChat` over onnxruntime-android).
+"""
+
+
 def readme(name: str, manifest: dict[str, Any], spec: dict[str, Any], drivers: list[str], deps: list[str]) -> str:
     model, target = manifest["source"]["model"], spec["target"]
     dep_lines = "\n".join(f'implementation("{d}")' for d in deps)
@@ -420,13 +456,13 @@ model.close()
   `llama::gated_delta_rule`) and XNNPACK. The Android build preset of ExecuTorch
   (`tools/cmake/preset/android.cmake`) turns on `EXECUTORCH_BUILD_KERNELS_LLM`, so the published AAR
   should register them (not checked on a device); a custom AAR needs them too.
-- Prompts are used as given: apply the chat template yourself, or use `DeltashipChat` (below). `reset()` forgets
-  the conversation.
+- Prompts are used as given: apply the chat template yourself, or chat with `DeltashipExecuTorchChat` (below).
+  `reset()` forgets the conversation.
 - The runner splits a prompt into calls of `get_max_seq_len` tokens; a .pte whose `get_max_seq_len` is the
   context rather than the prefill chunk ({spec["prefill_chunk"]}) fails on prompts longer than the chunk
   (ExecuTorch's error: "Attempted to resize a bounded tensor"). Read the value in Python with
   `executorch.runtime.Runtime.get().load_program(pte).load_method("get_max_seq_len").execute([])`.
-"""
+{_executorch_chat_readme(spec)}"""
         )
     genai = ""
     if "genai" in spec:

@@ -76,6 +76,12 @@ class Chat:
         else:
             self.session = open_bundle(session_or_bundle, threads=threads)
         s = self.session
+        if not s.can_checkpoint():  # each turn takes two checkpoints; retry and undo restore them
+            raise DeltashipError(
+                f"{s.runtime_name()}: a chat copies the session's DeltaNet states at each turn, and this runtime "
+                "gives no access to them",
+                "chat with deltaship's own session of the bundle (drop --runtime genai)",
+            )
         if tokenizer is None:
             try:
                 tokenizer = load_tokenizer(s.bundle, s.manifest)

@@ -141,6 +141,14 @@ def _describe(info: dict[str, Any]) -> str:
     tok = m.get("tokens", {})
     lines.append("tokens      " + ", ".join(f"{k}={v}" for k, v in tok.items() if v not in (None, [])))
     lines.append(f"tokenizer   {', '.join(m['tokenizer']['files']) or 'none'}")
+    cache = (m.get("chat") or {}).get("prompt_cache")
+    if cache:  # export --prompt-cache: the state after a system message, which a chat with it starts from
+        size = m["files"].get(cache["file"], {}).get("bytes", 0) / 2**20
+        system = cache["system"] if len(cache["system"]) <= 60 else cache["system"][:57] + "..."
+        lines.append(
+            f"chat        prompt cache {cache['file']} ({size:.2f} MiB): {cache['tokens']} tokens of the system "
+            f"message {system!r}" + (f", template {cache['template_kwargs']}" if cache.get("template_kwargs") else "")
+        )
     lines.append("passes")
     for p in m["passes"]:
         counts = ", ".join(f"{k} {v}" for k, v in p["counts"].items())

@@ -94,6 +94,11 @@ class Session(ABC):
         """The manifest entries of the fixed-size states a checkpoint copies (DeltaNet conv and recurrent)."""
         return [s for s in self.manifest["states"] if s["kind"].startswith("deltanet")]
 
+    def can_checkpoint(self) -> bool:
+        """Whether this session can copy its states out and back (checkpoint, restore, saved chats): a runtime that
+        keeps them out of reach (onnxruntime-genai's own buffers) cannot."""
+        return type(self)._read_states is not Session._read_states
+
     def checkpoint(self) -> Checkpoint:
         """The sequence's state now: one copy of the DeltaNet states (no KV cache) and the position."""
         names = [s["name"] for s in self.deltanet_states()]

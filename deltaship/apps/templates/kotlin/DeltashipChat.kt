@@ -12,16 +12,6 @@ import java.security.MessageDigest
 import org.json.JSONArray
 import org.json.JSONObject
 
-/** The chat template as pieces per role (deltaship/chat/pieces.py; checked against the template there). */
-class ChatPieces(
-    val start: String, val systemPrefix: String, val systemSuffix: String, val userPrefix: String,
-    val userSuffix: String, val assistantPrefix: String, val assistantSuffix: String,
-    val generationPrompt: String, val generationPromptNoThinking: String, val dropThink: Boolean,
-    val stopIds: Set<Int>, val promptCacheFile: String?,
-)
-
-class Message(val role: String, val content: String)
-
 class Reply(val text: String, val ids: IntArray, val stopped: String, val prefillTokens: Int)
 
 class DeltashipChat(
@@ -46,23 +36,7 @@ class DeltashipChat(
         reset()
     }
 
-    fun render(msgs: List<Message>, generationPrompt: Boolean): String {
-        val out = StringBuilder(pieces.start)
-        for (m in msgs) {
-            var content = m.content
-            if (m.role == "assistant" && pieces.dropThink && content.contains(THINK_CLOSE)) {
-                content = content.substringAfterLast(THINK_CLOSE).trimStart('\n')
-            }
-            when (m.role) {
-                "system" -> out.append(pieces.systemPrefix).append(content).append(pieces.systemSuffix)
-                "user" -> out.append(pieces.userPrefix).append(content).append(pieces.userSuffix)
-                "assistant" -> out.append(pieces.assistantPrefix).append(content).append(pieces.assistantSuffix)
-                else -> throw IllegalArgumentException("unsupported role ${m.role}: system, user and assistant only")
-            }
-        }
-        if (generationPrompt) out.append(if (thinking) pieces.generationPrompt else pieces.generationPromptNoThinking)
-        return out.toString()
-    }
+    fun render(msgs: List<Message>, generationPrompt: Boolean): String = renderChat(pieces, msgs, generationPrompt, thinking)
 
     private fun renderIds(msgs: List<Message>, generationPrompt: Boolean) = tokenizer.encode(render(msgs, generationPrompt)).toList()
 
@@ -320,7 +294,6 @@ class DeltashipChat(
 
     companion object {
         const val FORMAT = "deltaship-chat-session"
-        const val THINK_CLOSE = "</think>"
         const val KEEP_TURNS = 16
         private val ST_DTYPES = mapOf(DType.FLOAT32 to "F32", DType.FLOAT16 to "F16", DType.INT8 to "I8", DType.UINT8 to "U8",
             DType.INT32 to "I32", DType.INT64 to "I64")

@@ -7,6 +7,7 @@ import org.pytorch.executorch.extension.llm.LlmCallback
 import org.pytorch.executorch.extension.llm.LlmGenerationConfig
 import org.pytorch.executorch.extension.llm.LlmModule
 import java.io.File
+import org.json.JSONObject
 
 /**
  * A deltaship ExecuTorch bundle run by ExecuTorch's Android LLM API (text in, text pieces out; the
@@ -40,10 +41,42 @@ class DeltashipExecuTorchModel(bundleDir: File, temperature: Float = 0f) : AutoC
         return text.toString()
     }
 
+    /** What one call of the runner did: the text pieces it emitted and the tokens it fed (its stats). */
+    class Continued(val pieces: List<String>, val promptTokens: Int, val generatedTokens: Int)
+
+    /**
+     * Feeds [prompt] after what the runner's state holds (its position carries over between calls until [reset]) and
+     * generates; [onPiece] gets each piece and returns false to stop. The runner feeds every piece but the last
+     * (the token it sampled last), and a stop asked at the first piece takes effect one piece later.
+     */
+    fun continueWith(prompt: String, maxNewTokens: Int, temperature: Float = 0f, onPiece: (String) -> Boolean): Continued {
+        val pieces = ArrayList<String>()
+        var stats: String? = null
+        var failure: String? = null
+        val config = LlmGenerationConfig.create().echo(false).maxNewTokens(maxNewTokens).temperature(temperature).build()
+        module.generate(prompt, config, object : LlmCallback {
+            override fun onResult(result: String) {
+                pieces.add(result)
+                if (!onPiece(result)) module.stop()  // stop() takes no lock: callable from the callback
+            }
+
+            override fun onStats(result: String) {
+                stats = result
+            }
+
+            override fun onError(errorCode: Int, message: String) {
+                failure = "ExecuTorch error $errorCode: $message"
+            }
+        })
+        failure?.let { throw IllegalStateException("$it (a full context: undo or reset the conversation, or export with a larger --max-context)") }
+        val counts = JSONObject(stats ?: throw IllegalStateException("ExecuTorch's runner reported no stats"))
+        return Continued(pieces, counts.getInt("prompt_tokens"), counts.getInt("generated_tokens"))
+    }
+
     /** Stops a generation running on another thread. */
     fun stop() = module.stop()
 
-    /** Forgets the conversation. */
+    /** Forgets the conversation: the runner's position goes back to 0 (the program drops its states there). */
     fun reset() = module.resetContext()
 
     override fun close() = module.close()

@@ -256,6 +256,7 @@ def _sizes(source: str, target: str, precision: str, context: int, chunk: int) -
     return {
         "w": weight_bytes(spec, target, precision),
         "act": activation_bytes(spec, target, precision, context, chunk, all_layers=True),
+        "act_one_layer": activation_bytes(spec, target, precision, context, chunk),  # the plan's unmeasured formula
         "states": state_bytes(spec, target, precision, context),
     }
 
@@ -322,20 +323,21 @@ def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str,
             cand = factors[near]  # a small model's fixed session costs would read as a large factor per weight byte
         w_measured, wf, af, lf, src = cand
         if w_measured < SMALL:  # only a small model: its fixed costs go to the runtime term, weights count as stored
-            wf, af, lf, src = 1.0, 1.0, 1.0, f"weights as stored, activations as the formula ({src} only)"
+            wf, af, lf, src = 1.0, None, 1.0, f"weights as stored ({src} only)"
         if af is None:  # the load peak hid the prefill's: the activation factor of another precision of the target
             af = next((f[2] for (t, _), f in sorted(factors.items()) if t == b["target"] and f[2] is not None), None)
-        if af is None:  # no prefill growth measured at a size that shows it: the formula as it stands
-            af, src = 1.0, f"{src}, activations as the formula"
+        if af is None:  # no prefill growth measured at a size that shows it: the estimate's formula (one layer)
+            src = f"{src}, activations as estimated"
         peak = next(r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes")
         chunk = min(max(doc["config"]["prompt_lengths"]), b["prefill_chunk"])
         z = _sizes(b["source"], b["target"], b["precision"], b["max_context"], chunk)
-        runtime = peak - max(wf * z["w"] + z["states"] + af * z["act"], lf * z["w"])
+        act = af * z["act"] if af is not None else z["act_one_layer"]
+        runtime = peak - max(wf * z["w"] + z["states"] + act, lf * z["w"])
         lines += [
             f"[{b['target']}.{b['precision']}]",
             f"runtime_bytes = {int(runtime)}",
             f"weights_factor = {wf:.4f}",
-            f"activation_factor = {af:.4f}",
+            *([f"activation_factor = {af:.4f}"] if af is not None else []),
             f"load_factor = {lf:.4f}",
             f"host_bytes = {host.get(b['target'], 0)}",
             f'from = "factors: {src}; runtime: {b["source"]} {b["precision"]} profile peak"',

@@ -74,7 +74,7 @@ class MemoryTerms:
     activation_factor: float
     source: str
     load_factor: float = 1.0
-    measured: bool = False
+    measured: bool = False  # the activations measured: activation_factor scales every layer's (activation_bytes)
     # the part of runtime_bytes that deltaship's Python driver loads and an app does not: the interpreter and, for
     # ExecuTorch, torch (the pybindings link libtorch; an app links the C++ runtime alone). `profile` measures a
     # process that has it; a device tier's plan leaves it out.
@@ -101,10 +101,10 @@ def memory_terms(target: Target | str, precision: str) -> MemoryTerms:
     return MemoryTerms(
         int(row["runtime_bytes"]),
         float(row["weights_factor"]),
-        float(row["activation_factor"]),
+        float(row.get("activation_factor", 1.0)),
         f"measured {machine.get('date', '?')} on {machine.get('name', '?')} ({row.get('from', '')})",
         float(row.get("load_factor", row["weights_factor"])),
-        True,
+        "activation_factor" in row,  # without one, the activations stay the estimate's (one layer's)
         int(row.get("host_bytes", 0)),
     )
 

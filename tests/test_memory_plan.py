@@ -30,10 +30,37 @@ def test_plan_is_within_ten_percent_of_the_measured_peak_rss(shared_export, prec
     assert f"measured {m['peak_rss_bytes'] / 2**30:.3f} GiB, plan {m['total_bytes'] / 2**30:.3f} GiB" in text
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_executorch_plan_is_within_ten_percent_of_the_measured_peak_rss(tiny_pte, precision):
+    """The ExecuTorch rows, on the tiny preset's programs the ExecuTorch tests share (context 128, prefill chunk 16,
+    the MTP head beside `forward`): `profile`'s process is deltaship's Python driver, torch included."""
+    doc = profile(tiny_pte(precision), threads=2, **dict(WORKLOAD, prompt_lengths=[64]))
+    m = doc["memory_plan"]
+    assert m["terms"].startswith("measured"), m["terms"]
+    assert abs(m["plan_over_measured"] - 1) <= 0.10, m
+
+
 def test_unmeasured_terms_say_they_are_estimates():
-    assert memory_terms("onnx", "int4").source.startswith("measured")
-    terms = memory_terms("coreml", "int4")  # no Core ML runtime here: nothing measured
+    for target in ("onnx", "executorch"):
+        for precision in ("fp32", "fp16", "int8", "int4"):
+            assert memory_terms(target, precision).source.startswith("measured"), (target, precision)
+    terms = memory_terms("coreml", "int4")  # Core ML runs here only in a Linux evaluator: nothing a phone would see
     assert terms.source.startswith("estimate") and terms.weights_factor == 1.0
+
+
+def test_a_device_tiers_plan_leaves_out_the_python_drivers_bytes():
+    """ExecuTorch's measured runtime term holds torch (deltaship's Python driver loads it through the pybindings; an
+    app links the C++ runtime alone): `profile`'s plan (the host process) counts it, a tier's plan does not."""
+    from deltaship.devices.catalog import get_tier
+    from deltaship.devices.plan import estimate
+    from deltaship.models.source import load_source
+
+    spec, tier = load_source("qwen3.5-0.8b").spec, get_tier("phone-4gb")
+    terms = memory_terms("executorch", "int4")
+    assert terms.host_bytes > 100 << 20  # torch's libraries, resident once imported
+    app = estimate(spec, tier, "executorch", "int4", 1024)
+    driver = estimate(spec, tier, "executorch", "int4", 1024, host_driver=True)
+    assert driver.total_bytes - app.total_bytes == terms.host_bytes == driver.runtime_bytes - app.runtime_bytes
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
@@ -101,3 +128,25 @@ def test_cpu_prefill_gives_the_arena_back_and_decode_does_not(shared_export):
     s.decode(5)
     assert seen[0] is not None and seen[0].get_run_config_entry("memory.enable_memory_arena_shrinkage") == "cpu:0"
     assert seen[1] is None
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_tied_quantized_embedding_gathers_from_the_lm_heads_own_table(shared_export, tmp_path, precision):
+    """No second resident copy of a tied, quantized LM head: after ONNX Runtime's graph optimizations (constant
+    folding included) the embedding's GatherBlockQuantized reads the very initializer the LM head's MatMulNBits
+    packs (a Reshape of it in between was folded into a copy: 0.12 GiB at 0.8B int4)."""
+    import onnx
+    import onnxruntime as ort
+
+    from deltaship.runtimes.onnx_io import session_options
+
+    bundle = shared_export(
+        f"memory-plan-tiny-onnx-{precision}", "qwen3.5-tiny", target="onnx", precision=precision, verify=False
+    )
+    opts = session_options(ort, 1, None)
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(bundle / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+    graph = onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False).graph
+    gathers = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    packed_heads = {n.input[1] for n in graph.node if n.op_type == "MatMulNBits"}
+    assert len(gathers) == 1 and gathers[0].input[0] in packed_heads, [list(n.input) for n in gathers]

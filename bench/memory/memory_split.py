@@ -104,13 +104,21 @@ def worker(a) -> int:
     import numpy as np  # noqa: F401  (step 2; imported here so that step 1 is bare Python)
 
     steps: list[dict] = []
-    needles: dict[str, str] = {"weights_file": "", "ort_library": "libonnxruntime"}
+    # runtime_library: the runtime's own shared objects (an app links them too); the rest of the process up to the
+    # runtime's import is the host's (the interpreter, numpy, torch for ExecuTorch): --fit's host_bytes
+    needles: dict[str, str] = {"weights_file": "", "runtime_library": "/onnxruntime/capi/"}
 
     def step(name: str, **extra) -> None:
         steps.append({"step": name, **status(), **rollup(), **mapped_rss(needles), **extra})
 
+    step.steps, step.needles = steps, needles
+
     # bare Python was recorded by the caller's argv handling below; numpy is already in
     step("import numpy")
+    bundle = Path(a.bundle)
+    entry = json.loads((bundle / "manifest.json").read_text()).get("entry", "")
+    if entry.endswith(".pte"):  # an ExecuTorch program: its runtime (torch, the pybindings, the kernel libraries)
+        return executorch_worker(a, bundle, entry, step)
     import onnxruntime  # noqa: F401
 
     step("import onnxruntime")
@@ -119,7 +127,6 @@ def worker(a) -> int:
     from deltaship.targets import open_bundle
 
     step("import deltaship runtime")
-    bundle = Path(a.bundle)
     manifest = read_manifest(bundle)
     data = sorted(f.name for f in bundle.iterdir() if f.suffix == ".data")  # the external data file, if any
     needles["weights_file"] = str(bundle.resolve() / data[0]) if data else ""
@@ -157,6 +164,28 @@ def worker(a) -> int:
             step("onnxruntime session")
 
     onnxruntime.InferenceSession = Recorded
+    return run_session(a, bundle, manifest, open_bundle, step, steps)
+
+
+def executorch_worker(a, bundle: Path, entry: str, step) -> int:
+    """The same steps for an ExecuTorch bundle: its runtime's import (torch, the pybindings and the kernel libraries
+    the programs call), deltaship's session (the program loaded, XNNPACK's packed weights, the method's planned
+    buffers and states), then the prefills and decode steps."""
+    from deltaship.runtimes import executorch as et_rt
+
+    step.needles.update(weights_file=str((bundle / entry).resolve()), runtime_library="/executorch/")
+    et_rt.runtime()
+    step("import executorch runtime")
+    from deltaship.bundle.reader import read_manifest
+    from deltaship.targets import open_bundle
+
+    step("import deltaship runtime")
+    return run_session(a, bundle, read_manifest(bundle), open_bundle, step, step.steps)
+
+
+def run_session(a, bundle: Path, manifest: dict, open_bundle, step, steps: list[dict]) -> int:
+    import numpy as np
+
     t0 = time.monotonic()
     s = open_bundle(bundle, threads=a.threads, check_hashes=False, prefill_chunk=a.prefill_chunk)
     load_s = time.monotonic() - t0
@@ -188,11 +217,11 @@ def worker(a) -> int:
     return 0
 
 
-def run_worker(bundle: str, variant: str, a) -> dict:
+def run_worker(bundle: str, variant: str, a, chunk: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", bundle, "--variant", variant, "--threads", str(a.threads)]
     cmd += ["--prompt", str(a.prompt), "--gen", str(a.gen)]
-    if a.prefill_chunk:
-        cmd += ["--prefill-chunk", str(a.prefill_chunk)]
+    if chunk:
+        cmd += ["--prefill-chunk", str(chunk)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{bundle} {variant}: worker died ({out.returncode}): {out.stderr[-800:]}")
@@ -227,42 +256,58 @@ def _sizes(source: str, target: str, precision: str, context: int, chunk: int) -
     return {
         "w": weight_bytes(spec, target, precision),
         "act": activation_bytes(spec, target, precision, context, chunk, all_layers=True),
+        "act_one_layer": activation_bytes(spec, target, precision, context, chunk),  # the plan's unmeasured formula
         "states": state_bytes(spec, target, precision, context),
     }
 
 
-def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str) -> str:
+RUNTIME_IMPORTS = ("import onnxruntime", "import executorch runtime")
+SMALL = 64 << 20  # stored weights under this: a prefill's growth is too small to read a factor from
+
+
+def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str, skip: tuple[str, ...] = ()) -> str:
     """deltaship/devices/memory_terms.toml. Per (target, precision): the weights factor (resident bytes per stored
     byte once the session is open) and the activation factor (a prefill chunk's growth over the plan's
-    activation_bytes, states apart) from the split runs of the largest model; then the runtime term from
-    `deltaship profile --json` documents of the small model (its measured peak less the other terms), so that the
-    plan meets the measured peak at both sizes. A precision measured only small takes the factors of the target's
-    nearest measured precision (fp16 -> fp32, int8 -> int4)."""
+    activation_bytes, states apart) from the split run of the largest model (`skip`: bundles left out, e.g. a
+    "before" bundle); the host's bytes (the process up to the runtime's import, less the runtime's own shared
+    objects) per target; then the runtime term from `deltaship profile --json` documents of the small model (its
+    measured peak less the other terms), so that the plan meets the measured peak at both sizes. A precision
+    measured only small takes the factors of the target's nearest precision measured large (fp16 -> fp32, int8 ->
+    int4), and the activation factor, which a small model cannot show, that of another precision of the target; a
+    (target, precision) measured only small counts its weights as stored (its fixed session costs would read as a
+    large factor per weight byte) and leaves those costs to the runtime term."""
     from deltaship.bundle.reader import read_manifest
 
     factors: dict[tuple[str, str], tuple] = {}
+    host: dict[str, int] = {}
     for p in splits:
         for run in json.loads(p.read_text())["runs"]:
-            if run["variant"] != "default":
+            if run["variant"] != "default" or run["bundle"] in skip:
                 continue
             m = read_manifest(run["bundle"])
             steps = {st["step"]: st for st in run["steps"]}
             pre = steps["import deltaship runtime"]["VmRSS"]
             sess = steps["deltaship session (states, IOBinding)"]["VmRSS"]
-            chunk = min(run.get("prompt", 512), m["prefill_chunk"])
+            chunk = min(run.get("prompt", 512), run.get("prefill_chunk") or m["prefill_chunk"])
             z = _sizes(m["source"]["model"], m["target"], m["precision"], m["max_context"], chunk)
+            imported = next((steps[k] for k in RUNTIME_IMPORTS if k in steps), None)
+            if imported is not None and "runtime_library" in imported:
+                host[m["target"]] = imported["VmRSS"] - imported["runtime_library"]
             wf = (sess - pre) / z["w"]
             lf = (steps["deltaship session (states, IOBinding)"]["VmHWM"] - pre) / z["w"]
             # the prefill's growth: the peak after the session less the session, where the peak came after loading
             # (the arena gives its regions back after each prefill, so RSS afterwards does not show it)
             peak, at_load = run["steps"][-1]["VmHWM"], steps["deltaship session (states, IOBinding)"]["VmHWM"]
-            af = max(0.0, peak - sess - z["states"]) / z["act"] if peak > at_load else None
-            factors[(m["target"], m["precision"])] = (wf, af, lf, f"{m['source']['model']} {m['precision']}")
+            af = max(0.0, peak - sess - z["states"]) / z["act"] if peak > at_load and z["w"] >= SMALL else None
+            key = (m["target"], m["precision"])
+            if key not in factors or z["w"] >= factors[key][0]:
+                factors[key] = (z["w"], wf, af, lf, f"{m['source']['model']} {m['precision']}")
     lines = [
         "# Memory terms of `deltaship plan`, measured: bench/memory/memory_split.py --fit (docs/results/memory.md).",
         "# runtime_bytes: the process before any weight; weights_factor: resident bytes per stored weight byte once",
         "# loaded; activation_factor: a prefill chunk's measured growth over the plan's activation formula;",
-        "# load_factor: the peak while loading per stored weight byte (originals and prepacked copies at once).",
+        "# load_factor: the peak while loading per stored weight byte (originals and prepacked copies at once);",
+        "# host_bytes: the part of runtime_bytes that deltaship's Python driver loads and an app does not.",
         "[machine]",
         f'name = "{machine}"',
         f'date = "{time.strftime("%Y-%m-%d", time.gmtime())}"',
@@ -273,19 +318,28 @@ def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str)
         b = doc["bundle"]
         key = (b["target"], b["precision"])
         near = (b["target"], {"fp16": "fp32", "int8": "int4"}.get(b["precision"], b["precision"]))
-        wf, af, lf, src = factors.get(key) or factors[near]
+        cand = factors.get(key)
+        if cand is None or (cand[0] < SMALL and factors.get(near, (0,))[0] >= SMALL):
+            cand = factors[near]  # a small model's fixed session costs would read as a large factor per weight byte
+        w_measured, wf, af, lf, src = cand
+        if w_measured < SMALL:  # only a small model: its fixed costs go to the runtime term, weights count as stored
+            wf, af, lf, src = 1.0, None, 1.0, f"weights as stored ({src} only)"
         if af is None:  # the load peak hid the prefill's: the activation factor of another precision of the target
-            af = next(f[1] for (t, _), f in sorted(factors.items()) if t == b["target"] and f[1] is not None)
+            af = next((f[2] for (t, _), f in sorted(factors.items()) if t == b["target"] and f[2] is not None), None)
+        if af is None:  # no prefill growth measured at a size that shows it: the estimate's formula (one layer)
+            src = f"{src}, activations as estimated"
         peak = next(r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes")
         chunk = min(max(doc["config"]["prompt_lengths"]), b["prefill_chunk"])
         z = _sizes(b["source"], b["target"], b["precision"], b["max_context"], chunk)
-        runtime = peak - max(wf * z["w"] + z["states"] + af * z["act"], lf * z["w"])
+        act = af * z["act"] if af is not None else z["act_one_layer"]
+        runtime = peak - max(wf * z["w"] + z["states"] + act, lf * z["w"])
         lines += [
             f"[{b['target']}.{b['precision']}]",
             f"runtime_bytes = {int(runtime)}",
             f"weights_factor = {wf:.4f}",
-            f"activation_factor = {af:.4f}",
+            *([f"activation_factor = {af:.4f}"] if af is not None else []),
             f"load_factor = {lf:.4f}",
+            f"host_bytes = {host.get(b['target'], 0)}",
             f'from = "factors: {src}; runtime: {b["source"]} {b["precision"]} profile peak"',
             "",
         ]
@@ -303,8 +357,9 @@ def main() -> int:
             "--write-terms", type=Path, default=Path(__file__).parents[2] / "deltaship/devices/memory_terms.toml"
         )
         ap.add_argument("--machine", required=True)
+        ap.add_argument("--skip", nargs="*", default=[], help="bundles of the split runs to leave out")
         a = ap.parse_args()
-        print(fit_terms(a.fit, a.profiles, a.write_terms, a.machine))
+        print(fit_terms(a.fit, a.profiles, a.write_terms, a.machine, tuple(a.skip)))
         return 0
     if "--worker" in sys.argv:  # record bare Python before anything else is imported
         first = [{"step": "python", **status(), **rollup()}]
@@ -325,7 +380,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--prefill-chunk", type=int, help="tokens per prefill call (default: the bundle's)")
+    ap.add_argument(
+        "--prefill-chunk",
+        help="tokens per prefill call (default: the bundle's); a comma-separated list alternates them in each round",
+    )
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     variants = a.variants.split(",")
@@ -333,15 +391,21 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     runs = []
+    chunks = [int(c) for c in a.prefill_chunk.split(",")] if a.prefill_chunk else [None]
     for r in range(a.rounds):
         for b in a.bundles:
             for v in variants:
-                res = run_worker(b, v, a)
-                runs.append({"round": r, "bundle": b, "variant": v, "prompt": a.prompt, "gen": a.gen, **res})
-                print(table(b, v, res), flush=True)
-                print(
-                    f"  prefill {a.prompt}: {res['prefill_s']:.2f} s, decode {1 / res['tpot_s']:.1f} tok/s", flush=True
-                )
+                for c in chunks:
+                    res = run_worker(b, v, a, c)
+                    runs.append(
+                        {"round": r, "bundle": b, "variant": v, "prompt": a.prompt, "gen": a.gen, **res}
+                        | ({"prefill_chunk": c} if c else {})
+                    )
+                    print(table(b, v if c is None else f"{v}, chunk {c}", res), flush=True)
+                    print(
+                        f"  prefill {a.prompt}: {res['prefill_s']:.2f} s, decode {1 / res['tpot_s']:.1f} tok/s",
+                        flush=True,
+                    )
     if a.json:
         doc = {
             "command": "python " + " ".join(sys.argv),

@@ -77,7 +77,10 @@ class Genai:
         import onnxruntime_genai as og
 
         self.og = og
-        self.model = og.Model(path)
+        config = og.Config(path)
+        # a bundle's genai_config.json may leave the threads to ONNX Runtime (every core): the same as the others
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
 
     def prefill(self, ids):
         params = self.og.GeneratorParams(self.model)

@@ -74,7 +74,11 @@ class MemoryTerms:
     activation_factor: float
     source: str
     load_factor: float = 1.0
-    measured: bool = False
+    measured: bool = False  # the activations measured: activation_factor scales every layer's (activation_bytes)
+    # the part of runtime_bytes that deltaship's Python driver loads and an app does not: the interpreter and, for
+    # ExecuTorch, torch (the pybindings link libtorch; an app links the C++ runtime alone). `profile` measures a
+    # process that has it; a device tier's plan leaves it out.
+    host_bytes: int = 0
 
 
 @cache
@@ -97,10 +101,11 @@ def memory_terms(target: Target | str, precision: str) -> MemoryTerms:
     return MemoryTerms(
         int(row["runtime_bytes"]),
         float(row["weights_factor"]),
-        float(row["activation_factor"]),
+        float(row.get("activation_factor", 1.0)),
         f"measured {machine.get('date', '?')} on {machine.get('name', '?')} ({row.get('from', '')})",
         float(row.get("load_factor", row["weights_factor"])),
-        True,
+        "activation_factor" in row,  # without one, the activations stay the estimate's (one layer's)
+        int(row.get("host_bytes", 0)),
     )
 
 
@@ -191,11 +196,12 @@ def activation_bytes(
 def overhead_bytes(
     spec: ModelSpec, target: Target | str, precision: str, context: int, prefill_chunk: int | None = None
 ) -> int:
-    """The runtime, plus one prefill chunk's activations (MLP, projections, attention scores, logits), as measured."""
+    """An app's runtime, plus one prefill chunk's activations (MLP, projections, attention scores, logits), as
+    measured."""
     tgt = as_target(target)
     terms = memory_terms(tgt, precision)
     act = activation_bytes(spec, tgt, precision, context, prefill_chunk, all_layers=terms.measured)
-    return terms.runtime_bytes + int(act * terms.activation_factor)
+    return terms.runtime_bytes - terms.host_bytes + int(act * terms.activation_factor)
 
 
 def estimate(
@@ -206,8 +212,10 @@ def estimate(
     context: int,
     kv_dtype: str | None = None,
     prefill_chunk: int | None = None,
+    host_driver: bool = False,
 ) -> PlanRow:
-    """Memory of (target, precision, KV dtype) at `context` tokens on `tier`, by part."""
+    """Memory of (target, precision, KV dtype) at `context` tokens on `tier`, by part: an app's process, or with
+    host_driver that of deltaship's own Python driver (what `profile` measures: the terms' host_bytes added)."""
     tgt = as_target(target)
     kv = kv_dtype or default_kv_dtype(tgt, precision)
     terms = memory_terms(tgt, precision)
@@ -218,7 +226,7 @@ def estimate(
     scratch = context * tier.threads * tgt.kv_scratch_bytes_per_token(spec, kv)
     act = activation_bytes(spec, tgt, precision, context, prefill_chunk, all_layers=terms.measured)
     a = int(act * terms.activation_factor) + scratch
-    rt = terms.runtime_bytes
+    rt = terms.runtime_bytes - (0 if host_driver else terms.host_bytes)
     # the peak is the larger of loading (originals and prepacked copies at once) and running a prefill chunk
     total = rt + max(loaded + dn + kvb + a, int(w * terms.load_factor))
     return PlanRow(
@@ -256,7 +264,9 @@ def planned_peak(manifest: dict, prompt_length: int, threads: int | None = None)
     chunk = min(prompt_length, manifest.get("prefill_chunk") or prompt_length)
     ctx = manifest["max_context"]
     tier = Tier("host", "host", 1 << 62, 1 << 62, (manifest["target"],), (manifest["precision"],), ctx, threads or 1)
-    row = estimate(spec, tier, manifest["target"], manifest["precision"], manifest["max_context"], None, chunk)
+    row = estimate(
+        spec, tier, manifest["target"], manifest["precision"], manifest["max_context"], None, chunk, host_driver=True
+    )
     return {
         "total_bytes": row.total_bytes,
         "weights_loaded_bytes": row.weights_loaded_bytes,

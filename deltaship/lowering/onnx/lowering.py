@@ -328,11 +328,27 @@ def _embedding(L: Lowerer, node, weight, ids, *args):
         and (head["bits"], head["block_size"]) == (q["bits"], q["block_size"])
         and cols % q["block_size"] == 0
     ):
-        # One quantized table for both uses: the gather reads the LM head's MatMulNBits blocks as rows
-        # (same codes, same scales, [N, K/block, block*bits/8] viewed as [N, K*bits/8]), as genai's builder does.
+        # One quantized table for both uses: the gather reads the LM head's MatMulNBits tensor itself, [N, K/block,
+        # block*bits/8] quantized along its last axis, and gives [.., K/block, block], viewed as [.., K] after. A
+        # Reshape of the table to [N, K*bits/8] (genai's builder) is constant-folded by ONNX Runtime into a second
+        # resident copy (0.12 GiB at 0.8B, docs/results/memory.md); only the scales, which GatherBlockQuantized
+        # wants at the data's rank and MatMulNBits at rank 2, are reshaped ([N, K/block, 1]: their folded copy is a
+        # quarter of the table's bytes at int4, block 32 and fp32 scales).
         packed, scales, _, _ = L.weight(weight, "matmul")
-        data = L.b.one("Reshape", [packed, L.b.const(np.array([rows, cols * q["bits"] // 8], np.int64))])
-    elif q:
+        nb = cols // q["block_size"]
+        scales3 = L.b.one("Reshape", [scales, L.b.const(np.array([rows, nb, 1], np.int64))])
+        rows_out = L.b.one(
+            "GatherBlockQuantized",
+            [packed, L.as_tensor(ids), scales3],
+            domain=MS,
+            bits=q["bits"],
+            block_size=q["block_size"],
+            gather_axis=0,
+            quantize_axis=2,
+        )
+        keep = [0] * len(L.meta(ids).shape)  # Reshape's 0: the ids' dimensions as they are
+        return L.b.one("Reshape", [rows_out, L.b.const(np.array([*keep, cols], np.int64))])
+    if q:
         data, scales = L.weight_gather_quantized(weight, q)
     else:
         return L.b.one("Gather", [L.weight(weight), L.as_tensor(ids)], axis=0)

@@ -1,7 +1,8 @@
 """Ahead-of-time compilation of a preset's QNN graphs into EPContext models, one per Snapdragon SoC.
 
     flock /tmp/heavy.lock nice -n 5 python bench/npu/qnn_compile.py --model qwen3.5-0.8b \\
-        [--max-context 4096] [--prefill-chunk 8 | 1] [--socs 8gen3,8elite] [--rss-limit-gib 12] \\
+        [--max-context 4096] [--prefill-chunk 8 | 1] [--socs 8gen3,8elite] [--graphs prefill.onnx] \\
+        [--rss-limit-gib 12] \\
         [--work DIR] [--json bench/results/qnn-compile-0.8b.json]
 
 Each step runs in a fresh process so its peak RSS is its own (Linux's VmHWM): first `deltaship export --target qnn
@@ -121,6 +122,7 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--prefill-chunk", type=int, default=8, help="1: the decode graph only")
     p.add_argument("--socs", default="8gen3,8elite")
+    p.add_argument("--graphs", default="", help="compile only these graphs of the bundle (e.g. prefill.onnx)")
     p.add_argument("--rss-limit-gib", type=float, default=12.0)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "deltaship-bench" / "qnn-compile")
     p.add_argument("--json", type=Path)
@@ -167,6 +169,8 @@ def main() -> None:
     record["steps"].append({"step": "export --target qnn --no-verify", **lowered})
     print(json.dumps(record["steps"][-1]), flush=True)
     for graph in lowered.get("graphs", []):
+        if a.graphs and graph["file"] not in a.graphs.split(","):
+            continue
         for soc_name in a.socs.split(","):
             args = ["--step", "compile", "--graph", str(bundle / graph["file"]), "--soc", soc_name]
             made = _run_step([*args, "--work", str(work / soc_name)], limit)

@@ -7,10 +7,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaship.errors import DeltashipError
-from deltaship.targets import PRECISIONS, target_names
+from deltaship.lowering.qnn.soc import soc as find_soc
+from deltaship.targets import PRECISIONS, get_target, target_names
 
 CATALOG = Path(__file__).parent / "tiers.toml"
 GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class NpuLimits:
+    """A tier's NPU (a [tiers.NAME.npu] table): the SoC its NPU bundles are compiled for, and the largest compiled
+    context binary one NPU session maps (the sources are in tiers.toml beside each value)."""
+
+    soc: str  # a --qnn-soc name (lowering/qnn/soc.py)
+    context_binary_bytes: int
 
 
 @dataclass(frozen=True)
@@ -24,6 +34,7 @@ class Tier:
     context: int
     threads: int
     notes: str = ""
+    npu: NpuLimits | None = None  # the NPU an NPU target (Target.npu_graphs) runs on; None: the tier has none
 
 
 def _parse(data: dict, where: str) -> tuple[dict[str, Tier], dict[str, list[str]]]:
@@ -40,6 +51,7 @@ def _parse(data: dict, where: str) -> tuple[dict[str, Tier], dict[str, list[str]
                 context=int(t["context"]),
                 threads=int(t.get("threads", 2)),
                 notes=str(t.get("notes", "")),
+                npu=_npu(t["npu"], f"{where}: tier {name!r}") if "npu" in t else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise DeltashipError(
@@ -53,8 +65,26 @@ def _parse(data: dict, where: str) -> tuple[dict[str, Tier], dict[str, list[str]
                 f"{where}: tier {name!r} is inconsistent (unknown {bad}, or budget over RAM, or context < 1)",
                 f"targets are {target_names()}, precisions {PRECISIONS}",
             )
+        needs_npu = [x for x in tier.targets if get_target(x).npu_graphs]
+        if needs_npu and tier.npu is None:
+            raise DeltashipError(
+                f"{where}: tier {name!r} lists the NPU target(s) {needs_npu} but has no [tiers.{name}.npu] table",
+                "give the tier its NPU: soc (a --qnn-soc name) and context_binary_gib",
+            )
         tiers[name] = tier
     return tiers, dict(data.get("models") or {})
+
+
+def _npu(t: dict, where: str) -> NpuLimits:
+    """A [tiers.NAME.npu] table: soc and context_binary_gib."""
+    try:
+        soc = find_soc(str(t["soc"])).name
+    except DeltashipError as e:
+        raise DeltashipError(f"{where}: npu.soc: {e.message}", e.fix) from None
+    limits = NpuLimits(soc=soc, context_binary_bytes=int(float(t["context_binary_gib"]) * GIB))
+    if limits.context_binary_bytes <= 0:
+        raise DeltashipError(f"{where}: npu.context_binary_gib must be positive", "give the NPU's per-context limit")
+    return limits
 
 
 def load_catalog(user_file: str | Path | None = None) -> tuple[dict[str, Tier], dict[str, list[str]]]:

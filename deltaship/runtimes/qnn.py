@@ -111,9 +111,9 @@ def open_context(model: str | Path, *, soc_model: str = DEFAULT_SOC_MODEL, htp_a
 
     Before ONNX Runtime sees it, the context model is read (bundle/qnn_context.py) and refused with a
     DeltashipError when it was compiled for another SoC than `soc_model` / `htp_arch`, with a newer QNN than
-    onnxruntime-qnn's, or names a binary that is not a file beside it: ONNX Runtime skips that check on x86-64,
-    where the simulator opens any context with any SoC options, and on a phone QNN refuses a context for a newer
-    HTP with a bare error code.
+    onnxruntime-qnn's, or names a binary that is not a file beside it. onnxruntime-qnn skips its own check on
+    x86-64, where the simulator opens any context with any SoC options; on a phone that check rates a context for a
+    newer HTP unsupported and one for an older HTP "prefer recompilation" (bundle/qnn_context.py).
     """
     _, qnn = _qnn()
     path = Path(model)

@@ -131,6 +131,10 @@ class Target(ABC):
     runtime_base_bytes: ClassVar[int] = 0  # the runtime's own resident memory (planner)
     # resident bytes per byte of fp16 weights at its export's peak (planner; docs/results/export-memory.md)
     export_weight_factor: ClassVar[float] = 1.2
+    # An NPU target's bundles hold this many graphs compiled into context binaries the NPU maps, each with its own
+    # copy of the weights (qnn: decode and prefill); `plan` counts them and checks one against a tier's NPU limits
+    # (devices/catalog.py NpuLimits). 0: the target does not run on an NPU.
+    npu_graphs: ClassVar[int] = 0
     # Why the KV dtypes kv_cache_dtypes() leaves out are not built (the --kv-cache refusal says it)
     kv_cache_note: ClassVar[str] = "int8/int4 KV caches are not built for this target yet"
     providers: ClassVar[tuple[str, ...]] = ("cpu",)  # execution providers its sessions run on

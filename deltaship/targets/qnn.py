@@ -75,6 +75,7 @@ class QnnTarget(Target):
     formats = {"fp16": StorageFormat(bits=16, scale=0, block=1, head_copy=False, act=2)}
     runtime_base_bytes = 96 << 20
     # export_weight_factor: the base's default, not measured for this target yet (docs/npu.md, What is left)
+    npu_graphs = 2  # decode and prefill, each compiled into a context binary holding the weights
     runtimes = ("onnxruntime-qnn",)
     app_runtimes = {
         "onnxruntime-qnn": "2.7.0 over onnxruntime 1.31 (Python, x86-64 Linux: QNN's HTP simulator, CPU fallback "

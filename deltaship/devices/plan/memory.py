@@ -13,13 +13,17 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from deltaship.devices.catalog import Tier
+from deltaship.devices.catalog import GIB, Tier
 from deltaship.errors import DeltashipError
 from deltaship.models.source import load_source
 from deltaship.models.spec import KV_DTYPES, ModelSpec
 from deltaship.targets import Target, get_target
 
 KV_ORDER = tuple(KV_DTYPES)  # widest first: fp32, fp16, int8, int4
+# A compiled context binary's bytes per byte of its weights (a tied embedding counted twice: the HTP keeps the Gather
+# table and the LM head's own copy), the rest being the HTP's schedule. Measured (docs/npu.md): the tiny decode
+# graph's binary is 1.09x and the 0.8B's 1.017x of that; 1.1 stays above both.
+CONTEXT_BINARY_FACTOR = 1.1
 # A smaller prefill chunk changes no output (chunked prefill == one-shot), only prefill speed: ExecuTorch 0.8B
 # prefill at chunk 128 is 2-5% slower than at 512 (docs/results/executorch.md); below 128 nothing is measured.
 FREE_CHUNK = 128
@@ -52,6 +56,8 @@ class PlanRow:
     prefill_chunk: int = 0  # tokens per prefill call the row was planned at (the target's default unless chosen)
     weights_loaded_bytes: int = 0  # weights as resident once the runtime has loaded them (measured factor)
     terms: str = ""  # where the runtime and activation terms come from (memory_terms.toml, or an estimate)
+    context_binary_bytes: int = 0  # an NPU target: one compiled context binary (its graph's weights + schedule)
+    npu_problem: str = ""  # an NPU target: why the tier's NPU cannot take it ("" when it can)
 
 
 MEMORY_TERMS = Path(__file__).parents[1] / "memory_terms.toml"
@@ -204,6 +210,25 @@ def overhead_bytes(
     return terms.runtime_bytes - terms.host_bytes + int(act * terms.activation_factor)
 
 
+def npu_fit(spec: ModelSpec, tier: Tier, target: Target | str, precision: str) -> tuple[int, str]:
+    """An NPU target's context binary bytes (one graph) and why the tier's NPU cannot map it ("" when it can); (0, "")
+    for a target that does not run on an NPU."""
+    tgt = as_target(target)
+    if not tgt.npu_graphs:
+        return 0, ""
+    f = tgt.storage_format(precision)
+    tied_copy = spec.parameter_count()["embedding"] * f.bits // 8 if spec.tie_word_embeddings and not f.head_copy else 0
+    binary = int((weight_bytes(spec, tgt, precision) + tied_copy) * CONTEXT_BINARY_FACTOR)
+    if tier.npu is None:
+        return binary, f"tier {tier.name} has no NPU for {tgt.name} (its tiers.toml entry has no npu table)"
+    if binary > tier.npu.context_binary_bytes:
+        return binary, (
+            f"one {tgt.name} context binary would be {binary / GIB:.2f} GiB, over the {tier.npu.soc} NPU's "
+            f"{tier.npu.context_binary_bytes / GIB:.2f} GiB per context (a smaller model or quantized weights)"
+        )
+    return binary, ""
+
+
 def estimate(
     spec: ModelSpec,
     tier: Tier,
@@ -221,6 +246,9 @@ def estimate(
     terms = memory_terms(tgt, precision)
     w = weight_bytes(spec, tgt, precision)
     loaded = int(w * terms.weights_factor)
+    binary, npu_problem = npu_fit(spec, tier, tgt, precision)
+    if binary:  # each compiled graph's context binary holds its own copy of the weights, all mapped at once
+        loaded = max(loaded, binary * tgt.npu_graphs)
     dn = spec.deltanet_state_bytes(tgt.storage_format(precision).act)
     kvb = context * kv_bytes_per_token(spec, tgt, precision, kv)
     scratch = context * tier.threads * tgt.kv_scratch_bytes_per_token(spec, kv)
@@ -239,7 +267,7 @@ def estimate(
         total - w - dn - kvb,  # the runtime, the activations and what loading adds to the stored weights
         total,
         tier.budget_bytes,
-        total <= tier.budget_bytes,
+        total <= tier.budget_bytes and not npu_problem,
         kv_dtype=kv,
         kv_exportable=kv in exportable_kv_dtypes(tgt, precision),
         kv_bytes=kvb,
@@ -250,6 +278,8 @@ def estimate(
         kv_scratch_bytes=scratch,
         weights_loaded_bytes=loaded,
         terms=terms.source,
+        context_binary_bytes=binary,
+        npu_problem=npu_problem,
     )
 
 

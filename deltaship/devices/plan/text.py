@@ -70,7 +70,7 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
                 f"{pick['context']} {_chunk_note(pick, defaults)}"
                 f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB)"
             ) + _chunk_cost(pick, tier_rows, defaults)
-        else:
+        elif not best.get("npu_problem"):  # a larger budget does not lift an NPU's own limit
             line += (
                 f"; it would fit a tier with {best['total_bytes'] / GIB:.2f} GiB or more to spend (--tiers FILE), "
                 "or a smaller model"
@@ -130,6 +130,7 @@ def parts(r: dict) -> str:
         f"scores {r['attention_scores_bytes'] / GIB:.2f}"
         + (f", KV scratch {r['kv_scratch_bytes'] / GIB:.2f}" if r.get("kv_scratch_bytes") else "")
         + f") + runtime {r['runtime_bytes'] / GIB:.2f} GiB"
+        + (f"; {r['npu_problem']}" if r.get("npu_problem") else "")
     )
 
 

@@ -4,8 +4,8 @@ An EPContext model is what an app ships so the phone does not compile the graph 
 `<name>_ctx.onnx` whose one `com.microsoft::EPContext` node names the QNN context binary beside it
 (`<name>_ctx_qnn.bin`, the graph compiled and scheduled for one HTP). It is made with ONNX Runtime's compile API
 (`onnxruntime.ModelCompiler`, the session options' `ep.context_*` settings under another name) and onnxruntime-qnn's
-HTP backend with the SoC's `soc_model` and `htp_arch`; on x86-64 that backend's compiler is the same one the QNN
-SDK ships (the simulator only runs the result).
+HTP backend with the SoC's `soc_model` and `htp_arch`. The x86-64 wheel ships QNN's HTP preparer
+(libHtpPrepare.so): compiling here is QNN's own offline preparation for that SoC; only running it is simulated.
 """
 
 from __future__ import annotations

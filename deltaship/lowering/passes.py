@@ -407,6 +407,21 @@ def example_inputs(states: list[dict], length: int, device: str = "meta") -> tup
     return ids, pos, st
 
 
+def graph_passes(capture_pass) -> tuple:
+    """The passes of a target that lowers a captured graph (ONNX, Core ML, qnn), in order, ending with its own
+    capture pass (dynamic, static per part, or static per token count)."""
+    return (
+        LoadStructure(),
+        FoldZeroCentredNorms(),
+        RewriteDeltaNet(),
+        StaticKVCache(),
+        FuseProjections(),
+        LastTokenLogits(),
+        AssignPrecision(),
+        capture_pass,
+    )
+
+
 def capture(
     model: nn.Module, states: list[dict], max_context: int, static: int | None = None
 ) -> torch.export.ExportedProgram:

@@ -127,16 +127,7 @@ class CoreMLTarget(Target):
         from deltaship.lowering.coreml.package import StaticCapture
 
         # Captured with static shapes, one program per package part and function.
-        return (
-            p.LoadStructure(),
-            p.FoldZeroCentredNorms(),
-            p.RewriteDeltaNet(),
-            p.StaticKVCache(),
-            p.FuseProjections(),
-            p.LastTokenLogits(),
-            p.AssignPrecision(),
-            StaticCapture(),
-        )
+        return p.graph_passes(StaticCapture())
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
         return [

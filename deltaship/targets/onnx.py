@@ -204,16 +204,7 @@ class OnnxTarget(Target):
     def pipeline(self) -> tuple:
         from deltaship.lowering import passes as p  # lazy: torch
 
-        return (
-            p.LoadStructure(),
-            p.FoldZeroCentredNorms(),
-            p.RewriteDeltaNet(),
-            p.StaticKVCache(),
-            p.FuseProjections(),
-            p.LastTokenLogits(),
-            p.AssignPrecision(),
-            p.Capture(),
-        )
+        return p.graph_passes(p.Capture())
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
         # lazy: torch

@@ -98,16 +98,7 @@ class QnnTarget(Target):
         from deltaship.lowering import passes as p  # lazy: torch
         from deltaship.lowering.qnn.passes import CaptureStatic
 
-        return (
-            p.LoadStructure(),
-            p.FoldZeroCentredNorms(),
-            p.RewriteDeltaNet(),
-            p.StaticKVCache(),
-            p.FuseProjections(),
-            p.LastTokenLogits(),
-            p.AssignPrecision(),
-            CaptureStatic(),
-        )
+        return p.graph_passes(CaptureStatic())
 
     def io_inputs(self, ctx) -> list[dict[str, Any]]:
         return [

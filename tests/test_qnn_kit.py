@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from test_app_kits import _kotlin_sources, onnx_io, unbalanced
 
-from deltaship.apps import write_kit
 from deltaship.apps.kotlin import (
     CPU_FALLBACK_KEY,
     QNN_AAR,
@@ -27,6 +26,7 @@ from deltaship.apps.kotlin import (
     parse_kit_spec,
     render_kit_spec,
 )
+from deltaship.cli import main
 
 needs_qnn = pytest.mark.skipif(
     importlib.util.find_spec("onnxruntime_qnn") is None,
@@ -55,10 +55,10 @@ NEW_TOKENS = 5
 @pytest.fixture(scope="module")
 def qnn_kit(shared_export, tmp_path_factory) -> tuple[Path, Path]:
     """(bundle, kit): the tiny preset as a qnn bundle (fp16, SoC 8elite, prefill chunk 8, max context 64) and its
-    Android kit."""
+    Android kit (`deltaship app B --platform android`)."""
     bundle = shared_export("qnn-kit-tiny-64", "qwen3.5-tiny", target="qnn", max_context=64, verify=False)
     kit = tmp_path_factory.mktemp("qnn-kit") / "kit"
-    write_kit(bundle, kit, "android")
+    assert main(["app", str(bundle), "--platform", "android", "--out", str(kit)]) == 0  # as a user runs it
     return bundle, kit
 
 
@@ -119,9 +119,10 @@ def check_qnn_kit(kit: Path, bundle: Path) -> list[str]:
     return problems
 
 
-def replay(kit: Path, bundle: Path, prompt: list[int], new_tokens: int, mutation: str | None = None) -> list[int]:
-    """DeltashipQnnModel's generate, statement for statement (LOOP), from KitSpec.kt alone, on the HTP simulator.
-    mutation "position after chunk": a prefill call advances the position by 1 instead of its tokens."""
+def open_kit_graphs(kit: Path, bundle: Path) -> dict[int, object]:
+    """The graphs as DeltashipQnnModel opens them, from KitSpec.kt: tokens a call -> a session on the HTP simulator
+    with QNN_OPTIONS' SoC and fp16 setting, CPU fallback disabled (backend_path is the phone's library name: here
+    onnxruntime-qnn's own HTP library)."""
     from deltaship.runtimes.qnn import open_htp
 
     spec = parse_kit_spec(_kotlin_sources(kit)["KitSpec.kt"])
@@ -131,6 +132,13 @@ def replay(kit: Path, bundle: Path, prompt: list[int], new_tokens: int, mutation
     graphs = {1: open_htp(bundle / spec["files"]["model"], **htp).session}
     if "prefill" in spec["files"]:
         graphs[spec["prefill_chunk"]] = open_htp(bundle / spec["files"]["prefill"], **htp).session
+    return graphs
+
+
+def replay(kit: Path, graphs: dict, prompt: list[int], new_tokens: int, mutation: str | None = None) -> list[int]:
+    """DeltashipQnnModel's generate, statement for statement (LOOP), from KitSpec.kt alone, on the kit's `graphs`.
+    mutation "position after chunk": a prefill call advances the position by 1 instead of its tokens."""
+    spec = parse_kit_spec(_kotlin_sources(kit)["KitSpec.kt"])
     np_type = {"int64": np.int64, "float32": np.float32, "float16": np.float16}
     carried = {s["input"]: np.zeros(s["shape"], np_type[s["dtype"]]) for s in spec["states"]}
     position = 0
@@ -153,7 +161,7 @@ def replay(kit: Path, bundle: Path, prompt: list[int], new_tokens: int, mutation
         position += 1 if mutation == "position after chunk" and len(tokens) > 1 else len(tokens)
         return out[spec["logits"]["name"]].reshape(-1)[: spec["vocab_size"]]
 
-    chunk = spec["prefill_chunk"] if "prefill" in spec["files"] else 1
+    chunk = spec["prefill_chunk"] if spec["prefill_chunk"] in graphs else 1
     whole = len(prompt) // chunk * chunk
     logits = None
     for i in range(0, whole, chunk):
@@ -170,6 +178,11 @@ def replay(kit: Path, bundle: Path, prompt: list[int], new_tokens: int, mutation
 
 
 @pytest.fixture(scope="module")
+def kit_graphs(qnn_kit) -> dict:
+    return open_kit_graphs(qnn_kit[1], qnn_kit[0])
+
+
+@pytest.fixture(scope="module")
 def session_tokens(qnn_kit) -> list[int]:
     """deltaship's own QnnSession on the same bundle and prompt: the tokens the kit must give."""
     from deltaship.targets import open_bundle
@@ -177,11 +190,15 @@ def session_tokens(qnn_kit) -> list[int]:
     return open_bundle(qnn_kit[0]).generate(PROMPT, NEW_TOKENS).output_ids
 
 
-@pytest.mark.slow
 @needs_qnn
 def test_qnn_kit_names_match_the_graphs_and_the_manifest(qnn_kit):
+    from deltaship.bundle.validate import schema_problems
+
     bundle, kit = qnn_kit
     assert check_qnn_kit(kit, bundle) == []
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert not schema_problems(manifest)  # with the kit's runtime in app_runtimes
+    assert "tests/test_qnn_kit.py" in manifest["app_runtimes"]["onnxruntime-android-qnn"]
     record = json.loads((kit / "kit.json").read_text())
     assert record["drivers"] == [DRIVER, "ChatPieces.kt"] and record["gradle"] == [QNN_AAR]
     spec = record["kotlin"]
@@ -196,19 +213,17 @@ def test_qnn_kit_names_match_the_graphs_and_the_manifest(qnn_kit):
     assert "not compiled or run by deltaship" in readme.lower() and QNN_AAR in readme and "addQnn" in readme
 
 
-@pytest.mark.slow
 @needs_qnn
-def test_qnn_kit_loop_replayed_gives_qnn_session_tokens(qnn_kit, session_tokens):
+def test_qnn_kit_loop_replayed_gives_qnn_session_tokens(qnn_kit, kit_graphs, session_tokens):
     """The Kotlin loop (2 prefill chunks of 8, 3 decode calls for the prompt, then greedy steps) on the HTP simulator
     gives QnnSession's tokens on the same bundle."""
-    bundle, kit = qnn_kit
+    _, kit = qnn_kit
     assert len(session_tokens) == NEW_TOKENS
-    assert replay(kit, bundle, PROMPT, NEW_TOKENS) == session_tokens
+    assert replay(kit, kit_graphs, PROMPT, NEW_TOKENS) == session_tokens
 
 
-@pytest.mark.slow
 @needs_qnn
-def test_qnn_kit_wrong_position_after_a_chunk_is_caught(qnn_kit, session_tokens, tmp_path):
+def test_qnn_kit_wrong_position_after_a_chunk_is_caught(qnn_kit, kit_graphs, session_tokens, tmp_path):
     """A driver that advances the position by 1 after a prefill chunk: the check names the changed statement, and the
     loop so replayed gives other tokens than QnnSession."""
     import shutil
@@ -220,10 +235,9 @@ def test_qnn_kit_wrong_position_after_a_chunk_is_caught(qnn_kit, session_tokens,
     text = driver.read_text()
     driver.write_text(text.replace("position += tokens.size", "position += 1"))
     assert any("position += tokens.size" in p for p in check_qnn_kit(mutated, bundle))
-    assert replay(kit, bundle, PROMPT, NEW_TOKENS, mutation="position after chunk") != session_tokens
+    assert replay(kit, kit_graphs, PROMPT, NEW_TOKENS, mutation="position after chunk") != session_tokens
 
 
-@pytest.mark.slow
 @needs_qnn
 @pytest.mark.parametrize("mutation", ["soc", "fallback key", "state dtype", "prefill shape"])
 def test_qnn_kit_check_catches_a_changed_option_or_name(qnn_kit, tmp_path, mutation):

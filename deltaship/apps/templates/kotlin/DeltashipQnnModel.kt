@@ -48,8 +48,8 @@ class DeltashipQnnModel(val bundleDir: File) : AutoCloseable {
         listOfNotNull(KitSpec.WEIGHTS_FILE).plus(KitSpec.CONTEXT_BINARIES).forEach { safePath(bundleDir, it) }
     }
 
-    private val decodeGraph = open(KitSpec.MODEL_FILE)
-    private val prefillGraph: OrtSession? = KitSpec.PREFILL_FILE?.let { open(it) }
+    private val decodeGraph = open(safePath(bundleDir, KitSpec.MODEL_FILE))
+    private val prefillGraph: OrtSession? = KitSpec.PREFILL_FILE?.let { open(safePath(bundleDir, it)) }
     private val zeros = KitSpec.STATES.associate { it.input to zeroTensor(it.shape, it.dtype) }
     private val fetched: Set<String> = KitSpec.STATES.map { it.output }.toSet() + KitSpec.LOGITS.name
     private var carried: OrtSession.Result? = null  // the previous call's outputs (either graph), closed after the next
@@ -74,12 +74,12 @@ class DeltashipQnnModel(val bundleDir: File) : AutoCloseable {
      * QNN AAR ships; the bundle's soc_model and htp_arch; fp16) and session.disable_cpu_ep_fallback = 1, so a node the
      * HTP cannot take fails createSession instead of running on the CPU.
      */
-    private fun open(name: String): OrtSession {
+    private fun open(file: File): OrtSession {
         val so = OrtSession.SessionOptions()
         options.add(so)
         so.addConfigEntry(KitSpec.DISABLE_CPU_FALLBACK, "1")
         so.addQnn(KitSpec.QNN_OPTIONS)
-        return env.createSession(safePath(bundleDir, name).path, so)
+        return env.createSession(file.path, so)
     }
 
     private fun zeroTensor(shape: LongArray, dtype: DType): OnnxTensor {

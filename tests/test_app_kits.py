@@ -683,7 +683,7 @@ def test_existing_kit_needs_force(coreml_bundles, tmp_path):
     assert (tmp_path / "kit" / "mine.txt").exists()
     write_kit(bundle, tmp_path / "kit", "ios", force=True)
     assert not (tmp_path / "kit" / "mine.txt").exists()
-    with pytest.raises(DeltashipError, match="is a Core ML bundle; the android kit runs ExecuTorch or ONNX bundles"):
+    with pytest.raises(DeltashipError, match="is a Core ML bundle; the android kit runs ExecuTorch, ONNX or QNN"):
         write_kit(bundle, tmp_path / "kit2", "android")
 
 

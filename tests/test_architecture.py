@@ -94,7 +94,7 @@ def test_a_registered_target_is_everywhere(toy, tmp_path, capsys):
     from deltaship.targets import a_bundle, open_multimodal
 
     assert write_kit(tmp_path / "toy", tmp_path / "kit", "web")["target"] == "toy"
-    with pytest.raises(DeltashipError, match="is a toy bundle; the android kit runs ExecuTorch or ONNX bundles"):
+    with pytest.raises(DeltashipError, match="is a toy bundle; the android kit runs ExecuTorch, ONNX or QNN bundles"):
         write_kit(tmp_path / "toy", tmp_path / "kit2", "android")
     assert a_bundle("toy") == "a toy bundle" and a_bundle("onnx") == "an ONNX bundle"
     with pytest.raises(DeltashipError, match="toy bundles take no images"):

@@ -39,10 +39,16 @@ _PLATFORM_NOTES = {
 }
 
 
+def either(names) -> str:
+    """ "A", "A or B", "A, B or C"."""
+    names = list(names)
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 2 else names)
+
+
 def export_for(platform: str) -> str:
     """The export that makes a bundle the `platform` kit runs, e.g. "export an ONNX or ExecuTorch bundle: ..."."""
     runs = on_platform(platform)
-    kinds = " or ".join(t.title or t.name for t in runs)
+    kinds = either(t.title or t.name for t in runs)
     names = "|".join(t.name for t in runs)
     return (
         f"export {'an' if kinds[0] in 'AEIOU' else 'a'} {kinds} bundle: deltaship export --model M --target {names} "
@@ -71,7 +77,7 @@ def _write_kit(bundle: Path, manifest: dict[str, Any], dest: Destination, platfo
     runs = on_platform(platform)
     if target not in {t.name for t in runs}:
         raise DeltashipError(
-            f"{bundle} is {a_bundle(target)}; the {platform} kit runs {' or '.join(t.title or t.name for t in runs)} "
+            f"{bundle} is {a_bundle(target)}; the {platform} kit runs {either(t.title or t.name for t in runs)} "
             "bundles",
             export_for(platform),
         )

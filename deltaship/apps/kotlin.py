@@ -15,11 +15,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from deltaship.apps import kit_name
+from deltaship.apps import either, kit_name
 from deltaship.chat.pieces import KIT_FIELDS, bundle_pieces, kit_fields
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.tokenizer import load_tokenizer
-from deltaship.targets import on_platform
+from deltaship.targets import a_bundle, on_platform
 
 TEMPLATES = Path(__file__).parent / "templates" / "kotlin"
 BUNDLE_FILES = "BundleFiles.kt"  # safePath(bundleDir, name): every driver opens the bundle's files through it
@@ -66,7 +66,7 @@ def kit_spec(bundle: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     make = _RUNTIME_SPECS.get(runs.get(target))
     if make is None:
         raise DeltashipError(
-            f"the Android kit runs {' or '.join(runs)} bundles, not {target}",
+            f"the Android kit runs {either(runs)} bundles, not {target}",
             "export with " + " or ".join(f"--target {t}" for t in runs),
         )
     return make(bundle, manifest, common, tools)
@@ -81,7 +81,9 @@ def _executorch_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, A
             "gradle": [f"org.pytorch:executorch-android:{tools['executorch']}"]}  # fmt: skip
 
 
-def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], tools: dict[str, str]) -> dict:
+def _onnx_spec(
+    bundle: Path, manifest: dict[str, Any], common: dict[str, Any], tools: dict[str, str], chat: bool = True
+) -> dict:
     kinds = {i["kind"]: i for i in manifest["inputs"]}
     logits = next(o for o in manifest["outputs"] if o["kind"] == "logits")
 
@@ -110,7 +112,7 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
             }
             for s in manifest["states"]
         ],
-        "chat": _chat_spec(bundle, manifest),  # None: no chat template in the bundle (no DeltashipChat.kt)
+        "chat": _chat_spec(bundle, manifest) if chat else None,  # None: no chat template (no DeltashipChat.kt)
         "gradle": [f"com.microsoft.onnxruntime:onnxruntime-android:{tools['onnxruntime']}"],
     }
     extra = set(kinds) - {
@@ -138,8 +140,58 @@ def _onnx_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], t
     return spec
 
 
+# onnxruntime-android's QNN build (Microsoft's AAR: ONNX Runtime with the QNN execution provider and Qualcomm's QNN
+# libraries, libQnnHtp.so among them, in the app's native libraries): the release the kit names (docs/npu.md)
+QNN_AAR = "com.microsoft.onnxruntime:onnxruntime-android-qnn:1.29.0"
+QNN_HTP_LIBRARY = "libQnnHtp.so"  # backend_path: found by name in the app's native library directory
+CPU_FALLBACK_KEY = "session.disable_cpu_ep_fallback"  # ONNX Runtime's session config key, set to "1"
+
+
+def _qnn_spec(bundle: Path, manifest: dict[str, Any], common: dict[str, Any], tools: dict[str, str]) -> dict:
+    """A qnn bundle: decode.onnx + prefill.onnx (or their EPContext models), static shapes, on the QNN HTP."""
+    low = manifest.get("lowering") or {}
+    graphs, soc = low.get("graphs"), low.get("soc")
+    if not isinstance(graphs, dict) or "decode" not in graphs or not isinstance(soc, dict):
+        raise DeltashipError(
+            f"{bundle}: the manifest names no QNN graphs (lowering.graphs.decode) or SoC (lowering.soc)",
+            "export the bundle again with --target qnn",
+        )
+    context = low.get("context") or {}  # --qnn-context: the graphs compiled for the SoC, what the app opens
+
+    def model(key: str) -> str:
+        return context[key]["model"] if key in context else graphs[key]["file"]
+
+    spec = _onnx_spec(bundle, manifest, common, tools, chat=False)  # DeltashipChat drives DeltashipOrtModel only
+    files = {"model": model("decode"), "tokenizer": common["files"]["tokenizer"]}
+    if "prefill" in graphs:
+        files["prefill"] = model("prefill")
+    if len(context) < len(graphs):  # a graph opened from its ONNX file reads the shared weights beside it
+        files["weights"] = low["weights"]["file"]
+    models = {c["model"] for c in context.values()}
+    binaries = sorted(f["path"] for c in context.values() for f in c["files"] if f["path"] not in models)
+    options = {**{k: str(v) for k, v in (low.get("provider_options") or {}).items()}, "backend_path": QNN_HTP_LIBRARY}
+    options.update(soc_model=str(soc["soc_model"]), htp_arch=str(soc["htp_arch"]))
+    sdk = sorted({str(c["qnn_sdk"]) for c in context.values() if c.get("qnn_sdk")})
+    spec.update(
+        runtime="onnxruntime-qnn",
+        files=files,
+        gradle=[QNN_AAR],
+        qnn={"provider_options": options, "cpu_fallback_key": CPU_FALLBACK_KEY, "context_binaries": binaries},
+        soc={k: soc[k] for k in ("name", "chip", "marketing", "soc_model", "htp_arch") if k in soc},
+        compiled=sorted(context),  # the graphs opened from their EPContext models
+        qnn_sdk=sdk[-1] if sdk else None,  # the QNN the contexts were compiled with: the app's must be as new
+    )
+    for key in ("past_length", "keep_rows"):  # a qnn graph takes tokens, position and the states only
+        spec.pop(key)
+    return spec
+
+
 # the Android runtime a target's bundles run in (Target.app_platforms["android"]) -> what the kit names for it
-_RUNTIME_SPECS = {"onnxruntime-android": _onnx_spec, "executorch-android": _executorch_spec}
+_RUNTIME_SPECS = {
+    "onnxruntime-android": _onnx_spec,
+    "executorch-android": _executorch_spec,
+    "onnxruntime-android-qnn": _qnn_spec,
+}
 
 
 def _position_doc(spec: dict[str, Any]) -> str:
@@ -198,12 +250,51 @@ def render_kit_spec(spec: dict[str, Any]) -> str:
             for s in spec["states"]
         ]
         lines += ["    )"]
+    elif spec["runtime"] == "onnxruntime-qnn":
+        lines += _render_qnn(spec, feat, arr)
     else:  # ExecuTorch's runner: the texts it emits for the chat's stop ids
         texts = (spec.get("chat") or {}).get("stop_texts", [])
         lines += ["    val STOP_TEXTS = setOf<String>(" + ", ".join(_kotlin_string(t) for t in texts) + ")"]
     lines += _render_chat(spec.get("chat"))
     lines += ["}", ""]
     return "\n".join(lines)
+
+
+def _render_qnn(spec: dict[str, Any], feat, arr) -> list[str]:
+    """KitSpec.kt's lines for a qnn bundle: the two graphs, their features and states, the QNN options."""
+    q, soc = spec["qnn"], spec["soc"]
+    prefill, weights = spec["files"].get("prefill"), spec["files"].get("weights")
+    compiled = ", ".join(spec["compiled"]) or "none (the NPU compiles each graph when the app opens it)"
+    lines = [
+        "    // the prefill graph (exactly PREFILL_CHUNK tokens a call); MODEL_FILE is the decode graph (1 token a call)",
+        "    val PREFILL_FILE: String? = " + (json.dumps(prefill) if prefill else "null"),
+        "    // the graphs' shared weights (ONNX external data beside them); null when every graph is a compiled context",
+        "    val WEIGHTS_FILE: String? = " + (json.dumps(weights) if weights else "null"),
+        f"    // the QNN context binaries the EPContext models name (compiled ahead of time: {compiled})",
+        "    val CONTEXT_BINARIES = listOf<String>(" + ", ".join(json.dumps(b) for b in q["context_binaries"]) + ")",
+        f"    const val VOCAB_SIZE = {spec['vocab_size']}",
+        "    // static shapes: -1 is the call's token count, 1 (MODEL_FILE) or PREFILL_CHUNK (PREFILL_FILE)",
+        f"    val TOKENS = {feat(spec['tokens'])}",
+        "    // the call's first position: the tokens the state holds",
+        f"    val POSITION = {feat(spec['position'])}",
+        f"    val LOGITS = {feat(spec['logits'])}",
+        "    val STATES = listOf(",
+        *(
+            f'        StateSpec("{s["input"]}", "{s["output"]}", {arr(s["shape"])}, DType.{_DTYPES[s["dtype"]]}'
+            + (", checkpoint = true" if s.get("checkpoint") else "")
+            + "),"
+            for s in spec["states"]
+        ),
+        "    )",
+        f"    // QNN HTP of the {soc.get('marketing', soc.get('name'))} ({soc.get('chip')}, lowering.soc): the bundle's "
+        "lowering.provider_options and backend_path, for SessionOptions.addQnn",
+        "    val QNN_OPTIONS = mapOf(",
+        *(f"        {json.dumps(k)} to {json.dumps(v)}," for k, v in sorted(q["provider_options"].items())),
+        "    )",
+        "    // ONNX Runtime's session config key, set to 1: a node the HTP refuses fails the session (no CPU fallback)",
+        f"    const val DISABLE_CPU_FALLBACK = {json.dumps(q['cpu_fallback_key'])}",
+    ]
+    return lines
 
 
 def _kotlin_string(text: str) -> str:
@@ -285,6 +376,16 @@ def parse_kit_spec(text: str) -> dict[str, Any]:
         "prefill_chunk": int(val("PREFILL_CHUNK")),
         "eos_token_ids": sorted(ints(val("EOS_TOKEN_IDS").removeprefix("setOf(").removesuffix(")"))),
     }
+    if "QNN_OPTIONS" in text:  # a qnn kit: its graphs, options and the files beside them
+        found = re.findall(r"\bval (PREFILL|WEIGHTS)_FILE: String\? = (.+)", text)
+        out["files"] |= {k.lower(): json.loads(v) for k, v in found if v.strip() != "null"}
+        options = re.search(r"val QNN_OPTIONS = mapOf\((.*?)\n    \)", text, re.S)
+        binaries = re.search(r"val CONTEXT_BINARIES = listOf<String>\((.*)\)$", text, re.M)
+        out["qnn"] = {
+            "provider_options": dict(re.findall(r'^\s+"([^"]*)" to "([^"]*)",$', options.group(1), re.M)),
+            "cpu_fallback_key": json.loads(val("DISABLE_CPU_FALLBACK")),
+            "context_binaries": json.loads("[" + binaries.group(1) + "]"),
+        }
     if val("TOKENS") is not None:
         for key in ("TOKENS", "POSITION", "LOGITS"):
             m = _FEATURE.fullmatch(val(key))
@@ -324,13 +425,14 @@ def generate(bundle: Path, manifest: dict[str, Any], out: Path) -> dict[str, Any
     spec = kit_spec(bundle, manifest)
     src = out / SOURCE_DIR
     src.mkdir(parents=True)
-    drivers = (
-        ["DeltashipOrtModel.kt"]
-        + (["DeltashipChat.kt"] if spec.get("chat") else [])
-        + (["DeltashipGenAiModel.kt"] if "genai" in spec else [])
-        if spec["runtime"] == "onnxruntime"
-        else ["DeltashipExecuTorchModel.kt"] + (["DeltashipExecuTorchChat.kt"] if spec.get("chat") else [])
-    ) + [CHAT_PIECES]
+    if spec["runtime"] == "onnxruntime":
+        drivers = ["DeltashipOrtModel.kt"] + (["DeltashipChat.kt"] if spec.get("chat") else [])
+        drivers += ["DeltashipGenAiModel.kt"] if "genai" in spec else []
+    elif spec["runtime"] == "onnxruntime-qnn":
+        drivers = ["DeltashipQnnModel.kt"]
+    else:
+        drivers = ["DeltashipExecuTorchModel.kt"] + (["DeltashipExecuTorchChat.kt"] if spec.get("chat") else [])
+    drivers += [CHAT_PIECES]
     for d in drivers + [BUNDLE_FILES]:
         shutil.copyfile(TEMPLATES / d, src / d)
     (src / "KitSpec.kt").write_text(render_kit_spec(spec))
@@ -407,12 +509,67 @@ For checkpoints, saved states and the prompt cache, export an ONNX bundle (`Delt
 """
 
 
+def _qnn_readme(manifest: dict[str, Any], spec: dict[str, Any]) -> str:
+    soc, q, files = spec["soc"], spec["qnn"], spec["files"]
+    graphs = f"`{files['model']}` (1 token a call)" + (
+        f" and `{files['prefill']}` ({spec['prefill_chunk']} tokens a call)" if "prefill" in files else ""
+    )
+    options = ", ".join(f"{k}={v}" for k, v in sorted(q["provider_options"].items()))
+    verified = (manifest.get("lowering") or {}).get("runtime_requirements", {})
+    if spec["compiled"]:
+        ships = (
+            f"The graphs are compiled ahead of time for this SoC (EPContext models: {', '.join(spec['compiled'])}; "
+            f"context binaries {', '.join(f'`{b}`' for b in q['context_binaries'])}), compiled with QNN "
+            f"{spec['qnn_sdk']}: the QNN libraries in the app must be that version or newer, and the phone's SoC the "
+            "one they were compiled for (QNN refuses a context for a newer HTP and asks to recompile one for an older)."
+        )
+    else:
+        ships = (
+            "The graphs are ONNX (their weights in `" + files.get("weights", "weights.data") + "` beside them): QNN "
+            "compiles each for the NPU when the app opens it (seconds on a phone at this size, more for larger "
+            "models). Export with `--qnn-context` to ship them compiled for the SoC instead."
+        )
+    return f"""
+```kotlin
+val model = DeltashipQnnModel(File(context.getExternalFilesDir(null), "model-bundle"))  // fails unless all on the HTP
+val ids = model.generate(intArrayOf(/* prompt token ids */), maxNewTokens = 64) {{ id -> true }}  // greedy
+// or with a tokenizer (any TextTokenizer over the bundle's tokenizer.json): model.generate("Hello", tokenizer) {{ p -> true }}
+model.reset()                                            // a new conversation
+model.close()
+```
+
+## What the driver does (from the manifest)
+- Opens {graphs} with onnxruntime-android's QNN build (`{QNN_AAR}`: ONNX Runtime with the QNN execution
+  provider and Qualcomm's QNN libraries in the AAR), each with `SessionOptions.addQnn(KitSpec.QNN_OPTIONS)`
+  ({options}: the {soc.get("marketing")} ({soc.get("chip")}), `lowering.soc`) and
+  `addConfigEntry("{q["cpu_fallback_key"]}", "1")`, so a graph opens only when every node runs on the HTP.
+- Each call feeds `{spec["tokens"]["name"]}` (int64 [1, 1] or [1, {spec["prefill_chunk"]}]: static shapes),
+  `{spec["position"]["name"]}` (int64 [1], the tokens the state holds) and {len(spec["states"])} states (`past.*` take
+  the previous call's `present.*`, whichever graph ran it; zeros at start and after `reset()`); `{spec["logits"]["name"]}`
+  (float32 [1, {spec["vocab_size"]}]) scores the call's last token. A prompt goes in whole chunks of
+  {spec["prefill_chunk"]} through the prefill graph, the rest one token a call through decode (no padding).
+  `position + tokens` must stay <= {spec["max_context"]} (the static KV buffers): a call past it is refused.
+- {ships}
+- Greedy decoding. Prompts are used as given (apply the chat template yourself); the chat driver
+  (`DeltashipChat`) runs ONNX bundles only.
+
+## Versions
+The bundle was verified with onnxruntime-qnn {verified.get("onnxruntime-qnn", "?")} (QNN SDK
+{verified.get("qnn_sdk", "?")}) on QNN's HTP simulator on x86-64 Linux, never on a phone. Which QNN SDK the AAR
+release bundles was not checked: if your Maven repositories lack `{QNN_AAR}`, or its QNN is older than the
+bundle's, use a newer onnxruntime-android-qnn release (the Java API, `addQnn(Map<String, String>)`, is the same).
+"""
+
+
 def readme(name: str, manifest: dict[str, Any], spec: dict[str, Any], drivers: list[str], deps: list[str]) -> str:
     model, target = manifest["source"]["model"], spec["target"]
     dep_lines = "\n".join(f'implementation("{d}")' for d in deps)
+    big = [f for k, f in spec["files"].items() if k not in ("tokenizer", "genai_config")]
+    big += (spec.get("qnn") or {}).get("context_binaries", [])
+    stored = ", ".join(f'"{e}"' for e in sorted({f.rsplit(".", 1)[-1] for f in big}))  # kept uncompressed in the APK
     head = f"""# {name}: {model} on Android ({target} bundle)
 
-Generated by `deltaship app BUNDLE --platform android` from an {target} bundle ({manifest["precision"]};
+Generated by `deltaship app BUNDLE --platform android` from {a_bundle(target)} ({manifest["precision"]};
 context {spec["max_context"]} tokens; prefill chunk {spec["prefill_chunk"]}).
 
 **Not compiled or run by deltaship**: there is no Android SDK, Gradle or device where the kit is made.
@@ -432,9 +589,11 @@ itself, and that the Kotlin names nothing else. Build it and run it on a device 
    a path, not an asset stream): for development
    `adb push BUNDLE/. /sdcard/Android/data/<your.app.id>/files/model-bundle/` and
    `File(context.getExternalFilesDir(null), "model-bundle")`; for release, download it or copy it out of
-   the APK's assets into `context.filesDir` on first launch (add `androidResources {{ noCompress += listOf("{spec["files"]["model"].rsplit(".", 1)[-1]}") }}`).
+   the APK's assets into `context.filesDir` on first launch (add `androidResources {{ noCompress += listOf({stored}) }}`).
 3. Run generation off the main thread (e.g. `withContext(Dispatchers.IO)`).
 """
+    if spec["runtime"] == "onnxruntime-qnn":
+        return head + _qnn_readme(manifest, spec)
     if spec["runtime"] != "onnxruntime":  # executorch-android's LlmModule
         return (
             head

@@ -81,8 +81,12 @@ class QnnTarget(Target):
         "onnxruntime-qnn": "2.7.0 over onnxruntime 1.31 (Python, x86-64 Linux: QNN's HTP simulator, CPU fallback "
         "disabled): export-time verification against transformers; greedy tokens equal the fp32 ONNX bundle's "
         "(tests/test_qnn.py)",
-        "onnxruntime-android (QNN)": "not run (no Snapdragon device)",
+        "onnxruntime-android-qnn": "com.microsoft.onnxruntime:onnxruntime-android-qnn 1.29.0 (the Kotlin kit, "
+        "deltaship app --platform android): not compiled or run (no Android SDK, no Snapdragon device); its names, "
+        "shapes, dtypes and QNN options are checked against the graphs and its loop replayed in Python on the HTP "
+        "simulator (tests/test_qnn_kit.py)",
     }
+    app_platforms = {"android": "onnxruntime-android-qnn"}  # the kits that run its bundles (deltaship app)
     host_runtime = None  # the HTP here is a simulator: its speed is not a device's (profile refuses)
 
     def check(self, precision: str, max_context: int, prefill_chunk: int, options: TargetOptions) -> None:

@@ -10,6 +10,7 @@ not as an onnxruntime traceback.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -151,18 +152,21 @@ def _compare(field: str, spec: dict, have: dict[str, tuple[str, list]], graph: s
     return []
 
 
-def graph_problems(bundle: Path, manifest: dict[str, Any]) -> list[str]:
+def graph_problems(bundle: Path, manifest: dict[str, Any], entries: Collection[str] | None = None) -> list[str]:
     """Where the bundle's ONNX graphs disagree with the manifest (empty when they agree). Raises a
-    DeltashipError for an external-data path outside the bundle or not listed in `files`."""
+    DeltashipError for an external-data path outside the bundle or not listed in `files`. entries: the graphs whose
+    inputs, outputs and states are compared (default: the manifest's `entry`; the qnn target's decode and prefill
+    graphs both take the manifest's states), each graph file read once."""
     bundle = Path(bundle)
-    entry = manifest["entry"]
+    entries = [manifest["entry"]] if entries is None else list(entries)
     problems: list[str] = []
     for name in [n for n in manifest["files"] if n.endswith(".onnx")]:
         graph = _read(bundle, manifest, name, "files")
         for tensor, location in graph.external:  # onnxruntime opens these itself, relative to the graph's file
             bundle_path(bundle, manifest, location, f"{name} (external data of tensor {tensor!r})")
-        if name != entry:
+        if name not in entries:
             continue
+        entry = name
         ins, outs = _io(graph.inputs), _io(graph.outputs)
         for t in manifest["inputs"]:
             problems += _compare("inputs", t, ins, entry)
@@ -176,6 +180,7 @@ def graph_problems(bundle: Path, manifest: dict[str, Any]) -> list[str]:
         extra = sorted(set(ins) - named - graph.initializers)
         if extra:
             problems.append(f"inputs: {entry} takes {', '.join(extra)}, which the manifest does not name")
-    if entry not in manifest["files"]:
-        problems.append(f"entry {entry!r}: not listed in files")
+    for entry in entries:
+        if entry not in manifest["files"]:
+            problems.append(f"entry {entry!r}: not listed in files")
     return problems

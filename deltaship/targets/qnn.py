@@ -126,10 +126,8 @@ class QnnTarget(Target):
         graphs = manifest.get("lowering", {}).get("graphs")
         if not isinstance(graphs, dict) or not graphs:
             return ["lowering.graphs: a qnn bundle's manifest names its graphs there"]
-        problems = []
-        for g in graphs.values():  # each graph's inputs, outputs and states against the manifest's
-            problems += [p for p in graph_problems(bundle, dict(manifest, entry=g["file"])) if p not in problems]
-        return problems
+        # each graph's inputs, outputs and states against the manifest's, every graph file read once
+        return graph_problems(bundle, manifest, entries=[g["file"] for g in graphs.values()])
 
     def open_session(
         self,

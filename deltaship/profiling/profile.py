@@ -263,7 +263,8 @@ def _memory_plan(doc: dict[str, Any], manifest: dict[str, Any]) -> None:
     prompts = doc.get("config", {}).get("prompt_lengths") or []
     if peak is None or not prompts:
         return
-    plan = planned_peak(manifest, max(prompts), doc.get("threads"))
+    host = next((r["median"] for r in doc["results"] if r["metric"] == "host_rss_bytes"), None)
+    plan = planned_peak(manifest, max(prompts), doc.get("threads"), None if host is None else int(host))
     if plan is not None:
         doc["memory_plan"] = {**plan, "peak_rss_bytes": peak, "plan_over_measured": plan["total_bytes"] / peak}
 

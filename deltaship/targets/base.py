@@ -260,6 +260,13 @@ class Target(ABC):
     ) -> "Session":
         """A session over one of this target's bundles in `runtime` (one of `runtimes`; None: the first)."""
 
+    def load_runtime(self) -> str | None:
+        """Import the libraries deltaship's own session for this target loads before it opens any bundle, when an
+        app does not load them (ExecuTorch's pybindings load torch): `profile` measures its process up to here as
+        the host driver's part of the plan. Returns a path fragment naming the runtime's own shared objects (an app
+        links those too); None: nothing of the host's to load."""
+        return None
+
     def open_multimodal(self, session: "Session") -> "Multimodal":
         """Image + text generation beside `session`, an open session of one of this target's bundles (refused,
         with the fix, when the bundle has no vision tower)."""

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.runtimes.executorch import ExecuTorchSession
+from deltaship.runtimes.executorch import runtime as executorch_runtime
 from deltaship.runtimes.executorch_contract import program_problems
 from deltaship.targets.base import (
     StorageFormat,
@@ -161,6 +162,11 @@ class ExecuTorchTarget(Target):
 
     def artifact_problems(self, bundle: Path, manifest: dict[str, Any]) -> list[str]:
         return program_problems(bundle, manifest)
+
+    def load_runtime(self) -> str | None:
+        self.require_tools(("executorch",))
+        executorch_runtime()  # torch, the pybindings and the kernel libraries
+        return "/executorch/"
 
     def open_session(
         self,

@@ -238,9 +238,11 @@ def estimate(
     kv_dtype: str | None = None,
     prefill_chunk: int | None = None,
     host_driver: bool = False,
+    host_bytes: int | None = None,
 ) -> PlanRow:
     """Memory of (target, precision, KV dtype) at `context` tokens on `tier`, by part: an app's process, or with
-    host_driver that of deltaship's own Python driver (what `profile` measures: the terms' host_bytes added)."""
+    host_driver that of deltaship's own Python driver (what `profile` measures: the terms' host_bytes added, or
+    `host_bytes` where the driver's part was measured in the process itself)."""
     tgt = as_target(target)
     kv = kv_dtype or default_kv_dtype(tgt, precision)
     terms = memory_terms(tgt, precision)
@@ -254,7 +256,8 @@ def estimate(
     scratch = context * tier.threads * tgt.kv_scratch_bytes_per_token(spec, kv)
     act = activation_bytes(spec, tgt, precision, context, prefill_chunk, all_layers=terms.measured)
     a = int(act * terms.activation_factor) + scratch
-    rt = terms.runtime_bytes - (0 if host_driver else terms.host_bytes)
+    host = terms.host_bytes if host_bytes is None else host_bytes
+    rt = terms.runtime_bytes - terms.host_bytes + (host if host_driver else 0)
     # the peak is the larger of loading (originals and prepacked copies at once) and running a prefill chunk
     total = rt + max(loaded + dn + kvb + a, int(w * terms.load_factor))
     return PlanRow(
@@ -283,10 +286,13 @@ def estimate(
     )
 
 
-def planned_peak(manifest: dict, prompt_length: int, threads: int | None = None) -> dict | None:
+def planned_peak(
+    manifest: dict, prompt_length: int, threads: int | None = None, host_bytes: int | None = None
+) -> dict | None:
     """The plan's memory for a bundle as `profile` runs it (its context, a prefill of `prompt_length` tokens in the
     bundle's chunks), by part; None when the bundle's model cannot be loaded here (a checkpoint not on this
-    machine). `profile` prints it beside the measured peak RSS."""
+    machine). `profile` prints it beside the measured peak RSS. host_bytes: the Python driver's part as the profiled
+    process measured it (in place of the terms' host_bytes)."""
     try:
         spec = load_source(manifest["source"]["model"]).spec
     except (DeltashipError, KeyError, OSError):
@@ -295,7 +301,15 @@ def planned_peak(manifest: dict, prompt_length: int, threads: int | None = None)
     ctx = manifest["max_context"]
     tier = Tier("host", "host", 1 << 62, 1 << 62, (manifest["target"],), (manifest["precision"],), ctx, threads or 1)
     row = estimate(
-        spec, tier, manifest["target"], manifest["precision"], manifest["max_context"], None, chunk, host_driver=True
+        spec,
+        tier,
+        manifest["target"],
+        manifest["precision"],
+        manifest["max_context"],
+        None,
+        chunk,
+        host_driver=True,
+        host_bytes=host_bytes,
     )
     return {
         "total_bytes": row.total_bytes,
@@ -306,6 +320,10 @@ def planned_peak(manifest: dict, prompt_length: int, threads: int | None = None)
         "context": row.context,
         "prefill_chunk": chunk,
         "terms": row.terms,
+        "host_bytes": memory_terms(manifest["target"], manifest["precision"]).host_bytes
+        if host_bytes is None
+        else host_bytes,
+        "host": "terms" if host_bytes is None else "measured in the profiled process",
     }
 
 

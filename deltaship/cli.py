@@ -25,7 +25,7 @@ from deltaship.compile import export
 from deltaship.compile.settings import EXPORT_OPTIONS
 from deltaship.devices.discovery import discover, fingerprint
 from deltaship.devices.plan import format_table, format_vision, plan, verdicts, vision_plan
-from deltaship.errors import EXIT_BROKEN_PIPE, EXIT_SIGINT, EXIT_SIGTERM, DeltashipError
+from deltaship.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_SIGINT, EXIT_SIGTERM, DeltashipError
 from deltaship.failures import describe, os_error, quiet_stdout, stdout_closed
 from deltaship.logs import quiet_third_party, set_verbose
 from deltaship.models.presets import PRESETS
@@ -180,7 +180,7 @@ def _generate(a: argparse.Namespace) -> int:
 def _inspect(a: argparse.Namespace) -> int:
     info = bundle_inspect.inspect(a.bundle)
     print(json.dumps(info, indent=2) if a.json else bundle_inspect.describe(info))
-    return 0 if info["intact"] else 1
+    return 0 if info["intact"] else EXIT_BAD_INPUT  # a bundle that fails its checks is bad input, not a deltaship bug
 
 
 def _eval(a: argparse.Namespace) -> int:

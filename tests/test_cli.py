@@ -97,7 +97,8 @@ def test_inspect_human_and_tamper(tiny_bundle, tmp_path):
     shutil.copytree(tiny_bundle, copy)
     (copy / "tokenizer.json").write_text("{}")
     r = run("inspect", str(copy))
-    assert r.returncode == 1 and "FAILED" in r.stdout and "tokenizer.json" in r.stdout
+    # a bundle that fails its checks is bad input (2), not a deltaship bug (1)
+    assert r.returncode == 2 and "FAILED" in r.stdout and "tokenizer.json" in r.stdout
     r = run("generate", str(copy), "--input-ids", "1")
     assert r.returncode == 2 and "tampered" in r.stderr
 

@@ -5,7 +5,9 @@ bench/gpu/run.py). Prints one JSON line.
 
 TOOL: deltaship (any deltaship bundle, through its session), transformers-fp32, transformers-bf16 (ARTIFACT
 = checkpoint dir), genai (onnxruntime-genai model dir), et-example (an ExecuTorch .pte; ARTIFACT may end
-with ':1' for a one-token-per-call program), llamacpp (a GGUF file, through llama-cpp-python).
+with ':1' for a one-token-per-call program), llamacpp (a GGUF file, through llama-cpp-python), ort-node (a deltaship
+ONNX bundle in onnxruntime-node through the JS driver: this process execs bench/tools/ort_node_worker.mjs, which
+runs the same workload and prints the same line).
 Measured as `deltaship profile` measures (docs/profiling.md): prefill of 128 and 512 random-token prompts (prefill_tok_s =
 P / time of the prefill call(s)), ttft_s (prompt handed over -> first token id), then 64 greedy decode
 steps after the 512-token prompt (tpot = (t_last - t_first) / (N - 1)); peak RSS (VmHWM).
@@ -15,8 +17,10 @@ Tokenization is never involved (token ids in, token ids out).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -176,6 +180,8 @@ def make(tool: str, path: str, threads: int):
 
 def main() -> int:
     tool, path, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if tool == "ort-node":  # exec, not a child: the measured process is node itself (VmHWM starts again at exec)
+        os.execvp("node", ["node", str(Path(__file__).with_name("ort_node_worker.mjs")), path, str(threads)])
     t0 = now()
     m = make(tool, path, threads)
     load = now() - t0

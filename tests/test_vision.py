@@ -841,7 +841,9 @@ def test_profile_image_sizes(vl_bundle, tmp_path):
     assert page["image_tokens"] <= 64 and page["resized"] != [2200, 1700]  # resized into max_pixels
     for name in ("64x64", "page"):
         ttft, enc = rows[("image_ttft_s", name)], rows[("image_encode_s", name)]
-        assert ttft["median"] > enc["median"] > 0  # TTFT = preprocess + encode + prefill
+        # TTFT = preprocess + encode + prefill, but measured in calls of its own: comparing the two medians is a timing
+        # race under load (reps=2), so only that both were measured
+        assert ttft["median"] > 0 and enc["median"] > 0 and ttft["n"] >= 2 and enc["n"] >= 2
         assert rows[("image_peak_rss_bytes", name)]["median"] >= rows[("image_rss_growth_bytes", name)]["median"]
     assert ("prefill_tok_s", None) in rows  # the text records are still there
     text = format_results(doc)

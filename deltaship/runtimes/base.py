@@ -141,20 +141,25 @@ class Session(ABC):
         return arrays
 
     def load_state_file_arrays(self, position: int, arrays: dict[str, np.ndarray]) -> None:
-        """Put back what state_file_arrays gave (checked by the caller: names, shapes, dtypes), at `position`."""
+        """Put back what state_file_arrays gave (checked by the caller: names, shapes, dtypes), at `position`.
+
+        One state at a time: a KV cache goes through a whole-length copy of itself (its prefix written into it), so
+        the restore holds at most one such copy beside `arrays` (what `deltaship plan` counts for a prompt cache)."""
         self.reset()
-        full = {}
         for s in self.manifest["states"]:
             a = arrays[s["name"]]
-            if s["kind"].startswith("kv_cache"):
-                whole = self._read_states([s["name"]])[s["name"]]
-                idx = [slice(None)] * whole.ndim
-                idx[self._seq_axis(s, whole)] = slice(0, position)
-                whole[tuple(idx)] = a
-                a = whole
-            full[s["name"]] = a
-        self._write_states(full)
+            # the whole-length copy is bound to no name: freed as soon as it is written, before the next one
+            self._write_states({s["name"]: self._kv_whole(s, a, position) if s["kind"].startswith("kv_cache") else a})
         self.position = position
+
+    def _kv_whole(self, state: dict[str, Any], prefix: np.ndarray, position: int) -> np.ndarray:
+        """A KV cache at its whole length (a copy of the session's, zero after reset) with `prefix` as its first
+        `position` entries."""
+        whole = self._read_states([state["name"]])[state["name"]]
+        idx = [slice(None)] * whole.ndim
+        idx[self._seq_axis(state, whole)] = slice(0, position)
+        whole[tuple(idx)] = prefix
+        return whole
 
     def state_layout(self) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
         """{state: (full shape, dtype, sequence axis or None)} in the runtime's layout, as _read_states gives."""

@@ -146,6 +146,19 @@ def test_profiles_plan_reads_the_manifest(cached):
     assert planned_peak(without, 64)["total_bytes"] == p["total_bytes"]
 
 
+def test_profile_says_it(cached):
+    from deltaship.profiling.profile import profile
+    from deltaship.profiling.report import format_results
+
+    doc = profile(cached, threads=1, prompt_lengths=[16], gen=2, contexts=[], warmups=0, reps=1, min_seconds=0,
+                  breakdown=False)  # fmt: skip
+    c = doc["memory_plan"]["prompt_cache"]
+    assert (
+        f"prompt cache {c['tokens']:,} tokens: {c['file_bytes'] / 2**20:.2f} MiB in the bundle; a chat starting from "
+        f"it: plan {c['chat_total_bytes'] / 2**30:.3f} GiB (+{c['restore_bytes'] / 2**20:.2f} MiB while it restores"
+    ) in format_results(doc)
+
+
 def test_a_restore_copies_one_state_at_a_time(cached, monkeypatch):
     """The restore the plan counts: each state written on its own (one whole-length KV copy at a time)."""
     from deltaship.chat import Chat

@@ -230,3 +230,51 @@ def test_at_a_short_context_the_largest_copy_is_a_recurrent_state():
     )
     row = _fp32_row(rows)
     assert row["prompt_cache_restore_bytes"] - row["prompt_cache_bytes"] == 16 * 128 * 128 * 4
+
+
+def test_export_for_a_device_plans_with_the_cache(cached, system_file, tmp_path):
+    """export --device TIER --prompt-cache FILE: the tier's plan counts the cache export will ship; on a budget
+    between the plain plan and the plan with the cache, the cache costs a narrower KV cache or a smaller chunk."""
+    from deltaship.compile.steps import device_prompt_cache_tokens, plan_device
+    from deltaship.devices.plan import choose_for_tier
+    from deltaship.models.source import load_source
+
+    source = load_source("qwen3.5-tiny")
+    tokens = device_prompt_cache_tokens(source, system_file)
+    assert tokens == _manifest(cached)["chat"]["prompt_cache"]["tokens"]
+    assert device_prompt_cache_tokens(source, None) is None
+    fixed = dict(target="onnx", precision="int4", context=CONTEXT)
+    plain = choose_for_tier(source.spec, "phone-4gb", **fixed)
+    with_cache = choose_for_tier(source.spec, "phone-4gb", **fixed, prompt_cache_tokens=tokens)
+    assert with_cache.total_bytes - plain.total_bytes == with_cache.prompt_cache_restore_bytes > 0
+    budget = (plain.total_bytes + with_cache.total_bytes) / 2 / 2**30
+    (tmp_path / "t.toml").write_text(
+        f'[tiers.tight]\nkind = "phone"\nram_gib = 1\nbudget_gib = {budget!r}\ntargets = ["onnx"]\n'
+        f'precisions = ["int4"]\ncontext = {CONTEXT}\nthreads = 4\n'
+    )
+    args = (source.spec, "tight", str(tmp_path / "t.toml"), "onnx", "int4", CONTEXT)
+    own = plan_device(*args, None, None)
+    assert (own.kv_cache, own.prefill_chunk) == (None, None)  # the target's own KV cache and chunk fit
+    cut = plan_device(*args, None, None, tokens)  # with the cache, only a narrower KV cache or a smaller chunk fits
+    assert cut.kv_cache is not None or cut.prefill_chunk is not None, cut
+    with pytest.raises(DeltashipError, match="nothing fits tier tight"):  # or nothing, the two fixed
+        plan_device(*args, "fp32", CONTEXT, tokens)
+
+
+def test_export_passes_the_caches_tokens_to_the_tiers_plan(cached, system_file, tmp_path, monkeypatch):
+    from deltaship.compile import export, steps
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def spy(*args):
+        seen.append(args[8])
+        raise Stop  # the plan is all this test needs: no export
+
+    monkeypatch.setattr(steps, "plan_device", spy)
+    with pytest.raises(Stop):
+        export("qwen3.5-tiny", tmp_path / "o", device="phone-4gb", prompt_cache=system_file, progress=False)
+    assert seen == [_manifest(cached)["chat"]["prompt_cache"]["tokens"]]
+    assert not (tmp_path / "o").exists()

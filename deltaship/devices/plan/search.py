@@ -278,13 +278,15 @@ def choose_for_tier(
     context: int | str | None = None,
     kv_dtype: str | None = None,
     prefill_chunk: int | None = None,
+    prompt_cache_tokens: int | None = None,
 ) -> PlanRow:
     """What `export --device TIER` builds: the tier's preferred target and most accurate precision that fit
     (within the target, precision, context, KV dtype and prefill chunk the user fixed), with the target's own KV
     cache or, when only a quantized one fits, that, at the largest prefill chunk that fits (row.prefill_chunk); at
     the tier's typical context, halved down to 512 when nothing fits there at any chunk and the user fixed none
     (see _first_fit). context "max": the longest context any exportable combination reaches at the target's
-    chunk (see _longest). Refused, with the plan's numbers, when nothing fits."""
+    chunk (see _longest). prompt_cache_tokens: the bundle ships a prompt cache of that many tokens (export
+    --prompt-cache), whose restore is counted. Refused, with the plan's numbers, when nothing fits."""
     t = get_tier(tier, tiers_file)
     context = parse_context(context)
     targets, precisions = [target] if target else list(t.targets), [precision] if precision else list(t.precisions)
@@ -302,7 +304,7 @@ def choose_for_tier(
         precisions = list(dict.fromkeys(pr for _, pr in can))
     if context == "max":
         rows = [
-            longest_context(spec, t, resolved[tg], pr, kv, prefill_chunk)
+            longest_context(spec, t, resolved[tg], pr, kv, prefill_chunk, prompt_cache_tokens)
             for tg in targets
             for pr in precisions
             for kv in ([kv_dtype] if kv_dtype else exportable_kv_dtypes(resolved[tg], pr))
@@ -312,9 +314,11 @@ def choose_for_tier(
     else:
         start = context or min(t.context, spec.max_position_embeddings)
         tgts = [resolved[tg] for tg in targets]
-        pick = _first_fit(spec, t, tgts, precisions, start, context is None, prefill_chunk, kv_dtype)
+        pick = _first_fit(
+            spec, t, tgts, precisions, start, context is None, prefill_chunk, kv_dtype, prompt_cache_tokens
+        )
         tried = [
-            estimate(spec, t, resolved[tg], pr, start, kv)
+            estimate(spec, t, resolved[tg], pr, start, kv, prompt_cache_tokens=prompt_cache_tokens)
             for tg in targets
             for pr in precisions
             for kv in ([kv_dtype] if kv_dtype else exportable_kv_dtypes(resolved[tg], pr))

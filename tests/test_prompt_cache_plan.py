@@ -9,8 +9,8 @@ test_plan_counts_the_files_bytes_and_its_restore; sizing the cache at the contex
 too; counting the tokens with a generation prompt fails test_the_file_is_counted_as_export_feeds_it; planned_peak
 taking the spec's tensor bytes instead of the manifest's file bytes fails test_profiles_plan_reads_the_manifest;
 restoring every state in one call fails test_a_restore_copies_one_state_at_a_time; dropping the table's
-prompt-cache lines fails test_the_cli_prints_it; leaving the recurrent state out of the restore's largest copy fails
-test_at_a_short_context_the_largest_copy_is_a_recurrent_state.
+prompt-cache lines fails test_the_cli_prints_it; leaving the file's mapping or the KV copy out of the restore fails
+test_plan_counts_the_files_bytes_and_its_restore or test_at_a_long_context_the_largest_copy_is_a_kv_cache.
 """
 
 from __future__ import annotations
@@ -77,20 +77,18 @@ def _tensor_bytes(path: Path) -> int:
     return len(data) - 8 - struct.unpack("<Q", data[:8])[0]
 
 
-def _states_from_manifest(manifest: dict, tokens: int) -> tuple[int, int, int]:
-    """(the states at `tokens`, one KV cache at the context, one DeltaNet recurrent state) from the manifest's own
-    state shapes (float32 here): what the cache holds and the largest copy its restore makes."""
-    at, kv_whole, recurrent = 0, 0, 0
+def _states_from_manifest(manifest: dict, tokens: int) -> tuple[int, int]:
+    """(the states at `tokens`, one KV cache at the context) from the manifest's own state shapes (float32 here):
+    what the cache holds, and the whole-length copy its restore makes of one KV cache."""
+    at, kv_whole = 0, 0
     for s in manifest["states"]:
         assert s["dtype"] == "float32", s
         shape = list(s["shape"])
         if s["kind"].startswith("kv_cache"):
             kv_whole = max(kv_whole, 4 * math.prod(shape))
-            shape[shape.index(CONTEXT)] = tokens
-        elif s["kind"] == "deltanet_recurrent":
-            recurrent = max(recurrent, 4 * math.prod(shape))
+            shape[shape.index(manifest["max_context"])] = tokens
         at += 4 * math.prod(shape)
-    return at, kv_whole, recurrent
+    return at, kv_whole
 
 
 def test_the_file_is_counted_as_export_feeds_it(cached, system_file, tmp_path):
@@ -111,14 +109,14 @@ def test_plan_counts_the_files_bytes_and_its_restore(cached, system_file):
     tokens = m["chat"]["prompt_cache"]["tokens"]
     rows = plan("qwen3.5-tiny", prompt_cache=system_file, **ASK)  # every ONNX precision, each with an fp32 KV cache
     plains = plan("qwen3.5-tiny", **ASK)
-    at, kv_whole, recurrent = _states_from_manifest(m, tokens)
+    at, kv_whole = _states_from_manifest(m, tokens)
     grew = {}
     for row, plain in zip(rows, plains, strict=True):
         if row["precision"] in ("fp32", "int8", "int4"):  # fp32 activations: the states of this bundle's file
             # in the bundle: exactly the file's tensors, which are the states at the cache's length
             assert row["prompt_cache_bytes"] == _tensor_bytes(cached / "prompt_cache.safetensors") == at
-            # on the peak: the file's tensors plus one state's whole copy
-            assert row["prompt_cache_restore_bytes"] == at + max(kv_whole, recurrent)
+            # on the peak: the file's tensors, plus the file mapped while it is read (here larger than one KV cache)
+            assert row["prompt_cache_restore_bytes"] == at + max(at, kv_whole) == 2 * at
         for part in ("weights_bytes", "kv_bytes", "deltanet_bytes", "activation_bytes", "runtime_bytes"):
             assert row[part] == plain[part], part
         assert plain["prompt_cache_tokens"] is None and plain["prompt_cache_restore_bytes"] == 0
@@ -137,8 +135,8 @@ def test_profiles_plan_reads_the_manifest(cached):
     c = p["prompt_cache"]
     assert c["tokens"] == m["chat"]["prompt_cache"]["tokens"]
     assert c["file_bytes"] == m["files"]["prompt_cache.safetensors"]["bytes"] == path.stat().st_size
-    _, kv_whole, recurrent = _states_from_manifest(m, c["tokens"])
-    assert c["restore_bytes"] == path.stat().st_size + max(kv_whole, recurrent)
+    _, kv_whole = _states_from_manifest(m, c["tokens"])
+    assert c["restore_bytes"] == path.stat().st_size + max(path.stat().st_size, kv_whole)
     run = sum(p[k] for k in ("runtime_bytes", "weights_loaded_bytes", "state_bytes", "activation_bytes"))
     assert c["chat_total_bytes"] == max(run + c["restore_bytes"], p["total_bytes"])
     without = {k: v for k, v in m.items() if k != "chat"}
@@ -160,19 +158,20 @@ def test_profile_says_it(cached):
 
 
 def test_a_restore_copies_one_state_at_a_time(cached, monkeypatch):
-    """The restore the plan counts: each state written on its own (one whole-length KV copy at a time)."""
+    """The restore the plan counts: each state read (its layout checked) and written on its own, so at most one
+    whole-length KV copy at a time beside the file's arrays."""
     from deltaship.chat import Chat
     from deltaship.runtimes.onnx import OnnxSession
 
-    calls = []
-    write = OnnxSession._write_states
-    monkeypatch.setattr(
-        OnnxSession, "_write_states", lambda self, arrays: calls.append(list(arrays)) or write(self, arrays)
-    )
+    reads, writes = [], []
+    read, write = OnnxSession._read_states, OnnxSession._write_states
+    monkeypatch.setattr(OnnxSession, "_read_states", lambda self, names: reads.append(list(names)) or read(self, names))
+    monkeypatch.setattr(OnnxSession, "_write_states", lambda self, a: writes.append(list(a)) or write(self, a))
     chat = Chat(cached, system=SYSTEM, threads=1)
     assert chat.session.position == _manifest(cached)["chat"]["prompt_cache"]["tokens"]  # it restored
     states = [s["name"] for s in chat.session.manifest["states"]]
-    assert calls == [[n] for n in states]
+    assert writes == [[n] for n in states]
+    assert reads and all(len(names) == 1 for names in reads), reads
 
 
 def test_the_cli_prints_it(cached, system_file, capsys):
@@ -221,15 +220,16 @@ def test_a_context_that_cannot_hold_the_cache_does_not_fit():
         plan("qwen3.5-tiny", tier="phone-4gb", prompt_cache_tokens=4096)
 
 
-def test_at_a_short_context_the_largest_copy_is_a_recurrent_state():
-    """The restore's one-state copy is the larger of one KV cache at the context and one DeltaNet recurrent state
-    (the sha256 check copies each tensor): at 256 tokens of the 0.8B, the recurrent state (16 value heads x 128 x 128
-    fp32, 1 MiB) is larger than one KV cache (2 KV heads x 256 dims x 256 tokens fp32, 0.5 MiB)."""
-    rows = plan(
-        "qwen3.5-0.8b", tier="phone-8gb", context=256, targets=["onnx"], kv_dtypes=["fp32"], prompt_cache_tokens=100
-    )
-    row = _fp32_row(rows)
-    assert row["prompt_cache_restore_bytes"] - row["prompt_cache_bytes"] == 16 * 128 * 128 * 4
+def test_at_a_long_context_the_largest_copy_is_a_kv_cache(cached):
+    """The restore's second term is the larger of the file (mapped while read) and one KV cache at the context (the
+    whole-length copy a KV cache is written through): at the tiny's 4096 tokens, one KV cache (2 KV heads x 64 dims
+    x 4096 tokens fp32, 2 MiB) is larger than the cache's file."""
+    tokens = _manifest(cached)["chat"]["prompt_cache"]["tokens"]
+    ask = {**ASK, "context": 4096}
+    row = _fp32_row(plan("qwen3.5-tiny", prompt_cache_tokens=tokens, **ask))
+    assert row["prompt_cache_bytes"] == _tensor_bytes(cached / "prompt_cache.safetensors")  # whatever the context
+    assert row["prompt_cache_restore_bytes"] == row["prompt_cache_bytes"] + 2 * 64 * 4096 * 4
+    assert _grows_by_the_restore(row, _fp32_row(plan("qwen3.5-tiny", **ask)))
 
 
 def test_export_for_a_device_plans_with_the_cache(cached, system_file, tmp_path):

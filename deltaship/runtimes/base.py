@@ -163,15 +163,12 @@ class Session(ABC):
 
     def state_layout(self) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
         """{state: (full shape, dtype, sequence axis or None)} in the runtime's layout, as _read_states gives."""
-        arrays = self._read_states([s["name"] for s in self.manifest["states"]])
-        return {
-            s["name"]: (
-                tuple(arrays[s["name"]].shape),
-                str(arrays[s["name"]].dtype),
-                self._seq_axis(s, arrays[s["name"]]) if s["kind"].startswith("kv_cache") else None,
-            )
-            for s in self.manifest["states"]
-        }
+        layout = {}
+        for s in self.manifest["states"]:  # one copy at a time: a restore checks a file against this
+            a = self._read_states([s["name"]])[s["name"]]
+            kv = s["kind"].startswith("kv_cache")
+            layout[s["name"]] = (tuple(a.shape), str(a.dtype), self._seq_axis(s, a) if kv else None)
+        return layout
 
     def _seq_axis(self, state: dict[str, Any], array: np.ndarray) -> int:
         """The sequence axis of a KV cache in the runtime's layout: the first after the batch of max_context."""

@@ -8,7 +8,6 @@ the Target (or its name); the search resolves it once and passes the Target down
 
 from __future__ import annotations
 
-import math
 import tomllib
 from dataclasses import dataclass
 from functools import cache
@@ -183,21 +182,22 @@ def prompt_cache_bytes(
     return state_bytes(spec, target, precision, tokens, kv_dtype)
 
 
-def prompt_cache_restore_bytes(file_bytes: int, state_copy_bytes: int) -> int:
-    """What restoring a shipped prompt cache adds to the peak: the file's bytes plus one state's copy, the larger of
-    one KV cache (one layer's K or V) at the context and one layer's DeltaNet recurrent state. `file_bytes`: the
-    cache's file (the manifest's `files`), or its tensors (prompt_cache_bytes) when planned from the spec.
+def prompt_cache_restore_bytes(file_bytes: int, kv_state_bytes: int) -> int:
+    """What restoring a shipped prompt cache adds to the peak: the file's bytes plus the larger of the file's bytes
+    and one KV cache (one layer's K or V) at the context. `file_bytes`: the cache's file (the manifest's `files`),
+    or its tensors (prompt_cache_bytes) when planned from the spec.
 
     How deltaship's runtimes restore it (deltaship/chat/store.py apply_prompt_cache, when a chat with the cache's
     system message starts and at each reset): read_session_file copies every tensor out of the file into a fresh
-    array (the file is read, not kept mapped: the read's peak is the file's size), then checks each one's sha256
-    through a copy of that one tensor; Session.load_state_file_arrays writes one state at a time into the session's
-    own state buffers, a KV cache through a whole-length copy of that one state. All of it is freed when the
-    restore returns: the session's state buffers, planned whole at the context already, hold the result (the
-    allocator may keep the freed pages, which the next restore reuses). So the cache is a transient on the peak,
-    not held state; it is counted on top of a prefill chunk's activations, because a chat that resets after a turn
+    array while safetensors keeps the file mapped, its pages resident until it is closed (measured: the read's peak
+    is up to twice the file), then checks each tensor's sha256 through a copy of that one tensor (less than the
+    file); checked_state and Session.load_state_file_arrays read and write one state at a time, a KV cache through a
+    whole-length copy of that one state: the file's arrays plus one KV cache at the context. All of it is freed when
+    the restore returns: the session's state buffers, planned whole at the context already, hold the result (the
+    allocator may keep freed pages, which the next restore reuses). So the cache is a transient on the peak, not
+    held state; it is counted on top of a prefill chunk's activations, because a chat that resets after a turn
     restores while the runtime's arena still holds them."""
-    return file_bytes + state_copy_bytes
+    return file_bytes + max(file_bytes, kv_state_bytes)
 
 
 def attention_scores_bytes(
@@ -302,9 +302,7 @@ def estimate(
         if prompt_cache_file_bytes is not None:
             cache = prompt_cache_file_bytes
         kv_states = 2 * len(spec.attention_layers)  # K and V of each attention layer, each a state of its own
-        one_kv = kvb // kv_states if kv_states else 0
-        recurrent = 4 * math.prod(spec.deltanet_state_shapes()["recurrent"]) if spec.deltanet_layers else 0  # fp32
-        restore = prompt_cache_restore_bytes(cache, max(one_kv, recurrent))
+        restore = prompt_cache_restore_bytes(cache, kvb // kv_states if kv_states else 0)
         if prompt_cache_tokens >= context:
             cache_problem = (
                 f"the prompt cache's {prompt_cache_tokens} tokens leave no room in a context of {context} "

@@ -19,12 +19,12 @@ from deltaship.apps import PLATFORMS, write_kit
 from deltaship.bundle.destination import check_destination
 from deltaship.check import inspect as bundle_inspect
 from deltaship.check.evaluate import evaluate
-from deltaship.commands import generate
+from deltaship.commands import generate, plan
 from deltaship.commands.chat import chat
 from deltaship.compile import export
 from deltaship.compile.settings import EXPORT_OPTIONS
 from deltaship.devices.discovery import discover, fingerprint
-from deltaship.devices.plan import format_table, format_vision, plan, verdicts, vision_plan
+from deltaship.devices.plan import format_table, format_vision, verdicts, vision_plan
 from deltaship.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_SIGINT, EXIT_SIGTERM, DeltashipError
 from deltaship.failures import describe, os_error, quiet_stdout, stdout_closed
 from deltaship.logs import quiet_third_party, set_verbose
@@ -228,6 +228,8 @@ def _plan(a: argparse.Namespace) -> int:
         targets=[t for t in a.targets.split(",")] if a.targets else None,
         kv_dtypes=a.kv_dtypes.split(",") if a.kv_dtypes else None,
         prefill_chunk=a.prefill_chunk,
+        prompt_cache=a.prompt_cache,
+        prompt_cache_tokens=a.prompt_cache_tokens,
     )
     vp = vision_plan(a.model)  # None for a text-only model
     if a.vision and vp is None:
@@ -337,12 +339,10 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         help="KV-cache dtype (default: the target's own at --precision; `deltaship plan --kv-dtypes` shows "
         "what each would take)",
     )
-    e.add_argument(
-        "--prompt-cache",
-        default=None,
-        metavar="FILE",
-        help="ship the state after a system message (FILE: its text, or JSON {system, template_kwargs}) in the "
-        "bundle: a chat with that system message starts without feeding it (docs/chat.md)",
+    add_prompt_cache_argument(
+        e,
+        "ship the state after a system message in the bundle: a chat with that system message starts without feeding "
+        "it (docs/chat.md)",
     )
     e.add_argument("--threads", type=THREADS, default=None, help="threads for verification (default: the runtime's)")
     e.add_argument("--quiet", action="store_true", help="no progress display")
@@ -353,6 +353,17 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         "fp16, Core ML at fp32; docs/bundle-format.md 'Images'); off by default: text-only bundles stay as they are",
     )
     _add_target_options(e)
+
+
+def add_prompt_cache_argument(parser: argparse.ArgumentParser | Any, what: str) -> None:
+    """--prompt-cache FILE, one definition for `export` (which ships the cache) and `plan` (which counts it), so that
+    one file serves both."""
+    parser.add_argument(
+        "--prompt-cache",
+        default=None,
+        metavar="FILE",
+        help=f"{what} (FILE: the system message's text, or JSON {{system, template_kwargs}})",
+    )
 
 
 def _app(a: argparse.Namespace) -> int:
@@ -528,6 +539,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per prefill call (default: each target's in the table; the pick takes the largest that fits)",
     )
     pl.add_argument("--targets", default=None, help="comma-separated targets (default: each tier's)")
+    cache = pl.add_mutually_exclusive_group()
+    add_prompt_cache_argument(
+        cache,
+        "count the prompt cache `export --prompt-cache FILE` ships: its bytes in the bundle, and its restore on the "
+        "peak when a chat starts from it (its tokens counted with the model's tokenizer and chat template)",
+    )
+    cache.add_argument(
+        "--prompt-cache-tokens",
+        type=_arg(int, lambda v: options.at_least("--prompt-cache-tokens", v, 0), "an integer >= 0"),
+        default=None,
+        metavar="N",
+        help="as --prompt-cache, for a cache of N tokens (a model without a tokenizer)",
+    )
     pl.add_argument(
         "--vision",
         action="store_true",

@@ -16,11 +16,18 @@ from typing import Any, Callable
 
 import numpy as np
 
-from deltaship.chat.store import PROMPT_CACHE_FILE, apply_prompt_cache, checked_state, read_session_file, save_chat
-from deltaship.chat.template import ChatTemplate, bundle_chat_template
+from deltaship.chat.store import (
+    PROMPT_CACHE_FILE,
+    apply_prompt_cache,
+    checked_state,
+    prompt_cache_settings,
+    read_session_file,
+    save_chat,
+)
+from deltaship.chat.template import ChatTemplate, bundle_chat_template, source_chat_template
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Checkpoint, Session, check_sampling, sample
-from deltaship.runtimes.tokenizer import load_tokenizer
+from deltaship.runtimes.tokenizer import BundleTokenizer, load_tokenizer
 from deltaship.targets import open_bundle
 
 KEEP_TURNS = 16  # turns whose checkpoints stay in memory (2 DeltaNet copies each); older ones re-prefill if needed
@@ -195,7 +202,7 @@ class Chat:
     def reset(self) -> None:
         """Start over: only the system message (if any) remains; the state is empty, or holds the system message
         where the bundle ships a prompt cache of it (export --prompt-cache)."""
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.messages = _opening(self.system)
         self.turns = []
         self._forget_state()
         if self.use_prompt_cache and self.system is not None:
@@ -341,6 +348,30 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     x, y = np.asarray(a[:n], np.int64), np.asarray(b[:n], np.int64)
     diff = np.flatnonzero(x != y)
     return int(diff[0]) if diff.size else n
+
+
+def _opening(system: str | None) -> list[dict[str, str]]:
+    """The messages a chat starts with: the system message, if any (what a prompt cache holds)."""
+    return [{"role": "system", "content": system}] if system else []
+
+
+def prompt_cache_tokens(tokenizer_files: list[Path], path: Path) -> int:
+    """How many tokens `export --prompt-cache FILE` would ship for a checkpoint with these tokenizer files
+    (ModelSource.tokenizer_files): the system message as the checkpoint's chat template renders it without a
+    generation prompt, as write_prompt_cache feeds it (`deltaship plan --prompt-cache FILE`)."""
+    system, template_kwargs = prompt_cache_settings(Path(path))
+    tok = next((f for f in tokenizer_files if f.name == "tokenizer.json"), None)
+    if tok is None:
+        raise DeltashipError(
+            "--prompt-cache: the model has no tokenizer, so no chat template to render the system message with",
+            "pass --prompt-cache-tokens N (the system message's length in tokens) instead",
+        )
+    messages = _opening(system)
+    if not messages:
+        return 0
+    source, special = source_chat_template(tokenizer_files)
+    text = ChatTemplate(source, **special).render(messages, False, **template_kwargs)
+    return len(BundleTokenizer(tok).encode(text))
 
 
 def write_prompt_cache(

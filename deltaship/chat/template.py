@@ -28,16 +28,35 @@ def bundle_chat_template(bundle: Path, manifest: dict[str, Any]) -> tuple[str, d
     Every path under the bundle this module reads goes through here."""
     files = set(manifest.get("tokenizer", {}).get("files", []))
     bundle = Path(bundle)
+
+    def read(name: str) -> str | None:
+        return _read_text(bundle_path(bundle, manifest, name, "tokenizer.files")) if name in files else None
+
+    return _template_of(read, bundle, "export the bundle again")
+
+
+def source_chat_template(files: list[Path]) -> tuple[str, dict[str, str]]:
+    """The chat template of a checkpoint's tokenizer files (ModelSource.tokenizer_files), as bundle_chat_template
+    will read it in a bundle exported from them (export copies them as they are)."""
+    by_name = {f.name: f for f in files}
+    where = files[0].parent if files else Path(".")
+    return _template_of(lambda name: _read_text(by_name[name]) if name in by_name else None, where, "fix the file")
+
+
+def _template_of(read, where: Path, fix: str) -> tuple[str, dict[str, str]]:
+    """The template and special tokens from the tokenizer files `read(name)` gives (None: not there)."""
     config: dict[str, Any] = {}
-    if CONFIG_FILE in files:
+    text = read(CONFIG_FILE)
+    if text is not None:
         try:
-            loaded = json.loads(_read_text(bundle_path(bundle, manifest, CONFIG_FILE, "tokenizer.files")))
+            loaded = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DeltashipError(f"{bundle / CONFIG_FILE}: not JSON ({e})", "export the bundle again") from None
+            raise DeltashipError(f"{where / CONFIG_FILE}: not JSON ({e})", fix) from None
         config = loaded if isinstance(loaded, dict) else {}
     tokens = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS if _token_text(config.get(k)) is not None}
-    if TEMPLATE_FILE in files:
-        return _read_text(bundle_path(bundle, manifest, TEMPLATE_FILE, "tokenizer.files")), tokens
+    template = read(TEMPLATE_FILE)
+    if template is not None:
+        return template, tokens
     template = config.get("chat_template")
     if isinstance(template, list):  # [{name, template}, ...]: the one named "default"
         template = next(
@@ -46,8 +65,7 @@ def bundle_chat_template(bundle: Path, manifest: dict[str, Any]) -> tuple[str, d
     if isinstance(template, str) and template:
         return template, tokens
     raise DeltashipError(
-        f"{bundle}: the bundle's tokenizer files carry no chat template (no {TEMPLATE_FILE}, no chat_template in "
-        f"{CONFIG_FILE})",
+        f"{where}: the tokenizer files carry no chat template (no {TEMPLATE_FILE}, no chat_template in {CONFIG_FILE})",
         "export a checkpoint that has one (instruction-tuned Qwen3.5 checkpoints do), or pass template= to Chat",
     )
 

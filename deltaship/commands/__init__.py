@@ -10,8 +10,8 @@ from deltaship.check.evaluate import evaluate
 from deltaship.check.inspect import describe, inspect
 from deltaship.commands.chat import chat
 from deltaship.commands.generate import generate
+from deltaship.commands.plan import plan
 from deltaship.compile import export
-from deltaship.devices.plan import plan
 from deltaship.profiling.profile import profile
 
 __all__ = ["export", "generate", "chat", "inspect", "describe", "plan", "profile", "evaluate"]

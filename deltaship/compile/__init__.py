@@ -93,6 +93,7 @@ def export(
                 asked.max_context,
                 asked.kv_cache,
                 asked.prefill_chunk,
+                steps.device_prompt_cache_tokens(source, asked.prompt_cache),
             )
             options = dict(options, target=pick.target, precision=pick.precision, max_context=pick.max_context)
             options.update(kv_cache=pick.kv_cache, prefill_chunk=pick.prefill_chunk)

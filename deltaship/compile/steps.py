@@ -20,7 +20,7 @@ import numpy as np
 
 from deltaship.bundle.destination import Destination
 from deltaship.bundle.writer import write_manifest
-from deltaship.chat.conversation import write_prompt_cache
+from deltaship.chat.conversation import prompt_cache_tokens, write_prompt_cache
 from deltaship.check.evaluate import evaluate
 from deltaship.check.vision import verify_vision
 from deltaship.compile.settings import ExportSettings
@@ -62,10 +62,14 @@ def plan_device(
     max_context: int | str | None,
     kv_cache: str | None,
     prefill_chunk: int | None,
+    prompt_cache_tokens: int | None = None,
 ) -> DevicePick:
     """The export options `deltaship plan` picks for tier `device`: target, precision, max_context, kv_cache (a
-    quantized cache only where only that fits) and prefill_chunk (a smaller one where only that fits)."""
-    pick = choose_for_tier(spec, device, tiers_file, target, precision, max_context, kv_cache, prefill_chunk)
+    quantized cache only where only that fits) and prefill_chunk (a smaller one where only that fits), with the
+    restore of a prompt cache of prompt_cache_tokens counted (export --prompt-cache)."""
+    pick = choose_for_tier(
+        spec, device, tiers_file, target, precision, max_context, kv_cache, prefill_chunk, prompt_cache_tokens
+    )
     own_chunk = min(get_target(pick.target).default_prefill_chunk, pick.context)
     chunk = prefill_chunk if prefill_chunk is not None or pick.prefill_chunk == own_chunk else pick.prefill_chunk
     return DevicePick(
@@ -80,6 +84,14 @@ def plan_device(
         + (f", prefill chunk {chunk}" if chunk is not None else "")
         + f" ({pick.total_bytes / 2**30:.2f} of {pick.budget_bytes / 2**30:.2f} GiB, deltaship plan)",
     )
+
+
+def device_prompt_cache_tokens(source: ModelSource, prompt_cache: str | Path | None) -> int | None:
+    """The tokens `--prompt-cache FILE` will ship, for the tier's plan to count (None: no cache asked for, or a model
+    without a tokenizer, which check_source refuses with the cache)."""
+    if prompt_cache is None or not any(f.name == "tokenizer.json" for f in source.tokenizer_files):
+        return None
+    return prompt_cache_tokens(source.tokenizer_files, Path(prompt_cache))
 
 
 def claim(out: str | Path, force: bool, model: str) -> Destination:

@@ -103,6 +103,13 @@ def format_results(doc: dict[str, Any], speculative: bool = True) -> str:
             f"{m['state_bytes'] / g:.3f}, activations {m['activation_bytes'] / g:.3f}, runtime "
             f"{m['runtime_bytes'] / g:.3f}; context {m['context']}, prefill chunk {m['prefill_chunk']}; {m['terms']})"
         )
+        if m.get("prompt_cache"):  # the bundle ships one (export --prompt-cache); this workload never restores it
+            c = m["prompt_cache"]
+            lines.append(
+                f"prompt cache {c['tokens']:,} tokens: {c['file_bytes'] / 2**20:.2f} MiB in the bundle; a chat "
+                f"starting from it: plan {c['chat_total_bytes'] / g:.3f} GiB (+{c['restore_bytes'] / 2**20:.2f} MiB "
+                "while it restores; not in this profile, which prefills from an empty state)"
+            )
     if doc.get("fit"):
         f = doc["fit"]
         lines.append(

@@ -141,32 +141,34 @@ class Session(ABC):
         return arrays
 
     def load_state_file_arrays(self, position: int, arrays: dict[str, np.ndarray]) -> None:
-        """Put back what state_file_arrays gave (checked by the caller: names, shapes, dtypes), at `position`."""
+        """Put back what state_file_arrays gave (checked by the caller: names, shapes, dtypes), at `position`.
+
+        One state at a time: a KV cache goes through a whole-length copy of itself (its prefix written into it), so
+        the restore holds at most one such copy beside `arrays` (what `deltaship plan` counts for a prompt cache)."""
         self.reset()
-        full = {}
         for s in self.manifest["states"]:
             a = arrays[s["name"]]
-            if s["kind"].startswith("kv_cache"):
-                whole = self._read_states([s["name"]])[s["name"]]
-                idx = [slice(None)] * whole.ndim
-                idx[self._seq_axis(s, whole)] = slice(0, position)
-                whole[tuple(idx)] = a
-                a = whole
-            full[s["name"]] = a
-        self._write_states(full)
+            # the whole-length copy is bound to no name: freed as soon as it is written, before the next one
+            self._write_states({s["name"]: self._kv_whole(s, a, position) if s["kind"].startswith("kv_cache") else a})
         self.position = position
+
+    def _kv_whole(self, state: dict[str, Any], prefix: np.ndarray, position: int) -> np.ndarray:
+        """A KV cache at its whole length (a copy of the session's, zero after reset) with `prefix` as its first
+        `position` entries."""
+        whole = self._read_states([state["name"]])[state["name"]]
+        idx = [slice(None)] * whole.ndim
+        idx[self._seq_axis(state, whole)] = slice(0, position)
+        whole[tuple(idx)] = prefix
+        return whole
 
     def state_layout(self) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
         """{state: (full shape, dtype, sequence axis or None)} in the runtime's layout, as _read_states gives."""
-        arrays = self._read_states([s["name"] for s in self.manifest["states"]])
-        return {
-            s["name"]: (
-                tuple(arrays[s["name"]].shape),
-                str(arrays[s["name"]].dtype),
-                self._seq_axis(s, arrays[s["name"]]) if s["kind"].startswith("kv_cache") else None,
-            )
-            for s in self.manifest["states"]
-        }
+        layout = {}
+        for s in self.manifest["states"]:  # one copy at a time: a restore checks a file against this
+            a = self._read_states([s["name"]])[s["name"]]
+            kv = s["kind"].startswith("kv_cache")
+            layout[s["name"]] = (tuple(a.shape), str(a.dtype), self._seq_axis(s, a) if kv else None)
+        return layout
 
     def _seq_axis(self, state: dict[str, Any], array: np.ndarray) -> int:
         """The sequence axis of a KV cache in the runtime's layout: the first after the batch of max_context."""

@@ -58,6 +58,12 @@ class PlanRow:
     terms: str = ""  # where the runtime and activation terms come from (memory_terms.toml, or an estimate)
     context_binary_bytes: int = 0  # an NPU target: one compiled context binary (its graph's weights + schedule)
     npu_problem: str = ""  # an NPU target: why the tier's NPU cannot take it ("" when it can)
+    # a prompt cache shipped in the bundle (export --prompt-cache; plan --prompt-cache): its tokens (None: none), its
+    # bytes in the bundle, and what restoring it adds to the peak (in total_bytes; see prompt_cache_restore_bytes)
+    prompt_cache_tokens: int | None = None
+    prompt_cache_bytes: int = 0
+    prompt_cache_restore_bytes: int = 0
+    prompt_cache_problem: str = ""  # why the context cannot hold the cache ("" when it can)
 
 
 MEMORY_TERMS = Path(__file__).parents[1] / "memory_terms.toml"
@@ -167,6 +173,33 @@ def state_bytes(
     )
 
 
+def prompt_cache_bytes(
+    spec: ModelSpec, target: Target | str, precision: str, tokens: int, kv_dtype: str | None = None
+) -> int:
+    """The tensors of a prompt cache of `tokens` tokens as the bundle ships it (export --prompt-cache:
+    prompt_cache.safetensors, a saved chat session): every DeltaNet state whole and each KV cache up to `tokens`,
+    i.e. the state at that length. The file adds a header of a few KiB (the token ids, each tensor's sha256)."""
+    return state_bytes(spec, target, precision, tokens, kv_dtype)
+
+
+def prompt_cache_restore_bytes(file_bytes: int, kv_state_bytes: int) -> int:
+    """What restoring a shipped prompt cache adds to the peak: the file's bytes plus the larger of the file's bytes
+    and one KV cache (one layer's K or V) at the context. `file_bytes`: the cache's file (the manifest's `files`),
+    or its tensors (prompt_cache_bytes) when planned from the spec.
+
+    How deltaship's runtimes restore it (deltaship/chat/store.py apply_prompt_cache, when a chat with the cache's
+    system message starts and at each reset): read_session_file copies every tensor out of the file into a fresh
+    array while safetensors keeps the file mapped, its pages resident until it is closed (measured: the read's peak
+    is up to twice the file), then checks each tensor's sha256 through a copy of that one tensor (less than the
+    file); checked_state and Session.load_state_file_arrays read and write one state at a time, a KV cache through a
+    whole-length copy of that one state: the file's arrays plus one KV cache at the context. All of it is freed when
+    the restore returns: the session's state buffers, planned whole at the context already, hold the result (the
+    allocator may keep freed pages, which the next restore reuses). So the cache is a transient on the peak, not
+    held state; it is counted on top of a prefill chunk's activations, because a chat that resets after a turn
+    restores while the runtime's arena still holds them."""
+    return file_bytes + max(file_bytes, kv_state_bytes)
+
+
 def attention_scores_bytes(
     spec: ModelSpec, target: Target | str, precision: str, context: int, prefill_chunk: int | None = None
 ) -> int:
@@ -239,10 +272,14 @@ def estimate(
     prefill_chunk: int | None = None,
     host_driver: bool = False,
     host_bytes: int | None = None,
+    prompt_cache_tokens: int | None = None,
+    prompt_cache_file_bytes: int | None = None,
 ) -> PlanRow:
     """Memory of (target, precision, KV dtype) at `context` tokens on `tier`, by part: an app's process, or with
     host_driver that of deltaship's own Python driver (what `profile` measures: the terms' host_bytes added, or
-    `host_bytes` where the driver's part was measured in the process itself)."""
+    `host_bytes` where the driver's part was measured in the process itself). prompt_cache_tokens: a chat starting
+    from a prompt cache of that many tokens shipped in the bundle (its restore counted, prompt_cache_restore_bytes),
+    whose file has prompt_cache_file_bytes (default: its tensors, prompt_cache_bytes)."""
     tgt = as_target(target)
     kv = kv_dtype or default_kv_dtype(tgt, precision)
     terms = memory_terms(tgt, precision)
@@ -258,8 +295,22 @@ def estimate(
     a = int(act * terms.activation_factor) + scratch
     host = terms.host_bytes if host_bytes is None else host_bytes
     rt = terms.runtime_bytes - terms.host_bytes + (host if host_driver else 0)
-    # the peak is the larger of loading (originals and prepacked copies at once) and running a prefill chunk
-    total = rt + max(loaded + dn + kvb + a, int(w * terms.load_factor))
+    cache = restore = 0
+    cache_problem = ""
+    if prompt_cache_tokens is not None:
+        cache = prompt_cache_bytes(spec, tgt, precision, prompt_cache_tokens, kv)
+        if prompt_cache_file_bytes is not None:
+            cache = prompt_cache_file_bytes
+        kv_states = 2 * len(spec.attention_layers)  # K and V of each attention layer, each a state of its own
+        restore = prompt_cache_restore_bytes(cache, kvb // kv_states if kv_states else 0)
+        if prompt_cache_tokens >= context:
+            cache_problem = (
+                f"the prompt cache's {prompt_cache_tokens} tokens leave no room in a context of {context} "
+                "(a longer --context, or a shorter system message)"
+            )
+    # the peak is the larger of loading (originals and prepacked copies at once) and running a prefill chunk (with a
+    # prompt cache being restored: see prompt_cache_restore_bytes)
+    total = rt + max(loaded + dn + kvb + a + restore, int(w * terms.load_factor))
     return PlanRow(
         tier.name,
         tgt.name,
@@ -267,10 +318,10 @@ def estimate(
         context,
         w,
         dn + kvb,
-        total - w - dn - kvb,  # the runtime, the activations and what loading adds to the stored weights
+        total - w - dn - kvb,  # the runtime, the activations, a prompt cache's restore, what loading adds
         total,
         tier.budget_bytes,
-        total <= tier.budget_bytes and not npu_problem,
+        total <= tier.budget_bytes and not npu_problem and not cache_problem,
         kv_dtype=kv,
         kv_exportable=kv in exportable_kv_dtypes(tgt, precision),
         kv_bytes=kvb,
@@ -283,6 +334,10 @@ def estimate(
         terms=terms.source,
         context_binary_bytes=binary,
         npu_problem=npu_problem,
+        prompt_cache_tokens=prompt_cache_tokens,
+        prompt_cache_bytes=cache,
+        prompt_cache_restore_bytes=restore,
+        prompt_cache_problem=cache_problem,
     )
 
 
@@ -292,7 +347,12 @@ def planned_peak(
     """The plan's memory for a bundle as `profile` runs it (its context, a prefill of `prompt_length` tokens in the
     bundle's chunks), by part; None when the bundle's model cannot be loaded here (a checkpoint not on this
     machine). `profile` prints it beside the measured peak RSS. host_bytes: the Python driver's part as the profiled
-    process measured it (in place of the terms' host_bytes)."""
+    process measured it (in place of the terms' host_bytes).
+
+    A bundle that ships a prompt cache (the manifest's chat.prompt_cache) gets `prompt_cache`: its tokens and file
+    bytes, as the manifest records them, what restoring it adds (prompt_cache_restore_bytes) and the total of a
+    chat that starts from it. `total_bytes` leaves the restore out: profile's workload prefills from an empty
+    state and never reads the cache."""
     try:
         spec = load_source(manifest["source"]["model"]).spec
     except (DeltashipError, KeyError, OSError):
@@ -300,18 +360,24 @@ def planned_peak(
     chunk = min(prompt_length, manifest.get("prefill_chunk") or prompt_length)
     ctx = manifest["max_context"]
     tier = Tier("host", "host", 1 << 62, 1 << 62, (manifest["target"],), (manifest["precision"],), ctx, threads or 1)
-    row = estimate(
-        spec,
-        tier,
-        manifest["target"],
-        manifest["precision"],
-        manifest["max_context"],
-        None,
-        chunk,
-        host_driver=True,
-        host_bytes=host_bytes,
-    )
-    return {
+
+    def at(cache_tokens: int | None = None, cache_file_bytes: int | None = None) -> PlanRow:
+        return estimate(
+            spec,
+            tier,
+            manifest["target"],
+            manifest["precision"],
+            ctx,
+            None,
+            chunk,
+            host_driver=True,
+            host_bytes=host_bytes,
+            prompt_cache_tokens=cache_tokens,
+            prompt_cache_file_bytes=cache_file_bytes,
+        )
+
+    row = at()
+    plan = {
         "total_bytes": row.total_bytes,
         "weights_loaded_bytes": row.weights_loaded_bytes,
         "state_bytes": row.state_bytes,
@@ -325,6 +391,17 @@ def planned_peak(
         else host_bytes,
         "host": "terms" if host_bytes is None else "measured in the profiled process",
     }
+    record = (manifest.get("chat") or {}).get("prompt_cache")
+    if isinstance(record, dict):  # the manifest's own numbers: its token count and its file's bytes
+        file_bytes = manifest["files"][record["file"]]["bytes"]
+        chat = at(record["tokens"], file_bytes)
+        plan["prompt_cache"] = {
+            "tokens": record["tokens"],
+            "file_bytes": file_bytes,
+            "restore_bytes": chat.prompt_cache_restore_bytes,
+            "chat_total_bytes": chat.total_bytes,
+        }
+    return plan
 
 
 # ---- an export's own memory (deltaship export, before it starts) -------------------------------------------

@@ -21,6 +21,7 @@ from deltaship.devices.plan.text import parts
 from deltaship.errors import DeltashipError
 from deltaship.models.source import load_source
 from deltaship.models.spec import KV_DTYPES, ModelSpec
+from deltaship.options import at_least
 from deltaship.targets import Target
 
 
@@ -31,18 +32,19 @@ def longest_context(
     precision: str,
     kv_dtype: str | None = None,
     prefill_chunk: int | None = None,
+    prompt_cache_tokens: int | None = None,
 ) -> PlanRow:
     """The longest context (at most max_position_embeddings) whose memory fits the tier, with its breakdown.
 
     Memory grows with the context (KV cache, attention scores), so a binary search finds it. When not even one
-    token fits, the row is the one-token estimate with fits False.
+    token fits (one past a prompt cache's tokens), the row is that shortest one's estimate with fits False.
     """
     tgt = as_target(target)
 
     def at(n: int) -> PlanRow:
-        return _at(spec, tier, tgt, precision, n, kv_dtype, prefill_chunk)
+        return _at(spec, tier, tgt, precision, n, kv_dtype, prefill_chunk, prompt_cache_tokens)
 
-    lo, hi = 1, spec.max_position_embeddings
+    lo, hi = min(1 + (prompt_cache_tokens or 0), spec.max_position_embeddings), spec.max_position_embeddings
     if at(hi).fits:
         lo = hi
     elif at(lo).fits:
@@ -72,20 +74,34 @@ def slow_chunk(row: PlanRow, target: Target) -> bool:
 
 
 def _at(
-    spec: ModelSpec, tier: Tier, target: Target, precision: str, context: int, kv: str | None, chunk: int | None
+    spec: ModelSpec,
+    tier: Tier,
+    target: Target,
+    precision: str,
+    context: int,
+    kv: str | None,
+    chunk: int | None,
+    prompt_cache_tokens: int | None = None,
 ) -> PlanRow:
     """estimate() with the chunk it was planned at recorded on the row."""
-    row = estimate(spec, tier, target, precision, context, kv, chunk)
+    row = estimate(spec, tier, target, precision, context, kv, chunk, prompt_cache_tokens=prompt_cache_tokens)
     row.prefill_chunk = min(chunk or target.default_prefill_chunk, context)
     return row
 
 
 def _largest_chunk_fit(
-    spec: ModelSpec, tier: Tier, target: Target, precision: str, context: int, kv: str, fixed: int | None
+    spec: ModelSpec,
+    tier: Tier,
+    target: Target,
+    precision: str,
+    context: int,
+    kv: str,
+    fixed: int | None,
+    prompt_cache_tokens: int | None = None,
 ) -> PlanRow | None:
     """The row at the largest prefill chunk (see chunks) at which (target, precision, kv) fits `context`."""
     for chunk in chunks(target, context, fixed):
-        row = _at(spec, tier, target, precision, context, kv, chunk)
+        row = _at(spec, tier, target, precision, context, kv, chunk, prompt_cache_tokens)
         if row.fits:
             return row
     return None
@@ -96,7 +112,8 @@ def fits_at_chunk(spec: ModelSpec, row: PlanRow, tier: Tier, target: Target | No
     tgt = target or as_target(row.target)
     chunk = min(tgt.default_prefill_chunk, row.context) // 2
     while chunk >= 1:
-        if estimate(spec, tier, tgt, row.precision, row.context, row.kv_dtype, chunk).fits:
+        cache = row.prompt_cache_tokens
+        if estimate(spec, tier, tgt, row.precision, row.context, row.kv_dtype, chunk, prompt_cache_tokens=cache).fits:
             return chunk
         chunk //= 2
     return 0
@@ -126,6 +143,7 @@ def plan(
     targets: list[str] | None = None,
     kv_dtypes: list[str] | None = None,
     prefill_chunk: int | None = None,
+    prompt_cache_tokens: int | None = None,
 ) -> list[dict]:
     """One row per (tier, target, precision, KV dtype): memory parts, total, budget, fits; the pick per tier
     is marked.
@@ -135,8 +153,12 @@ def plan(
     no context is asked for (the table as before), and with a context its own then every narrower one
     (a KV dtype the target does not export yet, e.g. Core ML's int8, is planned: kv_exportable False, never the
     pick). prefill_chunk: tokens per prefill call (default: the target's), which sizes the attention scores.
+    prompt_cache_tokens: a prompt cache of that many tokens shipped in the bundle (export --prompt-cache), which a
+    chat restores: its bytes in the bundle and its restore on the peak (memory.prompt_cache_restore_bytes).
     """
     context = parse_context(context)
+    if prompt_cache_tokens is not None:
+        at_least("--prompt-cache-tokens", prompt_cache_tokens, 0)
     for kv in kv_dtypes or ():
         if kv not in KV_DTYPES:
             raise DeltashipError(
@@ -145,6 +167,12 @@ def plan(
     if prefill_chunk is not None and prefill_chunk < 1:
         raise DeltashipError(f"--prefill-chunk must be at least 1, got {prefill_chunk}", "pass a positive chunk size")
     spec = load_source(model).spec
+    if prompt_cache_tokens is not None and prompt_cache_tokens >= spec.max_position_embeddings:
+        raise DeltashipError(
+            f"a prompt cache of {prompt_cache_tokens} tokens leaves no room in {model}'s longest context "
+            f"({spec.max_position_embeddings} tokens)",
+            "ship a shorter system message",
+        )
     catalog, _ = load_catalog(tiers_file)
     if tier is not None and tier not in catalog:
         raise DeltashipError(
@@ -162,16 +190,18 @@ def plan(
         resolved = {name: as_target(name) for name in targets or t.targets}  # looked up once, passed down
         combos = [(tg, pr, kv) for tg in resolved.values() for pr in tg.precisions for kv in kvs(tg, pr)]
         if context == "max":
-            tier_rows = [longest_context(spec, t, tg, pr, kv, prefill_chunk) for tg, pr, kv in combos]
+            tier_rows = [
+                longest_context(spec, t, tg, pr, kv, prefill_chunk, prompt_cache_tokens) for tg, pr, kv in combos
+            ]
             pick = _longest(t, tier_rows, targets)
         else:
             ctx = min(context or t.context, spec.max_position_embeddings)
-            tier_rows = [_at(spec, t, tg, pr, ctx, kv, prefill_chunk) for tg, pr, kv in combos]
+            tier_rows = [_at(spec, t, tg, pr, ctx, kv, prefill_chunk, prompt_cache_tokens) for tg, pr, kv in combos]
             for r in tier_rows:
                 r.capped = context is not None and context > ctx
                 if not r.fits:
                     r.fits_at_chunk = fits_at_chunk(spec, r, t, resolved[r.target]) if prefill_chunk is None else 0
-            pick = recommend(spec, t, ctx, targets, prefill_chunk)
+            pick = recommend(spec, t, ctx, targets, prefill_chunk, prompt_cache_tokens)
         key = lambda r: (r.target, r.precision, r.context, r.kv_dtype, r.prefill_chunk)  # noqa: E731
         for r in tier_rows:
             r.recommended = pick is not None and key(r) == key(pick)
@@ -185,11 +215,18 @@ def plan(
 
 
 def recommend(
-    spec: ModelSpec, tier: Tier, context: int, targets: list[str] | None = None, prefill_chunk: int | None = None
+    spec: ModelSpec,
+    tier: Tier,
+    context: int,
+    targets: list[str] | None = None,
+    prefill_chunk: int | None = None,
+    prompt_cache_tokens: int | None = None,
 ) -> PlanRow | None:
     """The tier's pick at `context` (a smaller prefill chunk first, then halved down to 512): see _first_fit."""
     tgts = [as_target(name) for name in targets or tier.targets]
-    return _first_fit(spec, tier, tgts, list(tier.precisions), context, True, prefill_chunk)
+    return _first_fit(
+        spec, tier, tgts, list(tier.precisions), context, True, prefill_chunk, prompt_cache_tokens=prompt_cache_tokens
+    )
 
 
 def _first_fit(
@@ -201,6 +238,7 @@ def _first_fit(
     halve: bool,
     prefill_chunk: int | None = None,
     kv_dtype: str | None = None,
+    prompt_cache_tokens: int | None = None,
 ) -> PlanRow | None:
     """The first row that fits, in the tier's order of targets then precisions (most accurate first), with the
     target's own KV dtype; only when none fits at that context, the same again with each quantized KV cache the
@@ -221,7 +259,7 @@ def _first_fit(
                     else:
                         kvs = [k for k in exportable_kv_dtypes(tg, pr) if k != own] if quantized else [own]
                     for kv in kvs:
-                        row = _largest_chunk_fit(spec, tier, tg, pr, ctx, kv, prefill_chunk)
+                        row = _largest_chunk_fit(spec, tier, tg, pr, ctx, kv, prefill_chunk, prompt_cache_tokens)
                         if row is not None and row.kv_exportable:
                             found.append((slow_chunk(row, tg), quantized, len(found), row))
         if found:
@@ -240,13 +278,15 @@ def choose_for_tier(
     context: int | str | None = None,
     kv_dtype: str | None = None,
     prefill_chunk: int | None = None,
+    prompt_cache_tokens: int | None = None,
 ) -> PlanRow:
     """What `export --device TIER` builds: the tier's preferred target and most accurate precision that fit
     (within the target, precision, context, KV dtype and prefill chunk the user fixed), with the target's own KV
     cache or, when only a quantized one fits, that, at the largest prefill chunk that fits (row.prefill_chunk); at
     the tier's typical context, halved down to 512 when nothing fits there at any chunk and the user fixed none
     (see _first_fit). context "max": the longest context any exportable combination reaches at the target's
-    chunk (see _longest). Refused, with the plan's numbers, when nothing fits."""
+    chunk (see _longest). prompt_cache_tokens: the bundle ships a prompt cache of that many tokens (export
+    --prompt-cache), whose restore is counted. Refused, with the plan's numbers, when nothing fits."""
     t = get_tier(tier, tiers_file)
     context = parse_context(context)
     targets, precisions = [target] if target else list(t.targets), [precision] if precision else list(t.precisions)
@@ -264,7 +304,7 @@ def choose_for_tier(
         precisions = list(dict.fromkeys(pr for _, pr in can))
     if context == "max":
         rows = [
-            longest_context(spec, t, resolved[tg], pr, kv, prefill_chunk)
+            longest_context(spec, t, resolved[tg], pr, kv, prefill_chunk, prompt_cache_tokens)
             for tg in targets
             for pr in precisions
             for kv in ([kv_dtype] if kv_dtype else exportable_kv_dtypes(resolved[tg], pr))
@@ -274,9 +314,11 @@ def choose_for_tier(
     else:
         start = context or min(t.context, spec.max_position_embeddings)
         tgts = [resolved[tg] for tg in targets]
-        pick = _first_fit(spec, t, tgts, precisions, start, context is None, prefill_chunk, kv_dtype)
+        pick = _first_fit(
+            spec, t, tgts, precisions, start, context is None, prefill_chunk, kv_dtype, prompt_cache_tokens
+        )
         tried = [
-            estimate(spec, t, resolved[tg], pr, start, kv)
+            estimate(spec, t, resolved[tg], pr, start, kv, prompt_cache_tokens=prompt_cache_tokens)
             for tg in targets
             for pr in precisions
             for kv in ([kv_dtype] if kv_dtype else exportable_kv_dtypes(resolved[tg], pr))

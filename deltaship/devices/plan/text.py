@@ -70,7 +70,7 @@ def verdicts(rows: list[dict], tiers_file: str | None = None) -> list[str]:
                 f"{pick['context']} {_chunk_note(pick, defaults)}"
                 f"({pick['total_bytes'] / GIB:.2f} of {pick['budget_bytes'] / GIB:.2f} GiB)"
             ) + _chunk_cost(pick, tier_rows, defaults)
-        elif not best.get("npu_problem"):  # a larger budget does not lift an NPU's own limit
+        elif not best.get("npu_problem") and not best.get("prompt_cache_problem"):  # no budget lifts those
             line += (
                 f"; it would fit a tier with {best['total_bytes'] / GIB:.2f} GiB or more to spend (--tiers FILE), "
                 "or a smaller model"
@@ -129,9 +129,17 @@ def parts(r: dict) -> str:
         f"states {r['deltanet_bytes'] / GIB:.2f} + activations {r['activation_bytes'] / GIB:.2f} (attention "
         f"scores {r['attention_scores_bytes'] / GIB:.2f}"
         + (f", KV scratch {r['kv_scratch_bytes'] / GIB:.2f}" if r.get("kv_scratch_bytes") else "")
-        + f") + runtime {r['runtime_bytes'] / GIB:.2f} GiB"
+        + f") + runtime {r['runtime_bytes'] / GIB:.2f}"
+        + (f" + prompt cache restore {r['prompt_cache_restore_bytes'] / GIB:.2f}" if _cached(r) else "")
+        + " GiB"
         + (f"; {r['npu_problem']}" if r.get("npu_problem") else "")
+        + (f"; {r['prompt_cache_problem']}" if r.get("prompt_cache_problem") else "")
     )
+
+
+def _cached(r: dict) -> bool:
+    """The row counts a prompt cache shipped in the bundle (plan --prompt-cache)."""
+    return r.get("prompt_cache_tokens") is not None
 
 
 def _planned_kv(tier_rows: list[dict], pick: dict | None) -> str:
@@ -148,12 +156,15 @@ def _planned_kv(tier_rows: list[dict], pick: dict | None) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The rows as a table: memory by part (KV cache, DeltaNet states, activations, runtime) in GiB."""
+    """The rows as a table: memory by part (KV cache, DeltaNet states, activations, runtime, and a shipped prompt
+    cache's restore when one is planned) in GiB."""
+    cached = any(_cached(r) for r in rows)
     head = (
         "memory in GiB\n"
         f"{'tier':<12} {'target':<11} {'prec':<5} {'kv':<5} {'context':>7} {'chunk':>5} {'weights':>8} {'loaded':>8} "
         f"{'kv':>8} "
-        f"{'deltanet':>8} {'activ.':>8} {'runtime':>8} {'total':>8} {'budget':>8}  fit"
+        f"{'deltanet':>8} {'activ.':>8} {'runtime':>8} " + (f"{'pcache':>8} " if cached else "") + f"{'total':>8} "
+        f"{'budget':>8}  fit"
     )
     lines = [head, "-" * len(head.splitlines()[-1])]
     g = lambda b: f"{b / GIB:8.2f}"  # noqa: E731
@@ -165,18 +176,42 @@ def format_table(rows: list[dict]) -> str:
             f"{r.get('prefill_chunk') or '':>5} "
             f"{g(r['weights_bytes'])} {g(r.get('weights_loaded_bytes') or r['weights_bytes'])} "
             f"{g(r['kv_bytes'])} {g(r['deltanet_bytes'])} "
-            f"{g(r['activation_bytes'])} {g(r['runtime_bytes'])} {g(r['total_bytes'])} "
+            f"{g(r['activation_bytes'])} {g(r['runtime_bytes'])} "
+            + (f"{g(r['prompt_cache_restore_bytes'])} " if cached else "")
+            + f"{g(r['total_bytes'])} "
             f"{g(r['budget_bytes'])}  {mark}"
         )
     if any(not r.get("kv_exportable", True) for r in rows):
         lines.append("* a KV-cache dtype the target cannot export yet (planned)")
     lines.append(
         "loaded: the weights as resident once the runtime has loaded them (prepacked copies); total: the runtime plus "
-        "the larger of loading and a prefill chunk"
+        "the larger of loading and a prefill chunk" + (" (with pcache)" if cached else "")
     )
     for terms in sorted({(r["target"], r["precision"], r.get("terms", "")) for r in rows}):
         lines.append(f"  {terms[0]} {terms[1]}: {terms[2]}")
+    if cached:
+        lines += prompt_cache_lines(rows)
     return "\n".join(lines)
+
+
+def prompt_cache_lines(rows: list[dict]) -> list[str]:
+    """What a shipped prompt cache (export --prompt-cache) costs: the pcache column, and its bytes in the bundle
+    (the state at its length: DeltaNet states whole, KV caches up to it), by the (target, precision, KV dtype) that
+    share a size."""
+    tokens = next(r["prompt_cache_tokens"] for r in rows if _cached(r))
+    sizes: dict[int, list[str]] = {}
+    for r in rows:
+        if _cached(r):
+            name = f"{r['target']} {r['precision']} ({r['kv_dtype']} KV)"
+            sizes.setdefault(r["prompt_cache_bytes"], [])
+            if name not in sizes[r["prompt_cache_bytes"]]:
+                sizes[r["prompt_cache_bytes"]].append(name)
+    return [
+        f"pcache: restoring the prompt cache of {tokens:,} tokens when a chat starts from it (its file read, checked "
+        "and written into the session's states one at a time, then freed): on the peak, not held",
+        f"prompt cache {tokens:,} tokens in the bundle: "
+        + "; ".join(f"{_gib(size)} ({', '.join(names)})" for size, names in sorted(sizes.items(), reverse=True)),
+    ]
 
 
 def format_vision(vp: dict) -> str:

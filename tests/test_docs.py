@@ -4,8 +4,12 @@ catalog) say what the data says."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import pytest
+
+from deltaship.devices import catalog
+from deltaship.errors import DeltashipError
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -53,12 +57,49 @@ def test_reachability_sees_a_page_nothing_links(tmp_path):
     assert got == {"index.md", "a.md", "sub/b.md"}
 
 
-def test_profiling_doc_lists_every_tier_of_the_catalog():
-    catalog = list(tomllib.loads((ROOT / "deltaship" / "devices" / "tiers.toml").read_text())["tiers"])
-    text = " ".join((DOCS / "profiling.md").read_text().split())
-    m = re.search(r"\(`deltaship/devices/tiers\.toml`: ([^()]*?), with budgets", text)
-    assert m, "docs/profiling.md no longer lists the tiers after `deltaship/devices/tiers.toml`:"
-    assert m.group(1).split(", ") == catalog, "docs/profiling.md's tier list differs from deltaship/devices/tiers.toml"
+def _tier_tables() -> dict[str, str]:
+    """Each page (docs/ and the README) with the tier markers: the text between them."""
+    begin, end = catalog.DOC_MARKERS
+    pages = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
+    return {
+        str(p.relative_to(ROOT)): text.split(begin, 1)[1].split(end, 1)[0].removeprefix("\n")
+        for p in pages
+        if begin in (text := p.read_text())
+    }
+
+
+def test_the_docs_tier_tables_are_the_catalogs():
+    """The docs' tier lists are generated from deltaship/devices/tiers.toml: a tier added, changed or removed there
+    fails this test until the docs are regenerated."""
+    tables = _tier_tables()
+    assert "docs/profiling.md" in tables, f"docs/profiling.md lost its {catalog.DOC_MARKERS} markers"
+    want = catalog.tier_table_markdown()
+    for page, table in tables.items():
+        assert table == want, (
+            f"{page}'s tier table differs from deltaship/devices/tiers.toml: run {catalog.REGENERATE} {page}"
+        )
+
+
+def test_a_new_tier_changes_the_generated_table(tmp_path, monkeypatch):
+    """What the test above compares against follows the catalog: a new tier is a new row, and --write puts it
+    between the markers (and only there)."""
+    extra = tmp_path / "tiers.toml"
+    extra.write_text(
+        catalog.CATALOG.read_text()
+        + '\n[tiers.watch-1gb]\nkind = "watch"\nram_gib = 1\nbudget_gib = 0.25\ntargets = ["onnx"]\n'
+        'precisions = ["int4"]\ncontext = 512\n'
+    )
+    before = catalog.tier_table_markdown()
+    monkeypatch.setattr(catalog, "CATALOG", extra)
+    after = catalog.tier_table_markdown()
+    assert after.startswith(before) and after[len(before) :].startswith("| watch-1gb | watch | 1 GiB | 0.25 GiB |")
+    doc = tmp_path / "page.md"
+    doc.write_text(f"intro\n{catalog.DOC_MARKERS[0]}\nold rows\n{catalog.DOC_MARKERS[1]}\noutro\n")
+    assert catalog.main(["--write", str(doc)]) == 0
+    assert doc.read_text() == f"intro\n{catalog.DOC_MARKERS[0]}\n{after}{catalog.DOC_MARKERS[1]}\noutro\n"
+    doc.write_text("no markers\n")
+    with pytest.raises(DeltashipError, match="needs one"):
+        catalog.main(["--write", str(doc)])
 
 
 def reliability_references(text: str) -> list[tuple[str, str]]:

@@ -149,3 +149,25 @@ def test_the_executorch_lowering_reports_progress_through_every_toolchain_call()
     assert calls_outside_heartbeats(bare) == ["torch.export.export (line 3)"]
     held = "def f(m):\n    with torch.no_grad(), heartbeat(say, 'x'):\n        return edge.to_executorch(c)\n"
     assert calls_outside_heartbeats(held) == []
+
+
+EMBEDDING = """
+import numpy as np
+from deltaship.lowering.executorch.quant import quantized_embedding
+table = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+print(quantized_embedding(lambda rows: table[rows], table.shape, "int8")[1])
+"""
+
+
+def test_the_executorch_embedding_quantizer_keeps_pytorch_tokenizers_log_off_stderr(capfd):
+    """An ExecuTorch int4/int8 export builds its embedding with ExecuTorch's llama example, which loads
+    pytorch_tokenizers: its C++ logs "I tokenizers:regex.cpp:40] Registering override fallback regex" to fd 2 once
+    per process, at load. A fresh process (an earlier test may have loaded it already) runs that call; nothing of it
+    may reach fd 2 (--verbose shows it: native_stderr, tested above)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "DELTASHIP_VERBOSE"}
+    res = subprocess.run([sys.executable, "-c", EMBEDDING], env=env)  # fds inherited: capfd sees them
+    out, err = capfd.readouterr()
+    assert res.returncode == 0 and out.split() == ["8,0"], (out, err)
+    assert err == "", err  # the tokenizers line, or any other third-party line

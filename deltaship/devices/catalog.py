@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,3 +113,62 @@ def get_tier(name: str, user_file: str | Path | None = None) -> Tier:
             "pick a tier from the catalog or add your own with --tiers FILE",
         )
     return tiers[name]
+
+
+# The docs' tier tables are generated from the catalog: the text between these markers (docs/profiling.md).
+DOC_MARKERS = ("<!-- tiers:begin -->", "<!-- tiers:end -->")
+REGENERATE = "python -m deltaship.devices.catalog --write"  # + the pages
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:g} GiB"
+
+
+def tier_table_markdown() -> str:
+    """The built-in tiers as a markdown table, in catalog order: what each tier gives a bundle, and the published
+    sizes the catalog's [models] table says it is meant for."""
+    tiers, models = load_catalog()
+    rows = [
+        "| tier | kind | RAM | budget | targets | precisions | context | threads | NPU | meant for | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in tiers.values():
+        npu = f"{t.npu.soc}, {_gib(t.npu.context_binary_bytes)} per context binary" if t.npu else "none"
+        sizes = ", ".join(m for m, names in models.items() if t.name in names)
+        cells = (t.name, t.kind, _gib(t.ram_bytes), _gib(t.budget_bytes), ", ".join(t.targets))
+        cells += (", ".join(t.precisions), f"{t.context:,}", str(t.threads), npu, sizes, t.notes)
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def with_tier_table(doc: str, where: str) -> str:
+    """`doc` with the text between DOC_MARKERS replaced by tier_table_markdown()."""
+    begin, end = DOC_MARKERS
+    if doc.count(begin) != 1 or doc.count(end) != 1 or doc.index(begin) > doc.index(end):
+        raise DeltashipError(f"{where}: needs one {begin} line and one {end} line after it", "add the two markers")
+    head, rest = doc.split(begin)
+    return head + begin + "\n" + tier_table_markdown() + end + rest.split(end, 1)[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m deltaship.devices.catalog", description="The built-in device tiers as a markdown table."
+    )
+    parser.add_argument(
+        "--write",
+        nargs="+",
+        metavar="DOC",
+        help=f"rewrite the table between {DOC_MARKERS[0]} and {DOC_MARKERS[1]} in each DOC (else print it)",
+    )
+    args = parser.parse_args(argv)
+    if not args.write:
+        print(tier_table_markdown(), end="")
+        return 0
+    for name in args.write:
+        path = Path(name)
+        path.write_text(with_tier_table(path.read_text(), name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

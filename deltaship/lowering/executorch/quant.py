@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from deltaship.logs import native_stderr
+
 ROW_BLOCK = 16384
 ReadRows = Callable[[slice], np.ndarray]  # rows of a [N, K] float table, as float32
 
@@ -105,10 +107,14 @@ def quantized_embedding(read: ReadRows, shape: tuple[int, int], precision: str) 
     """ExecuTorch's QuantizedGroupEmbedding (quantized_decomposed::embedding_4bit / embedding_byte kernels),
     filled a block of rows at a time with what its own EmbeddingQuantHandler computes (torchao HQQ scales,
     4-bit codes packed high nibble first). Returns (module, scheme string as ExecuTorch writes it)."""
-    # lazy: executorch, torchao (the executorch extra's quantizers)
-    from executorch.examples.models.llama.source_transformation.quantize import QuantizedGroupEmbedding
-    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_  # lazy: torchao (the executorch extra)
     from torchao.quantization.granularity import PerAxis, PerGroup
+
+    # Loading ExecuTorch's llama example loads pytorch_tokenizers, whose C++ writes "I tokenizers:regex.cpp:40]
+    # Registering override fallback regex" to fd 2 (shown with --verbose).
+    with native_stderr():
+        # lazy: executorch (its quantized embedding module)
+        from executorch.examples.models.llama.source_transformation.quantize import QuantizedGroupEmbedding
 
     rows, hidden = shape
     bits, group = embedding_scheme(precision, hidden)

@@ -495,9 +495,7 @@ def sections(r: dict, heading: str, intro: list[str]) -> str:
         for row in ru:  # a seeked history had no prefill of its own: neither its time nor its tokens are shown
             if row.get("history_prefill_s") is None:
                 row["history_prefill_tokens"] = None
-        lines += ["", f"### /retry and /undo after {ru[0]['history_tokens']:,} tokens of history", "",
-                  f"| what | {head} |", rule]  # fmt: skip
-        rows = [
+        lines += _what_table(f"/retry and /undo after {ru[0]['history_tokens']:,} tokens of history", head, rule, ru, [
             ("checkpoint restore (DeltaNet states copied back, position moved), ms", "restore_s", ".2f", 1000),
             ("bytes a checkpoint copies, MiB", "restore_bytes", ".1f", 1 / mib),
             ("retry TTFT (restore + the generation prompt's tokens), s", "retry_ttft_s", ".2f", 1),
@@ -510,14 +508,10 @@ def sections(r: dict, heading: str, intro: list[str]) -> str:
             ("the history's own prefill when the chat built it (a fresh state fed it), s", "history_prefill_s",
              ".2f", 1),
             ("tokens of that prefill", "history_prefill_tokens", ",", 1),
-        ]  # fmt: skip
-        for label, key, fmt, scale in rows:
-            lines.append(f"| {label} | " + " | ".join(_cell(x.get(key), fmt, scale) for x in ru) + " |")
+        ])  # fmt: skip
     if all("save_load" in x for x in runs):
         sl = [x["save_load"] for x in runs]
-        lines += ["", f"### Saved session at {sl[0]['history_tokens']:,} tokens of history", "", f"| what | {head} |",
-                  rule]  # fmt: skip
-        rows = [
+        lines += _what_table(f"Saved session at {sl[0]['history_tokens']:,} tokens of history", head, rule, sl, [
             ("file (DeltaNet states, KV caches up to the position, two checkpoints), MiB", "file_bytes", ".1f",
              1 / mib),
             ("`Chat.save` (hashing, atomic replace), s", "save_s", ".2f", 1),
@@ -526,23 +520,23 @@ def sections(r: dict, heading: str, intro: list[str]) -> str:
             ("tokens that turn fed", "turn_after_load_prefill_tokens", "d", 1),
             ("re-prefilling the history and that turn instead, s", "reprefill_s", ".2f", 1),
             ("the same, extrapolated (see above), s", "reprefill_extrapolated_s", ".0f", 1),
-        ]  # fmt: skip
-        for label, key, fmt, scale in rows:
-            lines.append(f"| {label} | " + " | ".join(_cell(x.get(key), fmt, scale) for x in sl) + " |")
+        ])  # fmt: skip
     if all("prompt_cache" in x for x in runs):
         pc = [x["prompt_cache"] for x in runs]
-        lines += ["", f"### First turn with a {pc[0]['cache_tokens']:,}-token prompt cache", "", f"| what | {head} |",
-                  rule]  # fmt: skip
-        rows = [
-            ("system message fed: tokens", "no_cache_prefill_tokens", ",", 1),
-            ("system message fed: TTFT s", "no_cache_ttft_s", ".2f", 1),
-            ("its state loaded: file MiB", "cache_file_bytes", ".1f", 1 / mib),
-            ("its state loaded: load s", "cache_load_s", ".2f", 1),
-            ("its state loaded: tokens fed", "cached_prefill_tokens", ",", 1),
-            ("its state loaded: TTFT s", "cached_ttft_s", ".2f", 1),
-        ]
-        for label, key, fmt, scale in rows:
-            lines.append(f"| {label} | " + " | ".join(_cell(x.get(key), fmt, scale) for x in pc) + " |")
+        lines += _what_table(
+            f"First turn with a {pc[0]['cache_tokens']:,}-token prompt cache",
+            head,
+            rule,
+            pc,
+            [
+                ("system message fed: tokens", "no_cache_prefill_tokens", ",", 1),
+                ("system message fed: TTFT s", "no_cache_ttft_s", ".2f", 1),
+                ("its state loaded: file MiB", "cache_file_bytes", ".1f", 1 / mib),
+                ("its state loaded: load s", "cache_load_s", ".2f", 1),
+                ("its state loaded: tokens fed", "cached_prefill_tokens", ",", 1),
+                ("its state loaded: TTFT s", "cached_ttft_s", ".2f", 1),
+            ],
+        )
         lines += ["", "Both starts give the same reply tokens (asserted)."]
     for x in runs:
         mem = x.get("memory")
@@ -555,6 +549,14 @@ def sections(r: dict, heading: str, intro: list[str]) -> str:
                 f"| {row['checkpoints']} | {row['bytes'] / mib:.1f} MiB | {row['rss_growth_bytes'] / mib:.1f} MiB |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _what_table(title: str, head: str, rule: str, parts: list[dict], rows: list[tuple]) -> list[str]:
+    """A section's "| what | run ... |" table: one line per (label, key, format, scale), one cell per run's part."""
+    lines = ["", f"### {title}", "", f"| what | {head} |", rule]
+    for label, key, fmt, scale in rows:
+        lines.append(f"| {label} | " + " | ".join(_cell(x.get(key), fmt, scale) for x in parts) + " |")
+    return lines
 
 
 def about(r: dict) -> tuple[str, list[str]]:

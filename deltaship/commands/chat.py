@@ -38,6 +38,7 @@ def chat(
     no_thinking: bool = False,
     json: bool = False,
     threads: int | None = None,
+    prepack_cache: str | Path | None = None,
     stdin: IO[str] | None = None,
     stdout: IO[str] | None = None,
 ) -> int:
@@ -50,7 +51,7 @@ def chat(
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     kwargs = {"enable_thinking": False} if no_thinking else {}
     with _locked(session):
-        conv = _open(bundle, system, session, kwargs, threads)
+        conv = _open(bundle, system, session, kwargs, threads, prepack_cache)
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return _converse(conv, bundle, session, sampling, json, stdin, stdout)
 
@@ -75,10 +76,10 @@ def _locked(session: str | Path | None):
         lock.release()
 
 
-def _open(bundle, system: str | None, session, kwargs: dict, threads: int | None):
+def _open(bundle, system: str | None, session, kwargs: dict, threads: int | None, prepack_cache=None):
     """The conversation: loaded from the session file if it exists, else new (and saved there at once)."""
 
-    sess = open_bundle(bundle, threads=threads)
+    sess = open_bundle(bundle, threads=threads, **({"prepack_cache": prepack_cache} if prepack_cache else {}))
     if session is not None and Path(session).exists():
         conv = Chat.load(session, sess)
         if system is not None and system != conv.system:

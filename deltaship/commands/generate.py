@@ -50,6 +50,7 @@ def generate(
     provider: str = "cpu",
     runtime: str | None = None,
     cuda_graph: bool = False,
+    prepack_cache: str | Path | None = None,
     speculative: str | None = None,
     images: list[str | Path] | None = None,
     videos: list[str] | None = None,
@@ -113,6 +114,7 @@ def generate(
                     ("--dump-logits", dump_logits),
                     ("--provider", provider != "cpu"),
                     ("--cuda-graph", cuda_graph),
+                    ("--prepack-cache", prepack_cache),
                 )
                 if v
             ],
@@ -134,6 +136,7 @@ def generate(
                 ("--threads", threads),
                 ("--provider", provider != "cpu"),
                 ("--no-stop-at-eos", not stop_at_eos),
+                ("--prepack-cache", prepack_cache),
             )
             if v
         ]
@@ -149,7 +152,12 @@ def generate(
         res = getattr(module, spec.generate)(bundle, prompt, max_new_tokens=max_new_tokens, temperature=temperature)
         return {**res, "seconds": res.get("stats", {}).get("total_seconds")}
     session = open_bundle(
-        bundle, threads=threads, provider=provider, runtime=runtime, **({"cuda_graph": True} if cuda_graph else {})
+        bundle,
+        threads=threads,
+        provider=provider,
+        runtime=runtime,
+        **({"cuda_graph": True} if cuda_graph else {}),
+        **({"prepack_cache": prepack_cache} if prepack_cache is not None else {}),
     )
     mm, notices, loaded = None, [], []
     if images or videos:

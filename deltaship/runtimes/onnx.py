@@ -41,6 +41,7 @@ from deltaship.runtimes.onnx_io import (
     position_feeds,
     session_options,
 )
+from deltaship.runtimes.onnx_prepack import cached_model
 from deltaship.runtimes.onnx_speculative import OnnxSpeculation
 
 _NP = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
@@ -109,8 +110,15 @@ class OnnxSession(OnnxSpeculation, Session):
         profiling: bool = False,
         provider: str = "cpu",
         cuda_graph: bool | None = None,
+        prepack_cache: str | Path | None = None,
     ):
         super().__init__(bundle, manifest, prefill_chunk)
+        if prepack_cache is not None and (provider != "cpu" or (providers and providers[0] != "CPUExecutionProvider")):
+            raise DeltashipError(
+                "prepack_cache keeps ONNX Runtime's CPU weight layout; this session runs on "
+                f"{providers[0] if providers else provider}",
+                "drop --prepack-cache (it is for the CPU provider)",
+            )
         capturable = "cuda_graph" in manifest.get("lowering", {})  # exported with --onnx-cuda-graph
         if cuda_graph is None:  # such a bundle is captured on the CUDA provider
             cuda_graph = provider == "cuda" and in_place and capturable
@@ -154,6 +162,14 @@ class OnnxSession(OnnxSpeculation, Session):
         ]
         model_path = bundle_path(self.bundle, manifest, manifest["entry"], "entry")
         turn_taking = "speculative" in manifest  # an --mtp bundle's decoder takes turns with its draft head
+        if prepack_cache is not None:  # the graph with ORT's packed weights, mapped (runtimes/onnx_prepack.py)
+            model_path = cached_model(
+                prepack_cache,
+                self.bundle,
+                manifest,
+                ort,
+                lambda: session_options(ort, threads, None, turn_taking=turn_taking),
+            )
         self.cpu_fallback = False
         try:
             if self.providers[0] != "CPUExecutionProvider":
@@ -194,7 +210,9 @@ class OnnxSession(OnnxSpeculation, Session):
             )
         self.device = "cuda" if got.startswith("CUDA") else "cpu"
         data = f"{manifest['entry']}.data"  # the external data beside the entry, listed and hashed when there is one
-        if self.device == "cpu" and data in manifest["files"]:
+        if prepack_cache is not None:  # the packed weights map back in as decode reads them
+            release_mapped_pages(model_path.with_name(f"{model_path.name}.data"))
+        elif self.device == "cpu" and data in manifest["files"]:
             release_mapped_pages(bundle_path(self.bundle, manifest, data, "files"))
         if self.device == "cuda" and _fp16_activations(manifest) and not capturable:
             raise DeltashipError(

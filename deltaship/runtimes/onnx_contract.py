@@ -98,7 +98,15 @@ class _Graph:
 
 
 def _read(bundle: Path, manifest: dict[str, Any], name: str, field: str) -> _Graph:
-    path = bundle_path(bundle, manifest, name, field)
+    return _read_path(bundle_path(bundle, manifest, name, field))
+
+
+def external_locations(path: Path) -> list[tuple[str, str | None]]:
+    """(tensor, location) of every tensor of the ONNX file at `path` whose data is external, read field by field."""
+    return _read_path(Path(path)).external
+
+
+def _read_path(path: Path) -> _Graph:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _Graph(buf)

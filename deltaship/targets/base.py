@@ -138,6 +138,7 @@ class Target(ABC):
     # Why the KV dtypes kv_cache_dtypes() leaves out are not built (the --kv-cache refusal says it)
     kv_cache_note: ClassVar[str] = "int8/int4 KV caches are not built for this target yet"
     providers: ClassVar[tuple[str, ...]] = ("cpu",)  # execution providers its sessions run on
+    prepacks: ClassVar[bool] = False  # its own session takes prepack_cache (runtimes/onnx_prepack.py)
     runtimes: ClassVar[tuple[str, ...]] = ()  # runtimes that run its bundles (`--runtime`); the first is the default
     text_runtimes: ClassVar[Mapping[str, TextRuntime]] = {}  # runtimes that take text only (generate, profile)
     # The runtimes apps embed that deltaship's test suite runs this target's bundles in, with the versions

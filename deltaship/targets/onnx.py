@@ -90,6 +90,7 @@ class OnnxTarget(Target):
     description = "model.onnx for ONNX Runtime (CPU, CUDA)"
     lowering_module = "deltaship.lowering.onnx.model"
     Options = OnnxOptions
+    prepacks = True
     tool_packages = ("onnx", "onnxruntime")
     extra = "onnx"
     usage = (

@@ -32,6 +32,8 @@ def open_bundle(
     inputs, outputs and states against the manifest's (every target), before the runtime loads anything.
 
     provider: "cpu", or "cuda" (ONNX bundles on ONNX Runtime's CUDA execution provider).
+    prepack_cache: a directory (ONNX bundles, CPU): keep ONNX Runtime's packed weights there and map them at later
+    opens instead of packing them again (deltaship/runtimes/onnx_prepack.py; about twice the weights on disk).
     runtime: which runtime runs it (the target's `runtimes`, e.g. "genai" for an ONNX bundle in
     onnxruntime-genai, as apps embed it); None: deltaship's own session for the target."""
     check_threads(threads)  # >= 1 or None, as the CLI's --threads
@@ -57,6 +59,12 @@ def open_bundle(
             f"--runtime {runtime} takes text, not token ids: it runs `deltaship generate --prompt` "
             "and `deltaship profile`, not a session",
             "pass --prompt, or drop --runtime",
+        )
+    if options.get("prepack_cache") is not None and (not target.prepacks or runtime is not None):
+        raise DeltashipError(
+            f"--prepack-cache keeps ONNX Runtime's packed CPU weights for deltaship's own session of an ONNX bundle; "
+            f"this is {a_bundle(name)}{f' in --runtime {runtime}' if runtime else ''}",
+            "drop --prepack-cache",
         )
     if runtime is not None and runtime not in target.runtimes:
         runs = [t.name for t in all_targets() if runtime in t.runtimes or runtime in t.text_runtimes]

@@ -619,6 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tier", default=None, help="run under this tier's limits (threads, memory cap)")
     pr.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
     pr.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown (ONNX)")
+    _add_prepack_cache(pr)
     pr.add_argument(
         "--image-sizes",
         default=None,

@@ -30,6 +30,17 @@ def test_plan_is_within_ten_percent_of_the_measured_peak_rss(shared_export, prec
     assert f"measured {m['peak_rss_bytes'] / 2**30:.3f} GiB, plan {m['total_bytes'] / 2**30:.3f} GiB" in text
 
 
+def test_a_prepacked_sessions_plan_is_within_ten_percent_of_its_measured_peak_rss(shared_export, tmp_path):
+    """A session that maps a --prepack-cache entry has terms of its own (memory_terms.toml's onnx.int4.prepacked):
+    its weights become resident as it runs, and it holds no packed copy beside the originals while loading."""
+    bundle = shared_export("memory-plan-tiny-onnx-int4", "qwen3.5-tiny", target="onnx", precision="int4", verify=False)
+    doc = profile(bundle, threads=2, prepack_cache=tmp_path / "cache", **WORKLOAD)
+    m = doc["memory_plan"]
+    assert m["prepacked"] and "prepacked: memory-prepacked" in m["terms"], m["terms"]
+    assert abs(m["plan_over_measured"] - 1) <= 0.10, m
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # built before the workload, then mapped by it
+
+
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_executorch_plan_is_within_ten_percent_of_the_measured_peak_rss(tiny_pte, precision):
     """The ExecuTorch rows, on the tiny preset's programs the ExecuTorch tests share (context 128, prefill chunk 16,

@@ -265,6 +265,73 @@ def _sizes(source: str, target: str, precision: str, context: int, chunk: int) -
     }
 
 
+def prepacked_terms(split: Path, profiles: list[Path] = ()) -> str:
+    """The `prepacked` table of memory_terms.toml for each (target, precision) of a split run's `prepacked`
+    variant (rounds after the build): a session that maps its packed weights touches them as it runs, not as it
+    loads, so the weights factor is read from the end of the run (RSS less the process before the bundle, the
+    states and what the last prefill left), the activation factor from the run's peak over its end, and the load
+    factor from the peak while the session opened. The median over rounds and chunks. profiles: `deltaship profile
+    --prepack-cache --json` documents of a small model, whose peak less the other terms gives runtime_bytes (the
+    prepacked session's fixed costs; the median over the documents), as fit_terms does for the default session."""
+    from statistics import median
+
+    from deltaship.bundle.reader import read_manifest
+
+    by: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for run in json.loads(split.read_text())["runs"]:
+        if run["variant"] != "prepacked" or run["round"] == "build":
+            continue
+        m = read_manifest(run["bundle"])
+        steps = {st["step"]: st for st in run["steps"]}
+        pre = steps["import deltaship runtime"]["VmRSS"]
+        sess = steps["deltaship session (states, IOBinding)"]
+        chunk = min(run.get("prompt", 512), run.get("prefill_chunk") or m["prefill_chunk"])
+        z = _sizes(m["source"]["model"], m["target"], m["precision"], m["max_context"], chunk)
+        end, peak = run["steps"][-1]["VmRSS"], run["steps"][-1]["VmHWM"]
+        f = by.setdefault((m["target"], m["precision"]), {"wf": [], "af": [], "lf": []})
+        f["wf"].append((end - pre - z["states"]) / z["w"])
+        f["af"].append(max(0, peak - end) / z["act"])
+        f["lf"].append((sess["VmHWM"] - pre) / z["w"])
+    # each profile: (stored weights, peak less the weights and states, the activation formula); a small and a
+    # large model's profiles fix the runtime term and the activation factor together (the plan meets both peaks)
+    seen: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for p in profiles:
+        doc = json.loads(p.read_text())
+        b = doc["bundle"]
+        key = (b["target"], b["precision"])
+        if not doc["config"].get("prepack_cache") or key not in by:
+            continue
+        peak = next(r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes")
+        chunk = min(max(doc["config"]["prompt_lengths"]), b["prefill_chunk"])
+        z = _sizes(b["source"], b["target"], b["precision"], b["max_context"], chunk)
+        seen.setdefault(key, []).append((z["w"], peak - median(by[key]["wf"]) * z["w"] - z["states"], z["act"]))
+    runtime: dict[tuple[str, str], float] = {}
+    for key, rows in seen.items():
+        small = [r for r in rows if r[0] < SMALL]
+        large = [r for r in rows if r[0] >= SMALL]
+        if small and large:  # rest = runtime + af * act at both sizes
+            (_, rs, as_), (_, rl, al) = (median(c) for c in zip(*small)), (median(c) for c in zip(*large))
+            af = max(0.0, (rl - rs) / (al - as_))
+            by[key]["af"] = [af]
+            runtime[key] = rs - af * as_
+        elif small:
+            runtime[key] = median(r[1] - median(by[key]["af"]) * r[2] for r in small)
+    out = []
+    for (target, precision), f in sorted(by.items()):
+        out += [
+            f"[{target}.{precision}.prepacked]",
+            *([f"runtime_bytes = {int(runtime[(target, precision)])}"] if (target, precision) in runtime else []),
+            f"weights_factor = {median(f['wf']):.4f}",
+            f"activation_factor = {median(f['af']):.4f}",
+            f"load_factor = {median(f['lf']):.4f}",
+            f'from = "{split.name}, the prepacked variant, {len(f["wf"])} runs'
+            + (f"; runtime and activations: {len(seen.get((target, precision), []))} profiles" if profiles else "")
+            + '"',
+            "",
+        ]
+    return "\n".join(out)
+
+
 RUNTIME_IMPORTS = ("import onnxruntime", "import executorch runtime")
 SMALL = 64 << 20  # stored weights under this: a prefill's growth is too small to read a factor from
 
@@ -347,6 +414,9 @@ def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str,
             f'from = "factors: {src}; runtime: {b["source"]} {b["precision"]} profile peak"',
             "",
         ]
+    for p in splits:  # the --prepack-cache sessions' tables, from splits that ran the prepacked variant
+        if any(r["variant"] == "prepacked" for r in json.loads(p.read_text())["runs"]):
+            lines.append(prepacked_terms(p))
     text = "\n".join(lines)
     out.write_text(text)
     return text
@@ -364,6 +434,13 @@ def main() -> int:
         ap.add_argument("--skip", nargs="*", default=[], help="bundles of the split runs to leave out")
         a = ap.parse_args()
         print(fit_terms(a.fit, a.profiles, a.write_terms, a.machine, tuple(a.skip)))
+        return 0
+    if "--prepacked-terms" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--prepacked-terms", type=Path, required=True, help="a split run (--json) with 'prepacked'")
+        ap.add_argument("--profiles", nargs="*", type=Path, default=[], help="profile --prepack-cache --json documents")
+        a = ap.parse_args()
+        print(prepacked_terms(a.prepacked_terms, a.profiles))
         return 0
     if "--worker" in sys.argv:  # record bare Python before anything else is imported
         first = [{"step": "python", **status(), **rollup()}]

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from deltaship.devices.android import profile_adb
 from deltaship.devices.catalog import get_tier
 from deltaship.devices.discovery import default_threads, fingerprint
 from deltaship.devices.plan import planned_peak
-from deltaship.errors import DeltashipError
+from deltaship.errors import DeltashipEnvironmentError, DeltashipError
 from deltaship.options import threads as check_threads
 from deltaship.profiling.launch import MemoryCap, run_worker
 from deltaship.profiling.remote import profile_ssh
@@ -39,7 +40,7 @@ from deltaship.profiling.worker import SCHEMA_VERSION
 from deltaship.runtimes import PROVIDERS
 from deltaship.runtimes.speculative import parse_speculative
 from deltaship.stats import ratio_ci
-from deltaship.targets import get_target, open_bundle, text_runtime
+from deltaship.targets import a_bundle, get_target, open_bundle, text_runtime
 
 DEFAULTS = dict(prompt_lengths=[128, 512], gen=64, contexts=[128, 1024, 4096], warmups=2, reps=5, min_seconds=2.0)
 
@@ -103,6 +104,11 @@ def profile(
         raise DeltashipError(f"unknown provider {s.provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
     if s.provider != "cpu" and s.device != "host":
         raise DeltashipError(f"--provider {s.provider} is for --device host", "drop --provider, or profile on the host")
+    if s.prepack_cache is not None and (s.device != "host" or s.speculative is not None):
+        raise DeltashipError(
+            "--prepack-cache is for the host's plain workload (an entry is built on the machine that runs it)",
+            "drop --prepack-cache, or --speculative / --device",
+        )
     say = progress or (lambda m: None)
     path = Path(bundle)
     for option, out in (("--json", s.json_out), ("--report", s.report)):
@@ -180,6 +186,9 @@ def profile(
                 doc["results"] += out["results"]
                 doc["runtime"] = out["runtime"]
             return _finish(doc, t, s.json_out, s.report)
+        if s.prepack_cache is not None:
+            cfg["prepack_cache"] = str(Path(s.prepack_cache).expanduser().resolve())
+            build_prepack_cache(path, manifest, cfg["prepack_cache"], s, say)
         if s.provider != "cpu" or s.runtime is not None:
             # fails here, clearly, if it cannot run
             open_bundle(path, provider=s.provider, runtime=s.runtime, check_hashes=False)
@@ -257,6 +266,27 @@ def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | P
     return doc
 
 
+def build_prepack_cache(path: Path, manifest: dict[str, Any], cache: str, s: ProfileSettings, say) -> None:
+    """The bundle's --prepack-cache entry, built (when missing) before the workload, in a process of its own: what
+    is measured is a later open, as an app's after its first; the build's own peak is the default session's."""
+    given = [f for f, v in (("--provider", s.provider != "cpu"), ("--runtime", s.runtime)) if v]
+    if not get_target(manifest["target"]).prepacks or given:
+        raise DeltashipError(
+            f"--prepack-cache profiles deltaship's own CPU session of an ONNX bundle; this is "
+            f"{a_bundle(manifest['target'])}{' with ' + ', '.join(given) if given else ''}",
+            f"drop --prepack-cache{' or ' + ', '.join(given) if given else ''}",
+        )
+    say(f"building the prepack cache entry in {cache} (first open only)")
+    code = "import sys; from deltaship.targets import open_bundle; open_bundle(sys.argv[1], prepack_cache=sys.argv[2])"
+    r = subprocess.run([sys.executable, "-c", code, str(path), cache], capture_output=True, text=True)
+    if r.returncode:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise DeltashipEnvironmentError(
+            f"--prepack-cache {cache}: building its entry failed ({tail})",
+            "run `deltaship generate BUNDLE --input-ids 1 --prepack-cache DIR` to see the whole error",
+        )
+
+
 def _memory_plan(doc: dict[str, Any], manifest: dict[str, Any]) -> None:
     """doc["memory_plan"]: what `deltaship plan` predicts for this bundle and workload, beside the measured peak."""
     peak = next((r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes" and r.get("samples")), None)
@@ -264,7 +294,8 @@ def _memory_plan(doc: dict[str, Any], manifest: dict[str, Any]) -> None:
     if peak is None or not prompts:
         return
     host = next((r["median"] for r in doc["results"] if r["metric"] == "host_rss_bytes"), None)
-    plan = planned_peak(manifest, max(prompts), doc.get("threads"), None if host is None else int(host))
+    prepacked = bool(doc.get("config", {}).get("prepack_cache"))
+    plan = planned_peak(manifest, max(prompts), doc.get("threads"), None if host is None else int(host), prepacked)
     if plan is not None:
         doc["memory_plan"] = {**plan, "peak_rss_bytes": peak, "plan_over_measured": plan["total_bytes"] / peak}
 

@@ -23,7 +23,8 @@ class ProfileSettings:
     breakdown: the per-op breakdown where the target times ops. json_out ('-': stdout) / report: where the JSON
     records and the HTML report go. ssh_options / remote_deltaship: an ssh device. runner / runner_args: an adb
     device. provider / runtime: the host's execution provider and runtime. speculative ("mtp[:K]") / acceptance:
-    profile speculative decoding instead (profiling/speculative/). image_sizes: a --vision bundle's image sizes."""
+    profile speculative decoding instead (profiling/speculative/). image_sizes: a --vision bundle's image sizes.
+    prepack_cache: an ONNX bundle's --prepack-cache directory (its entry built first, in a process of its own)."""
 
     device: str = "host"
     prompt_lengths: list[int] | None = None
@@ -47,6 +48,7 @@ class ProfileSettings:
     speculative: str | None = None
     acceptance: float | None = None
     image_sizes: str | list[str] | None = None
+    prepack_cache: str | Path | None = None
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> ProfileSettings:

@@ -102,19 +102,29 @@ def _terms_table() -> dict:
         return {}
 
 
-def memory_terms(target: Target | str, precision: str) -> MemoryTerms:
-    """Measured terms for (target, precision) from memory_terms.toml; the target's estimate where none was measured."""
+def memory_terms(target: Target | str, precision: str, prepacked: bool = False) -> MemoryTerms:
+    """Measured terms for (target, precision) from memory_terms.toml; the target's estimate where none was measured.
+    prepacked: a session that maps ONNX Runtime's packed weights from a --prepack-cache entry (the row's
+    `prepacked` table replaces the factors it names; where it has none, the default session's terms, said so)."""
     tgt = as_target(target)
     table = _terms_table()
     row = table.get(tgt.name, {}).get(precision)
     if row is None:
         return MemoryTerms(tgt.runtime_base_bytes, 1.0, 1.0, "estimate (not measured)")
     machine = table.get("machine", {})
+    source = row.get("from", "")
+    if prepacked:
+        packed = row.get("prepacked")
+        if isinstance(packed, dict):
+            row = {**row, **packed}
+            source = f"prepacked: {packed.get('from', '')}; {source}"
+        else:
+            source = f"prepacked: not measured, the default session's terms; {source}"
     return MemoryTerms(
         int(row["runtime_bytes"]),
         float(row["weights_factor"]),
         float(row.get("activation_factor", 1.0)),
-        f"measured {machine.get('date', '?')} on {machine.get('name', '?')} ({row.get('from', '')})",
+        f"measured {machine.get('date', '?')} on {machine.get('name', '?')} ({source})",
         float(row.get("load_factor", row["weights_factor"])),
         "activation_factor" in row,  # without one, the activations stay the estimate's (one layer's)
         int(row.get("host_bytes", 0)),
@@ -274,15 +284,17 @@ def estimate(
     host_bytes: int | None = None,
     prompt_cache_tokens: int | None = None,
     prompt_cache_file_bytes: int | None = None,
+    prepacked: bool = False,
 ) -> PlanRow:
     """Memory of (target, precision, KV dtype) at `context` tokens on `tier`, by part: an app's process, or with
     host_driver that of deltaship's own Python driver (what `profile` measures: the terms' host_bytes added, or
     `host_bytes` where the driver's part was measured in the process itself). prompt_cache_tokens: a chat starting
     from a prompt cache of that many tokens shipped in the bundle (its restore counted, prompt_cache_restore_bytes),
-    whose file has prompt_cache_file_bytes (default: its tensors, prompt_cache_bytes)."""
+    whose file has prompt_cache_file_bytes (default: its tensors, prompt_cache_bytes). prepacked: a session opened
+    with a --prepack-cache entry (memory_terms)."""
     tgt = as_target(target)
     kv = kv_dtype or default_kv_dtype(tgt, precision)
-    terms = memory_terms(tgt, precision)
+    terms = memory_terms(tgt, precision, prepacked)
     w = weight_bytes(spec, tgt, precision)
     loaded = int(w * terms.weights_factor)
     binary, npu_problem = npu_fit(spec, tier, tgt, precision)
@@ -342,12 +354,16 @@ def estimate(
 
 
 def planned_peak(
-    manifest: dict, prompt_length: int, threads: int | None = None, host_bytes: int | None = None
+    manifest: dict,
+    prompt_length: int,
+    threads: int | None = None,
+    host_bytes: int | None = None,
+    prepacked: bool = False,
 ) -> dict | None:
     """The plan's memory for a bundle as `profile` runs it (its context, a prefill of `prompt_length` tokens in the
     bundle's chunks), by part; None when the bundle's model cannot be loaded here (a checkpoint not on this
     machine). `profile` prints it beside the measured peak RSS. host_bytes: the Python driver's part as the profiled
-    process measured it (in place of the terms' host_bytes).
+    process measured it (in place of the terms' host_bytes). prepacked: the session mapped a --prepack-cache entry.
 
     A bundle that ships a prompt cache (the manifest's chat.prompt_cache) gets `prompt_cache`: its tokens and file
     bytes, as the manifest records them, what restoring it adds (prompt_cache_restore_bytes) and the total of a
@@ -374,6 +390,7 @@ def planned_peak(
             host_bytes=host_bytes,
             prompt_cache_tokens=cache_tokens,
             prompt_cache_file_bytes=cache_file_bytes,
+            prepacked=prepacked,
         )
 
     row = at()
@@ -386,6 +403,7 @@ def planned_peak(
         "context": row.context,
         "prefill_chunk": chunk,
         "terms": row.terms,
+        "prepacked": prepacked,
         "host_bytes": memory_terms(manifest["target"], manifest["precision"]).host_bytes
         if host_bytes is None
         else host_bytes,

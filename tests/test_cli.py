@@ -171,28 +171,24 @@ def test_sigterm_during_export_leaves_nothing_and_stale_partials_are_swept(tmp_p
     import signal
     import time
 
-    out = tmp_path / "b"
+    out, mark = tmp_path / "b", tmp_path.parent / f"{tmp_path.name}.staged"
+    # the child stops in its staging directory (as it writes the manifest) until the signal comes: without the pause a
+    # tiny export can finish between the test's seeing the staging directory and its signal (a flaky race)
+    pause = (
+        "import pathlib, sys, time\nimport deltaship.bundle.writer as w\n"
+        f"def stop(*a):\n    pathlib.Path({str(mark)!r}).touch()\n    time.sleep(600)\n"
+        "w.write_manifest = stop\nfrom deltaship.cli import main\nsys.exit(main(sys.argv[1:]))"
+    )
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deltaship.cli",
-            "export",
-            "--model",
-            "qwen3.5-tiny",
-            "--max-context",
-            "96",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, "-c", pause, "export", "--model", "qwen3.5-tiny", "--max-context", "96", "--out", str(out)],
         env=ENV,
         stderr=subprocess.PIPE,
         text=True,
     )
     deadline = time.monotonic() + 300
-    while not list(tmp_path.glob(".b.partial-*")) and time.monotonic() < deadline and proc.poll() is None:
+    while not mark.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
-    assert list(tmp_path.glob(".b.partial-*")), "the export never reached its staging directory"
+    assert mark.exists() and list(tmp_path.glob(".b.partial-*")), "the export never reached its staging directory"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "terminated; nothing was written" in err

@@ -353,13 +353,15 @@ def test_a_bundle_with_position_ids_still_runs(fp16_pair, tmp_path):
 # ---- nodes per layer: today's budget (deltaship/lowering/onnx/census.py) ----------------------------------------
 # The decode step's kernel count on a GPU. Tiny preset (8 layers: 6 DeltaNet, 2 attention), fp16 activations.
 # A change that adds nodes to a layer fails here; one that removes some updates these numbers (and says so).
+# Counted in the order ONNX Runtime runs the graph, where each layer's two state writes run inside the layer (2 more
+# than the program order's count, which had them after the last layer: bundle/node_order.py).
 NODES_PER_LAYER = {
     # default lowering: DeltaNet conv as 4 Mul/Add taps over a Concat, output norm as norm * SiLU(gate)
-    "plain": {"deltanet": 59, "attention": 53},
-    "contrib": {"deltanet": 42, "attention": 53},  # --onnx-deltanet-ops contrib: CausalConvWithState, GatedRMSNorm
+    "plain": {"deltanet": 61, "attention": 55},
+    "contrib": {"deltanet": 44, "attention": 55},  # --onnx-deltanet-ops contrib: CausalConvWithState, GatedRMSNorm
     # --onnx-cuda-graph: the residual Add + RMSNorm (+ Cast to fp16) -> SkipSimplifiedLayerNormalization, twice a layer
-    "capture": {"deltanet": 55, "attention": 49},
-    "capture+contrib": {"deltanet": 38, "attention": 49},
+    "capture": {"deltanet": 57, "attention": 51},
+    "capture+contrib": {"deltanet": 40, "attention": 51},
 }
 
 
@@ -386,7 +388,9 @@ def test_nodes_per_layer_stay_within_todays_budget(fp16_pair, contrib_pair, tiny
     for name, bundle in graphs.items():
         c = _census(bundle)
         assert {k: c[k] for k in ("deltanet", "attention")} == NODES_PER_LAYER[name], name
-        assert c["layers"].count(c["deltanet"]) >= 5 and len(c["layers"]) == 8  # 6 DeltaNet layers, 2 attention
+        # 6 DeltaNet layers, 2 attention; under --onnx-cuda-graph two DeltaNet layers run one node more in the
+        # runtime's order (layer 0's unfused first norm, the device's start-position Sub at its first use)
+        assert c["layers"].count(c["deltanet"]) >= 4 and len(c["layers"]) == 8
         manifest = json.loads((bundle / "manifest.json").read_text())
         assert manifest["lowering"]["nodes_per_layer"] == {k: v for k, v in c.items() if k not in ("layers", "ops")}
     assert {k: _census(tiny_onnx)[k] for k in ("deltanet", "attention")} == NODES_PER_LAYER["capture"]  # int4
@@ -401,16 +405,22 @@ def test_nodes_per_layer_stay_within_todays_budget(fp16_pair, contrib_pair, tiny
     assert "fusions" not in json.loads((fp16_pair[0] / "manifest.json").read_text())["lowering"]
 
 
-def test_the_census_refuses_a_graph_whose_layers_are_out_of_order(fp16_pair):
+def test_the_census_follows_the_runtimes_order_and_refuses_interleaved_layers(fp16_pair):
     import onnx
 
-    from deltaship.lowering.onnx.census import nodes_per_layer
+    from deltaship.bundle.node_order import runtime_order
+    from deltaship.lowering.onnx.census import layer_segments, nodes_per_layer
 
     nodes = list(onnx.load(str(fp16_pair[0] / "model.onnx"), load_external_data=False).graph.node)
     last = max(i for i, n in enumerate(nodes) if any(x.startswith("model_layers_7_") for x in n.input))
-    nodes.insert(60, nodes.pop(last))  # a node of layer 7 among layer 1's
+    moved = list(nodes)
+    moved.insert(60, moved.pop(last))  # a node of layer 7 written among layer 1's: the runtime still runs it in 7
+    assert nodes_per_layer(moved) == nodes_per_layer(nodes)
+    ran = [nodes[i] for i in runtime_order(nodes)]
+    last = max(i for i, n in enumerate(ran) if any(x.startswith("model_layers_7_") for x in n.input))
+    ran.insert(60, ran.pop(last))  # a run in which layer 7's node ran among layer 1's: not one layer after another
     with pytest.raises(DeltashipError, match="not written in order"):
-        nodes_per_layer(nodes)
+        layer_segments(ran)
 
 
 def test_the_fused_capture_graphs_give_the_plain_graphs_tokens(fp16_pair, contrib_pair):

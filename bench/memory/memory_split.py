@@ -111,10 +111,21 @@ def worker(a) -> int:
     # runtime's import is the host's (the interpreter, numpy, torch for ExecuTorch): --fit's host_bytes
     needles: dict[str, str] = {"weights_file": "", "runtime_library": "/onnxruntime/capi/"}
 
-    def step(name: str, **extra) -> None:
-        steps.append({"step": name, **status(), **rollup(), **mapped_rss(needles), **extra})
+    peak = [0]  # the process's peak so far, across the resets of reset_peak
 
-    step.steps, step.needles = steps, needles
+    def step(name: str, **extra) -> None:
+        st = status()
+        peak[0] = max(peak[0], st["VmHWM"])
+        steps.append({"step": name, **st, "VmHWM": peak[0], **rollup(), **mapped_rss(needles), **extra})
+
+    def reset_peak() -> int:
+        """Start a new peak (Linux >= 4.0: 5 > /proc/self/clear_refs resets VmHWM to the RSS now); return the RSS."""
+        st = status()
+        peak[0] = max(peak[0], st["VmHWM"])
+        Path("/proc/self/clear_refs").write_text("5")
+        return st["VmRSS"]
+
+    step.steps, step.needles, step.reset_peak = steps, needles, reset_peak
 
     # bare Python was recorded by the caller's argv handling below; numpy is already in
     step("import numpy")
@@ -201,10 +212,11 @@ def run_session(a, bundle: Path, manifest: dict, open_bundle, step, steps: list[
     step("warmup prefill 16")
     ids = rng.integers(0, min(1000, s.vocab_size), a.prompt).tolist()
     s.reset()
+    before = step.reset_peak()  # the prefill's own peak, which the load's may hide in VmHWM
     t0 = time.monotonic()
     logits = s.prefill(ids)
     prefill_s = time.monotonic() - t0
-    step(f"prefill {a.prompt}", prefill_s=prefill_s)
+    step(f"prefill {a.prompt}", prefill_s=prefill_s, own_peak=status()["VmHWM"], rss_before=before)
     s.reset()  # a second prompt of the same length, as every chat's next turn: what the first left must be reused
     t0 = time.monotonic()
     logits = s.prefill(ids)
@@ -370,6 +382,9 @@ def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str,
             # (the arena gives its regions back after each prefill, so RSS afterwards does not show it)
             peak, at_load = run["steps"][-1]["VmHWM"], steps["deltaship session (states, IOBinding)"]["VmHWM"]
             af = max(0.0, peak - sess - z["states"]) / z["act"] if peak > at_load and z["w"] >= SMALL else None
+            own = next((st for st in run["steps"] if "own_peak" in st), None)
+            if own is not None and z["w"] >= SMALL:  # the prefill's own peak, measured even where the load's hides it
+                af = max(0, own["own_peak"] - own["rss_before"]) / z["act"]
             key = (m["target"], m["precision"])
             if key not in factors or z["w"] >= factors[key][0]:
                 factors[key] = (z["w"], wf, af, lf, f"{m['source']['model']} {m['precision']}")

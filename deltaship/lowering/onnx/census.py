@@ -1,8 +1,9 @@
 """Nodes per decoder layer of a written ONNX decoder: what a decode step launches, layer by layer.
 
 On a GPU each node is at least one kernel, and a captured decode step costs about the same per kernel whatever its
-size (docs/results/gpu.md), so the node count of a layer is what fusions are measured by. The lowering writes the
-graph in program order: a layer is the run of nodes from the one that reads its input norm's weight
+size (docs/results/gpu.md), so the node count of a layer is what fusions are measured by. The nodes are counted in
+the order ONNX Runtime runs them (bundle/node_order.py), whatever their order in the file: a layer is the run of
+nodes from the one that reads its input norm's weight
 (`model_layers_<i>_input_layernorm_weight`) to the node before the next layer's; the nodes before layer 0
 (embedding, rotary tables, position arithmetic) and from the final norm on (LM head) are `outside`.
 """
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 import onnx
 
+from deltaship.bundle.node_order import runtime_order
 from deltaship.errors import DeltashipError
 
 _LAYER_WEIGHT = re.compile(r"^model_layers_(\d+)_")
@@ -57,9 +59,9 @@ def nodes_per_layer(nodes: Sequence[onnx.NodeProto]) -> dict:
     """{"deltanet": nodes per DeltaNet layer, "attention": per attention layer, "shared": nodes some layer's run
     holds beyond that (arithmetic the lowering builds once, on first use: GroupQueryAttention's sequence lengths in
     the first attention layer), "outside": nodes in no layer, "total": all nodes, "layers": [count, ...], "ops":
-    {kind: {op: count}} of the last layer of each kind}. `nodes`: a graph's nodes in their written order
-    (model.graph.node)."""
-    segments, outside = layer_segments(nodes)
+    {kind: {op: count}} of the last layer of each kind}. `nodes`: a graph's nodes as written
+    (model.graph.node), counted in the order ONNX Runtime runs them."""
+    segments, outside = layer_segments([nodes[i] for i in runtime_order(nodes)])
     kinds, ops = [], {}
     for i, seg in enumerate(segments):
         mixers = {MIXERS[n.op_type] for n in seg if n.op_type in MIXERS}

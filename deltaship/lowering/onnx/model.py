@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import torch
 
+from deltaship.bundle.node_order import order_for_runtime
 from deltaship.errors import DeltashipError
 from deltaship.lowering.kv_quant import stored_states
 from deltaship.lowering.lowered import Lowered
@@ -403,6 +404,8 @@ def lower(ctx, weights, out_dir: Path, progress=None, tokens: dict | None = None
         fusions = {
             "skip_norm": {"nodes_removed": fuse_skip_norms(b), "op": "com.microsoft::SkipSimplifiedLayerNormalization"}
         }
+    # the order ONNX Runtime runs the graph in: each layer's state outputs written as the walk leaves the layer
+    b.nodes[:] = order_for_runtime(b.nodes)
     b.finish(
         out_dir / MODEL_FILE,
         {"": opset, "com.microsoft": 1},

@@ -201,8 +201,8 @@ def run_session(a, bundle: Path, manifest: dict, open_bundle, step, steps: list[
     import numpy as np
 
     t0 = time.monotonic()
-    cache = {"prepack_cache": a.prepack_cache} if ("deltaship", "prepack_cache", True) in VARIANTS[a.variant] else {}
-    s = open_bundle(bundle, threads=a.threads, check_hashes=False, prefill_chunk=a.prefill_chunk, **cache)
+    cache = a.prepack_cache if ("deltaship", "prepack_cache", True) in VARIANTS[a.variant] else None
+    s = open_bundle(bundle, threads=a.threads, check_hashes=False, prefill_chunk=a.prefill_chunk, prepack_cache=cache)
     load_s = time.monotonic() - t0
     state_bytes = sum(int(np.prod(st["shape"])) * np.dtype(st["dtype"]).itemsize for st in manifest["states"])
     step("deltaship session (states, IOBinding)", load_s=load_s, state_bytes_one_copy=state_bytes)

@@ -79,7 +79,7 @@ def _locked(session: str | Path | None):
 def _open(bundle, system: str | None, session, kwargs: dict, threads: int | None, prepack_cache=None):
     """The conversation: loaded from the session file if it exists, else new (and saved there at once)."""
 
-    sess = open_bundle(bundle, threads=threads, **({"prepack_cache": prepack_cache} if prepack_cache else {}))
+    sess = open_bundle(bundle, threads=threads, prepack_cache=prepack_cache)
     if session is not None and Path(session).exists():
         conv = Chat.load(session, sess)
         if system is not None and system != conv.system:

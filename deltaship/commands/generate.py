@@ -156,8 +156,8 @@ def generate(
         threads=threads,
         provider=provider,
         runtime=runtime,
+        prepack_cache=prepack_cache,
         **({"cuda_graph": True} if cuda_graph else {}),
-        **({"prepack_cache": prepack_cache} if prepack_cache is not None else {}),
     )
     mm, notices, loaded = None, [], []
     if images or videos:

@@ -40,7 +40,7 @@ from deltaship.profiling.worker import SCHEMA_VERSION
 from deltaship.runtimes import PROVIDERS
 from deltaship.runtimes.speculative import parse_speculative
 from deltaship.stats import ratio_ci
-from deltaship.targets import a_bundle, get_target, open_bundle, text_runtime
+from deltaship.targets import check_prepack_cache, get_target, open_bundle, text_runtime
 
 DEFAULTS = dict(prompt_lengths=[128, 512], gen=64, contexts=[128, 1024, 4096], warmups=2, reps=5, min_seconds=2.0)
 
@@ -269,13 +269,7 @@ def _finish(doc: dict[str, Any], t, json_out: str | Path | None, report: str | P
 def build_prepack_cache(path: Path, manifest: dict[str, Any], cache: str, s: ProfileSettings, say) -> None:
     """The bundle's --prepack-cache entry, built (when missing) before the workload, in a process of its own: what
     is measured is a later open, as an app's after its first; the build's own peak is the default session's."""
-    given = [f for f, v in (("--provider", s.provider != "cpu"), ("--runtime", s.runtime)) if v]
-    if not get_target(manifest["target"]).prepacks or given:
-        raise DeltashipError(
-            f"--prepack-cache profiles deltaship's own CPU session of an ONNX bundle; this is "
-            f"{a_bundle(manifest['target'])}{' with ' + ', '.join(given) if given else ''}",
-            f"drop --prepack-cache{' or ' + ', '.join(given) if given else ''}",
-        )
+    check_prepack_cache(manifest["target"], s.runtime, s.provider)  # open_bundle's own refusal, before the build
     say(f"building the prepack cache entry in {cache} (first open only)")
     code = "import sys; from deltaship.targets import open_bundle; open_bundle(sys.argv[1], prepack_cache=sys.argv[2])"
     r = subprocess.run([sys.executable, "-c", code, str(path), cache], capture_output=True, text=True)

@@ -32,7 +32,7 @@ from typing import Any
 from deltaship.bundle.node_order import order_for_runtime
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError, DeltashipUnavailable
-from deltaship.files import sha256_file
+from deltaship.files import read_json_object, sha256_file
 from deltaship.runtimes.onnx_contract import external_locations
 
 # entry.json's format and the saved graph's layout (2: nodes in the runtime's walk order); a new one builds new entries
@@ -187,8 +187,8 @@ def _checked(entry: Path, key: str) -> Path:
     if names != sorted((MODEL, DATA, META)) or any((entry / n).is_symlink() for n in names):
         held = ", ".join(names) or "nothing"
         raise DeltashipError(f"{entry}: not an intact prepack cache entry (it holds {held})", fix)
+    meta = read_json_object(entry / META, "prepack cache entry's record", fix)  # bounded, like any untrusted JSON
     try:
-        meta = json.loads((entry / META).read_text())
         ok = meta["format"] == FORMAT and meta["key"] == key
         ok = ok and all((entry / n).stat().st_size == int(meta["files"][n]["bytes"]) for n in (MODEL, DATA))
         ok = ok and sha256_file(entry / MODEL) == meta["model_sha256"]

@@ -26,6 +26,7 @@ from deltaship.targets.base import (
     option,
 )
 from deltaship.targets.open import (  # noqa: E402
+    check_prepack_cache,
     open_bundle,
     open_multimodal,
     require_artifact,
@@ -63,6 +64,7 @@ __all__ = [
     "tolerance",
     "PRECISIONS",
     "DEFAULT_PREFILL_CHUNK",
+    "check_prepack_cache",
     "open_bundle",
     "open_multimodal",
     "require_artifact",

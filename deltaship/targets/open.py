@@ -25,6 +25,7 @@ def open_bundle(
     prefill_chunk: int | None = None,
     provider: str = "cpu",
     runtime: str | None = None,
+    prepack_cache: str | Path | None = None,
     **options: Any,
 ) -> Session:
     """Open a bundle for generation. The manifest is checked against the bundle schema and its paths
@@ -60,12 +61,9 @@ def open_bundle(
             "and `deltaship profile`, not a session",
             "pass --prompt, or drop --runtime",
         )
-    if options.get("prepack_cache") is not None and (not target.prepacks or runtime is not None):
-        raise DeltashipError(
-            f"--prepack-cache keeps ONNX Runtime's packed CPU weights for deltaship's own session of an ONNX bundle; "
-            f"this is {a_bundle(name)}{f' in --runtime {runtime}' if runtime else ''}",
-            "drop --prepack-cache",
-        )
+    if prepack_cache is not None:  # only the sessions that map it take the option
+        check_prepack_cache(name, runtime, provider)
+        options["prepack_cache"] = prepack_cache
     if runtime is not None and runtime not in target.runtimes:
         runs = [t.name for t in all_targets() if runtime in t.runtimes or runtime in t.text_runtimes]
         raise DeltashipError(
@@ -83,6 +81,18 @@ def open_bundle(
         runtime=runtime,
         **options,
     )
+
+
+def check_prepack_cache(target: str, runtime: str | None, provider: str) -> None:
+    """Refuse --prepack-cache where it cannot apply: ONNX Runtime's packed CPU weights, mapped by deltaship's own CPU
+    session of a bundle whose target's session takes them (`Target.prepacks`)."""
+    if not get_target(target).prepacks or runtime is not None or provider != "cpu":
+        where = f" in --runtime {runtime}" if runtime else f" on --provider {provider}" if provider != "cpu" else ""
+        raise DeltashipError(
+            f"--prepack-cache keeps ONNX Runtime's packed CPU weights for deltaship's own CPU session of an ONNX "
+            f"bundle; this is {a_bundle(target)}{where}",
+            "drop --prepack-cache",
+        )
 
 
 def require_artifact(bundle: str | Path, manifest: dict[str, Any]) -> None:

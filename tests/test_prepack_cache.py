@@ -154,6 +154,13 @@ def test_generate_and_chat_take_the_cache_and_give_the_same_tokens(int4, tmp_pat
     assert json.loads(r.stdout.splitlines()[0])["reply_ids"] and len(_entries(cache)) == 1  # reused, not rebuilt
 
 
+def test_an_empty_cache_path_is_refused_not_taken_as_the_current_directory(int4, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DeltashipError, match="empty path"):
+        open_bundle(int4, threads=1, prepack_cache="")
+    assert not list(tmp_path.iterdir())
+
+
 def test_runtimes_that_cannot_map_the_cache_refuse_it(int4, tmp_path):
     with pytest.raises(DeltashipError, match="--runtime genai") as e:
         open_bundle(int4, runtime="genai", prepack_cache=tmp_path / "cache")

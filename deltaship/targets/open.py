@@ -62,6 +62,10 @@ def open_bundle(
             "pass --prompt, or drop --runtime",
         )
     if prepack_cache is not None:  # only the sessions that map it take the option
+        if not str(prepack_cache).strip():  # "" would be the current directory
+            raise DeltashipError(
+                "--prepack-cache needs a directory, got an empty path", "pass e.g. --prepack-cache DIR"
+            )
         check_prepack_cache(name, runtime, provider)
         options["prepack_cache"] = prepack_cache
     if runtime is not None and runtime not in target.runtimes:

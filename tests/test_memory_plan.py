@@ -4,11 +4,12 @@ session's release of mapped weight pages (docs/results/memory.md)."""
 from __future__ import annotations
 
 import mmap
+import statistics
 import sys
 
 import pytest
 
-from deltaship.devices.plan import memory_terms
+from deltaship.devices.plan import memory_terms, planned_peak
 from deltaship.profiling.profile import profile
 from deltaship.profiling.report import format_results
 
@@ -17,16 +18,27 @@ from deltaship.profiling.report import format_results
 WORKLOAD = dict(prompt_lengths=[512], gen=8, contexts=[], warmups=1, reps=2, min_seconds=0, breakdown=False)
 
 
+def profiled_plans(bundle, runs: int = 3, **options) -> tuple[list[dict], float]:
+    """`runs` profiles of `bundle` (fresh processes): their documents and the median of their plan/measured ratios.
+    A tiny process's peak moves by several percent from run to run (qwen3.5-tiny fp16: 135-154 MiB in six runs,
+    freed prefill memory given back to the system or not), so one run would test the noise as much as the plan."""
+    docs = [profile(bundle, threads=2, **WORKLOAD, **options) for _ in range(runs)]
+    return docs, statistics.median(d["memory_plan"]["plan_over_measured"] for d in docs)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
 def test_plan_is_within_ten_percent_of_the_measured_peak_rss(shared_export, precision):
     bundle = shared_export(
         f"memory-plan-tiny-onnx-{precision}", "qwen3.5-tiny", target="onnx", precision=precision, verify=False
     )
-    doc = profile(bundle, threads=2, **WORKLOAD)
-    m = doc["memory_plan"]
+    docs, ratio = profiled_plans(bundle)
+    m = docs[0]["memory_plan"]
     assert m["terms"].startswith("measured"), m["terms"]
-    assert abs(m["plan_over_measured"] - 1) <= 0.10, m
-    text = format_results(doc)  # `profile` prints both, side by side
+    # the shared objects' resident pages are the process's own (page-cache dependent: 45 vs 55 MiB for the same
+    # wheels in two virtual environments), swapped in for those the terms were fitted with
+    assert m["libraries"] == "measured in the profiled process" and 20 << 20 < m["libraries_bytes"] < 200 << 20, m
+    assert abs(ratio - 1) <= 0.10, [d["memory_plan"] for d in docs]
+    text = format_results(docs[0])  # `profile` prints both, side by side
     assert f"measured {m['peak_rss_bytes'] / 2**30:.3f} GiB, plan {m['total_bytes'] / 2**30:.3f} GiB" in text
 
 
@@ -34,11 +46,23 @@ def test_a_prepacked_sessions_plan_is_within_ten_percent_of_its_measured_peak_rs
     """A session that maps a --prepack-cache entry has terms of its own (memory_terms.toml's onnx.int4.prepacked):
     its weights become resident as it runs, and it holds no packed copy beside the originals while loading."""
     bundle = shared_export("memory-plan-tiny-onnx-int4", "qwen3.5-tiny", target="onnx", precision="int4", verify=False)
-    doc = profile(bundle, threads=2, prepack_cache=tmp_path / "cache", **WORKLOAD)
-    m = doc["memory_plan"]
+    docs, ratio = profiled_plans(bundle, prepack_cache=tmp_path / "cache")
+    m = docs[0]["memory_plan"]
     assert m["prepacked"] and "prepacked: memory-prepacked" in m["terms"], m["terms"]
-    assert abs(m["plan_over_measured"] - 1) <= 0.10, m
-    assert len(list((tmp_path / "cache").iterdir())) == 1  # built before the workload, then mapped by it
+    assert abs(ratio - 1) <= 0.10, [d["memory_plan"] for d in docs]
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # built before the first run, then mapped by every one
+
+
+def test_the_plan_swaps_the_terms_shared_objects_for_the_measured_ones():
+    """The runtime term holds the shared objects' resident bytes of the process it was fitted on: `profile`'s plan
+    replaces them with its own process's, byte for byte; a tier's plan (an app's process) keeps the terms'."""
+    manifest = {"source": {"model": "qwen3.5-0.8b"}, "target": "onnx", "precision": "int4", "max_context": 1024}
+    terms = memory_terms("onnx", "int4")
+    assert terms.libraries_bytes > 0
+    base = planned_peak(manifest, 512)
+    more = planned_peak(manifest, 512, libraries_bytes=terms.libraries_bytes + (10 << 20))
+    assert base["libraries"] == "terms" and more["libraries"] == "measured in the profiled process"
+    assert more["total_bytes"] - base["total_bytes"] == 10 << 20 == more["runtime_bytes"] - base["runtime_bytes"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])

@@ -344,6 +344,40 @@ def prepacked_terms(split: Path, profiles: list[Path] = ()) -> str:
     return "\n".join(out)
 
 
+def _libraries(doc: dict) -> int | None:
+    """The profiled process's shared objects' resident bytes (profile's shared_object_rss_bytes), if recorded."""
+    return next((int(r["median"]) for r in doc["results"] if r["metric"] == "shared_object_rss_bytes"), None)
+
+
+def runtime_terms(profiles: list[Path]) -> str:
+    """runtime_bytes and libraries_bytes of memory_terms.toml's rows, refitted from `deltaship profile --json`
+    documents of a small model (several runs of each bundle), the other terms as the table has them: each run's peak
+    less the rest of its plan (weights, states, activations: total_bytes less runtime_bytes) less its shared objects'
+    resident bytes is the runtime's own part; runtime_bytes is the median of those plus the median of the shared
+    objects, which libraries_bytes records so that `profile` can swap them for its own process's."""
+    from statistics import median
+
+    runs: dict[str, list[tuple[int, int]]] = {}
+    for p in profiles:
+        doc = json.loads(p.read_text())
+        b, plan, libs = doc["bundle"], doc.get("memory_plan"), _libraries(doc)
+        if plan is None or libs is None:
+            raise SystemExit(f"{p}: no memory plan or no shared_object_rss_bytes (a profile by this version)")
+        peak = next(r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes")
+        rest = plan["total_bytes"] - plan["runtime_bytes"]
+        if plan["host"] != "terms":  # ExecuTorch: the host is measured in the process; --fit reads its terms
+            raise SystemExit(f"{p}: the host's bytes were measured in this process: refit its row with --fit")
+        own = peak - rest - libs
+        key = f"{b['target']}.{b['precision']}" + (".prepacked" if plan.get("prepacked") else "")
+        runs.setdefault(key, []).append((own, libs))
+    out = []
+    for key, rows in sorted(runs.items()):
+        libs = int(median(r[1] for r in rows))
+        out += [f"[{key}]", f"runtime_bytes = {int(median(r[0] for r in rows)) + libs}", f"libraries_bytes = {libs}"]
+        out += [f"# {len(rows)} profiles", ""]
+    return "\n".join(out)
+
+
 RUNTIME_IMPORTS = ("import onnxruntime", "import executorch runtime")
 SMALL = 64 << 20  # stored weights under this: a prefill's growth is too small to read a factor from
 
@@ -426,6 +460,7 @@ def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str,
             *([f"activation_factor = {af:.4f}"] if af is not None else []),
             f"load_factor = {lf:.4f}",
             f"host_bytes = {host.get(b['target'], 0)}",
+            *([f"libraries_bytes = {_libraries(doc)}"] if _libraries(doc) is not None else []),
             f'from = "factors: {src}; runtime: {b["source"]} {b["precision"]} profile peak"',
             "",
         ]
@@ -449,6 +484,11 @@ def main() -> int:
         ap.add_argument("--skip", nargs="*", default=[], help="bundles of the split runs to leave out")
         a = ap.parse_args()
         print(fit_terms(a.fit, a.profiles, a.write_terms, a.machine, tuple(a.skip)))
+        return 0
+    if "--runtime-terms" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--runtime-terms", nargs="+", type=Path, required=True, help="profile --json documents")
+        print(runtime_terms(ap.parse_args().runtime_terms))
         return 0
     if "--prepacked-terms" in sys.argv:
         ap = argparse.ArgumentParser()

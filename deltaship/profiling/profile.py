@@ -288,8 +288,16 @@ def _memory_plan(doc: dict[str, Any], manifest: dict[str, Any]) -> None:
     if peak is None or not prompts:
         return
     host = next((r["median"] for r in doc["results"] if r["metric"] == "host_rss_bytes"), None)
+    libraries = next((r["median"] for r in doc["results"] if r["metric"] == "shared_object_rss_bytes"), None)
     prepacked = bool(doc.get("config", {}).get("prepack_cache"))
-    plan = planned_peak(manifest, max(prompts), doc.get("threads"), None if host is None else int(host), prepacked)
+    plan = planned_peak(
+        manifest,
+        max(prompts),
+        doc.get("threads"),
+        None if host is None else int(host),
+        prepacked,
+        None if libraries is None else int(libraries),
+    )
     if plan is not None:
         doc["memory_plan"] = {**plan, "peak_rss_bytes": peak, "plan_over_measured": plan["total_bytes"] / peak}
 

@@ -91,6 +91,10 @@ class MemoryTerms:
     # ExecuTorch, torch (the pybindings link libtorch; an app links the C++ runtime alone). `profile` measures a
     # process that has it; a device tier's plan leaves it out.
     host_bytes: int = 0
+    # the resident bytes of the shared objects (*.so) in the profile runtime_bytes was read from: where set, `profile`
+    # swaps them for its own process's (their file pages follow the page cache, 9-21 MB apart between two installs of
+    # the same wheels); 0: not recorded, runtime_bytes stands whole
+    libraries_bytes: int = 0
 
 
 @cache
@@ -128,6 +132,7 @@ def memory_terms(target: Target | str, precision: str, prepacked: bool = False) 
         float(row.get("load_factor", row["weights_factor"])),
         "activation_factor" in row,  # without one, the activations stay the estimate's (one layer's)
         int(row.get("host_bytes", 0)),
+        int(row.get("libraries_bytes", 0)),
     )
 
 
@@ -282,16 +287,18 @@ def estimate(
     prefill_chunk: int | None = None,
     host_driver: bool = False,
     host_bytes: int | None = None,
+    libraries_bytes: int | None = None,
     prompt_cache_tokens: int | None = None,
     prompt_cache_file_bytes: int | None = None,
     prepacked: bool = False,
 ) -> PlanRow:
     """Memory of (target, precision, KV dtype) at `context` tokens on `tier`, by part: an app's process, or with
     host_driver that of deltaship's own Python driver (what `profile` measures: the terms' host_bytes added, or
-    `host_bytes` where the driver's part was measured in the process itself). prompt_cache_tokens: a chat starting
-    from a prompt cache of that many tokens shipped in the bundle (its restore counted, prompt_cache_restore_bytes),
-    whose file has prompt_cache_file_bytes (default: its tensors, prompt_cache_bytes). prepacked: a session opened
-    with a --prepack-cache entry (memory_terms)."""
+    `host_bytes` where the driver's part was measured in the process itself). libraries_bytes: the resident bytes of
+    the process's shared objects as `profile` measured them, in place of the terms' where they record theirs.
+    prompt_cache_tokens: a chat starting from a prompt cache of that many tokens shipped in the bundle (its restore
+    counted, prompt_cache_restore_bytes), whose file has prompt_cache_file_bytes (default: its tensors,
+    prompt_cache_bytes). prepacked: a session opened with a --prepack-cache entry (memory_terms)."""
     tgt = as_target(target)
     kv = kv_dtype or default_kv_dtype(tgt, precision)
     terms = memory_terms(tgt, precision, prepacked)
@@ -307,6 +314,8 @@ def estimate(
     a = int(act * terms.activation_factor) + scratch
     host = terms.host_bytes if host_bytes is None else host_bytes
     rt = terms.runtime_bytes - terms.host_bytes + (host if host_driver else 0)
+    if host_driver and libraries_bytes is not None and terms.libraries_bytes:
+        rt += libraries_bytes - terms.libraries_bytes
     cache = restore = 0
     cache_problem = ""
     if prompt_cache_tokens is not None:
@@ -359,11 +368,13 @@ def planned_peak(
     threads: int | None = None,
     host_bytes: int | None = None,
     prepacked: bool = False,
+    libraries_bytes: int | None = None,
 ) -> dict | None:
     """The plan's memory for a bundle as `profile` runs it (its context, a prefill of `prompt_length` tokens in the
     bundle's chunks), by part; None when the bundle's model cannot be loaded here (a checkpoint not on this
     machine). `profile` prints it beside the measured peak RSS. host_bytes: the Python driver's part as the profiled
     process measured it (in place of the terms' host_bytes). prepacked: the session mapped a --prepack-cache entry.
+    libraries_bytes: the process's shared objects' resident bytes as measured (estimate's libraries_bytes).
 
     A bundle that ships a prompt cache (the manifest's chat.prompt_cache) gets `prompt_cache`: its tokens and file
     bytes, as the manifest records them, what restoring it adds (prompt_cache_restore_bytes) and the total of a
@@ -388,6 +399,7 @@ def planned_peak(
             chunk,
             host_driver=True,
             host_bytes=host_bytes,
+            libraries_bytes=libraries_bytes,
             prompt_cache_tokens=cache_tokens,
             prompt_cache_file_bytes=cache_file_bytes,
             prepacked=prepacked,
@@ -409,6 +421,11 @@ def planned_peak(
         else host_bytes,
         "host": "terms" if host_bytes is None else "measured in the profiled process",
     }
+    lib_terms = memory_terms(manifest["target"], manifest["precision"], prepacked).libraries_bytes
+    if lib_terms:  # the terms record their shared objects' bytes: swapped for the process's, where measured
+        swapped = libraries_bytes is not None
+        plan["libraries_bytes"] = libraries_bytes if swapped else lib_terms
+        plan["libraries"] = "measured in the profiled process" if swapped else "terms"
     record = (manifest.get("chat") or {}).get("prompt_cache")
     if isinstance(record, dict):  # the manifest's own numbers: its token count and its file's bytes
         file_bytes = manifest["files"][record["file"]]["bytes"]

@@ -192,3 +192,46 @@ def test_tied_quantized_embedding_gathers_from_the_lm_heads_own_table(shared_exp
     gathers = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
     packed_heads = {n.input[1] for n in graph.node if n.op_type == "MatMulNBits"}
     assert len(gathers) == 1 and gathers[0].input[0] in packed_heads, [list(n.input) for n in gathers]
+
+
+def test_the_plans_weights_follow_the_bundles_quantization_block(shared_export):
+    """A bundle exported with --block-size 128 stores a quarter of block 32's scales: `profile`'s plan reads the block
+    from the manifest, and its stored weights shrink by what the bundle's files shrank."""
+    from deltaship.bundle.reader import read_manifest
+
+    b32 = shared_export("memory-plan-tiny-onnx-int4", "qwen3.5-tiny", target="onnx", precision="int4", verify=False)
+    b128 = shared_export(
+        "memory-plan-tiny-onnx-int4-block128", "qwen3.5-tiny", target="onnx", precision="int4", verify=False,
+        block_size=128,
+    )  # fmt: skip
+    m32, m128 = read_manifest(b32), read_manifest(b128)
+    assert (m32["quantization"]["block_size"], m128["quantization"]["block_size"]) == (32, 128)
+    files = {k: sum(f["bytes"] for f in m["files"].values()) for k, m in (("32", m32), ("128", m128))}
+    p32, p128 = planned_peak(m32, 64), planned_peak(m128, 64)
+    w = {k: p["weights_loaded_bytes"] / memory_terms("onnx", "int4", block_size=b).weights_factor
+         for k, p, b in (("32", p32, 32), ("128", p128, 128))}  # fmt: skip
+    saved, planned = files["32"] - files["128"], w["32"] - w["128"]
+    assert saved > 0 and abs(planned / saved - 1) < 0.05, (saved, planned)
+
+
+def test_a_block_table_names_the_factors_and_the_row_the_runtime():
+    """memory_terms.toml's onnx.int4.block128 (and its prepacked table) replace the factors, never the runtime terms;
+    a block without a table keeps the default block's factors and says so."""
+    import tomllib
+
+    from deltaship.devices.plan.memory import MEMORY_TERMS
+
+    row = tomllib.loads(MEMORY_TERMS.read_text())["onnx"]["int4"]
+    default, prepacked = memory_terms("onnx", "int4"), memory_terms("onnx", "int4", prepacked=True)
+    b128, b128p = memory_terms("onnx", "int4", block_size=128), memory_terms("onnx", "int4", True, 128)
+    assert (b128.weights_factor, b128.load_factor) == (
+        row["block128"]["weights_factor"],
+        row["block128"]["load_factor"],
+    )
+    assert b128p.weights_factor == row["block128"]["prepacked"]["weights_factor"] != b128.weights_factor
+    assert b128.runtime_bytes == default.runtime_bytes and b128p.runtime_bytes == prepacked.runtime_bytes
+    assert b128p.libraries_bytes == prepacked.libraries_bytes
+    assert "block 128:" in b128.source and "block 128, prepacked:" in b128p.source
+    b64 = memory_terms("onnx", "int4", block_size=64)
+    assert b64.weights_factor == default.weights_factor and "block 64: not measured" in b64.source
+    assert memory_terms("onnx", "fp32", block_size=128) == memory_terms("onnx", "fp32")  # no blocks at fp32

@@ -207,10 +207,13 @@ def run_session(a, bundle: Path, manifest: dict, open_bundle, step, steps: list[
     state_bytes = sum(int(np.prod(st["shape"])) * np.dtype(st["dtype"]).itemsize for st in manifest["states"])
     step("deltaship session (states, IOBinding)", load_s=load_s, state_bytes_one_copy=state_bytes)
     rng = np.random.default_rng(0)
+    # token ids: the first 1000 of the vocabulary (the runs recorded before --ids) or the whole of it, as text spread
+    # over it reads: the quantized embedding is gathered from the mapped file, so spread ids make its pages resident
+    top = s.vocab_size if a.ids == "whole-vocab" else min(1000, s.vocab_size)
     s.reset()
-    s.prefill(rng.integers(0, min(1000, s.vocab_size), 16).tolist())
+    s.prefill(rng.integers(0, top, 16).tolist())
     step("warmup prefill 16")
-    ids = rng.integers(0, min(1000, s.vocab_size), a.prompt).tolist()
+    ids = rng.integers(0, top, a.prompt).tolist()
     s.reset()
     before = step.reset_peak()  # the prefill's own peak, which the load's may hide in VmHWM
     t0 = time.monotonic()
@@ -235,7 +238,7 @@ def run_session(a, bundle: Path, manifest: dict, open_bundle, step, steps: list[
 
 def run_worker(bundle: str, variant: str, a, chunk: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", bundle, "--variant", variant, "--threads", str(a.threads)]
-    cmd += ["--prompt", str(a.prompt), "--gen", str(a.gen), "--prepack-cache", str(a.prepack_cache)]
+    cmd += ["--prompt", str(a.prompt), "--gen", str(a.gen), "--prepack-cache", str(a.prepack_cache), "--ids", a.ids]
     if chunk:
         cmd += ["--prefill-chunk", str(chunk)]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -263,14 +266,15 @@ def table(bundle: str, variant: str, res: dict) -> str:
     return "\n".join(lines)
 
 
-def _sizes(source: str, target: str, precision: str, context: int, chunk: int) -> dict:
-    """The plan's stored weights, activation formula and states for a bundle's model and workload."""
+def _sizes(source: str, target: str, precision: str, context: int, chunk: int, block: int | None = None) -> dict:
+    """The plan's stored weights, activation formula and states for a bundle's model and workload (block: the
+    bundle's quantization block, its manifest's quantization.block_size)."""
     from deltaship.devices.plan import activation_bytes, state_bytes, weight_bytes
     from deltaship.models.source import load_source
 
     spec = load_source(source).spec
     return {
-        "w": weight_bytes(spec, target, precision),
+        "w": weight_bytes(spec, target, precision, block),
         "act": activation_bytes(spec, target, precision, context, chunk, all_layers=True),
         "act_one_layer": activation_bytes(spec, target, precision, context, chunk),  # the plan's unmeasured formula
         "states": state_bytes(spec, target, precision, context),
@@ -289,7 +293,7 @@ def prepacked_terms(split: Path, profiles: list[Path] = ()) -> str:
 
     from deltaship.bundle.reader import read_manifest
 
-    by: dict[tuple[str, str], dict[str, list[float]]] = {}
+    by: dict[tuple[str, str, int | None], dict[str, list[float]]] = {}
     for run in json.loads(split.read_text())["runs"]:
         if run["variant"] != "prepacked" or run["round"] == "build":
             continue
@@ -298,26 +302,26 @@ def prepacked_terms(split: Path, profiles: list[Path] = ()) -> str:
         pre = steps["import deltaship runtime"]["VmRSS"]
         sess = steps["deltaship session (states, IOBinding)"]
         chunk = min(run.get("prompt", 512), run.get("prefill_chunk") or m["prefill_chunk"])
-        z = _sizes(m["source"]["model"], m["target"], m["precision"], m["max_context"], chunk)
+        z = _sizes(m["source"]["model"], m["target"], m["precision"], m["max_context"], chunk, _block(m))
         end, peak = run["steps"][-1]["VmRSS"], run["steps"][-1]["VmHWM"]
-        f = by.setdefault((m["target"], m["precision"]), {"wf": [], "af": [], "lf": []})
+        f = by.setdefault((m["target"], m["precision"], _block(m)), {"wf": [], "af": [], "lf": []})
         f["wf"].append((end - pre - z["states"]) / z["w"])
         f["af"].append(max(0, peak - end) / z["act"])
         f["lf"].append((sess["VmHWM"] - pre) / z["w"])
     # each profile: (stored weights, peak less the weights and states, the activation formula); a small and a
     # large model's profiles fix the runtime term and the activation factor together (the plan meets both peaks)
-    seen: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    seen: dict[tuple[str, str, int | None], list[tuple[float, float, float]]] = {}
     for p in profiles:
         doc = json.loads(p.read_text())
         b = doc["bundle"]
-        key = (b["target"], b["precision"])
+        key = (b["target"], b["precision"], None)  # the default block's: a block table takes the row's runtime
         if not doc["config"].get("prepack_cache") or key not in by:
             continue
         peak = next(r["median"] for r in doc["results"] if r["metric"] == "peak_rss_bytes")
         chunk = min(max(doc["config"]["prompt_lengths"]), b["prefill_chunk"])
         z = _sizes(b["source"], b["target"], b["precision"], b["max_context"], chunk)
         seen.setdefault(key, []).append((z["w"], peak - median(by[key]["wf"]) * z["w"] - z["states"], z["act"]))
-    runtime: dict[tuple[str, str], float] = {}
+    runtime: dict[tuple[str, str, int | None], float] = {}
     for key, rows in seen.items():
         small = [r for r in rows if r[0] < SMALL]
         large = [r for r in rows if r[0] >= SMALL]
@@ -329,15 +333,23 @@ def prepacked_terms(split: Path, profiles: list[Path] = ()) -> str:
         elif small:
             runtime[key] = median(r[1] - median(by[key]["af"]) * r[2] for r in small)
     out = []
-    for (target, precision), f in sorted(by.items()):
+    for (target, precision, block), f in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
         out += [
-            f"[{target}.{precision}.prepacked]",
-            *([f"runtime_bytes = {int(runtime[(target, precision)])}"] if (target, precision) in runtime else []),
+            f"[{target}.{precision}{f'.block{block}' if block else ''}.prepacked]",
+            *(
+                [f"runtime_bytes = {int(runtime[(target, precision, block)])}"]
+                if (target, precision, block) in runtime
+                else []
+            ),
             f"weights_factor = {median(f['wf']):.4f}",
             f"activation_factor = {median(f['af']):.4f}",
             f"load_factor = {median(f['lf']):.4f}",
             f'from = "{split.name}, the prepacked variant, {len(f["wf"])} runs'
-            + (f"; runtime and activations: {len(seen.get((target, precision), []))} profiles" if profiles else "")
+            + (
+                f"; runtime and activations: {len(seen.get((target, precision, block), []))} profiles"
+                if profiles
+                else ""
+            )
             + '"',
             "",
         ]
@@ -382,6 +394,64 @@ RUNTIME_IMPORTS = ("import onnxruntime", "import executorch runtime")
 SMALL = 64 << 20  # stored weights under this: a prefill's growth is too small to read a factor from
 
 
+def _block(manifest: dict) -> int | None:
+    """The bundle's quantization block where it is not its target's default (export --block-size), else None."""
+    from deltaship.targets import get_target
+
+    block = (manifest.get("quantization") or {}).get("block_size")
+    default = get_target(manifest["target"]).storage_format(manifest["precision"]).block
+    return block if block is not None and default > 1 and block != default else None
+
+
+def _run_factors(run: dict, m: dict) -> tuple[float, float, float | None, float, float]:
+    """A split run's (stored weights, weights factor, activation factor or None, load factor, host bytes or -1)."""
+    steps = {st["step"]: st for st in run["steps"]}
+    pre = steps["import deltaship runtime"]["VmRSS"]
+    sess = steps["deltaship session (states, IOBinding)"]["VmRSS"]
+    chunk = min(run.get("prompt", 512), run.get("prefill_chunk") or m["prefill_chunk"])
+    z = _sizes(m["source"]["model"], m["target"], m["precision"], m["max_context"], chunk, _block(m))
+    imported = next((steps[k] for k in RUNTIME_IMPORTS if k in steps), None)
+    host = imported["VmRSS"] - imported["runtime_library"] if imported and "runtime_library" in imported else -1
+    wf = (sess - pre) / z["w"]
+    lf = (steps["deltaship session (states, IOBinding)"]["VmHWM"] - pre) / z["w"]
+    # the prefill's growth: the peak after the session less the session, where the peak came after loading
+    # (the arena gives its regions back after each prefill, so RSS afterwards does not show it)
+    peak, at_load = run["steps"][-1]["VmHWM"], steps["deltaship session (states, IOBinding)"]["VmHWM"]
+    af = max(0.0, peak - sess - z["states"]) / z["act"] if peak > at_load and z["w"] >= SMALL else None
+    own = next((st for st in run["steps"] if "own_peak" in st), None)
+    if own is not None and z["w"] >= SMALL:  # the prefill's own peak, measured even where the load's hides it
+        af = max(0, own["own_peak"] - own["rss_before"]) / z["act"]
+    return z["w"], wf, af, lf, host
+
+
+def block_terms(splits: list[Path]) -> str:
+    """The `blockN` tables of memory_terms.toml: the factors of bundles exported with a quantization block other
+    than the target's default (a runtime's packed layout adds its own bytes per block, so the factors per stored
+    byte differ), each the median over the split runs' default variant of such bundles."""
+    from statistics import median
+
+    from deltaship.bundle.reader import read_manifest
+
+    by: dict[tuple[str, str, int], list[tuple]] = {}
+    for p in splits:
+        for run in json.loads(p.read_text())["runs"]:
+            m = read_manifest(run["bundle"])
+            if run["variant"] == "default" and _block(m) is not None:
+                by.setdefault((m["target"], m["precision"], _block(m)), []).append(_run_factors(run, m))
+    out = []
+    for (target, precision, block), rows in sorted(by.items()):
+        afs = [r[2] for r in rows if r[2] is not None]
+        out += [
+            f"[{target}.{precision}.block{block}]",
+            f"weights_factor = {median(r[1] for r in rows):.4f}",
+            *([f"activation_factor = {median(afs):.4f}"] if afs else []),
+            f"load_factor = {median(r[3] for r in rows):.4f}",
+            f'from = "{", ".join(sorted({p.name for p in splits}))}: {len(rows)} runs at block {block}"',
+            "",
+        ]
+    return "\n".join(out)
+
+
 def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str, skip: tuple[str, ...] = ()) -> str:
     """deltaship/devices/memory_terms.toml. Per (target, precision): the weights factor (resident bytes per stored
     byte once the session is open) and the activation factor (a prefill chunk's growth over the plan's
@@ -402,26 +472,14 @@ def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str,
             if run["variant"] != "default" or run["bundle"] in skip:
                 continue
             m = read_manifest(run["bundle"])
-            steps = {st["step"]: st for st in run["steps"]}
-            pre = steps["import deltaship runtime"]["VmRSS"]
-            sess = steps["deltaship session (states, IOBinding)"]["VmRSS"]
-            chunk = min(run.get("prompt", 512), run.get("prefill_chunk") or m["prefill_chunk"])
-            z = _sizes(m["source"]["model"], m["target"], m["precision"], m["max_context"], chunk)
-            imported = next((steps[k] for k in RUNTIME_IMPORTS if k in steps), None)
-            if imported is not None and "runtime_library" in imported:
-                host[m["target"]] = imported["VmRSS"] - imported["runtime_library"]
-            wf = (sess - pre) / z["w"]
-            lf = (steps["deltaship session (states, IOBinding)"]["VmHWM"] - pre) / z["w"]
-            # the prefill's growth: the peak after the session less the session, where the peak came after loading
-            # (the arena gives its regions back after each prefill, so RSS afterwards does not show it)
-            peak, at_load = run["steps"][-1]["VmHWM"], steps["deltaship session (states, IOBinding)"]["VmHWM"]
-            af = max(0.0, peak - sess - z["states"]) / z["act"] if peak > at_load and z["w"] >= SMALL else None
-            own = next((st for st in run["steps"] if "own_peak" in st), None)
-            if own is not None and z["w"] >= SMALL:  # the prefill's own peak, measured even where the load's hides it
-                af = max(0, own["own_peak"] - own["rss_before"]) / z["act"]
+            if _block(m) is not None:  # another quantization block: block_terms' tables
+                continue
+            w, wf, af, lf, host_bytes = _run_factors(run, m)
+            if host_bytes >= 0:
+                host[m["target"]] = host_bytes
             key = (m["target"], m["precision"])
-            if key not in factors or z["w"] >= factors[key][0]:
-                factors[key] = (z["w"], wf, af, lf, f"{m['source']['model']} {m['precision']}")
+            if key not in factors or w >= factors[key][0]:
+                factors[key] = (w, wf, af, lf, f"{m['source']['model']} {m['precision']}")
     lines = [
         "# Memory terms of `deltaship plan`, measured: bench/memory/memory_split.py --fit (docs/results/memory.md).",
         "# runtime_bytes: the process before any weight; weights_factor: resident bytes per stored weight byte once",
@@ -464,6 +522,7 @@ def fit_terms(splits: list[Path], profiles: list[Path], out: Path, machine: str,
             f'from = "factors: {src}; runtime: {b["source"]} {b["precision"]} profile peak"',
             "",
         ]
+    lines.append(block_terms(splits))
     for p in splits:  # the --prepack-cache sessions' tables, from splits that ran the prepacked variant
         if any(r["variant"] == "prepacked" for r in json.loads(p.read_text())["runs"]):
             lines.append(prepacked_terms(p))
@@ -490,6 +549,11 @@ def main() -> int:
         ap.add_argument("--runtime-terms", nargs="+", type=Path, required=True, help="profile --json documents")
         print(runtime_terms(ap.parse_args().runtime_terms))
         return 0
+    if "--block-terms" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--block-terms", nargs="+", type=Path, required=True, help="split runs (--json outputs)")
+        print(block_terms(ap.parse_args().block_terms))
+        return 0
     if "--prepacked-terms" in sys.argv:
         ap = argparse.ArgumentParser()
         ap.add_argument("--prepacked-terms", type=Path, required=True, help="a split run (--json) with 'prepacked'")
@@ -507,6 +571,7 @@ def main() -> int:
         ap.add_argument("--gen", type=int, default=32)
         ap.add_argument("--prefill-chunk", type=int)
         ap.add_argument("--prepack-cache")
+        ap.add_argument("--ids", default="first-1000")
         a = ap.parse_args()
         a.first = first
         return worker(a)
@@ -527,6 +592,13 @@ def main() -> int:
         help="the prepacked variant's cache directory (default: a temporary one, removed at the end); each bundle's "
         "entry is built by a first, recorded run ('build') before the rounds",
     )
+    ap.add_argument(
+        "--ids",
+        choices=("first-1000", "whole-vocab"),
+        default="first-1000",
+        help="prompt token ids drawn from the vocabulary's first 1000 (default, as the recorded runs) or the whole of "
+        "it (as `deltaship profile` draws them, and as text spread over the vocabulary reads the embedding)",
+    )
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     variants = a.variants.split(",")
@@ -543,7 +615,15 @@ def main() -> int:
         for b in a.bundles:
             res = run_worker(b, "prepacked", a, chunks[0])
             runs.append(
-                {"round": "build", "bundle": b, "variant": "prepacked", "prompt": a.prompt, "gen": a.gen, **res}
+                {
+                    "round": "build",
+                    "bundle": b,
+                    "variant": "prepacked",
+                    "prompt": a.prompt,
+                    "gen": a.gen,
+                    "ids": a.ids,
+                    **res,
+                }
             )
             print(table(b, "prepacked, first open: builds the cache entry", res), flush=True)
     for r in range(a.rounds):
@@ -552,7 +632,7 @@ def main() -> int:
                 for c in chunks:
                     res = run_worker(b, v, a, c)
                     runs.append(
-                        {"round": r, "bundle": b, "variant": v, "prompt": a.prompt, "gen": a.gen, **res}
+                        {"round": r, "bundle": b, "variant": v, "prompt": a.prompt, "gen": a.gen, "ids": a.ids, **res}
                         | ({"prefill_chunk": c} if c else {})
                     )
                     print(table(b, v if c is None else f"{v}, chunk {c}", res), flush=True)

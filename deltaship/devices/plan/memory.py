@@ -106,10 +106,15 @@ def _terms_table() -> dict:
         return {}
 
 
-def memory_terms(target: Target | str, precision: str, prepacked: bool = False) -> MemoryTerms:
+def memory_terms(
+    target: Target | str, precision: str, prepacked: bool = False, block_size: int | None = None
+) -> MemoryTerms:
     """Measured terms for (target, precision) from memory_terms.toml; the target's estimate where none was measured.
-    prepacked: a session that maps ONNX Runtime's packed weights from a --prepack-cache entry (the row's
-    `prepacked` table replaces the factors it names; where it has none, the default session's terms, said so)."""
+    prepacked: a session that maps ONNX Runtime's packed weights from a --prepack-cache entry (the row's `prepacked`
+    table replaces the terms it names). block_size: a quantized bundle's block where it is not the target's default
+    (export --block-size): the row's `blockN` table (and with prepacked its own `prepacked` table) replaces the
+    factors, since a runtime's packed layout adds its own bytes per block. A table that was not measured leaves the
+    terms before it, and the source says so."""
     tgt = as_target(target)
     table = _terms_table()
     row = table.get(tgt.name, {}).get(precision)
@@ -117,13 +122,25 @@ def memory_terms(target: Target | str, precision: str, prepacked: bool = False) 
         return MemoryTerms(tgt.runtime_base_bytes, 1.0, 1.0, "estimate (not measured)")
     machine = table.get("machine", {})
     source = row.get("from", "")
+    # the most specific measured table names the factors: the row, its --prepack-cache session's, the block's, the
+    # block's --prepack-cache session's (a block table holds factors only: the runtime terms stay the row's)
+    tables: list[tuple[str, dict | None]] = []
     if prepacked:
-        packed = row.get("prepacked")
-        if isinstance(packed, dict):
-            row = {**row, **packed}
-            source = f"prepacked: {packed.get('from', '')}; {source}"
+        tables.append(("prepacked", row.get("prepacked")))
+    default_block = tgt.storage_format(precision).block
+    if block_size is not None and default_block > 1 and block_size != default_block:
+        other = row.get(f"block{block_size}")
+        tables.append((f"block {block_size}", other))
+        if prepacked:
+            tables.append(
+                (f"block {block_size}, prepacked", other.get("prepacked") if isinstance(other, dict) else None)
+            )
+    for name, extra in tables:
+        if isinstance(extra, dict):
+            row = {**row, **{k: v for k, v in extra.items() if not isinstance(v, dict)}}
+            source = f"{name}: {extra.get('from', '')}; {source}"
         else:
-            source = f"prepacked: not measured, the default session's terms; {source}"
+            source = f"{name}: not measured, the factors before it; {source}"
     return MemoryTerms(
         int(row["runtime_bytes"]),
         float(row["weights_factor"]),
@@ -136,10 +153,13 @@ def memory_terms(target: Target | str, precision: str, prepacked: bool = False) 
     )
 
 
-def weight_bytes(spec: ModelSpec, target: Target | str, precision: str) -> int:
+def weight_bytes(spec: ModelSpec, target: Target | str, precision: str, block_size: int | None = None) -> int:
+    """The stored bytes of the model's weight matrices at `precision` (block_size: a quantized format's block, when
+    not the target's default: each block stores one scale)."""
     f = as_target(target).storage_format(precision)
     p = spec.parameter_count()
-    per = f.bits / 8 + (f.scale / f.block if f.block > 1 else 0)
+    block = block_size if block_size is not None and f.block > 1 else f.block
+    per = f.bits / 8 + (f.scale / block if block > 1 else 0)
     matrices = p["embedding"] + p["lm_head"] + p["body"]
     if spec.tie_word_embeddings and f.head_copy:
         matrices += p["embedding"]
@@ -291,6 +311,7 @@ def estimate(
     prompt_cache_tokens: int | None = None,
     prompt_cache_file_bytes: int | None = None,
     prepacked: bool = False,
+    block_size: int | None = None,
 ) -> PlanRow:
     """Memory of (target, precision, KV dtype) at `context` tokens on `tier`, by part: an app's process, or with
     host_driver that of deltaship's own Python driver (what `profile` measures: the terms' host_bytes added, or
@@ -298,11 +319,12 @@ def estimate(
     the process's shared objects as `profile` measured them, in place of the terms' where they record theirs.
     prompt_cache_tokens: a chat starting from a prompt cache of that many tokens shipped in the bundle (its restore
     counted, prompt_cache_restore_bytes), whose file has prompt_cache_file_bytes (default: its tensors,
-    prompt_cache_bytes). prepacked: a session opened with a --prepack-cache entry (memory_terms)."""
+    prompt_cache_bytes). prepacked: a session opened with a --prepack-cache entry (memory_terms). block_size: the
+    quantization block, where not the target's default (export --block-size)."""
     tgt = as_target(target)
     kv = kv_dtype or default_kv_dtype(tgt, precision)
-    terms = memory_terms(tgt, precision, prepacked)
-    w = weight_bytes(spec, tgt, precision)
+    terms = memory_terms(tgt, precision, prepacked, block_size)
+    w = weight_bytes(spec, tgt, precision, block_size)
     loaded = int(w * terms.weights_factor)
     binary, npu_problem = npu_fit(spec, tier, tgt, precision)
     if binary:  # each compiled graph's context binary holds its own copy of the weights, all mapped at once
@@ -371,10 +393,11 @@ def planned_peak(
     libraries_bytes: int | None = None,
 ) -> dict | None:
     """The plan's memory for a bundle as `profile` runs it (its context, a prefill of `prompt_length` tokens in the
-    bundle's chunks), by part; None when the bundle's model cannot be loaded here (a checkpoint not on this
-    machine). `profile` prints it beside the measured peak RSS. host_bytes: the Python driver's part as the profiled
-    process measured it (in place of the terms' host_bytes). prepacked: the session mapped a --prepack-cache entry.
-    libraries_bytes: the process's shared objects' resident bytes as measured (estimate's libraries_bytes).
+    bundle's chunks, its quantization block), by part; None when the bundle's model cannot be loaded here (a
+    checkpoint not on this machine). `profile` prints it beside the measured peak RSS. host_bytes: the Python
+    driver's part as the profiled process measured it (in place of the terms' host_bytes). prepacked: the session
+    mapped a --prepack-cache entry. libraries_bytes: the process's shared objects' resident bytes as measured
+    (estimate's libraries_bytes).
 
     A bundle that ships a prompt cache (the manifest's chat.prompt_cache) gets `prompt_cache`: its tokens and file
     bytes, as the manifest records them, what restoring it adds (prompt_cache_restore_bytes) and the total of a
@@ -386,6 +409,7 @@ def planned_peak(
         return None
     chunk = min(prompt_length, manifest.get("prefill_chunk") or prompt_length)
     ctx = manifest["max_context"]
+    block = (manifest.get("quantization") or {}).get("block_size")
     tier = Tier("host", "host", 1 << 62, 1 << 62, (manifest["target"],), (manifest["precision"],), ctx, threads or 1)
 
     def at(cache_tokens: int | None = None, cache_file_bytes: int | None = None) -> PlanRow:
@@ -403,6 +427,7 @@ def planned_peak(
             prompt_cache_tokens=cache_tokens,
             prompt_cache_file_bytes=cache_file_bytes,
             prepacked=prepacked,
+            block_size=block,
         )
 
     row = at()
@@ -421,7 +446,7 @@ def planned_peak(
         else host_bytes,
         "host": "terms" if host_bytes is None else "measured in the profiled process",
     }
-    lib_terms = memory_terms(manifest["target"], manifest["precision"], prepacked).libraries_bytes
+    lib_terms = memory_terms(manifest["target"], manifest["precision"], prepacked, block).libraries_bytes
     if lib_terms:  # the terms record their shared objects' bytes: swapped for the process's, where measured
         swapped = libraries_bytes is not None
         plan["libraries_bytes"] = libraries_bytes if swapped else lib_terms

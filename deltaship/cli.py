@@ -231,6 +231,7 @@ def _plan(a: argparse.Namespace) -> int:
         prefill_chunk=a.prefill_chunk,
         prompt_cache=a.prompt_cache,
         prompt_cache_tokens=a.prompt_cache_tokens,
+        block_size=a.block_size,
     )
     vp = vision_plan(a.model)  # None for a text-only model
     if a.vision and vp is None:
@@ -330,7 +331,11 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         help=f"tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}; {chunks}; --device: the largest that fits)",
     )
     e.add_argument(
-        "--block-size", type=_count("--block-size"), default=32, help="quantization block size (int8/int4; default 32)"
+        "--block-size",
+        type=_arg(int, options.block_size, "a power of two >= 16"),
+        default=32,
+        help="quantization block size (int8/int4; default 32; 128 is smaller and faster on the CPU at a small "
+        "fidelity cost: docs/results/memory.md)",
     )
     e.add_argument("--deltanet-int8", action="store_true", help="with int4: keep DeltaNet projections at int8")
     e.add_argument(
@@ -551,6 +556,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per prefill call (default: each target's in the table; the pick takes the largest that fits)",
     )
     pl.add_argument("--targets", default=None, help="comma-separated targets (default: each tier's)")
+    pl.add_argument(
+        "--block-size",
+        type=_arg(int, options.block_size, "a power of two >= 16"),
+        default=None,
+        help="the int8/int4 quantization block the bundle is exported with (export --block-size; default 32): "
+        "a larger block stores fewer scales, and ONNX Runtime packs fewer bytes",
+    )
     cache = pl.add_mutually_exclusive_group()
     add_prompt_cache_argument(
         cache,

@@ -31,6 +31,14 @@ def threads(value: int | None, flag: str = "--threads") -> int | None:
     return None if value is None else at_least(flag, value, 1, f"pass {flag} 1 or more, or leave it out")
 
 
+def block_size(value: int) -> int:
+    """The int8/int4 quantization block: a power of two of at least 16 (export --block-size, plan --block-size)."""
+    at_least("--block-size", value, 16, "use 32, 64 or 128")
+    if value & (value - 1):
+        raise DeltashipError(f"--block-size must be a power of two >= 16, got {value}", "use 32, 64 or 128")
+    return int(value)
+
+
 def seed(value: int | None) -> int | None:
     return None if value is None else at_least("--seed", value, 0, "pass a seed of 0 or more, e.g. --seed 0")
 

@@ -283,3 +283,30 @@ def test_export_device_options_carry_the_planned_chunk(tmp_path):
     assert roomy.prefill_chunk is None and roomy.max_context == 4096
     fixed = plan_device(spec, "phone-8gb", None, None, None, 262144, None, 16)
     assert fixed.prefill_chunk == 16 and fixed.max_context == 262144
+
+
+def test_the_plan_takes_the_quantization_block():
+    """plan --block-size / export --device with --block-size: a block-128 int4 bundle stores a quarter of the scales
+    and ONNX Runtime packs fewer bytes per weight (memory_terms.toml's onnx.int4.block128), so its rows plan less;
+    rows without blocks (fp32) do not move; the block is checked as export checks it."""
+    from deltaship.devices.plan import choose_for_tier
+    from deltaship.models.presets import PRESETS
+
+    def rows(block):
+        out = plan("qwen3.5-0.8b", tier="phone-4gb", context=1024, targets=["onnx"], block_size=block)
+        return {(r["precision"], r["kv_dtype"]): r for r in out}
+
+    b32, b128 = rows(None), rows(128)
+    own = ("int4", "fp32")
+    assert b128[own]["block_size"] == 128 and "block 128:" in b128[own]["terms"]
+    assert b128[own]["weights_bytes"] < b32[own]["weights_bytes"] and b128[own]["total_bytes"] < b32[own]["total_bytes"]
+    assert b128[("int8", "int8")]["weights_bytes"] < b32[("int8", "int8")]["weights_bytes"]  # block 128's scales too
+    assert b128[("fp32", "fp32")]["total_bytes"] == b32[("fp32", "fp32")]["total_bytes"]
+    spec = PRESETS["qwen3.5-0.8b"].spec()
+    fixed = dict(target="onnx", precision="int4", context=1024)
+    assert choose_for_tier(spec, "phone-4gb", **fixed, block_size=128).total_bytes == b128[own]["total_bytes"]
+    for bad in (48, 8):
+        with pytest.raises(DeltashipError, match="--block-size must be"):
+            plan("qwen3.5-0.8b", tier="phone-4gb", block_size=bad)
+        with pytest.raises(DeltashipError, match="--block-size must be"):
+            choose_for_tier(spec, "phone-4gb", block_size=bad)

@@ -21,12 +21,13 @@ def plan(
     prefill_chunk: int | None = None,
     prompt_cache: str | Path | None = None,
     prompt_cache_tokens: int | None = None,
+    block_size: int | None = None,
 ) -> list[dict]:
     """deltaship.devices.plan.plan's rows. prompt_cache: the file `export --prompt-cache` takes (the system message,
     or JSON {system, template_kwargs}), its tokens counted with the model's tokenizer and chat template as export
     would feed them; prompt_cache_tokens: that count given directly (a model without a tokenizer). Each row then
     counts the cache: its bytes in the bundle (prompt_cache_bytes) and its restore on the peak
-    (prompt_cache_restore_bytes, in total_bytes)."""
+    (prompt_cache_restore_bytes, in total_bytes). block_size: the quantization block (export --block-size)."""
     if prompt_cache is not None and prompt_cache_tokens is not None:
         raise DeltashipError("--prompt-cache and --prompt-cache-tokens both say the cache's length", "pass one of them")
     if prompt_cache is not None:
@@ -40,4 +41,5 @@ def plan(
         kv_dtypes=kv_dtypes,
         prefill_chunk=prefill_chunk,
         prompt_cache_tokens=prompt_cache_tokens,
+        block_size=block_size,
     )

@@ -94,6 +94,7 @@ def export(
                 asked.kv_cache,
                 asked.prefill_chunk,
                 steps.device_prompt_cache_tokens(source, asked.prompt_cache),
+                asked.block_size,
             )
             options = dict(options, target=pick.target, precision=pick.precision, max_context=pick.max_context)
             options.update(kv_cache=pick.kv_cache, prefill_chunk=pick.prefill_chunk)

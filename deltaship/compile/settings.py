@@ -17,6 +17,7 @@ from deltaship.errors import DeltashipError
 from deltaship.lowering.draft_vocab import check_draft_vocab, parse_draft_vocab
 from deltaship.lowering.settings import KvCachePlan
 from deltaship.models.spec import KV_DTYPES
+from deltaship.options import block_size as check_block_size
 from deltaship.options import threads as check_threads
 from deltaship.targets import PRECISIONS, Target, TargetOptions, all_targets, flag, get_target
 
@@ -212,8 +213,7 @@ def check_options(
         )
     if max_context is not None and max_context < 1:
         raise DeltashipError(f"--max-context must be at least 1, got {max_context}", "pass a positive context length")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise DeltashipError(f"--block-size must be a power of two >= 16, got {block_size}", "use 32, 64 or 128")
+    check_block_size(block_size)
     if deltanet_int8 and precision != "int4":
         raise DeltashipError(
             "--deltanet-int8 keeps DeltaNet projections at int8 when the rest is int4; it needs "

@@ -63,12 +63,23 @@ def plan_device(
     kv_cache: str | None,
     prefill_chunk: int | None,
     prompt_cache_tokens: int | None = None,
+    block_size: int | None = None,
 ) -> DevicePick:
     """The export options `deltaship plan` picks for tier `device`: target, precision, max_context, kv_cache (a
     quantized cache only where only that fits) and prefill_chunk (a smaller one where only that fits), with the
-    restore of a prompt cache of prompt_cache_tokens counted (export --prompt-cache)."""
+    restore of a prompt cache of prompt_cache_tokens counted (export --prompt-cache), at the quantization block
+    the export will use (export --block-size)."""
     pick = choose_for_tier(
-        spec, device, tiers_file, target, precision, max_context, kv_cache, prefill_chunk, prompt_cache_tokens
+        spec,
+        device,
+        tiers_file,
+        target,
+        precision,
+        max_context,
+        kv_cache,
+        prefill_chunk,
+        prompt_cache_tokens,
+        block_size,
     )
     own_chunk = min(get_target(pick.target).default_prefill_chunk, pick.context)
     chunk = prefill_chunk if prefill_chunk is not None or pick.prefill_chunk == own_chunk else pick.prefill_chunk

@@ -64,6 +64,7 @@ class PlanRow:
     prompt_cache_bytes: int = 0
     prompt_cache_restore_bytes: int = 0
     prompt_cache_problem: str = ""  # why the context cannot hold the cache ("" when it can)
+    block_size: int | None = None  # the quantization block planned (export --block-size); None: the target's default
 
 
 MEMORY_TERMS = Path(__file__).parents[1] / "memory_terms.toml"
@@ -381,6 +382,7 @@ def estimate(
         prompt_cache_bytes=cache,
         prompt_cache_restore_bytes=restore,
         prompt_cache_problem=cache_problem,
+        block_size=block_size,
     )
 
 

@@ -22,6 +22,7 @@ from deltaship.errors import DeltashipError
 from deltaship.models.source import load_source
 from deltaship.models.spec import KV_DTYPES, ModelSpec
 from deltaship.options import at_least
+from deltaship.options import block_size as check_block_size
 from deltaship.targets import Target
 
 
@@ -33,6 +34,7 @@ def longest_context(
     kv_dtype: str | None = None,
     prefill_chunk: int | None = None,
     prompt_cache_tokens: int | None = None,
+    block_size: int | None = None,
 ) -> PlanRow:
     """The longest context (at most max_position_embeddings) whose memory fits the tier, with its breakdown.
 
@@ -42,7 +44,7 @@ def longest_context(
     tgt = as_target(target)
 
     def at(n: int) -> PlanRow:
-        return _at(spec, tier, tgt, precision, n, kv_dtype, prefill_chunk, prompt_cache_tokens)
+        return _at(spec, tier, tgt, precision, n, kv_dtype, prefill_chunk, prompt_cache_tokens, block_size)
 
     lo, hi = min(1 + (prompt_cache_tokens or 0), spec.max_position_embeddings), spec.max_position_embeddings
     if at(hi).fits:
@@ -82,9 +84,20 @@ def _at(
     kv: str | None,
     chunk: int | None,
     prompt_cache_tokens: int | None = None,
+    block_size: int | None = None,
 ) -> PlanRow:
     """estimate() with the chunk it was planned at recorded on the row."""
-    row = estimate(spec, tier, target, precision, context, kv, chunk, prompt_cache_tokens=prompt_cache_tokens)
+    row = estimate(
+        spec,
+        tier,
+        target,
+        precision,
+        context,
+        kv,
+        chunk,
+        prompt_cache_tokens=prompt_cache_tokens,
+        block_size=block_size,
+    )
     row.prefill_chunk = min(chunk or target.default_prefill_chunk, context)
     return row
 
@@ -98,10 +111,11 @@ def _largest_chunk_fit(
     kv: str,
     fixed: int | None,
     prompt_cache_tokens: int | None = None,
+    block_size: int | None = None,
 ) -> PlanRow | None:
     """The row at the largest prefill chunk (see chunks) at which (target, precision, kv) fits `context`."""
     for chunk in chunks(target, context, fixed):
-        row = _at(spec, tier, target, precision, context, kv, chunk, prompt_cache_tokens)
+        row = _at(spec, tier, target, precision, context, kv, chunk, prompt_cache_tokens, block_size)
         if row.fits:
             return row
     return None
@@ -112,8 +126,18 @@ def fits_at_chunk(spec: ModelSpec, row: PlanRow, tier: Tier, target: Target | No
     tgt = target or as_target(row.target)
     chunk = min(tgt.default_prefill_chunk, row.context) // 2
     while chunk >= 1:
-        cache = row.prompt_cache_tokens
-        if estimate(spec, tier, tgt, row.precision, row.context, row.kv_dtype, chunk, prompt_cache_tokens=cache).fits:
+        cache, block = row.prompt_cache_tokens, row.block_size
+        if estimate(
+            spec,
+            tier,
+            tgt,
+            row.precision,
+            row.context,
+            row.kv_dtype,
+            chunk,
+            prompt_cache_tokens=cache,
+            block_size=block,
+        ).fits:
             return chunk
         chunk //= 2
     return 0
@@ -144,6 +168,7 @@ def plan(
     kv_dtypes: list[str] | None = None,
     prefill_chunk: int | None = None,
     prompt_cache_tokens: int | None = None,
+    block_size: int | None = None,
 ) -> list[dict]:
     """One row per (tier, target, precision, KV dtype): memory parts, total, budget, fits; the pick per tier
     is marked.
@@ -155,10 +180,13 @@ def plan(
     pick). prefill_chunk: tokens per prefill call (default: the target's), which sizes the attention scores.
     prompt_cache_tokens: a prompt cache of that many tokens shipped in the bundle (export --prompt-cache), which a
     chat restores: its bytes in the bundle and its restore on the peak (memory.prompt_cache_restore_bytes).
+    block_size: the int8/int4 quantization block (export --block-size; default: each target's own).
     """
     context = parse_context(context)
     if prompt_cache_tokens is not None:
         at_least("--prompt-cache-tokens", prompt_cache_tokens, 0)
+    if block_size is not None:
+        check_block_size(block_size)
     for kv in kv_dtypes or ():
         if kv not in KV_DTYPES:
             raise DeltashipError(
@@ -191,17 +219,20 @@ def plan(
         combos = [(tg, pr, kv) for tg in resolved.values() for pr in tg.precisions for kv in kvs(tg, pr)]
         if context == "max":
             tier_rows = [
-                longest_context(spec, t, tg, pr, kv, prefill_chunk, prompt_cache_tokens) for tg, pr, kv in combos
+                longest_context(spec, t, tg, pr, kv, prefill_chunk, prompt_cache_tokens, block_size)
+                for tg, pr, kv in combos
             ]
             pick = _longest(t, tier_rows, targets)
         else:
             ctx = min(context or t.context, spec.max_position_embeddings)
-            tier_rows = [_at(spec, t, tg, pr, ctx, kv, prefill_chunk, prompt_cache_tokens) for tg, pr, kv in combos]
+            tier_rows = [
+                _at(spec, t, tg, pr, ctx, kv, prefill_chunk, prompt_cache_tokens, block_size) for tg, pr, kv in combos
+            ]
             for r in tier_rows:
                 r.capped = context is not None and context > ctx
                 if not r.fits:
                     r.fits_at_chunk = fits_at_chunk(spec, r, t, resolved[r.target]) if prefill_chunk is None else 0
-            pick = recommend(spec, t, ctx, targets, prefill_chunk, prompt_cache_tokens)
+            pick = recommend(spec, t, ctx, targets, prefill_chunk, prompt_cache_tokens, block_size)
         key = lambda r: (r.target, r.precision, r.context, r.kv_dtype, r.prefill_chunk)  # noqa: E731
         for r in tier_rows:
             r.recommended = pick is not None and key(r) == key(pick)
@@ -221,11 +252,12 @@ def recommend(
     targets: list[str] | None = None,
     prefill_chunk: int | None = None,
     prompt_cache_tokens: int | None = None,
+    block_size: int | None = None,
 ) -> PlanRow | None:
     """The tier's pick at `context` (a smaller prefill chunk first, then halved down to 512): see _first_fit."""
     tgts = [as_target(name) for name in targets or tier.targets]
     return _first_fit(
-        spec, tier, tgts, list(tier.precisions), context, True, prefill_chunk, prompt_cache_tokens=prompt_cache_tokens
+        spec, tier, tgts, list(tier.precisions), context, True, prefill_chunk, None, prompt_cache_tokens, block_size
     )
 
 
@@ -239,6 +271,7 @@ def _first_fit(
     prefill_chunk: int | None = None,
     kv_dtype: str | None = None,
     prompt_cache_tokens: int | None = None,
+    block_size: int | None = None,
 ) -> PlanRow | None:
     """The first row that fits, in the tier's order of targets then precisions (most accurate first), with the
     target's own KV dtype; only when none fits at that context, the same again with each quantized KV cache the
@@ -259,7 +292,9 @@ def _first_fit(
                     else:
                         kvs = [k for k in exportable_kv_dtypes(tg, pr) if k != own] if quantized else [own]
                     for kv in kvs:
-                        row = _largest_chunk_fit(spec, tier, tg, pr, ctx, kv, prefill_chunk, prompt_cache_tokens)
+                        row = _largest_chunk_fit(
+                            spec, tier, tg, pr, ctx, kv, prefill_chunk, prompt_cache_tokens, block_size
+                        )
                         if row is not None and row.kv_exportable:
                             found.append((slow_chunk(row, tg), quantized, len(found), row))
         if found:
@@ -279,6 +314,7 @@ def choose_for_tier(
     kv_dtype: str | None = None,
     prefill_chunk: int | None = None,
     prompt_cache_tokens: int | None = None,
+    block_size: int | None = None,
 ) -> PlanRow:
     """What `export --device TIER` builds: the tier's preferred target and most accurate precision that fit
     (within the target, precision, context, KV dtype and prefill chunk the user fixed), with the target's own KV
@@ -286,9 +322,12 @@ def choose_for_tier(
     the tier's typical context, halved down to 512 when nothing fits there at any chunk and the user fixed none
     (see _first_fit). context "max": the longest context any exportable combination reaches at the target's
     chunk (see _longest). prompt_cache_tokens: the bundle ships a prompt cache of that many tokens (export
-    --prompt-cache), whose restore is counted. Refused, with the plan's numbers, when nothing fits."""
+    --prompt-cache), whose restore is counted. block_size: the quantization block (export --block-size). Refused,
+    with the plan's numbers, when nothing fits."""
     t = get_tier(tier, tiers_file)
     context = parse_context(context)
+    if block_size is not None:
+        check_block_size(block_size)
     targets, precisions = [target] if target else list(t.targets), [precision] if precision else list(t.precisions)
     resolved = {name: as_target(name) for name in targets}  # looked up once, passed down
     if kv_dtype is not None:
@@ -304,7 +343,7 @@ def choose_for_tier(
         precisions = list(dict.fromkeys(pr for _, pr in can))
     if context == "max":
         rows = [
-            longest_context(spec, t, resolved[tg], pr, kv, prefill_chunk, prompt_cache_tokens)
+            longest_context(spec, t, resolved[tg], pr, kv, prefill_chunk, prompt_cache_tokens, block_size)
             for tg in targets
             for pr in precisions
             for kv in ([kv_dtype] if kv_dtype else exportable_kv_dtypes(resolved[tg], pr))
@@ -315,10 +354,12 @@ def choose_for_tier(
         start = context or min(t.context, spec.max_position_embeddings)
         tgts = [resolved[tg] for tg in targets]
         pick = _first_fit(
-            spec, t, tgts, precisions, start, context is None, prefill_chunk, kv_dtype, prompt_cache_tokens
+            spec, t, tgts, precisions, start, context is None, prefill_chunk, kv_dtype, prompt_cache_tokens, block_size
         )
         tried = [
-            estimate(spec, t, resolved[tg], pr, start, kv, prompt_cache_tokens=prompt_cache_tokens)
+            estimate(
+                spec, t, resolved[tg], pr, start, kv, prompt_cache_tokens=prompt_cache_tokens, block_size=block_size
+            )
             for tg in targets
             for pr in precisions
             for kv in ([kv_dtype] if kv_dtype else exportable_kv_dtypes(resolved[tg], pr))

@@ -156,8 +156,10 @@ def test_a_symlink_out_of_the_bundle_is_refused(tiny, tmp_path):
         (lambda m: m.__setitem__("prefill_chunk", 0), r"\['prefill_chunk'\]: 0 is less than the minimum of 1"),
         (lambda m: m.__setitem__("max_context", 10**30), r"\['max_context'\]: .* is greater than the maximum"),
         (lambda m: m["states"][0].__setitem__("shape", [1, -3, 256]), r"\['states'\]\[0\]\['shape'\]\[1\]"),
+        # `profile`'s memory plan reads the block (devices/plan/memory.py planned_peak)
+        (lambda m: m["quantization"].__setitem__("block_size", "32"), r"\['quantization'\]\['block_size'\]: '32'"),
     ],
-    ids=["no-states", "bfloat16", "prefill-chunk-0", "huge-context", "negative-dim"],
+    ids=["no-states", "bfloat16", "prefill-chunk-0", "huge-context", "negative-dim", "block-size-string"],
 )
 def test_manifest_values_are_validated_by_every_reader(tiny, tmp_path, change, match):
     """Reported: no states, dtype bfloat16, prefill_chunk 0 gave KeyError/ValueError tracebacks."""

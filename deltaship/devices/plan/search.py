@@ -125,8 +125,8 @@ def fits_at_chunk(spec: ModelSpec, row: PlanRow, tier: Tier, target: Target | No
     """The largest prefill chunk (a power of two below the row's) at which the row would fit; 0 if none."""
     tgt = target or as_target(row.target)
     chunk = min(tgt.default_prefill_chunk, row.context) // 2
+    cache, block = row.prompt_cache_tokens, row.block_size  # what the row was planned with, kept at every chunk
     while chunk >= 1:
-        cache, block = row.prompt_cache_tokens, row.block_size
         if estimate(
             spec,
             tier,

@@ -1,4 +1,5 @@
 """What restoring a bundle's shipped prompt cache adds to the peak RSS, beside what `deltaship plan` counts for it.
+Regenerates: the prompt cache's memory paragraph of docs/chat.md.
 
     python bench/chat/prompt_cache_memory.py BUNDLE [--runs 5]
 

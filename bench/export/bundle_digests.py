@@ -1,5 +1,6 @@
 """Digest every model file of the tiny preset's bundles, per target x precision, to show a refactor
 changed no artifact.
+Regenerates no page: a check, not a measurement (the digests go in the refactor's commit message).
 
     python bench/export/bundle_digests.py --json before.json            # on the old commit
     python bench/export/bundle_digests.py --json after.json --compare before.json

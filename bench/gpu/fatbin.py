@@ -1,5 +1,6 @@
 """Zero the CUDA kernels of a shared library that a given GPU will never load, so that the library compresses to
 what fits the device machine's transfer limit (bench/gpu/capture.sh carries onnxruntime-gpu this way).
+Regenerates no page: a tool of bench/gpu/capture.sh, whose runs docs/results/gpu.md reports.
 
     python bench/gpu/fatbin.py LIB.so                 # the fat binaries' contents by kind and architecture
     python bench/gpu/fatbin.py LIB.so OUT.so --keep 90

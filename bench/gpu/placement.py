@@ -1,5 +1,6 @@
 """Which nodes of a deltaship ONNX bundle ONNX Runtime's CUDA EP would keep on the CPU, and which tensors would
 cross between CPU and GPU memory (Memcpy nodes), read from the graph alone.
+Regenerates: the placement notes of docs/results/gpu.md.
 
     python bench/gpu/placement.py BUNDLE [--json OUT]
 

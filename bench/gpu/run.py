@@ -1,4 +1,5 @@
 """The whole GPU bench on a bare Linux machine with an NVIDIA GPU, in one resumable command.
+Regenerates: docs/results/gpu.md's table once it runs on a GPU (not yet run).
 
     bash bench/gpu/run.sh [--work DIR] [--only 0.8b,9b] [--precisions int4,fp16] [--skip-peers genai,llamacpp]
                           [--dry-run]

@@ -4,6 +4,7 @@
 # (transformers, onnxruntime-genai-cuda, llama.cpp CUDA) and one results JSON + markdown table.
 # Idempotent: a re-run skips every step whose output exists. Needs only python3 (3.11+) with venv, and pip access
 # to PyPI (and download.pytorch.org for --torch-cpu); llama.cpp also needs cmake and nvcc. See bench/gpu/run.py.
+# Regenerates: docs/results/gpu.md's table once it runs on a GPU (not yet run).
 #   bash bench/gpu/run.sh --dry-run                 # the plan, done/todo per step; runs nothing
 #   bash bench/gpu/run.sh --only 0.8b,9b --work /data/gpu
 #   python3 bench/gpu/run.py report /data/gpu/results/gpu-bench.json   # the table again

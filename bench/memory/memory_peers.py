@@ -1,4 +1,5 @@
 """Peak RSS of deltaship ONNX bundles and onnxruntime-genai's int4 export, measured alternately in fresh processes.
+Regenerates: the peers' peak RSS of docs/results/memory.md.
 
     python bench/memory/memory_peers.py ROUNDS OUT_JSON [--bundle LABEL=BUNDLE[@CHECKOUT] ...] [--threads 2]
         [--genai-python PY --genai-model DIR | --no-genai] [--peer LABEL=TOOL:ARTIFACT[@PYTHON] ...]

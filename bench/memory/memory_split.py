@@ -1,4 +1,5 @@
 """Where a deltaship ONNX session's memory goes, step by step, measured in fresh processes.
+Regenerates: docs/results/memory.md's split tables, and deltaship/devices/memory_terms.toml (--fit).
 
     python bench/memory/memory_split.py BUNDLE [BUNDLE ...] [--variants default,no-prepack,...] [--rounds 2]
         [--prompt 512] [--gen 32] [--threads 2] [--json bench/results/memory-split.json]

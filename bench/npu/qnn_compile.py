@@ -1,4 +1,5 @@
 """Ahead-of-time compilation of a preset's QNN graphs into EPContext models, one per Snapdragon SoC.
+Regenerates: the ahead-of-time compile table of docs/npu.md.
 
     flock /tmp/heavy.lock nice -n 5 python bench/npu/qnn_compile.py --model qwen3.5-0.8b \\
         [--max-context 4096] [--prefill-chunk 8 | 1] [--socs 8gen3,8elite] [--graphs prefill.onnx] \\

@@ -1,6 +1,7 @@
 """Which ONNX op forms QNN's HTP backend accepts, for a decomposed DeltaNet decode step.
+Regenerates: the op-form table of docs/npu.md.
 
-    python bench/npu/qnn_ops.py [--soc 69 --arch 79] [--only NAME ...] [--out docs/results/qnn-ops.md]
+    python bench/npu/qnn_ops.py [--soc 69 --arch 79] [--only NAME ...] [--out OUT.md]
 
 Builds one tiny static-shape model per op form (fp16 unless the name says otherwise), opens it with
 onnxruntime-qnn's HTP backend (the x86-64 simulator here) with CPU fallback disabled, and records QNN's

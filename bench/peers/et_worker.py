@@ -1,4 +1,5 @@
 """One measurement of one .pte in a fresh process (used by bench/peers/et_vs_example.py).
+Regenerates: docs/results/executorch.md, through bench/peers/et_vs_example.py.
 
     python bench/peers/et_worker.py PROGRAM.pte CHUNK THREADS
 

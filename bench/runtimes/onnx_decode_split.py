@@ -1,4 +1,5 @@
 """Where an ONNX decode step's time goes, without the profiler's per-node cost.
+Regenerates: docs/results/onnx-decode-split.md.
 
     python bench/runtimes/onnx_decode_split.py BUNDLE [--threads 2] [--steps 40]
 

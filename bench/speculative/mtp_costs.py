@@ -1,6 +1,7 @@
 """Speculative decoding with the MTP head, per target, in one run: what each call costs at 0.8B int4 (random
 weights), the acceptance the trained tiny head gets on the same target, and what the two give against plain
 decoding and the one-token bandwidth roofline.
+Regenerates: docs/results/mtp.md.
 
     deltaship export --model qwen3.5-0.8b --target onnx --precision int4 --mtp --mtp-draft-vocab 32768 \
         --max-context 512 --no-verify --out B08

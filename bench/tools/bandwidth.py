@@ -1,4 +1,5 @@
 """This machine's memory read bandwidth, the denominator of every decode roofline in bench/.
+Regenerates no page: the bandwidth the roofline columns of docs/results/peers.md and docs/results/mtp.md divide by.
 
     python bench/tools/bandwidth.py [--threads 2]
 

@@ -1,4 +1,5 @@
 """Write a preset (published shape, seeded random weights) as a Hugging Face checkpoint directory.
+Regenerates no page: the checkpoints of the peer runs (docs/results/peers.md).
 
     python bench/tools/make_checkpoint.py qwen3.5-0.8b OUT_DIR [--multimodal] [--dtype BF16]
 

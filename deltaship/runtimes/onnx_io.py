@@ -31,7 +31,7 @@ def session_options(
     if turn_taking:
         # a session that takes turns with another call after call (speculative decoding: the draft head's and the
         # decoder's): its intra-op threads stop spinning when a call returns, or they take the cores from the other
-        # session's call. bench/speculative/onnx_spinning.py, 0.8B int4, 2 threads, 4 alternated runs each:
+        # session's call. 822ab80:bench/speculative/onnx_spinning.py, 0.8B int4, 2 threads, 4 alternated runs each:
         # speculative decoding at an imposed acceptance of 0.776 ran 18.1 tok/s spinning, 28.8 stopping; plain decoding
         # 26.1 and 24.8
         # (within the runs' spread, but kept for sessions that do not take turns: docs/results/mtp.md)

@@ -2,7 +2,7 @@
 # One GPU lease (15 minutes of device time) on a lent NVIDIA machine with python3 + torch and no network
 # (bench/gpu/capture.py does the work). onnxruntime-gpu 1.31.1 (CUDA 13) travels as an xz'd tar of its wheel's files,
 # split in two parts that fit the transfer limit, with its CUDA kernels for other GPUs than sm_90 zeroed
-# (bench/gpu/fatbin.py), and transformers 5.24's wheel; docs/results/gpu.md says how the parts are made. Two calls,
+# (bench/gpu/fatbin.py), and transformers 5.24's wheel; bench/gpu/fatbin.py's docstring says how the parts are made. Two calls,
 # back to back, after a dry run here:
 #   bash bench/gpu/capture.sh dry-run         # on this CPU machine: the plan checked, the parts listed, and the
 #                                             # lease's own code rehearsed on the tiny bundles (CPU provider)
@@ -32,7 +32,7 @@ dry-run)
   $PY bench/gpu/capture.py check --speed "$(echo "${2:-$A_DEFAULT},$B_DEFAULT" | tr , '\n' | grep -v '^tiny' | paste -sd,)" \
     > /dev/null || { echo "the export chains name a bundle capture.py does not know"; exit 1; }
   for part in .gpu/p0 .gpu/p1; do
-    if ls "$part"/* > /dev/null 2>&1; then ls -la "$part"; else echo "todo: $part is empty (docs/results/gpu.md, 'Carrying onnxruntime-gpu')"; fi
+    if ls "$part"/* > /dev/null 2>&1; then ls -la "$part"; else echo "todo: $part is empty (bench/gpu/fatbin.py's docstring says how to build it)"; fi
   done
   ls .gpu/p*/llama_cpp_python-*.tar.gz 2> /dev/null || echo "peer llama.cpp: no sdist in .gpu/p*/ (skipped on the device)"
   [ -n "${DRY_RUN_QUICK:-}" ] && exit 0

@@ -12,6 +12,18 @@ header kept, so every offset in the file stays as it was. A container without su
 entry header layout is the one documented by reverse engineering (e.g. the cuda-fatbin-decompression project):
 kind u16 (1 PTX, 2 ELF), u16, header size u32, payload size u64, ..., architecture u32 at offset 28.
 No library does this (nvprune works on object files, not on linked shared libraries): written here.
+
+How bench/gpu/capture.sh's parts are made (a device call carries at most 64 MiB; onnxruntime-gpu 1.31.1's CUDA
+provider library is 277 MB, 135 MB of it kernels for GPUs other than sm_90; trimmed, xz takes the wheel to 68 MB):
+
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d W \
+        "onnxruntime-gpu==1.31.*"
+    cd W && mkdir site && (cd site && unzip -q ../onnxruntime_gpu-*.whl)
+    python bench/gpu/fatbin.py site/onnxruntime/capi/libonnxruntime_providers_cuda.so cuda90.so --keep 90
+    mv cuda90.so site/onnxruntime/capi/libonnxruntime_providers_cuda.so
+    rm -r site/onnxruntime/capi/libonnxruntime_providers_tensorrt.so site/onnxruntime/{transformers,quantization,tools}
+    tar cf - -C site . | xz -9e -T2 > ort90.tar.xz && split -b 34300000 -d -a 1 ort90.tar.xz ortpart
+    # .gpu/p0: ortpart0 + transformers-5.24.0-py3-none-any.whl; .gpu/p1: ortpart1 (.gpu/ is in .git/info/exclude)
 """
 
 from __future__ import annotations

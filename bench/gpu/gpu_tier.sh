@@ -3,8 +3,18 @@
 # On a machine with PyPI access, bench/gpu/run.sh does the whole bench in one resumable command.
 # onnxruntime-gpu 1.31.1 (CUDA 13 build) travels as an xz'd tar of its wheel's contents split into
 # .gpu/c*/ortpart* (each under the transfer limit; one call per part, each copying its part to $W/ch, since
-# the working tree is sent afresh with each call), transformers 5.23 as a wheel in .gpu/c4; docs/results/gpu.md
-# says how the parts are made.
+# the working tree is sent afresh with each call), transformers 5.23 as a wheel in .gpu/c4. The parts:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#       -d /tmp/ortgpu "onnxruntime-gpu==1.31.*"
+#   cd /tmp/ortgpu && mkdir site && (cd site && unzip -q ../onnxruntime_gpu-*.whl \
+#       && rm onnxruntime/capi/libonnxruntime_providers_tensorrt.so)
+#   tar cf - -C site . | xz -9e -T2 > ort.tar.xz && split -b 50000000 -d -a 1 ort.tar.xz ortpart   # -> .gpu/c0 .. c4
+#   (.gpu/c4 also holds transformers-5.23.0-py3-none-any.whl; .gpu/c5 transformers + flash-linear-attention 0.6.0
+#   + fla-core 0.6.0). As run on 2026-11-22, one call per line, each carrying the part named:
+#   bash bench/gpu/gpu_tier.sh keep && bash bench/gpu/gpu_tier.sh start   # .gpu/c0; the 9B export in the background
+#   bash bench/gpu/gpu_tier.sh keep                                       # .gpu/c1, c2, c3 (one call each)
+#   bash bench/gpu/gpu_tier.sh keep && bash bench/gpu/gpu_tier.sh install && bash bench/gpu/gpu_tier.sh same  # .gpu/c4
+#   bash bench/gpu/gpu_tier.sh baseline && bash bench/gpu/gpu_tier.sh parity
 #   bash bench/gpu/gpu_tier.sh keep     # copy the carried parts into $W/ch
 #   bash bench/gpu/gpu_tier.sh start    # background: export the 9B int4 bundle (fp16 activations) on the machine's CPUs
 #   bash bench/gpu/gpu_tier.sh status   # the exports' logs

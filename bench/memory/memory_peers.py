@@ -52,7 +52,7 @@ def peer_arg(value: str) -> tuple[str, str, Path, str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rounds", type=int)
-    ap.add_argument("out", type=Path, help="the raw JSON (e.g. bench/results/memory-peers-int4.json)")
+    ap.add_argument("out", type=Path, help="the raw JSON (e.g. bench/results/memory-peers-order.json)")
     ap.add_argument(
         "--bundle",
         action="append",

@@ -103,7 +103,7 @@ def test_a_new_tier_changes_the_generated_table(tmp_path, monkeypatch):
 
 
 def reliability_references(text: str) -> list[tuple[str, str]]:
-    """(test file, test name) for every test docs/reliability.md names: `tests/f.py::name`, and `::name` for
+    """(test file, test name) for every test docs/reliability.md names: `tests/<file>.py::name`, and `::name` for
     another test of the file named last before it."""
     refs, current = [], None
     for file, name in re.findall(r"`(tests/[\w/]+\.py)?::(\w+)`", text):
@@ -207,3 +207,68 @@ def test_the_docs_promise_only_kits_that_take_the_bundle():
     refused = [(t, k) for _, t, k in rows if k not in get_target(t).app_platforms]
     refused += [(t, k) for t, k in pairs if k not in get_target(t).app_platforms]
     assert not refused, f"the docs pair bundles with kits that refuse them (target, platform): {refused}"
+
+
+# A repository path (`deltaship/runtimes/onnx.py`, `bench/gpu/run.sh`, `docs/results/memory.md`, `tests/...py`), or
+# one under the package without its prefix (`runtimes/onnx.py`). `822ab80:bench/...` names a file at a commit (git
+# show REV:PATH) and `/tmp/deltaship/...` is not in the repository: the look-behind leaves both out, and a glob or a
+# brace list (`memory-profile-*.json`) never ends in `\w.ext`, so it is not read as a path.
+_EXT = r"\.(?:py|md|sh|toml|json|mjs)\b"
+_TOP_PATH = re.compile(r"(?<![\w/.:~$-])((?:deltaship|bench|docs|tests|tools)/[\w./-]*\w" + _EXT + ")")
+_PKG_DIRS = sorted(p.name for p in (ROOT / "deltaship").iterdir() if p.is_dir() and not p.name.startswith("_"))
+_PKG_PATH = re.compile(r"(?<![\w/.:~$-])((?:" + "|".join(_PKG_DIRS) + r")/[\w./-]*\w\.py\b)")
+
+
+def _prose(path: Path) -> str:
+    """What a file says to a reader: a page whole; a Python file's docstrings and comments (its code's strings are
+    data, such as a test's made-up module names); a shell script's or TOML file's comment lines."""
+    text = path.read_text()
+    if path.suffix == ".md":
+        return text
+    if path.suffix != ".py":
+        return "\n".join(ln.partition("#")[2] for ln in text.splitlines())
+    import ast
+    import io
+    import tokenize
+
+    parts = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            parts.append(ast.get_docstring(node, clean=False) or "")
+    return "\n".join(parts)
+
+
+def missing_paths(path: Path, text: str) -> list[str]:
+    """The repository paths `text` (read from `path`) names that are not there: a top-level path from the root, a
+    package-relative one under deltaship/ (or, in bench/, under bench/)."""
+    out = [p for p in _TOP_PATH.findall(text) if not (ROOT / p).exists()]
+    bases = [ROOT / "deltaship", ROOT / path.relative_to(ROOT).parts[0]]
+    out += [p for p in _PKG_PATH.findall(text) if not any((b / p).exists() for b in bases) and not (ROOT / p).exists()]
+    return out
+
+
+def test_every_path_the_docs_and_comments_name_exists():
+    """A moved or deleted file leaves no pointer behind: every repository path a docs page, a README, a docstring or a
+    comment (package, tests, bench scripts, pyproject.toml) names is there. Raw JSON under bench/results/ is left out:
+    its recorded commands say where things were when it ran."""
+    files = [*DOCS.rglob("*.md"), ROOT / "README.md", ROOT / "pyproject.toml", *(ROOT / "bench").glob("**/*.md")]
+    for top in ("deltaship", "tests", "bench", "tools"):
+        files += [p for ext in ("py", "sh", "toml") for p in (ROOT / top).rglob(f"*.{ext}")]
+    files = [p for p in files if p.relative_to(ROOT).parts[:2] != ("bench", "results") and "__pycache__" not in p.parts]
+    assert len(files) > 250, len(files)
+    missing = sorted(f"{p.relative_to(ROOT)}: {name}" for p in files for name in missing_paths(p, _prose(p)))
+    assert not missing, missing
+
+
+def test_the_path_check_catches_a_made_up_path():
+    page = DOCS / "index.md"
+    assert missing_paths(page, "see deltaship/runtimes/onnx.py and docs/index.md") == []
+    assert missing_paths(page, "see deltaship/runtimes/onnx_gone.py") == ["deltaship/runtimes/onnx_gone.py"]
+    assert missing_paths(page, "as `runtimes/gone.py` does") == ["runtimes/gone.py"]
+    assert missing_paths(page, "`bench/tools/nope.mjs`, tests/test_nope.py") == [
+        "bench/tools/nope.mjs",
+        "tests/test_nope.py",
+    ]
+    # a file at a commit, a path outside the repository, a glob: not read as paths here
+    assert missing_paths(page, "822ab80:bench/x/y.py, /tmp/deltaship/a.py, bench/results/memory-*.json") == []
+    assert _prose(ROOT / "tests" / "test_architecture.py").count("apps/x.py") == 0  # a code string, not prose

@@ -185,7 +185,7 @@ def test_grid_tensors_match_transformers(grid):
 
 @pytest.mark.parametrize("grid", [(1, 4, 6), (1, 10, 6), (2, 4, 4), (1, 60, 2), (1, 2, 2)])
 def test_vision_graph_computes_the_grid_tensors(grid, tmp_path):
-    """vision.onnx computes from image_grid_thw what the host computes (models/vision.py): same indices, weights
+    """vision.onnx computes from image_grid_thw what the host computes (models/vision/rope.py): same indices, weights
     within float rounding, same rotary (what onnxruntime-genai relies on: it feeds only pixels and the grid)."""
     import onnxruntime as ort
     from onnx import TensorProto

@@ -2,7 +2,7 @@
 Regenerates: docs/results/memory.md's split tables, and deltaship/devices/memory_terms.toml (--fit).
 
     python bench/memory/memory_split.py BUNDLE [BUNDLE ...] [--variants default,no-prepack,...] [--rounds 2]
-        [--prompt 512] [--gen 32] [--threads 2] [--json bench/results/memory-split.json]
+        [--prompt 512] [--gen 32] [--threads 2] [--json OUT.json]
 
 Each (bundle, variant) runs in its own process (`--worker`), which records after every step its VmRSS,
 VmHWM (the peak so far), /proc/self/smaps_rollup (Rss, Pss, Anonymous, Pss_File, Pss_Anon) and, from

@@ -12,7 +12,7 @@ Regenerates: docs/results/mtp.md.
     python bench/speculative/mtp_costs.py --big onnx=B08 --big executorch=B08ET --tiny onnx=TINY --tiny executorch=TINYET \
         --out bench/results/mtp.json
 
-Every bundle is profiled by `deltaship profile BUNDLE --speculative mtp:K` (deltaship/profiling/speculative.py, a
+Every bundle is profiled by `deltaship profile BUNDLE --speculative mtp:K` (deltaship/profiling/speculative/run.py, a
 fresh process each): one plain decode step, verify calls of 1 .. K+2 tokens, draft calls, the DeltaNet snapshot and
 restore, then greedy decode tokens/s without and with the head over 8 fixed prompts, and the acceptance.
 
@@ -20,7 +20,7 @@ restore, then greedy decode tokens/s without and with the head over 8 fixed prom
   same target assumes (a projection, labelled so: the 0.8B's random head accepts nothing).
 - 0.8B: the costs, and decode tokens/s without the head measured (and with it, at a random head's ~0 acceptance);
   decode tokens/s with the head timed at the tiny's acceptance imposed (the driver's real calls, each draft
-  accepted at that rate by rigging the verify logits: ImposedAcceptance in deltaship/profiling/speculative.py);
+  accepted at that rate by rigging the verify logits: ImposedAcceptance in deltaship/profiling/speculative/imposed.py);
   the projected speculative tokens/s at the tiny's acceptance (from the per-call costs); the one-token roofline: the machine's read bandwidth
   (a multi-threaded sum over 1 GiB, best of 5: bench/tools/bandwidth.py) over the bytes of the decoder's weight files
   (ONNX: model.onnx + model.onnx.data, the head's mtp.onnx.data left out; ExecuTorch: the whole model.pte, the

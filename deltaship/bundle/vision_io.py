@@ -1,7 +1,7 @@
 """The I/O contract of a --vision bundle's image encoder: what the lowering writes and the runtime feeds.
 
 Both sides import it from here (the lowering and the runtimes stand side by side and never import each
-other). The inputs are models/vision.py `encoder_inputs` for one image; a program method takes them in
+other). The inputs are models/vision/rope.py `encoder_inputs` for one image; a program method takes them in
 ENCODER_INPUTS order (ExecuTorch's vision_encoder); a package with enumerated patch counts (Core ML's
 vision_N functions) takes them padded to N patches, with MASKED_ENCODER_INPUTS' `key_bias` masking the padding.
 No toolchain: numpy only.
@@ -36,7 +36,7 @@ def check_patch_counts(counts: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def padded_inputs(inputs: dict[str, np.ndarray], patch_counts: tuple[int, ...]) -> tuple[str, dict[str, np.ndarray]]:
-    """One image's encoder inputs (models/vision.py encoder_inputs) padded to the smallest enumerated count that
+    """One image's encoder inputs (models/vision/rope.py encoder_inputs) padded to the smallest enumerated count that
     holds it: (function name, feeds)."""
     n = int(inputs["pixel_values"].shape[0])
     fits = [c for c in check_patch_counts(patch_counts) if c >= n]

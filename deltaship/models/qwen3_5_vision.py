@@ -2,7 +2,7 @@
 a program (ExecuTorch, Core ML), and a reference for the hand-built ONNX graph (export/onnx/vision.py).
 
 Everything that depends on the image's patch grid comes in as tensors computed on the host
-(models/vision.py: `encoder_inputs`), so the program has no data-dependent control flow and one dynamic size,
+(models/vision/rope.py: `encoder_inputs`), so the program has no data-dependent control flow and one dynamic size,
 the patch count N (a multiple of 4). The patch embedding (a Conv3d with stride == kernel in the checkpoint) is a
 Linear over the flattened patch row: ExecuTorch's portable kernels reject 5-D convolution input.
 """

@@ -47,7 +47,7 @@ def example_inputs(spec: VisionSpec, patches: int, dtype: torch.dtype = torch.fl
 
 
 def lower_vision_pte(spec: VisionSpec, weights: VisionWeights, path: Path, max_patches: int) -> dict:
-    """Write a .pte whose method `vision_encoder` maps one image's inputs (models/vision.py encoder_inputs, in
+    """Write a .pte whose method `vision_encoder` maps one image's inputs (models/vision/rope.py encoder_inputs, in
     INPUTS order) to its merged features [N/4, text hidden]; N is a multiple of 4 up to max_patches."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner  # lazy: executorch
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower

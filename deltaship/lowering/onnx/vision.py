@@ -3,7 +3,7 @@
 - vision.onnx: Qwen3.5's vision tower for one image (or one video clip), built node by node: patch rows
   [N, C*T*P*P] (the Conv3d with stride == kernel is exactly a MatMul over the row) and image_grid_thw [1, 3], from
   which the graph computes the position-table interpolation indices/weights [N, 4] and 2-D rotary cos/sin
-  [N, head_dim] (as models/vision.py does on the host); N is dynamic (a multiple of 4). Output: merged features
+  [N, head_dim] (as models/vision/rope.py does on the host); N is dynamic (a multiple of 4). Output: merged features
   [N/4, text hidden]. onnxruntime-genai feeds exactly these two inputs, once per image.
 - embedding.onnx: input_ids [1, T] and image_features [K, hidden] -> inputs_embeds [1, T, hidden]: the
   token embedding with the i-th image-token row of the call replaced by image_features[i] (i < K; K may be 0).
@@ -46,7 +46,7 @@ _ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
 
 
 def _grid_tensors(b: GraphBuilder, spec: VisionSpec, grid: str, elem: int) -> tuple[str, str, str, str]:
-    """models/vision.py's position_interpolation and rotary_cos_sin in the graph, from image_grid_thw [1, 3]:
+    """models/vision/rope.py's position_interpolation and rotary_cos_sin in the graph, from image_grid_thw [1, 3]:
     position-table indices int64 [N, 4] and weights [N, 4], rotary cos, sin [N, head_dim], N = t*h*w patch rows
     in merge-block order. Same float32 operations in the same order as the host code."""
     m, side = spec.spatial_merge_size, spec.grid_side

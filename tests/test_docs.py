@@ -251,7 +251,8 @@ def test_every_path_the_docs_and_comments_name_exists():
     """A moved or deleted file leaves no pointer behind: every repository path a docs page, a README, a docstring or a
     comment (package, tests, bench scripts, pyproject.toml) names is there. Raw JSON under bench/results/ is left out:
     its recorded commands say where things were when it ran."""
-    files = [*DOCS.rglob("*.md"), ROOT / "README.md", ROOT / "pyproject.toml", *(ROOT / "bench").glob("**/*.md")]
+    files = [*DOCS.rglob("*.md"), ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "pyproject.toml"]
+    files += (ROOT / "bench").glob("**/*.md")
     for top in ("deltaship", "tests", "bench", "tools"):
         files += [p for ext in ("py", "sh", "toml") for p in (ROOT / top).rglob(f"*.{ext}")]
     files = [p for p in files if p.relative_to(ROOT).parts[:2] != ("bench", "results") and "__pycache__" not in p.parts]

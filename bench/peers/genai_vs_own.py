@@ -1,7 +1,7 @@
 """onnxruntime-genai (the runtime apps embed) against deltaship's own ONNX driver, on one bundle.
 
     python bench/peers/genai_vs_own.py [--model qwen3.5-0.8b] [--precision int4] [--threads 2] \
-        --out docs/results/genai.md --json bench/results/genai-vs-own.json
+        --out docs/results/genai.md --json OUT.json
 
 Exports the model once (ONNX, random weights at the published shapes for the built-in presets), then
 runs `deltaship profile BUNDLE --runtime R` for R = onnxruntime (deltaship's driver) and genai in

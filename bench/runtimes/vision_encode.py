@@ -8,7 +8,7 @@ the values) as `export --vision` lowers it: vision.onnx (ONNX Runtime, CPU provi
 vision.pte's `vision_encoder` (XNNPACK; its patch bound is the largest image asked for). Each image is seeded
 noise of S x S pixels, preprocessed by Qwen3.5's published preprocessor (224 px is below its min_pixels and is
 upscaled to 256 x 256); the timed call is the graph alone (inputs computed beforehand). Writes the markdown
-page and, beside it, the JSON of every sample.
+page and the JSON of every sample (bench/results/vision-encode.json, or --json).
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
     ap.add_argument("--executorch", action="store_true", help="also vision.pte's vision_encoder (XNNPACK)")
     ap.add_argument("--note", default="", help="a line about the conditions (e.g. a machine shared with other jobs)")
+    ap.add_argument("--json", type=Path, help="every sample (default: bench/results/ + the page's name, .json)")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     rows = []
@@ -152,13 +153,16 @@ def main() -> int:
         "rows": rows,
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    raw = a.json or Path("bench/results") / a.out.with_suffix(".json").name
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(result, indent=1))
     lines = [
         "# Vision tower: image-encode latency",
         "",
         f"- **Measured:** {result['date']}, commit `{commit}`",
         f"- **Machine:** {result['machine']}, ONNX Runtime threads {a.threads or 'default'}",
         f"- **Command:** `{result['command']}`",
+        f"- **Raw:** {raw.as_posix()}",
     ]
     if a.note:
         lines.append(f"- **Conditions:** {a.note}")

@@ -39,6 +39,9 @@ LIMITS = {
 }
 MAX_FILE_BYTES = 1 << 20  # a schema or grammar file beyond 1 MiB is refused unread
 MAX_SCHEMA_DEPTH = 64  # nesting of objects/arrays in a schema document
+# JSON objects in a schema document (subschemas, property maps): llguidance's JSON compiler takes ~0.5 ms per
+# subschema of a wide anyOf before its grammar-size limit can refuse it, so the count is bounded first
+MAX_SCHEMA_OBJECTS = 2_000
 MAX_REGEX_CHARS = 10_000
 
 KINDS = ("json_schema", "regex", "grammar")
@@ -70,7 +73,10 @@ class Guide:
         self.vocab_size = int(table.vocab_size)
         self._m = llguidance.LLMatcher(table, constraint.grammar, log_level=0, limits=limits())
         self._raise_if_error("does not compile for this bundle's tokenizer")
-        if not self._m.is_accepting() and not self.allowed().any():
+        first = np.frombuffer(self._m.compute_bitmask(), np.uint8)
+        # llguidance's "no extension" stop: no token can start it (a grammar that matches nothing)
+        empty = "NoExtension" in self._m.get_error() if self._m.is_error() else not first.any()
+        if empty and not self._m.is_accepting():
             raise DeltashipError(
                 f"{constraint.where}: matches nothing (no token can start it, and the empty text is not in it)",
                 "check the constraint: e.g. its rules intersect to nothing, or need a token the vocabulary lacks",
@@ -149,6 +155,7 @@ def _json_schema(value: dict[str, Any] | bool | str | Path) -> Constraint:
             raise DeltashipError(f"{where}: not JSON ({e})", fix) from None
     else:
         where, schema = "json_schema=", value
+        _check_depth(schema, where)  # before anything recurses into it (a cycle too ends here)
         try:
             if len(json.dumps(schema)) > MAX_FILE_BYTES:
                 raise DeltashipError(f"{where}: more than {MAX_FILE_BYTES:,} bytes as JSON", "pass a smaller schema")
@@ -164,13 +171,19 @@ def _json_schema(value: dict[str, Any] | bool | str | Path) -> Constraint:
 
 
 def _check_depth(doc: Any, where: str) -> None:
-    """Iteratively: a schema nested beyond MAX_SCHEMA_DEPTH is refused before anything recurses into it."""
-    stack = [(doc, 1)]
+    """Iteratively: a schema nested beyond MAX_SCHEMA_DEPTH or holding more than MAX_SCHEMA_OBJECTS objects is
+    refused before anything recurses into it."""
+    stack, objects = [(doc, 1)], 0
     while stack:
         node, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
             raise DeltashipError(
                 f"{where}: nested deeper than {MAX_SCHEMA_DEPTH} levels", "flatten the schema (or use $defs/$ref)"
+            )
+        objects += isinstance(node, dict)
+        if objects > MAX_SCHEMA_OBJECTS:
+            raise DeltashipError(
+                f"{where}: more than {MAX_SCHEMA_OBJECTS:,} subschemas (JSON objects)", "split or simplify the schema"
             )
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack.extend((c, depth + 1) for c in children)
@@ -246,6 +259,7 @@ def _grammar(path: str | Path) -> Constraint:
     text = read_bounded_text(path, "grammar", "pass a grammar file in llguidance's Lark syntax", MAX_FILE_BYTES)
     if not text.strip():
         raise DeltashipError(f"{where}: the file is empty", "write a grammar with a `start:` rule (docs/agents.md)")
-    g = llguidance.LLMatcher.grammar_from_lark(text)
+    # wrapped here: llguidance would read a text that starts with `{` as its own JSON grammar format, not as Lark
+    g = json.dumps({"grammars": [{"lark_grammar": text}]})
     _validate(g, where)
     return Constraint("grammar", where, g)

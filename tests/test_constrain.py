@@ -157,6 +157,7 @@ def test_mask_keeps_allowed_logits_and_only_those(tiny_onnx):
     session = open_bundle(tiny_onnx)
     tok = load_tokenizer(tiny_onnx, session.manifest)
     table = token_table(tok.json_text, session.vocab_size, sorted(session.eos_ids))
+    assert token_table(tok.json_text, session.vocab_size, sorted(session.eos_ids)) is table  # built once, cached
     guide = build_constraint(regex=r"(self|cls)[,)]").guide(table)
     logits = session.prefill(tok.encode("def f("))
     for t in tok.encode("self"):
@@ -190,12 +191,16 @@ def test_speculative_constrained_equals_plain_constrained(tiny_onnx, depth):
     tok = load_tokenizer(tiny_onnx, session.manifest)
     table = token_table(tok.json_text, session.vocab_size, sorted(session.eos_ids))
     ids = tok.encode("def ")
+    cut = 0
     for schema, longest in SCHEMAS[:6]:
         c = build_constraint(json_schema=schema)
         session.reset()
         plain = session.generate(ids, longest + 1, guide=c.guide(table))
         spec, stats = generate_speculative(session, ids, longest + 1, depth, guide=c.guide(table))
         assert spec.output_ids == plain.output_ids and spec.stopped == plain.stopped, schema
+        cut += stats.disallowed
+        assert stats.drafted + stats.disallowed == stats.draft_calls  # one draft a call; the cut ones not verified
+    assert cut > 0  # the head drafts Python into JSON: the constraint ends those runs before the verify call
     # a regex the head drafts well: drafts are accepted, and the grammar cut the disallowed ones
     c = build_constraint(regex=CALL)
     session.reset()

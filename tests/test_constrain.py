@@ -264,9 +264,10 @@ def test_executorch_output_validates(tiny_pte):
     cases = [c for c in SCHEMAS[:8] if c[1] + 6 < 128]
     assert _validity(pte, cases, [1, 2, 3]) == (len(cases), 0)
     assert _validity(pte, cases[:4], [1, 2, 3], temperature=1.0, seed=1) == (4, 0)
-    r = generate(pte, prompt="def ", max_new_tokens=30, regex=r"[a-z_]+\(", speculative="mtp:2")
-    assert r["constraint"]["complete"] and r["output_ids"] == generate(pte, prompt="def ", max_new_tokens=30,
-                                                                       regex=r"[a-z_]+\(")["output_ids"]  # fmt: skip
+    kw = dict(prompt="def ", max_new_tokens=30, regex=r"[a-z_]{1,6}\(")
+    r = generate(pte, **kw, speculative="mtp:2")
+    assert r["constraint"]["complete"] and r["speculative"]["drafted"] > 0
+    assert r["output_ids"] == generate(pte, **kw)["output_ids"]
 
 
 @pytest.mark.slow

@@ -366,3 +366,38 @@ def test_hostile_constraints_are_bounded(tmp_path):
 def _byte_table(tmp_path):
     write_tiny_tokenizer(tmp_path / "tok")
     return token_table((tmp_path / "tok" / "tokenizer.json").read_text(), 272, [EOS])
+
+
+def test_a_trained_bpe_tokenizer_json_drives_the_mask(tmp_path):
+    """A byte-level BPE tokenizer.json as Qwen3.5's (multi-byte tokens, a `Ġ`-style byte alphabet, added special
+    tokens), trained here on the package's own source: walking random allowed tokens to the end always gives a
+    valid value, so llguidance's table reads the tokens' bytes right."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    import deltaship.runtimes.base as source
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<|endoftext|>", "<|im_start|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator([open(source.__file__, encoding="utf-8").read()] * 2, trainer)
+    eos = tok.token_to_id("<|endoftext|>")
+    assert tok.get_vocab_size() > 500 and max(len(t) for t in tok.get_vocab()) > 4  # merges were learned
+    table = token_table(tok.to_str(), tok.get_vocab_size() + 16, [eos])  # a vocabulary padded past the tokenizer
+    rng = np.random.default_rng(0)
+    multi = 0
+    for schema, longest in SCHEMAS[:12]:
+        guide = build_constraint(json_schema=schema).guide(table)
+        out: list[int] = []
+        while not guide.done():
+            allowed = np.nonzero(guide.allowed())[0]
+            assert allowed.max() < tok.get_vocab_size()  # the padding ids are never allowed
+            t = int(rng.choice(allowed))
+            guide.advance(t)
+            out.append(t)
+            assert len(out) <= longest + 1
+        text = tok.decode([t for t in out if t != eos])
+        multi += sum(len(tok.id_to_token(t)) > 1 for t in out if t != eos)
+        jsonschema.validate(json.loads(text), schema)
+    assert multi > 0  # some steps took a multi-byte token, so the table's bytes were read, not only single bytes

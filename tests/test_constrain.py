@@ -272,9 +272,16 @@ def test_executorch_output_validates(tiny_pte):
 
 @pytest.mark.slow
 def test_coreml_evaluator_output_validates(tiny_coreml_mtp):
+    """The evaluator runs op by op (about a second a token here): three short schemas and one speculative run."""
     bundle = tiny_coreml_mtp("fp32")
-    cases = [c for c in SCHEMAS if c[1] <= 12][:3]
-    assert _validity(bundle, cases, [1, 2, 3]) == (len(cases), 0)
+    small = {"type": "integer", "minimum": -99, "maximum": 40}
+    cases = [({"type": "boolean"}, 5), ({"enum": ["red", 7, None]}, 5), (small, 3)]
+    assert _validity(bundle, cases[:2], [1, 2, 3]) == (2, 0)
+    assert _validity(bundle, cases[2:], [1, 2, 3], temperature=1.0, seed=2) == (1, 0)
+    kw = dict(prompt="def ", max_new_tokens=12, regex=r"[a-z_]{1,6}\(")
+    r = generate(bundle, **kw, speculative="mtp:2")
+    assert r["constraint"]["complete"] and r["speculative"]["drafted"] > 0
+    assert r["output_ids"] == generate(bundle, **kw)["output_ids"]
 
 
 # ---- bad input: refused before generation, one line what and how -----------------------------------------------

@@ -255,6 +255,11 @@ def test_onnx_constrained_generate_imports_no_torch(tiny_onnx):
 def test_genai_and_text_runtimes_refuse_with_the_reason(tiny_onnx):
     with pytest.raises(DeltashipError, match="onnxruntime-genai applies its own llguidance"):
         generate(tiny_onnx, prompt="def ", regex="a+", runtime="genai")
+    from deltaship.commands.generate import _constraint_runtime
+
+    with pytest.raises(DeltashipError, match="takes text and runs its own sampler"):
+        _constraint_runtime("et-runner", takes_text=True)  # what generate() asks before the runner is started
+    _constraint_runtime(None, takes_text=False)  # deltaship's own session: no refusal
 
 
 # ---- other runtimes through the same loop -----------------------------------------------------------------------

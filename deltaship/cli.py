@@ -23,6 +23,7 @@ from deltaship.commands import generate, plan
 from deltaship.commands.chat import chat
 from deltaship.compile import export
 from deltaship.compile.settings import EXPORT_OPTIONS
+from deltaship.constrain import build_constraint
 from deltaship.devices.discovery import discover, fingerprint
 from deltaship.devices.plan import format_table, format_vision, verdicts, vision_plan
 from deltaship.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_SIGINT, EXIT_SIGTERM, DeltashipError
@@ -138,6 +139,36 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag(f.name), **kwargs)
 
 
+def _add_constraint_arguments(p: argparse.ArgumentParser) -> None:
+    """--json-schema / --regex / --grammar: one constraint (deltaship/constrain, docs/agents.md), checked as parsed."""
+    c = p.add_argument_group("structured output (at most one; docs/agents.md)").add_mutually_exclusive_group()
+    c.add_argument(
+        "--json-schema",
+        type=_arg(str, lambda v: build_constraint(json_schema=v) and v, "a JSON Schema file"),
+        default=None,
+        metavar="FILE",
+        help="the output is compact JSON valid against this JSON Schema",
+    )
+    c.add_argument(
+        "--regex",
+        type=_arg(str, lambda v: build_constraint(regex=v) and v, "a regex"),
+        default=None,
+        metavar="PATTERN",
+        help="the output matches this regex as a whole",
+    )
+    c.add_argument(
+        "--grammar",
+        type=_arg(str, lambda v: build_constraint(grammar=v) and v, "a grammar file"),
+        default=None,
+        metavar="FILE",
+        help="the output is in this grammar (llguidance's Lark-like syntax, a `start:` rule)",
+    )
+
+
+def _constraint_kwargs(a: argparse.Namespace) -> dict:
+    return {k: getattr(a, k) for k in ("json_schema", "regex", "grammar") if getattr(a, k, None) is not None}
+
+
 def _generate(a: argparse.Namespace) -> int:
     res = generate(
         a.bundle,
@@ -159,7 +190,15 @@ def _generate(a: argparse.Namespace) -> int:
         **({"images": a.image} if a.image else {}),
         **({"videos": a.video} if a.video else {}),
         **({"fps": a.fps} if a.fps is not None else {}),
+        **_constraint_kwargs(a),
     )
+    c = res.get("constraint")
+    if c and not c["complete"]:  # said on stderr, --json or not: the text is not a whole match
+        print(
+            f"deltaship generate: the output ended ({res.get('stopped')}) before the {c['kind']} constraint was "
+            "complete: it is a prefix, not a valid match (raise --max-new-tokens)",
+            file=sys.stderr,
+        )
     for note in res.get("notices", []) if not a.json else []:
         print(f"deltaship generate: {note}", file=sys.stderr)
     if res.get("stopped") == "context" and not a.json:
@@ -518,6 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative decoding with the bundle's MTP head (export --mtp), K drafts per verify call (default 1); "
         "same tokens as plain greedy decoding, same distribution when sampling",
     )
+    _add_constraint_arguments(g)
     g.set_defaults(func=_generate)
 
     i = sub.add_parser("inspect", help="show a bundle's manifest and re-check its file hashes")

@@ -12,9 +12,11 @@ import numpy as np
 
 from deltaship import options
 from deltaship.bundle.paths import bundle_path
+from deltaship.constrain import Constraint, build_constraint, token_table
 from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object
 from deltaship.models.vision import Preprocessor, load_image, smart_resize
+from deltaship.runtimes.genai import GENAI_CONSTRAINT
 from deltaship.runtimes.speculative import generate_speculative, parse_speculative
 from deltaship.runtimes.tokenizer import load_tokenizer
 from deltaship.runtimes.vision import image_prompt
@@ -55,6 +57,9 @@ def generate(
     images: list[str | Path] | None = None,
     videos: list[str] | None = None,
     fps: float | None = None,
+    json_schema: dict[str, Any] | bool | str | Path | None = None,
+    regex: str | None = None,
+    grammar: str | Path | None = None,
 ) -> dict[str, Any]:
     """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict.
 
@@ -69,9 +74,14 @@ def generate(
 
     temperature 0 is greedy; top_k (>= 1), top_p (in (0, 1]) and seed (>= 0) need temperature > 0 and are refused
     without it. Every value is range-checked (deltaship/options.py, as the CLI's flags) before the bundle is
-    opened; a bad one raises DeltashipError."""
+    opened; a bad one raises DeltashipError.
+
+    json_schema (a dict or a file), regex (a pattern) or grammar (a file in llguidance's Lark-like syntax): at most
+    one; the output then follows it (deltaship/constrain, docs/agents.md) and the result has a `constraint` block,
+    {"kind": ..., "complete": true|false} (false: the budget or the context ended mid-structure)."""
 
     depth = parse_speculative(speculative)
+    constraint = build_constraint(json_schema, regex, grammar)  # checked before anything is opened
     if depth is not None and (images or videos):
         raise DeltashipError(
             "--speculative is not available with --image/--video yet (the multimodal decoder has no verify call)",
@@ -94,6 +104,8 @@ def generate(
     if dump_logits is not None:
         options.new_file(dump_logits, "--dump-logits")
     text = text_runtime(bundle, runtime)
+    if constraint is not None:
+        _constraint_runtime(runtime, text is not None)
     if (images or videos) and runtime == "genai":
         return _generate_genai_images(
             bundle,
@@ -172,6 +184,7 @@ def generate(
     ids = tok.encode(prompt) if tok else input_ids
     if depth is not None and dump_logits is not None:
         raise DeltashipError("--dump-logits cannot be combined with --speculative", "drop one of them")
+    guide = _guide(constraint, bundle, session, tok) if constraint is not None else None
     t0 = time.monotonic()
     kw = dict(
         temperature=temperature,
@@ -179,6 +192,7 @@ def generate(
         top_p=1.0 if top_p is None else top_p,
         seed=seed,
         stop_at_eos=stop_at_eos,
+        **({"guide": guide} if guide is not None else {}),
     )
     spec_stats = None
     if depth is not None:
@@ -191,6 +205,7 @@ def generate(
     result: dict[str, Any] = {
         **_ids_result(gen, elapsed, session),
         **({"speculative": spec_stats.as_dict()} if spec_stats else {}),
+        **({"constraint": {"kind": constraint.kind, "complete": guide.complete()}} if constraint else {}),
     }
     if mm is not None:
         merge = mm.spec.spatial_merge_size
@@ -220,6 +235,25 @@ def generate(
             raise
         result["logits_file"] = str(path)
     return result
+
+
+def _constraint_runtime(runtime: str | None, takes_text: bool) -> None:
+    """A constraint runs in deltaship's own sessions (every target's, through the shared loop); say why not here."""
+    if runtime == "genai":
+        raise DeltashipError(*GENAI_CONSTRAINT)
+    if takes_text:
+        raise DeltashipError(
+            f"--runtime {runtime} takes text and runs its own sampler, so it cannot mask tokens for "
+            "--json-schema/--regex/--grammar",
+            "drop --runtime: deltaship's own session for the bundle's target constrains the output",
+        )
+
+
+def _guide(constraint: Constraint, bundle: str | Path, session: Any, tok: Any) -> Any:
+    """The constraint's parser over the bundle's tokenizer (its token table built once per tokenizer and cached)."""
+    if tok is None:
+        tok = load_tokenizer(Path(bundle), session.manifest)  # refuses a bundle without one, saying why
+    return constraint.guide(token_table(tok.json_text, session.vocab_size, sorted(session.eos_ids)))
 
 
 def _generate_genai_images(

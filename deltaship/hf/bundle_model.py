@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.chat import Chat
+from deltaship.constrain import build_constraint, token_table
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import check_sampling
 from deltaship.runtimes.tokenizer import load_tokenizer
@@ -58,7 +59,8 @@ class BundleModel:
     def generate(self, prompt: Any = None, /, *args: Any, **kwargs: Any) -> Any:
         """`generate("def f(", max_new_tokens=16)` -> the new text; `generate([ids...], ...)` -> the new token ids.
 
-        Options: max_new_tokens (32), temperature (0: greedy), top_k, top_p, seed, stop_at_eos (True). Anything
+        Options: max_new_tokens (32), temperature (0: greedy), top_k, top_p, seed, stop_at_eos (True), and at most
+        one constraint: json_schema (a dict or a file), regex (a pattern), grammar (a file; docs/agents.md). Anything
         else (tensors, `**tokenizer(..., return_tensors="pt")`, a GenerationConfig) is transformers'
         `GenerationMixin.generate` on `hf`."""
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
@@ -69,6 +71,7 @@ class BundleModel:
             )
 
         options = {"max_new_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}
+        constraint = build_constraint(*(kwargs.pop(k, None) for k in ("json_schema", "regex", "grammar")))
         unknown = sorted(set(kwargs) - set(options) - {"stop_at_eos"})
         if unknown:
             raise DeltashipError(
@@ -79,6 +82,10 @@ class BundleModel:
         options.update((k, v) for k, v in kwargs.items() if k in options)
         check_sampling(options["max_new_tokens"], options["temperature"], options["top_k"], options["top_p"])
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        guide = None
+        if constraint is not None:
+            table = token_table(self.tokenizer.json_text, self.session.vocab_size, sorted(self.session.eos_ids))
+            guide = constraint.guide(table)
         self.session.reset()
         self._hf_cache_stale()
         out = self.session.generate(
@@ -89,6 +96,7 @@ class BundleModel:
             top_k=options["top_k"],
             top_p=options["top_p"],
             seed=options["seed"],
+            **({"guide": guide} if guide is not None else {}),
         )
         return self.tokenizer.decode(out.output_ids) if isinstance(prompt, str) else list(out.output_ids)
 

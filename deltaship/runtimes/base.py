@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -38,7 +38,28 @@ class Generation:
     input_ids: list[int]
     output_ids: list[int]
     logits: list[np.ndarray] = field(default_factory=list)  # row i: logits that chose output_ids[i]
-    stopped: str = "length"  # "length", "eos" or "context"
+    stopped: str = "length"  # "length", "eos", "context" or "constraint" (its structure ended, no eos id)
+
+
+class TokenGuide(Protocol):
+    """What constrains a generation (deltaship.constrain's Guide): the tokens allowed next, advanced by each one
+    emitted. The loop masks the logits with `allowed()` before greedy or sampling (temperature, top-k, top-p)."""
+
+    def allowed(self) -> np.ndarray: ...  # bool [vocab]
+
+    def advance(self, token: int) -> None: ...
+
+    def done(self) -> bool: ...  # nothing but an end-of-sequence token can follow
+
+
+def masked(logits: np.ndarray, guide: TokenGuide | None) -> np.ndarray:
+    """The logits with every token the guide does not allow at -inf (a copy); the logits themselves without one."""
+    if guide is None:
+        return logits
+    allowed = guide.allowed()
+    out = np.full(logits.shape, -np.inf, dtype=np.float32)
+    out[: allowed.size][allowed] = logits[: allowed.size][allowed]
+    return out
 
 
 class Session(ABC):
@@ -245,8 +266,10 @@ class Session(ABC):
         stop_at_eos: bool = True,
         keep_logits: bool = False,
         on_token: Callable[[int], None] | None = None,
+        guide: TokenGuide | None = None,
     ) -> Generation:
-        """Prefill `ids` then produce up to max_new_tokens (greedy unless temperature > 0)."""
+        """Prefill `ids` then produce up to max_new_tokens (greedy unless temperature > 0); with a guide, only the
+        tokens it allows (deltaship.constrain)."""
         check_sampling(max_new_tokens, temperature, top_k, top_p)
         rng = np.random.default_rng(options.seed(seed))
         ids = list(int(i) for i in ids)
@@ -268,6 +291,7 @@ class Session(ABC):
             stop_at_eos,
             keep_logits,
             on_token,
+            guide,
         )
 
 
@@ -284,10 +308,16 @@ def decode_loop(
     stop_at_eos: bool,
     keep_logits: bool,
     on_token: Callable[[int], None] | None,
+    guide: TokenGuide | None = None,
 ) -> Generation:
-    """From the logits after the prompt: sample, record, stop (eos, max_new_tokens, context) or decode the token."""
+    """From the logits after the prompt: sample, record, stop (eos, max_new_tokens, context) or decode the token.
+    A guide masks the logits before sampling and stops the loop where its structure admits nothing more (stopped
+    "eos" on the end-of-sequence token it allows there, "constraint" where it has none). gen.logits keeps the
+    model's own logits, unmasked."""
     while max_new_tokens:
-        tok = sample(logits, temperature, top_k, top_p, rng)
+        tok = sample(masked(logits, guide), temperature, top_k, top_p, rng)
+        if guide is not None:
+            guide.advance(tok)
         gen.output_ids.append(tok)
         if keep_logits:
             gen.logits.append(logits.copy())
@@ -295,6 +325,9 @@ def decode_loop(
             on_token(tok)
         if stop_at_eos and tok in session.eos_ids:
             gen.stopped = "eos"
+            break
+        if guide is not None and guide.done() and (tok in session.eos_ids or not session.eos_ids):
+            gen.stopped = "eos" if tok in session.eos_ids else "constraint"
             break
         if len(gen.output_ids) >= max_new_tokens:
             break

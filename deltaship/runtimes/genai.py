@@ -64,6 +64,15 @@ def _check_config_files(bundle: Path, manifest: dict[str, Any]) -> None:
     walk(read_json_object(path, "onnxruntime-genai config", fix), "")
 
 
+# why --runtime genai refuses a constraint: its guidance (GeneratorParams' set_guidance) lives inside its own search,
+# where deltaship's checks (the complete flag, the speculative driver, one token table per tokenizer) cannot follow it
+GENAI_CONSTRAINT = (
+    "--runtime genai cannot take --json-schema/--regex/--grammar: onnxruntime-genai applies its own llguidance "
+    "inside its search loop, which deltaship does not drive (no completeness report, no checked limits)",
+    "drop --runtime genai: deltaship's own ONNX session constrains the same bundle",
+)
+
+
 class GenaiSession(Session):
     """One sequence of an ONNX bundle in onnxruntime-genai (CPU)."""
 
@@ -175,9 +184,12 @@ class GenaiSession(Session):
         stop_at_eos: bool = True,
         keep_logits: bool = False,
         on_token: Callable[[int], None] | None = None,
+        guide: Any = None,
     ) -> Generation:
         """Greedy generation of a new sequence by genai's own search (what an app runs). Sampling,
         keep_logits, or continuing a sequence go through Session.generate on genai's logits."""
+        if guide is not None:
+            raise DeltashipError(GENAI_CONSTRAINT[0], GENAI_CONSTRAINT[1])
         if temperature > 0 or keep_logits or not stop_at_eos or self.position:
             return super().generate(
                 ids,

@@ -36,7 +36,7 @@ import numpy as np
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
 from deltaship.files import read_json
-from deltaship.runtimes.base import Generation, Session, check_sampling, probabilities
+from deltaship.runtimes.base import Generation, Session, TokenGuide, check_sampling, masked, probabilities
 
 
 @runtime_checkable
@@ -61,6 +61,7 @@ class SpeculativeStats:
     accepted: int = 0
     commit_calls: int = 0  # extra calls that committed re-fed tokens (see MAX_PENDING)
     rollbacks: int = 0  # rejections undone by rollback_to_first (the rest by restoring a snapshot)
+    disallowed: int = 0  # drafts cut because the constraint does not allow them (the first such ends the run)
     emitted_per_verify: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -77,6 +78,7 @@ class SpeculativeStats:
             "draft_calls": self.draft_calls,
             "commit_calls": self.commit_calls,
             "first_token_rollbacks": self.rollbacks,
+            "drafts_disallowed": self.disallowed,
         }
 
 
@@ -186,8 +188,14 @@ def generate_speculative(
     seed: int | None = None,
     stop_at_eos: bool = True,
     on_token: Callable[[int], None] | None = None,
+    guide: TokenGuide | None = None,
 ) -> tuple[Generation, SpeculativeStats]:
-    """Prefill `ids`, then produce up to max_new_tokens with `depth` drafts per verify call."""
+    """Prefill `ids`, then produce up to max_new_tokens with `depth` drafts per verify call.
+
+    With a guide (deltaship.constrain) the drafts are checked against it before the verify call (the first one it
+    does not allow ends the run: it and the drafts after it are not verified) and every row the decoder's token is
+    chosen from is masked at the state after the tokens before it, so the output is the non-speculative
+    constrained decoding's (greedy: the same tokens; sampling: the same distribution)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     require_speculative(session)
     s: Any = session
@@ -214,23 +222,35 @@ def generate_speculative(
         return gen, stats
 
     def pick(row: np.ndarray) -> int:
+        row = masked(row, guide)
         if greedy:
             return int(np.argmax(row))
         p = probabilities(row, temperature, top_k, top_p)
         return int(rng.choice(p.size, p=p))
 
-    tokens = prompt.tolist() + [pick(logits)]
+    done_after: list[bool] = []  # per output token, in the order they are consumed and emitted: the guide's done()
+
+    def consume(tok: int) -> int:
+        if guide is not None:
+            guide.advance(tok)
+        done_after.append(guide is not None and guide.done())
+        return tok
+
+    tokens = prompt.tolist() + [consume(pick(logits))]
     committed = prompt.size  # tokens the decoder's state holds (== session.position)
     drafted_upto = 0  # the draft head's KV cache holds positions < drafted_upto
     emitted = 1
 
     def emit(tok: int) -> bool:
-        """Record one output token; True when generation must stop."""
+        """Record one output token (the guide already consumed it); True when generation must stop."""
         gen.output_ids.append(tok)
         if on_token:
             on_token(tok)
         if stop_at_eos and tok in session.eos_ids:
             gen.stopped = "eos"
+            return True
+        if done_after[len(gen.output_ids) - 1] and (tok in session.eos_ids or not session.eos_ids):
+            gen.stopped = "eos" if tok in session.eos_ids else "constraint"
             return True
         return len(gen.output_ids) >= max_new_tokens
 
@@ -261,6 +281,10 @@ def generate_speculative(
                     d_logits, d_hidden = s.draft(d_hidden[-1:], np.asarray(drafts[-1:], np.int64), n - 1 + i)
                     stats.draft_calls += 1
             drafted_upto = n - 1
+            if guide is not None:  # the first draft the constraint does not allow ends the run
+                ok = guide.valid_prefix(drafts)
+                stats.disallowed += len(drafts) - ok
+                del drafts[ok:], draft_probs[ok:]
         # verify the pending tokens and the drafts in one call, every row's logits back
         feed = np.asarray(tokens[committed:] + drafts, np.int64)
         # a snapshot, unless every rejection this call can have leaves only its first token (the newest one, and
@@ -272,11 +296,12 @@ def generate_speculative(
         base = n - 1 - committed  # the row whose logits choose the token at position n
         accepted, new = 0, None
         for i, d in enumerate(drafts):
-            row = rows_logits[base + i]
+            row = masked(rows_logits[base + i], guide)  # at the state after the drafts accepted before it
             if greedy:
                 t = int(np.argmax(row))
                 if t == d:
                     accepted += 1
+                    consume(d)
                     continue
                 new = t
             else:
@@ -284,10 +309,12 @@ def generate_speculative(
                 new = accept_or_resample(probabilities(row, temperature, top_k, top_p), q, d, rng)
                 if new is None:
                     accepted += 1
+                    consume(d)
                     continue
             break
         if new is None:  # every draft accepted: the decoder's next token comes free
             new = pick(rows_logits[base + len(drafts)])
+        consume(new)
         stats.accepted += accepted
         stats.emitted_per_verify.append(accepted + 1)
         # hidden states of the positions whose tokens are now known to be right

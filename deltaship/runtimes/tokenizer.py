@@ -16,6 +16,7 @@ class BundleTokenizer:
         from tokenizers import Tokenizer  # lazy: tokenizers
 
         text = read_bounded_text(path, "tokenizer", FIX)  # bounded: a tokenizer beyond 64 MiB is refused unread
+        self.json_text = text  # what a constraint's token table is built from (deltaship.constrain.token_table)
         try:
             self._tok = Tokenizer.from_str(text)
         except Exception as e:  # the Rust library raises a bare Exception with serde's message

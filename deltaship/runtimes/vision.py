@@ -38,7 +38,7 @@ from deltaship.models.vision import (
     rope_positions,
 )
 from deltaship.runtimes import mil_eval
-from deltaship.runtimes.base import Generation, check_sampling, decode_loop
+from deltaship.runtimes.base import Generation, TokenGuide, check_sampling, decode_loop
 from deltaship.runtimes.executorch import load_program
 from deltaship.runtimes.onnx_io import session_options
 
@@ -239,6 +239,7 @@ class Multimodal(ABC):
         stop_at_eos: bool = True,
         keep_logits: bool = False,
         on_token: Callable[[int], None] | None = None,
+        guide: TokenGuide | None = None,
     ) -> Generation:
         """As Session.generate, for a prompt with images and videos (ids: one image token per image and one video
         token per temporal patch of a video, or expanded spans)."""
@@ -270,6 +271,7 @@ class Multimodal(ABC):
             stop_at_eos,
             keep_logits,
             on_token,
+            guide,
         )
 
 

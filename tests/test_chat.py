@@ -1,6 +1,6 @@
 """Multi-turn chat (deltaship/chat): session checkpoints, incremental templates, retry / undo, saved sessions.
 
-One fp32 ONNX export of the trained tiny preset per module. The tiny model answers most prompts alike when greedy,
+One fp32 ONNX export of the trained tiny preset per run. The tiny model answers most prompts alike when greedy,
 so exactness is also checked where a wrong state cannot hide: the DeltaNet states against a fresh prefill of the
 same ids, and sampled replies (same seed) against a fresh session's.
 
@@ -32,12 +32,10 @@ N = 10  # new tokens per reply
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> Path:
-    from deltaship.compile import export
-
-    out = tmp_path_factory.mktemp("chat") / "tiny-onnx"
-    export("qwen3.5-tiny", out, target="onnx", precision="fp32", max_context=CONTEXT, verify=False, progress=False)
-    return out
+def bundle(shared_export) -> Path:
+    """Built once per run, shared with test_trust_chat (no test writes into it)."""
+    return shared_export("chat-tiny-onnx-fp32", "qwen3.5-tiny", target="onnx", precision="fp32", max_context=CONTEXT,
+                         verify=False)  # fmt: skip
 
 
 def _deltanet(session) -> dict[str, np.ndarray]:

@@ -109,6 +109,7 @@ def _converse(conv, bundle, session, sampling: dict, json: bool, stdin: IO[str],
         print(f"deltaship chat: {bundle} ({conv.session.runtime_name()}); /help lists the commands", file=stdout)
     state = {"retries": 0, "line": 0}  # retries of the last turn: its seed's place in the sequence
     while True:
+        state["line"] += 1
         try:
             if interactive:
                 try:
@@ -117,14 +118,12 @@ def _converse(conv, bundle, session, sampling: dict, json: bool, stdin: IO[str],
                     print(file=stdout)
                     break
             else:
-                line = stdin.readline()
-                if not line:
+                line = _read_line(stdin, state["line"])
+                if line is None:
                     break
-                line = line.rstrip("\n")
-            state["line"] += 1
             _check_text(line, state["line"])
         except (UnicodeDecodeError, DeltashipError) as e:
-            err = e if isinstance(e, DeltashipError) else _not_text(state["line"] + 1)
+            err = e if isinstance(e, DeltashipError) else _not_text(state["line"])
             if not interactive:
                 raise err from None
             print(f"error: {err.message}" + (f"\n  fix: {err.fix}" if err.fix else ""), file=sys.stderr)
@@ -139,6 +138,21 @@ def _converse(conv, bundle, session, sampling: dict, json: bool, stdin: IO[str],
                 raise
             print(f"error: {e.message}" + (f"\n  fix: {e.fix}" if e.fix else ""), file=sys.stderr)
     return 0
+
+
+def _read_line(stdin: IO[str], n: int) -> str | None:
+    """Line n of piped input (None at its end), decoded as UTF-8 line by line from the bytes where there are bytes
+    (a text stream decodes ahead, so its error would name the wrong line)."""
+    raw = getattr(stdin, "buffer", None)
+    if raw is None:
+        line = stdin.readline()
+    else:
+        data = raw.readline()
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _not_text(n) from None
+    return line.rstrip("\n").removesuffix("\r") if line else None
 
 
 def _not_text(n: int) -> DeltashipError:

@@ -176,12 +176,15 @@ def test_a_killed_save_leaves_nothing_the_next_run_keeps(bundle, tmp_path):
 
 # ---- templates: bounded -----------------------------------------------------------------------------------------
 
-HOSTILE = {
-    "nested range": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x",
-    "string repetition": "{{ 'a' * 10**10 }}",
-    "recursive macro": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
-    "huge for output": "{% for i in range(100000) %}{{ messages[0].content * 1000 }}{% endfor %}",
-    "renders nothing": "{% for m in messages %}{% endfor %}",
+HOSTILE = {  # the template, and the bound that stops it
+    "nested range": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x",
+        f"took more than {TIME_BUDGET_S:g} s",
+    ),
+    "string repetition": ("{{ 'a' * 10**10 }}", "repeats a string or list"),
+    "recursive macro": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "nests calls deeper than 64"),
+    "huge for output": ("{% for i in range(100000) %}{{ messages[0].content * 1000 }}{% endfor %}", "renders more"),
+    "renders nothing": ("{% for m in messages %}{% endfor %}", "to nothing"),
 }
 LIMIT_S, LIMIT_BYTES = 5.0, 200 << 20  # the bounds stated in docs/reliability.md
 
@@ -219,14 +222,15 @@ def _bounded(capsys, argv: list[str]) -> tuple[int, str]:
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_a_hostile_template_is_refused_within_bounds_by_chat_and_app(bundle, tmp_path, capsys, monkeypatch, case):
-    hostile = _with_template(bundle, tmp_path / "b", HOSTILE[case])
+    source, bound = HOSTILE[case]
+    hostile = _with_template(bundle, tmp_path / "b", source)
     template = str(hostile / "chat_template.jinja")
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
     code, err = _bounded(capsys, ["chat", str(hostile), "--max-new-tokens", "1"])
-    assert code == 2 and template in err and "Traceback" not in err, err
+    assert code == 2 and template in err and bound in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 2  # what, and the fix
     code, err = _bounded(capsys, ["app", str(hostile), "--platform", "web", "--out", str(tmp_path / "kit")])
-    assert code == 2 and template in err, err
+    assert code == 2 and template in err and bound in err, err
     assert not (tmp_path / "kit").exists() and not list(tmp_path.glob(".kit.*"))  # nothing written
 
 

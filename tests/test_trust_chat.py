@@ -134,6 +134,9 @@ def test_chat_save_writes_only_where_a_session_of_the_bundle_belongs(bundle, tmp
     assert sorted(p.name for p in bundle.iterdir()) == before and notes.read_text() == "mine"
     assert not (other_bundle / "sub" / "talk.dschat").exists()
 
+    for bad in (None, 5, ""):  # the Python API: a DeltashipError, never a TypeError
+        with pytest.raises(DeltashipError, match="a session file is a path"):
+            chat.save(bad)
     mine = chat.save(tmp_path / "mine.dschat")  # a new file, then over its own session file
     assert chat.save(mine) == mine and not lock_path(mine).exists()  # the lock removed once written
     foreign = tmp_path / "foreign.dschat"  # a session file of another bundle

@@ -9,6 +9,7 @@ template's version fed from there, so the state always holds the template's rend
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -317,7 +318,7 @@ class Chat:
         """Write the conversation (state, ids, messages, the last exchange's checkpoints) to one file, atomically.
         Refused inside a bundle, over a file that is not a session of this bundle, and on a session another chat
         holds (its lock); what a killed save left beside `path` is removed first."""
-        path = Path(path)
+        path = _file_path(path, "save")
         check_save_target(path, self.session)
         with claimed(path, "save"):
             return save_chat(self, path)
@@ -325,7 +326,7 @@ class Chat:
     @classmethod
     def load(cls, path: str | Path, session_or_bundle: Session | str | Path, **kwargs: Any) -> Chat:
         """A conversation saved by `save`, on a session of the same bundle (checked: identity, hashes, version)."""
-        path = Path(path)
+        path = _file_path(path, "load")
         if isinstance(session_or_bundle, Session):
             session = session_or_bundle
         else:
@@ -351,6 +352,12 @@ class Chat:
                 )
             ]
         return chat
+
+
+def _file_path(path: Any, what: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise DeltashipError(f"Chat.{what}: a session file is a path, got {path!r:.80}", "pass a str or a Path")
+    return Path(path)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -248,6 +248,42 @@ def test_the_template_budget_stops_a_loop_that_calls_nothing():
     assert time.monotonic() - t0 < LIMIT_S
 
 
+@pytest.mark.parametrize(
+    "source",
+    ["{{ '{:>999999999}'.format(1) }}", "{{ '{:>{w}}'.format(1, w=10**9) }}", "{{ '%999999999d' % 1 }}",
+     "{{ '%*d' % (10**9, 1) }}", "{{ 'a'|center(10**9) }}", "{{ (10**400) ** 10**6 }}"],
+)  # fmt: skip
+def test_widths_and_powers_are_refused_before_they_are_built(source):
+    """A field width or power is refused before Python allocates it (a 1 GB string, a number that takes minutes)."""
+    from deltaship.chat.template import ChatTemplate
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(DeltashipError, match="t.jinja: the chat template (formats|passes a filter|computes)"):
+            ChatTemplate(source, where="t.jinja").render([{"role": "user", "content": "x"}], True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+
+
+def test_a_render_leaves_the_callers_timer_as_it_was():
+    from deltaship.chat.template import ChatTemplate
+
+    def mine(*a):
+        pass
+
+    handler = signal.signal(signal.SIGALRM, mine)
+    signal.setitimer(signal.ITIMER_REAL, 100.0)
+    try:
+        assert ChatTemplate("{{ messages[0].content }}").render([{"role": "user", "content": "x"}], True) == "x"
+        left = signal.getitimer(signal.ITIMER_REAL)[0]
+        assert 90 < left <= 100 and signal.getsignal(signal.SIGALRM) is mine
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, handler)
+
+
 # ---- session files: checked before read ---------------------------------------------------------------------
 
 

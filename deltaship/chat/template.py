@@ -206,7 +206,8 @@ class _Running:
         self.budget, self.old = budget, None
 
     def __enter__(self):
-        self.budget.deadline, self.budget.depth, self.budget.built = time.monotonic() + TIME_BUDGET_S, 0, 0
+        self.start = time.monotonic()
+        self.budget.deadline, self.budget.depth, self.budget.built = self.start + TIME_BUDGET_S, 0, 0
         if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
             budget = self.budget
 
@@ -214,13 +215,16 @@ class _Running:
                 budget.refuse(f"took more than {TIME_BUDGET_S:g} s to render")
 
             self.old = signal.signal(signal.SIGALRM, alarm)
-            signal.setitimer(signal.ITIMER_REAL, TIME_BUDGET_S + 0.25)
+            self.timer = signal.setitimer(signal.ITIMER_REAL, TIME_BUDGET_S + 0.25)
         return self
 
     def __exit__(self, *exc):
         if self.old is not None:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, self.old)
+            if self.timer[0] > 0:  # a caller's timer: put back what was left of it
+                signal.setitimer(signal.ITIMER_REAL, max(self.timer[0] - (time.monotonic() - self.start), 1e-3),
+                                 self.timer[1])  # fmt: skip
         self.budget.deadline = float("inf")
 
 
@@ -243,10 +247,8 @@ def _bounded_environment(where: str):
             if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
                 if right > 0 and right * abs(left).bit_length() > MAX_INT_BITS:
                     self.budget.refuse(f"computes a power past {MAX_INT_BITS} bits")
-            if operator == "%" and isinstance(left, str):
-                args = right if isinstance(right, tuple) else (right,)
-                if any(isinstance(a, int) and abs(a) > MAX_OUTPUT_CHARS for a in args):  # "%*d" % (10**9, 1)
-                    self.budget.refuse("formats a field wider than its output cap")
+            if operator == "%" and isinstance(left, str):  # "%*d" % (10**9, 1), "%999999999d" % 1
+                _check_format(self.budget, left, right if isinstance(right, tuple) else (right,), {})
             result = super().call_binop(context, operator, left, right)
             if isinstance(result, int) and result.bit_length() > MAX_INT_BITS:
                 self.budget.refuse(f"computes a number past {MAX_INT_BITS} bits")
@@ -257,6 +259,8 @@ def _bounded_environment(where: str):
             budget.tick()
             if budget.depth >= MAX_CALL_DEPTH:
                 budget.refuse(f"nests calls deeper than {MAX_CALL_DEPTH} (a recursive macro)")
+            if _format_of(__obj) is not None:
+                _check_format(budget, _format_of(__obj), args, kwargs)  # "{:>999999999}".format(1)
             budget.depth += 1
             try:
                 result = super().call(__context, __obj, *args, **kwargs)
@@ -307,6 +311,24 @@ class _Range:
 
     def __reversed__(self):
         return iter(_Range(self._r[::-1], self._budget))
+
+
+def _format_of(obj: Any) -> str | None:
+    """The format string of a bound str.format / str.format_map (as the sandbox wraps it), else None."""
+    obj = getattr(obj, "__wrapped__", obj)
+    if getattr(obj, "__name__", None) in ("format", "format_map") and isinstance(getattr(obj, "__self__", None), str):
+        return obj.__self__
+    return None
+
+
+def _check_format(budget: _Budget, fmt: str, args: tuple, kwargs: dict) -> None:
+    """A format's widths (in its text or passed as numbers) within the output cap: they are allocated whole."""
+    import re
+
+    widths = [int(d) for d in re.findall(r"\d{7,}", fmt)]
+    widths += [a for a in (*args, *kwargs.values()) if isinstance(a, int) and not isinstance(a, bool)]
+    if any(abs(w) > MAX_OUTPUT_CHARS for w in widths):
+        budget.refuse("formats a field wider than its output cap")
 
 
 def _bounded_filter(f, budget: _Budget):

@@ -20,7 +20,7 @@ from deltaship.bundle.destination import check_destination
 from deltaship.check import inspect as bundle_inspect
 from deltaship.check.evaluate import evaluate
 from deltaship.commands import generate, plan
-from deltaship.commands.chat import chat
+from deltaship.commands.chat import chat, commands_help
 from deltaship.compile import export
 from deltaship.compile.settings import EXPORT_OPTIONS
 from deltaship.constrain import build_constraint
@@ -723,7 +723,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="print the results as one JSON object")
     v.set_defaults(func=_eval)
 
-    c = sub.add_parser("chat", help="talk with a bundle: multi-turn chat with retry, undo and saved sessions")
+    c = sub.add_parser(
+        "chat",
+        help="talk with a bundle: multi-turn chat with retry, undo and saved sessions",
+        epilog=f"commands in a conversation (on a terminal and in piped input alike):\n{commands_help()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     c.add_argument("bundle", help="the bundle directory (deltaship export --out)")
     c.add_argument("--system", default=None, help="the system message")
     c.add_argument(

@@ -149,6 +149,7 @@ def python_example() -> str:
     return blocks[0]
 
 
+@pytest.mark.slow  # exports and profiles: the README's other checks (links, length, commands) take milliseconds
 def test_runnable_blocks_run(tmp_path):
     runnable = [body for info, body in fenced(README.read_text()) if info[:1] == ["bash"] and "runnable" in info]
     assert len(runnable) >= 5, "the README's runnable blocks (```bash runnable) are missing"

@@ -181,15 +181,17 @@ def generate(
         stop_at_eos=stop_at_eos,
     )
     spec_stats = None
+    clock = _TokenClock(t0)
     if depth is not None:
-        gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, **kw)
+        gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, on_token=clock, **kw)
     elif mm:
-        gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=dump_logits is not None, **kw)
+        gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=dump_logits is not None, on_token=clock, **kw)
     else:
-        gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, **kw)
+        gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, on_token=clock, **kw)
     elapsed = time.monotonic() - t0
     result: dict[str, Any] = {
         **_ids_result(gen, elapsed, session),
+        **clock.rates(),
         **({"speculative": spec_stats.as_dict()} if spec_stats else {}),
     }
     if mm is not None:
@@ -285,6 +287,26 @@ def _genai_resize_notices(
                 f"{pre.factor // 2} pixels avoids it"
             )
     return notices
+
+
+class _TokenClock:
+    """on_token for a generation: when the first and the last new token came, for --json's ttft_s (from the start
+    of the prefill to the first token) and decode_tok_s (tokens per second after the first), as `chat --json`."""
+
+    def __init__(self, t0: float):
+        self.t0, self.first, self.last, self.count = t0, None, None, 0
+
+    def __call__(self, token: int) -> None:
+        self.last = time.monotonic()
+        self.first = self.first or self.last
+        self.count += 1
+
+    def rates(self) -> dict[str, float]:
+        if self.first is None:
+            return {}
+        span = self.last - self.first
+        rate = (self.count - 1) / span if self.count > 1 and span > 0 else 0.0
+        return {"ttft_s": round(self.first - self.t0, 6), "decode_tok_s": round(rate, 3)}
 
 
 def _ids_result(gen, elapsed: float, session) -> dict[str, Any]:

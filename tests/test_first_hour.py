@@ -1,0 +1,168 @@
+"""What a new user trips over in the first hour (issue 52): typos, help groups, quiet plan footnotes, generate's
+timings, the app command's wording and listing, the README's fast checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import stub_bundle
+
+from deltaship.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def usage_error(capsys, argv: list[str]) -> list[str]:
+    """The stderr lines of a command argparse refuses (exit 2)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.splitlines()
+
+
+def subparser(name: str):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[name]
+
+
+def option(parser, flag: str):
+    return next(a for a in parser._actions if flag in a.option_strings)
+
+
+@pytest.mark.parametrize(
+    "argv, what, fix",
+    [
+        (
+            ["export", "--model", "qwen3.5-tiny", "--out", "x", "--precison", "int4"],
+            "deltaship export: error: unknown option --precison; did you mean --precision?",
+            "  fix: pass --precision instead of --precison",
+        ),
+        (
+            ["export", "--model", "qwen3.5-tiny", "--out", "x", "--precision", "int5"],
+            "deltaship export: error: --precision int5 is not one of fp32, fp16, int8, int4; did you mean int8?",
+            "  fix: pass --precision int8",
+        ),
+        (
+            ["generate", "b", "--prompt", "x", "--temprature=0.5"],
+            "deltaship generate: error: unknown option --temprature; did you mean --temperature?",
+            "  fix: pass --temperature instead of --temprature",
+        ),
+        (
+            ["exprot", "--model", "qwen3.5-tiny"],
+            "deltaship: error: unknown command 'exprot'; did you mean 'export'?",
+            "  fix: use deltaship export (deltaship --help lists the commands)",
+        ),
+        (
+            ["plan", "--model", "qwen3.5-0.8b", "--zzz"],
+            "deltaship plan: error: unknown option --zzz",
+            "  fix: `deltaship plan --help` lists its options",
+        ),
+    ],
+)
+def test_a_typo_is_one_line_with_the_suggestion_and_a_fix(capsys, argv, what, fix):
+    """No usage block: the subcommand, the bad word and the nearest option or choice, then the fix line."""
+    assert usage_error(capsys, argv) == [what, fix]
+
+
+def test_every_usage_error_is_what_and_fix(capsys):
+    """argparse's other refusals (a missing option, a value its check refuses) take the same two lines."""
+    assert usage_error(capsys, ["export", "--out", "x"]) == [
+        "deltaship export: error: the following arguments are required: --model",
+        "  fix: `deltaship export --help` shows what each option takes",
+    ]
+    lines = usage_error(capsys, ["generate", "b", "--prompt", "x", "--max-new-tokens", "0"])
+    assert lines == ["deltaship generate: error: argument --max-new-tokens: must be >= 1, got 0", "  fix: " + (
+        "pass --max-new-tokens 1 or more")]  # fmt: skip
+
+
+def test_shared_target_options_sit_in_a_group_that_says_where_they_apply():
+    export = subparser("export")
+    group = next(g for g in export._action_groups if any("--mtp" in a.option_strings for a in g._group_actions))
+    takers = [t for t in ("coreml", "executorch", "onnx", "qnn") if f"{t}" in group.title]
+    assert takers == ["coreml", "executorch", "onnx"], group.title  # qnn has no MTP head
+    assert {"--mtp", "--mtp-draft-vocab"} <= {s for a in group._group_actions for s in a.option_strings}
+    own = next(g for g in export._action_groups if g.title == "coreml options")
+    assert "--mtp" not in {s for a in own._group_actions for s in a.option_strings}
+
+
+def test_device_and_tier_help_list_the_catalog_tiers():
+    from deltaship.devices.catalog import load_catalog
+
+    tiers = list(load_catalog()[0])
+    assert len(tiers) > 3
+    for command, flag in (("export", "--device"), ("plan", "--tier"), ("profile", "--tier")):
+        text = option(subparser(command), flag).help
+        assert ", ".join(tiers) in text, (command, flag, text)
+
+
+def test_plan_footnotes_only_with_verbose(capsys):
+    assert main(["plan", "--model", "qwen3.5-0.8b", "--tier", "phone-8gb"]) == 0
+    quiet = capsys.readouterr().out
+    assert "measured 20" not in quiet and "estimate (not measured)" not in quiet
+    hint = [ln for ln in quiet.splitlines() if "deltaship plan --verbose" in ln]
+    assert len(hint) == 1, quiet
+    assert main(["plan", "--model", "qwen3.5-0.8b", "--tier", "phone-8gb", "--verbose"]) == 0
+    loud = capsys.readouterr().out
+    notes = [ln for ln in loud.splitlines() if ln.startswith("  ") and ("measured" in ln or "estimate" in ln)]
+    assert len(notes) >= 8 and "deltaship plan --verbose" not in loud
+    assert f"({len(notes)} notes)" in hint[0]
+    # the table and verdicts themselves are the same
+    assert [ln for ln in loud.splitlines() if ln not in notes] == [ln for ln in quiet.splitlines() if ln not in hint]
+
+
+def test_generate_json_reports_ttft_and_decode_rate(bundles, capsys):
+    bundle = bundles("base")
+    argv = ["generate", str(bundle), "--input-ids", "1,2,3", "--max-new-tokens", "6", "--no-stop-at-eos", "--json"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert len(res["output_ids"]) == 6
+    assert 0 < res["ttft_s"] <= res["seconds"] and res["decode_tok_s"] > 0
+    # 5 tokens after the first, decoded in at most the time after the first token
+    assert res["decode_tok_s"] >= 5 / (res["seconds"] - res["ttft_s"]) * 0.99
+
+
+def test_force_refusal_names_force(tmp_path):
+    from deltaship.bundle.destination import check_destination
+    from deltaship.errors import DeltashipError
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    with pytest.raises(DeltashipError) as e:
+        check_destination(out, True, (), "--out", replaces=("bundle",))
+    assert "; --force replaces only a deltaship bundle or an empty directory; nothing was written" in e.value.message
+    assert "--force this" not in e.value.message
+
+
+def test_app_lists_kit_json_among_what_it_wrote(tmp_path, monkeypatch, capsys):
+    import types
+
+    import deltaship.apps as apps
+
+    def fake_write_kit(bundle: Path, out: Path, platform: str) -> list[Path]:
+        (out / "README.md").write_text("# kit")
+        return [out / "README.md"]
+
+    monkeypatch.setitem(sys.modules, "fake_web_kit", types.SimpleNamespace(write_kit=fake_write_kit))
+    monkeypatch.setitem(apps._KITS, "web", "fake_web_kit")
+    monkeypatch.chdir(tmp_path)
+    stub_bundle(Path("b"), "onnx")
+    assert main(["app", "b", "--platform", "web", "--out", "kit"]) == 0
+    wrote = capsys.readouterr().out.splitlines()[0]
+    assert wrote == "wrote the web kit to kit: kit/README.md, kit/kit.json" and Path("kit/kit.json").is_file()
+
+
+def test_readme_checks_are_in_the_fast_tier():
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "not slow", "-p", "no:cacheprovider",
+         "tests/test_readme.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "test_relative_links_resolve" in r.stdout and "test_readme_is_short" in r.stdout
+    assert "test_runnable_blocks_run" not in r.stdout  # it exports: slow

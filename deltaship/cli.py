@@ -160,6 +160,7 @@ def _generate(a: argparse.Namespace) -> int:
         runtime=a.runtime,
         cuda_graph=a.cuda_graph,
         prepack_cache=a.prepack_cache,
+        progress=not a.quiet,
         **({"speculative": a.speculative} if a.speculative else {}),
         **({"images": a.image} if a.image else {}),
         **({"videos": a.video} if a.video else {}),
@@ -190,7 +191,10 @@ def _inspect(a: argparse.Namespace) -> int:
 
 
 def _eval(a: argparse.Namespace) -> int:
-    res = evaluate(a.bundle, model=a.model, tokens=a.tokens, threads=a.threads)
+    say = Progress(enabled=not a.quiet)
+    say(f"eval: {a.bundle} against {a.model or 'the checkpoint it was exported from'}")
+    res = evaluate(a.bundle, model=a.model, tokens=a.tokens, threads=a.threads, progress=say)
+    say.done()
     if a.json:
         print(json.dumps(res))
     else:
@@ -523,6 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_arguments(g)
     g.add_argument("--no-stop-at-eos", action="store_true", help="keep going past end-of-sequence tokens")
     g.add_argument(
+        "--quiet", action="store_true", help="no progress lines on stderr (a generation that runs long reports them)"
+    )
+    g.add_argument(
         "--speculative",
         default=None,
         metavar="mtp[:K]",
@@ -707,6 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tokens", type=_count("--tokens", 2), default=512, help="tokens of text to score (default 512)")
     v.add_argument("--threads", type=THREADS, default=None, help="runtime threads (default: the runtime's)")
     v.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    v.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     v.set_defaults(func=_eval)
 
     c = sub.add_parser("chat", help="talk with a bundle: multi-turn chat with retry, undo and saved sessions")

@@ -4,6 +4,7 @@ timings, the app command's wording and listing, the README's fast checks."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,90 @@ def test_readme_checks_are_in_the_fast_tier():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "test_relative_links_resolve" in r.stdout and "test_readme_is_short" in r.stdout
     assert "test_runnable_blocks_run" not in r.stdout  # it exports: slow
+
+
+@pytest.fixture
+def quick_beats(monkeypatch):
+    """heartbeat() reports every millisecond (1 s by default): a test's short steps get their detail lines."""
+    from deltaship.progress import heartbeat
+
+    monkeypatch.setattr(heartbeat.__wrapped__, "__defaults__", (0.001,))
+
+
+def progress_lines():
+    import io
+
+    from deltaship.progress import Progress
+
+    buf = io.StringIO()
+    return Progress(stream=buf, every=0), buf
+
+
+def test_eval_reports_its_steps_on_stderr_and_quiet_silences_them(bundles, capsys):
+    bundle = str(bundles("base"))
+    assert main(["eval", bundle, "--tokens", "16", "--json"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith(f"] eval: {bundle} against the checkpoint it was exported from"), err
+    assert any(ln.endswith("] eval: 16 tokens of seeded random token ids (no tokenizer)") for ln in err), err
+    assert main(["eval", bundle, "--tokens", "16", "--json", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def slow_sessions(monkeypatch, module) -> None:
+    """`module`'s open_bundle gives sessions that decode in 10 ms a token, as a slow runtime does (Core ML's op-by-op
+    evaluator on Linux): long enough for a step's detail lines."""
+    import time
+
+    opened = module.open_bundle
+
+    def slow(*args, **kwargs):
+        session = opened(*args, **kwargs)
+        decode = session.decode
+        session.decode = lambda tok: (time.sleep(0.01), decode(tok))[1]
+        return session
+
+    monkeypatch.setattr(module, "open_bundle", slow)
+
+
+def test_eval_steps_report_their_detail(bundles, monkeypatch, quick_beats):
+    import deltaship.check.evaluate as ev
+
+    slow_sessions(monkeypatch, ev)
+    evaluate = ev.evaluate
+    say, buf = progress_lines()
+    evaluate(bundles("base"), tokens=16, progress=say)
+    said = buf.getvalue()
+    assert re.search(r"\] eval: the bundle, \d+ s: \d+ of 15 tokens\n", said), said
+    assert re.search(r"\] eval: the transformers fp32 reference, \d+ s\n", said), said
+
+
+def test_generate_reports_a_long_generation_and_nothing_for_a_short_one(bundles, capsys, monkeypatch, quick_beats):
+    from deltaship.commands import generate
+
+    bundle = bundles("base")
+    say, buf = progress_lines()
+    with monkeypatch.context() as m:
+        slow_sessions(m, sys.modules["deltaship.commands.generate"])  # the module, not the function of its name
+        generate(bundle, input_ids=[1, 2, 3], max_new_tokens=6, stop_at_eos=False, progress=say)
+    said = buf.getvalue()
+    assert re.search(r"\] generate: 3 prompt tokens, then decoding, \d+ s: \d of 6 new tokens\n", said), said
+    assert "] generate: opening the bundle, " in said
+    # by default, a log gets a line only once a step has been silent for 10 s: none for this one
+    argv = ["generate", str(bundle), "--input-ids", "1,2,3", "--max-new-tokens", "2"]
+    assert main(argv) == 0 and capsys.readouterr().err == ""
+    assert main([*argv, "--quiet"]) == 0 and capsys.readouterr().err == ""
+
+
+def test_profile_reports_its_warm_up_and_timed_runs(bundles, monkeypatch, quick_beats):
+    import time
+
+    import deltaship.profiling.profile as prof
+
+    def slow_worker(cfg, cap=None, **kw):  # the worker process: its warm-ups and timed runs
+        time.sleep(0.05)
+        return None, {"metric": "run", "status": "died", "reason": "test", "samples": [], "flags": ["died"]}
+
+    monkeypatch.setattr(prof, "run_worker", slow_worker)
+    say, buf = progress_lines()
+    prof.profile(bundles("base"), progress=say, contexts=[16], prompt_lengths=[8], gen=2, reps=1, warmups=1)
+    assert re.search(r"\] warm-up and timed runs \(1 warm-up, 1\+ timed per phase\), \d+ s\n", buf.getvalue())

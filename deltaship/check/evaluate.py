@@ -20,6 +20,7 @@ from deltaship.errors import DeltashipError
 from deltaship.models.source import load_source
 from deltaship.models.trained import HELDOUT
 from deltaship.options import threads as check_threads
+from deltaship.progress import Progress, heartbeat
 from deltaship.runtimes.speculative import mtp_acceptance
 from deltaship.runtimes.tokenizer import load_tokenizer
 from deltaship.targets import open_bundle
@@ -49,7 +50,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """Perplexity, reference perplexity, KL divergence and top-1 agreement of a bundle.
 
-    The reference is the model named in the manifest (or `model`), checked by sha256.
+    The reference is the model named in the manifest (or `model`), checked by sha256. progress: a step's line
+    ("eval: N tokens of ..."); a Progress also gets each long step's detail (the bundle's token-by-token run, the
+    reference's forward), which a log shows once the step has been silent for a while.
     """
     import torch  # lazy: torch
 
@@ -81,13 +84,16 @@ def evaluate(
         raise DeltashipError("the evaluation text gives fewer than 2 tokens", "pass --tokens 2 or more")
     if progress:
         progress(f"eval: {len(ids)} tokens of {text}")
+    beat = (lambda m: progress(m, inline=True)) if isinstance(progress, Progress) else None
     rows = [session.prefill(ids[:1])]
-    for tok in ids[1:-1]:
-        rows.append(session.decode(tok))
+    with heartbeat(beat and (lambda m: beat(f"{m}: {len(rows)} of {len(ids) - 1} tokens")), "eval: the bundle"):
+        for tok in ids[1:-1]:
+            rows.append(session.decode(tok))
     got = np.stack(rows)
-    ref = reference_model(source)
-    with torch.no_grad():
-        want = ref(torch.tensor([ids[:-1]]), use_cache=False).logits[0].float().numpy()
+    with heartbeat(beat, "eval: the transformers fp32 reference"):
+        ref = reference_model(source)
+        with torch.no_grad():
+            want = ref(torch.tensor([ids[:-1]]), use_cache=False).logits[0].float().numpy()
     del ref
     targets = np.asarray(ids[1:])
     lp, lq = log_softmax(want), log_softmax(got)
@@ -112,7 +118,8 @@ def evaluate(
         "precision": manifest["precision"],
     }
     if manifest.get("speculative"):  # the MTP head: how often its draft is what greedy decoding accepts
-        result["mtp"] = mtp_acceptance(session, ids)
+        with heartbeat(beat, "eval: the MTP head's drafts"):
+            result["mtp"] = mtp_acceptance(session, ids)
     if "random" in text:
         result["note"] = "random token ids: perplexity is not a quality measure here"
     return result

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -15,6 +15,7 @@ from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object
 from deltaship.models.vision import Preprocessor, load_image, smart_resize
+from deltaship.progress import Progress, heartbeat
 from deltaship.runtimes.speculative import generate_speculative, parse_speculative
 from deltaship.runtimes.tokenizer import load_tokenizer
 from deltaship.runtimes.vision import image_prompt
@@ -55,6 +56,7 @@ def generate(
     images: list[str | Path] | None = None,
     videos: list[str] | None = None,
     fps: float | None = None,
+    progress: bool | Callable = True,
 ) -> dict[str, Any]:
     """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict.
 
@@ -69,7 +71,10 @@ def generate(
 
     temperature 0 is greedy; top_k (>= 1), top_p (in (0, 1]) and seed (>= 0) need temperature > 0 and are refused
     without it. Every value is range-checked (deltaship/options.py, as the CLI's flags) before the bundle is
-    opened; a bad one raises DeltashipError."""
+    opened; a bad one raises DeltashipError.
+
+    progress: a generation that runs long (Core ML's op-by-op evaluator on Linux, a large model) reports the tokens
+    it has on stderr, in a log once it has been silent for a while (deltaship/progress.py); False: never."""
 
     depth = parse_speculative(speculative)
     if depth is not None and (images or videos):
@@ -151,14 +156,16 @@ def generate(
         module, spec = text
         res = getattr(module, spec.generate)(bundle, prompt, max_new_tokens=max_new_tokens, temperature=temperature)
         return {**res, "seconds": res.get("stats", {}).get("total_seconds")}
-    session = open_bundle(
-        bundle,
-        threads=threads,
-        provider=provider,
-        runtime=runtime,
-        prepack_cache=prepack_cache,
-        **({"cuda_graph": True} if cuda_graph else {}),
-    )
+    say = Progress() if progress is True else progress or None
+    with heartbeat(_beat(say), "generate: opening the bundle"):
+        session = open_bundle(
+            bundle,
+            threads=threads,
+            provider=provider,
+            runtime=runtime,
+            prepack_cache=prepack_cache,
+            **({"cuda_graph": True} if cuda_graph else {}),
+        )
     mm, notices, loaded = None, [], []
     if images or videos:
         mm = open_multimodal(session)  # refuses a bundle without a vision tower
@@ -182,12 +189,16 @@ def generate(
     )
     spec_stats = None
     clock = _TokenClock(t0)
-    if depth is not None:
-        gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, on_token=clock, **kw)
-    elif mm:
-        gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=dump_logits is not None, on_token=clock, **kw)
-    else:
-        gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, on_token=clock, **kw)
+    beat = _beat(say, lambda m: f"{m}: {clock.count} of {max_new_tokens} new tokens")
+    with heartbeat(beat, f"generate: {len(ids)} prompt tokens, then decoding"):
+        if depth is not None:
+            gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, on_token=clock, **kw)
+        elif mm:
+            gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=dump_logits is not None, on_token=clock, **kw)
+        else:
+            gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, on_token=clock, **kw)
+    if isinstance(say, Progress):
+        say.done()
     elapsed = time.monotonic() - t0
     result: dict[str, Any] = {
         **_ids_result(gen, elapsed, session),
@@ -287,6 +298,15 @@ def _genai_resize_notices(
                 f"{pre.factor // 2} pixels avoids it"
             )
     return notices
+
+
+def _beat(say, detail: Callable[[str], str] = str) -> Callable[[str], None] | None:
+    """heartbeat()'s reporter for generate's progress: a Progress's inline detail, or the caller's function."""
+    if say is None:
+        return None
+    if isinstance(say, Progress):
+        return lambda m: say(detail(m), inline=True)
+    return lambda m: say(detail(m))
 
 
 class _TokenClock:

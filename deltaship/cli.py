@@ -193,7 +193,7 @@ def _inspect(a: argparse.Namespace) -> int:
 def _eval(a: argparse.Namespace) -> int:
     say = Progress(enabled=not a.quiet)
     say(f"eval: {a.bundle} against {a.model or 'the checkpoint it was exported from'}")
-    res = evaluate(a.bundle, model=a.model, tokens=a.tokens, threads=a.threads, progress=say)
+    res = evaluate(a.bundle, model=a.model, tokens=a.tokens, threads=a.threads, progress=say, text=a.text)
     say.done()
     if a.json:
         print(json.dumps(res))
@@ -711,7 +711,19 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of a bundle against the fp32 reference")
     v.add_argument("bundle", help="bundle directory")
     v.add_argument("--model", default=None, help="the source checkpoint (default: the one in the manifest)")
-    v.add_argument("--tokens", type=_count("--tokens", 2), default=512, help="tokens of text to score (default 512)")
+    v.add_argument(
+        "--tokens",
+        type=_count("--tokens", 2),
+        default=512,
+        help="tokens of text to score (default 512, at most the bundle's max context)",
+    )
+    v.add_argument(
+        "--text",
+        default=None,
+        metavar="FILE",
+        help="score your own UTF-8 text file (its first --tokens tokens; up to 16 MiB) instead of the held-out "
+        "Python source that ships with the package",
+    )
     v.add_argument("--threads", type=THREADS, default=None, help="runtime threads (default: the runtime's)")
     v.add_argument("--json", action="store_true", help="print the results as one JSON object")
     v.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

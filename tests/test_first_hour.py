@@ -254,3 +254,49 @@ def test_profile_reports_its_warm_up_and_timed_runs(bundles, monkeypatch, quick_
     say, buf = progress_lines()
     prof.profile(bundles("base"), progress=say, contexts=[16], prompt_lengths=[8], gen=2, reps=1, warmups=1)
     assert re.search(r"\] warm-up and timed runs \(1 warm-up, 1\+ timed per phase\), \d+ s\n", buf.getvalue())
+
+
+@pytest.fixture
+def tiny_onnx(shared_export) -> Path:
+    """The trained tiny preset as an ONNX int4 bundle (it has a tokenizer and a chat template), shared with
+    test_memory_plan and test_onnx_order."""
+    return shared_export("memory-plan-tiny-onnx-int4", "qwen3.5-tiny", target="onnx", precision="int4", verify=False)
+
+
+def refused(capsys, argv: list[str]) -> list[str]:
+    """The error and fix lines of a command deltaship refuses as bad input (exit 2)."""
+    assert main(argv) == 2
+    return [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("[")]  # less the progress
+
+
+def test_eval_text_scores_the_users_file(tiny_onnx, tmp_path, capsys):
+    own = tmp_path / "mine.py"
+    own.write_text((ROOT / "deltaship" / "progress.py").read_text(encoding="utf-8"), encoding="utf-8")
+    assert main(["eval", str(tiny_onnx), "--text", str(own), "--tokens", "24", "--json", "--quiet"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["text"] == str(own) and res["tokens"] == 23 and res["perplexity"] > 1
+
+
+def test_eval_text_refuses_short_non_utf8_large_and_tokenizerless(tiny_onnx, bundles, tmp_path, capsys, monkeypatch):
+    from deltaship.check import evaluate as ev
+    from deltaship.runtimes.tokenizer import load_tokenizer
+
+    short = tmp_path / "short.txt"
+    short.write_text("def f(x):\n    return x\n")
+    tokenizer = load_tokenizer(tiny_onnx, json.loads((tiny_onnx / "manifest.json").read_text()))
+    n = len(tokenizer.encode(short.read_text()))
+    what, fix = refused(capsys, ["eval", str(tiny_onnx), "--text", str(short), "--tokens", "100"])
+    assert what == (
+        f"deltaship eval: error: --text {short}: {n} tokens with the bundle's tokenizer; the eval needs 100 "
+        "(--tokens, at most the bundle's max context)"
+    )
+    assert fix == f"  fix: pass a longer text, or --tokens {n}"
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"def f():\n    return '\xff'\n" * 20)
+    what, fix = refused(capsys, ["eval", str(tiny_onnx), "--text", str(bad), "--tokens", "8"])
+    assert "not UTF-8 text" in what and "position 21" in what and fix == "  fix: pass a UTF-8 text file under 16 MiB"
+    monkeypatch.setattr(ev, "MAX_TEXT_BYTES", 64)
+    what, _ = refused(capsys, ["eval", str(tiny_onnx), "--text", str(bad), "--tokens", "8"])
+    assert f"{bad}: {bad.stat().st_size:,} bytes, more than a --text file may hold (64 bytes)" in what
+    what, _ = refused(capsys, ["eval", str(bundles("base")), "--text", str(short), "--tokens", "8"])
+    assert what.startswith("deltaship eval: error: --text needs the bundle's tokenizer")

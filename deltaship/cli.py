@@ -161,6 +161,7 @@ def _generate(a: argparse.Namespace) -> int:
         cuda_graph=a.cuda_graph,
         prepack_cache=a.prepack_cache,
         progress=not a.quiet,
+        chat=a.chat,
         **({"speculative": a.speculative} if a.speculative else {}),
         **({"images": a.image} if a.image else {}),
         **({"videos": a.video} if a.video else {}),
@@ -178,7 +179,7 @@ def _generate(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(res))
     elif "text" in res:
-        print((a.prompt or "") + res["text"])
+        print(res["text"] if a.chat else (a.prompt or "") + res["text"])  # --chat: the reply alone
     else:
         print(" ".join(map(str, res["output_ids"])))
     return 0
@@ -494,6 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_arg(int, options.max_new_tokens, "an integer >= 1"),
         default=32,
         help="generate at most this many tokens (default 32; fewer at an end-of-sequence token or a full context)",
+    )
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="the --prompt as one user turn through the bundle's chat template (as `deltaship chat` renders it); "
+        "prints the reply, which ends with the assistant's turn",
     )
     g.add_argument("--json", action="store_true", help="print one JSON object (input_ids, output_ids, ...)")
     g.add_argument(

@@ -300,3 +300,58 @@ def test_eval_text_refuses_short_non_utf8_large_and_tokenizerless(tiny_onnx, bun
     assert f"{bad}: {bad.stat().st_size:,} bytes, more than a --text file may hold (64 bytes)" in what
     what, _ = refused(capsys, ["eval", str(bundles("base")), "--text", str(short), "--tokens", "8"])
     assert what.startswith("deltaship eval: error: --text needs the bundle's tokenizer")
+
+
+def test_generate_chat_is_the_first_turn_of_a_chat(tiny_onnx, capsys):
+    from deltaship.chat import Chat
+    from deltaship.targets import open_bundle
+
+    prompt = "Write a function that adds two numbers."
+    argv = ["generate", str(tiny_onnx), "--prompt", prompt, "--chat", "--max-new-tokens", "12"]
+    assert main([*argv, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    chat = Chat(open_bundle(tiny_onnx))
+    turn = [{"role": "user", "content": prompt}]
+    assert res["input_ids"] == chat.render_ids(turn, add_generation_prompt=True)  # rendered as chat renders it
+    reply = chat.send(prompt, max_new_tokens=12)
+    assert res["output_ids"] == reply.ids and res["text"] == reply.text  # greedy: chat's own reply
+    assert main(argv) == 0
+    assert capsys.readouterr().out == reply.text + "\n"  # the reply alone, without the prompt
+
+
+def test_generate_chat_needs_a_text_prompt(tiny_onnx, capsys):
+    what, fix = refused(capsys, ["generate", str(tiny_onnx), "--input-ids", "1,2", "--chat"])
+    assert what == (
+        "deltaship generate: error: --chat renders a text --prompt as a user turn; it cannot take --input-ids"
+    )
+    assert fix == "  fix: pass --prompt TEXT"
+
+
+def test_generate_chat_stops_at_the_end_of_the_turn(tiny_onnx, monkeypatch):
+    """The trained tiny never ends a turn by itself: a session whose third token is <|im_end|> stands in."""
+    from deltaship.commands import generate
+
+    module = sys.modules["deltaship.commands.generate"]
+    end = json.loads((tiny_onnx / "manifest.json").read_text())["tokens"]["im_end"]
+    opened = module.open_bundle
+
+    def ending(*args, **kwargs):
+        session = opened(*args, **kwargs)
+        decode, calls = session.decode, []
+
+        def decode_to_end(tok):
+            logits = decode(tok).copy()
+            calls.append(tok)
+            if len(calls) == 2:
+                logits[end] = logits.max() + 10
+            return logits
+
+        session.decode = decode_to_end
+        return session
+
+    monkeypatch.setattr(module, "open_bundle", ending)
+    res = generate(tiny_onnx, prompt="Hi", chat=True, max_new_tokens=8, progress=False)
+    assert res["stopped"] == "eos" and len(res["output_ids"]) == 3 and res["output_ids"][-1] == end
+    assert "<|im_end|>" not in res["text"] and len(res["text"]) >= 1
+    plain = generate(tiny_onnx, prompt="Hi", max_new_tokens=8, progress=False)  # without --chat: no turn to end
+    assert plain["stopped"] == "length" and len(plain["output_ids"]) == 8

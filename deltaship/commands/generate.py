@@ -12,6 +12,7 @@ import numpy as np
 
 from deltaship import options
 from deltaship.bundle.paths import bundle_path
+from deltaship.chat.template import ChatTemplate, bundle_chat_template
 from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object
 from deltaship.models.vision import Preprocessor, load_image, smart_resize
@@ -57,6 +58,7 @@ def generate(
     videos: list[str] | None = None,
     fps: float | None = None,
     progress: bool | Callable = True,
+    chat: bool = False,
 ) -> dict[str, Any]:
     """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict.
 
@@ -73,6 +75,9 @@ def generate(
     without it. Every value is range-checked (deltaship/options.py, as the CLI's flags) before the bundle is
     opened; a bad one raises DeltashipError.
 
+    chat: the prompt as one user turn through the bundle's chat template, rendered as `deltaship chat` renders it
+    (deltaship/chat/template.py), generation stopping at the end of the assistant's turn; `text` is the reply.
+
     progress: a generation that runs long (Core ML's op-by-op evaluator on Linux, a large model) reports the tokens
     it has on stderr, in a log once it has been silent for a while (deltaship/progress.py); False: never."""
 
@@ -87,6 +92,12 @@ def generate(
     if (prompt is None) == (input_ids is None):
         raise DeltashipError(
             "pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3"
+        )
+    if chat and (prompt is None or images or videos):
+        raise DeltashipError(
+            "--chat renders a text --prompt as a user turn; it cannot take "
+            + ("--input-ids" if prompt is None else "--image/--video (an image prompt gets the chat markers already)"),
+            "pass --prompt TEXT" if prompt is None else "drop --chat",
         )
     # before the bundle is opened: the CLI checked these as it parsed them, the API checks them here
     options.max_new_tokens(max_new_tokens)
@@ -147,6 +158,8 @@ def generate(
         ]
         if depth is not None:
             given.append("--speculative")
+        if chat:
+            given.append("--chat")
         if given or prompt is None:
             raise DeltashipError(
                 f"--runtime {runtime} takes a text prompt and greedy or temperature sampling only; "
@@ -176,7 +189,12 @@ def generate(
             chat = "im_start" in session.manifest.get("tokens", {})
             prompt = image_prompt(prompt, len(images or []), chat, videos=clips)
     tok = load_tokenizer(Path(bundle), session.manifest) if prompt is not None else None
-    ids = tok.encode(prompt) if tok else input_ids
+    stops: set[int] = set()
+    if chat:
+        ids, stops = _chat_turn(bundle, session, tok, prompt)
+        session.eos_ids |= stops  # this call's own session: the reply ends with the assistant's turn
+    else:
+        ids = tok.encode(prompt) if tok else input_ids
     if depth is not None and dump_logits is not None:
         raise DeltashipError("--dump-logits cannot be combined with --speculative", "drop one of them")
     t0 = time.monotonic()
@@ -220,7 +238,7 @@ def generate(
         except DeltashipError:
             tok = None
     if tok is not None:
-        result["text"] = tok.decode(gen.output_ids)
+        result["text"] = tok.decode([t for t in gen.output_ids if t not in stops])
     if dump_logits is not None:
         arr = np.stack(gen.logits).astype(np.float32) if gen.logits else np.zeros((0, session.vocab_size), np.float32)
         path = Path(dump_logits)
@@ -298,6 +316,16 @@ def _genai_resize_notices(
                 f"{pre.factor // 2} pixels avoids it"
             )
     return notices
+
+
+def _chat_turn(bundle: str | Path, session, tok, prompt: str) -> tuple[list[int], set[int]]:
+    """generate(chat=True): the prompt as one user turn through the bundle's chat template with the generation
+    prompt, as a chat's first turn without a system message renders it (deltaship.chat.Chat.render_ids), and the
+    tokens that end the assistant's turn."""
+    source, special = bundle_chat_template(Path(bundle), session.manifest)
+    text = ChatTemplate(source, **special).render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    end = session.manifest.get("tokens", {}).get("im_end")
+    return tok.encode(text), set(session.eos_ids) | ({end} if isinstance(end, int) else set())
 
 
 def _beat(say, detail: Callable[[str], str] = str) -> Callable[[str], None] | None:

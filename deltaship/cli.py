@@ -502,7 +502,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the --prompt as one user turn through the bundle's chat template (as `deltaship chat` renders it); "
         "prints the reply, which ends with the assistant's turn",
     )
-    g.add_argument("--json", action="store_true", help="print one JSON object (input_ids, output_ids, ...)")
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (input_ids, output_ids, text, stopped, seconds, ttft_s, decode_tok_s, ...)",
+    )
     g.add_argument(
         "--dump-logits",
         type=_arg(str, lambda v: options.new_file(v, "--dump-logits"), "a new file"),

@@ -148,7 +148,7 @@ def check_destination(
         names = {"bundle": "a deltaship bundle", "kit": "an app kit", "plots": "profile plots"}
         held = f"is {names[kind]}" if kind in names else f"holds files deltaship did not write ({_listing(out)})"
         raise DeltashipError(
-            f"{option} {out} {held}; {'--force ' if option == '--out' else ''}this replaces only "
+            f"{option} {out} {held}; {'--force' if option == '--out' else option} replaces only "
             + ", ".join(names[k] for k in replaces)
             + " or an empty directory; nothing was written",
             f"choose another {option} directory, or move {out} away yourself if it should go",

@@ -37,6 +37,7 @@ from deltaship.profiling.speculative.workload import check as check_speculative
 from deltaship.profiling.speculative.workload import profile_speculative
 from deltaship.profiling.vision import check_sizes, profile_images
 from deltaship.profiling.worker import SCHEMA_VERSION
+from deltaship.progress import Progress, heartbeat
 from deltaship.runtimes import PROVIDERS
 from deltaship.runtimes.speculative import parse_speculative
 from deltaship.stats import ratio_ci
@@ -110,6 +111,7 @@ def profile(
             "drop --prepack-cache, or --speculative / --device",
         )
     say = progress or (lambda m: None)
+    beat = (lambda m: progress(m, inline=True)) if isinstance(progress, Progress) else None  # a long step's detail
     path = Path(bundle)
     for option, out in (("--json", s.json_out), ("--report", s.report)):
         if out is not None and str(out) != "-":
@@ -211,7 +213,8 @@ def profile(
             threads = default_threads()  # the runtime's own default, passed so that the record says what ran
         try:
             say(f"profiling {path.name} on the host ({threads or 'default'} threads)")
-            out, died = run_worker({**cfg, "bundle": str(path), "threads": threads, "breakdown": False}, cap)
+            with heartbeat(beat, f"warm-up and timed runs ({cfg['warmups']} warm-up, {cfg['reps']}+ timed per phase)"):
+                out, died = run_worker({**cfg, "bundle": str(path), "threads": threads, "breakdown": False}, cap)
             if died:
                 doc["results"] = [died]
             else:
@@ -230,7 +233,8 @@ def profile(
                         "prompt_lengths": [],
                         "gen": 0,
                     }
-                    bout, bdied = run_worker(bcfg, None)
+                    with heartbeat(beat, "per-op breakdown"):
+                        bout, bdied = run_worker(bcfg, None)
                     doc["results"] += [r for r in bout["results"] if r["metric"] == "decode_op_s"] if bout else [bdied]
             if sizes:
                 run = lambda c: run_worker(c, cap, module="deltaship.profiling.vision")  # noqa: E731

@@ -21,6 +21,7 @@ FIX = (
 )
 # the characters of every name deltaship writes: a name also lands in shell lines and in the kits' Kotlin and
 # Swift string literals, where a quote or a `$` would be syntax
+MAX_NAME = 200  # schema.json's $defs/file and $defs/name
 NAME = re.compile(r"[A-Za-z0-9._+@=-]+(/[A-Za-z0-9._+@=-]+)*")
 # vision.graphs values that name files: a program or package holding the parts as methods or functions (ExecuTorch,
 # Core ML), or, in a block that names none, the parts themselves (one graph file each: ONNX)
@@ -32,6 +33,8 @@ def name_problem(name: Any) -> str | None:
     """Why `name` is not a plain relative path inside a directory (None when it is one)."""
     if not isinstance(name, str) or not name:
         return f"is {type(name).__name__ if not isinstance(name, str) else 'empty'}, not a file name"
+    if len(name) > MAX_NAME:
+        return f"is {len(name)} characters long, more than a name in a bundle may be ({MAX_NAME})"
     if "\x00" in name or "\\" in name:
         return "holds a NUL or backslash"
     if name.startswith("/") or (len(name) > 1 and name[1] == ":"):

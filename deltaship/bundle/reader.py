@@ -71,7 +71,12 @@ def check_files(bundle: str | Path, manifest: dict[str, Any], hashes: bool = Tru
     problems = []
     files = manifest.get("files")
     for name, info in (files if isinstance(files, dict) else {}).items():
-        if name_problem(name) or not isinstance(info, dict) or not isinstance(info.get("bytes"), int):
+        if (
+            name_problem(name)
+            or not isinstance(info, dict)
+            or not isinstance(info.get("bytes"), int)
+            or not isinstance(info.get("sha256"), str)
+        ):
             problems.append(f"{name!r}: not a plain file name with its size and sha256")
             continue
         p = d / name

@@ -9,6 +9,7 @@ manifest before any file of the bundle is opened.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
@@ -161,3 +162,29 @@ def bundle_path(bundle: str | Path, manifest: dict[str, Any], name: Any, field: 
     if not isinstance(files, dict) or not _listed(name, files):
         raise _refuse(bundle, field, name, "is not listed in `files`, so its integrity cannot be checked")
     return _inside(bundle, bundle.resolve(), field, name)
+
+
+def beside(bundle: str | Path, manifest: dict[str, Any], owner: str, name: Any, field: str) -> Path:
+    """The file `name` that the bundle file `owner` names, resolved as its runtime resolves it: relative to
+    owner's directory (ONNX Runtime's external-data locations, onnxruntime-genai's model filenames, a QNN
+    EPContext model's context binary), and then under the closed-world rule of `bundle_path`. `name` itself is
+    a plain relative path (no `..`), so what deltaship checks is the file the runtime opens."""
+    why = name_problem(name)
+    if why:
+        raise _refuse(Path(bundle), field, name, why)
+    return bundle_path(bundle, manifest, posixpath.join(posixpath.dirname(owner), name), field)
+
+
+def require_entry(
+    bundle: str | Path, manifest: dict[str, Any], suffix: str, kind: str, directory: bool = False
+) -> Path:
+    """The entry's path, refused unless it names what the target's runtime opens: a file (a directory for a
+    Core ML package) named *`suffix`*, `kind` in the refusal. A renamed entry (model.bin) is refused here, so
+    every check that selects graph files by name sees the file the runtime runs."""
+    bundle = Path(bundle)
+    entry = manifest.get("entry")
+    path = bundle_path(bundle, manifest, entry, "entry")
+    if not entry.endswith(suffix) or not (path.is_dir() if directory else path.is_file()):
+        what = "directory" if directory else "file"
+        raise _refuse(bundle, "entry", entry, f"is not {kind} (a {what} named *{suffix})")
+    return path

@@ -118,7 +118,8 @@ def named_paths(manifest: dict[str, Any]) -> Iterator[tuple[str, Any]]:
 
 
 def _refuse(bundle: Path, field: str, name: Any, why: str) -> DeltashipError:
-    return DeltashipError(f"{bundle}: manifest field {field} = {name!r} {why}; refused before opening any file", FIX)
+    shown = repr(name) if len(repr(name)) <= 120 else repr(name)[:100] + "..."  # one line, even for a 10 KB name
+    return DeltashipError(f"{bundle}: manifest field {field} = {shown} {why}; refused before opening any file", FIX)
 
 
 def _inside(bundle: Path, root: Path, field: str, name: str) -> Path:

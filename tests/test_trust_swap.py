@@ -176,6 +176,23 @@ def test_entry_names_what_the_targets_runtime_opens(tiny, tmp_path, target, kind
     assert any(match in p for p in inspect(b)["problems"])
     with pytest.raises(DeltashipError, match=match):
         open_bundle(b)
+    if target == "coreml":  # a package is a directory: a file of that name is refused, the directory passes the rule
+        (b / "model.mlpackage").write_text("{}")
+        m["entry"], m["files"]["model.mlpackage"] = "model.mlpackage", _listing(b / "model.mlpackage")
+        _write(b, m)
+        with pytest.raises(DeltashipError, match=r"entry = 'model.mlpackage' is not a Core ML package \(a directory"):
+            open_bundle(b)
+        (b / "model.mlpackage").unlink()
+        (b / "model.mlpackage").mkdir()
+        (b / "model.mlpackage" / "Manifest.json").write_text("{}")
+        m["files"].pop("model.mlpackage")
+        m["files"]["model.mlpackage/Manifest.json"] = _listing(b / "model.mlpackage" / "Manifest.json")
+        m["lowering"]["parts"] = [
+            {"package": "model.mlpackage", "input": "input_ids", "output": "logits", "states": []}
+        ]
+        _write(b, m)
+        with pytest.raises(DeltashipError, match=r"Manifest.json: names no root model"):  # past the entry rule
+            open_bundle(b)
 
 
 def test_every_file_inside_a_package_directory_is_listed(tiny, tmp_path, capsys):

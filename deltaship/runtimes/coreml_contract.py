@@ -139,7 +139,8 @@ def package_problems(bundle: Path, manifest: dict[str, Any]) -> list[str]:
     draft = ((manifest.get("speculative") or {}).get("draft") or {}).get("states") or []
     draft = {s.get("coreml_input") for s in draft if isinstance(s, dict)}  # the MTP head's own Core ML states
     problems: list[str] = []
-    require_entry(bundle, manifest, ".mlpackage", "a Core ML package")  # its files: bundle/reader.py check_files
+    # the entry is a package directory; that every file under it is listed: bundle/reader.py check_files
+    require_entry(bundle, manifest, ".mlpackage", "a Core ML package", directory=True)
     for part in lowering.get("parts") or []:
         package = part["package"]
         path = _spec_path(bundle, manifest, package)

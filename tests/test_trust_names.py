@@ -124,7 +124,6 @@ FIELDS = [
     "speculative.draft.function",
     "speculative.draft.program_method",
     "speculative.verify.functions",
-    "speculative.verify.states",
     "speculative.rollback.deltanet_outputs",
     "speculative.duplicated_tensors",
     "speculative.shared_tensors",

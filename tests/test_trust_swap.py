@@ -157,6 +157,9 @@ def test_a_genai_model_file_is_a_listed_graph(tiny, tmp_path):
     for read in (open_bundle, lambda x: open_bundle(x, runtime="genai")):
         with pytest.raises(DeltashipError, match=match):
             read(b)
+    m["lowering"].pop("genai")  # genai reads genai_config.json from the bundle's directory, named or not
+    _write(b, m)
+    assert any(match.replace("\\", "") in p for p in inspect(b)["problems"])
 
 
 @pytest.mark.parametrize(

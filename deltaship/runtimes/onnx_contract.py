@@ -168,6 +168,7 @@ _GRAPH_FIELD = re.compile(
     r"|vision\.graphs\..+"
 )
 _GENAI_CONFIGS = ("lowering.genai.config", "vision.genai.config")
+GENAI_CONFIG = "genai_config.json"  # the config onnxruntime-genai reads from the bundle's directory (runtimes/genai.py)
 
 
 def graph_files(bundle: Path, manifest: dict[str, Any]) -> dict[str, str]:
@@ -175,17 +176,20 @@ def graph_files(bundle: Path, manifest: dict[str, Any]) -> dict[str, str]:
     MTP draft and verify graphs, the vision graphs, the qnn graphs and context models, the model files that
     onnxruntime-genai's configs name (resolved beside the config, as genai does), and every listed *.onnx."""
     graphs: dict[str, str] = {}
+    configs = {GENAI_CONFIG: "files"} if GENAI_CONFIG in manifest["files"] else {}  # genai opens it by this name
     for field, name in named_paths(manifest):
         if _GRAPH_FIELD.fullmatch(field):
             graphs.setdefault(name, field)
         elif field in _GENAI_CONFIGS:
-            config = read_json_object(bundle_path(bundle, manifest, name, field), "genai config", "export again")
-            model = config.get("model")
-            for part, spec in (model if isinstance(model, dict) else {}).items():
-                if isinstance(spec, dict) and "filename" in spec:
-                    where = f"{name} model.{part}.filename"
-                    path = beside(bundle, manifest, name, spec["filename"], where)
-                    graphs.setdefault(path.relative_to(bundle).as_posix(), where)
+            configs[name] = field
+    for name, field in configs.items():
+        config = read_json_object(bundle_path(bundle, manifest, name, field), "genai config", "export again")
+        model = config.get("model")
+        for part, spec in (model if isinstance(model, dict) else {}).items():
+            if isinstance(spec, dict) and "filename" in spec:
+                where = f"{name} model.{part}.filename"
+                path = beside(bundle, manifest, name, spec["filename"], where)
+                graphs.setdefault(path.relative_to(bundle).as_posix(), where)
     for name in manifest["files"]:
         if name.endswith(".onnx"):
             graphs.setdefault(name, "files")

@@ -25,7 +25,7 @@ from deltaship.bundle.destination import check_output_file, replace_file
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.devices.android import profile_adb
 from deltaship.devices.catalog import get_tier
-from deltaship.devices.discovery import default_threads, fingerprint
+from deltaship.devices.discovery import check_device, default_threads, fingerprint
 from deltaship.devices.plan import planned_peak
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
 from deltaship.options import threads as check_threads
@@ -100,6 +100,7 @@ def profile(
     threads = s.threads  # the tier's or the runtime's default when not given (recorded as what ran)
 
     check_threads(threads)  # as the CLI's --threads, before any work (a remote device gets it too)
+    check_device(s.device)  # a host or serial that is an ssh/adb option is refused before any process starts
     if s.provider not in PROVIDERS:
         raise DeltashipError(f"unknown provider {s.provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
     if s.provider != "cpu" and s.device != "host":

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.errors import DeltashipError
+from deltaship.files import parse_json
 
 RUNTIME_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "executorch", "coremltools", "torch")
 
@@ -256,8 +257,10 @@ def ssh_fingerprint(spec: str, options: list[str] | None = None, remote_cmd: str
     target = parse_ssh(spec)
     out = ssh_run(target, f"{remote_cmd} devices --json --local", options, timeout=120, what="`deltaship devices`")
     try:
-        info = json.loads(out)[0]
-    except (json.JSONDecodeError, IndexError, KeyError):
+        info = parse_json(out, spec, "`deltaship devices` answer", "install the same deltaship version remotely")[0]
+        if not isinstance(info, dict):
+            raise TypeError
+    except (DeltashipError, IndexError, KeyError, TypeError):
         raise DeltashipError(
             f"{spec}: unexpected answer from the remote deltaship: {out[:200]!r}",
             "install the same deltaship version on the remote machine",

@@ -28,6 +28,7 @@ from deltaship.devices.catalog import get_tier
 from deltaship.devices.discovery import check_device, default_threads, fingerprint
 from deltaship.devices.plan import planned_peak
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
+from deltaship.files import read_json_object
 from deltaship.options import threads as check_threads
 from deltaship.profiling.launch import MemoryCap, run_worker
 from deltaship.profiling.remote import profile_ssh
@@ -309,13 +310,8 @@ def _write(path: Path, text: str) -> None:
 
 def load_records(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DeltashipError(
-            f"{p}: not a profile JSON ({e})", "pass files written by `deltaship profile --json`"
-        ) from None
-    if doc.get("schema_version") != SCHEMA_VERSION or "results" not in doc:
+    doc = read_json_object(p, "profile JSON", "pass files written by `deltaship profile --json`")  # bounded
+    if doc.get("schema_version") != SCHEMA_VERSION or not isinstance(doc.get("results"), list):
         raise DeltashipError(
             f"{p}: not a deltaship profile (schema_version {doc.get('schema_version')})",
             "pass files written by `deltaship profile --json`",

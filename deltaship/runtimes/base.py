@@ -306,14 +306,11 @@ def decode_loop(
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    """Sampling settings that mean something; anything else is refused before any work."""
-    if max_new_tokens < 0:
-        raise DeltashipError(f"--max-new-tokens must be >= 0, got {max_new_tokens}", "pass --max-new-tokens 0 or more")
+    """Sampling settings that mean something; anything else (a wrong type included) is refused before any work."""
+    options.at_least("--max-new-tokens", max_new_tokens, 0, "pass --max-new-tokens 0 or more")
     options.temperature(temperature)  # finite and >= 0, as the CLI's --temperature
-    if top_k < 0:
-        raise DeltashipError(f"--top-k must be >= 0, got {top_k}", "use 0 (no top-k cut) or a positive count")
-    if not 0 < top_p <= 1:
-        raise DeltashipError(f"--top-p must be in (0, 1], got {top_p}", "use 1.0 (no nucleus cut) or e.g. 0.9")
+    options.at_least("--top-k", top_k, 0, "use 0 (no top-k cut) or a positive count")
+    options.top_p(top_p)  # a number in (0, 1]
 
 
 def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:

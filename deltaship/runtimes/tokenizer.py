@@ -6,9 +6,38 @@ from pathlib import Path
 
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
-from deltaship.files import read_bounded_text
+from deltaship.files import parse_json, read_bounded_text
 
 FIX = "export the bundle again (its tokenizer.json is damaged or not one the `tokenizers` library reads)"
+
+# What a tokenizer may cost before `tokenizers` builds it: its memory grows with the vocabulary, the merges and the
+# longest token far beyond the file's bytes (a 60 MiB file under the byte bound took 4.7 GB of RSS). Qwen3.5's has
+# ~248K tokens and about as many merges, tokens of at most a few hundred characters: 4x headroom on each count.
+MAX_TOKENS = 1 << 20  # vocabulary entries, and separately merges
+MAX_ADDED_TOKENS = 1 << 16
+MAX_TOKEN_CHARS = 4096
+
+
+def check_cost(doc: object, path: Path) -> None:
+    """Refuse a parsed tokenizer.json whose vocabulary, merges, added tokens or longest token is beyond the bounds
+    above, naming the count and the bound, before the `tokenizers` library builds anything from it."""
+    if not isinstance(doc, dict):
+        raise DeltashipError(f"{path}: not a tokenizer (expected a JSON object)", FIX)
+    model = doc.get("model") if isinstance(doc.get("model"), dict) else {}
+    vocab, merges, added = model.get("vocab"), model.get("merges"), doc.get("added_tokens")
+    counts = [("vocabulary entries", vocab, MAX_TOKENS), ("merges", merges, MAX_TOKENS)]
+    counts.append(("added tokens", added, MAX_ADDED_TOKENS))
+    for what, items, bound in counts:
+        if isinstance(items, (dict, list)) and len(items) > bound:
+            raise DeltashipError(f"{path}: {len(items):,} {what}, more than a tokenizer may have here ({bound:,})", FIX)
+    tokens = list(vocab) if isinstance(vocab, dict) else [e[0] for e in vocab or () if isinstance(e, list) and e]
+    tokens += [t.get("content") for t in added or () if isinstance(t, dict)]
+    longest = max((len(t) for t in tokens if isinstance(t, str)), default=0)
+    if longest > MAX_TOKEN_CHARS:
+        raise DeltashipError(
+            f"{path}: a token of {longest:,} characters, longer than a tokenizer's may be here ({MAX_TOKEN_CHARS:,})",
+            FIX,
+        )
 
 
 class BundleTokenizer:
@@ -16,6 +45,7 @@ class BundleTokenizer:
         from tokenizers import Tokenizer  # lazy: tokenizers
 
         text = read_bounded_text(path, "tokenizer", FIX)  # bounded: a tokenizer beyond 64 MiB is refused unread
+        check_cost(parse_json(text, str(path), "tokenizer", FIX), path)  # depth, numbers, keys; then its cost
         try:
             self._tok = Tokenizer.from_str(text)
         except Exception as e:  # the Rust library raises a bare Exception with serde's message

@@ -12,7 +12,7 @@ import numpy as np
 
 from deltaship import options
 from deltaship.bundle.paths import bundle_path
-from deltaship.errors import DeltashipError
+from deltaship.errors import DeltashipError, DeltashipRunError
 from deltaship.files import read_json_object
 from deltaship.models.vision import Preprocessor, load_image, smart_resize
 from deltaship.runtimes.speculative import generate_speculative, parse_speculative
@@ -181,12 +181,16 @@ def generate(
         stop_at_eos=stop_at_eos,
     )
     spec_stats = None
-    if depth is not None:
-        gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, **kw)
-    elif mm:
-        gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=dump_logits is not None, **kw)
-    else:
-        gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, **kw)
+    try:
+        if depth is not None:
+            gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, **kw)
+        elif mm:
+            gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=dump_logits is not None, **kw)
+        else:
+            gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, **kw)
+    except DeltashipRunError as e:  # the tokens so far, as text where the prompt was text
+        e.text = (prompt or "") + tok.decode(e.output_ids) if tok is not None else None
+        raise
     elapsed = time.monotonic() - t0
     result: dict[str, Any] = {
         **_ids_result(gen, elapsed, session),

@@ -16,6 +16,7 @@ import numpy as np
 
 from deltaship import options
 from deltaship.errors import DeltashipError
+from deltaship.failures import run_failure
 
 
 @dataclass(frozen=True)
@@ -251,24 +252,30 @@ class Session(ABC):
         rng = np.random.default_rng(options.seed(seed))
         ids = list(int(i) for i in ids)
         gen = Generation(input_ids=ids, output_ids=[])
-        if max_new_tokens == 0:
-            self.prefill(ids)
-            return gen
-        logits = self.prefill(ids)
-        return decode_loop(
-            self,
-            gen,
-            logits,
-            max_new_tokens,
-            self.decode,
-            temperature,
-            top_k,
-            top_p,
-            rng,
-            stop_at_eos,
-            keep_logits,
-            on_token,
-        )
+        try:
+            if max_new_tokens == 0:
+                self.prefill(ids)
+                return gen
+            logits = self.prefill(ids)
+            return decode_loop(
+                self,
+                gen,
+                logits,
+                max_new_tokens,
+                self.decode,
+                temperature,
+                top_k,
+                top_p,
+                rng,
+                stop_at_eos,
+                keep_logits,
+                on_token,
+            )
+        except Exception as e:  # the runtime's error mid-run: one error that keeps the tokens so far
+            failure = run_failure(e, gen.output_ids)
+            if failure is None:
+                raise
+            raise failure from e
 
 
 def decode_loop(

@@ -18,9 +18,10 @@ MAX_ADDED_TOKENS = 1 << 16
 MAX_TOKEN_CHARS = 4096
 
 
-def check_cost(doc: object, path: Path) -> None:
+def check_cost(doc: object, path: Path, vocab_size: int | None = None) -> None:
     """Refuse a parsed tokenizer.json whose vocabulary, merges, added tokens or longest token is beyond the bounds
-    above, naming the count and the bound, before the `tokenizers` library builds anything from it."""
+    above, naming the count and the bound, before the `tokenizers` library builds anything from it; and one with
+    ids at or beyond `vocab_size` (the model's, which the logits' width is checked against)."""
     if not isinstance(doc, dict):
         raise DeltashipError(f"{path}: not a tokenizer (expected a JSON object)", FIX)
     model = doc.get("model") if isinstance(doc.get("model"), dict) else {}
@@ -32,6 +33,14 @@ def check_cost(doc: object, path: Path) -> None:
             raise DeltashipError(f"{path}: {len(items):,} {what}, more than a tokenizer may have here ({bound:,})", FIX)
     tokens = list(vocab) if isinstance(vocab, dict) else [e[0] for e in vocab or () if isinstance(e, list) and e]
     tokens += [t.get("content") for t in added or () if isinstance(t, dict)]
+    if vocab_size is not None:
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab or ())))
+        ids += [t.get("id") for t in added or () if isinstance(t, dict)]
+        top = max((i for i in ids if isinstance(i, int) and not isinstance(i, bool)), default=-1)
+        if top >= vocab_size:
+            raise DeltashipError(
+                f"{path}: the tokenizer has token id {top:,}, beyond the model's vocabulary of {vocab_size:,}", FIX
+            )
     longest = max((len(t) for t in tokens if isinstance(t, str)), default=0)
     if longest > MAX_TOKEN_CHARS:
         raise DeltashipError(
@@ -41,11 +50,11 @@ def check_cost(doc: object, path: Path) -> None:
 
 
 class BundleTokenizer:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, vocab_size: int | None = None):
         from tokenizers import Tokenizer  # lazy: tokenizers
 
         text = read_bounded_text(path, "tokenizer", FIX)  # bounded: a tokenizer beyond 64 MiB is refused unread
-        check_cost(parse_json(text, str(path), "tokenizer", FIX), path)  # depth, numbers, keys; then its cost
+        check_cost(parse_json(text, str(path), "tokenizer", FIX), path, vocab_size)  # bounded parse, then cost
         try:
             self._tok = Tokenizer.from_str(text)
         except Exception as e:  # the Rust library raises a bare Exception with serde's message
@@ -72,4 +81,6 @@ def load_tokenizer(bundle: Path, manifest: dict) -> BundleTokenizer:
             "pass token ids with --input-ids 1,2,3 instead of --prompt (or export a checkpoint "
             "directory that has tokenizer.json)",
         )
-    return BundleTokenizer(bundle_path(bundle, manifest, "tokenizer.json", "tokenizer.files"))
+    vocab = (manifest.get("model") or {}).get("vocab_size")
+    path = bundle_path(bundle, manifest, "tokenizer.json", "tokenizer.files")
+    return BundleTokenizer(path, vocab if isinstance(vocab, int) else None)

@@ -15,6 +15,7 @@ from deltaship.options import at_least
 from deltaship.options import threads as check_threads
 from deltaship.runtimes import PROVIDERS
 from deltaship.runtimes.base import Session
+from deltaship.runtimes.numbers import number_problems
 from deltaship.targets.registry import a_bundle, all_targets, get_target, target_names
 
 
@@ -116,9 +117,11 @@ def check_prepack_cache(target: str, runtime: str | None, provider: str) -> None
 
 
 def require_artifact(bundle: str | Path, manifest: dict[str, Any]) -> None:
-    """Refuse a bundle whose artifact disagrees with its manifest (inputs, outputs, states; ONNX: the external
-    data files its graphs name), for a manifest read by read_manifest and files that passed require_intact."""
+    """Refuse a bundle whose artifact disagrees with its manifest (inputs, outputs, states, and so max_context and
+    the vocabulary; ONNX: the external data files its graphs name), for a manifest read by read_manifest and files
+    that passed require_intact."""
     problems = get_target(manifest["target"]).artifact_problems(Path(bundle), manifest)
+    problems += number_problems(manifest)  # max_context and the vocabulary against the states and logits checked
     if problems:
         raise DeltashipError(
             f"{bundle}: the artifact does not match its manifest: " + "; ".join(problems[:5]),

@@ -41,7 +41,7 @@ from deltaship.profiling.worker import SCHEMA_VERSION
 from deltaship.runtimes import PROVIDERS
 from deltaship.runtimes.speculative import parse_speculative
 from deltaship.stats import ratio_ci
-from deltaship.targets import check_prepack_cache, get_target, open_bundle, text_runtime
+from deltaship.targets import check_prepack_cache, get_target, open_bundle, require_artifact, text_runtime
 
 DEFAULTS = dict(prompt_lengths=[128, 512], gen=64, contexts=[128, 1024, 4096], warmups=2, reps=5, min_seconds=2.0)
 
@@ -118,6 +118,7 @@ def profile(
             check_output_file(Path(out), (path,), option)  # before any work; a file inside the bundle breaks it
     manifest = read_manifest(path)
     require_intact(path, manifest, hashes=True)
+    require_artifact(path, manifest)  # here, not in a worker whose failure reads as a run that died (exit 3)
     cfg = {
         k: v
         for k, v in dict(

@@ -314,10 +314,39 @@ def load_records(path: str | Path) -> dict[str, Any]:
     doc = read_json_object(p, "profile JSON", "pass files written by `deltaship profile --json`")  # bounded
     if doc.get("schema_version") != SCHEMA_VERSION or not isinstance(doc.get("results"), list):
         raise DeltashipError(
-            f"{p}: not a deltaship profile (schema_version {doc.get('schema_version')})",
+            f"{p}: not a deltaship profile (schema_version {doc.get('schema_version')!r:.40})",
             "pass files written by `deltaship profile --json`",
         )
+    problem = _records_problem(doc["results"])
+    if problem:
+        raise DeltashipError(f"{p}: not a deltaship profile: {problem}", "pass files `deltaship profile --json` wrote")
     return doc
+
+
+MAX_RECORDS, MAX_SAMPLES = 100_000, 1000  # compare's bootstrap draws 2000 x samples per record
+
+
+def _records_problem(results: list) -> str | None:
+    """What compare() would trip over in a profile's results (it reads metric, unit, samples, median and the
+    keys), as data: None when every record it reads is well-formed."""
+    if len(results) > MAX_RECORDS:
+        return f"{len(results):,} results (at most {MAX_RECORDS:,})"
+    for i, r in enumerate(results):
+        if not isinstance(r, dict) or not isinstance(r.get("metric"), str):
+            return f"results[{i}] is not a record with a metric name"
+        for k in ("prompt_length", "context", "op_kind", "tokens", "positions"):
+            if not isinstance(r.get(k), (str, int, type(None))):
+                return f"results[{i}].{k} must be a number or a name"
+        if not r.get("samples"):
+            continue
+        samples = r["samples"]
+        if not isinstance(samples, list) or len(samples) > MAX_SAMPLES:
+            return f"results[{i}].samples is not a list of at most {MAX_SAMPLES} numbers"
+        if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in [*samples, r.get("median")]):
+            return f"results[{i}]: samples and median must be numbers"
+        if not isinstance(r.get("unit"), str):
+            return f"results[{i}].unit must be a string"
+    return None
 
 
 def compare(a: str | Path, b: str | Path) -> list[dict[str, Any]]:

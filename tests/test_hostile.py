@@ -407,7 +407,7 @@ def test_a_hostile_tokenizer_is_refused_before_tokenizers_builds_it(case, hostil
 
 
 @pytest.mark.parametrize("case", ["nested 100 deep", "nested 100000 deep", "NaN", "duplicate keys", "not UTF-8"])
-def test_a_hostile_kit_json_or_manifest_in_out_is_not_taken_for_deltasphips(case, hostile, tmp_path, capsys,
+def test_a_hostile_kit_json_or_manifest_in_out_is_not_taken_for_deltaships(case, hostile, tmp_path, capsys,
                                                                              monkeypatch):  # fmt: skip
     b, m, write = hostile
     write(json.dumps(m))

@@ -618,3 +618,41 @@ def test_fuzzed_tiers_files_give_typed_tiers_or_are_refused(tmp_path):
 
     check()
     assert seen["refused"] > 200 and seen["loaded"] > 20, seen
+
+
+TEMPLATE_CONFIGS = {  # tokenizer_config.json (the chat template's reader, deltaship/chat/template.py) -> its text
+    "nested 100 deep": '{"chat_template": "x", "deltaship_test": ' + _deep(100) + "}",
+    "nested 100000 deep": '{"chat_template": "x", "deltaship_test": ' + _deep(100_000) + "}",
+    "a 5000-digit integer": '{"chat_template": "x", "model_max_length": 1' + "0" * 4999 + "}",
+    "NaN": '{"chat_template": "x", "model_max_length": NaN}',
+    "duplicate keys": '{"chat_template": "x", "chat_template": "y"}',
+}
+CHAT_OWNERS_HOLES = {  # the chat template reader's header checks are the chat/session owner's item of issue 45
+    case: "issue 45 item 7 (chat/session owner): deltaship/chat/template.py reads tokenizer_config.json with "
+    "json.loads, not files.read_json"
+    for case in ("nested 100 deep", "nested 100000 deep", "a 5000-digit integer", "NaN", "duplicate keys")
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=CHAT_OWNERS_HOLES[c]))
+        if c in CHAT_OWNERS_HOLES
+        else c
+        for c in TEMPLATE_CONFIGS
+    ],
+)
+def test_chat_refuses_a_hostile_tokenizer_config(case, hostile, capsys, monkeypatch):
+    b, m, write = hostile
+    name = "tokenizer_config.json"
+    original = (b / name).read_bytes() if (b / name).exists() else None
+    try:
+        write(json.dumps(_add_file(b, m, name, TEMPLATE_CONFIGS[case].encode())))
+        code, out, err = _run(["chat", str(b), "--max-new-tokens", "2"], capsys, monkeypatch)
+        assert code == 2 and name in err and "internal error" not in err, err[-400:]
+    finally:
+        if original is None:
+            (b / name).unlink()
+        else:
+            (b / name).write_bytes(original)

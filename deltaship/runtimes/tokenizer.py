@@ -54,7 +54,12 @@ class BundleTokenizer:
         from tokenizers import Tokenizer  # lazy: tokenizers
 
         text = read_bounded_text(path, "tokenizer", FIX)  # bounded: a tokenizer beyond 64 MiB is refused unread
-        check_cost(parse_json(text, str(path), "tokenizer", FIX), path, vocab_size)  # bounded parse, then cost
+        try:
+            doc = parse_json(text, str(path), "tokenizer", FIX)  # bounded: depth, numbers, keys
+        except DeltashipError as e:
+            why = e.message.removeprefix(f"{path}: ")
+            raise DeltashipError(f"{path}: not a tokenizer deltaship reads ({why})", FIX) from None
+        check_cost(doc, path, vocab_size)
         try:
             self._tok = Tokenizer.from_str(text)
         except Exception as e:  # the Rust library raises a bare Exception with serde's message

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -656,3 +657,41 @@ def test_chat_refuses_a_hostile_tokenizer_config(case, hostile, capsys, monkeypa
             (b / name).unlink()
         else:
             (b / name).write_bytes(original)
+
+
+SESSION_METADATA = {  # a chat session's __metadata__ text (its sha256 beside it, as an attacker computes it)
+    "nested 100000 deep": _deep(100_000),
+    "a 5000-digit integer": '{"format": "x", "version": 1' + "0" * 4999 + "}",
+}
+PROMPT_CACHE_FILES = {  # export --prompt-cache FILE.json
+    "nested 100000 deep": '{"system": "s", "template_kwargs": {"k": ' + _deep(100_000) + "}}",
+    "a 5000-digit integer": '{"system": "s", "template_kwargs": {"k": 1' + "0" * 4999 + "}}",
+}
+SESSION_HOLE = (
+    "issue 45 (chat/session owner: session and prompt-cache readers' header checks): deltaship/chat/store.py "
+    "parses with json.loads and catches only JSONDecodeError; files.parse_json is the bounded parser for it"
+)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=SESSION_HOLE))
+                                  for c in SESSION_METADATA])  # fmt: skip
+def test_a_session_file_with_hostile_metadata_is_refused(case, tmp_path):
+    from safetensors.numpy import save_file
+
+    from deltaship.chat.store import META_KEY, META_SHA_KEY, read_session_file
+
+    text = SESSION_METADATA[case]
+    path = tmp_path / "s.safetensors"
+    meta = {META_KEY: text, META_SHA_KEY: hashlib.sha256(text.encode()).hexdigest()}
+    save_file({"t": np.zeros(1, np.float32)}, str(path), metadata=meta)
+    with pytest.raises(DeltashipError):
+        read_session_file(path)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=SESSION_HOLE))
+                                  for c in PROMPT_CACHE_FILES])  # fmt: skip
+def test_an_export_prompt_cache_file_with_hostile_json_is_refused(case, tmp_path):
+    from deltaship.chat.store import prompt_cache_settings
+
+    with pytest.raises(DeltashipError):
+        prompt_cache_settings(_write(tmp_path / "cache.json", PROMPT_CACHE_FILES[case]))

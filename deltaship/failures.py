@@ -88,11 +88,11 @@ def describe(e: BaseException) -> tuple[int, str, str | None]:
     )
 
 
-def run_failure(e: BaseException, output_ids: list[int]) -> DeltashipRunError | None:
+def run_failure(e: BaseException, output_ids: list[int] | None) -> DeltashipRunError | None:
     """A runtime's exception in the middle of a run, as one DeltashipRunError carrying the tokens produced so far:
     the machine's (memory, an OSError's errno, a missing library) exit 3, anything else the runtime raised while
     running the bundle (ONNX Runtime's errors and RuntimeErrors, ExecuTorch's) exit 2. None for a DeltashipError
-    (already one) and for any other exception: a deltaship bug stays exit 1."""
+    (already one) and for any other exception: a deltaship bug stays exit 1. output_ids None: not known."""
     if isinstance(e, DeltashipError):
         return None
     if isinstance(e, ImportError):
@@ -104,8 +104,10 @@ def run_failure(e: BaseException, output_ids: list[int]) -> DeltashipRunError | 
                 return None
             what = f"the runtime failed while running the bundle ({type(e).__name__}: {e})"
             code, fix = EXIT_BAD_INPUT, "check it with `deltaship inspect BUNDLE`, and export it again"
-    n = len(output_ids)
     what = " ".join(what.split())[:1000]  # one line, however long the runtime's message
+    if output_ids is None:  # a driver that keeps its tokens to itself (speculative, image + text)
+        return DeltashipRunError(what, fix, code, [])
+    n = len(output_ids)
     return DeltashipRunError(f"{what}; after {n} new token{'' if n == 1 else 's'}", fix, code, output_ids)
 
 

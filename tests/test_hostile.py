@@ -695,3 +695,16 @@ def test_an_export_prompt_cache_file_with_hostile_json_is_refused(case, tmp_path
 
     with pytest.raises(DeltashipError):
         prompt_cache_settings(_write(tmp_path / "cache.json", PROMPT_CACHE_FILES[case]))
+
+
+def test_a_runtime_error_in_a_driver_without_its_tokens_is_still_one_error(hostile, capsys, monkeypatch):
+    """The speculative and image drivers run their own loops: their runtime errors map as the session's do."""
+    from deltaship.runtimes.onnx import OnnxSession
+
+    b, m, write = hostile
+    write(json.dumps(m))
+    for error, code in ((RuntimeError("Error in execution: a shape"), 2), (MemoryError(), 3), (KeyError("bug"), 1)):
+        monkeypatch.setattr(OnnxSession, "generate", lambda self, *a, error=error, **k: (_ for _ in ()).throw(error))
+        got, out, err = _run(["generate", str(b), "--input-ids", "1,2"], capsys, monkeypatch)
+        assert got == code and ("internal error" in err) == (code == 1), err
+        assert "new token" not in err  # no count it does not know

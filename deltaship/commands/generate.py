@@ -13,6 +13,7 @@ import numpy as np
 from deltaship import options
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError, DeltashipRunError
+from deltaship.failures import run_failure
 from deltaship.files import read_json_object
 from deltaship.models.vision import Preprocessor, load_image, smart_resize
 from deltaship.runtimes.speculative import generate_speculative, parse_speculative
@@ -191,6 +192,11 @@ def generate(
     except DeltashipRunError as e:  # the tokens so far, as text where the prompt was text
         e.text = (prompt or "") + tok.decode(e.output_ids) if tok is not None else None
         raise
+    except Exception as e:  # the speculative and image drivers' runtime errors, without their tokens
+        failure = run_failure(e, None)
+        if failure is None:
+            raise
+        raise failure from e
     elapsed = time.monotonic() - t0
     result: dict[str, Any] = {
         **_ids_result(gen, elapsed, session),

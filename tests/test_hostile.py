@@ -708,3 +708,37 @@ def test_a_runtime_error_in_a_driver_without_its_tokens_is_still_one_error(hosti
         got, out, err = _run(["generate", str(b), "--input-ids", "1,2"], capsys, monkeypatch)
         assert got == code and ("internal error" in err) == (code == 1), err
         assert "new token" not in err  # no count it does not know
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "PyTorchObserver {" + '"a": ' * 100 + "1" + "}" * 100,
+        'PyTorchObserver {"model_load_start_ms": NaN}',
+        'PyTorchObserver {"model_load_start_ms": "0", "model_load_end_ms": 1}',
+        'PyTorchObserver {"prompt_tokens": 1' + "0" * 5000 + "}",
+        "PyTorchObserver {not json}",
+    ],
+    ids=["deep", "NaN", "text", "digits", "not JSON"],
+)
+def test_an_android_runners_hostile_observer_line_is_one_error(line):
+    from deltaship.devices.android import parse_runner_output
+
+    with pytest.raises(DeltashipError, match="PyTorchObserver"):
+        parse_runner_output("llama_main started\n" + line + "\n")
+    times = dict.fromkeys(["model_load_start_ms", "inference_start_ms"], 0)
+    good = {**times, "model_load_end_ms": 500, "prompt_eval_end_ms": 100, "first_token_ms": 120}
+    good |= {"inference_end_ms": 1120, "prompt_tokens": 10, "generated_tokens": "11"}  # a text count: left out
+    assert parse_runner_output("PyTorchObserver " + json.dumps(good)) == pytest.approx(
+        {"load_cold_s": 0.5, "prefill_tok_s": 100.0, "ttft_s": 0.12}
+    )
+
+
+def test_export_refuses_a_checkpoint_with_a_hostile_tokenizer(checkpoints, tmp_path, capsys, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["base"], ckpt)
+    _write(ckpt / "tokenizer.json", '{"added_tokens": ' + _deep(100_000) + "}")
+    code, out, err = _run(["export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--no-verify"],
+                          capsys, monkeypatch)  # fmt: skip
+    assert code == 2 and "tokenizer.json" in err and "internal error" not in err, err
+    assert not (tmp_path / "out").exists()

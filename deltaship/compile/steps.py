@@ -158,13 +158,14 @@ def special_tokens(source: ModelSource) -> dict[str, Any]:
             eos += e if isinstance(e, list) else ([e] if isinstance(e, int) else [])
         if f.name == "tokenizer.json":
             tok = read_json_object(f, "tokenizer", "restore it from the original checkpoint")
-            added = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+            listed = tok.get("added_tokens") if isinstance(tok.get("added_tokens"), list) else []
+            added = {t.get("content"): t.get("id") for t in listed if isinstance(t, dict)}  # data: typed below
             for key, content in (
                 ("im_start", "<|im_start|>"),
                 ("im_end", "<|im_end|>"),
                 ("endoftext", "<|endoftext|>"),
             ):
-                if content in added:
+                if isinstance(added.get(content), int) and not isinstance(added[content], bool):
                     out[key] = added[content]
     out["eos"] = sorted(set(eos))
     return out

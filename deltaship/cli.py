@@ -27,7 +27,14 @@ from deltaship.constrain import build_constraint
 from deltaship.devices.catalog import load_catalog
 from deltaship.devices.discovery import discover, fingerprint
 from deltaship.devices.plan import format_table, format_vision, verdicts, vision_plan
-from deltaship.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_SIGINT, EXIT_SIGTERM, DeltashipError
+from deltaship.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
+    EXIT_SIGINT,
+    EXIT_SIGTERM,
+    DeltashipError,
+    DeltashipRunError,
+)
 from deltaship.failures import describe, os_error, quiet_stdout, stdout_closed
 from deltaship.logs import quiet_third_party, set_verbose
 from deltaship.models.presets import PRESETS
@@ -879,6 +886,8 @@ def main(argv: list[str] | None = None) -> int:
         failure, (code, what, fix) = e, (EXIT_SIGTERM, "terminated; nothing was written", None)
     except Exception as e:  # noqa: BLE001  (the one place every failure becomes a message)
         failure, (code, what, fix) = e, describe(e)
+        if isinstance(e, DeltashipRunError):  # what the run produced before the runtime failed, on stdout first
+            print(e.text if e.text is not None else " ".join(map(str, e.output_ids)), flush=True)
     if debug:
         traceback.print_exception(failure)
     if code in (EXIT_SIGINT, EXIT_SIGTERM):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import secrets
 import shutil
@@ -27,7 +26,7 @@ from filelock import FileLock, Timeout
 
 from deltaship.bundle.format import MANIFEST, SCHEMA
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
-from deltaship.files import read_int
+from deltaship.files import read_int, read_json
 
 NAME_MAX = 255
 _LONGEST_SUFFIX = len(".partial-") + 10 + 1 + 8  # pid (at most 10 digits), "-", 8 random hex digits
@@ -58,8 +57,8 @@ def lock_path(out: Path) -> Path:
 def _marker(path: Path, marker: tuple[str, str, str]) -> bool:
     name, key, value = marker
     try:
-        doc = json.loads((path / name).read_text())
-    except (OSError, ValueError):
+        doc = read_json(path / name, name, "")
+    except DeltashipError:  # unreadable, too big, not JSON: not deltaship's
         return False
     return isinstance(doc, dict) and doc.get(key) == value
 
@@ -76,10 +75,10 @@ def what_is(out: Path) -> str:
     if not any(out.iterdir()):
         return "empty"
     try:
-        manifest = json.loads((out / MANIFEST).read_text())
+        manifest = read_json(out / MANIFEST, MANIFEST, "")
         if isinstance(manifest, dict) and manifest.get("schema") == SCHEMA:
             return "bundle"
-    except (OSError, ValueError):
+    except DeltashipError:
         pass
     for kind, marker in (("kit", KIT_MARKER), ("plots", PLOTS_MARKER)):
         if _marker(out, marker):

@@ -14,7 +14,8 @@ from deltaship import options
 from deltaship.bundle.paths import bundle_path
 from deltaship.chat.template import ChatTemplate, bundle_chat_template
 from deltaship.constrain import Constraint, build_constraint, token_table
-from deltaship.errors import DeltashipError
+from deltaship.errors import DeltashipError, DeltashipRunError
+from deltaship.failures import run_failure
 from deltaship.files import read_json_object
 from deltaship.models.vision import Preprocessor, load_image, smart_resize
 from deltaship.progress import Progress, heartbeat
@@ -222,13 +223,23 @@ def generate(
     spec_stats = None
     clock = _TokenClock(t0)
     beat = _beat(say, lambda m: f"{m}: {clock.count} of {max_new_tokens} new tokens")
-    with heartbeat(beat, f"generate: {len(ids)} prompt tokens, then decoding"):
-        if depth is not None:
-            gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, on_token=clock, **kw)
-        elif mm:
-            gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=dump_logits is not None, on_token=clock, **kw)
-        else:
-            gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, on_token=clock, **kw)
+    try:
+        with heartbeat(beat, f"generate: {len(ids)} prompt tokens, then decoding"):
+            if depth is not None:
+                gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, on_token=clock, **kw)
+            elif mm:
+                keep = dump_logits is not None
+                gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=keep, on_token=clock, **kw)
+            else:
+                gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, on_token=clock, **kw)
+    except DeltashipRunError as e:  # the tokens so far, as text where the prompt was text
+        e.text = (prompt or "") + tok.decode(e.output_ids) if tok is not None else None
+        raise
+    except Exception as e:  # the speculative and image drivers' runtime errors, without their tokens
+        failure = run_failure(e, None)
+        if failure is None:
+            raise
+        raise failure from e
     if isinstance(say, Progress):
         say.done()
     elapsed = time.monotonic() - t0

@@ -122,14 +122,7 @@ MANIFESTS = {  # name -> the manifest's text from the valid manifest m
     "a float where an integer belongs": lambda m: _with(m, ("prefill_chunk",), 8.5),
     "an integral float in a shape": lambda m: _with(m, ("states", 0, "shape", 1), 3.0),
 }
-OWNERS_HOLES = {  # cases another item of issue 45 closes; strict: the marker goes when the fix is merged
-    "an integral float in a shape": "issue 45 item 7, the schema's strict integers (bundle/schema.json's owner): "
-    "[1, 3.0, 96] passes the schema and np.zeros raises TypeError (exit 1)",
-}
-MANIFEST_CASES = [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=OWNERS_HOLES[c])) if c in OWNERS_HOLES else c
-    for c in MANIFESTS
-]
+MANIFEST_CASES = list(MANIFESTS)
 
 
 @pytest.fixture(scope="module")
@@ -628,21 +621,11 @@ TEMPLATE_CONFIGS = {  # tokenizer_config.json (the chat template's reader, delta
     "NaN": '{"chat_template": "x", "model_max_length": NaN}',
     "duplicate keys": '{"chat_template": "x", "chat_template": "y"}',
 }
-CHAT_OWNERS_HOLES = {  # the chat template reader's header checks are the chat/session owner's item of issue 45
-    case: "issue 45 item 7 (chat/session owner): deltaship/chat/template.py reads tokenizer_config.json with "
-    "json.loads, not files.read_json"
-    for case in ("nested 100 deep", "nested 100000 deep", "a 5000-digit integer", "NaN", "duplicate keys")
-}
 
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=CHAT_OWNERS_HOLES[c]))
-        if c in CHAT_OWNERS_HOLES
-        else c
-        for c in TEMPLATE_CONFIGS
-    ],
+    list(TEMPLATE_CONFIGS),
 )
 def test_chat_refuses_a_hostile_tokenizer_config(case, hostile, capsys, monkeypatch):
     b, m, write = hostile
@@ -667,14 +650,9 @@ PROMPT_CACHE_FILES = {  # export --prompt-cache FILE.json
     "nested 100000 deep": '{"system": "s", "template_kwargs": {"k": ' + _deep(100_000) + "}}",
     "a 5000-digit integer": '{"system": "s", "template_kwargs": {"k": 1' + "0" * 4999 + "}}",
 }
-SESSION_HOLE = (
-    "issue 45 (chat/session owner: session and prompt-cache readers' header checks): deltaship/chat/store.py "
-    "parses with json.loads and catches only JSONDecodeError; files.parse_json is the bounded parser for it"
-)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=SESSION_HOLE))
-                                  for c in SESSION_METADATA])  # fmt: skip
+@pytest.mark.parametrize("case", list(SESSION_METADATA))
 def test_a_session_file_with_hostile_metadata_is_refused(case, tmp_path):
     from safetensors.numpy import save_file
 
@@ -688,8 +666,7 @@ def test_a_session_file_with_hostile_metadata_is_refused(case, tmp_path):
         read_session_file(path)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=SESSION_HOLE))
-                                  for c in PROMPT_CACHE_FILES])  # fmt: skip
+@pytest.mark.parametrize("case", list(PROMPT_CACHE_FILES))
 def test_an_export_prompt_cache_file_with_hostile_json_is_refused(case, tmp_path):
     from deltaship.chat.store import prompt_cache_settings
 

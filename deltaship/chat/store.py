@@ -25,6 +25,7 @@ import numpy as np
 from deltaship.bundle.destination import OutputLock, recover, replace_file
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
+from deltaship.files import parse_json
 
 FORMAT = "deltaship-chat-session"
 VERSION = 1
@@ -156,7 +157,10 @@ def check_save_target(path: Path, session) -> None:
         raise DeltashipError(f"{path}: exists and is not a saved chat session of this bundle; nothing was written", fix)
 
 
-def _refuse(path: Path, what: str, fix: str = "load a session saved by deltaship chat for this bundle") -> None:
+_REFUSE_FIX = "load a session saved by deltaship chat for this bundle"
+
+
+def _refuse(path: Path, what: str, fix: str = _REFUSE_FIX) -> None:
     raise DeltashipError(f"{path}: {what}; nothing was loaded", fix)
 
 
@@ -187,8 +191,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[i
     except OSError as e:
         _refuse(path, f"cannot be read ({e.strerror or e})", "check the file")
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        header = parse_json(raw.decode("utf-8"), str(path), "session file's safetensors header", _REFUSE_FIX)
+    except (UnicodeDecodeError, DeltashipError):
         _refuse(path, "not a readable session file (truncated or not a safetensors file: its header is not JSON)")
     if not isinstance(header, dict):
         _refuse(path, "not a readable session file (its safetensors header is not an object)")
@@ -221,10 +225,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[i
         _refuse(path, "a safetensors file without deltaship chat metadata")
     if hashlib.sha256(text.encode()).hexdigest() != sha:
         _refuse(path, "its metadata does not match its sha256 (the file was altered)")
-    try:
-        meta = json.loads(text)
-    except (ValueError, RecursionError):
-        _refuse(path, "its metadata is not JSON")
+    meta = parse_json(text, f"{path} (its deltaship metadata)", "session's metadata", _REFUSE_FIX)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         _refuse(path, f"not a {FORMAT} file")
     version = meta.get("version")
@@ -383,10 +384,7 @@ def prompt_cache_settings(path: Path) -> tuple[str, dict[str, Any]]:
     text = path.read_text(encoding="utf-8")
     if path.suffix != ".json":
         return text.removesuffix("\n"), {}  # the file's final newline is not part of the message
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DeltashipError(f"--prompt-cache {path}: not JSON ({e})", 'write {"system": "..."}') from None
+    obj = parse_json(text, f"--prompt-cache {path}", "prompt-cache settings file", 'write {"system": "..."}')
     if not isinstance(obj, dict) or not isinstance(obj.get("system"), str) or set(obj) - {"system", "template_kwargs"}:
         raise DeltashipError(
             f'--prompt-cache {path}: expected {{"system": text, "template_kwargs": {{...}}}}', "fix the file"

@@ -21,6 +21,7 @@ from typing import Any
 
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipError
+from deltaship.files import parse_json
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
@@ -69,10 +70,7 @@ def _template_of(read, where: Path, fix: str) -> tuple[str, dict[str, str]]:
     config: dict[str, Any] = {}
     text = read(CONFIG_FILE)
     if text is not None:
-        try:
-            loaded = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DeltashipError(f"{where / CONFIG_FILE}: not JSON ({e})", fix) from None
+        loaded = parse_json(text, str(where / CONFIG_FILE), "tokenizer config", fix)
         config = loaded if isinstance(loaded, dict) else {}
     tokens = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS if _token_text(config.get(k)) is not None}
     template = read(TEMPLATE_FILE)

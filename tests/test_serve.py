@@ -7,10 +7,12 @@ and sampled replies (same seed) against a fresh session's). Servers bind 127.0.0
 
 Mutation-checked by hand (2026-12-01): restoring only the DeltaNet states of a spilled conversation (its KV prefix
 not written back) fails test_restored_state_is_a_fresh_prefill and test_interleaved_conversations_keep_their_cache
-(sampled replies differ); feeding one token too few after a restore fails both; holding the conversation after
-generation instead of at the end of its prompt fails test_interleaved_conversations_keep_their_cache; not
-cancelling a stream whose client left fails test_a_client_that_leaves_mid_stream_stops_decoding; an LRU that never
-evicts fails test_held_conversations_are_bounded.
+(sampled replies differ); feeding one token too few after a restore fails both; not holding the point where the next
+turn's rendering leaves the prompt (marks) fails test_interleaved_conversations_keep_their_cache, and so does
+reporting cached_tokens as 0 (and test_openai_chat_whole_and_streamed); streaming text a stop string may still
+cut fails test_completions_and_stop; not cancelling a stream whose client left fails
+test_a_client_that_leaves_mid_stream_stops_decoding; an LRU that never evicts fails
+test_held_conversations_are_bounded.
 """
 
 from __future__ import annotations

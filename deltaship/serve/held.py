@@ -5,9 +5,9 @@ positions, i.e. until another conversation is fed there. A server interleaves co
 its DeltaNet states (a `Checkpoint`, valid in the session while nothing overwrote its positions) and, once another
 conversation is about to be fed over it, its KV prefix copied out of the session ("spilled"). Restoring it is then
 one `load_state_file_arrays` (its KV prefix and DeltaNet states written back). Why one shared session and copies,
-not a session per conversation: measured on the tiny preset (bench/serve/reuse_choice.py, docs/results/serve.md), a
-copy out and back in is under 1 ms where re-prefilling 64-480 tokens is 75-275 ms, while each extra session holds its
-own runtime and whole-length KV caches (about 32 MiB and 0.8 s to open at the tiny; weights times N at 0.8B).
+not a session per conversation: the copy is a memcpy of the conversation's own states, orders of magnitude below
+the re-prefill it saves, while each extra session holds its own runtime and whole-length KV caches, and at 0.8B its
+weights, per conversation (measured: bench/serve/reuse_choice.py, docs/results/serve.md).
 
 Keys are token prefixes of rendered prompts, never a client's id: a request restores the longest held prefix of
 its prompt and feeds only the rest. Memory is bounded (bytes and count) with least-recently-used eviction; an

@@ -11,7 +11,9 @@ not written back) fails test_restored_state_is_a_fresh_prefill and test_interlea
 turn's rendering leaves the prompt (marks) fails test_interleaved_conversations_keep_their_cache, and so does
 reporting cached_tokens as 0 (and test_openai_chat_whole_and_streamed); streaming text a stop string may still
 cut fails test_completions_and_stop; not cancelling a stream whose client left fails
-test_a_client_that_leaves_mid_stream_stops_decoding; an LRU that never evicts fails
+test_a_client_that_leaves_mid_stream_stops_decoding, and a plain request's
+test_a_client_that_leaves_a_plain_request_stops_it; charging an entry less than it holds once spilled (its logits
+left out) and an LRU that never evicts each fail
 test_held_conversations_are_bounded.
 """
 
@@ -209,6 +211,13 @@ def test_held_conversations_are_bounded(bundle):
         small.generate(small.tokenizer.encode(f"conversation {k}: " + "x" * 40), Sampling(max_tokens=2))
         assert small.held.nbytes <= int(one * 2.5)
     assert len(small.held) == 2
+    entries = list(small.held._entries.values())
+    assert small.held.nbytes == sum(h.nbytes for h in entries)
+    for h in entries:  # what an entry really holds, once spilled, is what it was charged
+        assert h.kv is not None or h is entries[-1]
+        if h.kv is not None:
+            real = sum(a.nbytes for a in h.kv.values()) + h.checkpoint.nbytes() + h.logits.nbytes
+            assert real == h.nbytes
     with pytest.raises(Exception, match="max_entries"):
         HeldConversations(engine.session, 1, 0)
 
@@ -310,6 +319,18 @@ def test_a_client_that_leaves_mid_stream_stops_decoding(server):
     assert h["completion_tokens"] - before["completion_tokens"] < 480  # it stopped decoding
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
+
+
+def test_a_client_that_leaves_a_plain_request_stops_it(server):
+    before = _health(server)
+    body = {"prompt": "def main():\n", "max_tokens": 480, "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):  # the client gives up (and closes its connection) mid-decode
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    end = time.monotonic() + 30
+    while (h := _health(server))["requests"] == before["requests"] and time.monotonic() < end:
+        time.sleep(0.05)
+    assert h["pending"] == 0 and h["cancelled"] == before["cancelled"] + 1
+    assert h["completion_tokens"] - before["completion_tokens"] < 480
 
 
 def test_sixteen_concurrent_clients(server, fresh):

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -68,7 +69,7 @@ def build_app(served: Served) -> Starlette:
         messages = api.messages_for_template(req)
         kwargs = dict(req.chat_template_kwargs or {})
         try:
-            prompt, marks = served.engine.render(messages, kwargs)
+            prompt, marks = await run_in_threadpool(served.engine.render, messages, kwargs)  # off the event loop
         except DeltashipError as e:
             raise ApiError(400, e.message, "messages", "invalid_value") from None
         return await _complete(served, request, req, prompt, constraint, chat=True, marks=marks)
@@ -86,7 +87,7 @@ def build_app(served: Served) -> Starlette:
         else:
             if isinstance(p, list) and len(p) != 1:
                 raise ApiError(400, "prompt: one prompt per request (n = 1)", "prompt", "unsupported_parameter")
-            prompt = served.engine.tokenizer.encode(p[0] if isinstance(p, list) else p)
+            prompt = await run_in_threadpool(served.engine.tokenizer.encode, p[0] if isinstance(p, list) else p)
         return await _complete(served, request, req, prompt, constraint, chat=False)
 
     async def api_error(request: Request, exc: Exception) -> Response:

@@ -56,14 +56,11 @@ class HeldConversations:
             if axis is not None
         )
         self._entries: OrderedDict[tuple[int, ...], Held] = OrderedDict()  # least recently used first
+        self.nbytes = 0  # what the held conversations are charged, together (read by /health from another thread)
         self.spilled_bytes = 0  # KV prefixes copied out so far (for the bench and tests)
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(h.nbytes for h in self._entries.values())
 
     def longest(self, prompt: list[int]) -> Held | None:
         """The held conversation with the longest token prefix of `prompt`."""
@@ -106,6 +103,8 @@ class HeldConversations:
                 "hold a conversation right after feeding its prompt, before generating",
             )
         old = self._entries.pop(ids, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
         if old is not None and s.can_restore(old.checkpoint) and old.checkpoint.position == s.position:
             cp = old.checkpoint
         else:
@@ -113,11 +112,12 @@ class HeldConversations:
         logits = np.array(logits, copy=True)
         nbytes = cp.nbytes() + logits.nbytes + self._kv_bytes_per_token * len(ids)
         self._entries[ids] = Held(ids, cp, logits, nbytes)
+        self.nbytes += nbytes
         self._evict()
 
     def _evict(self) -> None:
         while self._entries and (len(self._entries) > self.max_entries or self.nbytes > self.max_bytes):
-            self._entries.popitem(last=False)
+            self.nbytes -= self._entries.popitem(last=False)[1].nbytes
 
     def _spill_above(self, position: int) -> None:
         """Copy out the KV prefix of every held conversation still only in the session whose positions past

@@ -20,6 +20,10 @@ test_held_conversations_are_bounded.
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -90,6 +94,31 @@ def test_binds_loopback_by_default(server):
     assert exposure_warning("192.168.1.4", None) is not None
     assert exposure_warning("0.0.0.0", "key") is None
     assert all(exposure_warning(h, None) is None for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
+
+
+def test_the_command_serves_on_loopback_and_stops_on_sigterm(bundle):
+    with socket.socket() as probe:  # a free port (closed again before the server binds it)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltaship", "serve", str(bundle), "--port", str(port)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        end = time.monotonic() + 60
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"] == "ok"
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < end, "the server did not start"
+                time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    assert f"on http://127.0.0.1:{port}/v1" in err and "warning" not in err
 
 
 def test_openai_chat_whole_and_streamed(server, fresh):

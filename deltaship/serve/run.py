@@ -4,7 +4,7 @@ a background one (`ServerThread`: tests, benches, an app embedding it)."""
 from __future__ import annotations
 
 import ipaddress
-import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -16,7 +16,6 @@ from deltaship.serve.app import Served, build_app
 from deltaship.serve.engine import Engine, Scheduler
 from deltaship.targets import open_bundle
 
-log = logging.getLogger("deltaship.serve")
 GIB = 1 << 30
 
 
@@ -79,12 +78,18 @@ def _uvicorn(app, opts: ServeOptions):
 
 
 def serve_forever(bundle: str | Path, opts: ServeOptions, threads: int | None = None) -> int:
+    """Serve until interrupted (Ctrl-C, SIGTERM: uvicorn finishes the requests in flight first)."""
     warning = exposure_warning(opts.host, opts.api_key)
     if warning:
-        log.warning(warning)
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     app, served = make_app(open_bundle(bundle, threads=threads), opts)
     server = _uvicorn(app, opts)
-    log.info("deltaship serve: %s on http://%s:%d/v1", served.model, opts.host, opts.port)
+    host = f"[{opts.host}]" if ":" in opts.host else opts.host
+    print(
+        f"deltaship serve: {served.model} on http://{host}:{opts.port}/v1 (Ctrl-C stops it)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         server.run()
     finally:

@@ -14,7 +14,8 @@ cut fails test_completions_and_stop; not cancelling a stream whose client left f
 test_a_client_that_leaves_mid_stream_stops_decoding, and a plain request's
 test_a_client_that_leaves_a_plain_request_stops_it; charging an entry less than it holds once spilled (its logits
 left out) and an LRU that never evicts each fail
-test_held_conversations_are_bounded.
+test_held_conversations_are_bounded; a misnamed `object` or a float `created` fails
+test_responses_are_the_openai_types.
 """
 
 from __future__ import annotations
@@ -148,13 +149,31 @@ def test_openai_chat_whole_and_streamed(server, fresh):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
-def test_sse_ends_with_done(server):
-    body = {"messages": [{"role": "user", "content": "x = "}], "max_tokens": 4, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+@pytest.mark.parametrize("route", ["chat/completions", "completions"])
+def test_responses_are_the_openai_types(server, route):
+    """Whole responses and every SSE chunk validate as the openai package's own models (its copy of the API's
+    schema: the client itself builds them without validating), and a stream ends with [DONE]."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    whole, chunk = (ChatCompletion, ChatCompletionChunk) if route.startswith("chat") else (Completion, Completion)
+    body = {"messages": [{"role": "user", "content": "x = "}]} if route.startswith("chat") else {"prompt": "x = "}
+    body |= {"max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=60)
+    whole.model_validate(r.json(), strict=True)
+    stream = body | {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/{route}", json=stream, timeout=60) as r:
         lines = [line for line in r.iter_lines() if line]
     assert r.headers["content-type"].startswith("text/event-stream")
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
-    json.loads(lines[-2][6:])  # every other event is a JSON chunk
+    for line in lines[:-1]:
+        data = json.loads(line[6:])
+        if chunk is Completion and data["choices"] and data["choices"][0]["finish_reason"] is None:
+            # the openai package reuses Completion for stream chunks, whose finish_reason it types as never null,
+            # while the API sends null until the last chunk (as this server does): the rest must still validate
+            data = data | {"choices": [data["choices"][0] | {"finish_reason": "length"}]}
+        chunk.model_validate(data, strict=True)
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 4
 
 
 def test_completions_and_stop(server, fresh):

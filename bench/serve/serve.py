@@ -3,7 +3,7 @@ reuse against a server that re-prefills every prompt (--no-reuse), and requests/
 1, 4 and 16 concurrent clients. Both servers run in this process on 127.0.0.1 (a free port), one after the other.
 
     python bench/serve/serve.py BUNDLE [--turns 20] [--reply-tokens 16] [--clients 1 4 16] [--requests 32]
-        [--json OUT.json] [--markdown OUT.md]
+        [--baseline-turns 1 5 10 15 20] [--json OUT.json] [--markdown OUT.md]
 
 TTFT is the client's: from sending the request to the first streamed content chunk.
 """
@@ -14,6 +14,7 @@ import argparse
 import json
 import platform
 import subprocess
+import tempfile
 import threading
 import time
 from datetime import datetime, timezone
@@ -32,40 +33,53 @@ def user_message(k: int) -> str:
     return f"Turn {k}: write a function step_{k}(xs) that returns the running sum of xs, skipping None values."
 
 
-def conversation(url: str, turns: int, reply_tokens: int) -> list[dict]:
+def ask(c, messages: list[dict], reply_tokens: int) -> tuple[dict, str]:
+    """One streamed, greedy request: its TTFT (to the first content chunk), total time, usage, and text."""
+    t0 = time.perf_counter()
+    first, parts, use = None, [], None
+    stream = c.chat.completions.create(
+        model="m",
+        messages=messages,
+        max_tokens=reply_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for ch in stream:
+        if ch.choices and ch.choices[0].delta.content:
+            first = first or time.perf_counter()
+            parts.append(ch.choices[0].delta.content)
+        if ch.usage:
+            use = ch.usage
+    total = time.perf_counter() - t0
+    row = {
+        "prompt_tokens": use.prompt_tokens,
+        "cached_tokens": use.prompt_tokens_details.cached_tokens,
+        "ttft_s": (first or time.perf_counter()) - t0,
+        "total_s": total,
+    }
+    return row, "".join(parts)
+
+
+def conversation(url: str, turns: int, reply_tokens: int) -> tuple[list[dict], list[list[dict]]]:
+    """The conversation's rows, and each turn's request messages (what the baseline sends again)."""
     c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     messages = [{"role": "system", "content": SYSTEM}]
-    rows = []
+    rows, asked = [], []
     for k in range(1, turns + 1):
         messages.append({"role": "user", "content": user_message(k)})
-        t0 = time.perf_counter()
-        first, parts, use = None, [], None
-        stream = c.chat.completions.create(
-            model="m",
-            messages=messages,
-            max_tokens=reply_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        for ch in stream:
-            if ch.choices and ch.choices[0].delta.content:
-                first = first or time.perf_counter()
-                parts.append(ch.choices[0].delta.content)
-            if ch.usage:
-                use = ch.usage
-        total = time.perf_counter() - t0
-        rows.append(
-            {
-                "turn": k,
-                "prompt_tokens": use.prompt_tokens,
-                "cached_tokens": use.prompt_tokens_details.cached_tokens,
-                "ttft_s": (first or time.perf_counter()) - t0,
-                "total_s": total,
-            }
-        )
-        messages.append({"role": "assistant", "content": "".join(parts)})
-    return rows
+        asked.append([dict(m) for m in messages])
+        row, text = ask(c, messages, reply_tokens)
+        rows.append({"turn": k, **row})
+        messages.append({"role": "assistant", "content": text})
+    return rows, asked
+
+
+def baseline(url: str, asked: list[list[dict]], turns: list[int], reply_tokens: int) -> list[dict]:
+    """Turn k's request of the reuse run sent to a server that re-prefills (greedy: the same history, since a
+    restored conversation gives a fresh prefill's tokens), for the turns asked."""
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    return [{"turn": k, **ask(c, asked[k - 1], reply_tokens)[0]} for k in turns if k <= len(asked)]
 
 
 def load(url: str, clients: int, requests: int, reply_tokens: int) -> dict:
@@ -110,6 +124,15 @@ def load(url: str, clients: int, requests: int, reply_tokens: int) -> dict:
     }
 
 
+def tiny_tokenizer():
+    from deltaship.models.presets import get_preset, write_tiny_tokenizer
+    from deltaship.runtimes.tokenizer import BundleTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    write_tiny_tokenizer(tmp)
+    return BundleTokenizer(tmp / "tokenizer.json"), get_preset("qwen3.5-tiny").chat_template()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle")
@@ -117,21 +140,33 @@ def main() -> None:
     ap.add_argument("--reply-tokens", type=int, default=16)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--baseline-turns", type=int, nargs="+", default=None, help="turns to re-prefill (default: all)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--tiny-tokenizer",
+        action="store_true",
+        help="a bundle without a tokenizer (a published-shape preset): the tiny preset's byte-level "
+        "tokenizer and its chat template, as bench/chat/chat.py does",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     a = ap.parse_args()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     out: dict = {"bundle": str(a.bundle), "started": started}
+    asked: list[list[dict]] = []
+    tok, template = tiny_tokenizer() if a.tiny_tokenizer else (None, None)
     for reuse in (True, False):
         opts = ServeOptions(port=0, reuse=reuse)
-        with ServerThread(open_bundle(a.bundle, threads=a.threads), opts) as s:
-            key = "reuse" if reuse else "no_reuse"
-            out[key] = {"turns": conversation(s.url, a.turns, a.reply_tokens)}
+        with ServerThread(open_bundle(a.bundle, threads=a.threads), opts, tok, template) as s:
             if reuse:
-                out[key]["load"] = [load(s.url, n, a.requests, a.reply_tokens) for n in a.clients]
-                out[key]["held_bytes"] = s.served.engine.held.nbytes
-                out[key]["held_conversations"] = len(s.served.engine.held)
+                rows, asked = conversation(s.url, a.turns, a.reply_tokens)
+                out["reuse"] = {"turns": rows}
+                out["reuse"]["load"] = [load(s.url, n, a.requests, a.reply_tokens) for n in a.clients]
+                out["reuse"]["held_bytes"] = s.served.engine.held.nbytes
+                out["reuse"]["held_conversations"] = len(s.served.engine.held)
+            else:
+                turns = a.baseline_turns or list(range(1, a.turns + 1))
+                out["no_reuse"] = {"turns": baseline(s.url, asked, turns, a.reply_tokens)}
     out["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     out["machine"] = f"{platform.platform()}, {platform.processor() or platform.machine()}"
     out["commit"] = subprocess.run(
@@ -150,11 +185,11 @@ def markdown(out: dict) -> str:
         "| turn | prompt tokens | cached (reuse) | TTFT reuse s | TTFT no reuse s | no reuse / reuse |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
-    for r, n in zip(out["reuse"]["turns"], out["no_reuse"]["turns"]):
-        lines.append(
-            f"| {r['turn']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_s']:.3f} | "
-            f"{n['ttft_s']:.3f} | {n['ttft_s'] / r['ttft_s']:.1f} |"
-        )
+    base = {n["turn"]: n for n in out["no_reuse"]["turns"]}
+    for r in out["reuse"]["turns"]:
+        n = base.get(r["turn"])
+        again = f"{n['ttft_s']:.3f} | {n['ttft_s'] / r['ttft_s']:.1f}" if n else " | "
+        lines.append(f"| {r['turn']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_s']:.3f} | {again} |")
     lines += [
         "",
         "| clients | requests | ok | errors | requests/s | p50 s | p95 s |",

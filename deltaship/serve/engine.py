@@ -58,9 +58,19 @@ class Engine:
     """The session, the bundle's chat template and tokenizer (a `Chat`'s: prompts are rendered as `deltaship chat`
     renders them), and the held conversations."""
 
-    def __init__(self, session: Session, max_held_bytes: int, max_held: int, reuse: bool = True):
+    def __init__(
+        self,
+        session: Session,
+        max_held_bytes: int,
+        max_held: int,
+        reuse: bool = True,
+        tokenizer: Any = None,
+        template: str | None = None,
+    ):
+        """tokenizer, template: for a bundle that carries none (a preset with random weights), as `Chat` takes."""
         self.session = session
-        self.chat = Chat(session)  # the renderer: template, tokenizer, stop ids (it owns no turn here)
+        # the renderer: template, tokenizer, stop ids (it owns no turn here)
+        self.chat = Chat(session, tokenizer=tokenizer, template=template)
         self.tokenizer = self.chat.tokenizer
         self.stop_ids = set(self.chat.stop_ids)
         self.reuse = reuse

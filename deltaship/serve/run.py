@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from deltaship.errors import DeltashipError
 from deltaship.runtimes.base import Session
@@ -59,9 +60,9 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def make_app(session: Session, opts: ServeOptions):
-    """The app and what it serves, on an open session."""
-    engine = Engine(session, int(opts.cache_ram * GIB), opts.max_sessions, reuse=opts.reuse)
+def make_app(session: Session, opts: ServeOptions, tokenizer: Any = None, template: str | None = None):
+    """The app and what it serves, on an open session (tokenizer, template: for a bundle that carries none)."""
+    engine = Engine(session, int(opts.cache_ram * GIB), opts.max_sessions, opts.reuse, tokenizer, template)
     source = session.manifest.get("source", {})
     model = str(source.get("model") or Path(session.bundle).name)
     served = Served(engine, Scheduler(opts.max_queue), model, opts.api_key)
@@ -100,8 +101,8 @@ def serve_forever(bundle: str | Path, opts: ServeOptions, threads: int | None = 
 class ServerThread:
     """A server in a background thread: `with ServerThread(session, ServeOptions(port=0)) as s: s.url`."""
 
-    def __init__(self, session: Session, opts: ServeOptions):
-        self.app, self.served = make_app(session, opts)
+    def __init__(self, session: Session, opts: ServeOptions, tokenizer: Any = None, template: str | None = None):
+        self.app, self.served = make_app(session, opts, tokenizer, template)
         self.server = _uvicorn(self.app, opts)
         self._thread = threading.Thread(target=self.server.run, name="deltaship-serve", daemon=True)
 

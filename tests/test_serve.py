@@ -122,6 +122,19 @@ def test_the_command_serves_on_loopback_and_stops_on_sigterm(bundle):
     assert f"on http://127.0.0.1:{port}/v1" in err and "warning" not in err
 
 
+def test_a_missing_serve_extra_names_it():
+    code = (
+        "import sys; sys.modules['starlette'] = None\n"  # as if the serve extra were not installed
+        "from deltaship.commands import serve\n"
+        "from deltaship.errors import DeltashipError\n"
+        "try:\n    serve('/nonexistent')\nexcept DeltashipError as e:\n    print(e.message, '|', e.fix)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert 'needs the serve extra (starlette is not installed) | pip install "deltaship[serve]"' in run.stdout, (
+        run.stdout + run.stderr
+    )
+
+
 def test_openai_chat_whole_and_streamed(server, fresh):
     c = client(server)
     assert [m.id for m in c.models.list().data] == ["qwen3.5-tiny"]

@@ -26,7 +26,8 @@ def serve(
         from deltaship.serve.run import ServeOptions, serve_forever
     except ImportError as e:
         raise DeltashipEnvironmentError(
-            f"deltaship serve needs the serve extra ({e.name} is not installed)", "pip install 'deltaship[serve]'"
+            f"deltaship serve needs the serve extra ({(e.name or 'a package').split('.')[0]} is not installed)",
+            'pip install "deltaship[serve]"',
         ) from None
     opts = ServeOptions(
         host=host,

@@ -21,6 +21,7 @@ from deltaship.check import inspect as bundle_inspect
 from deltaship.check.evaluate import evaluate
 from deltaship.commands import generate, plan
 from deltaship.commands.chat import chat, commands_help
+from deltaship.commands.serve import serve
 from deltaship.compile import export
 from deltaship.compile.settings import EXPORT_OPTIONS
 from deltaship.constrain import build_constraint
@@ -817,7 +818,59 @@ def build_parser() -> argparse.ArgumentParser:
         help="one JSON object per turn (reply, reply_ids, history_ids, prefill_tokens, ttft_s, decode_tok_s, stopped)",
     )
     c.set_defaults(func=_chat)
+
+    v = sub.add_parser(
+        "serve", help="an OpenAI-compatible local server that reuses conversations' states (docs/serve.md)"
+    )
+    v.add_argument("bundle", help="the bundle directory (deltaship export --out)")
+    v.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine only)"
+    )
+    v.add_argument("--port", type=_count("--port", 0), default=8080, help="the TCP port (default 8080)")
+    v.add_argument("--api-key", default=None, metavar="KEY", help="ask every /v1 request for Authorization: Bearer KEY")
+    v.add_argument(
+        "--max-sessions",
+        type=_count("--max-sessions", 1),
+        default=64,
+        help="conversations whose states are held between requests (least recently used dropped; default 64)",
+    )
+    v.add_argument(
+        "--cache-ram",
+        type=_arg(float, _gib, "a number of GiB >= 0"),
+        default=2.0,
+        metavar="GIB",
+        help="memory the held conversations may take (least recently used dropped; default 2)",
+    )
+    v.add_argument(
+        "--max-queue",
+        type=_count("--max-queue", 1),
+        default=64,
+        help="requests waiting or running; past it a 503 with Retry-After (default 64)",
+    )
+    v.add_argument("--no-reuse", action="store_true", help="prefill every prompt whole (a baseline to measure against)")
+    v.add_argument("--threads", type=THREADS, default=None, help="runtime threads (default: the runtime's)")
+    v.set_defaults(func=_serve)
     return p
+
+
+def _gib(value: float) -> float:
+    if not 0 <= value < 1 << 20:
+        raise DeltashipError(f"--cache-ram must be a number of GiB >= 0, got {value}", "e.g. --cache-ram 2")
+    return value
+
+
+def _serve(a: argparse.Namespace) -> int:
+    return serve(
+        a.bundle,
+        host=a.host,
+        port=a.port,
+        api_key=a.api_key,
+        max_sessions=a.max_sessions,
+        cache_ram=a.cache_ram,
+        max_queue=a.max_queue,
+        no_reuse=a.no_reuse,
+        threads=a.threads,
+    )
 
 
 def _chat(a: argparse.Namespace) -> int:

@@ -12,10 +12,12 @@ does none of those is stopped too; a violation is one DeltashipError naming the 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
 from datetime import datetime
+from functools import wraps
 from pathlib import Path
 from typing import Any
 
@@ -321,8 +323,6 @@ def _format_of(obj: Any) -> str | None:
 
 def _check_format(budget: _Budget, fmt: str, args: tuple, kwargs: dict) -> None:
     """A format's widths (in its text or passed as numbers) within the output cap: they are allocated whole."""
-    import re
-
     widths = [int(d) for d in re.findall(r"\d{7,}", fmt)]
     widths += [a for a in (*args, *kwargs.values()) if isinstance(a, int) and not isinstance(a, bool)]
     if any(abs(w) > MAX_OUTPUT_CHARS for w in widths):
@@ -331,7 +331,6 @@ def _check_format(budget: _Budget, fmt: str, args: tuple, kwargs: dict) -> None:
 
 def _bounded_filter(f, budget: _Budget):
     """A filter whose integer arguments (widths, counts) and result are held to the output cap."""
-    from functools import wraps
 
     @wraps(f)
     def bounded(*args: Any, **kwargs: Any):

@@ -6,6 +6,7 @@ runtimes and versions, and CPU frequency / thermal state where readable.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import platform
@@ -175,8 +176,6 @@ DEVICE_FIX = "use host, ssh://user@host[:port] or adb:SERIAL"
 
 
 def _is_ipv6(text: str) -> bool:
-    import ipaddress  # lazy: only an ssh://[...] address needs it
-
     try:
         return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
     except ValueError:

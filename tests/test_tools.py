@@ -206,7 +206,7 @@ def test_cli_refuses_a_bad_tools_file_with_exit_2(random_chat_bundle, tmp_path):
     assert r.stdout == ""  # nothing generated
 
 
-def test_tool_results_only_for_calls_that_were_made(random_chat_bundle):
+def test_tool_results_only_for_calls_that_were_made(random_chat_bundle, tmp_path):
     c = Chat(random_chat_bundle, template_kwargs=NO_THINK, tools=[WEATHER, NOW], tool_choice="get_weather")
     with pytest.raises(DeltashipError, match="no reply yet|made no tool call"):
         c.send_tool_results([{"name": "now", "content": "12:00"}])
@@ -224,6 +224,11 @@ def test_tool_results_only_for_calls_that_were_made(random_chat_bundle):
     assert r2.tool_calls == []
     text = c.template.render(c.messages, False, **c.template_kwargs)
     assert '<|im_start|>user\n<tool_response>\n{"sky":"sun"}\n</tool_response><|im_end|>\n' in text
+    # a saved session keeps the calls, the tool messages and the tools (template settings) as they were
+    path = c.save(tmp_path / "tools.dschat")
+    loaded = Chat.load(path, random_chat_bundle)
+    assert loaded.history == c.history and loaded.ids == c.ids and loaded.tools.names() == ["get_weather", "now"]
+    assert loaded.history[1]["tool_calls"] == c.history[1]["tool_calls"]
 
 
 def test_line_protocol_tool_results_and_refusal(random_chat_bundle, tmp_path):
@@ -386,3 +391,17 @@ def test_constraint_after_an_open_think_block(random_chat_bundle):
     assert g.complete() and not g.allowed()[ord("x")]
     with pytest.raises(DeltashipError, match="cannot be combined"):
         Chat(random_chat_bundle, tools=[NOW]).send("x", regex="a")
+
+
+def test_trained_tiny_chat_constraint_changes_nothing_it_allows(shared_export):
+    """Token equality on the trained tiny: a chat reply under a constraint that allows what the model says (any
+    text, the budget's length) is the unconstrained reply token for token, and a retry under it again the same."""
+    bundle = shared_export("constrain-tiny-onnx", "qwen3.5-tiny", target="onnx", precision="fp32", mtp=True,
+                           max_context=256, prefill_chunk=16, verify=False)  # fmt: skip  # test_constrain's
+    free = Chat(bundle, template_kwargs=NO_THINK).send("def add(a, b):", max_new_tokens=24)
+    c = Chat(bundle, template_kwargs=NO_THINK)
+    held = c.send("def add(a, b):", max_new_tokens=24, regex=r"(?s:.*)")
+    assert held.ids == free.ids and held.constraint["kind"] == "regex"
+    assert c.retry(max_new_tokens=24).ids == free.ids
+    narrow = c.retry(max_new_tokens=24, regex="[0-9]{4}")  # one that does not allow it: another reply
+    assert narrow.text.isdigit() and len(narrow.text) == 4 and narrow.ids != free.ids

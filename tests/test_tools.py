@@ -246,6 +246,15 @@ def test_line_protocol_tool_results_and_refusal(random_chat_bundle, tmp_path):
         chat_command(random_chat_bundle, no_thinking=True, json=True, tools=tools, tool_choice="get_weather",
                      max_new_tokens=120, stdin=io.StringIO('go\n/tool {"name": "now", "content": "1"}\n'),
                      stdout=io.StringIO())  # fmt: skip
+    plain = io.StringIO()  # without --json: the text before the calls, then one `tool call:` line per call
+    chat_command(random_chat_bundle, no_thinking=True, tools=tools, tool_choice="now", max_new_tokens=60,
+                 stdin=io.StringIO("time?\n"), stdout=plain)  # fmt: skip
+    lines = plain.getvalue().splitlines()
+    assert (
+        "<tool_call>" not in plain.getvalue()
+        and lines[1:]
+        and all(json.loads(line.removeprefix("tool call: ")) == {"name": "now", "arguments": {}} for line in lines[1:])
+    )
     with pytest.raises(DeltashipError, match="--tool-choice now without --tools"):
         chat_command(random_chat_bundle, tool_choice="now", stdin=io.StringIO(""), stdout=io.StringIO())
 

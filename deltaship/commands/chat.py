@@ -215,8 +215,8 @@ def _print_reply(conv, reply, command: str, json: bool, stream, out: IO[str]) ->
         print(jsonlib.dumps(record), file=out, flush=True)
     elif stream is not None:
         stream.finish()
-    else:
-        print(reply.text, file=out, flush=True)
+    else:  # with tools: the text before the calls (the calls follow, one line each)
+        print(conv.history[-1]["content"] if conv.tools is not None else reply.text, file=out, flush=True)
     if not json and reply.tool_calls:  # what a piped chat answers with `/tool {"name": ..., "content": ...}`
         for call in reply.tool_calls:
             print(f"tool call: {jsonlib.dumps(call)}", file=out, flush=True)

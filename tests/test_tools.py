@@ -229,6 +229,23 @@ def test_tool_results_only_for_calls_that_were_made(random_chat_bundle, tmp_path
     loaded = Chat.load(path, random_chat_bundle)
     assert loaded.history == c.history and loaded.ids == c.ids and loaded.tools.names() == ["get_weather", "now"]
     assert loaded.history[1]["tool_calls"] == c.history[1]["tool_calls"]
+    # a retry of a loaded tool-results turn keeps all its results (the turn's inputs are the tool messages)
+    n = sum(m["role"] == "tool" for m in loaded.history)
+    loaded.retry(max_new_tokens=8, tool_choice="none")
+    assert [m["role"] for m in loaded.history] == [m["role"] for m in c.history] and n >= 1
+
+
+def test_a_turn_of_several_tool_results_retries_whole(random_chat_bundle, tmp_path):
+    c = Chat(random_chat_bundle, template_kwargs=NO_THINK, tools=[NOW], tool_choice="now")
+    r = c.send("times?", max_new_tokens=4 * 52 + 8)
+    assert len(r.tool_calls) >= 2  # greedy on these weights: several calls
+    c.send_tool_results([{"name": "now", "content": f"{i}:00"} for i in range(len(r.tool_calls))],
+                        max_new_tokens=8, tool_choice="none")  # fmt: skip
+    roles = [m["role"] for m in c.history]
+    loaded = Chat.load(c.save(tmp_path / "t.dschat"), random_chat_bundle)
+    for chat in (c, loaded):
+        chat.retry(max_new_tokens=8, temperature=1.0, seed=4)
+        assert [m["role"] for m in chat.history] == roles
 
 
 def test_line_protocol_tool_results_and_refusal(random_chat_bundle, tmp_path):
@@ -309,6 +326,8 @@ def test_reply_parsing_and_streaming_hold_back_a_call():
         "3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>"
     )
     content, calls = split_reply(text, tools)
+    thought = "<think>\nmaybe <tool_call>\n</think>\n\n"  # a call is in the answer, not in the reasoning
+    assert split_reply(thought + text, tools) == (thought + "Sure.", calls)
     assert content == "Sure." and calls == [
         {"name": "get_weather", "arguments": {"city": "San Jose", "days": 3}},
         {"name": "now", "arguments": {}},

@@ -444,6 +444,8 @@ class Chat:
                     before=made[last["before"]] if last["before"] is not None else None,
                     before_reply=made[last["before_reply"]] if last["before_reply"] is not None else None,
                     ids_before_reply=last["ids_before_reply"],
+                    # the messages between the turn's start and its reply: a user message or tool results
+                    inputs=max(1, len(chat.messages) - last["messages_before"] - 1),
                 )
             ]
         return chat

@@ -37,7 +37,8 @@ def split_reply(text: str, tools: Tools | None) -> tuple[str, list[dict[str, Any
     """(the reply's text before its first call, stripped; the complete calls as {"name", "arguments"}). A call
     cut off by the token budget is not a call; a name that is not declared, or arguments that do not validate
     (possible only without the constraint), are left out too."""
-    at = text.find(OPEN)
+    think = text.rfind("</think>")  # a call is in the answer, not in the reasoning before it
+    at = text.find(OPEN, think + 1 if think >= 0 else 0)
     if at < 0 or tools is None:
         return text.strip(), []
     calls = []

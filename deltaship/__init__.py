@@ -11,6 +11,7 @@ This module stays thin: nothing (torch included) is imported until a name is use
 
 from __future__ import annotations
 
+import os
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,11 @@ def load(
     from deltaship.hf.bundle_model import BundleModel  # lazy: the package's face
     from deltaship.targets import open_bundle  # lazy: the package's face
 
+    if not isinstance(bundle, (str, os.PathLike)) or not isinstance(os.fspath(bundle), str):
+        raise DeltashipError(
+            f"load(bundle): bundle must be a path (str or pathlib.Path), got {type(bundle).__name__}",
+            "pass the directory written by `deltaship export`, e.g. load('tiny-onnx')",
+        )
     path = Path(bundle)
     if not (path / "manifest.json").is_file():
         raise DeltashipError(

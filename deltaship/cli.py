@@ -15,22 +15,32 @@ from pathlib import Path
 from typing import Any
 
 from deltaship import __version__, options
-from deltaship.apps import PLATFORMS, write_kit
+from deltaship.apps import KIT_RECORD, PLATFORMS, write_kit
 from deltaship.bundle.destination import check_destination
 from deltaship.check import inspect as bundle_inspect
 from deltaship.check.evaluate import evaluate
 from deltaship.commands import generate, plan
-from deltaship.commands.chat import chat
+from deltaship.commands.chat import chat, commands_help
+from deltaship.commands.serve import serve
 from deltaship.compile import export
 from deltaship.compile.settings import EXPORT_OPTIONS
 from deltaship.constrain import build_constraint
+from deltaship.devices.catalog import load_catalog
 from deltaship.devices.discovery import discover, fingerprint
 from deltaship.devices.plan import format_table, format_vision, verdicts, vision_plan
-from deltaship.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_SIGINT, EXIT_SIGTERM, DeltashipError
+from deltaship.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
+    EXIT_SIGINT,
+    EXIT_SIGTERM,
+    DeltashipError,
+    DeltashipRunError,
+)
 from deltaship.failures import describe, os_error, quiet_stdout, stdout_closed
 from deltaship.logs import quiet_third_party, set_verbose
 from deltaship.models.presets import PRESETS
 from deltaship.models.spec import KV_DTYPES
+from deltaship.parser import Parser
 from deltaship.profiling.profile import compare, profile
 from deltaship.profiling.report import format_compare, format_results, write_plots
 from deltaship.profiling.settings import ProfileSettings
@@ -105,38 +115,41 @@ def _max_context(value: str) -> int | str:
 
 
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per field of each target's options dataclass (deltaship/targets), with its help and default."""
-
-    added: set[str] = set()  # an option several targets take (--mtp) is one flag, under the first of them
+    """One flag per field of each target's options dataclass (deltaship/targets), with its help and default, in a
+    help group that says where it applies: an option several targets take (--mtp) is one flag, in a group named
+    after those targets (the shared groups first), then one group per target with that target's own."""
     takers: dict[str, list[str]] = {}
+    fields = {}
     for t in all_targets():
         for f in t.Options.fields():
             takers.setdefault(f.name, []).append(t.name)
+            fields.setdefault(f.name, f)
+    shared = [tuple(v) for v in takers.values() if len(v) > 1]
+    groups: dict[tuple[str, ...], Any] = {}
+    for by in dict.fromkeys(shared):
+        head = ", ".join(by[:-1])
+        groups[by] = parser.add_argument_group(f"{head} and {by[-1]} options", f"apply to --target {head} or {by[-1]}")
     for t in all_targets():
-        group = parser.add_argument_group(f"{t.name} options", t.description)
-        for f in t.Options.fields():
-            if f.name in added:
-                continue
-            added.add(f.name)
-            meta = f.metadata
-            default = "" if f.default in (None, False) else f" (default {f.default})"
-            shared = f" (--target {' or '.join(takers[f.name])})" if len(takers[f.name]) > 1 else ""
-            kwargs: dict = {"help": f"{meta.get('help', '')}{default}{shared}", "default": None}
-            if f.type in (bool, "bool"):
-                kwargs.update(action="store_true", default=False)
-            else:
-                choices = meta.get("choices")
-                kinds = {type(c) for c in choices or ()}
-                kwargs["type"] = (
-                    kinds.pop()
-                    if len(kinds) == 1
-                    else (float if "float" in str(f.type) else int if "int" in str(f.type) else str)
-                )
-                if choices:
-                    kwargs["choices"] = choices
-                if meta.get("metavar"):
-                    kwargs["metavar"] = meta["metavar"]
-            group.add_argument(flag(f.name), **kwargs)
+        groups[(t.name,)] = parser.add_argument_group(f"{t.name} options", t.description)
+    for name, f in fields.items():
+        meta = f.metadata
+        default = "" if f.default in (None, False) else f" (default {f.default})"
+        kwargs: dict = {"help": f"{meta.get('help', '')}{default}", "default": None}
+        if f.type in (bool, "bool"):
+            kwargs.update(action="store_true", default=False)
+        else:
+            choices = meta.get("choices")
+            kinds = {type(c) for c in choices or ()}
+            kwargs["type"] = (
+                kinds.pop()
+                if len(kinds) == 1
+                else (float if "float" in str(f.type) else int if "int" in str(f.type) else str)
+            )
+            if choices:
+                kwargs["choices"] = choices
+            if meta.get("metavar"):
+                kwargs["metavar"] = meta["metavar"]
+        groups[tuple(takers[name])].add_argument(flag(f.name), **kwargs)
 
 
 def _add_constraint_arguments(p: argparse.ArgumentParser) -> None:
@@ -186,6 +199,8 @@ def _generate(a: argparse.Namespace) -> int:
         runtime=a.runtime,
         cuda_graph=a.cuda_graph,
         prepack_cache=a.prepack_cache,
+        progress=not a.quiet,
+        chat=a.chat,
         **({"speculative": a.speculative} if a.speculative else {}),
         **({"images": a.image} if a.image else {}),
         **({"videos": a.video} if a.video else {}),
@@ -211,7 +226,7 @@ def _generate(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(res))
     elif "text" in res:
-        print((a.prompt or "") + res["text"])
+        print(res["text"] if a.chat else (a.prompt or "") + res["text"])  # --chat: the reply alone
     else:
         print(" ".join(map(str, res["output_ids"])))
     return 0
@@ -224,7 +239,10 @@ def _inspect(a: argparse.Namespace) -> int:
 
 
 def _eval(a: argparse.Namespace) -> int:
-    res = evaluate(a.bundle, model=a.model, tokens=a.tokens, threads=a.threads)
+    say = Progress(enabled=not a.quiet)
+    say(f"eval: {a.bundle} against {a.model or 'the checkpoint it was exported from'}")
+    res = evaluate(a.bundle, model=a.model, tokens=a.tokens, threads=a.threads, progress=say, text=a.text)
+    say.done()
     if a.json:
         print(json.dumps(res))
     else:
@@ -278,7 +296,7 @@ def _plan(a: argparse.Namespace) -> int:
     if a.json:  # the rows, as ever (the vision tower's plan: deltaship.devices.plan.vision_plan)
         print(json.dumps(rows, indent=1))
         return 0
-    print(format_table(rows) + "\n\n" + "\n".join(verdicts(rows, a.tiers)))
+    print(format_table(rows, provenance=a.footnotes or a.verbose) + "\n\n" + "\n".join(verdicts(rows, a.tiers)))
     if a.vision:
         print("\n" + format_vision(vp))
     elif vp is not None:
@@ -334,7 +352,7 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
         default=None,
         metavar="TIER",
         help="a device tier (deltaship plan): pick the target, precision and context that fit it, or refuse "
-        "with the plan's numbers",
+        f"with the plan's numbers; tiers: {tier_names()} (--tiers adds yours)",
     )
     e.add_argument("--tiers", default=None, help="with --device: a TOML file of extra tiers")
     e.add_argument(
@@ -400,6 +418,11 @@ def add_export_arguments(e: argparse.ArgumentParser, out_positional: bool = Fals
     _add_target_options(e)
 
 
+def tier_names() -> str:
+    """The built-in tiers, from the catalog (deltaship/devices/tiers.toml), for the help of --device and --tier."""
+    return ", ".join(load_catalog()[0])
+
+
 def add_prompt_cache_argument(parser: argparse.ArgumentParser | Any, what: str) -> None:
     """--prompt-cache FILE, one definition for `export` (which ships the cache) and `plan` (which counts it), so that
     one file serves both."""
@@ -414,7 +437,8 @@ def add_prompt_cache_argument(parser: argparse.ArgumentParser | Any, what: str) 
 def _app(a: argparse.Namespace) -> int:
     record = write_kit(Path(a.bundle), Path(a.out), a.platform, force=a.force)
     # the record's paths are relative to the kit (it was written in a staging directory, then renamed)
-    files = [(Path(a.out) / f).as_posix() for f in record.get("files", [])]
+    names = list(dict.fromkeys([*record.get("files", []), KIT_RECORD]))  # kit.json: written beside the kit's files
+    files = [(Path(a.out) / f).as_posix() for f in names]
     print(f"wrote the {a.platform} kit to {a.out}: " + ", ".join(files))
     print(f"next: read {Path(a.out) / 'README.md'}")
     return 0
@@ -462,7 +486,7 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
+    p = Parser(prog="deltaship", description="Deployment compiler for Qwen3.5 hybrid models.")
     p.add_argument("--version", action="version", version=f"deltaship {__version__}")
     p.add_argument(
         "--debug",
@@ -519,7 +543,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=32,
         help="generate at most this many tokens (default 32; fewer at an end-of-sequence token or a full context)",
     )
-    g.add_argument("--json", action="store_true", help="print one JSON object (input_ids, output_ids, ...)")
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="the --prompt as one user turn through the bundle's chat template (as `deltaship chat` renders it); "
+        "prints the reply, which ends with the assistant's turn",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (input_ids, output_ids, text, stopped, seconds, ttft_s, decode_tok_s, ...)",
+    )
     g.add_argument(
         "--dump-logits",
         type=_arg(str, lambda v: options.new_file(v, "--dump-logits"), "a new file"),
@@ -551,6 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_arguments(g)
     g.add_argument("--no-stop-at-eos", action="store_true", help="keep going past end-of-sequence tokens")
     g.add_argument(
+        "--quiet", action="store_true", help="no progress lines on stderr (a generation that runs long reports them)"
+    )
+    g.add_argument(
         "--speculative",
         default=None,
         metavar="mtp[:K]",
@@ -577,7 +614,11 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="checkpoint directory, Hugging Face id (from the local cache) or preset to plan for",
     )
-    pl.add_argument("--tier", default=None, help="plan for this device tier only (default: every tier)")
+    pl.add_argument(
+        "--tier",
+        default=None,
+        help=f"plan for this device tier only (default: every tier): {tier_names()} (--tiers adds yours)",
+    )
     pl.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
     pl.add_argument(
         "--context",
@@ -620,6 +661,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--vision",
         action="store_true",
         help="also plan the vision tower (image input; a model that has one): weights and activation peak per image",
+    )
+    pl.add_argument(
+        "--verbose",
+        dest="footnotes",
+        action="store_true",
+        help="also print where each (target, precision)'s memory terms come from (measured when and where, or "
+        "estimated)",
     )
     pl.add_argument("--json", action="store_true", help="print the plan's rows as JSON")
     pl.set_defaults(func=_plan)
@@ -668,7 +716,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="and at least this long per phase (default 2)",
     )
-    pr.add_argument("--tier", default=None, help="run under this tier's limits (threads, memory cap)")
+    pr.add_argument(
+        "--tier",
+        default=None,
+        help=f"run under this tier's limits (threads, memory cap): {tier_names()} (--tiers adds yours)",
+    )
     pr.add_argument("--tiers", default=None, help="a TOML file of extra tiers")
     pr.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown (ONNX)")
     _add_prepack_cache(pr)
@@ -718,12 +770,30 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of a bundle against the fp32 reference")
     v.add_argument("bundle", help="bundle directory")
     v.add_argument("--model", default=None, help="the source checkpoint (default: the one in the manifest)")
-    v.add_argument("--tokens", type=_count("--tokens", 2), default=512, help="tokens of text to score (default 512)")
+    v.add_argument(
+        "--tokens",
+        type=_count("--tokens", 2),
+        default=512,
+        help="tokens of text to score (default 512, at most the bundle's max context)",
+    )
+    v.add_argument(
+        "--text",
+        default=None,
+        metavar="FILE",
+        help="score your own UTF-8 text file (its first --tokens tokens; up to 16 MiB) instead of the held-out "
+        "Python source that ships with the package",
+    )
     v.add_argument("--threads", type=THREADS, default=None, help="runtime threads (default: the runtime's)")
     v.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    v.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     v.set_defaults(func=_eval)
 
-    c = sub.add_parser("chat", help="talk with a bundle: multi-turn chat with retry, undo and saved sessions")
+    c = sub.add_parser(
+        "chat",
+        help="talk with a bundle: multi-turn chat with retry, undo and saved sessions",
+        epilog=f"commands in a conversation (on a terminal and in piped input alike):\n{commands_help()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     c.add_argument("bundle", help="the bundle directory (deltaship export --out)")
     c.add_argument("--system", default=None, help="the system message")
     c.add_argument(
@@ -762,7 +832,59 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): the reply may call; required: it is a call; none: no call; NAME: a call of it",
     )
     c.set_defaults(func=_chat)
+
+    v = sub.add_parser(
+        "serve", help="an OpenAI-compatible local server that reuses conversations' states (docs/serve.md)"
+    )
+    v.add_argument("bundle", help="the bundle directory (deltaship export --out)")
+    v.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine only)"
+    )
+    v.add_argument("--port", type=_count("--port", 0), default=8080, help="the TCP port (default 8080)")
+    v.add_argument("--api-key", default=None, metavar="KEY", help="ask every /v1 request for Authorization: Bearer KEY")
+    v.add_argument(
+        "--max-sessions",
+        type=_count("--max-sessions", 1),
+        default=64,
+        help="conversations whose states are held between requests (least recently used dropped; default 64)",
+    )
+    v.add_argument(
+        "--cache-ram",
+        type=_arg(float, _gib, "a number of GiB >= 0"),
+        default=2.0,
+        metavar="GIB",
+        help="memory the held conversations may take (least recently used dropped; default 2)",
+    )
+    v.add_argument(
+        "--max-queue",
+        type=_count("--max-queue", 1),
+        default=64,
+        help="requests waiting or running; past it a 503 with Retry-After (default 64)",
+    )
+    v.add_argument("--no-reuse", action="store_true", help="prefill every prompt whole (a baseline to measure against)")
+    v.add_argument("--threads", type=THREADS, default=None, help="runtime threads (default: the runtime's)")
+    v.set_defaults(func=_serve)
     return p
+
+
+def _gib(value: float) -> float:
+    if not 0 <= value < 1 << 20:
+        raise DeltashipError(f"--cache-ram must be a number of GiB >= 0, got {value}", "e.g. --cache-ram 2")
+    return value
+
+
+def _serve(a: argparse.Namespace) -> int:
+    return serve(
+        a.bundle,
+        host=a.host,
+        port=a.port,
+        api_key=a.api_key,
+        max_sessions=a.max_sessions,
+        cache_ram=a.cache_ram,
+        max_queue=a.max_queue,
+        no_reuse=a.no_reuse,
+        threads=a.threads,
+    )
 
 
 def _chat(a: argparse.Namespace) -> int:
@@ -834,6 +956,8 @@ def main(argv: list[str] | None = None) -> int:
         failure, (code, what, fix) = e, (EXIT_SIGTERM, "terminated; nothing was written", None)
     except Exception as e:  # noqa: BLE001  (the one place every failure becomes a message)
         failure, (code, what, fix) = e, describe(e)
+        if isinstance(e, DeltashipRunError):  # what the run produced before the runtime failed, on stdout first
+            print(e.text if e.text is not None else " ".join(map(str, e.output_ids)), flush=True)
     if debug:
         traceback.print_exception(failure)
     if code in (EXIT_SIGINT, EXIT_SIGTERM):

@@ -37,6 +37,19 @@ class DeltashipEnvironmentError(DeltashipError):
     exit_code = EXIT_ENVIRONMENT
 
 
+class DeltashipRunError(DeltashipError):
+    """A runtime failed in the middle of a run: exit 2 when the bundle's content caused it (a shape, a context, a
+    vocabulary that disagrees with the graph), 3 when the machine did (memory, disk, a missing library).
+    `output_ids` are the tokens produced before it (and `text` their decoding, where a tokenizer was at hand): the
+    CLI prints them to stdout before the error."""
+
+    def __init__(self, message: str, fix: str | None, exit_code: int, output_ids: list[int]):
+        super().__init__(message, fix)
+        self.exit_code = exit_code
+        self.output_ids = list(output_ids)
+        self.text: str | None = None
+
+
 class DeltashipUnavailable(DeltashipError):
     """The bundle is fine but the runtime installed here cannot run it (e.g. too old for its opset):
     export-time verification records it as skipped, with this message, instead of failing."""

@@ -9,7 +9,7 @@ import os
 import select
 import sys
 
-from deltaship.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_INTERNAL, DeltashipError
+from deltaship.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_INTERNAL, DeltashipError, DeltashipRunError
 
 # OSErrors that are the machine's, not the input's: exit 3 with the path and what to do about it
 _ENVIRONMENT_FIXES = {
@@ -86,6 +86,29 @@ def describe(e: BaseException) -> tuple[int, str, str | None]:
         f"internal error: {type(e).__name__}: {e}",
         "this is a deltaship bug; rerun with --debug (deltaship --debug ...) and report the traceback",
     )
+
+
+def run_failure(e: BaseException, output_ids: list[int] | None) -> DeltashipRunError | None:
+    """A runtime's exception in the middle of a run, as one DeltashipRunError carrying the tokens produced so far:
+    the machine's (memory, an OSError's errno, a missing library) exit 3, anything else the runtime raised while
+    running the bundle (ONNX Runtime's errors and RuntimeErrors, ExecuTorch's) exit 2. None for a DeltashipError
+    (already one) and for any other exception: a deltaship bug stays exit 1. output_ids None: not known."""
+    if isinstance(e, DeltashipError):
+        return None
+    if isinstance(e, ImportError):
+        code, what, fix = EXIT_ENVIRONMENT, f"a library the runtime needs is missing ({e})", "reinstall the runtime"
+    else:
+        code, what, fix = describe(e)
+        if code == EXIT_INTERNAL:
+            if not isinstance(e, RuntimeError):
+                return None
+            what = f"the runtime failed while running the bundle ({type(e).__name__}: {e})"
+            code, fix = EXIT_BAD_INPUT, "check it with `deltaship inspect BUNDLE`, and export it again"
+    what = " ".join(what.split())[:1000]  # one line, however long the runtime's message
+    if output_ids is None:  # a driver that keeps its tokens to itself (speculative, image + text)
+        return DeltashipRunError(what, fix, code, [])
+    n = len(output_ids)
+    return DeltashipRunError(f"{what}; after {n} new token{'' if n == 1 else 's'}", fix, code, output_ids)
 
 
 def stdout_closed() -> bool:

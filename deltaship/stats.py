@@ -44,10 +44,12 @@ def ratio_ci(a: Sequence[float], b: Sequence[float], seed: int = 0, resamples: i
     rng = np.random.default_rng(seed)
     ma = np.median(rng.choice(xa, size=(resamples, xa.size)), axis=1)
     mb = np.median(rng.choice(xb, size=(resamples, xb.size)), axis=1)
-    r = ma / mb
-    lo, hi = np.percentile(r, [2.5, 97.5])
+    with np.errstate(divide="ignore", invalid="ignore"):  # a zero median (a compare file's) is an inf ratio, said so
+        r = ma / mb
+        lo, hi = np.percentile(r, [2.5, 97.5])
+        ratio = float(np.median(xa) / np.median(xb))
     return {
-        "ratio": float(np.median(xa) / np.median(xb)),
+        "ratio": ratio,
         "ci95": [float(lo), float(hi)],
         "significant": bool(lo > 1.0 or hi < 1.0),
     }

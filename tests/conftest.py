@@ -132,7 +132,6 @@ SLOW_MODULES = {
     "test_profiling",
     "test_js",
     "test_app_kits",
-    "test_readme",
 }
 SLOW_TARGETS = {"executorch", "coreml"}
 

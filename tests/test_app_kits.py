@@ -129,7 +129,8 @@ def test_app_message_lists_the_final_paths(tmp_path, monkeypatch, capsys):
     stub_bundle(Path("b"), "onnx")
     assert main(["app", "b", "--platform", "web", "--out", "dist/web"]) == 0
     said = capsys.readouterr().out
-    assert "wrote the web kit to dist/web: dist/web/README.md, dist/web/bundle/manifest.json\n" in said, said
+    files = "dist/web/README.md, dist/web/bundle/manifest.json, dist/web/kit.json"
+    assert f"wrote the web kit to dist/web: {files}\n" in said, said
     assert ".partial" not in said
     assert json.loads(Path("dist/web/kit.json").read_text())["files"] == ["README.md", "bundle/manifest.json"]
 

@@ -1,6 +1,6 @@
 """Multi-turn chat (deltaship/chat): session checkpoints, incremental templates, retry / undo, saved sessions.
 
-One fp32 ONNX export of the trained tiny preset per module. The tiny model answers most prompts alike when greedy,
+One fp32 ONNX export of the trained tiny preset per run. The tiny model answers most prompts alike when greedy,
 so exactness is also checked where a wrong state cannot hide: the DeltaNet states against a fresh prefill of the
 same ids, and sampled replies (same seed) against a fresh session's.
 
@@ -32,12 +32,10 @@ N = 10  # new tokens per reply
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> Path:
-    from deltaship.compile import export
-
-    out = tmp_path_factory.mktemp("chat") / "tiny-onnx"
-    export("qwen3.5-tiny", out, target="onnx", precision="fp32", max_context=CONTEXT, verify=False, progress=False)
-    return out
+def bundle(shared_export) -> Path:
+    """Built once per run, shared with test_trust_chat (no test writes into it)."""
+    return shared_export("chat-tiny-onnx-fp32", "qwen3.5-tiny", target="onnx", precision="fp32", max_context=CONTEXT,
+                         verify=False)  # fmt: skip
 
 
 def _deltanet(session) -> dict[str, np.ndarray]:
@@ -289,7 +287,7 @@ def test_cli_json_conversation(bundle, tmp_path, sampling):
     session = open_bundle(bundle, threads=1)
     for r in turns:  # each reply is the greedy continuation of the history it was given
         session.reset()
-        seed = {"seed": 3, "temperature": 1.0} if sampling else {}
+        seed = {"seed": r["seed"], "temperature": 1.0} if sampling else {}
         want = session.generate(r["history_ids"], N, stop_at_eos=False, **seed).output_ids
         assert r["reply_ids"] == want[: len(r["reply_ids"])]
         assert r["stopped"] in ("length", "eos") and r["ttft_s"] > 0
@@ -298,7 +296,10 @@ def test_cli_json_conversation(bundle, tmp_path, sampling):
     assert first["prefill_tokens"] == len(first["history_ids"])
     for r in (second, third, fourth):  # the turn's own tokens (and the reply before it, as the template renders
         assert r["prefill_tokens"] < len(r["history_ids"]) - len(first["history_ids"]) + 20  # it), not the history
-    assert retry["reply_ids"] == second["reply_ids"] and retry["history_ids"] == second["history_ids"]
+    assert retry["history_ids"] == second["history_ids"]
+    # greedy: the same reply; sampled: the retry draws with the next seed of the turn (3 + 1), the rest with 3
+    assert [r["seed"] for r in turns] == ([None] * 5 if not sampling else [3, 3, 4, 3, 3])
+    assert retry["reply_ids"] == second["reply_ids"] or sampling
     assert retry["prefill_tokens"] < second["prefill_tokens"]
     # undo drops "class A:" and its reply: the next turn follows the retried reply as if it never happened
     assert undo["history_tokens"] < len(third["history_ids"])
@@ -331,18 +332,21 @@ def test_saved_session_continues_in_another_process(bundle, tmp_path):
     here = chat.send("class A:", max_new_tokens=N, temperature=1.0, seed=5)
     assert there[0]["reply_ids"] == here.ids and there[0]["history_ids"] == chat.ids[: here.context_tokens]
     assert there[0]["prefill_tokens"] == here.prefill_tokens
-    assert there[1]["reply_ids"] == here.ids  # retry after the reload
+    retried = chat.retry(max_new_tokens=N, temperature=1.0, seed=6)  # the retry after the reload: seed 5 + 1
+    assert there[1]["reply_ids"] == retried.ids and there[1]["seed"] == 6
 
     # --session saved after every turn: the file now holds the retried turn
     reloaded = Chat.load(path, open_bundle(bundle, threads=1))
     assert reloaded.history == chat.history and reloaded.ids == chat.ids
-    assert reloaded.retry(max_new_tokens=N, temperature=1.0, seed=5).ids == here.ids
+    assert reloaded.retry(max_new_tokens=N, temperature=1.0, seed=6).ids == retried.ids
 
 
 def test_new_session_file_is_a_prompt_cache_and_locked(bundle, tmp_path):
     """A new --session file is written at once with the system message fed; the next run's first turn feeds only
     its own tokens. A second chat on the same file is refused while the first holds it."""
     from filelock import FileLock
+
+    from deltaship.bundle.destination import lock_path
 
     path = tmp_path / "cache.dschat"
     run = _cli("chat", str(bundle), "--system", "You write Python.", "--session", str(path), "--json", stdin="")
@@ -357,7 +361,8 @@ def test_new_session_file_is_a_prompt_cache_and_locked(bundle, tmp_path):
     want = chat.send("import os", max_new_tokens=4)
     assert turn["reply_ids"] == want.ids and turn["history_ids"] == chat.ids[: want.context_tokens]
 
-    with FileLock(str(path) + ".lock"):
+    assert not lock_path(path).exists()  # released and removed when the chat ended
+    with FileLock(str(lock_path(path))):
         busy = _cli("chat", str(bundle), "--session", str(path), stdin="hi\n")
     assert busy.returncode == 3 and "in use by another deltaship chat" in busy.stderr
 

@@ -487,8 +487,8 @@ def test_node_chat_matches_deltaship_chat(node, tiny, py_chat, tmp_path):
     bundle, pieces = tiny["fp32"], _chat_json(tiny["fp32"], tmp_path)
     py = py_chat
     saved = tmp_path / "talk.dschat"
-    script = CHAT_SCRIPT.replace("import os\n", f"import os\n/save {saved}\n/load {saved}\n")
-    run = _node_chat(node, bundle, pieces, script, "--system", "Code.")
+    script = CHAT_SCRIPT.replace("import os\n", "import os\n/save\n/load\n")
+    run = _node_chat(node, bundle, pieces, script, "--system", "Code.", "--session", str(saved))
     assert run.returncode == 0, run.stderr
     js = _records(run.stdout)
     _assert_same_turns(js, py)
@@ -545,6 +545,37 @@ def test_node_chat_mutations_are_caught(node, tiny, py_chat, tmp_path, mutation)
     except (AssertionError, TypeError):  # TypeError: a state check that could not compare (null)
         return
     pytest.fail(f"the {mutation} mutation was not caught")
+
+
+def test_node_chat_saves_only_to_its_session(node, shared_export, tmp_path):
+    """The JS example chat's /save is confined as deltaship chat's is: only to --session, which may not lie inside a
+    bundle nor be an existing file that is not a session of this bundle (a piped line is data, not a path)."""
+    bundle = shared_export("chat-tiny-onnx-fp32", "qwen3.5-tiny", target="onnx", precision="fp32", max_context=192,
+                           verify=False)  # fmt: skip
+    pieces = _chat_json(bundle, tmp_path)
+    session, elsewhere, notes = tmp_path / "s.dschat", tmp_path / "elsewhere.dschat", tmp_path / "notes.txt"
+    notes.write_text("mine")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text("{}")
+    refused = [
+        (f"/save {elsewhere}\n", ("--session", str(session)), "only to its --session file"),
+        ("/save\n", (), "no --session file"),
+        ("/save\n", ("--session", str(bundle / "s.dschat")), "inside the bundle"),
+        ("/save\n", ("--session", str(other / "s.dschat")), "inside the bundle"),
+        ("/save\n", ("--session", str(notes)), "not a saved chat session of this bundle"),
+    ]
+    before = sorted(p.name for p in bundle.iterdir())
+    for script, args, match in refused:
+        run = _node_chat(node, bundle, pieces, script, *args)
+        assert run.returncode == 1 and match in run.stderr, (script, args, run.stderr)
+    assert sorted(p.name for p in bundle.iterdir()) == before and notes.read_text() == "mine"
+    assert not elsewhere.exists() and not session.exists() and not (other / "s.dschat").exists()
+    run = _node_chat(node, bundle, pieces, "import os\n/save\n/save\n", "--session", str(session))
+    assert run.returncode == 0, run.stderr  # a new file, then over its own session
+    from deltaship.chat import Chat
+
+    assert len(Chat.load(session, bundle).ids) == _records(run.stdout)[-1]["history_tokens"]
 
 
 def test_node_chat_starts_from_the_shipped_prompt_cache(node, tmp_path):

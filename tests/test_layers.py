@@ -41,6 +41,9 @@ TOOLCHAINS = {
     "pynvml": "NVIDIA GPUs only",
     "rich": "the progress display only",
     "readline": "interactive chat only (it changes the terminal's line editing)",
+    "starlette": "the serve extra's HTTP framework",
+    "uvicorn": "the serve extra's HTTP server",
+    "pydantic": "the serve extra's request checks",
 }
 LAZY = re.compile(r"#\s*lazy:\s*(\S.*)")
 

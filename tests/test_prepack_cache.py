@@ -71,7 +71,7 @@ def test_another_bundle_or_a_rewritten_weight_file_gets_its_own_entry(int4, tmp_
 
 @pytest.mark.parametrize(
     "tamper",
-    ["data-size", "model-bytes", "extra-file", "symlink", "meta-key", "outside-location"],
+    ["data-size", "data-bytes", "model-bytes", "extra-file", "symlink", "meta-key", "outside-location"],
 )
 def test_an_entry_changed_after_it_was_written_is_refused_and_kept(int4, tmp_path, tamper):
     cache = tmp_path / "cache"
@@ -81,6 +81,10 @@ def test_an_entry_changed_after_it_was_written_is_refused_and_kept(int4, tmp_pat
     if tamper == "data-size":
         with open(data, "ab") as f:
             f.write(b"\0")
+    elif tamper == "data-bytes":  # rewritten at the same size: only its hash tells
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        data.write_bytes(bytes(raw))
     elif tamper == "model-bytes":
         raw = bytearray(model.read_bytes())
         raw[-1] ^= 1

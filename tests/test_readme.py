@@ -76,17 +76,40 @@ def test_install_and_test_commands_are_what_ci_runs():
     ]
     install = [c for c in quick if c.startswith("pip install")]
     tests = [c for c in quick if c.startswith("python -m pytest")]
-    assert len(install) == 1 and len(tests) == 1, f"expected one install and one test command in Quick start: {quick}"
+    # a user install (the main job's extra) first, then the contributor install the test command needs
+    assert len(install) == 2 and len(tests) == 1, f"expected two installs and one test command in Quick start: {quick}"
+    user, contributor = install
+    assert user == 'pip install "torch==2.13.0" -e ".[onnx]"', f"the user install is the main job's (onnx): {user!r}"
     ci = [
         normalized(ln)
         for ln in (ROOT / ".ci" / "run").read_text().splitlines()
         if ln.strip() and not ln.lstrip().startswith("#")
     ]
-    for cmd in install + tests:
+    for cmd in [contributor, *tests]:
         assert normalized(cmd) in ci, f"README command {cmd!r} is not a line of .ci/run"
-    # the CPU-only recipe ends with the same install command
+    # the CPU-only recipe ends with one of those install commands
     cpu = [cmd for info, body in fenced(section(text, "### CPU-only torch")) for cmd in commands(body)]
-    assert cpu and cpu[-1] == install[0], f"the CPU-only torch recipe must end with {install[0]!r}: {cpu}"
+    assert cpu and cpu[-1] in install, f"the CPU-only torch recipe must end with one of {install}: {cpu}"
+
+
+def test_the_extras_the_readme_names_exist():
+    """Every extra the Quick start names (`onnx`, `executorch`, ...) is one of pyproject.toml's, and each target's
+    toolchain extra and the contributor's are named."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    quick = section(README.read_text(), "## Quick start")
+    named = set(re.findall(r'\.\[(\w+)\]"', quick)) | set(re.findall(r"`(\w+)` for", quick))
+    named |= set(re.findall(r"`(\w+)`[,;]", quick))
+    assert named <= set(extras), f"the README names extras pyproject.toml does not have: {named - set(extras)}"
+    assert {"onnx", "executorch", "coreml", "qnn", "genai", "video", "dev"} <= named, named
+
+
+def test_timings_marker_sits_above_the_sample_log():
+    """The lead fills in measured timings: the marker line is directly above the sample log's block."""
+    lines = README.read_text().splitlines()
+    at = lines.index("<!-- timings: measured by the lead -->")
+    assert lines[at + 1] == "```text" and lines[at + 2].startswith("[   0.0s] loading qwen3.5-tiny"), lines[at : at + 3]
 
 
 def slug(heading: str) -> str:
@@ -149,6 +172,7 @@ def python_example() -> str:
     return blocks[0]
 
 
+@pytest.mark.slow  # exports and profiles: the README's other checks (links, length, commands) take milliseconds
 def test_runnable_blocks_run(tmp_path):
     runnable = [body for info, body in fenced(README.read_text()) if info[:1] == ["bash"] and "runnable" in info]
     assert len(runnable) >= 5, "the README's runnable blocks (```bash runnable) are missing"

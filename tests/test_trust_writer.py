@@ -298,7 +298,7 @@ def test_plots_replace_only_plots_and_file_outputs_are_whole_or_nothing(bundles,
     from deltaship.bundle.destination import check_destination, replace_file
     from deltaship.errors import DeltashipError
 
-    with pytest.raises(DeltashipError, match="--plots .* is a deltaship bundle; this replaces only profile plots"):
+    with pytest.raises(DeltashipError, match="--plots .* is a deltaship bundle; --plots replaces only profile plots"):
         check_destination(bundles("base"), True, (), "--plots", replaces=("plots",))
     plots = tmp_path / "plots"
     plots.mkdir()

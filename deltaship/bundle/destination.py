@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import secrets
 import shutil
@@ -27,7 +26,7 @@ from filelock import FileLock, Timeout
 
 from deltaship.bundle.format import MANIFEST, SCHEMA
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
-from deltaship.files import read_int
+from deltaship.files import read_int, read_json
 
 NAME_MAX = 255
 _LONGEST_SUFFIX = len(".partial-") + 10 + 1 + 8  # pid (at most 10 digits), "-", 8 random hex digits
@@ -58,8 +57,8 @@ def lock_path(out: Path) -> Path:
 def _marker(path: Path, marker: tuple[str, str, str]) -> bool:
     name, key, value = marker
     try:
-        doc = json.loads((path / name).read_text())
-    except (OSError, ValueError):
+        doc = read_json(path / name, name, "")
+    except DeltashipError:  # unreadable, too big, not JSON: not deltaship's
         return False
     return isinstance(doc, dict) and doc.get(key) == value
 
@@ -76,10 +75,10 @@ def what_is(out: Path) -> str:
     if not any(out.iterdir()):
         return "empty"
     try:
-        manifest = json.loads((out / MANIFEST).read_text())
+        manifest = read_json(out / MANIFEST, MANIFEST, "")
         if isinstance(manifest, dict) and manifest.get("schema") == SCHEMA:
             return "bundle"
-    except (OSError, ValueError):
+    except DeltashipError:
         pass
     for kind, marker in (("kit", KIT_MARKER), ("plots", PLOTS_MARKER)):
         if _marker(out, marker):
@@ -148,7 +147,7 @@ def check_destination(
         names = {"bundle": "a deltaship bundle", "kit": "an app kit", "plots": "profile plots"}
         held = f"is {names[kind]}" if kind in names else f"holds files deltaship did not write ({_listing(out)})"
         raise DeltashipError(
-            f"{option} {out} {held}; {'--force ' if option == '--out' else ''}this replaces only "
+            f"{option} {out} {held}; {'--force' if option == '--out' else option} replaces only "
             + ", ".join(names[k] for k in replaces)
             + " or an empty directory; nothing was written",
             f"choose another {option} directory, or move {out} away yourself if it should go",
@@ -210,8 +209,7 @@ class Destination:
         self.out, self.force, self.option, self.replaces = Path(out), force, option, replaces
         self.inputs = tuple(inputs)
         check_destination(self.out, force, self.inputs, option, replaces)
-        self._lock: FileLock | None = None
-        self._remove_lock_file = False
+        self._lock: OutputLock | None = None
         try:
             with environment_errors(self.out, option):
                 self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -224,41 +222,10 @@ class Destination:
             raise
 
     def _acquire(self) -> None:
-        path = lock_path(self.out)
-        for _ in range(3):
-            lock = FileLock(str(path), timeout=0)
-            try:
-                lock.acquire()
-            except Timeout:
-                holder = _holder(path)
-                who = f"process {holder}" if holder else "another process"
-                raise DeltashipEnvironmentError(
-                    f"{self.option} {self.out} is being written by {who} (lock {path}); nothing was written",
-                    f"wait for it to finish, or choose another {self.option}",
-                ) from None
-            # The holder removes the lock file before it lets go; a lock taken on the removed file is no lock.
-            fd = getattr(getattr(lock, "_context", None), "lock_file_fd", None)
-            try:
-                same = fd is not None and os.fstat(fd).st_ino == os.stat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if fd is None or same:
-                self._lock, self._remove_lock_file = lock, fd is not None
-                try:
-                    path.write_text(f"{os.getpid()}\n")  # for the next writer's message; the lock is on the inode
-                except OSError:
-                    pass  # a full disk: the writer will say so; the pid is only for a message
-                return
-            lock.release()
-        raise DeltashipEnvironmentError(
-            f"{self.option} {self.out}: its lock {path} keeps changing hands; nothing was written",
-            f"wait for the other writers to finish, or choose another {self.option}",
-        )
+        self._lock = OutputLock(self.out, self.option)
 
     def release(self) -> None:
         if self._lock is not None:
-            if self._remove_lock_file:
-                lock_path(self.out).unlink(missing_ok=True)  # while still held: see _acquire
             self._lock.release()
             self._lock = None
 
@@ -267,6 +234,61 @@ class Destination:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class OutputLock:
+    """The exclusive lock on `.NAME.lock` beside `out` (lock_path), taken without waiting; its file is removed
+    before the lock is let go, so no run leaves one behind. busy(who, lock file): the (message, fix) of the error
+    when another process holds it (default: an --out's)."""
+
+    def __init__(self, out: Path, option: str = "--out", busy=None):
+        self.out, self.path = Path(out), lock_path(Path(out))
+        self._lock: FileLock | None = None
+        self._remove = False
+        for _ in range(3):
+            lock = FileLock(str(self.path), timeout=0)
+            try:
+                lock.acquire()
+            except Timeout:
+                holder = _holder(self.path)
+                who = f"process {holder}" if holder else "another process"
+                what, fix = (busy or _busy_out(option, self.out))(who, self.path)
+                raise DeltashipEnvironmentError(what, fix) from None
+            # The holder removes the lock file before it lets go; a lock taken on the removed file is no lock.
+            fd = getattr(getattr(lock, "_context", None), "lock_file_fd", None)
+            try:
+                same = fd is not None and os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if fd is None or same:
+                self._lock, self._remove = lock, fd is not None
+                try:
+                    self.path.write_text(f"{os.getpid()}\n")  # for the next writer's message; the lock is on the inode
+                except OSError:
+                    pass  # a full disk: the writer will say so; the pid is only for a message
+                return
+            lock.release()
+        raise DeltashipEnvironmentError(
+            f"{option} {self.out}: its lock {self.path} keeps changing hands; nothing was written",
+            f"wait for the other writers to finish, or choose another {option}",
+        )
+
+    def release(self) -> None:
+        if self._lock is not None:
+            if self._remove:
+                self.path.unlink(missing_ok=True)  # while still held: see __init__
+            self._lock.release()
+            self._lock = None
+
+
+def _busy_out(option: str, out: Path):
+    def busy(who: str, path: Path) -> tuple[str, str]:
+        return (
+            f"{option} {out} is being written by {who} (lock {path}); nothing was written",
+            f"wait for it to finish, or choose another {option}",
+        )
+
+    return busy
 
 
 def _holder(path: Path) -> int | None:
@@ -316,7 +338,10 @@ def recover(out: Path) -> list[str]:
     said = []
     for p, pid in siblings(out, "partial"):
         if not _alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:  # a file output's (replace_file's) partial copy
+                p.unlink(missing_ok=True)
             said.append(
                 f"an earlier write to {out} (pid {pid}) did not finish: it was killed (out of memory, a signal) or "
                 f"crashed; removed its partial output {p.name}"

@@ -9,6 +9,7 @@ manifest before any file of the bundle is opened.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
@@ -21,6 +22,7 @@ FIX = (
 )
 # the characters of every name deltaship writes: a name also lands in shell lines and in the kits' Kotlin and
 # Swift string literals, where a quote or a `$` would be syntax
+MAX_NAME = 200  # schema.json's $defs/file and $defs/name
 NAME = re.compile(r"[A-Za-z0-9._+@=-]+(/[A-Za-z0-9._+@=-]+)*")
 # vision.graphs values that name files: a program or package holding the parts as methods or functions (ExecuTorch,
 # Core ML), or, in a block that names none, the parts themselves (one graph file each: ONNX)
@@ -32,6 +34,8 @@ def name_problem(name: Any) -> str | None:
     """Why `name` is not a plain relative path inside a directory (None when it is one)."""
     if not isinstance(name, str) or not name:
         return f"is {type(name).__name__ if not isinstance(name, str) else 'empty'}, not a file name"
+    if len(name) > MAX_NAME:
+        return f"is {len(name)} characters long, more than a name in a bundle may be ({MAX_NAME})"
     if "\x00" in name or "\\" in name:
         return "holds a NUL or backslash"
     if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
@@ -114,7 +118,8 @@ def named_paths(manifest: dict[str, Any]) -> Iterator[tuple[str, Any]]:
 
 
 def _refuse(bundle: Path, field: str, name: Any, why: str) -> DeltashipError:
-    return DeltashipError(f"{bundle}: manifest field {field} = {name!r} {why}; refused before opening any file", FIX)
+    shown = repr(name) if len(repr(name)) <= 120 else repr(name)[:100] + "..."  # one line, even for a 10 KB name
+    return DeltashipError(f"{bundle}: manifest field {field} = {shown} {why}; refused before opening any file", FIX)
 
 
 def _inside(bundle: Path, root: Path, field: str, name: str) -> Path:
@@ -158,3 +163,29 @@ def bundle_path(bundle: str | Path, manifest: dict[str, Any], name: Any, field: 
     if not isinstance(files, dict) or not _listed(name, files):
         raise _refuse(bundle, field, name, "is not listed in `files`, so its integrity cannot be checked")
     return _inside(bundle, bundle.resolve(), field, name)
+
+
+def beside(bundle: str | Path, manifest: dict[str, Any], owner: str, name: Any, field: str) -> Path:
+    """The file `name` that the bundle file `owner` names, resolved as its runtime resolves it: relative to
+    owner's directory (ONNX Runtime's external-data locations, onnxruntime-genai's model filenames, a QNN
+    EPContext model's context binary), and then under the closed-world rule of `bundle_path`. `name` itself is
+    a plain relative path (no `..`), so what deltaship checks is the file the runtime opens."""
+    why = name_problem(name)
+    if why:
+        raise _refuse(Path(bundle), field, name, why)
+    return bundle_path(bundle, manifest, posixpath.join(posixpath.dirname(owner), name), field)
+
+
+def require_entry(
+    bundle: str | Path, manifest: dict[str, Any], suffix: str, kind: str, directory: bool = False
+) -> Path:
+    """The entry's path, refused unless it names what the target's runtime opens: a file (a directory for a
+    Core ML package) named *`suffix`*, `kind` in the refusal. A renamed entry (model.bin) is refused here, so
+    every check that selects graph files by name sees the file the runtime runs."""
+    bundle = Path(bundle)
+    entry = manifest.get("entry")
+    path = bundle_path(bundle, manifest, entry, "entry")
+    if not entry.endswith(suffix) or not (path.is_dir() if directory else path.is_file()):
+        what = "directory" if directory else "file"
+        raise _refuse(bundle, "entry", entry, f"is not {kind} (a {what} named *{suffix})")
+    return path

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from deltaship.bundle.format import MANIFEST, SCHEMA, SCHEMA_VERSION
-from deltaship.bundle.paths import FIX, check_paths, name_problem
+from deltaship.bundle.paths import FIX, check_paths, name_problem, named_paths
 from deltaship.bundle.validate import schema_problems
 from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object, sha256_file
@@ -71,7 +72,12 @@ def check_files(bundle: str | Path, manifest: dict[str, Any], hashes: bool = Tru
     problems = []
     files = manifest.get("files")
     for name, info in (files if isinstance(files, dict) else {}).items():
-        if name_problem(name) or not isinstance(info, dict) or not isinstance(info.get("bytes"), int):
+        if (
+            name_problem(name)
+            or not isinstance(info, dict)
+            or not isinstance(info.get("bytes"), int)
+            or not isinstance(info.get("sha256"), str)
+        ):
             problems.append(f"{name!r}: not a plain file name with its size and sha256")
             continue
         p = d / name
@@ -83,7 +89,26 @@ def check_files(bundle: str | Path, manifest: dict[str, Any], hashes: bool = Tru
             problems.append(f"{name}: {p.stat().st_size} bytes, manifest says {info['bytes']}")
         elif hashes and sha256_file(p) != info["sha256"]:
             problems.append(f"{name}: sha256 mismatch (the file was modified after export)")
-    return problems
+    return problems + _unlisted_in_packages(d, manifest)
+
+
+def _unlisted_in_packages(bundle: Path, manifest: dict[str, Any]) -> list[str]:
+    """A directory the manifest names (a Core ML .mlpackage) is opened whole by its runtime: every file under it
+    must be listed (and so hashed), and nothing under it may be a symlink."""
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    problems = []
+    for field, name in named_paths(manifest):
+        if name_problem(name) or not (bundle / name).is_dir() or (bundle / name).is_symlink():
+            continue
+        for top, dirs, names in os.walk(bundle / name):  # followlinks=False: a symlinked directory is reported
+            for n in sorted(dirs + names):
+                p = Path(top) / n
+                rel = p.relative_to(bundle).as_posix()
+                if p.is_symlink():
+                    problems.append(f"{rel}: a symlink inside {name} ({field}); not opened")
+                elif p.is_file() and rel not in files:
+                    problems.append(f"{rel}: inside {name} ({field}) but not listed in `files`, so not hashed")
+    return list(dict.fromkeys(problems))
 
 
 def require_intact(bundle: str | Path, manifest: dict[str, Any], hashes: bool = True) -> None:

@@ -24,7 +24,13 @@ def _validator() -> "jsonschema.Draft202012Validator":
     # package in a Python that has only onnxruntime and numpy, and checks no manifest there
     import jsonschema  # lazy: jsonschema
 
-    return jsonschema.Draft202012Validator(schema())
+    # JSON Schema's "integer" takes 3.0 (a number with a zero fraction); a shape, a size or a token id read as
+    # 3.0 would reach range() and the runtimes as a float, so here an integer is a JSON integer (and not a bool)
+    types = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _, x: isinstance(x, int) and not isinstance(x, bool)
+    )
+    strict = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=types)
+    return strict(schema())
 
 
 def schema_problems(manifest: dict[str, Any]) -> list[str]:

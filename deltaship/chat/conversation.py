@@ -9,6 +9,7 @@ template's version fed from there, so the state always holds the template's rend
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +20,14 @@ import numpy as np
 from deltaship.chat.store import (
     PROMPT_CACHE_FILE,
     apply_prompt_cache,
+    check_save_target,
     checked_state,
+    claimed,
     prompt_cache_settings,
     read_session_file,
     save_chat,
 )
-from deltaship.chat.template import ChatTemplate, bundle_chat_template, source_chat_template
+from deltaship.chat.template import ChatTemplate, bundle_chat_template, source_chat_template, template_file
 from deltaship.chat.tools import message_calls, run_tool_loop, split_reply, tool_messages
 from deltaship.constrain import Constraint, build_constraint, token_table
 from deltaship.constrain.tools import Tools, after_think, check_choice, read_tools, tool_grammar
@@ -109,8 +112,11 @@ class Chat:
                     "tokenizer.json (the trained qwen3.5-tiny preset does), or pass tokenizer= and template= to Chat",
                 ) from None
         self.tokenizer = tokenizer
-        source, special = (template, {}) if template is not None else bundle_chat_template(s.bundle, s.manifest)
-        self.template = ChatTemplate(source, **special)
+        if template is not None:
+            self.template = ChatTemplate(template, where="the template= passed to Chat")
+        else:
+            source, special = bundle_chat_template(s.bundle, s.manifest)
+            self.template = ChatTemplate(source, where=template_file(s.bundle, s.manifest), **special)
         self.template_kwargs = dict(template_kwargs or {})
         if tools is not None:  # rendered by the template (its `tools` variable) and saved with the settings
             self.template_kwargs["tools"] = list(read_tools(tools).entries)
@@ -415,18 +421,23 @@ class Chat:
 
     # ---- saved sessions ---------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write the conversation (state, ids, messages, the last exchange's checkpoints) to one file, atomically."""
-        return save_chat(self, Path(path))
+        """Write the conversation (state, ids, messages, the last exchange's checkpoints) to one file, atomically.
+        Refused inside a bundle, over a file that is not a session of this bundle, and on a session another chat
+        holds (its lock); what a killed save left beside `path` is removed first."""
+        path = _file_path(path, "save")
+        check_save_target(path, self.session)
+        with claimed(path, "save"):
+            return save_chat(self, path)
 
     @classmethod
     def load(cls, path: str | Path, session_or_bundle: Session | str | Path, **kwargs: Any) -> Chat:
         """A conversation saved by `save`, on a session of the same bundle (checked: identity, hashes, version)."""
-        path = Path(path)
-        meta, tensors = read_session_file(path)
+        path = _file_path(path, "load")
         if isinstance(session_or_bundle, Session):
             session = session_or_bundle
         else:
             session = open_bundle(session_or_bundle, threads=kwargs.pop("threads", None))
+        meta, tensors = read_session_file(path, session)  # the header checked against the bundle before a read
         state, cps = checked_state(path, meta, tensors, session)
         chat = cls(
             session, system=meta["system"], template_kwargs=meta["template_kwargs"], prompt_cache=False, **kwargs
@@ -449,6 +460,12 @@ class Chat:
                 )
             ]
         return chat
+
+
+def _file_path(path: Any, what: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise DeltashipError(f"Chat.{what}: a session file is a path, got {path!r:.80}", "pass a str or a Path")
+    return Path(path)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -478,7 +495,8 @@ def prompt_cache_tokens(tokenizer_files: list[Path], path: Path) -> int:
     if not messages:
         return 0
     source, special = source_chat_template(tokenizer_files)
-    text = ChatTemplate(source, **special).render(messages, False, **template_kwargs)
+    where = next((f for f in tokenizer_files if f.name == "chat_template.jinja"), tok.parent / "tokenizer_config.json")
+    text = ChatTemplate(source, where=where, **special).render(messages, False, **template_kwargs)
     return len(BundleTokenizer(tok).encode(text))
 
 

@@ -11,7 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from deltaship.chat.template import TEMPLATE_FILE, ChatTemplate, bundle_chat_template
+from deltaship.chat.template import (
+    TEMPLATE_FILE,
+    ChatTemplate,
+    TemplateRefused,
+    bundle_chat_template,
+    template_file,
+)
 from deltaship.errors import DeltashipError
 
 ROLES = ("system", "user", "assistant")
@@ -90,6 +96,8 @@ def template_pieces(template: ChatTemplate, where: str = "the chat template") ->
         past = render([{"role": "user", "content": u1}, {"role": "assistant", "content": thought},
                        {"role": "user", "content": u2}])  # fmt: skip
         pieces["drop_think"] = THINK_OPEN not in past and a1 in past
+    except TemplateRefused:
+        raise
     except DeltashipError as e:
         raise DeltashipError(f"{where} cannot be split into per-role pieces: {e.message}", refuse) from None
     except ValueError as e:
@@ -142,7 +150,8 @@ def bundle_pieces(bundle, manifest: dict[str, Any]) -> dict[str, Any] | None:
         if TEMPLATE_FILE in files:
             raise
         return None  # no template anywhere: a kit without chat
-    pieces = template_pieces(ChatTemplate(source, **special), f"{bundle}: the chat template")
+    template = ChatTemplate(source, where=template_file(Path(bundle), manifest), **special)
+    pieces = template_pieces(template, f"{bundle}: the chat template")
     tokens = manifest.get("tokens", {})
     eos = tokens.get("eos") or []
     stop = sorted({*(eos if isinstance(eos, list) else [eos]), *([tokens["im_end"]] if "im_end" in tokens else [])})

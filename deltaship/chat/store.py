@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from deltaship.bundle.destination import replace_file
+from deltaship.bundle.destination import OutputLock, recover, replace_file
 from deltaship.bundle.paths import bundle_path
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
+from deltaship.files import parse_json
 
 FORMAT = "deltaship-chat-session"
 VERSION = 1
@@ -106,34 +109,123 @@ def save_chat(chat, path: Path, shipped: bool = False) -> Path:
     return path
 
 
-def _refuse(path: Path, what: str, fix: str = "load a session saved by deltaship chat for this bundle") -> None:
+# ---- where a session may be saved ---------------------------------------------------------------------------
+
+_HELD: dict[str, OutputLock] = {}  # session files this process holds the lock of (a chat's --session)
+
+
+@contextmanager
+def claimed(path: Path, option: str = "--session") -> Iterator[None]:
+    """This process's exclusive claim on a session file (the lock `.NAME.lock` beside it, removed when let go),
+    after which the partial copies that killed writers left beside it are removed (as --out's staging is).
+    Re-entrant within the process: a chat saving to its own --session holds it already."""
+    key = str(Path(path).absolute())
+    if key in _HELD:
+        yield
+        return
+
+    def busy(who: str, lock: Path) -> tuple[str, str]:
+        return (
+            f"{option} {path} is in use by another deltaship chat ({who}, lock {lock})",
+            f"close that chat, or use another {option}",
+        )
+
+    lock = OutputLock(Path(path), option, busy=busy)
+    _HELD[key] = lock
+    try:
+        recover(Path(path))
+        yield
+    finally:
+        del _HELD[key]
+        lock.release()
+
+
+def check_save_target(path: Path, session) -> None:
+    """A chat saves only where a session of its bundle belongs: never inside a bundle (this one, or any directory
+    above `path` holding a manifest.json), never over a file that is not a session of this bundle."""
+    path = Path(path)
+    fix = "save to a new file outside any bundle, or to a session file of this bundle"
+    real = path.resolve()
+    inside = [d for d in real.parents if (d / "manifest.json").is_file()]
+    bundle = Path(session.bundle).resolve()
+    if real == bundle or bundle in real.parents or inside:
+        where = bundle if (real == bundle or bundle in real.parents) else inside[0]
+        raise DeltashipError(f"{path}: inside the bundle {where}; a chat writes nothing into a bundle", fix)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise DeltashipError(f"{path}: not a plain file; a chat saves only to a file of its own", fix)
+    if path.exists() and not session_file_of(path, session):
+        raise DeltashipError(f"{path}: exists and is not a saved chat session of this bundle; nothing was written", fix)
+
+
+_REFUSE_FIX = "load a session saved by deltaship chat for this bundle"
+
+
+def _refuse(path: Path, what: str, fix: str = _REFUSE_FIX) -> None:
     raise DeltashipError(f"{path}: {what}; nothing was loaded", fix)
 
 
-def read_session_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """The metadata and tensors of a saved session, every check done (hashes, schema, version)."""
-    from safetensors import safe_open  # lazy: safetensors: session files only
+# safetensors' dtype names, as numpy names them (the ones a session's states can have)
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32", "I16": "int16",
+           "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool"}  # fmt: skip
+MAX_HEADER_BYTES = 64 << 20  # the header holds the metadata: token ids and messages of at most a whole context
 
+
+def read_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], int, int]], int]:
+    """The checked metadata of a session file and its tensor table {name: (dtype, shape, start, end)} (offsets in
+    the file), read from the safetensors header alone: every dtype known, every shape's bytes equal to its offsets,
+    the tensors packed back to back exactly up to the file's end, the metadata's sha256, schema and version. No tensor
+    byte is read. Returns (meta, table, file size)."""
     path = Path(path)
     if not path.is_file():
         _refuse(path, "no such session file", "pass a file written by chat.save / --session")
-    if path.stat().st_size > MAX_FILE_BYTES:
-        _refuse(path, f"{path.stat().st_size} bytes, more than a chat session may have here")
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        _refuse(path, f"{size} bytes, more than a chat session may have here")
     try:
-        with safe_open(str(path), framework="np") as f:
-            header = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own errors for a truncated or foreign file
-        _refuse(path, f"not a readable session file (truncated or not a safetensors file: {e})")
-    text, sha = header.get(META_KEY), header.get(META_SHA_KEY)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+                _refuse(path, "not a readable session file (truncated or not a safetensors file: bad header length)")
+            raw = f.read(n)
+    except OSError as e:
+        _refuse(path, f"cannot be read ({e.strerror or e})", "check the file")
+    try:
+        header = parse_json(raw.decode("utf-8"), str(path), "session file's safetensors header", _REFUSE_FIX)
+    except (UnicodeDecodeError, DeltashipError):
+        _refuse(path, "not a readable session file (truncated or not a safetensors file: its header is not JSON)")
+    if not isinstance(header, dict):
+        _refuse(path, "not a readable session file (its safetensors header is not an object)")
+    extra = header.pop("__metadata__", None) or {}
+    table: dict[str, tuple[str, list[int], int, int]] = {}
+    base, spans = 8 + n, []
+    for name, entry in header.items():
+        ok = isinstance(entry, dict) and entry.get("dtype") in _DTYPES and isinstance(entry.get("shape"), list)
+        shape, offs = (entry.get("shape"), entry.get("data_offsets")) if ok else (None, None)
+        ok = ok and all(type(d) is int and 0 <= d < 1 << 40 for d in shape) and len(shape) <= 8
+        ok = ok and isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)
+        if not ok:
+            _refuse(path, f"not a readable session file (tensor {str(name)[:80]!r} has no valid dtype/shape/offsets)")
+        count = int(np.prod(shape, dtype=object)) if shape else 1
+        if offs[1] - offs[0] != count * np.dtype(_DTYPES[entry["dtype"]]).itemsize:
+            _refuse(path, f"not a readable session file (tensor {name[:80]!r}: its offsets disagree with its shape)")
+        table[name] = (_DTYPES[entry["dtype"]], list(shape), base + offs[0], base + offs[1])
+        spans.append((offs[0], offs[1]))
+    at = 0
+    for lo, hi in sorted(spans):  # back to back from the header on, nothing between, nothing after
+        if lo != at:
+            _refuse(path, "not a readable session file (its tensors overlap or leave gaps)")
+        at = hi
+    if base + at != size:
+        _refuse(path, f"not a readable session file (truncated: its header describes {base + at} bytes, it has {size})")
+    if not isinstance(extra, dict):
+        _refuse(path, "a safetensors file without deltaship chat metadata")
+    text, sha = extra.get(META_KEY), extra.get(META_SHA_KEY)
     if not isinstance(text, str):
         _refuse(path, "a safetensors file without deltaship chat metadata")
     if hashlib.sha256(text.encode()).hexdigest() != sha:
         _refuse(path, "its metadata does not match its sha256 (the file was altered)")
-    try:
-        meta = json.loads(text)
-    except json.JSONDecodeError:
-        _refuse(path, "its metadata is not JSON")
+    meta = parse_json(text, f"{path} (its deltaship metadata)", "session's metadata", _REFUSE_FIX)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         _refuse(path, f"not a {FORMAT} file")
     version = meta.get("version")
@@ -151,13 +243,81 @@ def read_session_file(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
     except jsonschema.ValidationError as e:
         where = "/".join(map(str, e.absolute_path)) or "(top)"
         _refuse(path, f"metadata invalid at {where}: {e.message}")
-    if set(meta["tensors"]) != set(tensors):
-        _refuse(path, f"tensors {sorted(set(meta['tensors']) ^ set(tensors))[:4]} do not match its metadata")
+    if set(meta["tensors"]) != set(table):
+        _refuse(path, f"tensors {sorted(set(meta['tensors']) ^ set(table))[:4]} do not match its metadata")
     for name, entry in meta["tensors"].items():
-        a = tensors[name]
-        if str(a.dtype) != entry["dtype"] or list(a.shape) != entry["shape"] or _sha(a) != entry["sha256"]:
-            _refuse(path, f"tensor {name} does not match its sha256, dtype or shape (the file was altered)")
+        if entry["dtype"] != table[name][0] or entry["shape"] != table[name][1]:
+            _refuse(path, f"tensor {name} does not match its dtype or shape (the file was altered)")
+    return meta, table, size
+
+
+def expected_tensors(path: Path, meta: dict[str, Any], session) -> dict[str, tuple[str, list[int]]]:
+    """{tensor: (dtype, shape)} a session file of `meta`'s position and checkpoints holds for this session's bundle:
+    every state (a KV cache up to the position), and each checkpoint's DeltaNet states."""
+    p = meta["position"]
+    layout = session.state_layout()
+    want: dict[str, tuple[str, list[int]]] = {}
+    for name, (shape, dtype, axis) in layout.items():
+        full = list(shape)
+        if axis is not None:
+            full[axis] = p
+        want[f"state/{name}"] = (dtype, full)
+    for i, c in enumerate(meta["checkpoints"]):
+        if c["position"] > p:
+            _refuse(path, f"checkpoint {i} is incomplete or out of range")
+        for s in session.deltanet_states():
+            shape, dtype, _ = layout[s["name"]]
+            want[f"checkpoint/{i}/{s['name']}"] = (dtype, list(shape))
+    return want
+
+
+def read_session_file(path: Path, session=None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The metadata and tensors of a saved session, every check done (hashes, schema, version). The header is checked
+    before any tensor is read; with `session`, also the bundle's identity, the position and that the file holds
+    exactly the states of the session's bundle in their shapes, so no tensor is read that the bundle cannot use.
+    Tensors are then read one at a time, each checked against its sha256, within the bytes the header allows."""
+    path = Path(path)
+    meta, table, size = read_header(path)
+    if session is not None:
+        check_identity(path, meta, session)
+        p = meta["position"]
+        if len(meta["ids"]) != p or p > session.max_context:
+            _refuse(path, f"{len(meta['ids'])} token ids for position {p} (max context {session.max_context})")
+        want = expected_tensors(path, meta, session)
+        for name in sorted(set(want) | set(table)):
+            if name not in want or name not in table or (table[name][0], table[name][1]) != want[name]:
+                got = f"{table[name][0]} {table[name][1]}" if name in table else "missing"
+                need = f"{want[name][0]} {want[name][1]}" if name in want else "not a state of this bundle"
+                _refuse(path, f"tensor {name[:80]} is {got}; this bundle's is {need}")
+    budget = size  # with a session: exactly the bytes of the bundle's states at that position (checked above)
+    tensors: dict[str, np.ndarray] = {}
+    try:
+        with open(path, "rb") as f:
+            for name, (dtype, shape, lo, hi) in sorted(table.items(), key=lambda kv: kv[1][2]):
+                budget -= hi - lo
+                if budget < 0:
+                    _refuse(path, "its tensors are larger than the file")
+                f.seek(lo)
+                data = bytearray(hi - lo)  # writable, read in place: one copy of the tensor
+                if f.readinto(data) != hi - lo:
+                    _refuse(path, "not a readable session file (truncated while reading)")
+                a = np.frombuffer(data, dtype=dtype).reshape(shape)
+                if _sha(a) != meta["tensors"][name]["sha256"]:
+                    _refuse(path, f"tensor {name} does not match its sha256, dtype or shape (the file was altered)")
+                tensors[name] = a
+    except OSError as e:
+        _refuse(path, f"cannot be read ({e.strerror or e})", "check the file")
     return meta, tensors
+
+
+def session_file_of(path: Path, session) -> bool:
+    """Whether `path` is a readable session file saved with this session's bundle (its header alone is read)."""
+    try:
+        meta, _, _ = read_header(path)
+        check_identity(path, meta, session)
+    except DeltashipError:
+        return False
+    return True
 
 
 def check_identity(path: Path, meta: dict[str, Any], session) -> None:
@@ -224,10 +384,7 @@ def prompt_cache_settings(path: Path) -> tuple[str, dict[str, Any]]:
     text = path.read_text(encoding="utf-8")
     if path.suffix != ".json":
         return text.removesuffix("\n"), {}  # the file's final newline is not part of the message
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DeltashipError(f"--prompt-cache {path}: not JSON ({e})", 'write {"system": "..."}') from None
+    obj = parse_json(text, f"--prompt-cache {path}", "prompt-cache settings file", 'write {"system": "..."}')
     if not isinstance(obj, dict) or not isinstance(obj.get("system"), str) or set(obj) - {"system", "template_kwargs"}:
         raise DeltashipError(
             f'--prompt-cache {path}: expected {{"system": text, "template_kwargs": {{...}}}}', "fix the file"
@@ -252,7 +409,7 @@ def apply_prompt_cache(chat) -> bool:
         return False
     # listed and hashed in the manifest (open_bundle checked it); joined under the closed-world rule
     path = bundle_path(chat.session.bundle, chat.session.manifest, PROMPT_CACHE_FILE, "chat.prompt_cache.file")
-    meta, tensors = read_session_file(path)
+    meta, tensors = read_session_file(path, chat.session)
     state, _ = checked_state(path, meta, tensors, chat.session)
     if meta["ids"] != chat.render_ids(chat.messages, add_generation_prompt=False):
         return False  # another template or tokenizer than the one it was built with: feed the system message

@@ -17,12 +17,37 @@ import numpy as np
 
 from deltaship.bundle.reader import read_manifest
 from deltaship.errors import DeltashipError
+from deltaship.files import read_bounded_text
 from deltaship.models.source import load_source
 from deltaship.models.trained import HELDOUT
 from deltaship.options import threads as check_threads
+from deltaship.progress import Progress, heartbeat
 from deltaship.runtimes.speculative import mtp_acceptance
 from deltaship.runtimes.tokenizer import load_tokenizer
 from deltaship.targets import open_bundle
+
+MAX_TEXT_BYTES = 16 << 20  # --text: far more than the longest context needs (about 4 bytes a token)
+
+
+def user_tokens(bundle: Path, manifest: dict, path: str | Path, n: int) -> tuple[list[int], str]:
+    """The first n tokens of the user's own text file (--text), with the bundle's tokenizer; refused when the
+    file is too large, not UTF-8, or shorter than n tokens (naming how many it has and how many are needed)."""
+    if "tokenizer.json" not in manifest.get("tokenizer", {}).get("files", []):
+        raise DeltashipError(
+            f"--text needs the bundle's tokenizer, and {bundle} has none",
+            "drop --text (a bundle without a tokenizer is evaluated on seeded random token ids), or export a "
+            "checkpoint that has tokenizer.json",
+        )
+    text = read_bounded_text(path, "--text file", "pass a UTF-8 text file under 16 MiB", MAX_TEXT_BYTES)
+    ids = load_tokenizer(bundle, manifest).encode(text)
+    if len(ids) < n:
+        shorter = f", or --tokens {len(ids)}" if len(ids) >= 2 else ""
+        raise DeltashipError(
+            f"--text {path}: {len(ids)} tokens with the bundle's tokenizer; the eval needs {n} (--tokens, at most "
+            "the bundle's max context)",
+            f"pass a longer text{shorter}",
+        )
+    return ids[:n], f"{path}"
 
 
 def eval_tokens(bundle: Path, manifest: dict, n: int) -> tuple[list[int], str]:
@@ -46,10 +71,14 @@ def evaluate(
     threads: int | None = None,
     progress: Callable[[str], None] | None = None,
     source=None,
+    text: str | Path | None = None,
 ) -> dict[str, Any]:
     """Perplexity, reference perplexity, KL divergence and top-1 agreement of a bundle.
 
-    The reference is the model named in the manifest (or `model`), checked by sha256.
+    The reference is the model named in the manifest (or `model`), checked by sha256. text: a UTF-8 text file to
+    evaluate on instead of the held-out text (its first `tokens` tokens; refused when shorter). progress: a step's line
+    ("eval: N tokens of ..."); a Progress also gets each long step's detail (the bundle's token-by-token run, the
+    reference's forward), which a log shows once the step has been silent for a while.
     """
     import torch  # lazy: torch
 
@@ -61,6 +90,8 @@ def evaluate(
     manifest = read_manifest(bundle)
     if tokens < 2:
         raise DeltashipError(f"--tokens must be at least 2, got {tokens}", "pass --tokens 256 or more")
+    if text is not None:  # before the reference and the bundle are loaded: a bad file fails at once
+        own = user_tokens(bundle, manifest, text, min(tokens, int(manifest["max_context"])))
     name = model or manifest["source"]["model"]
     if source is None:
         try:
@@ -76,18 +107,21 @@ def evaluate(
             "pass --model with the exact checkpoint the bundle was exported from",
         )
     session = open_bundle(bundle, threads=threads)
-    ids, text = eval_tokens(bundle, manifest, min(tokens, session.max_context))
+    ids, text = own if text is not None else eval_tokens(bundle, manifest, min(tokens, session.max_context))
     if len(ids) < 2:
         raise DeltashipError("the evaluation text gives fewer than 2 tokens", "pass --tokens 2 or more")
     if progress:
         progress(f"eval: {len(ids)} tokens of {text}")
+    beat = (lambda m: progress(m, inline=True)) if isinstance(progress, Progress) else None
     rows = [session.prefill(ids[:1])]
-    for tok in ids[1:-1]:
-        rows.append(session.decode(tok))
+    with heartbeat(beat and (lambda m: beat(f"{m}: {len(rows)} of {len(ids) - 1} tokens")), "eval: the bundle"):
+        for tok in ids[1:-1]:
+            rows.append(session.decode(tok))
     got = np.stack(rows)
-    ref = reference_model(source)
-    with torch.no_grad():
-        want = ref(torch.tensor([ids[:-1]]), use_cache=False).logits[0].float().numpy()
+    with heartbeat(beat, "eval: the transformers fp32 reference"):
+        ref = reference_model(source)
+        with torch.no_grad():
+            want = ref(torch.tensor([ids[:-1]]), use_cache=False).logits[0].float().numpy()
     del ref
     targets = np.asarray(ids[1:])
     lp, lq = log_softmax(want), log_softmax(got)
@@ -112,7 +146,8 @@ def evaluate(
         "precision": manifest["precision"],
     }
     if manifest.get("speculative"):  # the MTP head: how often its draft is what greedy decoding accepts
-        result["mtp"] = mtp_acceptance(session, ids)
+        with heartbeat(beat, "eval: the MTP head's drafts"):
+            result["mtp"] = mtp_acceptance(session, ids)
     if "random" in text:
         result["note"] = "random token ids: perplexity is not a quality measure here"
     return result

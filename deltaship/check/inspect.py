@@ -8,6 +8,7 @@ from typing import Any
 from deltaship.bundle.reader import check_files, read_manifest
 from deltaship.bundle.validate import schema_problems
 from deltaship.errors import DeltashipError
+from deltaship.runtimes.numbers import number_problems
 from deltaship.targets import get_target, target_names
 
 
@@ -31,7 +32,7 @@ def artifact_problems(bundle: Path, manifest: dict[str, Any]) -> list[str]:
     if manifest["target"] not in target_names():
         return [f"target {manifest['target']!r}: not a target this deltaship knows"]
     try:
-        return get_target(manifest["target"]).artifact_problems(bundle, manifest)
+        return get_target(manifest["target"]).artifact_problems(bundle, manifest) + number_problems(manifest)
     except DeltashipError as e:
         return [e.message]
 

@@ -11,7 +11,8 @@ from deltaship.check.inspect import describe, inspect
 from deltaship.commands.chat import chat
 from deltaship.commands.generate import generate
 from deltaship.commands.plan import plan
+from deltaship.commands.serve import serve
 from deltaship.compile import export
 from deltaship.profiling.profile import profile
 
-__all__ = ["export", "generate", "chat", "inspect", "describe", "plan", "profile", "evaluate"]
+__all__ = ["export", "generate", "chat", "inspect", "describe", "plan", "profile", "evaluate", "serve"]

@@ -1,11 +1,12 @@
 """`deltaship chat`: a conversation with a bundle: a REPL on a terminal, a line protocol otherwise.
 
-Line protocol (stdin not a terminal): each line is a user message; `/retry`, `/undo`, `/reset` and `/save FILE` are
-commands; `/tool JSON` gives the results of the last reply's tool calls ({"name", "content"}, or a list of them);
-end of input ends the conversation. With json=True each turn prints one JSON object (reply, reply_ids,
-history_ids: every token the state held before the reply, prefill_tokens: tokens fed for the turn, ttft_s,
-decode_tok_s, stopped, and tool_calls / constraint where there are tools or a constraint), and each command one
-object naming it.
+Line protocol (stdin not a terminal): each line is a user message, or one of the same commands as on a terminal
+(COMMANDS); end of input or /quit ends the conversation. `/tool JSON` gives the results of the last reply's tool
+calls ({"name", "content"}, or a list of them). With json=True each turn prints one JSON object (reply,
+reply_ids, history_ids: every token the state held before the reply, prefill_tokens: tokens fed for the turn,
+ttft_s, decode_tok_s, stopped, seed, and tool_calls / constraint where there are tools or a constraint), and each
+command one object naming it. A line of piped input is data, not a command line: its /save takes no file (it saves
+to --session); only a person at the terminal names one.
 """
 
 from __future__ import annotations
@@ -16,19 +17,31 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from filelock import FileLock, Timeout
-
 from deltaship import options
 from deltaship.chat import Chat
-from deltaship.chat.store import bundle_prompt_cache
+from deltaship.chat.store import bundle_prompt_cache, claimed
 from deltaship.chat.tools import ToolCallStream
 from deltaship.constrain import build_constraint
 from deltaship.constrain.tools import check_choice, read_tools
-from deltaship.errors import DeltashipEnvironmentError, DeltashipError
+from deltaship.errors import DeltashipError
+from deltaship.files import parse_json
 from deltaship.runtimes.base import check_sampling
 from deltaship.targets import open_bundle
 
-COMMANDS = ("/retry", "/undo", "/reset", "/save FILE", "/tool JSON", "/quit")
+COMMANDS = {
+    "/retry": "generate the last reply again (with --seed: the next seed of that turn's sequence)",
+    "/undo": "drop the last exchange",
+    "/reset": "start over (the system message stays)",
+    "/save [FILE]": "save to --session (on a terminal also to FILE: a new file or a session of this bundle)",
+    "/tool JSON": 'the results of the last reply\'s tool calls: {"name": ..., "content": ...} or a list of them',
+    "/help": "list the commands",
+    "/quit, /exit": "end the chat",
+}
+
+
+def commands_help() -> str:
+    """The commands, one a line (chat --help's epilog, /help, an unknown command's notice)."""
+    return "\n".join(f"  {c:<14} {what}" for c, what in COMMANDS.items())
 
 
 def chat(
@@ -82,18 +95,8 @@ def _locked(session: str | Path | None):
     if session is None:
         yield
         return
-
-    lock = FileLock(str(session) + ".lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise DeltashipEnvironmentError(
-            f"--session {session} is in use by another deltaship chat", "close that chat, or use another --session"
-        ) from None
-    try:
+    with claimed(Path(session)):
         yield
-    finally:
-        lock.release()
 
 
 def _open(bundle, system: str | None, session, kwargs: dict, threads: int | None, prepack_cache=None):
@@ -125,23 +128,32 @@ def _converse(conv, bundle, session, sampling: dict, json: bool, stdin: IO[str],
     interactive = stdin.isatty() and not json
     if interactive:
         _setup_readline()
-        print(f"deltaship chat: {bundle} ({conv.session.runtime_name()}); commands: {', '.join(COMMANDS)}", file=stdout)
+        print(f"deltaship chat: {bundle} ({conv.session.runtime_name()}); /help lists the commands", file=stdout)
+    state = {"retries": 0, "line": 0}  # retries of the last turn: its seed's place in the sequence
     while True:
-        if interactive:
-            try:
-                line = input("> ")
-            except EOFError:
-                print(file=stdout)
-                break
-        else:
-            line = stdin.readline()
-            if not line:
-                break
-            line = line.rstrip("\n")
+        state["line"] += 1
+        try:
+            if interactive:
+                try:
+                    line = input("> ")
+                except EOFError:
+                    print(file=stdout)
+                    break
+            else:
+                line = _read_line(stdin, state["line"])
+                if line is None:
+                    break
+            _check_text(line, state["line"])
+        except (UnicodeDecodeError, DeltashipError) as e:
+            err = e if isinstance(e, DeltashipError) else _not_text(state["line"])
+            if not interactive:
+                raise err from None
+            print(f"error: {err.message}" + (f"\n  fix: {err.fix}" if err.fix else ""), file=sys.stderr)
+            continue
         if not line.strip():
             continue
         try:
-            if _step(conv, line, sampling, json, interactive, stdout, session) == "quit":
+            if _step(conv, line, sampling, json, interactive, stdout, session, state) == "quit":
                 break
         except DeltashipError as e:
             if not interactive:
@@ -150,49 +162,96 @@ def _converse(conv, bundle, session, sampling: dict, json: bool, stdin: IO[str],
     return 0
 
 
-def _step(conv, line: str, sampling: dict, json: bool, interactive: bool, out: IO[str], session) -> str | None:
+def _read_line(stdin: IO[str], n: int) -> str | None:
+    """Line n of piped input (None at its end), decoded as UTF-8 line by line from the bytes where there are bytes
+    (a text stream decodes ahead, so its error would name the wrong line)."""
+    raw = getattr(stdin, "buffer", None)
+    if raw is None:
+        line = stdin.readline()
+    else:
+        data = raw.readline()
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _not_text(n) from None
+    return line.rstrip("\n").removesuffix("\r") if line else None
+
+
+def _not_text(n: int) -> DeltashipError:
+    return DeltashipError(f"chat: input line {n} is not UTF-8 text", "pipe UTF-8 text to chat, one message a line")
+
+
+def _check_text(line: str, n: int) -> None:
+    """A line decoded with surrogateescape (a C locale) holds lone surrogates where its bytes were not UTF-8."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _not_text(n) from None
+
+
+def _step(conv, line: str, sampling: dict, json: bool, interactive: bool, out: IO[str], session, state) -> str | None:
     word, _, rest = line.strip().partition(" ")
-    if word in ("/quit", "/exit") and interactive:
+    if word in ("/quit", "/exit"):
+        if json:
+            _say(out, json, {"command": word[1:]}, "")
         return "quit"
+    if word == "/help":
+        _say(out, json, {"command": "help", "commands": list(COMMANDS)}, "commands:\n" + commands_help())
+        return None
     if word == "/save":
-        if not rest.strip():
-            raise DeltashipError("/save needs a file name", "e.g. /save talk.dschat")
-        path = conv.save(rest.strip())
+        path = _save_path(rest.strip(), session, interactive)
+        path = conv.save(path)
         _say(out, json, {"command": "save", "path": str(path), "history_tokens": len(conv.ids)}, f"saved {path}")
         return None
     if word in ("/undo", "/reset"):
         conv.undo() if word == "/undo" else conv.reset()
+        state["retries"] = 0
         _say(out, json, {"command": word[1:], "history_tokens": len(conv.ids)}, f"({word[1:]}: {len(conv.ids)} tokens)")
     elif word == "/tool":
-        try:
-            results = jsonlib.loads(rest)
-        except ValueError as e:
-            fix = '/tool {"name": NAME, "content": TEXT} (or a list of them)'
-            raise DeltashipError(f"/tool: not JSON ({e})", fix) from None
+        fix = '/tool {"name": NAME, "content": TEXT} (or a list of them)'
+        results = parse_json(rest, "/tool", "tool result line", fix)  # a piped line is untrusted: bounded
         stream = _Stream(conv, out) if interactive else None
         keep = {k: v for k, v in sampling.items() if k not in ("json_schema", "regex", "grammar")}
         reply = conv.send_tool_results(results, **keep, on_token=stream)
         _print_reply(conv, reply, "tool", json, stream, out)
     elif word == "/retry" or not line.startswith("/"):
         stream = _Stream(conv, out) if interactive else None
-        reply = (
-            conv.retry(**sampling, on_token=stream)
-            if word == "/retry"
-            else conv.send(line, **sampling, on_token=stream)
-        )
-        _print_reply(conv, reply, "retry" if word == "/retry" else "send", json, stream, out)
+        state["retries"] = state["retries"] + 1 if word == "/retry" else 0
+        seed = sampling["seed"]
+        if seed is not None:  # retry k of a turn samples with seed + k: a new sample, the same sequence every run
+            seed += state["retries"]
+        turn = {**sampling, "seed": seed}
+        reply = conv.retry(**turn, on_token=stream) if word == "/retry" else conv.send(line, **turn, on_token=stream)
+        _print_reply(conv, reply, "retry" if word == "/retry" else "send", json, stream, out, seed)
     else:
-        raise DeltashipError(f"unknown command {word!r}", f"commands: {', '.join(COMMANDS)}; other text is a message")
+        print(f"unknown command {word!r} (other text is a message); commands:\n{commands_help()}", file=sys.stderr)
+        if json:  # one record per line read, as for every other command
+            _say(out, json, {"command": "unknown", "word": word, "commands": list(COMMANDS)}, "")
+        return None
     if session is not None:
         conv.save(session)
     return None
+
+
+def _save_path(arg: str, session, interactive: bool) -> Path:
+    """Where /save writes: --session, or (a person at the terminal only) the file named."""
+    if not arg:
+        if session is None:
+            raise DeltashipError("/save needs a file name here (no --session)", "e.g. /save talk.dschat")
+        return Path(session)
+    if interactive or (session is not None and Path(arg).absolute() == Path(session).absolute()):
+        return Path(arg)
+    raise DeltashipError(
+        f"/save {arg}: a piped conversation saves only to its --session file, never to a path its input names",
+        "pass --session FILE and use /save alone (or chat on a terminal)",
+    )
 
 
 def _say(out: IO[str], json: bool, record: dict[str, Any], text: str) -> None:
     print(jsonlib.dumps(record) if json else text, file=out, flush=True)
 
 
-def _print_reply(conv, reply, command: str, json: bool, stream, out: IO[str]) -> None:
+def _print_reply(conv, reply, command: str, json: bool, stream, out: IO[str], seed: int | None = None) -> None:
     if reply.notice:
         print(f"notice: {reply.notice}", file=sys.stderr)
     if json:
@@ -205,6 +264,7 @@ def _print_reply(conv, reply, command: str, json: bool, stream, out: IO[str]) ->
             "ttft_s": round(reply.ttft_s, 6),
             "decode_tok_s": round(reply.decode_tok_s, 3),
             "stopped": reply.stopped,
+            "seed": seed,
         }
         if conv.tools is not None:
             record["tool_calls"] = reply.tool_calls

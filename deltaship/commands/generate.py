@@ -6,16 +6,19 @@ import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from deltaship import options
 from deltaship.bundle.paths import bundle_path
+from deltaship.chat.template import ChatTemplate, bundle_chat_template
 from deltaship.constrain import Constraint, build_constraint, token_table
-from deltaship.errors import DeltashipError
+from deltaship.errors import DeltashipError, DeltashipRunError
+from deltaship.failures import run_failure
 from deltaship.files import read_json_object
 from deltaship.models.vision import Preprocessor, load_image, smart_resize
+from deltaship.progress import Progress, heartbeat
 from deltaship.runtimes.genai import GENAI_CONSTRAINT
 from deltaship.runtimes.speculative import generate_speculative, parse_speculative
 from deltaship.runtimes.tokenizer import load_tokenizer
@@ -60,6 +63,8 @@ def generate(
     json_schema: dict[str, Any] | bool | str | Path | None = None,
     regex: str | None = None,
     grammar: str | Path | None = None,
+    progress: bool | Callable = True,
+    chat: bool = False,
 ) -> dict[str, Any]:
     """Generate from a prompt (text, needs the bundle's tokenizer) or token ids; return a result dict.
 
@@ -78,7 +83,13 @@ def generate(
 
     json_schema (a dict or a file), regex (a pattern) or grammar (a file in llguidance's Lark-like syntax): at most
     one; the output then follows it (deltaship/constrain, docs/agents.md) and the result has a `constraint` block,
-    {"kind": ..., "complete": true|false} (false: the budget or the context ended mid-structure)."""
+    {"kind": ..., "complete": true|false} (false: the budget or the context ended mid-structure).
+
+    chat: the prompt as one user turn through the bundle's chat template, rendered as `deltaship chat` renders it
+    (deltaship/chat/template.py), generation stopping at the end of the assistant's turn; `text` is the reply.
+
+    progress: a generation that runs long (Core ML's op-by-op evaluator on Linux, a large model) reports the tokens
+    it has on stderr, in a log once it has been silent for a while (deltaship/progress.py); False: never."""
 
     depth = parse_speculative(speculative)
     constraint = build_constraint(json_schema, regex, grammar)  # checked before anything is opened
@@ -92,6 +103,12 @@ def generate(
     if (prompt is None) == (input_ids is None):
         raise DeltashipError(
             "pass exactly one of --prompt or --input-ids", "e.g. --prompt 'Hello' or --input-ids 1,2,3"
+        )
+    if chat and (prompt is None or images or videos):
+        raise DeltashipError(
+            "--chat renders a text --prompt as a user turn; it cannot take "
+            + ("--input-ids" if prompt is None else "--image/--video (an image prompt gets the chat markers already)"),
+            "pass --prompt TEXT" if prompt is None else "drop --chat",
         )
     # before the bundle is opened: the CLI checked these as it parsed them, the API checks them here
     options.max_new_tokens(max_new_tokens)
@@ -154,6 +171,8 @@ def generate(
         ]
         if depth is not None:
             given.append("--speculative")
+        if chat:
+            given.append("--chat")
         if given or prompt is None:
             raise DeltashipError(
                 f"--runtime {runtime} takes a text prompt and greedy or temperature sampling only; "
@@ -163,14 +182,16 @@ def generate(
         module, spec = text
         res = getattr(module, spec.generate)(bundle, prompt, max_new_tokens=max_new_tokens, temperature=temperature)
         return {**res, "seconds": res.get("stats", {}).get("total_seconds")}
-    session = open_bundle(
-        bundle,
-        threads=threads,
-        provider=provider,
-        runtime=runtime,
-        prepack_cache=prepack_cache,
-        **({"cuda_graph": True} if cuda_graph else {}),
-    )
+    say = Progress() if progress is True else progress or None
+    with heartbeat(_beat(say), "generate: opening the bundle"):
+        session = open_bundle(
+            bundle,
+            threads=threads,
+            provider=provider,
+            runtime=runtime,
+            prepack_cache=prepack_cache,
+            **({"cuda_graph": True} if cuda_graph else {}),
+        )
     mm, notices, loaded = None, [], []
     if images or videos:
         mm = open_multimodal(session)  # refuses a bundle without a vision tower
@@ -178,10 +199,15 @@ def generate(
         clips = [mm.load_video(v, notices, fps) for v in videos or []]
         loaded += clips
         if prompt is not None:
-            chat = "im_start" in session.manifest.get("tokens", {})
-            prompt = image_prompt(prompt, len(images or []), chat, videos=clips)
+            markers = "im_start" in session.manifest.get("tokens", {})
+            prompt = image_prompt(prompt, len(images or []), markers, videos=clips)
     tok = load_tokenizer(Path(bundle), session.manifest) if prompt is not None else None
-    ids = tok.encode(prompt) if tok else input_ids
+    stops: set[int] = set()
+    if chat:
+        ids, stops = _chat_turn(bundle, session, tok, prompt)
+        session.eos_ids |= stops  # this call's own session: the reply ends with the assistant's turn
+    else:
+        ids = tok.encode(prompt) if tok else input_ids
     if depth is not None and dump_logits is not None:
         raise DeltashipError("--dump-logits cannot be combined with --speculative", "drop one of them")
     guide = _guide(constraint, bundle, session, tok) if constraint is not None else None
@@ -195,15 +221,31 @@ def generate(
         **({"guide": guide} if guide is not None else {}),
     )
     spec_stats = None
-    if depth is not None:
-        gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, **kw)
-    elif mm:
-        gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=dump_logits is not None, **kw)
-    else:
-        gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, **kw)
+    clock = _TokenClock(t0)
+    beat = _beat(say, lambda m: f"{m}: {clock.count} of {max_new_tokens} new tokens")
+    try:
+        with heartbeat(beat, f"generate: {len(ids)} prompt tokens, then decoding"):
+            if depth is not None:
+                gen, spec_stats = generate_speculative(session, ids, max_new_tokens, depth, on_token=clock, **kw)
+            elif mm:
+                keep = dump_logits is not None
+                gen = mm.generate(ids, loaded, max_new_tokens, keep_logits=keep, on_token=clock, **kw)
+            else:
+                gen = session.generate(ids, max_new_tokens, keep_logits=dump_logits is not None, on_token=clock, **kw)
+    except DeltashipRunError as e:  # the tokens so far, as text where the prompt was text
+        e.text = (prompt or "") + tok.decode(e.output_ids) if tok is not None else None
+        raise
+    except Exception as e:  # the speculative and image drivers' runtime errors, without their tokens
+        failure = run_failure(e, None)
+        if failure is None:
+            raise
+        raise failure from e
+    if isinstance(say, Progress):
+        say.done()
     elapsed = time.monotonic() - t0
     result: dict[str, Any] = {
         **_ids_result(gen, elapsed, session),
+        **clock.rates(),
         **({"speculative": spec_stats.as_dict()} if spec_stats else {}),
         **({"constraint": {"kind": constraint.kind, "complete": guide.complete()}} if constraint else {}),
     }
@@ -222,7 +264,7 @@ def generate(
         except DeltashipError:
             tok = None
     if tok is not None:
-        result["text"] = tok.decode(gen.output_ids)
+        result["text"] = tok.decode([t for t in gen.output_ids if t not in stops])
     if dump_logits is not None:
         arr = np.stack(gen.logits).astype(np.float32) if gen.logits else np.zeros((0, session.vocab_size), np.float32)
         path = Path(dump_logits)
@@ -319,6 +361,45 @@ def _genai_resize_notices(
                 f"{pre.factor // 2} pixels avoids it"
             )
     return notices
+
+
+def _chat_turn(bundle: str | Path, session, tok, prompt: str) -> tuple[list[int], set[int]]:
+    """generate(chat=True): the prompt as one user turn through the bundle's chat template with the generation
+    prompt, as a chat's first turn without a system message renders it (deltaship.chat.Chat.render_ids), and the
+    tokens that end the assistant's turn."""
+    source, special = bundle_chat_template(Path(bundle), session.manifest)
+    text = ChatTemplate(source, **special).render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    end = session.manifest.get("tokens", {}).get("im_end")
+    return tok.encode(text), set(session.eos_ids) | ({end} if isinstance(end, int) else set())
+
+
+def _beat(say, detail: Callable[[str], str] = str) -> Callable[[str], None] | None:
+    """heartbeat()'s reporter for generate's progress: a Progress's inline detail, or the caller's function."""
+    if say is None:
+        return None
+    if isinstance(say, Progress):
+        return lambda m: say(detail(m), inline=True)
+    return lambda m: say(detail(m))
+
+
+class _TokenClock:
+    """on_token for a generation: when the first and the last new token came, for --json's ttft_s (from the start
+    of the prefill to the first token) and decode_tok_s (tokens per second after the first), as `chat --json`."""
+
+    def __init__(self, t0: float):
+        self.t0, self.first, self.last, self.count = t0, None, None, 0
+
+    def __call__(self, token: int) -> None:
+        self.last = time.monotonic()
+        self.first = self.first or self.last
+        self.count += 1
+
+    def rates(self) -> dict[str, float]:
+        if self.first is None:
+            return {}
+        span = self.last - self.first
+        rate = (self.count - 1) / span if self.count > 1 and span > 0 else 0.0
+        return {"ttft_s": round(self.first - self.t0, 6), "decode_tok_s": round(rate, 3)}
 
 
 def _ids_result(gen, elapsed: float, session) -> dict[str, Any]:

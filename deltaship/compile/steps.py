@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from deltaship.compile.settings import ExportSettings
 from deltaship.devices.limits import check_memory, mem_available
 from deltaship.devices.plan import EXPORT_BASE_BYTES, choose_for_tier, default_kv_dtype, export_peak_bytes
 from deltaship.errors import DeltashipError
+from deltaship.files import read_json_object
 from deltaship.lowering import draft_vocab
 from deltaship.lowering.lowered import Lowered
 from deltaship.lowering.settings import KvCachePlan, LoweringSettings
@@ -153,17 +153,19 @@ def special_tokens(source: ModelSource) -> dict[str, Any]:
     out: dict[str, Any] = {"bos": spec.bos_token_id, "pad": spec.pad_token_id}
     for f in source.tokenizer_files:
         if f.name == "generation_config.json":
-            g = json.loads(f.read_text())
+            g = read_json_object(f, "generation config", "restore it from the original checkpoint")
             e = g.get("eos_token_id")
             eos += e if isinstance(e, list) else ([e] if isinstance(e, int) else [])
         if f.name == "tokenizer.json":
-            added = {t["content"]: t["id"] for t in json.loads(f.read_text()).get("added_tokens", [])}
+            tok = read_json_object(f, "tokenizer", "restore it from the original checkpoint")
+            listed = tok.get("added_tokens") if isinstance(tok.get("added_tokens"), list) else []
+            added = {t.get("content"): t.get("id") for t in listed if isinstance(t, dict)}  # data: typed below
             for key, content in (
                 ("im_start", "<|im_start|>"),
                 ("im_end", "<|im_end|>"),
                 ("endoftext", "<|endoftext|>"),
             ):
-                if content in added:
+                if isinstance(added.get(content), int) and not isinstance(added[content], bool):
                     out[key] = added[content]
     out["eos"] = sorted(set(eos))
     return out

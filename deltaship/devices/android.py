@@ -10,7 +10,6 @@ and the adb plumbing up to "device absent" are tested.
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import subprocess
@@ -20,6 +19,7 @@ from typing import Any, Callable
 
 from deltaship.devices.discovery import adb_fingerprint
 from deltaship.errors import DeltashipError
+from deltaship.files import parse_json
 from deltaship.stats import summarize
 from deltaship.targets import get_target
 
@@ -31,7 +31,13 @@ def parse_runner_output(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     m = re.search(r"PyTorchObserver\s*(\{.*\})", text)
     if m:
-        o = json.loads(m.group(1))
+        fix = "run a runner that prints ExecuTorch's PyTorchObserver line"
+        o = parse_json(m.group(1), "the runner's PyTorchObserver line", "record", fix)
+        fields = ("model_load_start_ms", "model_load_end_ms", "inference_start_ms", "prompt_eval_end_ms")
+        fields += ("first_token_ms", "inference_end_ms", "prompt_tokens")
+        if not isinstance(o, dict) or any(isinstance(o.get(k), bool) or not isinstance(o.get(k), (int, float))
+                                          for k in fields):  # fmt: skip
+            raise DeltashipError(f"the runner's PyTorchObserver line lacks a number of {', '.join(fields)}", fix)
         ms = lambda a, b: (o[b] - o[a]) / 1000.0  # noqa: E731
         out["load_cold_s"] = ms("model_load_start_ms", "model_load_end_ms")
         prefill = ms("inference_start_ms", "prompt_eval_end_ms")
@@ -39,8 +45,9 @@ def parse_runner_output(text: str) -> dict[str, float]:
             out["prefill_tok_s"] = o["prompt_tokens"] / prefill
         out["ttft_s"] = ms("inference_start_ms", "first_token_ms")
         decode = ms("first_token_ms", "inference_end_ms")
-        if decode > 0 and o.get("generated_tokens", 0) > 1:
-            out["decode_tok_s"] = (o["generated_tokens"] - 1) / decode
+        generated = o.get("generated_tokens", 0)
+        if decode > 0 and isinstance(generated, int) and not isinstance(generated, bool) and generated > 1:
+            out["decode_tok_s"] = (generated - 1) / decode
         return out
     m = re.search(r"Average inference time cost:\s*([\d.]+)\s*ms", text)
     if m:

@@ -6,8 +6,10 @@ import argparse
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from deltaship.errors import DeltashipError
+from deltaship.files import read_bounded_text
 from deltaship.lowering.qnn.soc import soc as find_soc
 from deltaship.targets import PRECISIONS, get_target, target_names
 
@@ -38,27 +40,53 @@ class Tier:
     npu: NpuLimits | None = None  # the NPU an NPU target (Target.npu_graphs) runs on; None: the tier has none
 
 
+TIER_FIX = "each tier needs kind, ram_gib, budget_gib, targets, precisions, context (and may give threads, notes)"
+MAX_TIER_GIB = 1 << 20  # a PiB: beyond any device, and within a float's exact integers once in bytes
+MAX_TIER_CONTEXT = 1 << 24
+MAX_TIER_THREADS = 1024
+
+
+def _value(t: dict, key: str, where: str, kind: str, low: float = 0, high: float = 0, default: object = None) -> Any:
+    """t[key] checked for its type and range, as data: one DeltashipError naming the tier and the key otherwise."""
+    if key not in t:
+        if default is not None:
+            return default
+        raise DeltashipError(f"{where}: {key} is missing", TIER_FIX)
+    v = t[key]
+    if kind in ("int", "number"):
+        ok = not isinstance(v, bool) and isinstance(v, int if kind == "int" else (int, float))
+        if not ok or not (low <= v <= high):  # NaN and inf fail the range
+            what = f"an integer in {low:,}..{high:,}" if kind == "int" else f"a number in {low:.4g}..{high:,}"
+            raise DeltashipError(f"{where}: {key} = {v!r:.60} is not {what}", TIER_FIX)
+    elif kind == "str":
+        if not isinstance(v, str) or len(v) > 4096:
+            raise DeltashipError(f"{where}: {key} must be a string (at most 4096 characters), got {v!r:.60}", TIER_FIX)
+    elif not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v) or len(v) > 64:
+        raise DeltashipError(f"{where}: {key} must be a list of names, got {v!r:.60}", TIER_FIX)
+    return v
+
+
 def _parse(data: dict, where: str) -> tuple[dict[str, Tier], dict[str, list[str]]]:
     tiers = {}
-    for name, t in (data.get("tiers") or {}).items():
-        try:
-            tier = Tier(
-                name=name,
-                kind=str(t["kind"]),
-                ram_bytes=int(float(t["ram_gib"]) * GIB),
-                budget_bytes=int(float(t["budget_gib"]) * GIB),
-                targets=tuple(t["targets"]),
-                precisions=tuple(t["precisions"]),
-                context=int(t["context"]),
-                threads=int(t.get("threads", 2)),
-                notes=str(t.get("notes", "")),
-                npu=_npu(t["npu"], f"{where}: tier {name!r}") if "npu" in t else None,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise DeltashipError(
-                f"{where}: tier {name!r} is missing or has a bad field ({e})",
-                "each tier needs kind, ram_gib, budget_gib, targets, precisions, context",
-            ) from None
+    tables = data.get("tiers") or {}
+    if not isinstance(tables, dict):
+        raise DeltashipError(f"{where}: tiers must be [tiers.NAME] tables", TIER_FIX)
+    for name, t in tables.items():
+        at = f"{where}: tier {name!r}"
+        if not isinstance(t, dict):
+            raise DeltashipError(f"{at} is not a table", TIER_FIX)
+        tier = Tier(
+            name=name,
+            kind=_value(t, "kind", at, "str"),
+            ram_bytes=int(_value(t, "ram_gib", at, "number", 1 / 1024, MAX_TIER_GIB) * GIB),
+            budget_bytes=int(_value(t, "budget_gib", at, "number", 1 / 1024, MAX_TIER_GIB) * GIB),
+            targets=tuple(_value(t, "targets", at, "names")),
+            precisions=tuple(_value(t, "precisions", at, "names")),
+            context=_value(t, "context", at, "int", 1, MAX_TIER_CONTEXT),
+            threads=_value(t, "threads", at, "int", 1, MAX_TIER_THREADS, default=2),
+            notes=_value(t, "notes", at, "str", default=""),
+            npu=_npu(t["npu"], at) if "npu" in t else None,
+        )
 
         bad = [x for x in tier.targets if x not in target_names()] + [p for p in tier.precisions if p not in PRECISIONS]
         if bad or tier.budget_bytes > tier.ram_bytes or tier.context < 1:
@@ -73,19 +101,25 @@ def _parse(data: dict, where: str) -> tuple[dict[str, Tier], dict[str, list[str]
                 "give the tier its NPU: soc (a --qnn-soc name) and context_binary_gib",
             )
         tiers[name] = tier
-    return tiers, dict(data.get("models") or {})
+    models = data.get("models") or {}
+    if not isinstance(models, dict):
+        raise DeltashipError(f"{where}: models must be a table of size = [tier names]", TIER_FIX)
+    return tiers, {size: list(_value(models, size, f"{where}: models", "names")) for size in models}
 
 
 def _npu(t: dict, where: str) -> NpuLimits:
     """A [tiers.NAME.npu] table: soc and context_binary_gib."""
+    if not isinstance(t, dict):
+        raise DeltashipError(f"{where}: npu must be a table", "give [tiers.NAME.npu] soc and context_binary_gib")
     try:
-        soc = find_soc(str(t["soc"])).name
+        soc = find_soc(_value(t, "soc", f"{where}: npu", "str")).name
     except DeltashipError as e:
-        raise DeltashipError(f"{where}: npu.soc: {e.message}", e.fix) from None
-    limits = NpuLimits(soc=soc, context_binary_bytes=int(float(t["context_binary_gib"]) * GIB))
-    if limits.context_binary_bytes <= 0:
+        raise DeltashipError(f"{where}: npu.soc: {e.message.removeprefix(f'{where}: npu: ')}", e.fix) from None
+    size = t.get("context_binary_gib")
+    if isinstance(size, (int, float)) and not isinstance(size, bool) and size <= 0:
         raise DeltashipError(f"{where}: npu.context_binary_gib must be positive", "give the NPU's per-context limit")
-    return limits
+    size = _value(t, "context_binary_gib", f"{where}: npu", "number", 1 / 1024, MAX_TIER_GIB)
+    return NpuLimits(soc=soc, context_binary_bytes=int(size * GIB))
 
 
 def load_catalog(user_file: str | Path | None = None) -> tuple[dict[str, Tier], dict[str, list[str]]]:
@@ -95,10 +129,13 @@ def load_catalog(user_file: str | Path | None = None) -> tuple[dict[str, Tier], 
         p = Path(user_file)
         if not p.is_file():
             raise DeltashipError(f"--tiers {p}: no such file", "pass a TOML file with [tiers.NAME] tables")
+        text = read_bounded_text(p, "tiers file", "pass a TOML file with [tiers.NAME] tables", limit=1 << 20)
         try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise DeltashipError(f"{p}: not valid TOML ({e})", "fix the file") from None
+            data = tomllib.loads(text)
+        except (tomllib.TOMLDecodeError, ValueError) as e:  # ValueError: an integer of 4300+ digits
+            raise DeltashipError(f"{p}: not valid TOML ({str(e)[:200]})", "fix the file") from None
+        except RecursionError:
+            raise DeltashipError(f"{p}: arrays or tables nested too deep to be a tiers file", "fix the file") from None
         more, more_models = _parse(data, str(p))
         tiers.update(more)
         models.update(more_models)

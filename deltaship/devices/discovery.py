@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.errors import DeltashipError
+from deltaship.files import parse_json
 
 RUNTIME_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "executorch", "coremltools", "torch")
 
@@ -161,16 +162,75 @@ def host_fingerprint() -> dict[str, Any]:
 
 
 # ---- ssh ------------------------------------------------------------------------------------
+# What a device spec may name. A host, a user or a serial becomes an argument of ssh or adb: a leading `-` would
+# be an option (`ssh://-oProxyCommand=...` runs a command), so each is checked against its grammar before any
+# process starts, and ssh also gets `--` before the destination (adb has no `--` for `-s`: the grammar is all).
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+_IPV4 = re.compile(r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?:\.(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}")
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_SERIAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+\[\]-]{0,127}")
+SSH_FIX = "use ssh://[user@]host[:port]: a host name, an IPv4 or [IPv6] address; a user of letters, digits, _ . -"
+DEVICE_FIX = "use host, ssh://user@host[:port] or adb:SERIAL"
+
+
+def _is_ipv6(text: str) -> bool:
+    import ipaddress  # lazy: only an ssh://[...] address needs it
+
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
+    except ValueError:
+        return False
+
+
 def parse_ssh(spec: str) -> dict[str, Any]:
-    m = re.fullmatch(r"ssh://(?:([^@/:]+)@)?([^@/:]+)(?::(\d+))?(/.*)?", spec)
+    """An ssh://[user@]host[:port] device as {user, host, port}: refused (DeltashipError) unless the host is a host
+    name, an IPv4 address or a bracketed IPv6 address, the user a user name and the port 1..65535."""
+    m = re.fullmatch(r"ssh://(?:([^@/\[\]]*)@)?(\[[^\]/]*\]|[^@/:\[\]]*)(?::(\d{1,5}))?/?", spec, re.S)
     if not m:
-        raise DeltashipError(f"--device {spec!r} is not an ssh address", "use ssh://user@host[:port]")
-    return {"user": m.group(1), "host": m.group(2), "port": int(m.group(3) or 22), "python": None}
+        raise DeltashipError(f"--device {spec!r} is not an ssh address", SSH_FIX)
+    user, host, port = m.group(1), m.group(2), int(m.group(3) or 22)
+    if host.startswith("["):
+        host = host[1:-1]
+        if not _is_ipv6(host) or not host.isprintable() or " " in host:  # a zone id may hold anything
+            raise DeltashipError(f"--device {spec!r}: {host!r} is not an IPv6 address", SSH_FIX)
+    elif not (len(host) <= 253 and (_IPV4.fullmatch(host) or _HOST_NAME.fullmatch(host))):
+        raise DeltashipError(f"--device {spec!r}: {host!r} is not a host name or an IP address", SSH_FIX)
+    if user is not None and not _USER.fullmatch(user):
+        raise DeltashipError(f"--device {spec!r}: {user!r} is not a user name", SSH_FIX)
+    if not 1 <= port <= 65535:
+        raise DeltashipError(f"--device {spec!r}: port {port} is not in 1..65535", SSH_FIX)
+    return {"user": user, "host": host, "port": port, "python": None}
+
+
+def check_serial(serial: str) -> str:
+    """An adb serial (`emulator-5554`, `192.168.1.5:5555`, a USB serial), refused unless it is one: it becomes
+    adb's `-s` argument, where a leading `-` or a space would be another option."""
+    if not _SERIAL.fullmatch(serial):
+        raise DeltashipError(
+            f"--device adb:{serial!r}: not an adb serial",
+            "use adb:SERIAL with a serial as `adb devices` lists it (letters, digits, . _ : + - [ ])",
+        )
+    return serial
+
+
+def check_device(device: str) -> str:
+    """A --device spec, refused before any process starts unless it is host, a valid ssh://... or adb:SERIAL."""
+    if not isinstance(device, str):
+        raise DeltashipError(f"device must be a string, not {type(device).__name__}", DEVICE_FIX)
+    if device.startswith("ssh://"):
+        parse_ssh(device)
+    elif device.startswith("adb:"):
+        check_serial(device[4:])
+    elif device != "host":
+        raise DeltashipError(f"unknown device {device!r}", DEVICE_FIX)
+    return device
 
 
 def ssh_base(target: dict[str, Any], options: list[str] | None = None) -> list[str]:
     dest = f"{target['user']}@{target['host']}" if target["user"] else target["host"]
-    return ["ssh", "-p", str(target["port"]), "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", *(options or []), dest]
+    opts = ["-p", str(target["port"]), "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", *(options or [])]
+    return ["ssh", *opts, "--", dest]  # `--`: nothing after it is an option, whatever the host says
 
 
 def ssh_run(
@@ -197,8 +257,10 @@ def ssh_fingerprint(spec: str, options: list[str] | None = None, remote_cmd: str
     target = parse_ssh(spec)
     out = ssh_run(target, f"{remote_cmd} devices --json --local", options, timeout=120, what="`deltaship devices`")
     try:
-        info = json.loads(out)[0]
-    except (json.JSONDecodeError, IndexError, KeyError):
+        info = parse_json(out, spec, "`deltaship devices` answer", "install the same deltaship version remotely")[0]
+        if not isinstance(info, dict):
+            raise TypeError
+    except (DeltashipError, IndexError, KeyError, TypeError):
         raise DeltashipError(
             f"{spec}: unexpected answer from the remote deltaship: {out[:200]!r}",
             "install the same deltaship version on the remote machine",
@@ -226,6 +288,7 @@ def parse_getprop(text: str) -> dict[str, str]:
 
 
 def adb_fingerprint(serial: str) -> dict[str, Any]:
+    check_serial(serial)  # before adb sees it
     if not shutil.which("adb"):
         raise DeltashipError("adb is not installed", "install Android platform-tools (adb)")
     if serial not in adb_devices():
@@ -301,10 +364,11 @@ def discover(local_only: bool = False) -> list[dict[str, Any]]:
 
 def fingerprint(device: str, ssh_options: list[str] | None = None) -> dict[str, Any]:
     """The fingerprint of one device spec: host, ssh://..., adb:SERIAL."""
+    check_device(device)
     if device == "host":
         return host_fingerprint()
     if device.startswith("ssh://"):
         return ssh_fingerprint(device, ssh_options)
     if device.startswith("adb:"):
         return adb_fingerprint(device[4:])
-    raise DeltashipError(f"unknown device {device!r}", "use host, ssh://user@host[:port] or adb:SERIAL")
+    raise DeltashipError(f"unknown device {device!r}", DEVICE_FIX)

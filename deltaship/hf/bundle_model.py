@@ -15,6 +15,7 @@ from typing import Any
 from deltaship.chat import Chat
 from deltaship.constrain import build_constraint, token_table
 from deltaship.errors import DeltashipError
+from deltaship.options import seed as seed_option
 from deltaship.runtimes.base import check_sampling
 from deltaship.runtimes.tokenizer import load_tokenizer
 
@@ -63,6 +64,7 @@ class BundleModel:
         one constraint: json_schema (a dict or a file), regex (a pattern), grammar (a file; docs/agents.md). Anything
         else (tensors, `**tokenizer(..., return_tensors="pt")`, a GenerationConfig) is transformers'
         `GenerationMixin.generate` on `hf`."""
+        check_prompt(prompt)  # bytes, a number, a list of non-ids: refused here, not deep inside transformers
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
             return self.hf.generate(prompt, *args, **kwargs) if prompt is not None else self.hf.generate(**kwargs)
         if args:
@@ -80,6 +82,9 @@ class BundleModel:
                 "return_tensors='pt'), ...) for transformers' generate()",
             )
         options.update((k, v) for k, v in kwargs.items() if k in options)
+        if not isinstance(kwargs.get("stop_at_eos", True), bool):
+            raise DeltashipError(f"stop_at_eos must be True or False, got {kwargs['stop_at_eos']!r}", "pass a bool")
+        seed_option(options["seed"])
         check_sampling(options["max_new_tokens"], options["temperature"], options["top_k"], options["top_p"])
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         guide = None
@@ -121,3 +126,18 @@ class BundleModel:
 
     def __repr__(self) -> str:
         return f"<deltaship model {self.bundle} ({self.manifest['target']}, {self.manifest['precision']})>"
+
+
+def check_prompt(prompt: Any) -> None:
+    """Refuse a prompt that is neither text, a list of token ids, nor what transformers' generate() takes (a
+    tensor, an array, or nothing with keyword tensors), naming the argument and its type."""
+    ids = isinstance(prompt, (list, tuple))
+    if ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        if isinstance(prompt, list):
+            return
+    if ids or isinstance(prompt, (bytes, bytearray, memoryview, bool, int, float, complex, dict, set, frozenset)):
+        raise DeltashipError(
+            f"generate(prompt): prompt must be text or a list of token ids (ints >= 0), got {type(prompt).__name__}"
+            + (f" {prompt!r}"[:80] if not isinstance(prompt, (bytes, bytearray, memoryview)) else ""),
+            "pass a str (e.g. generate('def f(')) or a list of ints (generate([1, 2, 3]))",
+        )

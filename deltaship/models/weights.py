@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from deltaship.errors import DeltashipError
-from deltaship.files import sha256_file
+from deltaship.files import read_json_object, sha256_file
 from deltaship.models.safetensors_io import FLOAT_DTYPES, SafetensorsFile
 from deltaship.models.spec import ModelSpec
 from deltaship.models.vision.weights import vision_tensors
@@ -139,8 +139,10 @@ class CheckpointWeights:
         index = d / "model.safetensors.index.json"
         if index.is_file():
             try:
-                wm = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+                wm = read_json_object(index, "safetensors index", "restore it from the original checkpoint")[
+                    "weight_map"
+                ]
+            except (KeyError, TypeError):
                 raise DeltashipError(
                     f"{index}: not a valid safetensors index (no weight_map)",
                     "restore the index file from the original checkpoint",

@@ -25,9 +25,10 @@ from deltaship.bundle.destination import check_output_file, replace_file
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.devices.android import profile_adb
 from deltaship.devices.catalog import get_tier
-from deltaship.devices.discovery import default_threads, fingerprint
+from deltaship.devices.discovery import check_device, default_threads, fingerprint
 from deltaship.devices.plan import planned_peak
 from deltaship.errors import DeltashipEnvironmentError, DeltashipError
+from deltaship.files import read_json_object
 from deltaship.options import threads as check_threads
 from deltaship.profiling.launch import MemoryCap, run_worker
 from deltaship.profiling.remote import profile_ssh
@@ -37,10 +38,11 @@ from deltaship.profiling.speculative.workload import check as check_speculative
 from deltaship.profiling.speculative.workload import profile_speculative
 from deltaship.profiling.vision import check_sizes, profile_images
 from deltaship.profiling.worker import SCHEMA_VERSION
+from deltaship.progress import Progress, heartbeat
 from deltaship.runtimes import PROVIDERS
 from deltaship.runtimes.speculative import parse_speculative
 from deltaship.stats import ratio_ci
-from deltaship.targets import check_prepack_cache, get_target, open_bundle, text_runtime
+from deltaship.targets import check_prepack_cache, get_target, open_bundle, require_artifact, text_runtime
 
 DEFAULTS = dict(prompt_lengths=[128, 512], gen=64, contexts=[128, 1024, 4096], warmups=2, reps=5, min_seconds=2.0)
 
@@ -100,6 +102,7 @@ def profile(
     threads = s.threads  # the tier's or the runtime's default when not given (recorded as what ran)
 
     check_threads(threads)  # as the CLI's --threads, before any work (a remote device gets it too)
+    check_device(s.device)  # a host or serial that is an ssh/adb option is refused before any process starts
     if s.provider not in PROVIDERS:
         raise DeltashipError(f"unknown provider {s.provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
     if s.provider != "cpu" and s.device != "host":
@@ -110,12 +113,14 @@ def profile(
             "drop --prepack-cache, or --speculative / --device",
         )
     say = progress or (lambda m: None)
+    beat = (lambda m: progress(m, inline=True)) if isinstance(progress, Progress) else None  # a long step's detail
     path = Path(bundle)
     for option, out in (("--json", s.json_out), ("--report", s.report)):
         if out is not None and str(out) != "-":
             check_output_file(Path(out), (path,), option)  # before any work; a file inside the bundle breaks it
     manifest = read_manifest(path)
     require_intact(path, manifest, hashes=True)
+    require_artifact(path, manifest)  # here, not in a worker whose failure reads as a run that died (exit 3)
     cfg = {
         k: v
         for k, v in dict(
@@ -211,7 +216,8 @@ def profile(
             threads = default_threads()  # the runtime's own default, passed so that the record says what ran
         try:
             say(f"profiling {path.name} on the host ({threads or 'default'} threads)")
-            out, died = run_worker({**cfg, "bundle": str(path), "threads": threads, "breakdown": False}, cap)
+            with heartbeat(beat, f"warm-up and timed runs ({cfg['warmups']} warm-up, {cfg['reps']}+ timed per phase)"):
+                out, died = run_worker({**cfg, "bundle": str(path), "threads": threads, "breakdown": False}, cap)
             if died:
                 doc["results"] = [died]
             else:
@@ -230,7 +236,8 @@ def profile(
                         "prompt_lengths": [],
                         "gen": 0,
                     }
-                    bout, bdied = run_worker(bcfg, None)
+                    with heartbeat(beat, "per-op breakdown"):
+                        bout, bdied = run_worker(bcfg, None)
                     doc["results"] += [r for r in bout["results"] if r["metric"] == "decode_op_s"] if bout else [bdied]
             if sizes:
                 run = lambda c: run_worker(c, cap, module="deltaship.profiling.vision")  # noqa: E731
@@ -308,18 +315,42 @@ def _write(path: Path, text: str) -> None:
 
 def load_records(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    doc = read_json_object(p, "profile JSON", "pass files written by `deltaship profile --json`")  # bounded
+    if doc.get("schema_version") != SCHEMA_VERSION or not isinstance(doc.get("results"), list):
         raise DeltashipError(
-            f"{p}: not a profile JSON ({e})", "pass files written by `deltaship profile --json`"
-        ) from None
-    if doc.get("schema_version") != SCHEMA_VERSION or "results" not in doc:
-        raise DeltashipError(
-            f"{p}: not a deltaship profile (schema_version {doc.get('schema_version')})",
+            f"{p}: not a deltaship profile (schema_version {doc.get('schema_version')!r:.40})",
             "pass files written by `deltaship profile --json`",
         )
+    problem = _records_problem(doc["results"])
+    if problem:
+        raise DeltashipError(f"{p}: not a deltaship profile: {problem}", "pass files `deltaship profile --json` wrote")
     return doc
+
+
+MAX_RECORDS, MAX_SAMPLES = 100_000, 1000  # compare's bootstrap draws 2000 x samples per record
+
+
+def _records_problem(results: list) -> str | None:
+    """What compare() would trip over in a profile's results (it reads metric, unit, samples, median and the
+    keys), as data: None when every record it reads is well-formed."""
+    if len(results) > MAX_RECORDS:
+        return f"{len(results):,} results (at most {MAX_RECORDS:,})"
+    for i, r in enumerate(results):
+        if not isinstance(r, dict) or not isinstance(r.get("metric"), str):
+            return f"results[{i}] is not a record with a metric name"
+        for k in ("prompt_length", "context", "op_kind", "tokens", "positions"):
+            if not isinstance(r.get(k), (str, int, type(None))):
+                return f"results[{i}].{k} must be a number or a name"
+        if not r.get("samples"):
+            continue
+        samples = r["samples"]
+        if not isinstance(samples, list) or len(samples) > MAX_SAMPLES:
+            return f"results[{i}].samples is not a list of at most {MAX_SAMPLES} numbers"
+        if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in [*samples, r.get("median")]):
+            return f"results[{i}]: samples and median must be numbers"
+        if not isinstance(r.get("unit"), str):
+            return f"results[{i}].unit must be a string"
+    return None
 
 
 def compare(a: str | Path, b: str | Path) -> list[dict[str, Any]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any, Callable
 
 from deltaship.devices.discovery import parse_ssh, ssh_base, ssh_fingerprint, ssh_run
 from deltaship.errors import DeltashipError
+from deltaship.files import parse_json
 
 
 def copy_bundle(path: Path, target: dict, remote_dir: str, options: list[str] | None) -> None:
@@ -84,8 +84,14 @@ def profile_ssh(
         except DeltashipError:
             pass
     try:
-        doc = json.loads(out)
-    except json.JSONDecodeError:
+        doc = parse_json(out, device, "remote profile", "run the same deltaship version on both machines")
+        if (
+            not isinstance(doc, dict)
+            or not isinstance(doc.get("device"), dict)
+            or not isinstance(doc.get("bundle"), dict)
+        ):
+            raise DeltashipError("not a profile", None)
+    except DeltashipError:
         raise DeltashipError(
             f"{device}: the remote profile printed no JSON: {out[-300:]!r}",
             "run the same deltaship version on both machines",

@@ -16,6 +16,7 @@ import numpy as np
 
 from deltaship import options
 from deltaship.errors import DeltashipError
+from deltaship.failures import run_failure
 
 
 @dataclass(frozen=True)
@@ -274,25 +275,31 @@ class Session(ABC):
         rng = np.random.default_rng(options.seed(seed))
         ids = list(int(i) for i in ids)
         gen = Generation(input_ids=ids, output_ids=[])
-        if max_new_tokens == 0:
-            self.prefill(ids)
-            return gen
-        logits = self.prefill(ids)
-        return decode_loop(
-            self,
-            gen,
-            logits,
-            max_new_tokens,
-            self.decode,
-            temperature,
-            top_k,
-            top_p,
-            rng,
-            stop_at_eos,
-            keep_logits,
-            on_token,
-            guide,
-        )
+        try:
+            if max_new_tokens == 0:
+                self.prefill(ids)
+                return gen
+            logits = self.prefill(ids)
+            return decode_loop(
+                self,
+                gen,
+                logits,
+                max_new_tokens,
+                self.decode,
+                temperature,
+                top_k,
+                top_p,
+                rng,
+                stop_at_eos,
+                keep_logits,
+                on_token,
+                guide,
+            )
+        except Exception as e:  # the runtime's error mid-run: one error that keeps the tokens so far
+            failure = run_failure(e, gen.output_ids)
+            if failure is None:
+                raise
+            raise failure from e
 
 
 def decode_loop(
@@ -339,14 +346,11 @@ def decode_loop(
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    """Sampling settings that mean something; anything else is refused before any work."""
-    if max_new_tokens < 0:
-        raise DeltashipError(f"--max-new-tokens must be >= 0, got {max_new_tokens}", "pass --max-new-tokens 0 or more")
+    """Sampling settings that mean something; anything else (a wrong type included) is refused before any work."""
+    options.at_least("--max-new-tokens", max_new_tokens, 0, "pass --max-new-tokens 0 or more")
     options.temperature(temperature)  # finite and >= 0, as the CLI's --temperature
-    if top_k < 0:
-        raise DeltashipError(f"--top-k must be >= 0, got {top_k}", "use 0 (no top-k cut) or a positive count")
-    if not 0 < top_p <= 1:
-        raise DeltashipError(f"--top-p must be in (0, 1], got {top_p}", "use 1.0 (no nucleus cut) or e.g. 0.9")
+    options.at_least("--top-k", top_k, 0, "use 0 (no top-k cut) or a positive count")
+    options.top_p(top_p)  # a number in (0, 1]
 
 
 def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:

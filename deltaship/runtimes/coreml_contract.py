@@ -14,7 +14,7 @@ import mmap
 from pathlib import Path
 from typing import Any
 
-from deltaship.bundle.paths import bundle_path
+from deltaship.bundle.paths import bundle_path, require_entry
 from deltaship.bundle.protobuf import fields, varint
 from deltaship.errors import DeltashipError
 from deltaship.files import read_json_object
@@ -139,6 +139,8 @@ def package_problems(bundle: Path, manifest: dict[str, Any]) -> list[str]:
     draft = ((manifest.get("speculative") or {}).get("draft") or {}).get("states") or []
     draft = {s.get("coreml_input") for s in draft if isinstance(s, dict)}  # the MTP head's own Core ML states
     problems: list[str] = []
+    # the entry is a package directory; that every file under it is listed: bundle/reader.py check_files
+    require_entry(bundle, manifest, ".mlpackage", "a Core ML package", directory=True)
     for part in lowering.get("parts") or []:
         package = part["package"]
         path = _spec_path(bundle, manifest, package)

@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from deltaship.bundle.paths import bundle_path
+from deltaship.bundle.paths import require_entry
 from deltaship.errors import DeltashipError
 
 # executorch/schema/scalar_type.fbs, by the manifest's dtype names
@@ -168,7 +168,8 @@ def program_problems(bundle: Path, manifest: dict[str, Any]) -> list[str]:
     """Where the bundle's entry program disagrees with the manifest's inputs, outputs and states (empty when
     they agree)."""
     entry = manifest["entry"]
-    path = bundle_path(Path(bundle), manifest, entry, "entry")
+    # the program is all the runtime opens: deltaship's session and the runner load it with no named-data file
+    path = require_entry(bundle, manifest, ".pte", "an ExecuTorch program")
     try:
         methods = program_io(path)
     except (ValueError, OSError, struct.error) as e:  # a truncated or foreign file

@@ -10,13 +10,15 @@ not as an onnxruntime traceback.
 from __future__ import annotations
 
 import mmap
+import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from deltaship.bundle.paths import bundle_path
+from deltaship.bundle.paths import beside, bundle_path, named_paths, require_entry
 from deltaship.bundle.protobuf import messages, varints
 from deltaship.errors import DeltashipError
+from deltaship.files import read_json_object
 
 # onnx.TensorProto data types by the manifest's dtype names
 _DTYPES = {1: "float32", 2: "uint8", 3: "int8", 6: "int32", 7: "int64", 10: "float16", 16: "bfloat16"}
@@ -160,18 +162,55 @@ def _compare(field: str, spec: dict, have: dict[str, tuple[str, list]], graph: s
     return []
 
 
+# the manifest fields (bundle/paths.py named_paths) that name a graph file a runtime of an ONNX bundle opens
+_GRAPH_FIELD = re.compile(
+    r"entry|lowering\.graphs\.[^.]+\.file|lowering\.context\.[^.]+\.model|speculative\.(draft|verify)\.file"
+    r"|vision\.graphs\..+"
+)
+_GENAI_CONFIGS = ("lowering.genai.config", "vision.genai.config")
+GENAI_CONFIG = "genai_config.json"  # the config onnxruntime-genai reads from the bundle's directory (runtimes/genai.py)
+
+
+def graph_files(bundle: Path, manifest: dict[str, Any]) -> dict[str, str]:
+    """name -> field of every ONNX graph file a runtime of this bundle opens, whatever its name: the entry, the
+    MTP draft and verify graphs, the vision graphs, the qnn graphs and context models, the model files that
+    onnxruntime-genai's configs name (resolved beside the config, as genai does), and every listed *.onnx."""
+    graphs: dict[str, str] = {}
+    configs = {GENAI_CONFIG: "files"} if GENAI_CONFIG in manifest["files"] else {}  # genai opens it by this name
+    for field, name in named_paths(manifest):
+        if _GRAPH_FIELD.fullmatch(field):
+            graphs.setdefault(name, field)
+        elif field in _GENAI_CONFIGS:
+            configs[name] = field
+    for name, field in configs.items():
+        config = read_json_object(bundle_path(bundle, manifest, name, field), "genai config", "export again")
+        model = config.get("model")
+        for part, spec in (model if isinstance(model, dict) else {}).items():
+            if isinstance(spec, dict) and "filename" in spec:
+                where = f"{name} model.{part}.filename"
+                path = beside(bundle, manifest, name, spec["filename"], where)
+                graphs.setdefault(path.relative_to(bundle).as_posix(), where)
+    for name in manifest["files"]:
+        if name.endswith(".onnx"):
+            graphs.setdefault(name, "files")
+    return graphs
+
+
 def graph_problems(bundle: Path, manifest: dict[str, Any], entries: Collection[str] | None = None) -> list[str]:
     """Where the bundle's ONNX graphs disagree with the manifest (empty when they agree). Raises a
-    DeltashipError for an external-data path outside the bundle or not listed in `files`. entries: the graphs whose
-    inputs, outputs and states are compared (default: the manifest's `entry`; the qnn target's decode and prefill
-    graphs both take the manifest's states), each graph file read once."""
+    DeltashipError for a graph file that is not an ONNX model (the entry among them), or an external-data
+    location that, resolved as ONNX Runtime resolves it (beside the graph file), is outside the bundle or not
+    listed in `files`. entries: the graphs whose inputs, outputs and states are compared (default: the
+    manifest's `entry`; the qnn target's decode and prefill graphs both take the manifest's states), each graph
+    file read once."""
     bundle = Path(bundle)
     entries = [manifest["entry"]] if entries is None else list(entries)
     problems: list[str] = []
-    for name in [n for n in manifest["files"] if n.endswith(".onnx")]:
-        graph = _read(bundle, manifest, name, "files")
+    require_entry(bundle, manifest, ".onnx", "an ONNX graph")
+    for name, field in graph_files(bundle, manifest).items():
+        graph = _read(bundle, manifest, name, field)
         for tensor, location in graph.external:  # onnxruntime opens these itself, relative to the graph's file
-            bundle_path(bundle, manifest, location, f"{name} (external data of tensor {tensor!r})")
+            beside(bundle, manifest, name, location, f"{name} (external data of tensor {tensor!r})")
         if name not in entries:
             continue
         entry = name

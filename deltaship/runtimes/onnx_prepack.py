@@ -35,8 +35,9 @@ from deltaship.errors import DeltashipEnvironmentError, DeltashipError, Deltashi
 from deltaship.files import read_json_object, sha256_file
 from deltaship.runtimes.onnx_contract import external_locations
 
-# entry.json's format and the saved graph's layout (2: nodes in the runtime's walk order); a new one builds new entries
-FORMAT = 2
+# entry.json's format and the saved graph's layout (2: nodes in the runtime's walk order; 3: the data file's sha256
+# recorded); a new one builds new entries
+FORMAT = 3
 MODEL, DATA, META = "model.onnx", "model.onnx.data", "entry.json"
 # ONNX Runtime's session config keys (onnxruntime_session_options_config_keys.h)
 _SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
@@ -141,6 +142,7 @@ def _build(tmp: Path, bundle: Path, manifest: dict[str, Any], ort: Any, options,
         "bundle": str(bundle.resolve()),
         "files": {n: {"bytes": (tmp / n).stat().st_size} for n in (MODEL, DATA)},
         "model_sha256": sha256_file(tmp / MODEL),
+        "data_sha256": sha256_file(tmp / DATA),
     }
     (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
 
@@ -176,10 +178,10 @@ def _trim_heap() -> None:
 
 def _checked(entry: Path, key: str) -> Path:
     """entry/model.onnx, after checking that the entry is one this module wrote and that nothing changed it: exactly
-    its three plain files, entry.json naming this key, the sizes it recorded, model.onnx's sha256, and every external
-    data location in model.onnx being model.onnx.data beside it (ONNX Runtime opens those itself). The data file's
-    sha256 is not recomputed at each open: hashing it costs as much as the packing the cache saves, and its bytes
-    were written here, from a bundle whose hashes open_bundle checks; its size and the graph that reads it are."""
+    its three plain files, entry.json naming this key, the sizes it recorded, the sha256 of model.onnx and of
+    model.onnx.data (a data file rewritten at the same size is caught; hashing reads it once, sequentially, into the
+    page cache the session then maps, and adds no resident memory), and every external data location in model.onnx
+    being model.onnx.data beside it (ONNX Runtime opens those itself)."""
     fix = f"remove {entry} (deltaship builds it again on the next open), or pass another --prepack-cache"
     if entry.is_symlink() or not entry.is_dir():
         raise DeltashipError(f"{entry}: not a directory deltaship wrote (a prepack cache entry)", fix)
@@ -192,6 +194,7 @@ def _checked(entry: Path, key: str) -> Path:
         ok = meta["format"] == FORMAT and meta["key"] == key
         ok = ok and all((entry / n).stat().st_size == int(meta["files"][n]["bytes"]) for n in (MODEL, DATA))
         ok = ok and sha256_file(entry / MODEL) == meta["model_sha256"]
+        ok = ok and sha256_file(entry / DATA) == meta["data_sha256"]
     except (OSError, ValueError, KeyError, TypeError):
         ok = False
     if not ok:

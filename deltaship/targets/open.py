@@ -11,9 +11,11 @@ from typing import Any
 
 from deltaship.bundle.reader import read_manifest, require_intact
 from deltaship.errors import DeltashipError
+from deltaship.options import at_least
 from deltaship.options import threads as check_threads
 from deltaship.runtimes import PROVIDERS
 from deltaship.runtimes.base import Session
+from deltaship.runtimes.numbers import number_problems
 from deltaship.targets.registry import a_bundle, all_targets, get_target, target_names
 
 
@@ -38,6 +40,12 @@ def open_bundle(
     runtime: which runtime runs it (the target's `runtimes`, e.g. "genai" for an ONNX bundle in
     onnxruntime-genai, as apps embed it); None: deltaship's own session for the target."""
     check_threads(threads)  # >= 1 or None, as the CLI's --threads
+    if prefill_chunk is not None:
+        at_least("--prefill-chunk", prefill_chunk, 1)
+    if not isinstance(check_hashes, bool):
+        raise DeltashipError(f"check_hashes must be True or False, got {check_hashes!r}", "pass a bool")
+    if runtime is not None and not isinstance(runtime, str):
+        raise DeltashipError(f"runtime must be a runtime's name, got {type(runtime).__name__}", "e.g. runtime='genai'")
     if provider not in PROVIDERS:
         raise DeltashipError(f"unknown provider {provider!r}; providers: {', '.join(PROVIDERS)}", "use cpu or cuda")
     manifest = read_manifest(bundle)
@@ -76,15 +84,24 @@ def open_bundle(
             f"drop --runtime, pick one of {', '.join(target.runtimes)}, or export with --target "
             f"{runs[0] if runs else 'onnx'}",
         )
-    return target.open_session(
-        Path(bundle),
-        manifest,
-        threads=threads,
-        prefill_chunk=prefill_chunk,
-        provider=provider,
-        runtime=runtime,
-        **options,
-    )
+    try:
+        return target.open_session(
+            Path(bundle),
+            manifest,
+            threads=threads,
+            prefill_chunk=prefill_chunk,
+            provider=provider,
+            runtime=runtime,
+            **options,
+        )
+    except TypeError as e:  # a keyword no session of this target takes: the caller's, named
+        unknown = [k for k in options if f"unexpected keyword argument '{k}'" in str(e)]
+        if not unknown:
+            raise
+        raise DeltashipError(
+            f"open_bundle/load: {a_bundle(name)}'s session takes no option {unknown[0]!r}",
+            "check the keyword's spelling (threads, prefill_chunk, provider, runtime, prepack_cache, ...)",
+        ) from None
 
 
 def check_prepack_cache(target: str, runtime: str | None, provider: str) -> None:
@@ -100,9 +117,11 @@ def check_prepack_cache(target: str, runtime: str | None, provider: str) -> None
 
 
 def require_artifact(bundle: str | Path, manifest: dict[str, Any]) -> None:
-    """Refuse a bundle whose artifact disagrees with its manifest (inputs, outputs, states; ONNX: the external
-    data files its graphs name), for a manifest read by read_manifest and files that passed require_intact."""
+    """Refuse a bundle whose artifact disagrees with its manifest (inputs, outputs, states, and so max_context and
+    the vocabulary; ONNX: the external data files its graphs name), for a manifest read by read_manifest and files
+    that passed require_intact."""
     problems = get_target(manifest["target"]).artifact_problems(Path(bundle), manifest)
+    problems += number_problems(manifest)  # max_context and the vocabulary against the states and logits checked
     if problems:
         raise DeltashipError(
             f"{bundle}: the artifact does not match its manifest: " + "; ".join(problems[:5]),

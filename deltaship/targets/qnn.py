@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltaship.bundle.paths import beside, bundle_path
+from deltaship.bundle.qnn_context import read_context_model
 from deltaship.errors import DeltashipError
 from deltaship.lowering.qnn.soc import DEFAULT_SOC, SOCS
 from deltaship.runtimes.onnx_contract import graph_problems
@@ -127,7 +129,14 @@ class QnnTarget(Target):
         if not isinstance(graphs, dict) or not graphs:
             return ["lowering.graphs: a qnn bundle's manifest names its graphs there"]
         # each graph's inputs, outputs and states against the manifest's, every graph file read once
-        return graph_problems(bundle, manifest, entries=[g["file"] for g in graphs.values()])
+        problems = graph_problems(bundle, manifest, entries=[g["file"] for g in graphs.values()])
+        context = manifest.get("lowering", {}).get("context") or {}
+        for key, made in context.items():  # onnxruntime-qnn opens the binaries an EPContext model names beside it
+            field = f"lowering.context.{key}.model"
+            model = read_context_model(bundle_path(bundle, manifest, made["model"], field))
+            for binary in model.binaries:
+                beside(bundle, manifest, made["model"], binary, f"{made['model']} (its EPContext binary)")
+        return problems
 
     def open_session(
         self,

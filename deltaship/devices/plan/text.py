@@ -155,9 +155,10 @@ def _planned_kv(tier_rows: list[dict], pick: dict | None) -> str:
     )
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], provenance: bool = True) -> str:
     """The rows as a table: memory by part (KV cache, DeltaNet states, activations, runtime, and a shipped prompt
-    cache's restore when one is planned) in GiB."""
+    cache's restore when one is planned) in GiB. provenance: a footnote per (target, precision) saying where its
+    memory terms come from (measured when and where, or estimated); otherwise one line saying they exist."""
     cached = any(_cached(r) for r in rows)
     head = (
         "memory in GiB\n"
@@ -187,8 +188,11 @@ def format_table(rows: list[dict]) -> str:
         "loaded: the weights as resident once the runtime has loaded them (prepacked copies); total: the runtime plus "
         "the larger of loading and a prefill chunk" + (" (with pcache)" if cached else "")
     )
-    for terms in sorted({(r["target"], r["precision"], r.get("terms", "")) for r in rows}):
-        lines.append(f"  {terms[0]} {terms[1]}: {terms[2]}")
+    notes = sorted({(r["target"], r["precision"], r.get("terms", "")) for r in rows})
+    if provenance:
+        lines += [f"  {target} {precision}: {terms}" for target, precision, terms in notes]
+    elif notes:
+        lines.append(f"where each row's memory terms come from ({len(notes)} notes): deltaship plan --verbose")
     if cached:
         lines += prompt_cache_lines(rows)
     return "\n".join(lines)

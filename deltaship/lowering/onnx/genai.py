@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.errors import DeltashipError
+from deltaship.files import read_json_object
 
 GENAI_CONFIG = "genai_config.json"
 MODEL_TYPE = "qwen3_5_text"
@@ -185,9 +186,9 @@ def adapt_tokenizer_config(bundle_dir: Path) -> str | None:
     path = Path(bundle_dir) / TOKENIZER_CONFIG
     if not path.is_file() or not (Path(bundle_dir) / "tokenizer.json").is_file():
         return None
-    cfg = json.loads(path.read_text())
+    cfg = read_json_object(path, "tokenizer config", "restore it from the original checkpoint")  # the checkpoint's
     cls = cfg.get("tokenizer_class")
-    if cls is None or cls in GENAI_TOKENIZER_CLASSES:
+    if not isinstance(cls, str) or cls in GENAI_TOKENIZER_CLASSES:  # none, or a value that names no class
         return None
     cfg["tokenizer_class"] = GENAI_TOKENIZER_FALLBACK
     cfg["deltaship_original_tokenizer_class"] = cls

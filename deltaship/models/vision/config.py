@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaship.errors import DeltashipError
+from deltaship.files import read_json_object
 from deltaship.models.presets import get_preset
 from deltaship.models.spec import ModelSpec, read_config
 from deltaship.models.vision.preprocess import DEFAULT_PREPROCESSOR, PREPROCESSOR_CONFIG, Preprocessor
@@ -23,10 +24,7 @@ def preprocessor_config(source, name: str = PREPROCESSOR_CONFIG) -> dict[str, An
     one when it has none."""
     path = source.path / name if source.path is not None else None
     if path is not None and path.is_file():
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise DeltashipError(f"{path}: not valid JSON ({e})", "restore it from the original checkpoint") from None
+        return read_json_object(path, "image preprocessor config", "restore it from the original checkpoint")
     return dict(DEFAULT_PREPROCESSOR if name == PREPROCESSOR_CONFIG else DEFAULT_VIDEO_PREPROCESSOR)
 
 

@@ -32,6 +32,7 @@ from deltaship.chat.tools import message_calls, run_tool_loop, split_reply, tool
 from deltaship.constrain import Constraint, build_constraint, token_table
 from deltaship.constrain.tools import Tools, after_think, check_choice, read_tools, tool_grammar
 from deltaship.errors import DeltashipError
+from deltaship.failures import run_failure
 from deltaship.runtimes.base import Checkpoint, Session, check_sampling, masked, sample
 from deltaship.runtimes.tokenizer import BundleTokenizer, load_tokenizer
 from deltaship.targets import open_bundle
@@ -296,6 +297,20 @@ class Chat:
         self._ids = []
 
     def _respond(self, turn: Turn, max_new_tokens, temperature, top_k, top_p, seed, on_token) -> Reply:
+        out: list[int] = []  # the reply so far, kept for the error when the runtime fails mid-turn
+        try:
+            return self._run_turn(turn, max_new_tokens, temperature, top_k, top_p, seed, on_token, out)
+        except Exception as e:  # the runtime's error mid-turn: one error with the reply so far, as generate's
+            failure = run_failure(e, out)
+            if failure is None:
+                raise
+            failure.text = self.tokenizer.decode([t for t in out if t not in self.stop_ids])
+            # the state is the runtime's to say nothing of now: the turn never happened, the next one prefills
+            del self.messages[turn.messages_before :]
+            self._forget_state()
+            raise failure from e
+
+    def _run_turn(self, turn: Turn, max_new_tokens, temperature, top_k, top_p, seed, on_token, out) -> Reply:
         s = self.session
         t0 = time.perf_counter()
         previous = self.messages[: turn.messages_before]
@@ -316,7 +331,6 @@ class Chat:
         turn.ids_before_reply = len(self._ids)
         context = len(self._ids)
         rng = np.random.default_rng(seed)
-        out: list[int] = []
         stopped, notice, first = "length", None, None
         logits = fed.logits
         guide = self._guide(turn)

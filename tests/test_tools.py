@@ -387,7 +387,10 @@ def test_constraint_holds_on_retry_undo_and_a_saved_session(random_chat_bundle, 
     for r in replies:
         jsonschema.validate(json.loads(r["reply"]), SCHEMA)
         assert r["constraint"] == {"kind": "json_schema", "complete": True}
-    assert replies[0]["reply_ids"] == replies[1]["reply_ids"]  # --seed seeds each reply: the same draw, the same mask
+    assert [r["seed"] for r in replies] == [5, 6, 5]  # retry k of a turn draws with seed + k
+    fresh = Chat(random_chat_bundle, template_kwargs=NO_THINK)  # the retry's draw, under the same mask
+    redo = fresh.send("hi", max_new_tokens=40, temperature=1.0, seed=6, json_schema=SCHEMA)
+    assert redo.ids == replies[1]["reply_ids"]
     out = io.StringIO()
     chat_command(random_chat_bundle, no_thinking=True, json=True, json_schema=schema, session=session,
                  temperature=1.0, seed=9, max_new_tokens=40, stdin=io.StringIO("/retry\n"), stdout=out)  # fmt: skip

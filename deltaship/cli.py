@@ -817,6 +817,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one JSON object per turn (reply, reply_ids, history_ids, prefill_tokens, ttft_s, decode_tok_s, stopped)",
     )
+    _add_constraint_arguments(c)  # every reply (a /retry too) is held to it
+    c.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE",
+        help="functions the assistant may call (the OpenAI function list, JSON): rendered by the bundle's chat "
+        "template, calls constrained to them (docs/agents.md)",
+    )
+    c.add_argument(
+        "--tool-choice",
+        default="auto",
+        metavar="auto|required|none|NAME",
+        help="auto (default): the reply may call; required: it is a call; none: no call; NAME: a call of it",
+    )
     c.set_defaults(func=_chat)
 
     v = sub.add_parser(
@@ -887,6 +901,9 @@ def _chat(a: argparse.Namespace) -> int:
         json=a.json,
         threads=a.threads,
         prepack_cache=a.prepack_cache,
+        tools=a.tools,
+        tool_choice=a.tool_choice,
+        **_constraint_kwargs(a),
     )
 
 

@@ -262,6 +262,35 @@ def test_a_runtime_error_mid_run_prints_the_tokens_so_far_then_one_error(error, 
     assert e.value.exit_code == code and e.value.output_ids == calls
 
 
+def test_a_runtime_error_mid_chat_turn_is_one_error_and_the_chat_goes_on(hostile, capsys, monkeypatch):
+    """Chat's own loop maps the runtime's failure as generate's does (exit 2, the reply so far on the error), and the
+    conversation is left as before the turn: the next turn prefills the history again."""
+    from deltaship.chat import Chat
+    from deltaship.runtimes.onnx import OnnxSession
+
+    b, m, write = hostile
+    write(json.dumps(m))
+    decode, calls = OnnxSession.decode, []
+
+    def failing(self, token):
+        calls.append(token)
+        if len(calls) == 3:
+            raise RuntimeError("Error in execution: Non-zero status code returned while running MatMul node")
+        return decode(self, token)
+
+    monkeypatch.setattr(OnnxSession, "decode", failing)
+    got, out, err = _run(["chat", str(b), "--max-new-tokens", "9"], capsys, monkeypatch)
+    assert got == 2 and "after 3 new tokens" in err and "internal error" not in err, err
+    calls.clear()
+    conv = Chat(b)
+    with pytest.raises(DeltashipError) as e:
+        conv.send("hi", max_new_tokens=9)
+    assert e.value.exit_code == 2 and e.value.output_ids == calls and e.value.text is not None
+    assert conv.messages == [] and conv.ids == []  # the failed turn left nothing behind
+    monkeypatch.setattr(OnnxSession, "decode", decode)
+    assert conv.send("hi", max_new_tokens=2).ids  # and the next turn runs
+
+
 # ---- hostile JSON and TOML files: compare files, tiers, kit.json, tokenizer files, a checkpoint's config ----------
 HOSTILE_JSON = {
     "nested 100 deep": '{"schema_version": 1, "results": ' + _deep(100) + "}",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,8 +28,12 @@ from deltaship.chat.store import (
     save_chat,
 )
 from deltaship.chat.template import ChatTemplate, bundle_chat_template, source_chat_template, template_file
+from deltaship.chat.tools import message_calls, run_tool_loop, split_reply, tool_messages
+from deltaship.constrain import Constraint, build_constraint, token_table
+from deltaship.constrain.tools import Tools, after_think, check_choice, read_tools, tool_grammar
 from deltaship.errors import DeltashipError
-from deltaship.runtimes.base import Checkpoint, Session, check_sampling, sample
+from deltaship.failures import run_failure
+from deltaship.runtimes.base import Checkpoint, Session, check_sampling, masked, sample
 from deltaship.runtimes.tokenizer import BundleTokenizer, load_tokenizer
 from deltaship.targets import open_bundle
 
@@ -46,6 +50,8 @@ class Reply:
     prefill_tokens: int  # tokens fed for this turn (its own template tokens, plus a rewritten past)
     context_tokens: int  # tokens the state held when the reply began (chat.ids[:context_tokens])
     notice: str | None = None  # what the user should know (the context is full)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # [{"name", "arguments"}], complete calls only
+    constraint: dict[str, Any] | None = None  # {"kind", "complete"} where the reply was constrained
 
 
 @dataclass
@@ -57,6 +63,9 @@ class Turn:
     before: Checkpoint | None
     before_reply: Checkpoint | None = None
     ids_before_reply: int = 0
+    inputs: int = 1  # the messages the turn adds before its reply: a user message, or its tool results
+    constraint: Constraint | None = None  # what the reply is held to (a retry generates under it again)
+    tool_choice: str | None = None  # with tools: auto, required, none or a function's name
 
 
 @dataclass
@@ -78,6 +87,8 @@ class Chat:
         tokenizer: Any = None,
         threads: int | None = None,
         prompt_cache: bool = True,
+        tools: str | Path | list[Any] | None = None,
+        tool_choice: str = "auto",
     ):
         if isinstance(getattr(session_or_bundle, "session", None), Session):  # what deltaship.load() returns
             session_or_bundle = session_or_bundle.session
@@ -108,6 +119,13 @@ class Chat:
             source, special = bundle_chat_template(s.bundle, s.manifest)
             self.template = ChatTemplate(source, where=template_file(s.bundle, s.manifest), **special)
         self.template_kwargs = dict(template_kwargs or {})
+        if tools is not None:  # rendered by the template (its `tools` variable) and saved with the settings
+            self.template_kwargs["tools"] = list(read_tools(tools).entries)
+        self.tools: Tools | None = (
+            read_tools(self.template_kwargs["tools"], "tools") if self.template_kwargs.get("tools") else None
+        )
+        check_choice(tool_choice, self.tools)
+        self.tool_choice = tool_choice
         tokens = s.manifest.get("tokens", {})
         self.stop_ids = set(s.eos_ids) | ({tokens["im_end"]} if isinstance(tokens.get("im_end"), int) else set())
         self.system = system
@@ -143,16 +161,66 @@ class Chat:
         top_p: float = 1.0,
         seed: int | None = None,
         on_token: Callable[[int], None] | None = None,
+        *,
+        json_schema: dict[str, Any] | bool | str | Path | None = None,
+        regex: str | None = None,
+        grammar: str | Path | None = None,
+        tool_choice: str | None = None,
     ) -> Reply:
-        """Add a user message and generate the assistant's reply (kept in the history)."""
+        """Add a user message and generate the assistant's reply (kept in the history). json_schema / regex /
+        grammar hold the reply to a constraint (deltaship.constrain); tool_choice overrides the chat's for this
+        reply."""
         check_sampling(max_new_tokens, temperature, top_k, top_p)
         if not isinstance(text, str):
             raise DeltashipError(f"a message is text, got {type(text).__name__}", "pass a str")
-        turn = Turn(messages_before=len(self.messages), before=None)
+        turn = self._turn(1, build_constraint(json_schema, regex, grammar), tool_choice)
         self.messages.append({"role": "user", "content": text})
-        reply = self._respond(turn, max_new_tokens, temperature, top_k, top_p, seed, on_token)
+        return self._respond_new(turn, max_new_tokens, temperature, top_k, top_p, seed, on_token)
+
+    def send_tool_results(
+        self,
+        results: list[dict[str, Any]] | dict[str, Any],
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        on_token: Callable[[int], None] | None = None,
+        *,
+        tool_choice: str | None = None,
+    ) -> Reply:
+        """Give the results of the last reply's tool calls ({"name", "content"} each, for a call it made) as the
+        template's tool messages, and generate the assistant's next reply."""
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
+        last = self.messages[-1] if self.messages and self.messages[-1]["role"] == "assistant" else {}
+        made = [{"name": c["function"]["name"]} for c in last.get("tool_calls", [])]
+        msgs = tool_messages(results, made)
+        turn = self._turn(len(msgs), None, tool_choice)
+        self.messages.extend(msgs)
+        return self._respond_new(turn, max_new_tokens, temperature, top_k, top_p, seed, on_token)
+
+    def run_tools(self, text: str, functions: dict[str, Callable[..., Any]], max_rounds: int = 4, **sampling: Any):
+        """Send `text` and run the tool loop: each call of the replies runs `functions[name](**arguments)` and its
+        result goes back, until a reply calls nothing; the last round may not call (tool choice none). Returns
+        the last reply."""
+        return run_tool_loop(self, text, functions, max_rounds, **sampling)
+
+    def _turn(self, inputs: int, constraint: Constraint | None, tool_choice: str | None) -> Turn:
+        choice = self.tool_choice if tool_choice is None else tool_choice
+        check_choice(choice, self.tools)
+        if constraint is not None and self.tools is not None and choice != "none":
+            raise DeltashipError(
+                f"{constraint.where} and tools (tool choice {choice}) cannot be combined: a reply takes one "
+                "constraint, and the tools' is the call grammar",
+                "pass tool_choice='none' (--tool-choice none) with the constraint, or drop the constraint",
+            )
+        return Turn(messages_before=len(self.messages), before=None, inputs=inputs, constraint=constraint,
+                    tool_choice=choice)  # fmt: skip
+
+    def _respond_new(self, turn: Turn, *args: Any) -> Reply:
+        reply = self._respond(turn, *args)
         if reply.stopped == "context" and not reply.ids:  # nothing fed, nothing generated: the turn never happened
-            self.messages.pop()
+            del self.messages[turn.messages_before :]
         return reply
 
     def retry(
@@ -163,13 +231,23 @@ class Chat:
         top_p: float = 1.0,
         seed: int | None = None,
         on_token: Callable[[int], None] | None = None,
+        *,
+        json_schema: dict[str, Any] | bool | str | Path | None = None,
+        regex: str | None = None,
+        grammar: str | Path | None = None,
+        tool_choice: str | None = None,
     ) -> Reply:
-        """Generate the last reply again: back to the checkpoint before the last turn, its tokens fed again."""
+        """Generate the last reply again: back to the checkpoint before the last turn, its tokens fed again, under
+        the turn's constraint and tool choice (or the ones given here)."""
         check_sampling(max_new_tokens, temperature, top_k, top_p)
+        constraint = build_constraint(json_schema, regex, grammar)
         if not self.turns:
             raise DeltashipError("nothing to retry: no reply yet", "send a message first")
+        again = self._turn(self.turns[-1].inputs, constraint or self.turns[-1].constraint,
+                           tool_choice or self.turns[-1].tool_choice)  # fmt: skip
         turn = self.turns.pop()
-        del self.messages[turn.messages_before + 1 :]  # keep the user message, drop the reply
+        turn.constraint, turn.tool_choice = again.constraint, again.tool_choice
+        del self.messages[turn.messages_before + turn.inputs :]  # keep the turn's input, drop the reply
         return self._respond(turn, max_new_tokens, temperature, top_k, top_p, seed, on_token)
 
     def undo(self) -> None:
@@ -219,6 +297,20 @@ class Chat:
         self._ids = []
 
     def _respond(self, turn: Turn, max_new_tokens, temperature, top_k, top_p, seed, on_token) -> Reply:
+        out: list[int] = []  # the reply so far, kept for the error when the runtime fails mid-turn
+        try:
+            return self._run_turn(turn, max_new_tokens, temperature, top_k, top_p, seed, on_token, out)
+        except Exception as e:  # the runtime's error mid-turn: one error with the reply so far, as generate's
+            failure = run_failure(e, out)
+            if failure is None:
+                raise
+            failure.text = self.tokenizer.decode([t for t in out if t not in self.stop_ids])
+            # the state is the runtime's to say nothing of now: the turn never happened, the next one prefills
+            del self.messages[turn.messages_before :]
+            self._forget_state()
+            raise failure from e
+
+    def _run_turn(self, turn: Turn, max_new_tokens, temperature, top_k, top_p, seed, on_token, out) -> Reply:
         s = self.session
         t0 = time.perf_counter()
         previous = self.messages[: turn.messages_before]
@@ -239,11 +331,13 @@ class Chat:
         turn.ids_before_reply = len(self._ids)
         context = len(self._ids)
         rng = np.random.default_rng(seed)
-        out: list[int] = []
         stopped, notice, first = "length", None, None
         logits = fed.logits
+        guide = self._guide(turn)
         while len(out) < max_new_tokens:
-            tok = sample(logits, temperature, top_k, top_p, rng)
+            tok = sample(masked(logits, guide), temperature, top_k, top_p, rng)
+            if guide is not None:
+                guide.advance(tok)
             out.append(tok)
             if first is None:
                 first = time.perf_counter()
@@ -267,10 +361,36 @@ class Chat:
         ttft = (first or end) - t0
         rate = (len(out) - 1) / (end - first) if first is not None and len(out) > 1 and end > first else 0.0
         content = self.tokenizer.decode([t for t in out if t not in self.stop_ids])
-        self.messages.append({"role": "assistant", "content": content})
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            message["content"], calls = split_reply(content, self.tools)
+            if calls:
+                message["tool_calls"] = message_calls(calls)
+        self.messages.append(message)
         self.turns.append(turn)
         self._drop_old_checkpoints()
-        return Reply(content, out, stopped, ttft, rate, fed.fed, context, notice)
+        constrained = {"kind": guide.constraint.kind, "complete": guide.complete()} if guide is not None else None
+        return Reply(content, out, stopped, ttft, rate, fed.fed, context, notice, calls, constrained)
+
+    def _guide(self, turn: Turn):
+        """The parser of this turn's constraint (or the tools' call grammar), fresh: a reply's constraint starts
+        and ends with it, so a turn's checkpoint needs only the constraint itself, not a parser state."""
+        constraint = turn.constraint
+        think = self.template.render(self.messages, True, **self.template_kwargs).endswith("<think>\n")
+        if constraint is None and self.tools is not None:
+            constraint = tool_grammar(self.tools, turn.tool_choice or self.tool_choice, think)
+        elif constraint is not None and think:
+            constraint = after_think(constraint)
+        if constraint is None:
+            return None
+        text = getattr(self.tokenizer, "json_text", None)
+        if not isinstance(text, str):
+            raise DeltashipError(
+                "a constrained reply needs the bundle's tokenizer.json (the token table the masks are computed over)",
+                "chat with the bundle's own tokenizer (drop tokenizer=)",
+            )
+        return constraint.guide(token_table(text, self.session.vocab_size, sorted(self.stop_ids)))
 
     def _feed(self, target: list[int], marks: tuple[int, int], turn: Turn) -> _Fed:
         """Make the state hold `target` (the history and the new turn, as the template renders them), feeding only
@@ -349,6 +469,8 @@ class Chat:
                     before=made[last["before"]] if last["before"] is not None else None,
                     before_reply=made[last["before_reply"]] if last["before_reply"] is not None else None,
                     ids_before_reply=last["ids_before_reply"],
+                    # the messages between the turn's start and its reply: a user message or tool results
+                    inputs=max(1, len(chat.messages) - last["messages_before"] - 1),
                 )
             ]
         return chat

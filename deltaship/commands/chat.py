@@ -1,10 +1,12 @@
 """`deltaship chat`: a conversation with a bundle: a REPL on a terminal, a line protocol otherwise.
 
 Line protocol (stdin not a terminal): each line is a user message, or one of the same commands as on a terminal
-(COMMANDS); end of input or /quit ends the conversation. With json=True each turn prints one JSON object (reply,
+(COMMANDS); end of input or /quit ends the conversation. `/tool JSON` gives the results of the last reply's tool
+calls ({"name", "content"}, or a list of them). With json=True each turn prints one JSON object (reply,
 reply_ids, history_ids: every token the state held before the reply, prefill_tokens: tokens fed for the turn,
-ttft_s, decode_tok_s, stopped, seed), and each command one object naming it. A line of piped input is data, not a
-command line: its /save takes no file (it saves to --session); only a person at the terminal names one.
+ttft_s, decode_tok_s, stopped, seed, and tool_calls / constraint where there are tools or a constraint), and each
+command one object naming it. A line of piped input is data, not a command line: its /save takes no file (it saves
+to --session); only a person at the terminal names one.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from typing import IO, Any
 from deltaship import options
 from deltaship.chat import Chat
 from deltaship.chat.store import bundle_prompt_cache, claimed
+from deltaship.chat.tools import ToolCallStream
+from deltaship.constrain import build_constraint
+from deltaship.constrain.tools import check_choice, read_tools
 from deltaship.errors import DeltashipError
+from deltaship.files import parse_json
 from deltaship.runtimes.base import check_sampling
 from deltaship.targets import open_bundle
 
@@ -27,6 +33,7 @@ COMMANDS = {
     "/undo": "drop the last exchange",
     "/reset": "start over (the system message stays)",
     "/save [FILE]": "save to --session (on a terminal also to FILE: a new file or a session of this bundle)",
+    "/tool JSON": 'the results of the last reply\'s tool calls: {"name": ..., "content": ...} or a list of them',
     "/help": "list the commands",
     "/quit, /exit": "end the chat",
 }
@@ -52,6 +59,11 @@ def chat(
     prepack_cache: str | Path | None = None,
     stdin: IO[str] | None = None,
     stdout: IO[str] | None = None,
+    json_schema: str | Path | None = None,
+    regex: str | None = None,
+    grammar: str | Path | None = None,
+    tools: str | Path | None = None,
+    tool_choice: str = "auto",
 ) -> int:
     """Talk with a bundle. session: a file loaded if it exists and saved (atomically) after every turn; a new one is
     written at once with the system message fed (an empty conversation so saved is a prompt cache)."""
@@ -60,10 +72,20 @@ def chat(
     top_k, top_p = top_k or 0, 1.0 if top_p is None else top_p  # None: no cut (the session's 0 and 1.0)
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    kwargs = {"enable_thinking": False} if no_thinking else {}
+    kwargs: dict[str, Any] = {"enable_thinking": False} if no_thinking else {}
+    # every reply is held to the constraint (a retry too); tools: rendered by the template, calls constrained
+    constraint = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v}
+    build_constraint(**constraint)  # checked before the bundle is opened
+    if tools is not None:
+        kwargs["tools"] = list(read_tools(tools).entries)
+        check_choice(tool_choice, read_tools(kwargs["tools"], f"--tools {tools}"))
+    elif tool_choice != "auto":
+        raise DeltashipError(f"--tool-choice {tool_choice} without --tools", "pass --tools FILE (a function list)")
     with _locked(session):
         conv = _open(bundle, system, session, kwargs, threads, prepack_cache)
+        conv.tool_choice = tool_choice
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        sampling.update(constraint)
         return _converse(conv, bundle, session, sampling, json, stdin, stdout)
 
 
@@ -89,8 +111,8 @@ def _open(bundle, system: str | None, session, kwargs: dict, threads: int | None
             )
         if conv.template_kwargs != kwargs:
             raise DeltashipError(
-                f"--session {session} was saved with template settings {conv.template_kwargs}, not {kwargs}",
-                "pass the same --no-thinking as when it was saved",
+                f"--session {session} was saved with other template settings (--no-thinking, --tools) than these",
+                "pass the same --no-thinking and --tools as when it was saved",
             )
         return conv
     if system is None:  # the system message of the bundle's shipped prompt cache, if it has one
@@ -185,6 +207,13 @@ def _step(conv, line: str, sampling: dict, json: bool, interactive: bool, out: I
         conv.undo() if word == "/undo" else conv.reset()
         state["retries"] = 0
         _say(out, json, {"command": word[1:], "history_tokens": len(conv.ids)}, f"({word[1:]}: {len(conv.ids)} tokens)")
+    elif word == "/tool":
+        fix = '/tool {"name": NAME, "content": TEXT} (or a list of them)'
+        results = parse_json(rest, "/tool", "tool result line", fix)  # a piped line is untrusted: bounded
+        stream = _Stream(conv, out) if interactive else None
+        keep = {k: v for k, v in sampling.items() if k not in ("json_schema", "regex", "grammar")}
+        reply = conv.send_tool_results(results, **keep, on_token=stream)
+        _print_reply(conv, reply, "tool", json, stream, out)
     elif word == "/retry" or not line.startswith("/"):
         stream = _Stream(conv, out) if interactive else None
         state["retries"] = state["retries"] + 1 if word == "/retry" else 0
@@ -237,13 +266,20 @@ def _print_reply(conv, reply, command: str, json: bool, stream, out: IO[str], se
             "stopped": reply.stopped,
             "seed": seed,
         }
+        if conv.tools is not None:
+            record["tool_calls"] = reply.tool_calls
+        if reply.constraint is not None:
+            record["constraint"] = reply.constraint
         if reply.notice:
             record["notice"] = reply.notice
         print(jsonlib.dumps(record), file=out, flush=True)
     elif stream is not None:
         stream.finish()
-    else:
-        print(reply.text, file=out, flush=True)
+    else:  # with tools: the text before the calls (the calls follow, one line each)
+        print(conv.history[-1]["content"] if conv.tools is not None else reply.text, file=out, flush=True)
+    if not json and reply.tool_calls:  # what a piped chat answers with `/tool {"name": ..., "content": ...}`
+        for call in reply.tool_calls:
+            print(f"tool call: {jsonlib.dumps(call)}", file=out, flush=True)
 
 
 class _Stream:
@@ -251,6 +287,7 @@ class _Stream:
 
     def __init__(self, conv, out: IO[str]):
         self.conv, self.out, self.ids, self.shown = conv, out, [], 0
+        self.calls = ToolCallStream() if conv.tools is not None else None  # a call is shown whole, at the end
 
     def __call__(self, token: int) -> None:
         if token in self.conv.stop_ids:
@@ -259,12 +296,21 @@ class _Stream:
         text = self.conv.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):
             return
+        if self.calls is not None:
+            self.out.write(self.calls.feed(text))
+            self.out.flush()
+            return
         self.out.write(text[self.shown :])
         self.out.flush()
         self.shown = len(text)
 
     def finish(self) -> None:
         text = self.conv.tokenizer.decode(self.ids)
+        if self.calls is not None:
+            self.calls.feed(text)
+            self.out.write(self.calls.finish() + "\n")
+            self.out.flush()
+            return
         self.out.write(text[self.shown :] + "\n")
         self.out.flush()
 

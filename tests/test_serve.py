@@ -519,7 +519,7 @@ def test_json_schema_replies_validate(server, fresh, k):
         assert whole.usage.prompt_tokens == len(prompt) and use.prompt_tokens_details.cached_tokens == len(prompt)
         if temperature:
             constraint = constraint_for({"response_format": fmt})
-            want = fresh[1].generate(prompt, Sampling(160, temperature, 1.0, seed), constraint=constraint)
+            want = fresh[1].generate(prompt, Sampling(160, temperature, 1.0, seed), guide=fresh[1].guide(constraint))
             assert text == want.text
 
 
@@ -619,3 +619,14 @@ def test_structured_output_refusals_and_deep_bodies(server):
     r = httpx.post(server.url + "/v1/chat/completions", content=deep, timeout=30)
     assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
     assert _health(server)["status"] == "ok"
+
+
+def test_a_tokenizer_without_its_json_cannot_drive_a_constraint(fresh, monkeypatch):
+    from deltaship.errors import DeltashipError
+
+    engine = fresh[1]
+    constraint = constraint_for({"response_format": {"type": "json_object"}})
+    assert engine.guide(constraint).allowed().any()
+    monkeypatch.setattr(engine, "tokenizer", object())  # a preset's tokenizer object, as a bench may pass
+    with pytest.raises(DeltashipError, match="no tokenizer.json"):
+        engine.guide(constraint)

@@ -167,6 +167,12 @@ async def _complete(
             "context_length_exceeded",
         )
     sampling = Sampling(api.max_tokens(req, len(prompt), ctx), req.temperature, req.top_p, req.seed, api.stops(req))
+    guide = None
+    if constraint is not None:  # built here, so that a constraint the tokenizer cannot drive is a 400 before a stream
+        try:
+            guide = await run_in_threadpool(engine.guide, constraint)
+        except DeltashipError as e:
+            raise ApiError(400, f"response_format: {e.message}", "response_format", "invalid_value") from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 
@@ -183,7 +189,7 @@ async def _complete(
 
     job = Job(lambda: None, done)
     on_text = (lambda text: put(("text", text))) if req.stream else None
-    job.run = lambda: engine.generate(prompt, sampling, job.cancelled, on_text, constraint, marks)
+    job.run = lambda: engine.generate(prompt, sampling, job.cancelled, on_text, guide, marks)
     try:
         served.scheduler.submit(job)
     except Busy as e:

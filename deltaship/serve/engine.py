@@ -102,15 +102,15 @@ class Engine:
         sampling: Sampling,
         cancelled: threading.Event | None = None,
         on_text: Callable[[str], None] | None = None,
-        constraint: Constraint | None = None,
+        guide: TokenGuide | None = None,
         marks: list[int] = (),
     ) -> Result:
         """Generate after `prompt`, holding it at its end and at `marks` (positions inside it). on_text gets the text
         as it becomes final (their concatenation is the result's text: held back while it may still become a stop
-        string or is an unfinished character)."""
+        string or is an unfinished character). guide: the request's constraint's parser (self.guide), fresh for
+        this reply: it masks every token drawn."""
         s = self.session
         check_sampling(sampling.max_tokens, sampling.temperature, 0, sampling.top_p)
-        guide = self.guide(constraint) if constraint is not None else None  # before any work: it may refuse
         if not prompt:
             raise DeltashipError("the prompt is empty", "send at least one message with text")
         if len(prompt) >= s.max_context:

@@ -16,9 +16,10 @@ test_a_client_that_leaves_a_plain_request_stops_it; charging an entry less than 
 left out) and an LRU that never evicts each fail
 test_held_conversations_are_bounded; a misnamed `object` or a float `created` fails
 test_responses_are_the_openai_types. response_format: sampling from the unmasked logits, or building no guide
-for a request's constraint, fails every structured-output test but the bad-format ones (test_json_schema_*,
-test_json_object_*, test_openai_parse_*, test_langchain_structured_output); rendering a constrained reply with
-thinking on fails test_json_schema_replies_validate (its prompt).
+for a request's constraint (mask and advance gone), fails every structured-output test but the bad-format ones
+(test_json_schema_* on the trained tiny and on random weights, test_json_object_*, test_openai_parse_*,
+test_langchain_structured_output); rendering a constrained reply with thinking on fails
+test_json_schema_replies_validate (its prompt).
 """
 
 from __future__ import annotations
@@ -487,6 +488,26 @@ def json_schema_format(schema: dict, name: str = "reply") -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
+@pytest.fixture(scope="module")
+def random_server(tmp_path_factory):
+    """A random-weights bundle (the suite's base config, the presets' byte-level tokenizer, the tiny preset's chat
+    template passed in): its logits are noise, so only the constraint can make its replies valid."""
+    from helpers import write_checkpoint
+
+    from deltaship.compile import export
+    from deltaship.models.presets import TINY_SPECIAL_TOKENS, get_preset, write_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("serve-random")
+    eos = TINY_SPECIAL_TOKENS["<|endoftext|>"]
+    ckpt = write_checkpoint("base", root / "ckpt", seed=5, vocab_size=272, eos_token_id=eos)
+    write_tiny_tokenizer(ckpt)
+    out = root / "bundle"
+    export(str(ckpt), out, target="onnx", precision="fp32", max_context=CONTEXT, verify=False, progress=False)
+    template = get_preset("qwen3.5-tiny").chat_template()
+    with ServerThread(open_bundle(out), ServeOptions(port=0), template=template) as s:
+        yield s
+
+
 def _whole_and_streamed(c, **kw) -> tuple:
     whole = c.chat.completions.create(model="m", messages=STRUCTURED, **kw)
     chunks = list(
@@ -521,6 +542,25 @@ def test_json_schema_replies_validate(server, fresh, k):
             constraint = constraint_for({"response_format": fmt})
             want = fresh[1].generate(prompt, Sampling(160, temperature, 1.0, seed), guide=fresh[1].guide(constraint))
             assert text == want.text
+
+
+def test_json_schema_replies_validate_on_random_weights(random_server):
+    c = client(random_server)
+    for k, schema in enumerate(SCHEMAS):
+        for temperature, seed in ((0.0, None), (1.0, k), (1.0, 10 + k)):
+            whole, streamed, reason, _ = _whole_and_streamed(
+                c, response_format=json_schema_format(schema), max_tokens=200, temperature=temperature, seed=seed
+            )
+            text = whole.choices[0].message.content
+            assert whole.choices[0].finish_reason == reason == "stop" and streamed == text, (text, streamed)
+            jsonschema.validate(json.loads(text), schema)
+    r = c.chat.completions.create(
+        model="m", messages=STRUCTURED, response_format={"type": "json_object"}, max_tokens=200, temperature=1, seed=1
+    )
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # noise may write a long object: a prefix of one
+        assert r.choices[0].message.content.startswith("{")
 
 
 def test_json_object_and_a_budget_that_ends_mid_structure(server):

@@ -15,7 +15,11 @@ test_a_client_that_leaves_mid_stream_stops_decoding, and a plain request's
 test_a_client_that_leaves_a_plain_request_stops_it; charging an entry less than it holds once spilled (its logits
 left out) and an LRU that never evicts each fail
 test_held_conversations_are_bounded; a misnamed `object` or a float `created` fails
-test_responses_are_the_openai_types.
+test_responses_are_the_openai_types. response_format: sampling from the unmasked logits, or building no guide
+for a request's constraint (mask and advance gone), fails every structured-output test but the bad-format ones
+(test_json_schema_* on the trained tiny and on random weights, test_json_object_*, test_openai_parse_*,
+test_langchain_structured_output); rendering a constrained reply with thinking on fails
+test_json_schema_replies_validate (its prompt).
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 
 from deltaship.cli import build_parser
 from deltaship.runtimes.base import sample
+from deltaship.serve.constraints import constraint_for
 from deltaship.serve.engine import Engine, Sampling
 from deltaship.serve.held import HeldConversations
 from deltaship.serve.run import ServeOptions, ServerThread, exposure_warning
@@ -328,7 +335,7 @@ BAD = [
     (
         {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
         400,
-        "response_format",
+        "response_format.json_schema",
     ),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400, "messages.0.role"),
     ({"messages": [{"role": "user", "content": "y" * 600}]}, 400, "messages"),  # over the context
@@ -345,7 +352,7 @@ def test_bad_requests_get_an_openai_error(server, body, status, param):
     err = r.json()["error"]
     assert err["message"] and err["type"] == "invalid_request_error" and "Traceback" not in r.text
     assert err["param"] == param
-    if param in ("tools", "response_format"):
+    if param == "tools":
         assert "not supported yet" in err["message"]
 
 
@@ -439,3 +446,227 @@ def test_api_key_and_a_full_queue(bundle):
         while s.served.scheduler.pending and time.monotonic() < end:
             time.sleep(0.05)
         assert httpx.post(s.url + "/v1/chat/completions", json=body, headers=auth, timeout=30).status_code == 200
+
+
+# ---- response_format: structured output through deltaship/constrain -------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+SCHEMAS = [
+    PERSON,
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 4},
+    {
+        "type": "object",
+        "properties": {
+            "kind": {"enum": ["cat", "dog"]},
+            "pos": {"type": "array", "prefixItems": [{"type": "number"}, {"type": "number"}], "items": False},
+            "note": {"anyOf": [{"type": "null"}, {"type": "string", "pattern": "^[a-z]{1,6}$"}]},
+        },
+        "required": ["kind", "pos", "note"],
+        "additionalProperties": False,
+    },
+    {
+        "$defs": {"leaf": {"type": "integer", "minimum": -5, "maximum": 5}},
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/leaf"}, "y": {"$ref": "#/$defs/leaf"}},
+        "required": ["x"],
+        "additionalProperties": False,
+    },  # fmt: skip
+]
+STRUCTURED = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "Describe a pet."}]
+
+
+def json_schema_format(schema: dict, name: str = "reply") -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def random_server(tmp_path_factory):
+    """A random-weights bundle (the suite's base config, the presets' byte-level tokenizer, the tiny preset's chat
+    template passed in): its logits are noise, so only the constraint can make its replies valid."""
+    from helpers import write_checkpoint
+
+    from deltaship.compile import export
+    from deltaship.models.presets import TINY_SPECIAL_TOKENS, get_preset, write_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("serve-random")
+    eos = TINY_SPECIAL_TOKENS["<|endoftext|>"]
+    ckpt = write_checkpoint("base", root / "ckpt", seed=5, vocab_size=272, eos_token_id=eos)
+    write_tiny_tokenizer(ckpt)
+    out = root / "bundle"
+    export(str(ckpt), out, target="onnx", precision="fp32", max_context=CONTEXT, verify=False, progress=False)
+    template = get_preset("qwen3.5-tiny").chat_template()
+    with ServerThread(open_bundle(out), ServeOptions(port=0), template=template) as s:
+        yield s
+
+
+def _whole_and_streamed(c, **kw) -> tuple:
+    whole = c.chat.completions.create(model="m", messages=STRUCTURED, **kw)
+    chunks = list(
+        c.chat.completions.create(
+            model="m", messages=STRUCTURED, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    reason = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+    return whole, text, reason, chunks[-1].usage
+
+
+@pytest.mark.parametrize("k", range(len(SCHEMAS)), ids=[f"schema{k}" for k in range(len(SCHEMAS))])
+def test_json_schema_replies_validate(server, fresh, k):
+    """Greedy and sampled, whole and streamed: the reply is JSON that validates, the streamed text is the whole
+    text, the second (streamed) request reuses the whole prompt (the held prefix is the prompt, not the reply), and
+    a sampled reply after that restore is what a fresh session's constrained decoding gives with the same seed."""
+    c = client(server)
+    schema = SCHEMAS[k]
+    prompt, _ = fresh[1].render(STRUCTURED, {"enable_thinking": False})  # a constrained reply is not a think block
+    for temperature, seed in ((0.0, None), (1.0, 7 + k)):
+        fmt = json_schema_format(schema)
+        whole, streamed, reason, use = _whole_and_streamed(
+            c, response_format=fmt, max_tokens=160, temperature=temperature, seed=seed
+        )
+        text = whole.choices[0].message.content
+        jsonschema.validate(json.loads(text), schema)
+        assert whole.choices[0].finish_reason == reason == "stop"
+        assert streamed == text, (streamed, text)
+        assert whole.usage.prompt_tokens == len(prompt) and use.prompt_tokens_details.cached_tokens == len(prompt)
+        if temperature:
+            constraint = constraint_for({"response_format": fmt})
+            want = fresh[1].generate(prompt, Sampling(160, temperature, 1.0, seed), guide=fresh[1].guide(constraint))
+            assert text == want.text
+
+
+def test_json_schema_replies_validate_on_random_weights(random_server):
+    c = client(random_server)
+    for k, schema in enumerate(SCHEMAS):
+        for temperature, seed in ((0.0, None), (1.0, k), (1.0, 10 + k)):
+            whole, streamed, reason, _ = _whole_and_streamed(
+                c, response_format=json_schema_format(schema), max_tokens=200, temperature=temperature, seed=seed
+            )
+            text = whole.choices[0].message.content
+            assert whole.choices[0].finish_reason == reason == "stop" and streamed == text, (text, streamed)
+            jsonschema.validate(json.loads(text), schema)
+    r = c.chat.completions.create(
+        model="m", messages=STRUCTURED, response_format={"type": "json_object"}, max_tokens=200, temperature=1, seed=1
+    )
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # noise may write a long object: a prefix of one
+        assert r.choices[0].message.content.startswith("{")
+
+
+def test_json_object_and_a_budget_that_ends_mid_structure(server):
+    c = client(server)
+    r = c.chat.completions.create(
+        model="m", messages=STRUCTURED, response_format={"type": "json_object"}, max_tokens=64, temperature=1, seed=3
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
+    whole, streamed, reason, _ = _whole_and_streamed(
+        c, response_format=json_schema_format(PERSON), max_tokens=5, temperature=0
+    )
+    text = whole.choices[0].message.content
+    assert whole.choices[0].finish_reason == reason == "length" and streamed == text
+    assert text.startswith('{"') and whole.usage.completion_tokens == 5  # a prefix of the structure
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    plain = c.completions.create(
+        model="m",
+        prompt="x = ",
+        extra_body={"response_format": json_schema_format(SCHEMAS[1])},
+        max_tokens=16,
+        temperature=0,
+    )
+    jsonschema.validate(json.loads(plain.choices[0].text), SCHEMAS[1])  # /v1/completions takes it too
+
+
+def test_openai_parse_with_a_pydantic_model(server):
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=10)
+        legs: int = Field(ge=0, le=8)
+        kind: Literal["cat", "dog", "fish"]
+
+    c = client(server)
+    parse = getattr(c.chat.completions, "parse", None) or c.beta.chat.completions.parse
+    r = parse(model="m", messages=STRUCTURED, response_format=Pet, max_tokens=96, temperature=0)
+    pet = r.choices[0].message.parsed
+    assert isinstance(pet, Pet) and r.choices[0].finish_reason == "stop"
+
+
+def test_langchain_structured_output(server):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Answer(BaseModel):
+        ok: bool
+        score: int = Field(ge=0, le=9)
+
+    llm = ChatOpenAI(
+        base_url=server.url + "/v1", api_key="none", model="m", max_tokens=48, temperature=0, max_retries=0, timeout=60
+    )
+    got = llm.with_structured_output(Answer, method="json_schema").invoke("Grade this.")
+    assert isinstance(got, Answer)
+
+
+DEEP = {"type": "object", "properties": {"a": {}}}
+node = DEEP["properties"]["a"]
+for _ in range(80):
+    node["type"], node["properties"] = "object", {"a": {}}
+    node = node["properties"]["a"]
+BAD_FORMATS = [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "intger"}}}, "invalid schema at /type"),
+    (
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}},
+        "unsupported keyword(s) uniqueItems (at /uniqueItems)",
+    ),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": "/etc/passwd"}}, "not str"),  # never a path
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}, "nested deeper than 64 levels"),
+    ({"type": "json_schema", "json_schema": {"name": "x" * 65, "schema": {}}}, "json_schema.name"),
+    ({"type": "xml"}, "use 'text', 'json_object' or 'json_schema'"),
+    ("json", "an object with a `type`"),
+]
+
+
+@pytest.mark.parametrize("fmt, says", BAD_FORMATS, ids=[f"badformat{i}" for i in range(len(BAD_FORMATS))])
+def test_a_bad_response_format_is_a_400_naming_it(server, fmt, says):
+    body = {"messages": [{"role": "user", "content": "x"}], "response_format": fmt, "max_tokens": 4}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert says in err["message"] and err["param"].startswith("response_format"), err
+    assert err["type"] == "invalid_request_error" and "Traceback" not in r.text
+
+
+def test_structured_output_refusals_and_deep_bodies(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError, match="enable_thinking"):
+        c.chat.completions.create(
+            model="m",
+            messages=STRUCTURED,
+            response_format={"type": "json_object"},
+            extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+        )
+    deep = '{"messages": [{"role": "user", "content": "x"}], "response_format": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    r = httpx.post(server.url + "/v1/chat/completions", content=deep, timeout=30)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    assert _health(server)["status"] == "ok"
+
+
+def test_a_tokenizer_without_its_json_cannot_drive_a_constraint(fresh, monkeypatch):
+    from deltaship.errors import DeltashipError
+
+    engine = fresh[1]
+    constraint = constraint_for({"response_format": {"type": "json_object"}})
+    assert engine.guide(constraint).allowed().any()
+    monkeypatch.setattr(engine, "tokenizer", object())  # a preset's tokenizer object, as a bench may pass
+    with pytest.raises(DeltashipError, match="no tokenizer.json"):
+        engine.guide(constraint)

@@ -65,9 +65,21 @@ def build_app(served: Served) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         _authorize(served, request)
         req = api.parse(api.ChatRequest, await _read_json(request))
-        constraint = constraint_for(req.model_dump())
+        constraint = await run_in_threadpool(constraint_for, req.model_dump())  # a schema compiles off the loop
         messages = api.messages_for_template(req)
         kwargs = dict(req.chat_template_kwargs or {})
+        if constraint is not None:
+            # the reply is the structure from its first token: rendered without thinking (Qwen's template then
+            # closes an empty think block in the generation prompt); the content has no think block to strip
+            if kwargs.get("enable_thinking"):
+                raise ApiError(
+                    400,
+                    "response_format with chat_template_kwargs.enable_thinking true is not supported: the "
+                    "constraint applies from the reply's first token (drop enable_thinking)",
+                    "chat_template_kwargs",
+                    "unsupported_parameter",
+                )
+            kwargs["enable_thinking"] = False
         try:
             prompt, marks = await run_in_threadpool(served.engine.render, messages, kwargs)  # off the event loop
         except DeltashipError as e:
@@ -77,7 +89,7 @@ def build_app(served: Served) -> Starlette:
     async def completions(request: Request) -> Response:
         _authorize(served, request)
         req = api.parse(api.CompletionRequest, await _read_json(request))
-        constraint = constraint_for(req.model_dump())
+        constraint = await run_in_threadpool(constraint_for, req.model_dump())
         p = req.prompt
         if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
             prompt = list(p)
@@ -136,6 +148,8 @@ async def _read_json(request: Request) -> Any:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not JSON ({e})") from None
+    except RecursionError:  # e.g. a schema nested thousands deep: refused here, not a 500
+        raise ApiError(400, "the request body is nested too deeply") from None
 
 
 async def _complete(
@@ -153,6 +167,12 @@ async def _complete(
             "context_length_exceeded",
         )
     sampling = Sampling(api.max_tokens(req, len(prompt), ctx), req.temperature, req.top_p, req.seed, api.stops(req))
+    guide = None
+    if constraint is not None:  # built here, so that a constraint the tokenizer cannot drive is a 400 before a stream
+        try:
+            guide = await run_in_threadpool(engine.guide, constraint)
+        except DeltashipError as e:
+            raise ApiError(400, f"response_format: {e.message}", "response_format", "invalid_value") from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 
@@ -169,7 +189,7 @@ async def _complete(
 
     job = Job(lambda: None, done)
     on_text = (lambda text: put(("text", text))) if req.stream else None
-    job.run = lambda: engine.generate(prompt, sampling, job.cancelled, on_text, constraint, marks)
+    job.run = lambda: engine.generate(prompt, sampling, job.cancelled, on_text, guide, marks)
     try:
         served.scheduler.submit(job)
     except Busy as e:

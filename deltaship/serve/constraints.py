@@ -1,31 +1,75 @@
 """The one place where a request's output constraints are read: `response_format` and `tools`.
 
-Constrained decoding (JSON schema / regex through llguidance) is being built in deltaship/constrain/; once it lands,
-`constraint_for` returns its matcher for a request, and the engine applies it at each token (engine.Constraint:
-mask the logits, advance with the token drawn). Until then a request that needs one is refused here, with a 400
-saying so, rather than answered unconstrained.
+`response_format` `{"type": "json_object"}` (any JSON object) and `{"type": "json_schema", "json_schema": {"name",
+"schema", "strict"}}` become a checked deltaship.constrain Constraint here, before the request is queued: a bad or
+unsupported schema is a 400 carrying constrain's message (it names the keyword and its path). The engine starts
+the constraint's parser for the reply and masks each token with it (engine.Engine.generate). The schema is bounded
+by the request body (api.MAX_BODY_BYTES) and constrain's own limits (size, depth, subschemas, parser fuel).
+`strict` is read and not needed: every schema is enforced (a keyword llguidance cannot enforce is refused).
+
+Tools still need tool-call parsing (Qwen3.5's template's tools branch): a request with them is refused, with a 400
+saying so, rather than answered without them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from deltaship.serve.engine import Constraint
+from deltaship.constrain import Constraint, build_constraint
+from deltaship.errors import DeltashipError
 from deltaship.serve.errors import ApiError
 
-PENDING = "is not supported yet by deltaship serve (it needs constrained decoding, which is not built yet)"
+PENDING = "is not supported yet by deltaship serve (it needs tool-call parsing, which is not built yet)"
+ANY_OBJECT = {"type": "object"}  # json_object: any JSON object, as OpenAI's JSON mode
+MAX_NAME_CHARS = 64  # OpenAI's bound on json_schema.name
 
 
 def constraint_for(request: dict[str, Any]) -> Constraint | None:
-    """The constraint a chat or completion request asks for (None: free text)."""
-    fmt = request.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else type(fmt).__name__
-        raise ApiError(400, f"response_format {kind!r} {PENDING}", "response_format", "unsupported_parameter")
+    """The constraint a chat or completion request asks for (None: free text); a bad one is a 400."""
     for name in ("tools", "functions"):
         if request.get(name):
             raise ApiError(400, f"{name} {PENDING}", name, "unsupported_parameter")
     for name in ("tool_choice", "function_call"):
         if request.get(name) not in (None, "none"):
             raise ApiError(400, f"{name} {PENDING}", name, "unsupported_parameter")
-    return None
+    fmt = request.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _build(ANY_OBJECT, "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad("response_format.json_schema: an object with `name` and `schema`", "response_format.json_schema")
+        name = spec.get("name")
+        if name is not None and not (isinstance(name, str) and 0 < len(name) <= MAX_NAME_CHARS):
+            raise _bad(f"json_schema.name: a string of 1 to {MAX_NAME_CHARS} characters", "response_format.json_schema")
+        if spec.get("strict") not in (None, True, False):
+            raise _bad("json_schema.strict: true or false", "response_format.json_schema")
+        schema = spec.get("schema", ANY_OBJECT)  # OpenAI's default: absent means any JSON (here: any object)
+        return _build(schema, "response_format.json_schema.schema")
+    raise _bad(
+        f"response_format type {kind!r}: use 'text', 'json_object' or 'json_schema'"
+        if isinstance(fmt, dict)
+        else "response_format: an object with a `type`",
+        "response_format",
+    )
+
+
+def _build(schema: Any, param: str) -> Constraint:
+    if not isinstance(schema, (dict, bool)):  # never a str: constrain would read a str as a file's path
+        raise _bad(f"{param}: a JSON Schema is an object or a boolean, not {type(schema).__name__}", param)
+    try:
+        constraint = build_constraint(json_schema=schema)
+    except DeltashipError as e:  # constrain's message names the problem (keyword, path, limit)
+        where = e.message.removeprefix("json_schema=: ").removeprefix("json_schema=")
+        raise _bad(f"{param}: {where}; fix: {e.fix}" if e.fix else f"{param}: {where}", param) from None
+    assert constraint is not None
+    return constraint
+
+
+def _bad(message: str, param: str) -> ApiError:
+    return ApiError(400, message, param, "invalid_value")

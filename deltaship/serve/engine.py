@@ -3,9 +3,10 @@
 `Engine.generate` renders nothing: it takes the prompt's tokens, restores the longest held prefix of them
 (held.py), feeds the rest, holds the conversation at the end of the prompt (before generating: Qwen's template
 drops an earlier reply's <think> block, so the next request's prompt extends this prompt, not the generated text),
-and decodes. `Scheduler` runs requests first come, first served on one worker thread, with a bounded queue; a
-cancelled request (its client went away) is skipped if it is still queued and stops decoding at its next token.
-There is no batched decode: the session holds one sequence.
+and decodes; a request's constraint (response_format, constraints.py) masks each token of the reply, never the
+prompt, so held conversations are the same with or without one. `Scheduler` runs requests first come, first served
+on one worker thread, with a bounded queue; a cancelled request (its client went away) is skipped if it is still
+queued and stops decoding at its next token. There is no batched decode: the session holds one sequence.
 """
 
 from __future__ import annotations
@@ -14,25 +15,17 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 
 from deltaship.chat import Chat
+from deltaship.constrain import Constraint, token_table
 from deltaship.errors import DeltashipError
-from deltaship.runtimes.base import Session, check_sampling, sample
+from deltaship.runtimes.base import Session, TokenGuide, check_sampling, masked, sample
 from deltaship.serve.held import HeldConversations, common_prefix
 
 NEXT_TURN_PROBE = "deltaship"  # a reply's text, to find where a next turn's rendering leaves this prompt
-
-
-class Constraint(Protocol):
-    """What constrained decoding (response_format, tools) will plug in as: the logits a token may be drawn from,
-    and the token drawn. None today (constraints.py refuses the requests that would need one)."""
-
-    def mask(self, logits: np.ndarray) -> np.ndarray: ...
-
-    def advance(self, token: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -91,18 +84,31 @@ class Engine:
             marks.append(common_prefix(prompt, self.tokenizer.encode(t.render(after, False, **template_kwargs))))
         return prompt, sorted(m for m in set(marks) if 0 < m < len(prompt))
 
+    def guide(self, constraint: Constraint) -> TokenGuide:
+        """A fresh parser for one reply over the tokenizer's token table (built once per server: constrain caches
+        it). Its end-of-sequence ids are the reply's stop ids (the end of turn too): allowed only where the
+        structure is complete, and the only tokens once it admits nothing more."""
+        text = getattr(self.tokenizer, "json_text", None)
+        if text is None:
+            raise DeltashipError(
+                "this server's tokenizer has no tokenizer.json, so it cannot drive response_format",
+                "serve a bundle exported with its tokenizer.json",
+            )
+        return constraint.guide(token_table(text, self.session.vocab_size, sorted(self.stop_ids)))
+
     def generate(
         self,
         prompt: list[int],
         sampling: Sampling,
         cancelled: threading.Event | None = None,
         on_text: Callable[[str], None] | None = None,
-        constraint: Constraint | None = None,
+        guide: TokenGuide | None = None,
         marks: list[int] = (),
     ) -> Result:
         """Generate after `prompt`, holding it at its end and at `marks` (positions inside it). on_text gets the text
         as it becomes final (their concatenation is the result's text: held back while it may still become a stop
-        string or is an unfinished character)."""
+        string or is an unfinished character). guide: the request's constraint's parser (self.guide), fresh for
+        this reply: it masks every token drawn."""
         s = self.session
         check_sampling(sampling.max_tokens, sampling.temperature, 0, sampling.top_p)
         if not prompt:
@@ -135,14 +141,12 @@ class Engine:
             if cancelled is not None and cancelled.is_set():
                 out.finish_reason = "cancelled"
                 break
-            tok = sample(
-                constraint.mask(logits) if constraint else logits, sampling.temperature, 0, sampling.top_p, rng
-            )
+            tok = sample(masked(logits, guide), sampling.temperature, 0, sampling.top_p, rng)
             if not out.ids:
                 out.ttft_s = time.perf_counter() - t0
             out.ids.append(tok)
-            if constraint:
-                constraint.advance(tok)
+            if guide is not None:
+                guide.advance(tok)
             if tok in self.stop_ids:
                 out.finish_reason = "stop"
                 break

@@ -264,7 +264,10 @@ def generate(
         except DeltashipError:
             tok = None
     if tok is not None:
-        result["text"] = tok.decode([t for t in gen.output_ids if t not in stops])
+        out = [t for t in gen.output_ids if t not in stops]
+        if constraint is not None and gen.stopped == "eos" and out and out[-1] in session.eos_ids:
+            out = out[:-1]  # a constrained text parses as it is: the end-of-text token is not part of the structure
+        result["text"] = tok.decode(out)
     if dump_logits is not None:
         arr = np.stack(gen.logits).astype(np.float32) if gen.logits else np.zeros((0, session.vocab_size), np.float32)
         path = Path(dump_logits)

@@ -41,6 +41,7 @@ TOOLCHAINS = {
     "pynvml": "NVIDIA GPUs only",
     "rich": "the progress display only",
     "readline": "interactive chat only (it changes the terminal's line editing)",
+    "ray": "the fleet extra (deltaship fleet run)",
 }
 LAZY = re.compile(r"#\s*lazy:\s*(\S.*)")
 

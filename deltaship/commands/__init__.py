@@ -12,6 +12,7 @@ from deltaship.commands.chat import chat
 from deltaship.commands.generate import generate
 from deltaship.commands.plan import plan
 from deltaship.compile import export
+from deltaship.fleet import fleet_run
 from deltaship.profiling.profile import profile
 
-__all__ = ["export", "generate", "chat", "inspect", "describe", "plan", "profile", "evaluate"]
+__all__ = ["export", "generate", "chat", "inspect", "describe", "plan", "profile", "evaluate", "fleet_run"]

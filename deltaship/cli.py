@@ -19,7 +19,7 @@ from deltaship.apps import KIT_RECORD, PLATFORMS, write_kit
 from deltaship.bundle.destination import check_destination
 from deltaship.check import inspect as bundle_inspect
 from deltaship.check.evaluate import evaluate
-from deltaship.commands import generate, plan
+from deltaship.commands import fleet_run, generate, plan
 from deltaship.commands.chat import chat, commands_help
 from deltaship.commands.serve import serve
 from deltaship.compile import export
@@ -864,6 +864,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-reuse", action="store_true", help="prefill every prompt whole (a baseline to measure against)")
     v.add_argument("--threads", type=THREADS, default=None, help="runtime threads (default: the runtime's)")
     v.set_defaults(func=_serve)
+
+    fl = sub.add_parser("fleet", help="export and profile a matrix across machines and attached devices, on Ray")
+    fsub = fl.add_subparsers(dest="fleet_command", required=True)
+    fr = fsub.add_parser("run", help="run a matrix file (docs/fleet.md): its exports as tasks, its profiles on devices")
+    fr.add_argument("matrix", help="the matrix TOML file (models, targets, precisions, devices, [export], [profile])")
+    fr.add_argument("--out", required=True, help="the results directory (a rerun on it skips finished cells)")
+    fr.add_argument(
+        "--address", default=None, help="HOST:PORT of a Ray cluster's head (default: an embedded local cluster)"
+    )
+    fr.add_argument("--json", action="store_true", help="each row on stdout as one JSON line, no progress lines")
+    fr.set_defaults(func=_fleet_run)
     return p
 
 
@@ -885,6 +896,11 @@ def _serve(a: argparse.Namespace) -> int:
         no_reuse=a.no_reuse,
         threads=a.threads,
     )
+
+
+def _fleet_run(a: argparse.Namespace) -> int:
+    rows = fleet_run(a.matrix, out=a.out, address=a.address, json=a.json)
+    return 3 if any(r["status"] == "failed" for r in rows) else 0
 
 
 def _chat(a: argparse.Namespace) -> int:

@@ -44,6 +44,7 @@ TOOLCHAINS = {
     "starlette": "the serve extra's HTTP framework",
     "uvicorn": "the serve extra's HTTP server",
     "pydantic": "the serve extra's request checks",
+    "ray": "the fleet extra (deltaship fleet run)",
 }
 LAZY = re.compile(r"#\s*lazy:\s*(\S.*)")
 

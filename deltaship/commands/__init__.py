@@ -13,6 +13,7 @@ from deltaship.commands.generate import generate
 from deltaship.commands.plan import plan
 from deltaship.commands.serve import serve
 from deltaship.compile import export
+from deltaship.fleet import fleet_run
 from deltaship.profiling.profile import profile
 
-__all__ = ["export", "generate", "chat", "inspect", "describe", "plan", "profile", "evaluate", "serve"]
+__all__ = ["export", "generate", "chat", "inspect", "describe", "plan", "profile", "evaluate", "serve", "fleet_run"]

@@ -19,7 +19,12 @@ test_responses_are_the_openai_types. response_format: sampling from the unmasked
 for a request's constraint (mask and advance gone), fails every structured-output test but the bad-format ones
 (test_json_schema_* on the trained tiny and on random weights, test_json_object_*, test_openai_parse_*,
 test_langchain_structured_output); rendering a constrained reply with thinking on fails
-test_json_schema_replies_validate (its prompt).
+test_json_schema_replies_validate (its prompt). tools: dropping the call grammar (no guide for a tools request)
+fails test_required_tool_calls_parse_and_validate, test_a_tool_loop_reuses_the_held_prompt and
+test_langchain_bind_tools; streaming a tools reply's text unheld (no ToolCallStream) fails
+test_required_tool_calls_parse_and_validate; a named tool_choice read as `required` fails
+test_a_named_function_is_forced_and_none_gives_no_call; leaving an assistant's tool_calls out of the rendered
+history fails test_a_tool_loop_reuses_the_held_prompt.
 """
 
 from __future__ import annotations
@@ -792,6 +797,9 @@ def test_a_named_function_is_forced_and_none_gives_no_call(tool_server):
     text = whole.choices[0].message.content
     assert whole.choices[0].message.tool_calls is None and calls == [] and "<tool_call>" not in text
     assert whole.choices[0].finish_reason == reason != "tool_calls" and content == text
+    # thinking on (the template's default): the reply opens inside <think>, the grammar applies after it
+    r = c.chat.completions.create(model="m", messages=ASK, tools=tools, tool_choice="required", max_tokens=40, seed=1)
+    assert r.choices[0].finish_reason == "length" and "<tool_call>" not in r.choices[0].message.content
 
 
 def test_a_tool_loop_reuses_the_held_prompt(tool_server):

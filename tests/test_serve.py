@@ -899,6 +899,8 @@ def test_a_tool_message_must_answer_a_call(tool_server):
     ):  # fmt: skip
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "tools": [NOW]}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "tools": [NOW]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     ok = base + [{"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
     r = httpx.post(
         server.url + "/v1/chat/completions", json={"messages": ok, "tools": [NOW], "max_tokens": 2}, timeout=30

@@ -106,6 +106,9 @@ def build_app(served: Served) -> Starlette:
     async def completions(request: Request) -> Response:
         _authorize(served, request)
         req = api.parse(api.CompletionRequest, await _read_json(request))
+        for name in ("tools", "tool_choice"):  # a completion has no template to render them, nor calls to return
+            if getattr(req, name) is not None:
+                raise ApiError(400, f"{name}: use /v1/chat/completions", name, "unsupported_parameter")
         constraint = await run_in_threadpool(constraint_for, req.model_dump())
         p = req.prompt
         if isinstance(p, list) and p and all(isinstance(x, int) for x in p):

@@ -797,6 +797,10 @@ def test_a_named_function_is_forced_and_none_gives_no_call(tool_server):
     text = whole.choices[0].message.content
     assert whole.choices[0].message.tool_calls is None and calls == [] and "<tool_call>" not in text
     assert whole.choices[0].finish_reason == reason != "tool_calls" and content == text
+    whole, content, calls, reason = _tools_whole_and_streamed(  # auto: text, held back only while it may be a call
+        c, ASK, tools=tools, max_tokens=40, temperature=1.0, seed=5
+    )
+    assert whole.choices[0].message.tool_calls is None and calls == [] and content == whole.choices[0].message.content
     # thinking on (the template's default): the reply opens inside <think>, the grammar applies after it
     r = c.chat.completions.create(model="m", messages=ASK, tools=tools, tool_choice="required", max_tokens=40, seed=1)
     assert r.choices[0].finish_reason == "length" and "<tool_call>" not in r.choices[0].message.content

@@ -19,7 +19,12 @@ test_responses_are_the_openai_types. response_format: sampling from the unmasked
 for a request's constraint (mask and advance gone), fails every structured-output test but the bad-format ones
 (test_json_schema_* on the trained tiny and on random weights, test_json_object_*, test_openai_parse_*,
 test_langchain_structured_output); rendering a constrained reply with thinking on fails
-test_json_schema_replies_validate (its prompt).
+test_json_schema_replies_validate (its prompt). tools: dropping the call grammar (no guide for a tools request)
+fails test_required_tool_calls_parse_and_validate, test_a_tool_loop_reuses_the_held_prompt and
+test_langchain_bind_tools; streaming a tools reply's text unheld (no ToolCallStream) fails
+test_required_tool_calls_parse_and_validate; a named tool_choice read as `required` fails
+test_a_named_function_is_forced_and_none_gives_no_call; leaving an assistant's tool_calls out of the rendered
+history fails test_a_tool_loop_reuses_the_held_prompt.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from deltaship.cli import build_parser
 from deltaship.runtimes.base import sample
 from deltaship.serve.constraints import constraint_for
 from deltaship.serve.engine import Engine, Sampling
-from deltaship.serve.held import HeldConversations
+from deltaship.serve.held import HeldConversations, common_prefix
 from deltaship.serve.run import ServeOptions, ServerThread, exposure_warning
 from deltaship.targets import open_bundle
 
@@ -328,7 +333,7 @@ BAD = [
         "messages.0.content",
     ),
     (
-        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "1f"}}]},
         400,
         "tools",
     ),
@@ -337,7 +342,7 @@ BAD = [
         400,
         "response_format.json_schema",
     ),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400, "messages.0.tool_call_id"),
     ({"messages": [{"role": "user", "content": "y" * 600}]}, 400, "messages"),  # over the context
 ]
 
@@ -353,7 +358,7 @@ def test_bad_requests_get_an_openai_error(server, body, status, param):
     assert err["message"] and err["type"] == "invalid_request_error" and "Traceback" not in r.text
     assert err["param"] == param
     if param == "tools":
-        assert "not supported yet" in err["message"]
+        assert "function name '1f'" in err["message"]
 
 
 def test_the_server_keeps_serving_after_bad_requests(server):
@@ -670,3 +675,238 @@ def test_a_tokenizer_without_its_json_cannot_drive_a_constraint(fresh, monkeypat
     monkeypatch.setattr(engine, "tokenizer", object())  # a preset's tokenizer object, as a bench may pass
     with pytest.raises(DeltashipError, match="no tokenizer.json"):
         engine.guide(constraint)
+
+
+# ---- tools -----------------------------------------------------------------------------------------------------
+TOOL_CONTEXT = 4096  # the tools block is ~1,300 bytes of instructions, a token each with the byte-level tokenizer
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city"],
+        },
+    },
+}
+NOW = {"type": "function", "function": {"name": "now", "description": "The time."}}
+PAINT = {
+    "type": "function",
+    "function": {
+        "name": "paint",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "color": {"type": "string", "enum": ["red", "green", "blue"]},
+                "layers": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+                "at": {
+                    "type": "object",
+                    "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 9}},
+                    "required": ["k"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["color", "at"],
+        },
+    },
+}
+TOOL_LISTS = [[WEATHER], [WEATHER, NOW], [PAINT, NOW]]
+ASK = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "Go."}]
+TOOL_BUDGET = 400  # above 4 calls (constrain's MAX_CALLS) of the longest of these functions
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """random_server's random weights, with the context a tools block needs."""
+    from helpers import write_checkpoint
+
+    from deltaship.compile import export
+    from deltaship.models.presets import TINY_SPECIAL_TOKENS, get_preset, write_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("serve-tools")
+    eos = TINY_SPECIAL_TOKENS["<|endoftext|>"]
+    ckpt = write_checkpoint("base", root / "ckpt", seed=11, vocab_size=272, eos_token_id=eos)
+    write_tiny_tokenizer(ckpt)
+    out = root / "bundle"
+    export(str(ckpt), out, target="onnx", precision="fp32", max_context=TOOL_CONTEXT, prefill_chunk=64,
+           verify=False, progress=False)  # fmt: skip
+    template = get_preset("qwen3.5-tiny").chat_template()
+    with ServerThread(open_bundle(out), ServeOptions(port=0), template=template) as s:
+        yield s
+
+
+def _check_calls(calls, tools: list[dict], only: str | None = None) -> list[tuple[str, dict]]:
+    """Every call is OpenAI's shape, names a declared function (`only`, if given) and its arguments (a JSON
+    string) validate against that function's parameters; returns (name, arguments) of each."""
+    by_name = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in tools}
+    assert calls, "no call"
+    out = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call-")
+        name, args = call.function.name, json.loads(call.function.arguments)
+        assert name in by_name and (only is None or name == only), name
+        jsonschema.validate(args, by_name[name])
+        out.append((name, args))
+    return out
+
+
+def _tools_whole_and_streamed(c, messages, **kw):
+    whole = c.chat.completions.create(model="m", messages=messages, **kw, extra_body=NO_THINK)
+    chunks = list(c.chat.completions.create(model="m", messages=messages, stream=True, **kw, extra_body=NO_THINK))
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    reason = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+    return whole, content, calls, reason
+
+
+def test_required_tool_calls_parse_and_validate(tool_server):
+    """On random weights only the call grammar makes a call: a few tool lists, greedy and sampled, whole and
+    streamed (the same calls; never a part of one as content)."""
+    c = client(tool_server)
+    for k, tools in enumerate(TOOL_LISTS):
+        for temperature, seed in ((0.0, None), (1.0, k)):
+            whole, content, calls, reason = _tools_whole_and_streamed(
+                c, ASK, tools=tools, tool_choice="required", max_tokens=TOOL_BUDGET, temperature=temperature, seed=seed
+            )
+            choice = whole.choices[0]
+            assert choice.finish_reason == reason == "tool_calls" and choice.message.content is None
+            assert content == "" and [x.index for x in calls] == list(range(len(calls)))
+            assert _check_calls(choice.message.tool_calls, tools) == _check_calls(calls, tools)
+
+
+def test_a_named_function_is_forced_and_none_gives_no_call(tool_server):
+    c = client(tool_server)
+    tools = [WEATHER, NOW]
+    for seed in range(2):
+        choice = {"type": "function", "function": {"name": "now"}}
+        whole, content, calls, reason = _tools_whole_and_streamed(
+            c, ASK, tools=tools, tool_choice=choice, max_tokens=TOOL_BUDGET, temperature=1.0, seed=seed
+        )
+        assert whole.choices[0].finish_reason == reason == "tool_calls"
+        _check_calls(whole.choices[0].message.tool_calls, tools, only="now")
+        _check_calls(calls, tools, only="now")
+    whole, content, calls, reason = _tools_whole_and_streamed(
+        c, ASK, tools=tools, tool_choice="none", max_tokens=40, temperature=1.0, seed=3
+    )
+    text = whole.choices[0].message.content
+    assert whole.choices[0].message.tool_calls is None and calls == [] and "<tool_call>" not in text
+    assert whole.choices[0].finish_reason == reason != "tool_calls" and content == text
+    whole, content, calls, reason = _tools_whole_and_streamed(  # auto: text, held back only while it may be a call
+        c, ASK, tools=tools, max_tokens=40, temperature=1.0, seed=5
+    )
+    assert whole.choices[0].message.tool_calls is None and calls == [] and content == whole.choices[0].message.content
+    # thinking on (the template's default): the reply opens inside <think>, the grammar applies after it
+    r = c.chat.completions.create(model="m", messages=ASK, tools=tools, tool_choice="required", max_tokens=40, seed=1)
+    assert r.choices[0].finish_reason == "length" and "<tool_call>" not in r.choices[0].message.content
+
+
+def test_a_tool_loop_reuses_the_held_prompt(tool_server):
+    """call -> tool message -> answer: the second request's prompt (with the assistant's call and the tool's result
+    rendered by the template) extends the first's, whose held state covers all of it but the generation prompt's
+    empty think block the template drops from a past reply."""
+    c = client(tool_server)
+    tools = [WEATHER, NOW]
+    first = c.chat.completions.create(
+        model="m", messages=ASK, tools=tools, tool_choice="required", max_tokens=TOOL_BUDGET, seed=2, temperature=1,
+        extra_body=NO_THINK,
+    )  # fmt: skip
+    message = first.choices[0].message
+    _check_calls(message.tool_calls, tools)
+    history = ASK + [message.model_dump(exclude_none=True)]
+    history += [{"role": "tool", "tool_call_id": t.id, "content": json.dumps({"ok": i})}
+                for i, t in enumerate(message.tool_calls)]  # fmt: skip
+    second = c.chat.completions.create(
+        model="m", messages=history, tools=tools, max_tokens=24, seed=4, temperature=1, extra_body=NO_THINK
+    )
+    engine = tool_server.served.engine
+    kwargs = {"tools": tools, "enable_thinking": False}
+    p1, marks = engine.render(ASK, kwargs)
+    p2, _ = engine.render(engine_messages(history), kwargs)
+    shared = common_prefix(p1, p2)  # all of p1 but its generation prompt's "<think>\n\n</think>\n\n" (19 bytes)
+    assert len(p1) - 19 < shared < len(p1) and second.usage.prompt_tokens == len(p2)
+    held = max(m for m in marks if m <= shared)  # where the next turn's rendering leaves p1
+    assert len(p1) - 19 <= held and second.usage.prompt_tokens_details.cached_tokens == held
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # no call answered twice, none made up
+    bad = history + [{"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "again"}]
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        c.chat.completions.create(model="m", messages=bad, tools=tools, max_tokens=4)
+
+
+def engine_messages(history: list[dict]) -> list[dict]:
+    from deltaship.serve.api import ChatRequest, messages_for_template
+
+    return messages_for_template(ChatRequest.model_validate({"messages": history}))
+
+
+def test_langchain_bind_tools(tool_server):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Paint(BaseModel):
+        """Paint a wall."""
+
+        color: Literal["red", "green", "blue"]
+        coats: int = Field(ge=1, le=3)
+
+    llm = ChatOpenAI(
+        base_url=tool_server.url + "/v1", api_key="none", model="m", max_tokens=TOOL_BUDGET, temperature=1,
+        seed=1, max_retries=0, timeout=60, extra_body=NO_THINK,
+    )  # fmt: skip
+    got = llm.bind_tools([Paint], tool_choice="required").invoke("Paint it.")
+    assert got.tool_calls and all(t["name"] == "Paint" for t in got.tool_calls)
+    for t in got.tool_calls:
+        Paint.model_validate(t["args"])
+        jsonschema.validate(t["args"], Paint.model_json_schema())
+
+
+@pytest.mark.parametrize(
+    "extra, param, says",
+    [
+        ({"tools": [{"type": "function"}]}, "tools", "is not"),
+        ({"tools": [NOW, NOW]}, "tools", "declared twice"),
+        ({"tools": {"type": "function"}}, "tools", "array"),
+        ({"tools": [NOW], "tool_choice": {"type": "function", "function": {"name": "weather"}}}, "tool_choice",
+         "not declared"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [NOW], "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+        ({"tools": [NOW], "response_format": {"type": "json_object"}}, "response_format", "cannot be combined"),
+        ({"functions": [NOW["function"]]}, "functions", "legacy"),
+    ],
+    ids=lambda x: x if isinstance(x, str) and x in ("tools", "tool_choice", "response_format", "functions") else None,
+)  # fmt: skip
+def test_bad_tool_requests_are_a_400(server, extra, param, says):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **extra}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"] and err["type"] == "invalid_request_error", err
+
+
+def test_a_tool_message_must_answer_a_call(tool_server):
+    server = tool_server
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    for messages, param in (
+        (base + [{"role": "tool", "tool_call_id": "c2", "content": "1"}], "messages.2.tool_call_id"),
+        (base + [{"role": "tool", "content": "1"}], "messages.2.tool_call_id"),
+        ([{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c1", "content": "1"}],
+         "messages.1.tool_call_id"),
+        ([base[0], dict(base[1], tool_calls=[dict(call, function={"name": "now", "arguments": "[1"})])],
+         "messages.1.tool_calls.0.function.arguments"),
+    ):  # fmt: skip
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "tools": [NOW]}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "tools": [NOW]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    ok = base + [{"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    r = httpx.post(
+        server.url + "/v1/chat/completions", json={"messages": ok, "tools": [NOW], "max_tokens": 2}, timeout=30
+    )
+    assert r.status_code == 200, r.text

@@ -7,12 +7,15 @@ ones that would change the answer and are not supported (n > 1, logprobs, penalt
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from deltaship.chat.tools import split_reply
+from deltaship.constrain.tools import Tools
 from deltaship.serve.errors import ApiError
 
 MAX_BODY_BYTES = 4 << 20
@@ -35,9 +38,22 @@ class OtherPart(_Strict):
     type: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(max_length=64)
+    arguments: str | dict[str, Any] = "{}"  # OpenAI's: a JSON string; a mapping is taken too
+
+
+class ToolCall(_Strict):
+    id: str | None = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | OtherPart] | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=64)
+    tool_call_id: str | None = Field(default=None, max_length=256)
 
 
 class StreamOptions(_Strict):
@@ -98,17 +114,14 @@ def stops(req: _Common) -> tuple[str, ...]:
     return tuple(out)
 
 
-def messages_for_template(req: ChatRequest) -> list[dict[str, str]]:
-    """The messages as the chat template takes them: text content only (images are not supported yet)."""
-    out = []
+def messages_for_template(req: ChatRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them, as `Chat` keeps them: text content (images are not supported
+    yet); an assistant's `tool_calls` with their arguments as mappings (deltaship.chat.tools.message_calls's shape);
+    a `tool` message as {"role": "tool", "name", "content"}, its `tool_call_id` one of the calls of the assistant
+    message before it (each answered once)."""
+    out: list[dict[str, Any]] = []
+    open_calls: dict[str, str] = {}  # the last assistant message's calls not yet answered: id -> name
     for i, m in enumerate(req.messages):
-        if m.role == "tool":
-            raise ApiError(
-                400,
-                "messages with role 'tool' are not supported yet (tools need constrained decoding)",
-                f"messages.{i}.role",
-                "unsupported_parameter",
-            )
         if isinstance(m.content, list):
             other = next((p for p in m.content if not isinstance(p, TextPart)), None)
             if other is not None:
@@ -121,8 +134,42 @@ def messages_for_template(req: ChatRequest) -> list[dict[str, str]]:
             text = "".join(p.text for p in m.content)
         else:
             text = m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if m.role == "assistant":
+            open_calls = {}
+            if m.tool_calls:
+                msg["tool_calls"] = []
+                for j, call in enumerate(m.tool_calls):
+                    args = _arguments(call.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")
+                    msg["tool_calls"].append({"type": "function", "function": {"name": call.function.name,
+                                                                               "arguments": args}})  # fmt: skip
+                    open_calls[call.id or f"#{j}"] = call.function.name
+        elif m.role == "tool":
+            name = open_calls.pop(m.tool_call_id, None) if m.tool_call_id is not None else None
+            if name is None:
+                raise ApiError(
+                    400,
+                    f"messages.{i}: a tool message for tool_call_id {m.tool_call_id!r}, which is not a call of the "
+                    "assistant message before it (or was answered already)",
+                    f"messages.{i}.tool_call_id",
+                    "invalid_value",
+                )
+            msg["name"] = name
+        else:
+            open_calls = {}
+        out.append(msg)
     return out
+
+
+def _arguments(raw: str | dict[str, Any], where: str) -> dict[str, Any]:
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw) if raw.strip() else {}
+        except (ValueError, RecursionError):
+            raise ApiError(400, f"{where}: not JSON", where, "invalid_value") from None
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"{where}: a JSON object of the call's arguments", where, "invalid_value")
+    return raw
 
 
 def max_tokens(req: _Common, prompt_tokens: int, max_context: int) -> int:
@@ -160,7 +207,27 @@ def finish(result) -> str:
     return "length" if result.finish_reason == "cancelled" else result.finish_reason
 
 
-def chat_response(rid: str, model: str, result) -> dict[str, Any]:
+def reply_calls(text: str, tools: Tools | None) -> tuple[str | None, list[dict[str, Any]]]:
+    """A reply's content and its calls in OpenAI's shape (`id`, `type`, `function: {name, arguments}` with the
+    arguments a JSON string), read by deltaship.chat.tools.split_reply; content None when the reply only calls."""
+    if tools is None:
+        return text, []
+    content, calls = split_reply(text, tools)
+    if not calls:
+        return text, []
+    out = [
+        {"id": new_id("call"), "type": "function",
+         "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+        for c in calls
+    ]  # fmt: skip
+    return content or None, out
+
+
+def chat_response(rid: str, model: str, result, tools: Tools | None = None) -> dict[str, Any]:
+    content, calls = reply_calls(result.text, tools)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
     return {
         "id": rid,
         "object": "chat.completion",
@@ -169,8 +236,8 @@ def chat_response(rid: str, model: str, result) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "finish_reason": finish(result),
+                "message": message,
+                "finish_reason": "tool_calls" if calls else finish(result),
                 "logprobs": None,
             }
         ],

@@ -18,9 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from deltaship.chat.tools import ToolCallStream
+from deltaship.constrain.tools import Tools
 from deltaship.errors import DeltashipError
 from deltaship.serve import api
-from deltaship.serve.constraints import constraint_for
+from deltaship.serve.constraints import constraint_for, tool_constraint, tools_for
 from deltaship.serve.engine import Busy, Engine, Job, Result, Sampling, Scheduler
 from deltaship.serve.errors import ApiError
 
@@ -65,9 +67,21 @@ def build_app(served: Served) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         _authorize(served, request)
         req = api.parse(api.ChatRequest, await _read_json(request))
-        constraint = await run_in_threadpool(constraint_for, req.model_dump())  # a schema compiles off the loop
+        body = req.model_dump()
+        constraint = await run_in_threadpool(constraint_for, body)  # a schema compiles off the loop
+        tools, choice = tools_for(body)
+        if constraint is not None and tools is not None and choice != "none":
+            raise ApiError(
+                400,
+                f"response_format and tools (tool_choice {choice!r}) cannot be combined: a reply takes one "
+                "constraint, and the tools' is the call grammar (pass tool_choice 'none', or drop one)",
+                "response_format",
+                "unsupported_parameter",
+            )
         messages = api.messages_for_template(req)
         kwargs = dict(req.chat_template_kwargs or {})
+        if tools is not None:  # rendered by the template's tools branch, as Chat renders them
+            kwargs["tools"] = list(tools.entries)
         if constraint is not None:
             # the reply is the structure from its first token: rendered without thinking (Qwen's template then
             # closes an empty think block in the generation prompt); the content has no think block to strip
@@ -82,13 +96,19 @@ def build_app(served: Served) -> Starlette:
             kwargs["enable_thinking"] = False
         try:
             prompt, marks = await run_in_threadpool(served.engine.render, messages, kwargs)  # off the event loop
+            if constraint is None and tools is not None:  # the call grammar, opening inside <think> where it does
+                think = await run_in_threadpool(served.engine.opens_think, messages, kwargs)
+                constraint = await run_in_threadpool(tool_constraint, tools, choice, think)
         except DeltashipError as e:
             raise ApiError(400, e.message, "messages", "invalid_value") from None
-        return await _complete(served, request, req, prompt, constraint, chat=True, marks=marks)
+        return await _complete(served, request, req, prompt, constraint, chat=True, marks=marks, tools=tools)
 
     async def completions(request: Request) -> Response:
         _authorize(served, request)
         req = api.parse(api.CompletionRequest, await _read_json(request))
+        for name in ("tools", "tool_choice"):  # a completion has no template to render them, nor calls to return
+            if getattr(req, name) is not None:
+                raise ApiError(400, f"{name}: use /v1/chat/completions", name, "unsupported_parameter")
         constraint = await run_in_threadpool(constraint_for, req.model_dump())
         p = req.prompt
         if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
@@ -153,7 +173,14 @@ async def _read_json(request: Request) -> Any:
 
 
 async def _complete(
-    served: Served, request: Request, req, prompt: list[int], constraint, chat: bool, marks: list[int] = ()
+    served: Served,
+    request: Request,
+    req,
+    prompt: list[int],
+    constraint,
+    chat: bool,
+    marks: list[int] = (),
+    tools: Tools | None = None,
 ) -> Response:
     engine = served.engine
     ctx = engine.session.max_context
@@ -172,7 +199,8 @@ async def _complete(
         try:
             guide = await run_in_threadpool(engine.guide, constraint)
         except DeltashipError as e:
-            raise ApiError(400, f"response_format: {e.message}", "response_format", "invalid_value") from None
+            param = "response_format" if tools is None else "tools"
+            raise ApiError(400, f"{param}: {e.message}", param, "invalid_value") from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 
@@ -200,14 +228,16 @@ async def _complete(
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(served, job, events, rid, chat, include_usage),
+            _stream(served, job, events, rid, chat, include_usage, tools),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
     result = await _wait(job, events, request)
     if result is None:  # the client went away; nobody reads this
         return Response(status_code=499)
-    return JSONResponse((api.chat_response if chat else api.completion_response)(rid, served.model, result))
+    if chat:
+        return JSONResponse(api.chat_response(rid, served.model, result, tools))
+    return JSONResponse(api.completion_response(rid, served.model, result))
 
 
 async def _wait(job: Job, events: asyncio.Queue, request: Request) -> Result | None:
@@ -235,11 +265,23 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(served: Served, job: Job, events: asyncio.Queue, rid: str, chat: bool, include_usage: bool):
+async def _stream(
+    served: Served,
+    job: Job,
+    events: asyncio.Queue,
+    rid: str,
+    chat: bool,
+    include_usage: bool,
+    tools: Tools | None = None,
+):
     """SSE chunks: (chat) the role, the text as it becomes final, the finish reason, optionally the usage; then
-    [DONE]. A client that disconnects closes this generator: its job is cancelled (dropped if queued, stopped at
-    the next token if decoding)."""
+    [DONE]. With tools, the text is shown through deltaship.chat's ToolCallStream (never a part of a call) and the
+    calls come whole at the end, one `delta.tool_calls` chunk, before the finish reason `tool_calls`. A client that
+    disconnects closes this generator: its job is cancelled (dropped if queued, stopped at the next token if
+    decoding)."""
     model = served.model
+    held = ToolCallStream() if tools is not None else None
+    so_far = ""
 
     def sse(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -249,7 +291,11 @@ async def _stream(served: Served, job: Job, events: asyncio.Queue, rid: str, cha
             yield sse(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
         while True:
             kind, value = await events.get()
-            if kind == "text":
+            if kind == "text" and held is not None:
+                so_far += value
+                if shown := held.feed(so_far):
+                    yield sse(api.chat_chunk(rid, model, {"content": shown}))
+            elif kind == "text":
                 yield sse(
                     api.chat_chunk(rid, model, {"content": value}) if chat else api.completion_chunk(rid, model, value)
                 )
@@ -258,6 +304,14 @@ async def _stream(served: Served, job: Job, events: asyncio.Queue, rid: str, cha
                 break
             else:
                 reason = api.finish(value)
+                if held is not None:
+                    if tail := held.finish():
+                        yield sse(api.chat_chunk(rid, model, {"content": tail}))
+                    _, calls = api.reply_calls(value.text, tools)
+                    if calls:
+                        indexed = [{"index": i, **c} for i, c in enumerate(calls)]
+                        yield sse(api.chat_chunk(rid, model, {"tool_calls": indexed}))
+                        reason = "tool_calls"
                 yield sse(
                     api.chat_chunk(rid, model, {}, reason) if chat else api.completion_chunk(rid, model, "", reason)
                 )

@@ -84,6 +84,10 @@ class Engine:
             marks.append(common_prefix(prompt, self.tokenizer.encode(t.render(after, False, **template_kwargs))))
         return prompt, sorted(m for m in set(marks) if 0 < m < len(prompt))
 
+    def opens_think(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> bool:
+        """Whether the generation prompt opens a <think> block the reply starts inside (as Chat's _guide asks)."""
+        return self.chat.template.render(messages, True, **template_kwargs).endswith("<think>\n")
+
     def guide(self, constraint: Constraint) -> TokenGuide:
         """A fresh parser for one reply over the tokenizer's token table (built once per server: constrain caches
         it). Its end-of-sequence ids are the reply's stop ids (the end of turn too): allowed only where the

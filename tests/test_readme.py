@@ -105,11 +105,14 @@ def test_the_extras_the_readme_names_exist():
     assert {"onnx", "executorch", "coreml", "qnn", "genai", "video", "dev"} <= named, named
 
 
-def test_timings_marker_sits_above_the_sample_log():
-    """The lead fills in measured timings: the marker line is directly above the sample log's block."""
+def test_the_sample_log_says_when_where_and_how_long():
+    """The sample log's timings are a measurement: the sentence above it names the date, the host and the whole
+    command's median time."""
     lines = README.read_text().splitlines()
-    at = lines.index("<!-- timings: measured by the lead -->")
-    assert lines[at + 1] == "```text" and lines[at + 2].startswith("[   0.0s] loading qwen3.5-tiny"), lines[at : at + 3]
+    at = next(i for i, ln in enumerate(lines) if ln == "```text" and lines[i + 1].startswith("[   0.0s] loading"))
+    intro = " ".join(lines[at - 3 : at])
+    assert re.search(r"\d{4}-\d{2}-\d{2}", intro) and "2-core" in intro, intro
+    assert re.search(r"median\s+\d+(\.\d+)? s \(\d+ runs", intro), intro
 
 
 def slug(heading: str) -> str:

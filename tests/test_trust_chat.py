@@ -359,3 +359,51 @@ def test_a_session_file_is_checked_before_a_tensor_is_read(bundle, tmp_path):
         assert took < 2.0 and peak < 32 << 20, (name, took, peak)  # refused from the header: nothing read
         assert session.position == 0, name
     assert Chat.load(good, session).ids == chat.ids
+
+
+def test_fuzzed_session_files_load_or_are_refused(bundle, tmp_path):
+    """500 mutations of a real session file's safetensors header and metadata (an attacker recomputes the metadata's
+    sha256): each loads as the conversation it holds, or is one DeltashipError naming the file; never another
+    exception, and nothing is fed into the session."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from test_manifest_fuzz import values
+
+    from deltaship.chat.store import META_KEY
+
+    chat = Chat(open_bundle(bundle, threads=1))
+    chat.send("import os", max_new_tokens=2)
+    good = chat.save(tmp_path / "good.dschat")
+    session = open_bundle(bundle, threads=1)
+    names = sorted(k for k in _header(good) if k != "__metadata__")
+    meta_keys = sorted(json.loads(_header(good)["__metadata__"][META_KEY]))
+    out, seen = tmp_path / "fuzzed.dschat", {"refused": 0, "loaded": 0}
+
+    @settings(max_examples=500, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def check(data):
+        edits = [(data.draw(st.sampled_from(["tensor", "meta", "bytes"])), data.draw(values)) for _ in range(2)]
+
+        def edit(header, meta):
+            for where, v in edits:
+                if where == "tensor":
+                    entry = header[data.draw(st.sampled_from(names))]
+                    entry[data.draw(st.sampled_from(["dtype", "shape", "data_offsets"]))] = v
+                elif where == "meta":
+                    meta[data.draw(st.sampled_from(meta_keys))] = v
+
+        extra = data.draw(st.sampled_from([0, 0, -1, 7, -4096]))
+        _rewrite_header(good, out, edit, extra)
+        try:
+            loaded = Chat.load(out, session)
+        except DeltashipError as e:
+            assert str(out) in e.message or "fuzzed.dschat" in e.message, e.message
+            assert session.position == 0
+            seen["refused"] += 1
+            return
+        assert loaded.ids == chat.ids  # a mutation it may ignore (e.g. an unread field) leaves the conversation
+        session.reset()
+        seen["loaded"] += 1
+
+    check()
+    assert seen["refused"] > 300, seen

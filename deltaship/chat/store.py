@@ -200,7 +200,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[i
     table: dict[str, tuple[str, list[int], int, int]] = {}
     base, spans = 8 + n, []
     for name, entry in header.items():
-        ok = isinstance(entry, dict) and entry.get("dtype") in _DTYPES and isinstance(entry.get("shape"), list)
+        ok = isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and entry["dtype"] in _DTYPES
+        ok = ok and isinstance(entry.get("shape"), list)
         shape, offs = (entry.get("shape"), entry.get("data_offsets")) if ok else (None, None)
         ok = ok and all(type(d) is int and 0 <= d < 1 << 40 for d in shape) and len(shape) <= 8
         ok = ok and isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)

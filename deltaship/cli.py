@@ -866,7 +866,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_serve)
 
     fl = sub.add_parser("fleet", help="export and profile a matrix across machines and attached devices, on Ray")
-    fsub = fl.add_subparsers(dest="fleet_command", required=True)
+    fsub = fl.add_subparsers(dest="fleet_command", required=True, help="run: a matrix file")
     fr = fsub.add_parser("run", help="run a matrix file (docs/fleet.md): its exports as tasks, its profiles on devices")
     fr.add_argument("matrix", help="the matrix TOML file (models, targets, precisions, devices, [export], [profile])")
     fr.add_argument("--out", required=True, help="the results directory (a rerun on it skips finished cells)")

@@ -466,8 +466,8 @@ def json_conversation_matches_generate(bundle: Path, tmp_path: Path, reload: boo
     """`deltaship chat --json --session FILE` (the command's function, in this process) over a scripted conversation,
     sampled with one seed per reply: each reply is what a fresh session of the bundle generates from that turn's
     history_ids; a turn feeds its own tokens (the system message was fed when the new session file was written);
-    /retry feeds only the generation prompt and gives the same reply; the session file, loaded into a new session,
-    continues with the tokens of a chat that never stopped (reload=False: that last part left out)."""
+    /retry feeds only the generation prompt and draws with the turn's next seed; the session file, loaded into a
+    new session, continues with the tokens of a chat that never stopped (reload=False: that last part left out)."""
     import io
 
     from deltaship.commands.chat import chat as chat_command
@@ -485,20 +485,22 @@ def json_conversation_matches_generate(bundle: Path, tmp_path: Path, reload: boo
     fresh = open_bundle(bundle, threads=1)
     for r in first + later:
         fresh.reset()
-        want = fresh.generate(r["history_ids"], n, stop_at_eos=False, **seed).output_ids
+        want = fresh.generate(r["history_ids"], n, stop_at_eos=False, temperature=1.0, seed=r["seed"]).output_ids
         assert r["reply_ids"] == want[: len(r["reply_ids"])] and r["reply_ids"]
     a, b, retry = first
+    assert [a["seed"], b["seed"], retry["seed"]] == [3, 3, 4]  # a retry draws with the turn's next seed
     assert 0 < a["prefill_tokens"] < len(a["history_ids"])  # not the system message: the session file held it
     # its own tokens, and the reply before it from its generation prompt on (the template drops the prompt's <think>)
     assert 0 < b["prefill_tokens"] < len(b["history_ids"]) - len(a["history_ids"]) + 20
-    assert retry["reply_ids"] == b["reply_ids"] and retry["history_ids"] == b["history_ids"]
+    assert retry["history_ids"] == b["history_ids"]
     assert retry["prefill_tokens"] < b["prefill_tokens"]
     if not reload:
         return
     (after_load,) = later
     chat = Chat(open_bundle(bundle, threads=1), system="Code.")
     for text in ("a", "b", None, "c"):
-        r = chat.send(text, max_new_tokens=n, **seed) if text else chat.retry(max_new_tokens=n, **seed)
+        turn = {**seed, "seed": retry["seed"]} if text is None else seed  # the CLI's retry seed, passed to the API
+        r = chat.send(text, max_new_tokens=n, **turn) if text else chat.retry(max_new_tokens=n, **turn)
     assert after_load["reply_ids"] == r.ids and after_load["history_ids"] == chat.ids[: r.context_tokens]
 
 

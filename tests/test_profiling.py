@@ -59,7 +59,7 @@ def test_catalog_and_user_tiers(tmp_path):
     tiers, _ = load_catalog(extra)
     assert tiers["watch-1gb"].budget_bytes == 2**28
     extra.write_text('[tiers.bad]\nkind = "x"\n')
-    with pytest.raises(DeltashipError, match="tier 'bad' is missing"):
+    with pytest.raises(DeltashipError, match="tier 'bad': ram_gib is missing"):
         load_catalog(extra)
 
 
